@@ -1,0 +1,549 @@
+"""Crash-safe training checkpoints on top of torch.distributed.checkpoint (DCP).
+
+A checkpoint is a plain DCP directory (readable with ``dcp.load`` alone) plus a few small files:
+
+    <dir>/step_00001000/
+        .metadata, __<rank>_<n>.distcp   DCP: "model", "optim" (via get_state_dict, so a checkpoint
+                                         saved on one mesh loads on another) and "extra/<name>"
+        rng_rank<r>.pt                   each rank's python / numpy / torch (CPU, CUDA) RNG states
+        meta.json                        the caller's metadata (run config ...) + step, world size,
+                                         torch version
+        manifest.json                    every other file with its size and sha256; written last
+
+Saving writes everything into ``<dir>/.step_<step>.tmp-<nonce>`` and renames it to its final name
+only once the manifest is on disk, so a crash at any point leaves either a complete checkpoint or a
+hidden tmp dir that :meth:`Checkpointer.latest` ignores. Older checkpoints are pruned only after a
+newer one is complete. Loading verifies the manifest first and raises :class:`CheckpointError`
+instead of ever falling back silently to an older checkpoint or a fresh start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import uuid
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from moetron.core.config import Config, ConfigError
+
+__all__ = ["CheckpointConfig", "CheckpointError", "Checkpointer"]
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+META = "meta.json"
+_STEP_RE = re.compile(r"^step_(\d{8,})$")
+_STALE_RE = re.compile(r"^\.step_\d{8,}\.(tmp|old)-[0-9a-f]+$")
+_HASH_CHUNK = 8 << 20
+
+
+@dataclasses.dataclass
+class CheckpointConfig(Config):
+    dir: str | None = None
+    """Directory holding ``step_XXXXXXXX`` checkpoints; None writes no checkpoints."""
+    interval: int = 0
+    """Save every this many steps; 0 saves only at the end (if ``save_final``)."""
+    keep_last: int = 2
+    """Keep this many newest complete checkpoints (older ones are pruned only after a new one is
+    complete); 0 keeps all."""
+    save_final: bool = True
+    """Save a checkpoint after the last training step."""
+
+    def validate(self) -> None:
+        super().validate()
+        if self.interval < 0:
+            raise ConfigError(
+                f"checkpoint.interval={self.interval} is negative: use 0 (only at the end) or N > 0 "
+                "(every N steps)"
+            )
+        if self.keep_last < 0:
+            raise ConfigError(
+                f"checkpoint.keep_last={self.keep_last} is negative: use 0 (keep all) or N > 0"
+            )
+        if self.dir is not None and self.dir.strip() == "":
+            raise ConfigError("checkpoint.dir is empty: set a directory, or leave it unset for no checkpoints")
+
+    def should_save(self, step: int, final: bool = False) -> bool:
+        """Whether the trainer should save after ``step`` (``final``: it was the last step)."""
+        if self.dir is None:
+            return False
+        if final:
+            return self.save_final
+        return self.interval > 0 and step % self.interval == 0
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be saved, found or loaded; the message says which and what to do."""
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+
+
+def _step_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def _fsync_path(path: str, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durable(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _is_complete(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MANIFEST))
+
+
+def _flat_keys(state: Any, prefix: str = "") -> dict[str, Any]:
+    """Flatten nested dicts to ``a.b.c`` keys the way DCP names them (lists stay leaves)."""
+    if isinstance(state, dict):
+        out: dict[str, Any] = {}
+        for k, v in state.items():
+            out.update(_flat_keys(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: state}
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class _Value(Stateful):
+    """Wraps a plain extra value so it goes through DCP (tensors as tensors, the rest as bytes)."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.value = state_dict["value"]
+
+
+# ---- the checkpointer ------------------------------------------------------------------------
+
+
+class Checkpointer:
+    """Saves, finds, verifies and loads checkpoints under ``cfg.dir``.
+
+    Uses the default torch.distributed process group when one is initialized (every rank must call
+    :meth:`save` and :meth:`load`), otherwise runs as a single process. The directory must be on a
+    file system every rank sees.
+    """
+
+    def __init__(self, cfg: CheckpointConfig):
+        cfg.validate()
+        self.cfg = cfg
+
+    # ---- process group ----------------------------------------------------------------------
+    @property
+    def distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank() if self.distributed else 0
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size() if self.distributed else 1
+
+    def _barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def _broadcast(self, obj: Any) -> Any:
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _all_gather(self, obj: Any) -> list[Any]:
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def _hash_files(self, root: str, names: list[str]) -> dict[str, dict[str, Any]]:
+        """Size and sha256 of ``names`` in ``root``; the work is split round-robin over ranks."""
+        mine = {
+            n: {"size": os.path.getsize(os.path.join(root, n)), "sha256": _sha256(os.path.join(root, n))}
+            for i, n in enumerate(names)
+            if i % self.world_size == self.rank
+        }
+        merged: dict[str, dict[str, Any]] = {}
+        for part in self._all_gather(mine):
+            merged.update(part)
+        return merged
+
+    # ---- saving -----------------------------------------------------------------------------
+    def save(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        extra: dict[str, Any],
+        metadata: dict[str, Any],
+    ) -> str:
+        """Write ``<dir>/step_<step:08d>`` atomically and return its path (call on every rank).
+
+        ``extra`` maps names to Stateful objects (LR scheduler, data loader position ...) or plain
+        values; ``metadata`` is a JSON-able dict (the run config ...) stored as meta.json together
+        with the step, world size and torch version.
+        """
+        if self.cfg.dir is None:
+            raise CheckpointError("Checkpointer.save called with checkpoint.dir unset: set --checkpoint.dir=...")
+        root = os.path.abspath(self.cfg.dir)
+        name = _step_name(step)
+        final = os.path.join(root, name)
+        nonce = self._broadcast(uuid.uuid4().hex[:12])
+        tmp = os.path.join(root, f".{name}.tmp-{nonce}")
+        os.makedirs(tmp, exist_ok=True)
+        self._barrier()
+
+        meta = dict(metadata)
+        meta.update(step=step, world_size=self.world_size, torch_version=torch.__version__)
+        try:
+            meta_bytes = json.dumps(meta, indent=2, sort_keys=True).encode()
+        except TypeError as e:
+            raise CheckpointError(f"checkpoint metadata for step {step} is not JSON-able: {e}") from None
+
+        state = self._state(model, optimizer, extra)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(
+                state,
+                storage_writer=dcp.FileSystemWriter(tmp, sync_files=True, overwrite=False),
+                no_dist=not self.distributed,
+            )
+        buf = _bytes_of(_rng_state())
+        _write_durable(os.path.join(tmp, f"rng_rank{self.rank}.pt"), buf)
+        if self.rank == 0:
+            _write_durable(os.path.join(tmp, META), meta_bytes)
+        self._barrier()  # every rank's files exist before they are listed and hashed
+
+        names = sorted(n for n in os.listdir(tmp) if n != MANIFEST)
+        files = self._hash_files(tmp, names)
+        if self.rank == 0:
+            manifest = {"format": 1, "step": step, "world_size": self.world_size, "files": files}
+            _write_durable(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=2).encode())
+            _fsync_path(tmp, directory=True)
+            self._publish(tmp, final, nonce)
+        self._barrier()
+        if self.rank == 0:
+            self._prune(root)
+        self._barrier()
+        return final
+
+    def _state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict[str, Any]) -> dict[str, Any]:
+        """The DCP state dict: ``model``, ``optim`` (if any) and ``extra/<name>``."""
+        if optimizer is not None:
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+        else:
+            state = {"model": get_model_state_dict(model)}
+        for key, value in extra.items():
+            state[f"extra/{key}"] = value.state_dict() if isinstance(value, Stateful) else _Value(value).state_dict()
+        return state
+
+    def _publish(self, tmp: str, final: str, nonce: str) -> None:
+        """Rename the finished tmp dir to ``final``; an existing ``final`` is moved aside first."""
+        root = os.path.dirname(final)
+        old = None
+        if os.path.exists(final):
+            # A re-save of the same step (e.g. after resume): the new one is complete, so the old one
+            # may go, but only once the new one holds the name.
+            old = os.path.join(root, f".{os.path.basename(final)}.old-{nonce}")
+            os.rename(final, old)
+        os.rename(tmp, final)
+        _fsync_path(root, directory=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def _prune(self, root: str) -> None:
+        """Delete complete checkpoints beyond ``keep_last`` and leftovers of crashed saves."""
+        for entry in os.listdir(root):
+            if _STALE_RE.match(entry):
+                log.warning("removing %s: left over from an interrupted checkpoint save", os.path.join(root, entry))
+                shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+        if self.cfg.keep_last <= 0:
+            return
+        complete = self._complete(root, warn=False)
+        for _, path in complete[: -self.cfg.keep_last]:
+            shutil.rmtree(path, ignore_errors=True)
+
+    # ---- finding ----------------------------------------------------------------------------
+    def _complete(self, root: str, warn: bool = True) -> list[tuple[int, str]]:
+        """(step, path) of complete checkpoints in ``root``, oldest first."""
+        if not os.path.isdir(root):
+            return []
+        out = []
+        for entry in os.listdir(root):
+            path = os.path.join(root, entry)
+            m = _STEP_RE.match(entry)
+            if m and os.path.isdir(path):
+                if _is_complete(path):
+                    out.append((int(m.group(1)), path))
+                elif warn and self.rank == 0:
+                    log.warning("ignoring %s: it has no %s (an interrupted or damaged save)", path, MANIFEST)
+            elif warn and _STALE_RE.match(entry) and self.rank == 0:
+                log.warning("ignoring %s: an interrupted checkpoint save", path)
+        return sorted(out)
+
+    def latest(self, root: str | None = None) -> str | None:
+        """Path of the newest complete checkpoint in ``root`` (default ``cfg.dir``), or None."""
+        root = root if root is not None else self.cfg.dir
+        if root is None:
+            return None
+        complete = self._complete(os.path.abspath(root))
+        return complete[-1][1] if complete else None
+
+    def resolve(self, resume: str | bool) -> str | None:
+        """The checkpoint to resume from for ``--resume``.
+
+        ``True`` (or ``"latest"``) means the newest complete checkpoint in ``cfg.dir``; a string is a
+        checkpoint dir, or a dir of checkpoints (its newest is taken); ``False`` returns None.
+        Raises CheckpointError when nothing can be resumed from: never starts fresh silently.
+        """
+        if resume is False or resume is None:
+            return None
+        if resume is True or resume == "latest":
+            if self.cfg.dir is None:
+                raise CheckpointError(
+                    "--resume was given but --checkpoint.dir is not set; set --checkpoint.dir=<dir of "
+                    "checkpoints> or pass --resume=<checkpoint path>"
+                )
+            path = self.latest()
+            if path is None:
+                raise CheckpointError(
+                    f"--resume was given but {self.cfg.dir} holds no complete checkpoint; run without "
+                    "--resume to start fresh, or point --checkpoint.dir at the directory that holds the "
+                    "run's step_XXXXXXXX checkpoints (or pass --resume=<checkpoint path>)"
+                )
+            return path
+        path = os.path.abspath(os.fspath(resume))
+        if not os.path.isdir(path):
+            raise CheckpointError(f"--resume={resume}: no such directory; pass a step_XXXXXXXX checkpoint dir")
+        if _STEP_RE.match(os.path.basename(path)) or os.path.exists(os.path.join(path, MANIFEST)):
+            return path  # load() verifies it and fails loudly if it is incomplete
+        latest = self.latest(path)
+        if latest is None:
+            raise CheckpointError(
+                f"--resume was given but {path} holds no complete checkpoint; run without --resume to "
+                "start fresh, or pass a step_XXXXXXXX checkpoint dir"
+            )
+        return latest
+
+    # ---- loading ----------------------------------------------------------------------------
+    def verify(self, path: str) -> dict[str, Any]:
+        """Check ``path``'s manifest (every file's size and sha256) and return its metadata.
+
+        Raises CheckpointError naming the checkpoint and the bad file. Every rank calls it; the
+        hashing is split over ranks and the verdict is shared.
+        """
+        path = os.path.abspath(path)
+        advice = (
+            f"delete or move {path} aside (it is damaged or incomplete) and resume from an older "
+            "checkpoint by passing its path explicitly"
+        )
+        problem = None
+        manifest: dict[str, Any] = {}
+        if self.rank == 0:
+            problem, manifest = self._read_manifest(path)
+        problem, manifest = self._broadcast((problem, manifest))
+        if problem is None:
+            names = sorted(manifest["files"])
+            mine = []
+            for i, name in enumerate(names):
+                if i % self.world_size != self.rank:
+                    continue
+                want = manifest["files"][name]
+                file = os.path.join(path, name)
+                if not os.path.isfile(file):
+                    mine.append(f"{name} is missing")
+                elif os.path.getsize(file) != want["size"]:
+                    mine.append(f"{name} has {os.path.getsize(file)} bytes, the manifest says {want['size']}")
+                elif _sha256(file) != want["sha256"]:
+                    mine.append(f"{name} does not match its sha256 in the manifest (corrupted)")
+            bad = sorted(p for part in self._all_gather(mine) for p in part)
+            if bad:
+                problem = "; ".join(bad)
+        if problem is None:
+            try:
+                with open(os.path.join(path, META), encoding="utf-8") as f:
+                    meta = json.load(f)
+                if not isinstance(meta, dict):
+                    raise ValueError("not a JSON object")
+            except (OSError, ValueError) as e:
+                problem = f"{META} cannot be read: {e}"
+        if problem is not None:
+            raise CheckpointError(f"checkpoint {path} is invalid: {problem}; {advice}")
+        return meta
+
+    @staticmethod
+    def _read_manifest(path: str) -> tuple[str | None, dict[str, Any]]:
+        if not os.path.isdir(path):
+            return f"{path} is not a directory", {}
+        try:
+            with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
+                manifest = json.load(f)
+        except FileNotFoundError:
+            return f"{MANIFEST} is missing (the save did not finish)", {}
+        except (OSError, ValueError) as e:
+            return f"{MANIFEST} cannot be read: {e}", {}
+        files = manifest.get("files") if isinstance(manifest, dict) else None
+        if not isinstance(files, dict) or META not in files or ".metadata" not in files:
+            return f"{MANIFEST} is garbled (no valid file list)", {}
+        for name, entry in files.items():
+            if os.path.basename(name) != name or not isinstance(entry, dict) or {"size", "sha256"} - set(entry):
+                return f"{MANIFEST} is garbled (bad entry {name!r})", {}
+        return None, manifest
+
+    def load(
+        self,
+        path: str,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        extra: dict[str, Any],
+    ) -> dict[str, Any]:
+        """Verify ``path``, load it into ``model``, ``optimizer`` and ``extra``; return its metadata.
+
+        Stateful extras are restored with ``load_state_dict``; plain values are replaced in the
+        ``extra`` dict. This rank's RNG states are restored when the checkpoint has a file for it.
+        Raises CheckpointError (never falls back to another checkpoint or a fresh start).
+        """
+        path = os.path.abspath(path)
+        meta = self.verify(path)
+        state = self._state(model, optimizer, extra)
+        reader = dcp.FileSystemReader(path)
+        self._check_keys(path, reader, state)
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(state, storage_reader=reader, no_dist=not self.distributed)
+        except Exception as e:  # DCP raises CheckpointException / RuntimeError / ValueError
+            raise CheckpointError(
+                f"checkpoint {path} does not fit this model/optimizer/extras: {e}; load a checkpoint "
+                "saved by the same model configuration"
+            ) from e
+        try:
+            if optimizer is not None:
+                set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            else:
+                set_model_state_dict(model, state["model"])
+        except Exception as e:
+            raise CheckpointError(f"checkpoint {path}: applying its state failed: {e}") from e
+        for key, value in extra.items():
+            loaded = state[f"extra/{key}"]
+            if isinstance(value, Stateful):
+                value.load_state_dict(loaded)
+            else:
+                extra[key] = loaded["value"]
+
+        rng_file = os.path.join(path, f"rng_rank{self.rank}.pt")
+        if os.path.isfile(rng_file):
+            pass
+        else:
+            log.warning(
+                "%s has no RNG state for rank %d (saved with world size %s, now %d): this rank keeps "
+                "fresh RNG state, so random draws will differ from an uninterrupted run",
+                path, self.rank, meta.get("world_size"), self.world_size,
+            )
+        return meta
+
+    @staticmethod
+    def _check_keys(path: str, reader: dcp.FileSystemReader, state: dict[str, Any]) -> None:
+        """Raise CheckpointError naming keys or shapes that differ between ``path`` and ``state``."""
+        stored = reader.read_metadata().state_dict_metadata
+        wanted = _flat_keys(state)
+        # DCP also flattens lists holding tensors ("a.0"): a key counts as present if it or a child is.
+        stored_prefixes = {k.rsplit(".", i)[0] for k in stored for i in range(k.count(".") + 1)}
+        missing = sorted(k for k in wanted if k not in stored and k not in stored_prefixes)
+        # A checkpoint with model weights the model lacks would load "fine" and drop them silently.
+        unexpected = sorted(k for k in stored if k.startswith("model.") and k not in wanted)
+        shapes = sorted(
+            f"{k} (checkpoint {tuple(stored[k].size)}, now {tuple(v.shape)})"
+            for k, v in wanted.items()
+            if k in stored and isinstance(v, torch.Tensor) and hasattr(stored[k], "size")
+            and tuple(stored[k].size) != tuple(v.shape)
+        )
+        problems = []
+        if missing:
+            problems.append(f"keys missing from the checkpoint: {_few(missing)}")
+        if unexpected:
+            problems.append(f"keys in the checkpoint that the model lacks: {_few(unexpected)}")
+        if shapes:
+            problems.append(f"shape mismatches: {_few(shapes)}")
+        if problems:
+            raise CheckpointError(
+                f"checkpoint {path} does not match the model/optimizer/extras being loaded: "
+                + "; ".join(problems)
+                + "; load a checkpoint saved by the same model configuration (or convert it)"
+            )
+
+
+def _few(items: list[str], n: int = 8) -> str:
+    more = f" ... and {len(items) - n} more" if len(items) > n else ""
+    return ", ".join(items[:n]) + more
+
+
+def _bytes_of(obj: Any) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()

@@ -1,0 +1,16 @@
+"""Model-agnostic transformer layers: norms, rotary embeddings, attention, MLPs."""
+
+from .attention import Attention, AttentionConfig, sliding_window_causal_mask
+from .mlp import SwiGLU
+from .norm import RMSNorm
+from .rope import RotaryEmbedding, apply_rotary
+
+__all__ = [
+    "Attention",
+    "AttentionConfig",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "SwiGLU",
+    "apply_rotary",
+    "sliding_window_causal_mask",
+]

@@ -1,0 +1,122 @@
+"""Causal self-attention with grouped-query heads, QK-norm and an optional sliding window.
+
+Legend: B batch, S sequence, D model dim, H query heads, G kv heads, Dh head dim.
+QK-norm is an RMSNorm over the whole q (H*Dh) and k (G*Dh) projection, as in Olmo 2/3, not per head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import Config, ConfigError
+from .norm import RMSNorm
+from .rope import RotaryEmbedding, apply_rotary
+
+
+@dataclasses.dataclass
+class AttentionConfig(Config):
+    n_heads: int = 4
+    """Query heads."""
+    n_kv_heads: int | None = None
+    """Key/value heads (grouped-query attention); None means n_heads (multi-head attention)."""
+    head_dim: int | None = None
+    """Per-head width; None means d_model // n_heads."""
+    qk_norm: bool = True
+    """RMSNorm over the full q and k projections before RoPE."""
+    rope_theta: float = 500_000.0
+    """RoPE base."""
+
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    def head_width(self, d_model: int) -> int:
+        return self.head_dim or d_model // self.n_heads
+
+    def num_params(self, d_model: int) -> int:
+        dh = self.head_width(d_model)
+        q, kv = self.n_heads * dh, self.kv_heads() * dh
+        norms = (q + kv) if self.qk_norm else 0
+        return d_model * q + 2 * d_model * kv + q * d_model + norms
+
+    def validate_for(self, d_model: int, prefix: str = "attention") -> None:
+        if self.n_heads <= 0:
+            raise ConfigError(f"{prefix}.n_heads must be positive, got {self.n_heads}")
+        if self.n_heads % self.kv_heads():
+            raise ConfigError(
+                f"{prefix}.n_heads={self.n_heads} is not a multiple of n_kv_heads={self.kv_heads()}: "
+                f"choose n_kv_heads among the divisors of {self.n_heads}"
+            )
+        if self.head_dim is None and d_model % self.n_heads:
+            raise ConfigError(
+                f"d_model={d_model} is not divisible by {prefix}.n_heads={self.n_heads}: "
+                f"set {prefix}.head_dim explicitly or change n_heads"
+            )
+        if self.head_width(d_model) % 2:
+            raise ConfigError(f"{prefix}: head dim {self.head_width(d_model)} must be even for RoPE")
+
+
+_MASKS: dict[tuple, torch.Tensor] = {}
+
+
+def sliding_window_causal_mask(seq_len: int, window: int, device: torch.device) -> torch.Tensor:
+    """Boolean [S, S], True where query i may attend key j: 0 <= i - j < window."""
+    key = (seq_len, window, str(device))
+    mask = _MASKS.get(key)
+    if mask is None:
+        pos = torch.arange(seq_len, device=device)
+        dist_SS = pos[:, None] - pos[None, :]
+        mask = (dist_SS >= 0) & (dist_SS < window)
+        if len(_MASKS) > 16:
+            _MASKS.clear()
+        _MASKS[key] = mask
+    return mask
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        d_model: int,
+        cfg: AttentionConfig,
+        sliding_window: int | None = None,
+        norm_eps: float = 1e-6,
+        device: torch.device | None = None,
+    ):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.kv_heads()
+        self.head_dim = cfg.head_width(d_model)
+        self.sliding_window = sliding_window
+        q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(d_model, q_width, bias=False, device=device)
+        self.k_proj = nn.Linear(d_model, kv_width, bias=False, device=device)
+        self.v_proj = nn.Linear(d_model, kv_width, bias=False, device=device)
+        self.o_proj = nn.Linear(q_width, d_model, bias=False, device=device)
+        self.q_norm = RMSNorm(q_width, norm_eps, device) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(kv_width, norm_eps, device) if cfg.qk_norm else None
+        self.rope = RotaryEmbedding(self.head_dim, cfg.rope_theta)
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+        q = self.q_proj(x_BSD)
+        k = self.k_proj(x_BSD)
+        v = self.v_proj(x_BSD)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q_BHSD = q.view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
+        k_BGSD = k.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v_BGSD = v.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        cos_SD, sin_SD = self.rope(S, x_BSD.device)
+        q_BHSD = apply_rotary(q_BHSD, cos_SD, sin_SD)
+        k_BGSD = apply_rotary(k_BGSD, cos_SD, sin_SD)
+        gqa = self.n_kv_heads != self.n_heads
+        if self.sliding_window is None or self.sliding_window >= S:
+            # Full causal: lets SDPA pick the flash kernel on GPU.
+            o_BHSD = F.scaled_dot_product_attention(q_BHSD, k_BGSD, v_BGSD, is_causal=True, enable_gqa=gqa)
+        else:
+            mask_SS = sliding_window_causal_mask(S, self.sliding_window, x_BSD.device)
+            o_BHSD = F.scaled_dot_product_attention(q_BHSD, k_BGSD, v_BGSD, attn_mask=mask_SS, enable_gqa=gqa)
+        return self.o_proj(o_BHSD.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))

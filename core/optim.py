@@ -1,0 +1,109 @@
+"""AdamW with decoupled weight decay groups, and LR schedules (linear warmup, then cosine / WSD)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import nn
+
+from .config import Config, ConfigError, StrEnum
+
+
+@dataclasses.dataclass
+class OptimizerConfig(Config):
+    lr: float = 3e-4
+    """Peak learning rate (reached at the end of warmup)."""
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    """Applied to weight matrices only; never to norms or the input embedding."""
+    fused: bool | None = None
+    """Fused AdamW kernel; None picks it on GPU (where it is fastest) and off on CPU."""
+
+    def validate(self) -> None:
+        if self.lr <= 0:
+            raise ConfigError(f"optimizer.lr must be positive, got {self.lr}")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"optimizer.{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.weight_decay < 0:
+            raise ConfigError(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
+
+    def build(self, model: nn.Module) -> torch.optim.AdamW:
+        self.validate()
+        embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+        decay, no_decay = [], []
+        for p in model.parameters():
+            if not p.requires_grad:
+                continue
+            (decay if p.ndim >= 2 and id(p) not in embeddings else no_decay).append(p)
+        groups = [
+            {"params": decay, "weight_decay": self.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        on_gpu = any(p.is_cuda for p in model.parameters())
+        fused = on_gpu if self.fused is None else self.fused
+        return torch.optim.AdamW(
+            groups, lr=self.lr, betas=(self.beta1, self.beta2), eps=self.eps, fused=fused or None
+        )
+
+
+class ScheduleKind(StrEnum):
+    cosine = "cosine"
+    """Linear warmup, then cosine decay to min_lr_ratio * lr at the last step."""
+    wsd = "wsd"
+    """Warmup-stable-decay: linear warmup, constant, then linear decay over the last decay_fraction."""
+    constant = "constant"
+    """Linear warmup, then constant."""
+
+
+class LRSchedule:
+    """Multiplier of the peak LR at a step; a picklable callable (LambdaLR saves its state)."""
+
+    def __init__(self, kind: ScheduleKind, warmup: int, total: int, min_ratio: float, decay_fraction: float):
+        self.kind, self.warmup, self.total = kind, warmup, total
+        self.min_ratio, self.decay_fraction = min_ratio, decay_fraction
+
+    def __call__(self, step: int) -> float:
+        if self.warmup and step < self.warmup:
+            return (step + 1) / self.warmup
+        if self.kind == ScheduleKind.constant:
+            return 1.0
+        if self.kind == ScheduleKind.cosine:
+            span = max(1, self.total - self.warmup)
+            progress = min(1.0, (step - self.warmup) / span)
+            return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        decay_steps = max(1, round(self.decay_fraction * self.total))
+        decay_start = self.total - decay_steps
+        if step < decay_start:
+            return 1.0
+        progress = min(1.0, (step - decay_start) / decay_steps)
+        return 1.0 - (1.0 - self.min_ratio) * progress
+
+
+@dataclasses.dataclass
+class SchedulerConfig(Config):
+    kind: ScheduleKind = ScheduleKind.cosine
+    """Shape after warmup (see ScheduleKind)."""
+    warmup_steps: int = 20
+    """Linear warmup from lr/warmup_steps to lr."""
+    min_lr_ratio: float = 0.1
+    """Final LR as a fraction of the peak (cosine and WSD)."""
+    decay_fraction: float = 0.2
+    """WSD only: the share of all steps spent in the final linear decay."""
+
+    def validate(self) -> None:
+        if self.warmup_steps < 0:
+            raise ConfigError(f"scheduler.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"scheduler.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not 0.0 < self.decay_fraction <= 1.0:
+            raise ConfigError(f"scheduler.decay_fraction must be in (0, 1], got {self.decay_fraction}")
+
+    def build(self, optimizer: torch.optim.Optimizer, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+        self.validate()
+        fn = LRSchedule(self.kind, self.warmup_steps, total_steps, self.min_lr_ratio, self.decay_fraction)
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)

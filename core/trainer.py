@@ -1,0 +1,271 @@
+"""The training loop: gradient accumulation, clipping, LR schedule, evaluation, logging, checkpoints.
+
+The Trainer is model-agnostic: it takes a built model (plain, DDP or FSDP2-wrapped), a loss
+function over (logits, labels), the model's training FLOPs per token, a data source with
+``next_batch()/val_batches()/state_dict()``, and a Checkpointer. Host syncs happen only on logging
+and evaluation steps (the loss and grad norm stay on the device in between).
+
+Legend: B micro-batch, S sequence, V vocab.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .config import Config, ConfigError, StrEnum
+from .distributed import is_main
+from .metrics import MetricsLog, mfu, model_tflops_per_device, peak_tflops
+
+
+class Precision(StrEnum):
+    auto = "auto"
+    """bf16 autocast on GPU, fp32 on CPU."""
+    fp32 = "fp32"
+    """Everything in fp32 (bit-exact reproducibility on CPU)."""
+    bf16 = "bf16"
+    """bf16 autocast for matmuls; parameters, norms, softmax and the loss stay in fp32."""
+
+
+@dataclasses.dataclass
+class TrainerConfig(Config):
+    steps: int = 200
+    """Total optimizer steps of the run (the LR schedule spans them)."""
+    stop_at_step: int | None = None
+    """Stop (after checkpointing) once this step is done, as if interrupted; resume continues."""
+    micro_batch_size: int | None = None
+    """Sequences per forward/backward on each rank; None = the rank's whole share of the batch."""
+    grad_clip: float = 1.0
+    """Max global grad norm; 0 disables clipping."""
+    precision: Precision = Precision.auto
+    """Compute precision (see Precision)."""
+    device: str = "auto"
+    """'auto', 'cpu' or 'cuda'."""
+    seed: int = 0
+    """Seeds model init and every RNG."""
+    log_interval: int = 10
+    """Steps between console/JSONL log lines (each costs one host sync)."""
+    eval_interval: int = 50
+    """Steps between held-out evaluations; 0 = only at the end."""
+    eval_batches: int = 8
+    """Held-out batches per evaluation."""
+    run_dir: str = "runs/default"
+    """Where metrics.jsonl and the resolved config are written."""
+    peak_tflops: float | None = None
+    """Device peak for MFU; None detects known GPUs (and reports no MFU on the CPU)."""
+    compile: bool = False
+    """torch.compile each block."""
+
+    def validate(self) -> None:
+        if self.steps <= 0:
+            raise ConfigError(f"trainer.steps must be positive, got {self.steps}")
+        if self.stop_at_step is not None and not 0 < self.stop_at_step <= self.steps:
+            raise ConfigError(f"trainer.stop_at_step must be in [1, trainer.steps={self.steps}], got {self.stop_at_step}")
+        if self.micro_batch_size is not None and self.micro_batch_size <= 0:
+            raise ConfigError(f"trainer.micro_batch_size must be positive, got {self.micro_batch_size}")
+        if self.log_interval <= 0:
+            raise ConfigError(f"trainer.log_interval must be positive, got {self.log_interval}")
+        if self.eval_interval < 0 or self.eval_batches < 0:
+            raise ConfigError("trainer.eval_interval and trainer.eval_batches must be >= 0")
+
+    def autocast_dtype(self, device: torch.device) -> torch.dtype | None:
+        if self.precision == Precision.bf16 or (self.precision == Precision.auto and device.type == "cuda"):
+            return torch.bfloat16
+        return None
+
+
+class Trainer:
+    def __init__(
+        self,
+        cfg: TrainerConfig,
+        model: nn.Module,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        data: Any,
+        flops_per_token: float,
+        device: torch.device,
+        checkpointer: Any = None,
+        run_metadata: dict[str, Any] | None = None,
+        world_size: int = 1,
+        on_step_end: Callable[[int, dict], None] | None = None,
+    ):
+        cfg.validate()
+        self.cfg = cfg
+        self.model = model
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.data = data
+        self.flops_per_token = flops_per_token
+        self.device = device
+        self.checkpointer = checkpointer
+        self.run_metadata = run_metadata or {}
+        self.world_size = world_size
+        self.on_step_end = on_step_end
+        self.step = 0
+        self.autocast_dtype = cfg.autocast_dtype(device)
+        self.peak = peak_tflops(device, cfg.peak_tflops)
+        self.log = MetricsLog(os.path.join(cfg.run_dir, "metrics.jsonl") if is_main() else None)
+        self.history: list[dict[str, Any]] = []
+
+    # ---- state ------------------------------------------------------------------------------
+    def _extra_state(self) -> dict[str, Any]:
+        return {"scheduler": self.scheduler, "data": self.data}
+
+    def save(self) -> str | None:
+        if self.checkpointer is None:
+            return None
+        meta = dict(self.run_metadata, step=self.step, world_size=self.world_size, torch=torch.__version__)
+        return self.checkpointer.save(self.step, self.model, self.optimizer, self._extra_state(), meta)
+
+    def load(self, path: str) -> None:
+        meta = self.checkpointer.load(path, self.model, self.optimizer, self._extra_state())
+        self.step = int(meta["step"])
+        if is_main():
+            print(f"resumed from {path} at step {self.step}", flush=True)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def _micro_batches(self, batch: torch.Tensor) -> list[torch.Tensor]:
+        size = self.cfg.micro_batch_size or batch.shape[0]
+        if batch.shape[0] % size:
+            raise ConfigError(
+                f"each rank's batch of {batch.shape[0]} sequences does not split into micro-batches of "
+                f"{size}: set trainer.micro_batch_size to a divisor of {batch.shape[0]}"
+            )
+        return list(batch.split(size))
+
+    def train_step(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step over this rank's batch [B_local, S+1]; returns (loss, grad_norm) on device."""
+        self.model.train()
+        micro = self._micro_batches(batch.to(self.device, non_blocking=True))
+        total_tokens = batch.shape[0] * (batch.shape[1] - 1)
+        loss_sum = torch.zeros((), device=self.device)
+        for i, mb in enumerate(micro):
+            inputs_BS, labels_BS = mb[:, :-1], mb[:, 1:]
+            last = i == len(micro) - 1
+            sync = self.model.no_sync() if (not last and hasattr(self.model, "no_sync")) else contextlib.nullcontext()
+            with sync:
+                with self._autocast():
+                    logits_BSV = self.model(inputs_BS)
+                # Each micro-batch's mean loss is weighted by its share of the rank's tokens, so
+                # the accumulated gradient is that of the mean over the whole batch.
+                loss = self.loss_fn(logits_BSV, labels_BS) * (labels_BS.numel() / total_tokens)
+                loss.backward()
+            loss_sum += loss.detach()
+        if self.cfg.grad_clip > 0:
+            grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        else:
+            grad_norm = torch.zeros((), device=self.device)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return loss_sum, grad_norm
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        if self.cfg.eval_batches == 0:
+            return math.nan
+        self.model.eval()
+        batches = self.data.val_batches(self.cfg.micro_batch_size or 8)[: self.cfg.eval_batches]
+        total = torch.zeros(2, device=self.device, dtype=torch.float64)
+        for batch in batches:
+            batch = batch.to(self.device)
+            with self._autocast():
+                logits_BSV = self.model(batch[:, :-1])
+            n = batch[:, 1:].numel()
+            total[0] += self.loss_fn(logits_BSV, batch[:, 1:]).double() * n
+            total[1] += n
+        if dist.is_initialized():
+            dist.all_reduce(total)
+        self.model.train()
+        return (total[0] / total[1].clamp(min=1)).item()
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def fit(self) -> list[dict[str, Any]]:
+        cfg = self.cfg
+        last_step = cfg.stop_at_step or cfg.steps
+        if is_main():
+            print(f"training steps {self.step + 1}..{last_step} of {cfg.steps}", flush=True)
+        t_last, tokens_since = time.perf_counter(), 0
+        loss_acc = torch.zeros((), device=self.device)
+        steps_since = 0
+        while self.step < last_step:
+            batch = self.data.next_batch()
+            loss, grad_norm = self.train_step(batch)
+            self.step += 1
+            loss_acc += loss
+            steps_since += 1
+            tokens_since += batch.shape[0] * (batch.shape[1] - 1) * self.world_size
+            record = None
+            if self.step % cfg.log_interval == 0 or self.step == last_step:
+                loss_mean = loss_acc / steps_since
+                if dist.is_initialized():
+                    dist.all_reduce(loss_mean)
+                    loss_mean /= dist.get_world_size()
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                dt = time.perf_counter() - t_last
+                tflops = model_tflops_per_device(self.flops_per_token, tokens_since, dt, self.world_size)
+                record = {
+                    "step": self.step,
+                    "loss": loss_mean.item(),
+                    "lr": self.scheduler.get_last_lr()[0],
+                    "grad_norm": float(grad_norm),
+                    "tokens_per_s": tokens_since / dt,
+                    "tflops_per_device": tflops,
+                    "mfu": mfu(tflops, self.peak),
+                }
+                loss_acc.zero_()
+                steps_since = 0
+            evaluating = (cfg.eval_interval and self.step % cfg.eval_interval == 0) or self.step == cfg.steps
+            if evaluating:
+                record = record or {"step": self.step}
+                record["eval_loss"] = self.evaluate()
+            if record is not None:
+                self._emit(record)
+                t_last, tokens_since = time.perf_counter(), 0
+            if self.on_step_end is not None:
+                self.on_step_end(self.step, record or {})
+            interval = self.checkpointer.cfg.interval if self.checkpointer is not None else 0
+            if self.checkpointer is not None and (
+                (interval and self.step % interval == 0)
+                or (self.step == last_step and self.checkpointer.cfg.save_final)
+            ):
+                path = self.save()
+                if is_main() and path:
+                    print(f"saved checkpoint {path}", flush=True)
+        return self.history
+
+    def _emit(self, record: dict[str, Any]) -> None:
+        self.history.append(record)
+        self.log.write(record)
+        if not is_main():
+            return
+        parts = [f"step {record['step']:>6}"]
+        for key, fmt in (
+            ("loss", "loss {:.4f}"),
+            ("eval_loss", "eval {:.4f}"),
+            ("lr", "lr {:.2e}"),
+            ("grad_norm", "gnorm {:.3f}"),
+            ("tokens_per_s", "{:,.0f} tok/s"),
+            ("tflops_per_device", "{:.2f} TFLOP/s/dev"),
+        ):
+            if key in record and record[key] is not None:
+                parts.append(fmt.format(record[key]))
+        if "mfu" in record and not math.isnan(record["mfu"]):
+            parts.append(f"MFU {100 * record['mfu']:.1f}%")
+        print(" | ".join(parts), flush=True)

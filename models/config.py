@@ -1,0 +1,187 @@
+"""The Olmo 3 family as one configurable model config, with named presets.
+
+Counts are computed from the config alone, before anything is built, so a run can say
+"7.30B params" in its name and log, and a test can pin each preset on the meta device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from moetron.core.config import Config, ConfigError, StrEnum
+from moetron.core.layers.attention import AttentionConfig
+
+
+class BlockType(StrEnum):
+    reordered_norm = "reordered_norm"
+    """Olmo 2/3: norm on each sublayer's output before the residual add, h = x + norm(f(x))."""
+    pre_norm = "pre_norm"
+    """Classic pre-norm (OLMoE, Llama): h = x + f(norm(x))."""
+
+
+class LayerType(StrEnum):
+    full = "full"
+    """Causal attention over the whole sequence."""
+    sliding = "sliding"
+    """Causal attention over the last `sliding_window` tokens (the token itself included)."""
+
+
+@dataclasses.dataclass
+class ModelConfig(Config):
+    d_model: int = 256
+    """Residual stream width."""
+    n_layers: int = 4
+    """Transformer blocks."""
+    vocab_size: int = 4096
+    """Embedding rows; pad the tokenizer's vocab up to a multiple of 128 for fast GEMMs."""
+    attention: AttentionConfig = dataclasses.field(default_factory=AttentionConfig)
+    """Heads, KV heads, head dim, QK-norm, RoPE theta."""
+    mlp_hidden: int = 768
+    """SwiGLU hidden width."""
+    block_type: BlockType = BlockType.reordered_norm
+    """Where the norms sit (see BlockType)."""
+    sliding_window: int | None = 4096
+    """Window of the sliding layers; None makes every layer full attention."""
+    full_attention_every: int = 4
+    """Olmo 3 pattern: layer i is full when (i + 1) % this == 0, the last layer always full."""
+    layer_types: list[LayerType] | None = None
+    """Explicit per-layer types (as HF config.json lists them); overrides the pattern above."""
+    norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    init_std: float = 0.02
+    """Std of the truncated-normal (+-3 std) init of every weight matrix and the embedding."""
+
+    # ---- derived ----------------------------------------------------------------------------
+    def resolved_layer_types(self) -> list[LayerType]:
+        if self.layer_types is not None:
+            return list(self.layer_types)
+        if self.sliding_window is None:
+            return [LayerType.full] * self.n_layers
+        types = [
+            LayerType.full if (i + 1) % self.full_attention_every == 0 else LayerType.sliding
+            for i in range(self.n_layers)
+        ]
+        if types:
+            types[-1] = LayerType.full
+        return types
+
+    def window_of(self, layer: int) -> int | None:
+        return self.sliding_window if self.resolved_layer_types()[layer] == LayerType.sliding else None
+
+    def validate(self) -> None:
+        super().validate()
+        for name in ("d_model", "n_layers", "vocab_size", "mlp_hidden", "full_attention_every"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
+        self.attention.validate_for(self.d_model, "model.attention")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ConfigError(f"model.sliding_window must be positive or null, got {self.sliding_window}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.n_layers:
+                raise ConfigError(
+                    f"model.layer_types lists {len(self.layer_types)} layers but model.n_layers is "
+                    f"{self.n_layers}: give one type per layer"
+                )
+            if LayerType.sliding in self.layer_types and self.sliding_window is None:
+                raise ConfigError("model.layer_types has sliding layers but model.sliding_window is null")
+
+    # ---- counts -----------------------------------------------------------------------------
+    def num_embedding_params(self) -> int:
+        return self.vocab_size * self.d_model
+
+    def num_block_params(self) -> int:
+        attn = self.attention.num_params(self.d_model)
+        mlp = 3 * self.d_model * self.mlp_hidden
+        return attn + mlp + 2 * self.d_model
+
+    def num_params(self) -> int:
+        """All parameters: embedding, blocks, final norm, untied LM head."""
+        return self.num_embedding_params() * 2 + self.n_layers * self.num_block_params() + self.d_model
+
+    def num_active_params(self) -> int:
+        """Parameters used per token (equal to num_params for a dense model)."""
+        return self.num_params()
+
+    def num_flops_params(self) -> int:
+        """Active parameters that do matmul work: all but the input embedding (a lookup)."""
+        return self.num_active_params() - self.num_embedding_params()
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 x active non-embedding params + attention scores.
+
+        Attention is 12 * layers * attention width * context (PaLM's convention: QK^T and AV,
+        forward and backward, no causal halving); a sliding layer's context is its window.
+        """
+        width = self.attention.n_heads * self.attention.head_width(self.d_model)
+        attn = sum(12 * width * min(seq_len, self.window_of(i) or seq_len) for i in range(self.n_layers))
+        return 6.0 * self.num_flops_params() + attn
+
+    def describe(self) -> str:
+        return f"{_fmt(self.num_active_params())} active, {_fmt(self.num_params())} total params"
+
+    def build(self, device=None):
+        from .transformer import Transformer
+
+        self.validate()
+        return Transformer(self, device=device)
+
+    # ---- presets ----------------------------------------------------------------------------
+    @classmethod
+    def tiny(cls) -> "ModelConfig":
+        """Trains on 2 CPU cores in minutes; same block design as Olmo 3 (GQA, QK-norm, windows)."""
+        return cls(
+            d_model=256,
+            n_layers=4,
+            vocab_size=4096,
+            attention=AttentionConfig(n_heads=4, n_kv_heads=2, rope_theta=10_000.0),
+            mlp_hidden=768,
+            sliding_window=64,
+        )
+
+    @classmethod
+    def olmo3_7b(cls) -> "ModelConfig":
+        return cls(
+            d_model=4096,
+            n_layers=32,
+            vocab_size=100352,
+            attention=AttentionConfig(n_heads=32, n_kv_heads=32, rope_theta=500_000.0),
+            mlp_hidden=11008,
+            sliding_window=4096,
+        )
+
+    @classmethod
+    def olmo3_32b(cls) -> "ModelConfig":
+        return cls(
+            d_model=5120,
+            n_layers=64,
+            vocab_size=100352,
+            attention=AttentionConfig(n_heads=40, n_kv_heads=8, rope_theta=500_000.0),
+            mlp_hidden=27648,
+            sliding_window=4096,
+        )
+
+    @classmethod
+    def preset(cls, name: str) -> "ModelConfig":
+        key = name.replace("_", "-").lower()
+        if key not in PRESETS:
+            import difflib
+
+            close = difflib.get_close_matches(key, PRESETS, n=3)
+            hint = f"did you mean {', '.join(close)}?" if close else f"choose one of {', '.join(PRESETS)}"
+            raise ConfigError(f"unknown model preset {name!r}: {hint}")
+        return PRESETS[key]()
+
+
+def _fmt(n: int) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
+PRESETS: dict[str, Callable[[], ModelConfig]] = {
+    "tiny": ModelConfig.tiny,
+    "olmo3-7b": ModelConfig.olmo3_7b,
+    "olmo3-32b": ModelConfig.olmo3_32b,
+}

@@ -1,0 +1,69 @@
+"""The Olmo 3 transformer: embedding -> blocks -> final norm -> untied LM head.
+
+Legend: B batch, S sequence, D model dim, V vocab.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moetron.core.layers import Attention, RMSNorm, SwiGLU
+
+from .config import BlockType, ModelConfig
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, device=None):
+        super().__init__()
+        self.block_type = cfg.block_type
+        self.attention = Attention(cfg.d_model, cfg.attention, cfg.window_of(layer), cfg.norm_eps, device)
+        self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden, device)
+        self.attention_norm = RMSNorm(cfg.d_model, cfg.norm_eps, device)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, device)
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        if self.block_type == BlockType.reordered_norm:
+            h_BSD = x_BSD + self.attention_norm(self.attention(x_BSD))
+            return h_BSD + self.mlp_norm(self.mlp(h_BSD))
+        h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD))
+        return h_BSD + self.mlp(self.mlp_norm(h_BSD))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, device=None):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model, device=device)
+        # A ModuleDict keyed by layer index keeps parameter names stable when pipeline stages
+        # hold only some of the blocks.
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, i, device) for i in range(cfg.n_layers)})
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, device)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, device=device)
+        if device is None or torch.device(device).type != "meta":
+            self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Truncated normal (std init_std, cut at 3 std) for every matrix and the embedding."""
+        std = self.cfg.init_std
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.trunc_normal_(module.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+            elif isinstance(module, RMSNorm):
+                module.reset_parameters()
+
+    def forward(self, input_ids_BS: torch.Tensor) -> torch.Tensor:
+        """Token ids [B, S] -> logits [B, S, V]."""
+        h_BSD = self.embed(input_ids_BS)
+        for block in self.blocks.values():
+            h_BSD = block(h_BSD)
+        return self.lm_head(self.norm(h_BSD))
+
+
+def cross_entropy_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Mean next-token cross entropy in fp32 over the tokens whose label is not ignore_index."""
+    return F.cross_entropy(
+        logits_BSV.flatten(0, 1).float(), labels_BS.flatten(), ignore_index=ignore_index
+    )

@@ -1,0 +1,67 @@
+import dataclasses
+
+import pytest
+
+from moetron.core.config import Config, ConfigError, StrEnum
+
+
+class Color(StrEnum):
+    red = "red"
+    blue = "blue"
+
+
+@dataclasses.dataclass
+class Inner(Config):
+    n_layers: int = 2
+    lr: float = 1e-3
+    window: int | None = None
+    color: Color = Color.red
+    paths: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class Outer(Config):
+    model: Inner = dataclasses.field(default_factory=Inner)
+    name: str = "run"
+    flag: bool = False
+
+
+def test_overrides_are_typed():
+    cfg = Outer().apply_overrides(
+        ["--model.n_layers=4", "--model.lr=3e-4", "--model.window=null", "--model.color=blue",
+         "--model.paths=[a.bin,b.bin]", "--flag=true", "name=x"]
+    )
+    assert cfg.model.n_layers == 4 and cfg.model.lr == 3e-4 and cfg.model.window is None
+    assert cfg.model.color is Color.blue and cfg.model.paths == ["a.bin", "b.bin"]
+    assert cfg.flag is True and cfg.name == "x"
+
+
+def test_unknown_key_names_closest():
+    with pytest.raises(ConfigError, match=r"unknown config key 'model.n_layer'.*n_layers"):
+        Outer().apply_overrides(["--model.n_layer=4"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'modle'.*model"):
+        Outer.from_dict({"modle": {}})
+
+
+def test_wrong_types():
+    with pytest.raises(ConfigError, match=r"model.n_layers: expected an integer, got 'four'"):
+        Outer().apply_overrides(["--model.n_layers=four"])
+    with pytest.raises(ConfigError, match=r"model.color: 'green' is not one of 'red', 'blue'"):
+        Outer.from_dict({"model": {"color": "green"}})
+    with pytest.raises(ConfigError, match="expected true or false"):
+        Outer().apply_overrides(["--flag=maybe"])
+    with pytest.raises(ConfigError, match="must look like"):
+        Outer().apply_overrides(["--flag"])
+
+
+def test_yaml_round_trip(tmp_path):
+    cfg = Outer().apply_overrides(["--model.color=blue", "--model.paths=[x]", "--model.window=7"])
+    path = tmp_path / "c.yaml"
+    cfg.to_yaml(path)
+    assert Outer.from_yaml(path) == cfg
+    assert "color: blue" in path.read_text()
+
+
+def test_missing_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        Outer.from_yaml(tmp_path / "nope.yaml")

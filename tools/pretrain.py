@@ -1,0 +1,158 @@
+#!/usr/bin/env python
+"""Pre-train a moetron model: the one entry point, single-process or under torchrun.
+
+    python tools/pretrain.py                                  # tiny model on the embedded corpus
+    python tools/pretrain.py --preset olmo3-7b --data.source=files --data.train_paths=[a,b]
+    python tools/pretrain.py --config run.yaml --trainer.steps=1000 --optimizer.lr=1e-3
+    python tools/pretrain.py --config runs/x/config.yaml --resume        # continue the latest
+    torchrun --nproc-per-node 2 tools/pretrain.py ...                     # data parallel
+
+Every config field can be overridden as --section.field=value (see --print-config).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import random
+import sys
+
+import numpy as np
+import torch
+
+from moetron.core.checkpoint import CheckpointConfig, Checkpointer, CheckpointError
+from moetron.core.config import Config, ConfigError
+from moetron.core.distributed import barrier, init_distributed, is_main, pick_device
+from moetron.core.optim import OptimizerConfig, SchedulerConfig
+from moetron.core.trainer import Trainer, TrainerConfig
+from moetron.data.loader import DataConfig
+from moetron.models import ModelConfig, cross_entropy_loss
+
+
+@dataclasses.dataclass
+class PretrainConfig(Config):
+    """A whole run: model, data, optimizer, schedule, trainer and checkpoints."""
+
+    name: str = "tiny-local"
+    """Run name shown in logs."""
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig.tiny)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=lambda: OptimizerConfig(lr=3e-3))
+    scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+
+    def validate(self) -> None:
+        super().validate()
+        if self.scheduler.warmup_steps > self.trainer.steps:
+            raise ConfigError(
+                f"scheduler.warmup_steps={self.scheduler.warmup_steps} exceeds trainer.steps={self.trainer.steps}"
+            )
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[PretrainConfig, argparse.Namespace]:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
+    parser.add_argument("--config", help="YAML file with a PretrainConfig (overrides apply on top)")
+    parser.add_argument("--preset", help="model preset: tiny, olmo3-7b, olmo3-32b")
+    parser.add_argument(
+        "--resume", nargs="?", const=True, default=False,
+        help="continue from the latest complete checkpoint in --checkpoint.dir, or from the given path",
+    )
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    args, rest = parser.parse_known_args(argv)
+    cfg = PretrainConfig.from_yaml(args.config) if args.config else PretrainConfig()
+    if args.preset:
+        cfg.model = ModelConfig.preset(args.preset)
+    bad = [a for a in rest if not (a.startswith("--") and "=" in a)]
+    if bad:
+        raise ConfigError(f"unrecognized arguments {bad}: overrides look like --section.field=value")
+    cfg.apply_overrides(rest)
+    if cfg.checkpoint.dir is None:
+        cfg.checkpoint.dir = os.path.join(cfg.trainer.run_dir, "checkpoints")
+    cfg.validate()
+    return cfg, args
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg, args = parse_args(argv)
+    if args.print_config:
+        print(cfg.to_yaml(), end="")
+        return 0
+    device = pick_device(cfg.trainer.device)
+    rank, world = init_distributed(device)
+    seed_everything(cfg.trainer.seed)
+
+    checkpointer = Checkpointer(cfg.checkpoint)
+    resume_path = checkpointer.resolve(args.resume) if args.resume else None
+    if resume_path is None and checkpointer.latest() is not None:
+        raise CheckpointError(
+            f"{cfg.checkpoint.dir} already holds checkpoints (latest {checkpointer.latest()}): pass --resume "
+            f"to continue that run, or choose another --checkpoint.dir / --trainer.run_dir"
+        )
+
+    data = cfg.data.build(vocab_size=cfg.model.vocab_size, dp_rank=rank, dp_size=world)
+    model = cfg.model.build(device=device)
+    if is_main():
+        os.makedirs(cfg.trainer.run_dir, exist_ok=True)
+        cfg.to_yaml(os.path.join(cfg.trainer.run_dir, "config.yaml"))
+        print(f"run {cfg.name}: {cfg.model.describe()}, {world} rank(s) on {device.type}", flush=True)
+    if cfg.trainer.compile:
+        for block in model.blocks.values():
+            block.compile()
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
+    optimizer = cfg.optimizer.build(model)
+    scheduler = cfg.scheduler.build(optimizer, cfg.trainer.steps)
+    trainer = Trainer(
+        cfg.trainer,
+        model,
+        cross_entropy_loss,
+        optimizer,
+        scheduler,
+        data,
+        flops_per_token=cfg.model.flops_per_token(cfg.data.seq_len),
+        device=device,
+        checkpointer=checkpointer,
+        run_metadata={"config": cfg.to_dict()},
+        world_size=world,
+    )
+    if resume_path is not None:
+        check_resumable(checkpointer, resume_path, cfg)
+        trainer.load(resume_path)
+    trainer.fit()
+    barrier()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+def check_resumable(checkpointer: Checkpointer, path: str, cfg: PretrainConfig) -> None:
+    """A checkpoint of another model shape cannot continue this run: say which fields differ."""
+    saved = checkpointer.read_metadata(path).get("config", {}).get("model")
+    if saved is None:
+        return
+    now = cfg.model.to_dict()
+    diff = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+    if diff:
+        detail = ", ".join(f"model.{k}: checkpoint {saved.get(k)!r} vs now {now.get(k)!r}" for k in diff)
+        raise CheckpointError(f"checkpoint {path} was saved for a different model ({detail}): resume with the "
+                              f"checkpoint's config (its run's config.yaml) or start a new run")
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except (ConfigError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
