@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# moetron's headline recipe: a 1.2T-parameter MoE (OLMo-core 3 "Ultra-128E": 63 layers x 6144,
+# 128 routed experts + 1 shared, top-4, EP 8 x PP 8 on 512 GPUs).
+#
+# On a machine without that many GPUs it runs the local proxy end to end: set-up (a venv on first
+# use), the embedded corpus (built on first use), training, a checkpoint half-way, a new process
+# that resumes from it, and a summary of the loss. Until the MoE layer lands the proxy is the dense
+# tiny Olmo 3 model.
+#
+#   bash examples/pretrain_moe_1t.sh                      # local proxy, a few minutes on 2 CPU cores
+#   STEPS=400 bash examples/pretrain_moe_1t.sh --optimizer.lr=2e-3   # extra args: config overrides
+#   NPROC=2 bash examples/pretrain_moe_1t.sh              # 2 ranks via torchrun (gloo on CPU, NCCL on GPU)
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+py="$(bash tools/setup_env.sh)"
+
+STEPS="${STEPS:-240}"
+NPROC="${NPROC:-1}"
+RUN_DIR="${RUN_DIR:-runs/pretrain_moe_1t_local-$(date +%Y%m%d-%H%M%S)}"
+half=$((STEPS / 2))
+
+if [ "$NPROC" -gt 1 ]; then
+  launch=("$py" -m torch.distributed.run --standalone --nproc-per-node "$NPROC")
+else
+  launch=("$py")
+fi
+common=(--trainer.run_dir="$RUN_DIR" --trainer.steps="$STEPS" --trainer.eval_interval=$((STEPS / 4)))
+
+echo "== phase 1: train steps 1..$half of $STEPS, then checkpoint and stop (run dir $RUN_DIR)"
+"${launch[@]}" tools/pretrain.py "${common[@]}" --trainer.stop_at_step="$half" "$@"
+echo "== phase 2: a new process resumes from the checkpoint and trains to step $STEPS"
+"${launch[@]}" tools/pretrain.py --config "$RUN_DIR/config.yaml" --trainer.stop_at_step=null --resume
+
+"$py" - "$RUN_DIR/metrics.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+train = [r for r in rows if r.get("loss") is not None]
+evals = [r for r in rows if r.get("eval_loss") is not None]
+print(f"== summary: train loss {train[0]['loss']:.3f} (step {train[0]['step']}) -> "
+      f"{train[-1]['loss']:.3f} (step {train[-1]['step']}); held-out loss {evals[0]['eval_loss']:.3f} "
+      f"(step {evals[0]['step']}) -> {evals[-1]['eval_loss']:.3f} (step {evals[-1]['step']})")
+PY
