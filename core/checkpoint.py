@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import logging
 import os
@@ -247,6 +248,13 @@ class Checkpointer:
         """
         if self.cfg.dir is None:
             raise CheckpointError("Checkpointer.save called with checkpoint.dir unset: set --checkpoint.dir=...")
+        meta = dict(metadata)
+        meta.update(step=step, world_size=self.world_size, torch_version=torch.__version__)
+        try:
+            meta_bytes = json.dumps(meta, indent=2, sort_keys=True).encode()
+        except TypeError as e:
+            raise CheckpointError(f"checkpoint metadata for step {step} is not JSON-able: {e}") from None
+
         root = os.path.abspath(self.cfg.dir)
         name = _step_name(step)
         final = os.path.join(root, name)
@@ -254,13 +262,6 @@ class Checkpointer:
         tmp = os.path.join(root, f".{name}.tmp-{nonce}")
         os.makedirs(tmp, exist_ok=True)
         self._barrier()
-
-        meta = dict(metadata)
-        meta.update(step=step, world_size=self.world_size, torch_version=torch.__version__)
-        try:
-            meta_bytes = json.dumps(meta, indent=2, sort_keys=True).encode()
-        except TypeError as e:
-            raise CheckpointError(f"checkpoint metadata for step {step} is not JSON-able: {e}") from None
 
         state = self._state(model, optimizer, extra)
         with warnings.catch_warnings():
@@ -270,8 +271,7 @@ class Checkpointer:
                 storage_writer=dcp.FileSystemWriter(tmp, sync_files=True, overwrite=False),
                 no_dist=not self.distributed,
             )
-        buf = _bytes_of(_rng_state())
-        _write_durable(os.path.join(tmp, f"rng_rank{self.rank}.pt"), buf)
+        _write_durable(os.path.join(tmp, f"rng_rank{self.rank}.pt"), _bytes_of(_rng_state()))
         if self.rank == 0:
             _write_durable(os.path.join(tmp, META), meta_bytes)
         self._barrier()  # every rank's files exist before they are listed and hashed
@@ -324,7 +324,11 @@ class Checkpointer:
             return
         complete = self._complete(root, warn=False)
         for _, path in complete[: -self.cfg.keep_last]:
-            shutil.rmtree(path, ignore_errors=True)
+            # Rename first: a crash mid-delete must not leave a step_* dir with a manifest but
+            # missing data (latest() would pick it and the resume would fail).
+            doomed = os.path.join(root, f".{os.path.basename(path)}.old-{uuid.uuid4().hex[:12]}")
+            os.rename(path, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
 
     # ---- finding ----------------------------------------------------------------------------
     def _complete(self, root: str, warn: bool = True) -> list[tuple[int, str]]:
@@ -422,17 +426,30 @@ class Checkpointer:
             bad = sorted(p for part in self._all_gather(mine) for p in part)
             if bad:
                 problem = "; ".join(bad)
+        if problem is not None:
+            raise CheckpointError(f"checkpoint {path} is invalid: {problem}; {advice}")
+        return self.read_metadata(path)
+
+    def read_metadata(self, path: str) -> dict[str, Any]:
+        """The meta.json of checkpoint ``path`` (run config, step ...), without checking checksums.
+
+        Raises CheckpointError when ``path`` is not a complete checkpoint or meta.json is unreadable.
+        """
+        path = os.path.abspath(path)
+        problem, _ = self._read_manifest(path)
         if problem is None:
             try:
                 with open(os.path.join(path, META), encoding="utf-8") as f:
                     meta = json.load(f)
                 if not isinstance(meta, dict):
                     raise ValueError("not a JSON object")
+                return meta
             except (OSError, ValueError) as e:
                 problem = f"{META} cannot be read: {e}"
-        if problem is not None:
-            raise CheckpointError(f"checkpoint {path} is invalid: {problem}; {advice}")
-        return meta
+        raise CheckpointError(
+            f"checkpoint {path} is invalid: {problem}; delete or move {path} aside (it is damaged or "
+            "incomplete) and resume from an older checkpoint by passing its path explicitly"
+        )
 
     @staticmethod
     def _read_manifest(path: str) -> tuple[str | None, dict[str, Any]]:
@@ -496,7 +513,7 @@ class Checkpointer:
 
         rng_file = os.path.join(path, f"rng_rank{self.rank}.pt")
         if os.path.isfile(rng_file):
-            pass
+            _set_rng_state(torch.load(rng_file, weights_only=False))
         else:
             log.warning(
                 "%s has no RNG state for rank %d (saved with world size %s, now %d): this rank keeps "
@@ -542,8 +559,6 @@ def _few(items: list[str], n: int = 8) -> str:
 
 
 def _bytes_of(obj: Any) -> bytes:
-    import io
-
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()

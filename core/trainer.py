@@ -114,7 +114,7 @@ class Trainer:
         self.step = 0
         self.autocast_dtype = cfg.autocast_dtype(device)
         self.peak = peak_tflops(device, cfg.peak_tflops)
-        self.log = MetricsLog(os.path.join(cfg.run_dir, "metrics.jsonl") if is_main() else None)
+        self.log = MetricsLog(os.path.join(cfg.run_dir, "metrics.jsonl") if is_main() and cfg.run_dir else None)
         self.history: list[dict[str, Any]] = []
 
     # ---- state ------------------------------------------------------------------------------

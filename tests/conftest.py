@@ -5,3 +5,19 @@ import sys
 TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
 if TOOLS not in sys.path:
     sys.path.insert(0, TOOLS)
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for item in items:
+        if "gpu" in item.keywords and gpus == 0:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        if "multigpu" in item.keywords and gpus < 2:
+            item.add_marker(pytest.mark.skip(reason="needs 2+ CUDA GPUs"))
+
+ROOT = os.path.dirname(TOOLS)
+if ROOT not in sys.path:  # so tests can import their shared helpers as tests.distributed
+    sys.path.insert(0, ROOT)

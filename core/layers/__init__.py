@@ -1,12 +1,13 @@
 """Model-agnostic transformer layers: norms, rotary embeddings, attention, MLPs."""
 
-from .attention import Attention, AttentionConfig, sliding_window_causal_mask
+from .attention import Attention, AttentionBackend, AttentionConfig, sliding_window_causal_mask
 from .mlp import SwiGLU
 from .norm import RMSNorm
 from .rope import RotaryEmbedding, apply_rotary
 
 __all__ = [
     "Attention",
+    "AttentionBackend",
     "AttentionConfig",
     "RMSNorm",
     "RotaryEmbedding",

@@ -7,14 +7,23 @@ QK-norm is an RMSNorm over the whole q (H*Dh) and k (G*Dh) projection, as in Olm
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import Config, ConfigError
+from ..config import Config, ConfigError, StrEnum
 from .norm import RMSNorm
 from .rope import RotaryEmbedding, apply_rotary
+
+
+class AttentionBackend(StrEnum):
+    sdpa = "sdpa"
+    """torch SDPA: flash kernel for full layers; sliding layers pass a boolean [S, S] mask."""
+    flex = "flex"
+    """torch flex_attention (compiled) with a block-sparse sliding-window mask: skips the blocks
+    outside the window instead of masking them; needs torch.compile to be fast (GPU)."""
 
 
 @dataclasses.dataclass
@@ -29,6 +38,8 @@ class AttentionConfig(Config):
     """RMSNorm over the full q and k projections before RoPE."""
     rope_theta: float = 500_000.0
     """RoPE base."""
+    backend: AttentionBackend = AttentionBackend.sdpa
+    """Kernel for sliding-window layers (full layers always use SDPA's causal flash path)."""
 
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
@@ -76,6 +87,28 @@ def sliding_window_causal_mask(seq_len: int, window: int, device: torch.device) 
     return mask
 
 
+_FLEX: dict[tuple, Any] = {}
+
+
+def _flex_sliding(q_BHSD, k_BGSD, v_BGSD, window: int, gqa: bool) -> torch.Tensor:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    S, device = q_BHSD.shape[2], q_BHSD.device
+    if device.type == "cpu" and torch.is_grad_enabled() and q_BHSD.requires_grad:
+        raise ConfigError("attention.backend=flex has no backward on the CPU: use --model.attention.backend=sdpa")
+    key = (S, window, str(device))
+    if key not in _FLEX:
+
+        def sliding_causal(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+
+        block_mask = create_block_mask(sliding_causal, None, None, S, S, device=device)
+        fn = torch.compile(flex_attention, dynamic=False) if device.type == "cuda" else flex_attention
+        _FLEX[key] = (block_mask, fn)
+    block_mask, fn = _FLEX[key]
+    return fn(q_BHSD, k_BGSD, v_BGSD, block_mask=block_mask, enable_gqa=gqa)
+
+
 class Attention(nn.Module):
     def __init__(
         self,
@@ -90,6 +123,7 @@ class Attention(nn.Module):
         self.n_kv_heads = cfg.kv_heads()
         self.head_dim = cfg.head_width(d_model)
         self.sliding_window = sliding_window
+        self.backend = cfg.backend
         q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         self.q_proj = nn.Linear(d_model, q_width, bias=False, device=device)
         self.k_proj = nn.Linear(d_model, kv_width, bias=False, device=device)
@@ -116,6 +150,8 @@ class Attention(nn.Module):
         if self.sliding_window is None or self.sliding_window >= S:
             # Full causal: lets SDPA pick the flash kernel on GPU.
             o_BHSD = F.scaled_dot_product_attention(q_BHSD, k_BGSD, v_BGSD, is_causal=True, enable_gqa=gqa)
+        elif self.backend == AttentionBackend.flex:
+            o_BHSD = _flex_sliding(q_BHSD, k_BGSD, v_BGSD, self.sliding_window, gqa)
         else:
             mask_SS = sliding_window_causal_mask(S, self.sliding_window, x_BSD.device)
             o_BHSD = F.scaled_dot_product_attention(q_BHSD, k_BGSD, v_BGSD, attn_mask=mask_SS, enable_gqa=gqa)

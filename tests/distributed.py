@@ -1,0 +1,70 @@
+"""Run a test function on several CPU processes joined by a gloo process group.
+
+    from tests.distributed import run_distributed
+
+    def _check(rank, world_size, tmp_path):   # module level: it is pickled into the children
+        ...
+
+    def test_something(tmp_path):
+        run_distributed(_check, 2, str(tmp_path))
+
+A failure in any child re-raises in the caller with the child's traceback in the message.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any, Callable
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["run_distributed", "free_port"]
+
+
+def free_port() -> int:
+    """A TCP port on localhost that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank: int, fn: Callable[..., Any], world_size: int, port: int, args: tuple) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    os.environ["RANK"] = str(rank)
+    os.environ["WORLD_SIZE"] = str(world_size)
+    os.environ["LOCAL_RANK"] = str(rank)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float | None = 120) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes with gloo.
+
+    ``fn`` and ``args`` must be picklable (define ``fn`` at module level). Raises RuntimeError
+    carrying the failing child's traceback; a child that hangs longer than ``timeout_s`` makes the
+    call fail instead of blocking the test session.
+    """
+    port = free_port()
+    ctx = mp.start_processes(_child, args=(fn, world_size, port, args), nprocs=world_size, join=False,
+                             start_method="spawn")
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    try:
+        while not ctx.join(timeout=0.5):
+            if deadline is not None and time.monotonic() > deadline:
+                raise RuntimeError(f"run_distributed: {fn.__name__} did not finish within {timeout_s}s")
+    except mp.ProcessRaisedException as e:
+        raise RuntimeError(f"{fn.__name__} failed on rank {e.error_index}:\n{e}") from None
+    except mp.ProcessExitedException as e:
+        raise RuntimeError(f"{fn.__name__}: rank {e.error_index} exited with code {e.exit_code}") from None
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join()

@@ -1,0 +1,148 @@
+#!/usr/bin/env python
+"""Benchmark full training steps (forward, backward, clip, AdamW) of a model config.
+
+Prints a table and writes JSON: tokens/s, model TFLOP/s per device (6 x active non-embedding
+params per token + attention, see docs/models.md), MFU against the device's dense bf16 peak,
+peak memory. Each --variant is a set of overrides measured in the same process, so a switch is
+measured on and off side by side.
+
+    python tools/bench_train.py --preset olmo3-7b --model.n_layers=8 --seq-len 8192 --batch 2 \
+        --variant sdpa:model.attention.backend=sdpa --variant flex:model.attention.backend=flex
+
+Dense models see random token ids (their step time does not depend on the data).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+
+from moetron.core.config import ConfigError
+from moetron.core.metrics import mfu, model_tflops_per_device, peak_tflops
+from moetron.core.optim import OptimizerConfig, SchedulerConfig
+from moetron.core.trainer import Trainer, TrainerConfig
+from moetron.models import ModelConfig, cross_entropy_loss
+
+
+class RandomTokens:
+    def __init__(self, vocab: int, batch: int, seq_len: int, device):
+        self.vocab, self.batch, self.seq_len, self.device = vocab, batch, seq_len, device
+        self.gen = torch.Generator(device=device).manual_seed(0)
+
+    def next_batch(self) -> torch.Tensor:
+        return torch.randint(0, self.vocab, (self.batch, self.seq_len + 1), device=self.device, generator=self.gen)
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, sd):
+        pass
+
+
+def measure(model_cfg: ModelConfig, args, device: torch.device) -> dict:
+    torch.manual_seed(0)
+    model = model_cfg.build(device=device)
+    if args.compile:
+        for block in model.blocks.values():
+            block.compile()
+    optimizer = OptimizerConfig().build(model)
+    scheduler = SchedulerConfig(warmup_steps=0).build(optimizer, 10_000)
+    tcfg = TrainerConfig(steps=10_000, precision=args.precision, micro_batch_size=args.micro_batch, run_dir="")
+    data = RandomTokens(model_cfg.vocab_size, args.batch, args.seq_len, device)
+    trainer = Trainer(tcfg, model, cross_entropy_loss, optimizer, scheduler, data,
+                      model_cfg.flops_per_token(args.seq_len), device)
+    for _ in range(args.warmup):
+        trainer.train_step(data.next_batch())
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        loss, _ = trainer.train_step(data.next_batch())
+    loss.item()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / args.steps
+    tokens = args.batch * args.seq_len
+    tflops = model_tflops_per_device(model_cfg.flops_per_token(args.seq_len), tokens, dt, 1)
+    peak = peak_tflops(device, args.peak_tflops)
+    return {
+        "params": model_cfg.num_params(),
+        "step_s": dt,
+        "tokens_per_s": tokens / dt,
+        "tflops_per_device": tflops,
+        "mfu": None if peak is None else mfu(tflops, peak),
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=2, help="sequences per step")
+    parser.add_argument("--micro-batch", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--precision", default="auto")
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--peak-tflops", type=float, default=None)
+    parser.add_argument("--variant", action="append", default=[],
+                        help="NAME:key=value[,key=value...] overrides measured as one row")
+    parser.add_argument("--json", default="runs/bench/bench_train.json")
+    args, overrides = parser.parse_known_args(argv)
+    base = ModelConfig.preset(args.preset)
+    base.apply_overrides([o[len("--model."):] for o in overrides if o.startswith("--model.")])
+    if any(not o.startswith("--model.") for o in overrides):
+        raise ConfigError(f"unrecognized arguments {[o for o in overrides if not o.startswith('--model.')]}")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    variants = [("base", [])]
+    if args.variant:
+        variants = []
+        for v in args.variant:
+            name, _, spec = v.partition(":")
+            variants.append((name, [s for s in spec.split(",") if s]))
+    rows = []
+    for name, ovr in variants:
+        cfg = copy.deepcopy(base)
+        cfg.apply_overrides([o[len("model."):] if o.startswith("model.") else o for o in ovr])
+        cfg.validate()
+        row = {"variant": name, "overrides": ovr, **measure(cfg, args, device)}
+        rows.append(row)
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+    env = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "date": time.strftime("%Y-%m-%d"),
+        "command": "python tools/bench_train.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "preset": args.preset, "seq_len": args.seq_len, "batch": args.batch, "model": base.to_dict(),
+    }
+    print(f"{env['device']} | torch {env['torch']} | {args.preset} {base.describe()} | seq {args.seq_len} x {args.batch}")
+    print(f"{'variant':<12} {'step ms':>9} {'tok/s':>10} {'TFLOP/s':>9} {'MFU':>7} {'mem GiB':>8}")
+    for r in rows:
+        mfu_s = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
+        mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "-"
+        print(f"{r['variant']:<12} {1e3 * r['step_s']:>9.1f} {r['tokens_per_s']:>10,.0f} "
+              f"{r['tflops_per_device']:>9.1f} {mfu_s:>7} {mem:>8}")
+    if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"env": env, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
