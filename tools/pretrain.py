@@ -27,6 +27,7 @@ from moetron.core.distributed import barrier, init_distributed, is_main, pick_de
 from moetron.core.optim import OptimizerConfig, SchedulerConfig
 from moetron.core.trainer import Trainer, TrainerConfig
 from moetron.data.loader import DataConfig
+from moetron.data.tokenizer import DataError
 from moetron.models import ModelConfig, cross_entropy_loss
 
 
@@ -153,6 +154,6 @@ def check_resumable(checkpointer: Checkpointer, path: str, cfg: PretrainConfig) 
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except (ConfigError, CheckpointError) as e:
+    except (ConfigError, CheckpointError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
