@@ -211,7 +211,7 @@ class Trainer:
             steps_since += 1
             tokens_since += batch.shape[0] * (batch.shape[1] - 1) * self.world_size
             record = None
-            if self.step % cfg.log_interval == 0 or self.step == last_step:
+            if self.step % cfg.log_interval == 0 or self.step in (1, last_step):
                 loss_mean = loss_acc / steps_since
                 if dist.is_initialized():
                     dist.all_reduce(loss_mean)
