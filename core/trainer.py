@@ -57,6 +57,8 @@ class TrainerConfig(Config):
     """Steps between held-out evaluations; 0 = only at the end."""
     eval_batches: int = 8
     """Held-out batches per evaluation."""
+    eval_batch_size: int | None = None
+    """Sequences per held-out batch over all ranks; None = the training global batch size."""
     run_dir: str = "runs/default"
     """Where metrics.jsonl and the resolved config are written."""
     peak_tflops: float | None = None
@@ -180,7 +182,8 @@ class Trainer:
         if self.cfg.eval_batches == 0:
             return math.nan
         self.model.eval()
-        batches = self.data.val_batches(self.cfg.micro_batch_size or 8)[: self.cfg.eval_batches]
+        size = self.cfg.eval_batch_size or self.data.local_batch_size * self.world_size
+        batches = self.data.val_batches(size, max_batches=self.cfg.eval_batches)
         total = torch.zeros(2, device=self.device, dtype=torch.float64)
         for batch in batches:
             batch = batch.to(self.device)

@@ -34,6 +34,8 @@ __all__ = ["CORPUS_VERSION", "DEFAULT_MAX_BYTES", "corpus_dir", "list_corpus_fil
 
 CORPUS_VERSION = 1
 DEFAULT_MAX_BYTES = 6_000_000
+# The held-out split holds at least this many characters (a few evaluation batches of tokens).
+MIN_VAL_BYTES = 40_000
 # Every VAL_BUCKETS-th hash bucket of relative paths is validation: ~2%.
 _VAL_BUCKETS = 50
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "lib-dynload", "encodings"}
@@ -121,8 +123,12 @@ def _build(folder: str, final: str, vocab_size: int, max_bytes: int, root: str |
     files = list_corpus_files(max_bytes, root)
     val = [(r, t) for r, t in files if _is_val(r)]
     train = [(r, t) for r, t in files if not _is_val(r)]
-    if not val:  # tiny corpora: hold out the last file so there is always a validation split
-        val, train = train[-1:], train[:-1]
+    # Small corpora (or an unlucky hash) can leave the held-out split too small to evaluate on:
+    # move training files, last first, until it holds at least 2% of the bytes and MIN_VAL_BYTES.
+    total = sum(len(t) for _, t in files)
+    want = max(MIN_VAL_BYTES, total // 50)
+    while train and len(train) > 1 and sum(len(t) for _, t in val) < want:
+        val.append(train.pop())
     if not train:
         raise DataError(f"corpus_max_bytes={max_bytes} leaves no training text: raise it (e.g. 6000000)")
     with open(os.path.join(folder, "train.txt"), "w", encoding="utf-8") as f:

@@ -13,6 +13,7 @@ A failure in any child re-raises in the caller with the child's traceback in the
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import time
@@ -40,6 +41,10 @@ def _child(rank: int, fn: Callable[..., Any], world_size: int, port: int, args: 
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
+        # Let every rank finish its collectives (and free DDP reducers) before the group goes:
+        # tearing gloo down under a peer still in a collective aborts the process.
+        gc.collect()
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -19,6 +19,8 @@ from .rope import RotaryEmbedding, apply_rotary
 
 
 class AttentionBackend(StrEnum):
+    auto = "auto"
+    """flex on GPU (measured faster for sliding windows: docs/performance.md), sdpa elsewhere."""
     sdpa = "sdpa"
     """torch SDPA: flash kernel for full layers; sliding layers pass a boolean [S, S] mask."""
     flex = "flex"
@@ -38,7 +40,7 @@ class AttentionConfig(Config):
     """RMSNorm over the full q and k projections before RoPE."""
     rope_theta: float = 500_000.0
     """RoPE base."""
-    backend: AttentionBackend = AttentionBackend.sdpa
+    backend: AttentionBackend = AttentionBackend.auto
     """Kernel for sliding-window layers (full layers always use SDPA's causal flash path)."""
 
     def kv_heads(self) -> int:
@@ -150,7 +152,9 @@ class Attention(nn.Module):
         if self.sliding_window is None or self.sliding_window >= S:
             # Full causal: lets SDPA pick the flash kernel on GPU.
             o_BHSD = F.scaled_dot_product_attention(q_BHSD, k_BGSD, v_BGSD, is_causal=True, enable_gqa=gqa)
-        elif self.backend == AttentionBackend.flex:
+        elif self.backend == AttentionBackend.flex or (
+            self.backend == AttentionBackend.auto and x_BSD.device.type == "cuda"
+        ):
             o_BHSD = _flex_sliding(q_BHSD, k_BGSD, v_BGSD, self.sliding_window, gqa)
         else:
             mask_SS = sliding_window_causal_mask(S, self.sliding_window, x_BSD.device)
