@@ -24,6 +24,18 @@ from torch import nn
 from .config import Config, ConfigError, StrEnum
 from .distributed import is_main
 from .metrics import MetricsLog, mfu, model_tflops_per_device, peak_tflops
+from .moe.metrics import LoadLog, summarize
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's model inside DDP / torch.compile wrappers (whose hooks the trainer calls)."""
+    while True:
+        inner = getattr(model, "module", None)
+        if inner is None:
+            inner = getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
 
 
 class Precision(StrEnum):
@@ -118,6 +130,8 @@ class Trainer:
         self.peak = peak_tflops(device, cfg.peak_tflops)
         self.log = MetricsLog(os.path.join(cfg.run_dir, "metrics.jsonl") if is_main() and cfg.run_dir else None)
         self.history: list[dict[str, Any]] = []
+        self.load_log = LoadLog(os.path.join(cfg.run_dir, "moe_load.npz") if is_main() and cfg.run_dir else None)
+        self.aux_sums: dict[str, torch.Tensor] = {}
 
     # ---- state ------------------------------------------------------------------------------
     def _extra_state(self) -> dict[str, Any]:
@@ -164,9 +178,15 @@ class Trainer:
                 with self._autocast():
                     logits_BSV = self.model(inputs_BS)
                 # Each micro-batch's mean loss is weighted by its share of the rank's tokens, so
-                # the accumulated gradient is that of the mean over the whole batch.
-                loss = self.loss_fn(logits_BSV, labels_BS) * (labels_BS.numel() / total_tokens)
-                loss.backward()
+                # the accumulated gradient is that of the mean over the whole batch. MoE auxiliary
+                # losses are per-token means too and get the same weight.
+                share = labels_BS.numel() / total_tokens
+                loss = self.loss_fn(logits_BSV, labels_BS) * share
+                total = loss
+                for name, aux in self._aux_losses().items():
+                    total = total + aux * share
+                    self.aux_sums[name] = self.aux_sums.get(name, 0) + aux.detach() * share
+                total.backward()
             loss_sum += loss.detach()
         if self.cfg.grad_clip > 0:
             grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
@@ -175,7 +195,14 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        hook = getattr(unwrap(self.model), "post_optimizer_step", None)
+        if hook is not None:
+            hook()  # e.g. the MoE expert-bias update from this step's global counts
         return loss_sum, grad_norm
+
+    def _aux_losses(self) -> dict[str, torch.Tensor]:
+        fn = getattr(unwrap(self.model), "aux_losses", None)
+        return fn() if fn is not None else {}
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -232,6 +259,7 @@ class Trainer:
                     "tflops_per_device": tflops,
                     "mfu": mfu(tflops, self.peak),
                 }
+                record.update(self._pop_moe_metrics(steps_since))
                 loss_acc.zero_()
                 steps_since = 0
             evaluating = (cfg.eval_interval and self.step % cfg.eval_interval == 0) or self.step == cfg.steps
@@ -253,6 +281,22 @@ class Trainer:
                     print(f"saved checkpoint {path}", flush=True)
         return self.history
 
+    def _pop_moe_metrics(self, steps: int) -> dict[str, Any]:
+        """Aux-loss means since the last log line and the load diagnostics (all ranks' counts)."""
+        out: dict[str, Any] = {}
+        for name, value in self.aux_sums.items():
+            value = value / steps
+            if dist.is_initialized():
+                dist.all_reduce(value)
+                value /= dist.get_world_size()
+            out[name] = float(value)
+        self.aux_sums = {}
+        pop = getattr(unwrap(self.model), "pop_load_stats", None)
+        stats = pop() if pop is not None else {}
+        if stats:
+            out.update(self.load_log.add(self.step, summarize(stats)))
+        return out
+
     def _emit(self, record: dict[str, Any]) -> None:
         self.history.append(record)
         self.log.write(record)
@@ -264,6 +308,10 @@ class Trainer:
             ("eval_loss", "eval {:.4f}"),
             ("lr", "lr {:.2e}"),
             ("grad_norm", "gnorm {:.3f}"),
+            ("lb_loss", "lb {:.4f}"),
+            ("z_loss", "z {:.4f}"),
+            ("moe_max_violation", "maxvio {:.2f}"),
+            ("moe_dropped_frac", "dropped {:.3f}"),
             ("tokens_per_s", "{:,.0f} tok/s"),
             ("tflops_per_device", "{:.2f} TFLOP/s/dev"),
         ):

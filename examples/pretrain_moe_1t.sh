@@ -4,8 +4,9 @@
 #
 # On a machine without that many GPUs it runs the local proxy end to end: set-up (a venv on first
 # use), the embedded corpus (built on first use), training, a checkpoint half-way, a new process
-# that resumes from it, and a summary of the loss. Until the MoE layer lands the proxy is the dense
-# tiny Olmo 3 model.
+# that resumes from it, and a summary of the loss and of the expert load. The proxy keeps the
+# recipe's block design at CPU size (preset tiny-moe: top-4 routing over 16 experts + 1 shared
+# expert, first layer dense, Olmo 3 attention with sliding windows).
 #
 #   bash examples/pretrain_moe_1t.sh                      # local proxy, a few minutes on 2 CPU cores
 #   STEPS=400 bash examples/pretrain_moe_1t.sh --optimizer.lr=2e-3   # extra args: config overrides
@@ -25,7 +26,8 @@ if [ "$NPROC" -gt 1 ]; then
 else
   launch=("$py")
 fi
-common=(--trainer.run_dir="$RUN_DIR" --trainer.steps="$STEPS" --trainer.eval_interval=$((STEPS / 4)))
+common=(--preset tiny-moe --name=moe-1t-proxy --trainer.run_dir="$RUN_DIR" --trainer.steps="$STEPS"
+        --trainer.eval_interval=$((STEPS / 4)))
 
 echo "== phase 1: train steps 1..$half of $STEPS, then checkpoint and stop (run dir $RUN_DIR)"
 "${launch[@]}" tools/pretrain.py "${common[@]}" --trainer.stop_at_step="$half" "$@"
@@ -40,4 +42,8 @@ evals = [r for r in rows if r.get("eval_loss") is not None]
 print(f"== summary: train loss {train[0]['loss']:.3f} (step {train[0]['step']}) -> "
       f"{train[-1]['loss']:.3f} (step {train[-1]['step']}); held-out loss {evals[0]['eval_loss']:.3f} "
       f"(step {evals[0]['step']}) -> {evals[-1]['eval_loss']:.3f} (step {evals[-1]['step']})")
+moe = [r for r in train if r.get("moe_max_violation") is not None]
+if moe:
+    print(f"== expert load: max violation (worst layer) {moe[0]['moe_max_violation']:.2f} -> "
+          f"{moe[-1]['moe_max_violation']:.2f}; per-layer, per-expert counts in {sys.argv[1][:-len('metrics.jsonl')]}moe_load.npz")
 PY

@@ -11,6 +11,7 @@ from typing import Callable
 
 from moetron.core.config import Config, ConfigError, StrEnum
 from moetron.core.layers.attention import AttentionConfig
+from moetron.core.moe.config import MoEConfig, RouterConfig, RouterScore
 
 
 class BlockType(StrEnum):
@@ -38,7 +39,9 @@ class ModelConfig(Config):
     attention: AttentionConfig = dataclasses.field(default_factory=AttentionConfig)
     """Heads, KV heads, head dim, QK-norm, RoPE theta."""
     mlp_hidden: int = 768
-    """SwiGLU hidden width."""
+    """SwiGLU hidden width of the dense layers."""
+    moe: MoEConfig | None = None
+    """Mixture-of-experts MLPs (None = a dense model); moe.dense_layers keep the dense MLP."""
     block_type: BlockType = BlockType.reordered_norm
     """Where the norms sit (see BlockType)."""
     sliding_window: int | None = 4096
@@ -75,6 +78,8 @@ class ModelConfig(Config):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
         self.attention.validate_for(self.d_model, "model.attention")
+        if self.moe is not None:
+            self.moe.validate_for(self.n_layers)
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError(f"model.sliding_window must be positive or null, got {self.sliding_window}")
         if self.layer_types is not None:
@@ -90,18 +95,26 @@ class ModelConfig(Config):
     def num_embedding_params(self) -> int:
         return self.vocab_size * self.d_model
 
-    def num_block_params(self) -> int:
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and layer not in self.moe.dense_layers
+
+    def num_block_params(self, layer: int, active: bool = False) -> int:
         attn = self.attention.num_params(self.d_model)
-        mlp = 3 * self.d_model * self.mlp_hidden
+        if self.is_moe_layer(layer):
+            mlp = self.moe.num_active_params(self.d_model) if active else self.moe.num_params(self.d_model)
+        else:
+            mlp = 3 * self.d_model * self.mlp_hidden
         return attn + mlp + 2 * self.d_model
 
     def num_params(self) -> int:
         """All parameters: embedding, blocks, final norm, untied LM head."""
-        return self.num_embedding_params() * 2 + self.n_layers * self.num_block_params() + self.d_model
+        blocks = sum(self.num_block_params(i) for i in range(self.n_layers))
+        return self.num_embedding_params() * 2 + blocks + self.d_model
 
     def num_active_params(self) -> int:
-        """Parameters used per token (equal to num_params for a dense model)."""
-        return self.num_params()
+        """Parameters used per token: top-k routed experts, shared experts, router, the rest."""
+        blocks = sum(self.num_block_params(i, active=True) for i in range(self.n_layers))
+        return self.num_embedding_params() * 2 + blocks + self.d_model
 
     def num_flops_params(self) -> int:
         """Active parameters that do matmul work: all but the input embedding (a lookup)."""
@@ -118,7 +131,8 @@ class ModelConfig(Config):
         return 6.0 * self.num_flops_params() + attn
 
     def describe(self) -> str:
-        return f"{_fmt(self.num_active_params())} active, {_fmt(self.num_params())} total params"
+        kind = f"MoE {self.moe.num_experts}E top-{self.moe.router.top_k}" if self.moe else "dense"
+        return f"{kind}, {_fmt(self.num_active_params())} active, {_fmt(self.num_params())} total params"
 
     def build(self, device=None):
         from .transformer import Transformer
@@ -162,6 +176,70 @@ class ModelConfig(Config):
         )
 
     @classmethod
+    def tiny_moe(cls) -> "ModelConfig":
+        """The 3.2B family's block design at CPU size: top-4 of 16 experts + 1 shared, first layer dense."""
+        return cls(
+            d_model=256,
+            n_layers=4,
+            vocab_size=4096,
+            attention=AttentionConfig(n_heads=4, n_kv_heads=2, rope_theta=10_000.0),
+            mlp_hidden=5 * 128,
+            sliding_window=64,
+            moe=MoEConfig(num_experts=16, expert_hidden=128, router=RouterConfig(top_k=4), num_shared_experts=1,
+                          dense_layers=[0]),
+        )
+
+    @classmethod
+    def olmo3_moe(cls, num_experts: int) -> "ModelConfig":
+        """The OLMo-core 3 MoE family at about 3.2B active: 8 layers x 4096, 32 heads x 128 (8 KV),
+        top-4 of num_experts experts of hidden 4096 + 1 shared expert of 4096, the first layer dense
+        (its MLP as wide as the active experts: 5 x 4096), seq 8192."""
+        return cls(
+            d_model=4096,
+            n_layers=8,
+            vocab_size=100352,
+            attention=AttentionConfig(n_heads=32, n_kv_heads=8, head_dim=128, rope_theta=500_000.0),
+            mlp_hidden=5 * 4096,
+            sliding_window=4096,
+            moe=MoEConfig(num_experts=num_experts, expert_hidden=4096, router=RouterConfig(top_k=4),
+                          num_shared_experts=1, dense_layers=[0]),
+        )
+
+    @classmethod
+    def olmoe_1b_7b(cls) -> "ModelConfig":
+        """OLMoE-1B-7B's shape: 16 x 2048, 16 heads MHA, 64 experts top-8 of hidden 1024, pre-norm,
+        QK-norm, RoPE 10k, softmax routing without top-k renormalization, vocab 50304."""
+        return cls(
+            d_model=2048,
+            n_layers=16,
+            vocab_size=50304,
+            attention=AttentionConfig(n_heads=16, rope_theta=10_000.0),
+            mlp_hidden=1024,
+            block_type=BlockType.pre_norm,
+            sliding_window=None,
+            norm_eps=1e-5,
+            moe=MoEConfig(num_experts=64, expert_hidden=1024,
+                          router=RouterConfig(top_k=8, renormalize=False, score=RouterScore.softmax)),
+        )
+
+    @classmethod
+    def moe_1t(cls, num_experts: int = 128) -> "ModelConfig":
+        """OLMo-core 3 "Ultra-128E": 63 x 6144, attention 64 heads x 128 (32 KV), 128 routed experts of
+        hidden 8192 + 1 shared of 8192, top-4: 58.4B active, 1.2T total (256 experts: 2.38T).
+        The published totals pin two dense layers (MLP as wide as the active experts); we take the
+        first two, as the 3.2B family keeps its first layer dense."""
+        return cls(
+            d_model=6144,
+            n_layers=63,
+            vocab_size=100352,
+            attention=AttentionConfig(n_heads=64, n_kv_heads=32, head_dim=128, rope_theta=500_000.0),
+            mlp_hidden=5 * 8192,
+            sliding_window=4096,
+            moe=MoEConfig(num_experts=num_experts, expert_hidden=8192, router=RouterConfig(top_k=4),
+                          num_shared_experts=1, dense_layers=[0, 1]),
+        )
+
+    @classmethod
     def preset(cls, name: str) -> "ModelConfig":
         key = name.replace("_", "-").lower()
         if key not in PRESETS:
@@ -184,4 +262,9 @@ PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "tiny": ModelConfig.tiny,
     "olmo3-7b": ModelConfig.olmo3_7b,
     "olmo3-32b": ModelConfig.olmo3_32b,
+    "tiny-moe": ModelConfig.tiny_moe,
+    **{f"olmo3-moe-{e}e": (lambda e=e: ModelConfig.olmo3_moe(e)) for e in (8, 16, 32, 48, 64, 128)},
+    "olmoe-1b-7b": ModelConfig.olmoe_1b_7b,
+    "moe-1t": ModelConfig.moe_1t,
+    "moe-2.4t": lambda: ModelConfig.moe_1t(256),
 }

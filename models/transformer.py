@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetron.core.layers import Attention, RMSNorm, SwiGLU
+from moetron.core.moe import MoELayer
 
 from .config import BlockType, ModelConfig
 
@@ -19,7 +20,8 @@ class Block(nn.Module):
         super().__init__()
         self.block_type = cfg.block_type
         self.attention = Attention(cfg.d_model, cfg.attention, cfg.window_of(layer), cfg.norm_eps, device)
-        self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden, device)
+        self.is_moe = cfg.is_moe_layer(layer)
+        self.mlp = MoELayer(cfg.d_model, cfg.moe, device) if self.is_moe else SwiGLU(cfg.d_model, cfg.mlp_hidden, device)
         self.attention_norm = RMSNorm(cfg.d_model, cfg.norm_eps, device)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, device)
 
@@ -53,6 +55,8 @@ class Transformer(nn.Module):
                 nn.init.trunc_normal_(module.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
             elif isinstance(module, RMSNorm):
                 module.reset_parameters()
+            elif isinstance(module, MoELayer):
+                module.init_weights(std)
 
     def forward(self, input_ids_BS: torch.Tensor) -> torch.Tensor:
         """Token ids [B, S] -> logits [B, S, V]."""
@@ -60,6 +64,25 @@ class Transformer(nn.Module):
         for block in self.blocks.values():
             h_BSD = block(h_BSD)
         return self.lm_head(self.norm(h_BSD))
+
+    # ---- MoE hooks the trainer calls (no-ops for a dense model) -----------------------------
+    def moe_layers(self) -> dict[int, MoELayer]:
+        return {int(i): b.mlp for i, b in self.blocks.items() if b.is_moe}
+
+    def aux_losses(self) -> dict[str, torch.Tensor]:
+        """The weighted auxiliary losses of the last forward, summed over layers, by name."""
+        total: dict[str, torch.Tensor] = {}
+        for layer in self.moe_layers().values():
+            for name, value in layer.aux_losses.items():
+                total[name] = total[name] + value if name in total else value
+        return total
+
+    def post_optimizer_step(self) -> None:
+        for layer in self.moe_layers().values():
+            layer.update_expert_bias()
+
+    def pop_load_stats(self) -> dict[int, dict[str, torch.Tensor]]:
+        return {i: layer.pop_load_stats() for i, layer in self.moe_layers().items()}
 
 
 def cross_entropy_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:

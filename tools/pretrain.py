@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[PretrainConfig, argparse.
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )
     parser.add_argument("--config", help="YAML file with a PretrainConfig (overrides apply on top)")
-    parser.add_argument("--preset", help="model preset: tiny, olmo3-7b, olmo3-32b")
+    parser.add_argument("--preset", help="model preset (tiny, tiny-moe, olmo3-7b, olmo3-moe-64e, olmoe-1b-7b, moe-1t ...)")
     parser.add_argument(
         "--resume", nargs="?", const=True, default=False,
         help="continue from the latest complete checkpoint in --checkpoint.dir, or from the given path",
@@ -110,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         for block in model.blocks.values():
             block.compile()
     if world > 1:
+        # Load-balance losses, the expert-bias update and load metrics count every rank's tokens.
+        for layer in model.moe_layers().values():
+            layer.balance_group = torch.distributed.group.WORLD
         model = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None
         )

@@ -1,0 +1,62 @@
+"""The token dispatcher interface: dispatch -> experts -> combine.
+
+The MoE layer never knows where its experts live. A dispatcher takes the tokens and their
+routing, returns the rows for *this rank's* experts in one contiguous expert-sorted buffer with
+the per-local-expert offsets, and later brings the expert outputs back into token order with the
+routing weights. ``LocalDispatcher`` (all experts on this rank) is here; the expert-parallel
+all-to-all dispatcher lives in moetron.parallel and implements the same interface.
+
+Legend: T tokens, D model dim, K experts per token, E experts, R expert-sorted rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .kernels.ops import combine_rows, route, scatter_rows
+
+
+@dataclass
+class DispatchResult:
+    x_RD: torch.Tensor
+    """Rows for this rank's experts, grouped by local expert."""
+    offsets_E: torch.Tensor
+    """int32 [local experts], inclusive cumsum of rows per local expert (torch._grouped_mm's offs)."""
+    tokens_per_expert_E: torch.Tensor
+    """int32 [all experts], slots routed to each expert by this rank's tokens, before dropping."""
+    kept_per_expert_E: torch.Tensor
+    """int32 [all experts], the same after capacity dropping."""
+    state: Any
+    """Whatever combine() needs to undo the dispatch."""
+
+
+class TokenDispatcher:
+    """Interface: the MoE layer calls dispatch(), runs the local experts, then combine()."""
+
+    num_local_experts: int
+
+    def dispatch(
+        self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, num_experts: int, capacity: int | None
+    ) -> DispatchResult:
+        raise NotImplementedError
+
+    def combine(self, y_RD: torch.Tensor, topk_weights_TK: torch.Tensor, result: DispatchResult) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class LocalDispatcher(TokenDispatcher):
+    """Every expert on this rank: a routing plan, a scatter into the buffer, a weighted gather back."""
+
+    def __init__(self, num_experts: int):
+        self.num_local_experts = num_experts
+
+    def dispatch(self, x_TD, topk_ids_TK, num_experts, capacity):
+        plan = route(topk_ids_TK, num_experts, capacity)
+        x_RD = scatter_rows(x_TD, plan.dest_row_TK, plan.num_rows)
+        return DispatchResult(x_RD, plan.offsets_E, plan.tokens_per_expert_E, plan.kept_per_expert_E, plan)
+
+    def combine(self, y_RD, topk_weights_TK, result):
+        return combine_rows(y_RD, result.state.dest_row_TK, topk_weights_TK)

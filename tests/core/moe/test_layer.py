@@ -1,0 +1,179 @@
+"""The MoE layer against a naive loop over tokens and their k experts, written independently."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moetron.core.config import ConfigError
+from moetron.core.moe import LoadBalanceGranularity, MoEConfig, MoELayer, RouterConfig, load_balance_loss, z_loss
+from moetron.models import ModelConfig
+
+D, E, FH = 16, 6, 12
+
+
+def naive_moe(layer: MoELayer, x_TD: torch.Tensor, capacity: int | None):
+    """Float64 loops: route each token, run each chosen expert on it, weight and sum."""
+    cfg = layer.cfg.router
+    W = layer.router.weight.double()
+    out = torch.zeros(x_TD.shape, dtype=torch.float64)
+    used = [0] * E
+    for t in range(x_TD.shape[0]):
+        x = x_TD[t].double()
+        logits = W @ x
+        scores = torch.softmax(logits, 0) if cfg.score == "softmax" else torch.sigmoid(logits)
+        chosen = sorted(range(E), key=lambda e: -float(scores[e].detach()))[: cfg.top_k]
+        weights = [scores[e] for e in chosen]
+        if cfg.renormalize:
+            s = sum(weights)
+            weights = [w / s for w in weights]
+        for e, w in zip(chosen, weights):
+            used[e] += 1
+            if capacity is not None and used[e] > capacity:
+                continue  # dropped: later slots of a full expert contribute nothing
+            gu = layer.experts.w_gate_up[e].double() @ x
+            h = F.silu(gu[:FH]) * gu[FH:]
+            out[t] += cfg.scale * w * (layer.experts.w_down[e].double() @ h)
+        if layer.shared is not None:
+            s = layer.shared
+            out[t] += s.down_proj.weight.double() @ (F.silu(s.gate_proj.weight.double() @ x) * (s.up_proj.weight.double() @ x))
+    return out
+
+
+def make_layer(**kw):
+    router = RouterConfig(**{"top_k": 2, "lb_loss_weight": 0.0, **kw.pop("router", {})})
+    cfg = MoEConfig(num_experts=E, expert_hidden=FH, router=router, **kw)
+    cfg.validate_for(4)
+    torch.manual_seed(0)
+    layer = MoELayer(D, cfg)
+    layer.init_weights(0.3)
+    if layer.shared is not None:
+        for p in layer.shared.parameters():
+            torch.nn.init.normal_(p, std=0.3)
+    return layer.double()
+
+
+CASES = [
+    dict(router=dict(score="softmax", renormalize=True)),
+    dict(router=dict(score="softmax", renormalize=False)),
+    dict(router=dict(score="sigmoid", renormalize=True)),
+    dict(router=dict(score="sigmoid", renormalize=False, scale=2.5)),
+    dict(router=dict(score="softmax", top_k=3), num_shared_experts=1, shared_expert_hidden=8),
+    dict(router=dict(score="softmax", top_k=2), capacity_factor=0.5),
+    dict(router=dict(score="sigmoid", top_k=1), capacity_factor=1.0, num_shared_experts=2),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[str(i) for i in range(len(CASES))])
+def test_layer_matches_naive_loop(case):
+    layer = make_layer(**case)
+    x = torch.randn(2, 9, D, dtype=torch.float64, requires_grad=True)
+    out = layer(x)
+    capacity = layer.cfg.capacity(18)
+    x_ref = x.detach().clone().requires_grad_()
+    params = dict(layer.named_parameters())
+    ref = naive_moe(layer, x_ref.view(-1, D), capacity).view(2, 9, D)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    if layer.cfg.capacity_factor is not None:
+        assert layer.log_dropped.item() > 0  # the case really drops
+    # gradients: input and every parameter
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad((out * g).sum(), [x, *params.values()], allow_unused=True)
+    grads_ref = torch.autograd.grad((ref * g).sum(), [x_ref, *params.values()], allow_unused=True)
+    for name, a, b in zip(["x", *params], grads, grads_ref):
+        if a is None and b is None:
+            continue
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10, msg=name)
+
+
+def test_group_limited_routing_picks_within_best_groups():
+    layer = make_layer(router=dict(top_k=2, n_groups=3, topk_groups=1))
+    x = torch.randn(40, D, dtype=torch.float64)
+    ids = layer.router(x).topk_ids_TK
+    assert torch.equal(ids[:, 0] // 2, ids[:, 1] // 2)  # both experts from one group of 2
+
+
+def test_load_balance_loss_hand_values():
+    probs = torch.tensor([[0.9, 0.1], [0.7, 0.3]])
+    ids = torch.tensor([[0], [0]])
+    counts = torch.tensor([2, 0])
+    # f = [1, 0], P = [0.8, 0.2]: 2 * (1 * 0.8) = 1.6
+    assert load_balance_loss(probs, ids, counts, LoadBalanceGranularity.micro_batch, 1).item() == pytest.approx(1.6)
+    # uniform routing and probabilities give exactly 1
+    probs_u = torch.full((4, 4), 0.25)
+    ids_u = torch.tensor([[0, 1], [2, 3], [0, 1], [2, 3]])
+    assert load_balance_loss(probs_u, ids_u, torch.tensor([2, 2, 2, 2]), "micro_batch", 1).item() == pytest.approx(1.0)
+    # sequence-level: seq 0 = tokens 0-1 all on expert 0 (f=[1,0], P=[.8,.2] -> 1.6);
+    # seq 1 = tokens 2-3 split (f=[.5,.5], P=[.5,.5] -> 1.0); mean 1.3
+    probs_s = torch.tensor([[0.9, 0.1], [0.7, 0.3], [0.5, 0.5], [0.5, 0.5]])
+    ids_s = torch.tensor([[0], [0], [0], [1]])
+    got = load_balance_loss(probs_s, ids_s, torch.tensor([3, 1]), "sequence", 2)
+    assert got.item() == pytest.approx(1.3)
+
+
+def test_z_loss_hand_value():
+    assert z_loss(torch.zeros(3, 2)).item() == pytest.approx(math.log(2) ** 2)
+    assert z_loss(torch.tensor([[0.0, math.log(3.0)]])).item() == pytest.approx(math.log(4.0) ** 2)
+
+
+def test_aux_losses_reported_and_weighted():
+    layer = make_layer(router=dict(lb_loss_weight=0.5, z_loss_weight=0.1))
+    x = torch.randn(2, 5, D, dtype=torch.float64)
+    layer(x)
+    r = layer.router(x.view(-1, D))
+    assert set(layer.aux_losses) == {"lb_loss", "z_loss"}
+    assert layer.aux_losses["z_loss"].item() == pytest.approx(0.1 * z_loss(r.logits_TE).item())
+    layer.eval()
+    layer(x)
+    assert layer.aux_losses == {}  # evaluation adds no auxiliary losses
+
+
+def test_expert_bias_moves_load_toward_balance():
+    """A skewed stream (inputs leaning toward expert 0's router row) gets balanced by the bias."""
+    torch.manual_seed(0)
+    cfg = MoEConfig(num_experts=8, expert_hidden=8,
+                    router=RouterConfig(top_k=2, expert_bias=True, bias_update_rate=1e-3, lb_loss_weight=0.0))
+    layer = MoELayer(D, cfg)
+    layer.init_weights(0.5)
+    skew = layer.router.weight.detach()[0].clone()
+
+    def violation(steps=20):
+        """max/mean - 1 of the load over `steps` batches, the bias held fixed."""
+        layer.pop_load_stats()
+        with torch.no_grad():
+            for _ in range(steps):
+                layer(torch.randn(4, 64, D) + skew)
+        layer.step_tokens_E.zero_()
+        counts = layer.pop_load_stats()["tokens_per_expert"]
+        return (counts.max() / counts.mean() - 1).item()
+
+    before = violation()
+    for _ in range(400):
+        with torch.no_grad():
+            layer(torch.randn(4, 64, D) + skew)
+        layer.update_expert_bias()
+    after = violation()
+    assert before > 1.5 and after < 0.25 * before, (before, after)
+    bias = layer.router.expert_bias
+    assert bias[0] == bias.min()  # the over-loaded expert got the lowest bias
+    assert layer.router.weight.grad is None  # moved without gradients
+
+
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        (dict(router=RouterConfig(top_k=9)), "top_k=9 exceeds model.moe.num_experts=8"),
+        (dict(router=RouterConfig(top_k=2, n_groups=3, topk_groups=1)), "does not split into n_groups=3"),
+        (dict(capacity_factor=0.0), "capacity_factor must be positive"),
+        (dict(dense_layers=[7]), "not layers of a 4-layer model"),
+    ],
+)
+def test_bad_moe_configs(kw, message):
+    with pytest.raises(ConfigError, match=message):
+        MoEConfig(num_experts=8, **kw).validate_for(4)
+
+
+def test_unknown_router_type():
+    with pytest.raises(ConfigError, match="score: 'relu' is not one of 'softmax', 'sigmoid'"):
+        ModelConfig.tiny_moe().apply_overrides(["--moe.router.score=relu"])
