@@ -97,12 +97,12 @@ def load_balance_loss(
         P_BE = probs_TE.reshape(B, T // B, E).mean(dim=1)
         return E * (f_BE * P_BE).sum(dim=-1).mean()
     counts_E = tokens_per_expert_E.float()
-    total = torch.tensor(float(T * K), device=probs_TE.device)
+    total = T * K
     if granularity == LoadBalanceGranularity.global_batch and group is not None and dist.get_world_size(group) > 1:
         # A device collective, no host sync: every rank of the group sees the global routed fractions.
         counts_E = counts_E.clone()
         dist.all_reduce(counts_E, group=group)
-        total = total * dist.get_world_size(group)
+        total *= dist.get_world_size(group)
     f_E = counts_E / total
     P_E = probs_TE.mean(dim=0)
     return E * (f_E * P_E).sum()

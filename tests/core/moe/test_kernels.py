@@ -1,0 +1,384 @@
+"""Routing kernels: reference vs naive loops, Triton (interpreted on CPU) vs reference, GPU checks.
+
+The Triton kernels run on the CPU under TRITON_INTERPRET=1, which must be set before triton.jit
+decorates them; so one subprocess (this file run as a script) computes every Triton case, and the
+tests compare its saved results with the reference computed here. GPU tests are marked `gpu`.
+
+Shape legend: T tokens, K top-k, E experts, D model dim, R buffer rows.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import NamedTuple
+
+import pytest
+import torch
+
+from moetron.core.moe.kernels import RoutingPlan, combine_rows, reference, route, scatter_rows, use_backend
+
+
+class Case(NamedTuple):
+    T: int
+    K: int
+    E: int
+    capacity: int | None
+    ids: str  # "random" | "one_expert" (all slots on one expert, the others empty) | "skewed"
+    id_dtype: torch.dtype = torch.int64
+    D: int = 24
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def name(self) -> str:
+        dt = str(self.dtype).removeprefix("torch.")
+        ids = str(self.id_dtype).removeprefix("torch.")
+        return f"T{self.T}-K{self.K}-E{self.E}-cap{self.capacity}-{self.ids}-{ids}-D{self.D}-{dt}"
+
+
+CASES = [
+    Case(37, 2, 3, None, "random"),
+    Case(37, 2, 3, 5, "random", torch.int32),
+    Case(131, 8, 64, None, "random", torch.int32),
+    Case(131, 8, 64, 3, "skewed"),
+    Case(131, 4, 8, None, "one_expert"),
+    Case(131, 4, 8, 17, "one_expert", torch.int32),
+    Case(64, 1, 1, None, "random"),
+    Case(64, 1, 1, 10, "random", torch.int32),
+    Case(200, 8, 8, 0, "random"),  # capacity 0 drops everything
+    Case(50, 4, 64, None, "skewed", D=40, dtype=torch.bfloat16),
+    Case(50, 4, 8, 6, "random", torch.int32, D=40, dtype=torch.bfloat16),
+    Case(1, 2, 3, None, "random", D=8),
+    Case(0, 2, 3, None, "random"),
+    Case(300, 8, 256, 2, "skewed", D=8),  # T*K > 1024: several route blocks
+]
+
+
+def make_ids(case: Case, gen: torch.Generator) -> torch.Tensor:
+    """Distinct experts per token (like top-k), drawn to give the pattern the case names."""
+    T, K, E = case.T, case.K, case.E
+    if case.ids == "one_expert":
+        assert K == 1 or E >= K
+        # Slot k of every token goes to expert k: with K=4 of E=8, experts 4..7 stay empty.
+        ids = torch.arange(K).expand(T, K).clone()
+    else:
+        scores = torch.rand(T, E, generator=gen)
+        if case.ids == "skewed":  # a few hot experts, many cold or empty ones
+            scores = scores * torch.linspace(4.0, 0.0, E) ** 3
+        ids = scores.topk(min(K, E), dim=-1).indices
+        if K > E:
+            ids = torch.randint(0, E, (T, K), generator=gen)
+    return ids.to(case.id_dtype)
+
+
+def run_case(case: Case, seed: int) -> dict[str, torch.Tensor | int]:
+    """Route, scatter and combine forward and backward with the current backend; return everything."""
+    gen = torch.Generator().manual_seed(seed)
+    ids_TK = make_ids(case, gen)
+    plan = route(ids_TK, case.E, case.capacity)
+    R = plan.num_rows
+    x_TD = torch.randn(case.T, case.D, generator=gen).to(case.dtype).requires_grad_()
+    y_RD = torch.randn(R, case.D, generator=gen).to(case.dtype).requires_grad_()
+    w_TK = torch.rand(case.T, case.K, generator=gen).requires_grad_()
+    grad_RD = torch.randn(R, case.D, generator=gen).to(case.dtype)
+    grad_TD = torch.randn(case.T, case.D, generator=gen).to(case.dtype)
+
+    x_RD = scatter_rows(x_TD, plan.dest_row_TK, R)
+    x_RD.backward(grad_RD)
+    out_TD = combine_rows(y_RD, plan.dest_row_TK, w_TK)
+    out_TD.backward(grad_TD)
+    out1_TD = combine_rows(y_RD.detach(), plan.dest_row_TK)  # unweighted form
+    return {
+        "tokens_per_expert_E": plan.tokens_per_expert_E,
+        "kept_per_expert_E": plan.kept_per_expert_E,
+        "offsets_E": plan.offsets_E,
+        "dest_row_TK": plan.dest_row_TK,
+        "num_rows": R,
+        "x_RD": x_RD.detach(),
+        "out_TD": out_TD.detach(),
+        "out1_TD": out1_TD,
+        "grad_x_TD": x_TD.grad,
+        "grad_y_RD": y_RD.grad,
+        "grad_w_TK": w_TK.grad,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# naive oracles: loops over slots, independent of the code under test
+# ---------------------------------------------------------------------------------------------
+
+
+def naive_route(ids_TK: torch.Tensor, E: int, capacity: int | None):
+    T, K = ids_TK.shape
+    ids = ids_TK.tolist()
+    tokens_per_expert = [0] * E
+    for t in range(T):
+        for k in range(K):
+            tokens_per_expert[ids[t][k]] += 1
+    kept = [c if capacity is None else min(c, capacity) for c in tokens_per_expert]
+    offsets, total = [], 0
+    for c in kept:
+        total += c
+        offsets.append(total)
+    dest = [[-1] * K for _ in range(T)]
+    seen = [0] * E
+    for t in range(T):  # flat order t*K + k: earlier tokens take the rows first
+        for k in range(K):
+            e = ids[t][k]
+            if capacity is None or seen[e] < capacity:
+                dest[t][k] = offsets[e] - kept[e] + seen[e]
+            seen[e] += 1
+    num_rows = T * K if capacity is None else min(T * K, E * capacity)
+    i32 = torch.int32
+    return (
+        torch.tensor(tokens_per_expert, dtype=i32),
+        torch.tensor(kept, dtype=i32),
+        torch.tensor(offsets, dtype=i32),
+        torch.tensor(dest, dtype=i32).view(T, K),
+        num_rows,
+    )
+
+
+def naive_scatter(x_TD, dest_TK, R):
+    out = torch.zeros(R, x_TD.shape[1], dtype=x_TD.dtype)
+    for t in range(dest_TK.shape[0]):
+        for k in range(dest_TK.shape[1]):
+            if dest_TK[t, k] >= 0:
+                out[dest_TK[t, k]] = x_TD[t]
+    return out
+
+
+def naive_combine(y_RD, dest_TK, w_TK):
+    out = torch.zeros(dest_TK.shape[0], y_RD.shape[1], dtype=torch.float64)
+    for t in range(dest_TK.shape[0]):
+        for k in range(dest_TK.shape[1]):
+            if dest_TK[t, k] >= 0:
+                out[t] += float(w_TK[t, k]) * y_RD[dest_TK[t, k]].double()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) the reference against the naive loops
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_reference_route_matches_naive(case):
+    ids_TK = make_ids(case, torch.Generator().manual_seed(1))
+    plan = reference.route(ids_TK, case.E, case.capacity)
+    expected = naive_route(ids_TK, case.E, case.capacity)
+    assert isinstance(plan, RoutingPlan)
+    for got, want in zip(plan, expected):
+        if isinstance(want, int):
+            assert got == want
+        else:
+            assert got.dtype == torch.int32 and torch.equal(got, want)
+    # Kept rows tile [0, offsets[-1]) exactly once: the layout is compact.
+    if case.T:
+        kept_rows = plan.dest_row_TK[plan.dest_row_TK >= 0].sort().values
+        assert torch.equal(kept_rows, torch.arange(int(plan.offsets_E[-1]), dtype=torch.int32))
+        assert int(plan.offsets_E[-1]) <= plan.num_rows
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_reference_rows_match_naive(case):
+    gen = torch.Generator().manual_seed(2)
+    ids_TK = make_ids(case, gen)
+    plan = reference.route(ids_TK, case.E, case.capacity)
+    x_TD = torch.randn(case.T, case.D, generator=gen).to(case.dtype)
+    y_RD = torch.randn(plan.num_rows, case.D, generator=gen).to(case.dtype)
+    w_TK = torch.rand(case.T, case.K, generator=gen)
+    x_RD = reference.scatter_rows(x_TD, plan.dest_row_TK, plan.num_rows)
+    assert torch.equal(x_RD, naive_scatter(x_TD, plan.dest_row_TK, plan.num_rows))
+    out_TD = reference.combine_rows(y_RD, plan.dest_row_TK, w_TK)
+    assert out_TD.dtype == case.dtype
+    tol = dict(rtol=1e-2, atol=1e-2) if case.dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out_TD.double(), naive_combine(y_RD, plan.dest_row_TK, w_TK), **tol)
+
+
+@pytest.mark.parametrize("capacity", [None, 3])
+def test_reference_gradcheck(capacity):
+    gen = torch.Generator().manual_seed(3)
+    T, K, E, D = 13, 3, 4, 5
+    ids_TK = make_ids(Case(T, K, E, capacity, "random"), gen)
+    with use_backend("torch"):
+        plan = route(ids_TK, E, capacity)
+        x_TD = torch.randn(T, D, dtype=torch.float64, generator=gen, requires_grad=True)
+        y_RD = torch.randn(plan.num_rows, D, dtype=torch.float64, generator=gen, requires_grad=True)
+        w_TK = torch.rand(T, K, dtype=torch.float64, generator=gen, requires_grad=True)
+        dest = plan.dest_row_TK
+        assert torch.autograd.gradcheck(lambda x: scatter_rows(x, dest, plan.num_rows), (x_TD,))
+        assert torch.autograd.gradcheck(lambda y, w: combine_rows(y, dest, w), (y_RD, w_TK))
+        assert torch.autograd.gradcheck(lambda y: combine_rows(y, dest), (y_RD,))
+
+
+def test_ops_opcheck_and_compile():
+    """custom_op registrations (fake impls, autograd) hold, and compile traces without breaks."""
+    gen = torch.Generator().manual_seed(4)
+    T, K, E, D = 16, 2, 4, 8
+    ids_TK = make_ids(Case(T, K, E, 5, "random"), gen)
+    x_TD = torch.randn(T, D, generator=gen, requires_grad=True)
+    w_TK = torch.rand(T, K, generator=gen, requires_grad=True)
+    with use_backend("torch"):
+        plan = route(ids_TK, E, 5)
+        y_RD = torch.randn(plan.num_rows, D, generator=gen, requires_grad=True)
+        ops = torch.ops.moetron
+        torch.library.opcheck(ops.route, (ids_TK, E, 5, False))
+        torch.library.opcheck(ops.scatter_rows, (x_TD, plan.dest_row_TK, plan.num_rows, False))
+        torch.library.opcheck(ops.combine_rows, (y_RD, plan.dest_row_TK, w_TK, False))
+
+        def step(ids, x, w):
+            p = route(ids, E, 5)
+            x_RD = scatter_rows(x, p.dest_row_TK, p.num_rows)
+            return combine_rows(x_RD * 2.0, p.dest_row_TK, w)
+
+        eager = step(ids_TK, x_TD, w_TK)
+        compiled = torch.compile(step, backend="aot_eager", fullgraph=True)(ids_TK, x_TD, w_TK)
+        torch.testing.assert_close(compiled, eager)
+
+
+def test_triton_backend_on_cpu_needs_interpreter():
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("interpreter is on")
+    with use_backend("triton"), pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        route(torch.zeros(4, 2, dtype=torch.int64), 3)
+
+
+# ---------------------------------------------------------------------------------------------
+# (b) Triton under the interpreter against the reference
+# ---------------------------------------------------------------------------------------------
+
+
+def _seed(i: int) -> int:
+    return 1000 + i
+
+
+@pytest.fixture(scope="module")
+def triton_results(tmp_path_factory):
+    path = tmp_path_factory.mktemp("triton") / "results.pt"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), str(path)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return torch.load(path)
+
+
+def _assert_results_match(got: dict, want: dict, exact_floats: bool):
+    for key, value in want.items():
+        if isinstance(value, int):
+            assert got[key] == value, key
+        elif key == "grad_w_TK":  # fp32 dots over D (up to a few thousand) in another order
+            torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-4, msg=key)
+        elif not exact_floats:
+            torch.testing.assert_close(got[key], value, msg=key)
+        else:
+            assert got[key].dtype == value.dtype, key
+            assert torch.equal(got[key], value), key
+
+
+@pytest.mark.parametrize("i", range(len(CASES)), ids=[c.name for c in CASES])
+def test_triton_interpreted_matches_reference(triton_results, i):
+    with use_backend("torch"):
+        want = run_case(CASES[i], _seed(i))
+    # The interpreter casts fp32 -> bf16 by truncation where the GPU rounds to nearest even, so
+    # bf16 outputs are within an ulp there; fp32 ones, and all of them on the GPU, are bit-exact.
+    _assert_results_match(triton_results[i], want, exact_floats=CASES[i].dtype != torch.bfloat16)
+
+
+def _interpreter_main(path: str) -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    with use_backend("triton"):
+        results = [run_case(case, _seed(i)) for i, case in enumerate(CASES)]
+    torch.save(results, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# (c) GPU: Triton against the reference at realistic sizes, and no host syncs
+# ---------------------------------------------------------------------------------------------
+
+
+def run_case_cuda(case: Case, seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    ids_TK = make_ids(case, gen).cuda()
+    plan = route(ids_TK, case.E, case.capacity)
+    R = plan.num_rows
+    x_TD = torch.randn(case.T, case.D, generator=gen).to("cuda", case.dtype).requires_grad_()
+    y_RD = torch.randn(R, case.D, generator=gen).to("cuda", case.dtype).requires_grad_()
+    w_TK = torch.rand(case.T, case.K, generator=gen).cuda().requires_grad_()
+    grad_RD = torch.randn(R, case.D, generator=gen).to("cuda", case.dtype)
+    grad_TD = torch.randn(case.T, case.D, generator=gen).to("cuda", case.dtype)
+    x_RD = scatter_rows(x_TD, plan.dest_row_TK, R)
+    x_RD.backward(grad_RD)
+    out_TD = combine_rows(y_RD, plan.dest_row_TK, w_TK)
+    out_TD.backward(grad_TD)
+    return {
+        "tokens_per_expert_E": plan.tokens_per_expert_E,
+        "kept_per_expert_E": plan.kept_per_expert_E,
+        "offsets_E": plan.offsets_E,
+        "dest_row_TK": plan.dest_row_TK,
+        "num_rows": R,
+        "x_RD": x_RD.detach(),
+        "out_TD": out_TD.detach(),
+        "out1_TD": combine_rows(y_RD.detach(), plan.dest_row_TK),
+        "grad_x_TD": x_TD.grad,
+        "grad_y_RD": y_RD.grad,
+        "grad_w_TK": w_TK.grad,
+    }
+
+
+GPU_CASES = CASES + [
+    Case(16384, 8, 64, None, "random", D=2048, dtype=torch.bfloat16),
+    Case(16384, 8, 64, 2560, "skewed", torch.int32, D=2048, dtype=torch.bfloat16),
+    Case(16384, 4, 256, None, "skewed", D=1024, dtype=torch.bfloat16),
+    Case(4099, 8, 128, 300, "random", D=4096, dtype=torch.bfloat16),
+    Case(1000, 2, 8, None, "one_expert", D=6144, dtype=torch.float32),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.name)
+def test_gpu_triton_matches_reference(case):
+    got = run_case_cuda_with(case, "triton")
+    want = run_case_cuda_with(case, "torch")
+    # Same fp32 arithmetic in the same order (no FMA contraction in the kernels): bit-exact,
+    # except grad_w's dot over D.
+    _assert_results_match(got, want, exact_floats=True)
+
+
+def run_case_cuda_with(case: Case, backend: str) -> dict:
+    with use_backend(backend):
+        return run_case_cuda(case, 7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_gpu_no_host_sync(backend):
+    T, K, E, D = 4096, 8, 64, 1024
+    ids_TK = torch.randn(T, E, device="cuda").topk(K, dim=-1).indices
+    x_TD = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w_TK = torch.rand(T, K, device="cuda", requires_grad=True)
+    grad_TD = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+
+    def step(capacity):
+        plan = route(ids_TK, E, capacity)
+        x_RD = scatter_rows(x_TD, plan.dest_row_TK, plan.num_rows)
+        out_TD = combine_rows(x_RD * 2, plan.dest_row_TK, w_TK)
+        out_TD.backward(grad_TD)
+
+    with use_backend(backend):
+        step(None)  # compile the kernels first: compilation is not a per-step cost
+        step(300)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step(None)
+            step(300)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+
+
+if __name__ == "__main__":  # the interpreter subprocess of triton_results
+    _interpreter_main(sys.argv[1])
