@@ -111,6 +111,9 @@ def measure(shape: dict, ids_TK: torch.Tensor, tokens: int) -> dict:
     torch.manual_seed(0)
     layer = MoELayer(D, cfg, device="cuda")
     layer.init_weights(0.02)
+    # Expert weights in bf16, as FSDP2's bf16 param_dtype hands them to the layer: the timed GEMMs
+    # then read bf16 weights like the dense reference does, with no per-step fp32 -> bf16 cast.
+    layer.experts.to(torch.bfloat16)
     # Replace the router's choice by the given ids (its logits/softmax/top-k still run and count).
     real_forward = layer.router.forward
 
