@@ -7,7 +7,8 @@ For each layer shape and each routing source it reports:
 - the expert GEMMs' TFLOP/s (grouped GEMMs, fwd + bwd = 18 x rows x D x F FLOPs) beside a dense
   bf16 GEMM doing the same FLOPs on the same rows ([T*K, D] x [D, 2F] and [T*K, F] x [F, D]);
 - the time split router / permute (routing plan + scatter) / expert GEMMs / combine, each timed
-  forward + backward on its own;
+  forward + backward on its own, both eagerly and as GPU time (CUDA graph replay: no Python or
+  launch overhead, which in a real step hides behind the expert GEMMs);
 - host syncs: the layer's forward and backward run under torch.cuda.set_sync_debug_mode("error").
 
 Routing sources: ``uniform`` (each token's k experts drawn uniformly at random) and ``real``
@@ -53,6 +54,26 @@ def bench(fn, warmup: int = 5, iters: int = 20) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return float(np.median(times))
+
+
+def bench_graph(fn) -> float | None:
+    """Median ms of fn captured in a CUDA graph and replayed: the GPU time alone, without the
+    Python and launch overhead that eager timing of a small piece adds (and that a real step
+    hides behind the big GEMMs or removes with graphs/compile). None if capture fails."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception as e:  # report eager numbers only
+        print(f"CUDA graph capture failed ({type(e).__name__}: {e})", file=sys.stderr)
+        return None
+    return bench(graph.replay)
 
 
 def real_routing(num_experts: int, top_k: int, tokens: int, steps: int, cache: str) -> np.ndarray:
@@ -173,8 +194,10 @@ def measure(shape: dict, ids_TK: torch.Tensor, tokens: int) -> dict:
     def combine_part():
         combine_rows(y_RD, plan.dest_row_TK, w_TK).backward(dy_TD)
 
-    parts = {"router": bench(router_part), "permute": bench(permute_part), "experts": bench(experts_part),
-             "combine": bench(combine_part)}
+    fns = {"router": router_part, "permute": permute_part, "experts": experts_part, "combine": combine_part}
+    parts = {k: bench(f) for k, f in fns.items()}
+    parts_graph = {k: bench_graph(f) for k, f in fns.items()}
+    t_layer_graph = bench_graph(whole)
 
     # ---- dense GEMM reference: same rows, same FLOPs, one weight -----------------------------
     R = tokens * K
@@ -202,6 +225,11 @@ def measure(shape: dict, ids_TK: torch.Tensor, tokens: int) -> dict:
         "experts_vs_dense": t_dense / parts["experts"],
         "parts_ms": parts,
         "routing_share_of_layer": (parts["router"] + parts["permute"] + parts["combine"]) / t_layer,
+        "layer_graph_ms": t_layer_graph,
+        "parts_graph_ms": parts_graph,
+        "routing_share_of_layer_graph": (
+            (parts_graph["router"] + parts_graph["permute"] + parts_graph["combine"]) / t_layer_graph
+            if t_layer_graph and all(parts_graph.values()) else None),
         "host_syncs": syncs,
         "max_violation": float(counts.max() / counts.mean() - 1),
     }
@@ -238,6 +266,7 @@ def main(argv=None) -> int:
     head = (f"{'shape':<15} {'routing':<8} {'maxvio':>6} {'layer ms':>8} {'layer TF/s':>10} {'exp TF/s':>8} "
             f"{'dense TF/s':>10} {'exp/dense':>9} {'router':>7} {'permute':>7} {'experts':>7} {'combine':>7} "
             f"{'route%':>6} {'syncs':>5}")
+    print("eager timing (each piece launched from Python):")
     print(head)
     for r in rows:
         pm = r["parts_ms"]
@@ -245,6 +274,14 @@ def main(argv=None) -> int:
               f"{r['layer_tflops']:>10.1f} {r['experts_tflops']:>8.1f} {r['dense_same_shape_tflops']:>10.1f} "
               f"{100 * r['experts_vs_dense']:>8.1f}% {pm['router']:>7.2f} {pm['permute']:>7.2f} {pm['experts']:>7.2f} "
               f"{pm['combine']:>7.2f} {100 * r['routing_share_of_layer']:>5.1f}% {r['host_syncs']:>5}")
+    print("GPU time (CUDA graph replay):")
+    print(f"{'shape':<15} {'routing':<8} {'layer ms':>8} {'router':>7} {'permute':>7} {'experts':>7} {'combine':>7} {'route%':>6}")
+    for r in rows:
+        pg = r["parts_graph_ms"]
+        fmt = lambda v: f"{v:>7.2f}" if v is not None else f"{'-':>7}"
+        share = r["routing_share_of_layer_graph"]
+        print(f"{r['shape']:<15} {r['routing']:<8} {fmt(r['layer_graph_ms']):>8} {fmt(pg['router'])} {fmt(pg['permute'])} "
+              f"{fmt(pg['experts'])} {fmt(pg['combine'])} {(100 * share if share is not None else float('nan')):>5.1f}%")
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         env = {"device": dev, "torch": torch.__version__, "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%d"),
