@@ -7,8 +7,8 @@ For each layer shape and each routing source it reports:
 - the expert GEMMs' TFLOP/s (grouped GEMMs, fwd + bwd = 18 x rows x D x F FLOPs) beside a dense
   bf16 GEMM doing the same FLOPs on the same rows ([T*K, D] x [D, 2F] and [T*K, F] x [F, D]);
 - the time split router / permute (routing plan + scatter) / expert GEMMs / combine, each timed
-  forward + backward on its own, both eagerly and as GPU time (CUDA graph replay: no Python or
-  launch overhead, which in a real step hides behind the expert GEMMs);
+  forward + backward on its own, both eagerly and as GPU kernel time (the profiler's device time:
+  no Python or launch gaps, which in a real step hide behind the expert GEMMs);
 - host syncs: the layer's forward and backward run under torch.cuda.set_sync_debug_mode("error").
 
 Routing sources: ``uniform`` (each token's k experts drawn uniformly at random) and ``real``
@@ -56,24 +56,20 @@ def bench(fn, warmup: int = 5, iters: int = 20) -> float:
     return float(np.median(times))
 
 
-def bench_graph(fn) -> float | None:
-    """Median ms of fn captured in a CUDA graph and replayed: the GPU time alone, without the
-    Python and launch overhead that eager timing of a small piece adds (and that a real step
-    hides behind the big GEMMs or removes with graphs/compile). None if capture fails."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
+def gpu_busy_ms(fn, iters: int = 10) -> float:
+    """Milliseconds of GPU kernel time per call of fn (the profiler's sum of device time): the GPU
+    work alone, without the Python and launch gaps that eager timing of a small piece adds (in a
+    real step those hide behind the expert GEMMs, or go away under CUDA graphs / compile)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
             fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            fn()
-    except Exception as e:  # report eager numbers only
-        print(f"CUDA graph capture failed ({type(e).__name__}: {e})", file=sys.stderr)
-        return None
-    return bench(graph.replay)
+        torch.cuda.synchronize()
+    total_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return total_us / iters / 1e3
 
 
 def real_routing(num_experts: int, top_k: int, tokens: int, steps: int, cache: str) -> np.ndarray:
@@ -196,8 +192,8 @@ def measure(shape: dict, ids_TK: torch.Tensor, tokens: int) -> dict:
 
     fns = {"router": router_part, "permute": permute_part, "experts": experts_part, "combine": combine_part}
     parts = {k: bench(f) for k, f in fns.items()}
-    parts_graph = {k: bench_graph(f) for k, f in fns.items()}
-    t_layer_graph = bench_graph(whole)
+    parts_graph = {k: gpu_busy_ms(f) for k, f in fns.items()}
+    t_layer_graph = gpu_busy_ms(whole)
 
     # ---- dense GEMM reference: same rows, same FLOPs, one weight -----------------------------
     R = tokens * K
@@ -274,7 +270,7 @@ def main(argv=None) -> int:
               f"{r['layer_tflops']:>10.1f} {r['experts_tflops']:>8.1f} {r['dense_same_shape_tflops']:>10.1f} "
               f"{100 * r['experts_vs_dense']:>8.1f}% {pm['router']:>7.2f} {pm['permute']:>7.2f} {pm['experts']:>7.2f} "
               f"{pm['combine']:>7.2f} {100 * r['routing_share_of_layer']:>5.1f}% {r['host_syncs']:>5}")
-    print("GPU time (CUDA graph replay):")
+    print("GPU kernel time (profiler):")
     print(f"{'shape':<15} {'routing':<8} {'layer ms':>8} {'router':>7} {'permute':>7} {'experts':>7} {'combine':>7} {'route%':>6}")
     for r in rows:
         pg = r["parts_graph_ms"]
