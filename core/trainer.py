@@ -24,18 +24,9 @@ from torch import nn
 from .config import Config, ConfigError, StrEnum
 from .distributed import is_main
 from .metrics import MetricsLog, mfu, model_tflops_per_device, peak_tflops
+from .grad import clip_grad_norm_
+from .moe.layer import MoELayer
 from .moe.metrics import LoadLog, summarize
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The user's model inside DDP / torch.compile wrappers (whose hooks the trainer calls)."""
-    while True:
-        inner = getattr(model, "module", None)
-        if inner is None:
-            inner = getattr(model, "_orig_mod", None)
-        if not isinstance(inner, nn.Module):
-            return model
-        model = inner
 
 
 class Precision(StrEnum):
@@ -100,7 +91,7 @@ class Trainer:
     def __init__(
         self,
         cfg: TrainerConfig,
-        model: nn.Module,
+        model: nn.Module | list[nn.Module],
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
@@ -111,10 +102,26 @@ class Trainer:
         run_metadata: dict[str, Any] | None = None,
         world_size: int = 1,
         on_step_end: Callable[[int, dict], None] | None = None,
+        step_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        eval_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        grad_norm_groups: tuple = (),
     ):
+        """``model``: the model, or the list of modules this rank runs (pipeline stages).
+        ``step_fn(batch) -> loss`` replaces the built-in forward/backward over micro-batches (the
+        pipeline schedule supplies one); ``eval_fn(batch) -> loss`` likewise for evaluation.
+        ``grad_norm_groups``: extra groups the squared grad norm is summed over (pipeline stages)."""
         cfg.validate()
         self.cfg = cfg
-        self.model = model
+        self.model_parts = list(model) if isinstance(model, (list, tuple)) else [model]
+        self.model = self.model_parts[0]
+        self.step_fn, self.eval_fn, self.grad_norm_groups = step_fn, eval_fn, tuple(grad_norm_groups)
+        # MoE layers by block index, found in whatever wrappers (DDP, FSDP2, stages) hold them.
+        self.moe_layers: dict[int, MoELayer] = {}
+        for part in self.model_parts:
+            for name, module in part.named_modules():
+                if isinstance(module, MoELayer):
+                    digits = [int(p) for p in name.split(".") if p.isdigit()]
+                    self.moe_layers[digits[-1] if digits else len(self.moe_layers)] = module
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -141,13 +148,16 @@ class Trainer:
         if self.checkpointer is None:
             return None
         meta = dict(self.run_metadata, step=self.step, world_size=self.world_size, torch=torch.__version__)
-        return self.checkpointer.save(self.step, self.model, self.optimizer, self._extra_state(), meta)
+        return self.checkpointer.save(self.step, self._ckpt_model(), self.optimizer, self._extra_state(), meta)
 
     def load(self, path: str) -> None:
-        meta = self.checkpointer.load(path, self.model, self.optimizer, self._extra_state())
+        meta = self.checkpointer.load(path, self._ckpt_model(), self.optimizer, self._extra_state())
         self.step = int(meta["step"])
         if is_main():
             print(f"resumed from {path} at step {self.step}", flush=True)
+
+    def _ckpt_model(self):
+        return self.model_parts if len(self.model_parts) > 1 else self.model
 
     # ---- one step ---------------------------------------------------------------------------
     def _autocast(self):
@@ -166,7 +176,11 @@ class Trainer:
 
     def train_step(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over this rank's batch [B_local, S+1]; returns (loss, grad_norm) on device."""
-        self.model.train()
+        for part in self.model_parts:
+            part.train()
+        if self.step_fn is not None:
+            loss_sum = self.step_fn(batch.to(self.device, non_blocking=True))
+            return self._optimizer_step(loss_sum)
         micro = self._micro_batches(batch.to(self.device, non_blocking=True))
         total_tokens = batch.shape[0] * (batch.shape[1] - 1)
         loss_sum = torch.zeros((), device=self.device)
@@ -188,40 +202,53 @@ class Trainer:
                     self.aux_sums[name] = self.aux_sums.get(name, 0) + aux.detach() * share
                 total.backward()
             loss_sum += loss.detach()
+        return self._optimizer_step(loss_sum)
+
+    def _optimizer_step(self, loss_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cfg.grad_clip > 0:
-            grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            params = [p for part in self.model_parts for p in part.parameters()]
+            grad_norm = clip_grad_norm_(params, self.cfg.grad_clip, self.grad_norm_groups)
         else:
             grad_norm = torch.zeros((), device=self.device)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        hook = getattr(unwrap(self.model), "post_optimizer_step", None)
-        if hook is not None:
-            hook()  # e.g. the MoE expert-bias update from this step's global counts
+        for layer in self.moe_layers.values():
+            layer.update_expert_bias()  # aux-loss-free balancing from this step's global counts
         return loss_sum, grad_norm
 
     def _aux_losses(self) -> dict[str, torch.Tensor]:
-        fn = getattr(unwrap(self.model), "aux_losses", None)
-        return fn() if fn is not None else {}
+        """The weighted MoE auxiliary losses of the last forward, summed over layers, by name."""
+        total: dict[str, torch.Tensor] = {}
+        for layer in self.moe_layers.values():
+            for name, value in layer.aux_losses.items():
+                total[name] = total[name] + value if name in total else value
+        return total
 
     @torch.no_grad()
     def evaluate(self) -> float:
         if self.cfg.eval_batches == 0:
             return math.nan
-        self.model.eval()
+        for part in self.model_parts:
+            part.eval()
         size = self.cfg.eval_batch_size or self.data.local_batch_size * self.world_size
         batches = self.data.val_batches(size, max_batches=self.cfg.eval_batches)
         total = torch.zeros(2, device=self.device, dtype=torch.float64)
         for batch in batches:
             batch = batch.to(self.device)
-            with self._autocast():
-                logits_BSV = self.model(batch[:, :-1])
             n = batch[:, 1:].numel()
-            total[0] += self.loss_fn(logits_BSV, batch[:, 1:]).double() * n
+            if self.eval_fn is not None:
+                loss = self.eval_fn(batch)
+            else:
+                with self._autocast():
+                    logits_BSV = self.model(batch[:, :-1])
+                loss = self.loss_fn(logits_BSV, batch[:, 1:])
+            total[0] += loss.double() * n
             total[1] += n
         if dist.is_initialized():
             dist.all_reduce(total)
-        self.model.train()
+        for part in self.model_parts:
+            part.train()
         return (total[0] / total[1].clamp(min=1)).item()
 
     # ---- the loop ---------------------------------------------------------------------------
@@ -291,8 +318,7 @@ class Trainer:
                 value /= dist.get_world_size()
             out[name] = float(value)
         self.aux_sums = {}
-        pop = getattr(unwrap(self.model), "pop_load_stats", None)
-        stats = pop() if pop is not None else {}
+        stats = {i: layer.pop_load_stats() for i, layer in sorted(self.moe_layers.items())}
         if stats:
             out.update(self.load_log.add(self.step, summarize(stats)))
         return out

@@ -65,24 +65,8 @@ class Transformer(nn.Module):
             h_BSD = block(h_BSD)
         return self.lm_head(self.norm(h_BSD))
 
-    # ---- MoE hooks the trainer calls (no-ops for a dense model) -----------------------------
     def moe_layers(self) -> dict[int, MoELayer]:
         return {int(i): b.mlp for i, b in self.blocks.items() if b.is_moe}
-
-    def aux_losses(self) -> dict[str, torch.Tensor]:
-        """The weighted auxiliary losses of the last forward, summed over layers, by name."""
-        total: dict[str, torch.Tensor] = {}
-        for layer in self.moe_layers().values():
-            for name, value in layer.aux_losses.items():
-                total[name] = total[name] + value if name in total else value
-        return total
-
-    def post_optimizer_step(self) -> None:
-        for layer in self.moe_layers().values():
-            layer.update_expert_bias()
-
-    def pop_load_stats(self) -> dict[int, dict[str, torch.Tensor]]:
-        return {i: layer.pop_load_stats() for i, layer in self.moe_layers().items()}
 
 
 def cross_entropy_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:

@@ -95,12 +95,13 @@ def real_routing(num_experts: int, top_k: int, tokens: int, steps: int, cache: s
         batch = data.next_batch().cuda()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = cross_entropy_loss(model(batch[:, :-1]), batch[:, 1:])
-        loss = loss + sum(model.aux_losses().values())
+        loss = loss + sum(sum(m.aux_losses.values()) for m in model.moe_layers().values())
         loss.backward()
         opt.step()
         opt.zero_grad()
         sched.step()
-        model.post_optimizer_step()
+        for m in model.moe_layers().values():
+            m.update_expert_bias()
     print(f"[real routing] trained {cfg.describe()} for {steps} steps in {time.time() - t0:.0f}s, "
           f"loss {loss.item():.3f}", flush=True)
     layer = model.blocks["2"].mlp

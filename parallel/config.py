@@ -1,0 +1,99 @@
+"""The parallel layout of a run: sizes of each mesh dimension and the strategies' settings."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from moetron.core.config import Config, ConfigError, StrEnum
+
+
+class PipelineSchedule(StrEnum):
+    gpipe = "gpipe"
+    """All forwards, then all backwards (torch ScheduleGPipe)."""
+    one_f_one_b = "1f1b"
+    """One forward, one backward in the steady state (torch Schedule1F1B)."""
+    interleaved_1f1b = "interleaved_1f1b"
+    """Several virtual stages per rank, looped (torch ScheduleInterleaved1F1B)."""
+    zero_bubble = "zero_bubble"
+    """Interleaved zero-bubble: backward split into input and weight gradients (ScheduleInterleavedZeroBubble)."""
+
+
+class ExpertDispatch(StrEnum):
+    synced = "synced"
+    """Exchange per-expert counts, read them on the host, all-to-all exactly the rows (one sync per layer)."""
+    sync_free = "sync_free"
+    """Static per-rank receive buffers of a capacity bound; no host sync; rows past it are counted and dropped."""
+
+
+@dataclasses.dataclass
+class ParallelConfig(Config):
+    dp_replicate: int = 1
+    """Data-parallel replicas (HSDP's outer dimension: parameters replicated, gradients all-reduced)."""
+    dp_shard: int = -1
+    """Data-parallel ranks that shard parameters, gradients and optimizer state (FSDP2); -1 takes
+    whatever the world size leaves after the other dimensions."""
+    ep: int = 1
+    """Expert-parallel ranks; borrowed from dp_shard (experts are split over ep ranks and sharded
+    over the dp_shard / ep ranks left), so dp_shard must be a multiple of ep."""
+    pp: int = 1
+    """Pipeline stages (ranks)."""
+    tp: int = 1
+    """Tensor parallelism: not implemented yet (must be 1)."""
+    pp_schedule: PipelineSchedule = PipelineSchedule.one_f_one_b
+    """Pipeline schedule (see PipelineSchedule)."""
+    pp_microbatches: int | None = None
+    """Micro-batches per step through the pipeline; None = 2 x the number of stages."""
+    pp_stages_per_rank: int = 1
+    """Virtual stages per rank (interleaved and zero-bubble schedules need >= 2)."""
+    ep_dispatch: ExpertDispatch = ExpertDispatch.synced
+    """How expert-parallel dispatch sizes its all-to-all (see ExpertDispatch)."""
+    ep_capacity_factor: float = 2.0
+    """sync_free only: each rank receives at most factor x its fair share of rows from each peer."""
+    fsdp_reshard_after_forward: bool = True
+    """FSDP2: free the gathered parameters after forward (re-gather for backward); saves memory."""
+    strategies: list[str] = dataclasses.field(default_factory=list)
+    """Extra registered strategies to apply, by name (see docs/parallel.md)."""
+
+    def validate(self) -> None:
+        for name in ("dp_replicate", "ep", "pp", "tp", "pp_stages_per_rank"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        if self.dp_shard == 0 or self.dp_shard < -1:
+            raise ConfigError(f"parallel.dp_shard must be >= 1 or -1 (the rest of the world), got {self.dp_shard}")
+        if self.tp != 1:
+            raise ConfigError("parallel.tp > 1 is not implemented yet: use dp_shard, ep and pp")
+        if self.pp_microbatches is not None and self.pp_microbatches < 1:
+            raise ConfigError(f"parallel.pp_microbatches must be >= 1, got {self.pp_microbatches}")
+        if self.ep_capacity_factor <= 0:
+            raise ConfigError("parallel.ep_capacity_factor must be positive")
+        multi = self.pp_schedule in (PipelineSchedule.interleaved_1f1b, PipelineSchedule.zero_bubble)
+        if multi and self.pp_stages_per_rank < 2:
+            raise ConfigError(f"parallel.pp_schedule={self.pp_schedule} needs parallel.pp_stages_per_rank >= 2")
+        if not multi and self.pp_stages_per_rank != 1:
+            raise ConfigError(f"parallel.pp_stages_per_rank > 1 needs an interleaved schedule, not {self.pp_schedule}")
+
+    def resolve(self, world_size: int) -> "ParallelConfig":
+        """A copy with dp_shard filled in, checked against the world size (ConfigError says why)."""
+        self.validate()
+        fixed = self.dp_replicate * self.pp * self.tp
+        dp_shard = self.dp_shard
+        if dp_shard == -1:
+            if world_size % fixed:
+                raise ConfigError(
+                    f"world size {world_size} is not divisible by dp_replicate x pp x tp = "
+                    f"{self.dp_replicate} x {self.pp} x {self.tp} = {fixed}: choose sizes whose product divides {world_size}"
+                )
+            dp_shard = world_size // fixed
+        total = fixed * dp_shard
+        if total != world_size:
+            raise ConfigError(
+                f"parallel sizes dp_replicate x dp_shard x pp x tp = {self.dp_replicate} x {dp_shard} x {self.pp} x "
+                f"{self.tp} = {total} do not match the world size {world_size}: set parallel.dp_shard=-1 to take "
+                f"the rest, or change the sizes"
+            )
+        if dp_shard % self.ep:
+            raise ConfigError(
+                f"parallel.ep={self.ep} must divide dp_shard={dp_shard} (expert parallelism borrows data-parallel "
+                f"ranks): choose ep among {[d for d in range(1, dp_shard + 1) if dp_shard % d == 0]}"
+            )
+        return dataclasses.replace(self, dp_shard=dp_shard)
