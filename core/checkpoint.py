@@ -263,6 +263,7 @@ class Checkpointer:
         os.makedirs(tmp, exist_ok=True)
         self._barrier()
 
+        model = as_one_module(model)
         state = self._state(model, optimizer, extra)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -485,9 +486,12 @@ class Checkpointer:
         """
         path = os.path.abspath(path)
         meta = self.verify(path)
+        model = as_one_module(model)
         state = self._state(model, optimizer, extra)
         reader = dcp.FileSystemReader(path)
-        self._check_keys(path, reader, state)
+        # Pipeline stages hold different parameters: a stored key is unexpected only if no rank wants it.
+        wanted_anywhere = set().union(*self._all_gather(sorted(_flat_keys(state))))
+        self._check_keys(path, reader, state, wanted_anywhere)
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -523,7 +527,8 @@ class Checkpointer:
         return meta
 
     @staticmethod
-    def _check_keys(path: str, reader: dcp.FileSystemReader, state: dict[str, Any]) -> None:
+    def _check_keys(path: str, reader: dcp.FileSystemReader, state: dict[str, Any],
+                    wanted_anywhere: set[str] | None = None) -> None:
         """Raise CheckpointError naming keys or shapes that differ between ``path`` and ``state``."""
         stored = reader.read_metadata().state_dict_metadata
         wanted = _flat_keys(state)
@@ -531,7 +536,8 @@ class Checkpointer:
         stored_prefixes = {k.rsplit(".", i)[0] for k in stored for i in range(k.count(".") + 1)}
         missing = sorted(k for k in wanted if k not in stored and k not in stored_prefixes)
         # A checkpoint with model weights the model lacks would load "fine" and drop them silently.
-        unexpected = sorted(k for k in stored if k.startswith("model.") and k not in wanted)
+        wanted_anywhere = set(wanted) if wanted_anywhere is None else wanted_anywhere | set(wanted)
+        unexpected = sorted(k for k in stored if k.startswith("model.") and k not in wanted_anywhere)
         shapes = sorted(
             f"{k} (checkpoint {tuple(stored[k].size)}, now {tuple(v.shape)})"
             for k, v in wanted.items()
@@ -551,6 +557,42 @@ class Checkpointer:
                 + "; ".join(problems)
                 + "; load a checkpoint saved by the same model configuration (or convert it)"
             )
+
+
+def as_one_module(model: nn.Module | list[nn.Module] | tuple[nn.Module, ...]) -> nn.Module:
+    """``model``, or one module over a list of model parts (pipeline stages) that keeps their
+    parameter names: parts' children of the same name are merged recursively (their ModuleDicts of
+    blocks union), so ``blocks.3.mlp...`` is named as in the full model. Parts and merged
+    containers must not own tensors directly (a stage's parameters live in its submodules)."""
+    if isinstance(model, nn.Module):
+        return model
+    parts = list(model)
+    if not parts:
+        raise CheckpointError("Checkpointer got an empty list of model parts")
+    return _merge_modules(parts, "")
+
+
+def _merge_modules(mods: list[nn.Module], prefix: str) -> nn.Module:
+    unique: list[nn.Module] = []
+    for m in mods:
+        if not any(m is u for u in unique):
+            unique.append(m)
+    if len(unique) == 1:
+        return unique[0]
+    for m in unique:
+        if next(m.named_parameters(recurse=False), None) is not None or next(m.named_buffers(recurse=False), None) is not None:
+            raise CheckpointError(
+                f"cannot merge model parts at {prefix or '<root>'!r}: a {type(m).__name__} there owns tensors "
+                "directly; model parts must keep disjoint submodules"
+            )
+    children: dict[str, list[nn.Module]] = {}
+    for m in unique:
+        for name, child in m.named_children():
+            children.setdefault(name, []).append(child)
+    merged = nn.Module()
+    for name, group in children.items():
+        merged.add_module(name, _merge_modules(group, f"{prefix}{name}."))
+    return merged
 
 
 def _few(items: list[str], n: int = 8) -> str:

@@ -19,6 +19,10 @@ except ImportError:  # pragma: no cover - torch < 2.5
     from torch.distributed._tensor import DTensor
 
 
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 @torch.no_grad()
 def clip_grad_norm_(
     parameters: Iterable[torch.Tensor], max_norm: float, extra_groups: Iterable[dist.ProcessGroup | None] = ()
@@ -29,21 +33,21 @@ def clip_grad_norm_(
     if not grads:
         return torch.zeros(())
     device = (grads[0]._local_tensor if isinstance(grads[0], DTensor) else grads[0]).device
-    total = torch.zeros((), device=device, dtype=torch.float32)
+    total = torch.zeros((), device=device, dtype=torch.promote_types(grads[0].dtype, torch.float32))
     by_layout: dict[tuple, torch.Tensor] = {}
     meshes = {}
     for g in grads:
         if isinstance(g, DTensor):
             key = (id(g.device_mesh), tuple(g.placements))
             meshes[key] = g.device_mesh
-            sq = g._local_tensor.float().pow(2).sum()
+            sq = _wide(g._local_tensor).pow(2).sum()
             by_layout[key] = by_layout[key] + sq if key in by_layout else sq
         else:
-            total += g.float().pow(2).sum()
+            total += _wide(g).pow(2).sum()
     for key, sq in by_layout.items():
         mesh, placements = meshes[key], key[1]
         for dim, placement in enumerate(placements):
-            if placement.is_shard() or placement.is_partial():
+            if not placement.is_replicate():  # Shard, _StridedShard or Partial: sum over the dim
                 dist.all_reduce(sq, group=mesh.get_group(dim))
         total += sq
     for group in extra_groups:

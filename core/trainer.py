@@ -105,16 +105,19 @@ class Trainer:
         step_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
         eval_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
         grad_norm_groups: tuple = (),
+        pre_step_hook: Callable[[list[nn.Module]], None] | None = None,
     ):
         """``model``: the model, or the list of modules this rank runs (pipeline stages).
         ``step_fn(batch) -> loss`` replaces the built-in forward/backward over micro-batches (the
         pipeline schedule supplies one); ``eval_fn(batch) -> loss`` likewise for evaluation.
-        ``grad_norm_groups``: extra groups the squared grad norm is summed over (pipeline stages)."""
+        ``grad_norm_groups``: extra groups the squared grad norm is summed over (pipeline stages).
+        ``pre_step_hook(model_parts)`` sees the gradients before clipping (tests compare layouts)."""
         cfg.validate()
         self.cfg = cfg
         self.model_parts = list(model) if isinstance(model, (list, tuple)) else [model]
         self.model = self.model_parts[0]
         self.step_fn, self.eval_fn, self.grad_norm_groups = step_fn, eval_fn, tuple(grad_norm_groups)
+        self.pre_step_hook = pre_step_hook
         # MoE layers by block index, found in whatever wrappers (DDP, FSDP2, stages) hold them.
         self.moe_layers: dict[int, MoELayer] = {}
         for part in self.model_parts:
@@ -180,6 +183,9 @@ class Trainer:
             part.train()
         if self.step_fn is not None:
             loss_sum = self.step_fn(batch.to(self.device, non_blocking=True))
+            # A pipeline step reports its stages' MoE aux losses (mean over micro-batches).
+            for name, value in getattr(self.step_fn, "last_aux_losses", {}).items():
+                self.aux_sums[name] = self.aux_sums.get(name, 0) + value.detach()
             return self._optimizer_step(loss_sum)
         micro = self._micro_batches(batch.to(self.device, non_blocking=True))
         total_tokens = batch.shape[0] * (batch.shape[1] - 1)
@@ -205,6 +211,8 @@ class Trainer:
         return self._optimizer_step(loss_sum)
 
     def _optimizer_step(self, loss_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.pre_step_hook is not None:
+            self.pre_step_hook(self.model_parts)
         if self.cfg.grad_clip > 0:
             params = [p for part in self.model_parts for p in part.parameters()]
             grad_norm = clip_grad_norm_(params, self.cfg.grad_clip, self.grad_norm_groups)

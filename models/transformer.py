@@ -70,7 +70,8 @@ class Transformer(nn.Module):
 
 
 def cross_entropy_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """Mean next-token cross entropy in fp32 over the tokens whose label is not ignore_index."""
+    """Mean next-token cross entropy in fp32 (or wider) over the tokens whose label is not ignore_index."""
+    logits = logits_BSV.flatten(0, 1)
     return F.cross_entropy(
-        logits_BSV.flatten(0, 1).float(), labels_BS.flatten(), ignore_index=ignore_index
+        logits.to(torch.promote_types(logits.dtype, torch.float32)), labels_BS.flatten(), ignore_index=ignore_index
     )

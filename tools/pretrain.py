@@ -29,6 +29,7 @@ from moetron.core.trainer import Trainer, TrainerConfig
 from moetron.data.loader import DataConfig
 from moetron.data.tokenizer import DataError
 from moetron.models import ModelConfig, cross_entropy_loss
+from moetron.parallel import ParallelConfig, ParallelMesh, ParallelState, apply_strategies
 
 
 @dataclasses.dataclass
@@ -43,6 +44,7 @@ class PretrainConfig(Config):
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
 
     def validate(self) -> None:
         super().validate()
@@ -83,44 +85,30 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def main(argv: list[str] | None = None) -> int:
-    cfg, args = parse_args(argv)
-    if args.print_config:
-        print(cfg.to_yaml(), end="")
-        return 0
-    device = pick_device(cfg.trainer.device)
-    rank, world = init_distributed(device)
+def build(cfg: PretrainConfig, device: torch.device, world: int, checkpointer: Checkpointer | None = None,
+          **trainer_kwargs) -> tuple[Trainer, ParallelState]:
+    """Compose a run: mesh, data, model, parallel strategies, optimizer, schedule, trainer."""
+    mesh = ParallelMesh.build(cfg.parallel, world, device.type)
+    data = cfg.data.build(vocab_size=cfg.model.vocab_size, dp_rank=mesh.dp_rank, dp_size=mesh.dp_size)
     seed_everything(cfg.trainer.seed)
-
-    checkpointer = Checkpointer(cfg.checkpoint)
-    resume_path = checkpointer.resolve(args.resume) if args.resume else None
-    if resume_path is None and checkpointer.latest() is not None:
-        raise CheckpointError(
-            f"{cfg.checkpoint.dir} already holds checkpoints (latest {checkpointer.latest()}): pass --resume "
-            f"to continue that run, or choose another --checkpoint.dir / --trainer.run_dir"
-        )
-
-    data = cfg.data.build(vocab_size=cfg.model.vocab_size, dp_rank=rank, dp_size=world)
-    model = cfg.model.build(device=device)
+    model = cfg.model.build(device=device)  # identical on every rank: same seed
     if is_main():
-        os.makedirs(cfg.trainer.run_dir, exist_ok=True)
-        cfg.to_yaml(os.path.join(cfg.trainer.run_dir, "config.yaml"))
-        print(f"run {cfg.name}: {cfg.model.describe()}, {world} rank(s) on {device.type}", flush=True)
+        print(f"run {cfg.name}: {cfg.model.describe()}, {world} rank(s) on {device.type}, {mesh.describe()}",
+              flush=True)
     if cfg.trainer.compile:
         for block in model.blocks.values():
             block.compile()
-    if world > 1:
-        # Load-balance losses, the expert-bias update and load metrics count every rank's tokens.
-        for layer in model.moe_layers().values():
-            layer.balance_group = torch.distributed.group.WORLD
-        model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None
-        )
-    optimizer = cfg.optimizer.build(model)
+    state = ParallelState(
+        [model], mesh, mesh.cfg, cfg.model, device,
+        extras={"loss_fn": cross_entropy_loss, "autocast_dtype": cfg.trainer.autocast_dtype(device)},
+    )
+    apply_strategies(state)
+    parts = state.model_parts
+    optimizer = cfg.optimizer.build(parts[0] if len(parts) == 1 else torch.nn.ModuleList(parts))
     scheduler = cfg.scheduler.build(optimizer, cfg.trainer.steps)
     trainer = Trainer(
         cfg.trainer,
-        model,
+        parts,
         cross_entropy_loss,
         optimizer,
         scheduler,
@@ -130,9 +118,36 @@ def main(argv: list[str] | None = None) -> int:
         checkpointer=checkpointer,
         run_metadata={"config": cfg.to_dict()},
         world_size=world,
+        step_fn=state.step_fn,
+        eval_fn=state.extras.get("eval_fn"),
+        grad_norm_groups=state.extras.get("grad_norm_groups", ()),
+        **trainer_kwargs,
     )
+    return trainer, state
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg, args = parse_args(argv)
+    if args.print_config:
+        print(cfg.to_yaml(), end="")
+        return 0
+    device = pick_device(cfg.trainer.device)
+    rank, world = init_distributed(device)
+
+    checkpointer = Checkpointer(cfg.checkpoint)
+    resume_path = checkpointer.resolve(args.resume) if args.resume else None
+    if resume_path is None and checkpointer.latest() is not None:
+        raise CheckpointError(
+            f"{cfg.checkpoint.dir} already holds checkpoints (latest {checkpointer.latest()}): pass --resume "
+            f"to continue that run, or choose another --checkpoint.dir / --trainer.run_dir"
+        )
     if resume_path is not None:
         check_resumable(checkpointer, resume_path, cfg)
+    trainer, _ = build(cfg, device, world, checkpointer)
+    if is_main():
+        os.makedirs(cfg.trainer.run_dir, exist_ok=True)
+        cfg.to_yaml(os.path.join(cfg.trainer.run_dir, "config.yaml"))
+    if resume_path is not None:
         trainer.load(resume_path)
     trainer.fit()
     barrier()

@@ -16,9 +16,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x_f = x.float()
+        dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 or wider
+        x_f = x.to(dtype)
         x_f = x_f * torch.rsqrt(x_f.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * x_f).to(x.dtype)
+        return (self.weight.to(dtype) * x_f).to(x.dtype)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)

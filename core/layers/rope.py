@@ -39,7 +39,7 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x_BHSD: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) -> torch.Tensor:
     """Rotate x [B, H, S, Dh] by position; math in fp32, result in x's dtype."""
-    x_f = x_BHSD.float()
+    x_f = x_BHSD.to(torch.promote_types(x_BHSD.dtype, torch.float32))
     half = x_f.shape[-1] // 2
     rotated = torch.cat([-x_f[..., half:], x_f[..., :half]], dim=-1)
-    return (x_f * cos_SD + rotated * sin_SD).to(x_BHSD.dtype)
+    return (x_f * cos_SD.to(x_f.dtype) + rotated * sin_SD.to(x_f.dtype)).to(x_BHSD.dtype)

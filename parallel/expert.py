@@ -1,0 +1,291 @@
+"""Expert parallelism: experts split over the ``ep`` ranks, tokens moved to them by all-to-all.
+
+Each of the P ranks of the ep group owns E_l = E / P consecutive experts (rank r: global experts
+[r*E_l, (r+1)*E_l)). The MoE layer does not know it: it calls the same TokenDispatcher interface
+as with LocalDispatcher, and the expert weights become DTensors sharded Shard(0) over the ep mesh
+(a DCP checkpoint holds the global [E, ...] tensors, so it loads under any other layout).
+
+Dispatch, as the data flows:
+    route over all E experts (rows grouped by global expert, so each peer's rows are contiguous)
+    -> scatter the tokens into the send buffer
+    -> all_to_all the per-(peer, local expert) row counts
+    -> all_to_all the rows (synced: exact uneven splits read on the host once per layer;
+       sync_free: static blocks of ``cap`` rows per peer, overflow dropped and counted)
+    -> reorder the received rows (source rank major) into local-expert-major order (route, K=1)
+Combine reverses each step; the all-to-alls are differentiable (backward = the reverse exchange).
+
+Legend: T tokens, D model dim, K experts per token, E experts, P ep ranks, L = E_l local experts,
+S rows this rank sends, N rows it receives, R rows of the local experts' buffer, C = cap.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from moetron.core.config import ConfigError
+from moetron.core.moe.dispatcher import DispatchResult, TokenDispatcher
+from moetron.core.moe.kernels.ops import combine_rows, route, scatter_rows
+from moetron.core.moe.kernels.reference import RoutingPlan
+
+from .config import ExpertDispatch
+from .registry import ParallelState, ParallelStrategy, register_strategy
+
+__all__ = ["ExpertParallelDispatcher", "ExpertParallel", "all_to_all_rows"]
+
+
+# ---------------------------------------------------------------------------------------------
+# A differentiable all-to-all over rows
+# ---------------------------------------------------------------------------------------------
+
+
+class _AllToAllRows(torch.autograd.Function):
+    """out = all_to_all_single(x) with the given splits; backward sends the gradient back."""
+
+    @staticmethod
+    def forward(ctx, x_SD: Tensor, out_splits: list[int] | None, in_splits: list[int] | None,
+                group: dist.ProcessGroup) -> Tensor:
+        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
+        num_out = x_SD.shape[0] if out_splits is None else sum(out_splits)
+        out_ND = x_SD.new_empty((num_out, *x_SD.shape[1:]))
+        dist.all_to_all_single(out_ND, x_SD.contiguous(), out_splits, in_splits, group=group)
+        return out_ND
+
+    @staticmethod
+    def backward(ctx, grad_ND: Tensor):
+        return _AllToAllRows.apply(grad_ND, ctx.in_splits, ctx.out_splits, ctx.group), None, None, None
+
+
+def all_to_all_rows(x_SD: Tensor, out_splits: list[int] | None, in_splits: list[int] | None,
+                    group: dist.ProcessGroup) -> Tensor:
+    """Differentiable all_to_all_single along dim 0.
+
+    x_SD [S, ...]: in_splits[p] rows go to peer p (None: S / P each); returns [N, ...] where
+    out_splits[p] rows came from peer p (None: equal). Backward is the reverse exchange.
+    """
+    return _AllToAllRows.apply(x_SD, out_splits, in_splits, group)
+
+
+# ---------------------------------------------------------------------------------------------
+# The dispatcher
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _EPState:
+    """What combine() needs to undo dispatch()."""
+
+    dest_row_TK: Tensor
+    """int32 [T, K]: each slot's row in the send buffer (-1 dropped)."""
+    local_dest_N1: Tensor
+    """int32 [N, 1]: each received row's row in the local experts' buffer (-1: padding)."""
+    send_splits: list[int] | None
+    """Rows sent to each peer (synced), None for the equal blocks of sync_free."""
+    recv_splits: list[int] | None
+    """Rows received from each peer (synced), None for sync_free."""
+
+
+class ExpertParallelDispatcher(TokenDispatcher):
+    """All-to-all token dispatch to the ranks of ``group`` that own the experts.
+
+    num_experts: E (global); group: the ep process group (size P, E % P == 0); this rank owns the
+    experts [rank*E_l, (rank+1)*E_l). mode: ExpertDispatch.synced (exact splits: one host sync per
+    layer forward, none in backward, which reuses the splits) or sync_free (no host sync: static
+    blocks of cap = ceil(capacity_factor * T*K / P) rows per peer; rows past cap are dropped).
+
+    DispatchResult.tokens_per_expert_E / kept_per_expert_E stay per global expert and count this
+    rank's tokens only (the balance group sums them); with sync_free, kept_per_expert_E also
+    excludes the rows dropped by overflow, so the layer's ``dropped`` metric includes them.
+    ``overflow_rows`` (int64 scalar on the device, accumulated; pop_overflow() reads and resets)
+    counts the rows sync_free dropped for lack of room.
+    """
+
+    def __init__(self, num_experts: int, group: dist.ProcessGroup, mode: ExpertDispatch | str = ExpertDispatch.synced,
+                 capacity_factor: float = 2.0):
+        self.ep_size = dist.get_world_size(group)
+        self.ep_rank = dist.get_rank(group)
+        if num_experts % self.ep_size:
+            raise ValueError(f"{num_experts} experts do not split over {self.ep_size} ep ranks")
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // self.ep_size
+        self.group = group
+        self.mode = ExpertDispatch(mode)
+        self.capacity_factor = capacity_factor
+        self.overflow_rows: Tensor | None = None
+
+    def peer_capacity(self, num_slots: int) -> int:
+        """sync_free: static rows per peer block for a micro-batch of num_slots = T*K slots."""
+        return max(1, math.ceil(self.capacity_factor * num_slots / self.ep_size))
+
+    @torch.no_grad()
+    def pop_overflow(self) -> Tensor:
+        """Rows dropped by sync_free overflow since the last call (a device scalar); resets."""
+        if self.overflow_rows is None:
+            return torch.zeros((), dtype=torch.int64)
+        out = self.overflow_rows.clone()
+        self.overflow_rows.zero_()
+        return out
+
+    # ---- dispatch ----------------------------------------------------------------------------
+    def dispatch(self, x_TD, topk_ids_TK, num_experts, capacity):
+        if num_experts != self.num_experts:
+            raise ValueError(f"dispatcher built for {self.num_experts} experts, called with {num_experts}")
+        plan = route(topk_ids_TK, num_experts, capacity)
+        if self.mode == ExpertDispatch.synced:
+            return self._dispatch_synced(x_TD, plan)
+        return self._dispatch_sync_free(x_TD, topk_ids_TK, plan)
+
+    def _exchange_counts(self, send_PL: Tensor) -> Tensor:
+        """recv_PL[p, l]: rows of local expert l that peer p sends here (send_PL: what we send)."""
+        recv_PL = torch.empty_like(send_PL)
+        dist.all_to_all_single(recv_PL, send_PL.contiguous(), group=self.group)
+        return recv_PL
+
+    def _local_order(self, local_ids_N: Tensor, num_groups: int) -> RoutingPlan:
+        """Plan the local-expert-major order of the received rows (K = 1 routing, no sync)."""
+        return route(local_ids_N.view(-1, 1), num_groups, None)
+
+    def _dispatch_synced(self, x_TD: Tensor, plan: RoutingPlan) -> DispatchResult:
+        P, L = self.ep_size, self.num_local_experts
+        # Kept rows are packed from row 0, grouped by global expert: peer p's rows are contiguous.
+        send_PL = plan.kept_per_expert_E.view(P, L)
+        recv_PL = self._exchange_counts(send_PL)
+        # THE host sync of this layer's forward: the all-to-all's split sizes must be Python ints.
+        splits = torch.stack([send_PL.sum(1), recv_PL.sum(1)]).tolist()
+        send_splits, recv_splits = splits
+        num_send, num_recv = sum(send_splits), sum(recv_splits)
+
+        x_SD = scatter_rows(x_TD, plan.dest_row_TK, plan.num_rows)[:num_send]
+        x_ND = all_to_all_rows(x_SD, recv_splits, send_splits, self.group)
+        # Received rows are ordered (source peer, local expert); sort them local-expert-major.
+        local_ids_N = torch.arange(L, device=x_TD.device).repeat(P).repeat_interleave(
+            recv_PL.reshape(-1).long(), output_size=num_recv)
+        local = self._local_order(local_ids_N, L)
+        x_RD = scatter_rows(x_ND, local.dest_row_TK, num_recv)
+        state = _EPState(plan.dest_row_TK, local.dest_row_TK, send_splits, recv_splits)
+        return DispatchResult(x_RD, local.offsets_E, plan.tokens_per_expert_E, plan.kept_per_expert_E, state)
+
+    def _dispatch_sync_free(self, x_TD: Tensor, topk_ids_TK: Tensor, plan: RoutingPlan) -> DispatchResult:
+        P, L = self.ep_size, self.num_local_experts
+        T, K = topk_ids_TK.shape
+        C = self.peer_capacity(T * K)
+        kept_PL = plan.kept_per_expert_E.view(P, L).long()
+        # Within a peer's block rows run expert-major, so a full block drops its last experts' rows.
+        sent_PL = kept_PL.cumsum(1).clamp(max=C).diff(dim=1, prepend=kept_PL.new_zeros(P, 1))
+        overflow = (kept_PL.sum() - sent_PL.sum()).detach()
+        self.overflow_rows = overflow if self.overflow_rows is None else self.overflow_rows + overflow
+
+        # Each slot's row in the [P*C] send buffer: its row within its peer's block, if < C.
+        peer_start_P = plan.offsets_E.view(P, L)[:, -1].long() - kept_PL.sum(1)
+        peer_TK = topk_ids_TK.long() // L
+        row_in_peer_TK = plan.dest_row_TK.long() - peer_start_P[peer_TK]
+        keep_TK = (plan.dest_row_TK >= 0) & (row_in_peer_TK < C)
+        dest_row_TK = torch.where(keep_TK, peer_TK * C + row_in_peer_TK, -1).to(torch.int32)
+
+        recv_PL = self._exchange_counts(sent_PL)
+        x_SD = scatter_rows(x_TD, dest_row_TK, P * C)  # padding rows are zero
+        x_ND = all_to_all_rows(x_SD, None, None, self.group)
+        # Row j of peer p's block holds local expert searchsorted(cumsum(recv_PL[p]), j, right);
+        # the value L marks padding, a trash group after the last local expert.
+        slot_PC = torch.arange(C, device=x_TD.device).expand(P, C).contiguous()
+        local_ids_N = torch.searchsorted(recv_PL.cumsum(1).contiguous(), slot_PC, right=True).reshape(-1)
+        local = self._local_order(local_ids_N, L + 1)
+        local_dest_N1 = torch.where(local_ids_N.view(-1, 1) == L, -1, local.dest_row_TK).to(torch.int32)
+        x_RD = scatter_rows(x_ND, local_dest_N1, P * C)
+        kept_E = sent_PL.reshape(-1).to(torch.int32)
+        state = _EPState(dest_row_TK, local_dest_N1, None, None)
+        return DispatchResult(x_RD, local.offsets_E[:L], plan.tokens_per_expert_E, kept_E, state)
+
+    # ---- combine -----------------------------------------------------------------------------
+    def combine(self, y_RD, topk_weights_TK, result):
+        st: _EPState = result.state
+        if result.x_RD.requires_grad and not y_RD.requires_grad:
+            # No rows arrived here (e.g. the loop experts ran nothing): keep the output on the
+            # autograd graph anyway, or this rank would skip the two backward all-to-alls its
+            # peers wait in. x_RD[:0].sum() is an exact 0 that links y back to the received rows.
+            y_RD = y_RD + result.x_RD[:0].sum()
+        y_ND = combine_rows(y_RD, st.local_dest_N1, None)  # back to (source peer, local expert) order
+        if st.send_splits is None:
+            y_SD = all_to_all_rows(y_ND, None, None, self.group)
+        else:
+            # The backward's all-to-all reuses these splits: no second host sync.
+            y_SD = all_to_all_rows(y_ND, st.send_splits, st.recv_splits, self.group)
+        return combine_rows(y_SD, st.dest_row_TK, topk_weights_TK)
+
+
+# ---------------------------------------------------------------------------------------------
+# The strategy
+# ---------------------------------------------------------------------------------------------
+
+
+def _moe_layers(state: ParallelState):
+    from moetron.core.moe.layer import MoELayer
+
+    for part in state.model_parts:
+        for module in part.modules():
+            if isinstance(module, MoELayer):
+                yield module
+
+
+def _num_experts(state: ParallelState) -> int | None:
+    moe = getattr(state.model_cfg, "moe", None)
+    if moe is not None:
+        return moe.num_experts
+    layers = list(_moe_layers(state))
+    return layers[0].num_experts if layers else None
+
+
+@register_strategy
+class ExpertParallel(ParallelStrategy):
+    """ep > 1: each MoE layer keeps its local experts (DTensor Shard(0) on the ep mesh) and
+    dispatches tokens by all-to-all over the ep group; load balancing spans every dp rank."""
+
+    name = "expert"
+    order = 20
+
+    def enabled(self, state: ParallelState) -> bool:
+        return state.cfg.ep > 1 or super().enabled(state)
+
+    def validate(self, state: ParallelState) -> None:
+        ep = state.cfg.ep
+        E = _num_experts(state)
+        if E is None:
+            raise ConfigError(f"parallel.ep={ep} needs an MoE model (model.moe is not set): set parallel.ep=1")
+        if ep > E:
+            raise ConfigError(
+                f"parallel.ep={ep} exceeds model.moe.num_experts={E}: every ep rank needs at least one expert; "
+                f"choose ep among {[d for d in range(1, E + 1) if E % d == 0]}"
+            )
+        if E % ep:
+            raise ConfigError(
+                f"model.moe.num_experts={E} is not divisible by parallel.ep={ep}: each ep rank owns an equal "
+                f"share of the experts; choose ep among {[d for d in range(1, E + 1) if E % d == 0]}"
+            )
+
+    def apply(self, state: ParallelState) -> None:
+        from torch.distributed.tensor import DTensor, Shard
+
+        mesh = state.mesh.ep
+        group = state.mesh.group("ep")
+        if mesh is None or group is None:
+            raise ConfigError(f"parallel.ep={state.cfg.ep} needs an initialized process group and world mesh")
+        P, r = mesh.size(), mesh.get_local_rank()
+        for layer in _moe_layers(state):
+            experts = layer.experts
+            L = experts.num_experts // P
+            for name in ("w_gate_up", "w_down"):
+                full = getattr(experts, name)
+                if isinstance(full, DTensor):
+                    raise ConfigError(f"MoE expert weight {name} is already a DTensor: apply expert parallelism first")
+                # Every rank built the same full tensor (same seed): take this rank's slice, no comm.
+                local = full.detach()[r * L:(r + 1) * L].clone()
+                dt = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                                        shape=full.shape, stride=full.stride())
+                setattr(experts, name, torch.nn.Parameter(dt, requires_grad=full.requires_grad))
+            layer.set_dispatcher(ExpertParallelDispatcher(
+                layer.num_experts, group, state.cfg.ep_dispatch, state.cfg.ep_capacity_factor))
+            layer.balance_group = state.mesh.group("dp")

@@ -1,0 +1,249 @@
+"""Pipeline parallelism against the single-process run (the oracle): same losses, same parameters
+after AdamW steps, MoE aux losses included; checkpoints portable between layouts; config errors.
+
+The oracle runs the same micro-batches one after another on the whole model and adds the MoE aux
+losses with the LM loss' weight (the load-balance loss depends on the micro-batch, so the oracle
+splits the batch the same way, as the Trainer's gradient accumulation does).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tests.distributed import run_distributed  # noqa: E402
+
+from moetron.core.checkpoint import CheckpointConfig, Checkpointer  # noqa: E402
+from moetron.core.config import ConfigError  # noqa: E402
+from moetron.core.layers.attention import AttentionConfig  # noqa: E402
+from moetron.core.moe.config import MoEConfig, RouterConfig  # noqa: E402
+from moetron.core.moe.layer import MoELayer  # noqa: E402
+from moetron.models import ModelConfig  # noqa: E402
+from moetron.models.transformer import Transformer, cross_entropy_loss  # noqa: E402
+from moetron.parallel.config import ParallelConfig  # noqa: E402
+from moetron.parallel.mesh import ParallelMesh  # noqa: E402
+from moetron.parallel.pipeline import PipelineParallel, split_stages  # noqa: E402
+from moetron.parallel.registry import ParallelState  # noqa: E402
+
+STEPS, BATCH, SEQ, LR = 3, 8, 16, 1e-2
+RTOL, ATOL = 1e-5, 1e-6
+"""fp32 on CPU: the pipeline changes only the order of a few float additions."""
+
+
+def _model_cfg() -> ModelConfig:
+    return ModelConfig(
+        d_model=32, n_layers=4, vocab_size=64, mlp_hidden=64, sliding_window=8,
+        attention=AttentionConfig(n_heads=2, n_kv_heads=1, rope_theta=10_000.0),
+        moe=MoEConfig(num_experts=4, expert_hidden=32, dense_layers=[0],
+                      router=RouterConfig(top_k=2, lb_loss_weight=0.01, z_loss_weight=0.001)),
+    )
+
+
+def _model(seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    return Transformer(_model_cfg())
+
+
+def _batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(123)
+    return [torch.randint(0, 64, (BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
+
+
+def _reference(n_micro: int):
+    """The single-process run: (model, optimizer, losses, aux totals of step 1, grad norm of step 1)."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, aux0, gnorm0 = [], None, None
+    for step, batch in enumerate(_batches()):
+        loss_sum, aux_sum = 0.0, {}
+        for mb in batch.chunk(n_micro):
+            loss = cross_entropy_loss(model(mb[:, :-1]), mb[:, 1:]) / n_micro
+            total = loss
+            for layer in model.moe_layers().values():
+                for name, value in layer.aux_losses.items():
+                    total = total + value / n_micro
+                    aux_sum[name] = aux_sum.get(name, 0.0) + value.item() / n_micro
+            total.backward()
+            loss_sum += loss.item()
+        if step == 0:
+            aux0 = aux_sum
+            gnorm0 = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss_sum)
+    return model, opt, losses, aux0, gnorm0
+
+
+def _apply(cfg: ParallelConfig, world_size: int, model: torch.nn.Module) -> ParallelState:
+    mesh = ParallelMesh.build(cfg, world_size, "cpu")
+    state = ParallelState([model], mesh, mesh.cfg, _model_cfg(), device=torch.device("cpu"),
+                          extras={"loss_fn": cross_entropy_loss})
+    strategy = PipelineParallel()
+    assert strategy.enabled(state)
+    strategy.validate(state)
+    strategy.apply(state)
+    return state
+
+
+def _train(state: ParallelState):
+    params = [p for part in state.model_parts for p in part.parameters()]
+    opt = torch.optim.AdamW(params, lr=LR)
+    losses, aux0, gnorm0 = [], None, None
+    from moetron.core.grad import clip_grad_norm_
+
+    for step, batch in enumerate(_batches()):
+        loss = state.step_fn(batch)
+        if step == 0:
+            aux0 = {k: v.item() for k, v in state.step_fn.last_aux_losses.items()}
+            gnorm0 = clip_grad_norm_(params, 1e9, state.extras["grad_norm_groups"]).item()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return opt, losses, aux0, gnorm0
+
+
+def _assert_matches(parts, ref_model, what: str) -> int:
+    ref = dict(ref_model.named_parameters())
+    n = 0
+    for part in parts:
+        for name, p in part.named_parameters():
+            torch.testing.assert_close(p.detach(), ref[name].detach(), rtol=RTOL, atol=ATOL,
+                                       msg=lambda m, name=name: f"{what}: {name}: {m}")
+            n += 1
+    return n
+
+
+def _check_pp2(rank: int, world_size: int, schedule: str, stages_per_rank: int, n_micro: int, tmp: str | None):
+    cfg = ParallelConfig(pp=2, dp_shard=1, pp_schedule=schedule, pp_stages_per_rank=stages_per_rank,
+                         pp_microbatches=n_micro)
+    state = _apply(cfg, world_size, _model())
+    info = state.extras["pipeline"]
+    assert info["stage_ids"] == [rank + 2 * v for v in range(stages_per_rank)]
+    opt, losses, aux0, gnorm0 = _train(state)
+    ref_model, ref_opt, ref_losses, ref_aux0, ref_gnorm0 = _reference(n_micro)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=0)
+    assert set(aux0) == {"lb_loss", "z_loss"}
+    torch.testing.assert_close(torch.tensor([aux0[k] for k in sorted(aux0)]),
+                               torch.tensor([ref_aux0[k] for k in sorted(aux0)]), rtol=RTOL, atol=0)
+    torch.testing.assert_close(torch.tensor(gnorm0), torch.tensor(ref_gnorm0), rtol=RTOL, atol=0)
+    mine = _assert_matches(state.model_parts, ref_model, f"rank {rank} after {STEPS} steps")
+    counts = [None] * world_size
+    torch.distributed.all_gather_object(counts, mine)
+    assert sum(counts) == len(list(ref_model.parameters()))  # every parameter lives on exactly one rank
+
+    # eval: forward-only loss through the pipeline equals the plain model's.
+    for part in state.model_parts:
+        part.eval()
+    ref_model.eval()
+    with torch.no_grad():
+        batch = _batches()[0]
+        loss = state.extras["eval_fn"](batch)
+        ref = cross_entropy_loss(ref_model(batch[:, :-1]), batch[:, 1:])
+    torch.testing.assert_close(loss, ref, rtol=RTOL, atol=ATOL)
+
+    if tmp is None:
+        return
+    ckpt = Checkpointer(CheckpointConfig(dir=os.path.join(tmp, "pp2")))
+    ckpt.save(STEPS, state.model_parts if len(state.model_parts) > 1 else state.model_parts[0], opt, {}, {})
+    # A single-process checkpoint (saved by the parent) loads into freshly split stages.
+    fresh = _apply(cfg, world_size, _model(seed=99))
+    fresh_params = [p for part in fresh.model_parts for p in part.parameters()]
+    fresh_opt = torch.optim.AdamW(fresh_params, lr=LR)
+    parts = fresh.model_parts if len(fresh.model_parts) > 1 else fresh.model_parts[0]
+    Checkpointer(CheckpointConfig()).load(os.path.join(tmp, "single", f"step_{STEPS:08d}"), parts, fresh_opt, {})
+    _assert_matches(fresh.model_parts, ref_model, f"rank {rank} loaded from the single-process checkpoint")
+    ref_params = dict(ref_model.named_parameters())
+    for part in fresh.model_parts:
+        for name, p in part.named_parameters():
+            torch.testing.assert_close(fresh_opt.state[p]["exp_avg"], ref_opt.state[ref_params[name]]["exp_avg"])
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_pp2_matches_single_process(schedule, tmp_path):
+    tmp = None
+    if schedule == "1f1b":  # also the checkpoint round trip, both ways
+        ref_model, ref_opt, *_ = _reference(4)
+        tmp = str(tmp_path)
+        Checkpointer(CheckpointConfig(dir=os.path.join(tmp, "single"))).save(STEPS, ref_model, ref_opt, {}, {})
+    run_distributed(_check_pp2, 2, schedule, 1, 4, tmp)
+    if tmp is not None:
+        model = _model(seed=7)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        Checkpointer(CheckpointConfig()).load(os.path.join(tmp, "pp2", f"step_{STEPS:08d}"), model, opt, {})
+        _assert_matches([model], ref_model, "pp=2 checkpoint loaded in one process")
+        ref_params = dict(ref_model.named_parameters())
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(opt.state[p]["exp_avg"], ref_opt.state[ref_params[name]]["exp_avg"])
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zero_bubble"])
+def test_pp2_interleaved_matches_single_process(schedule, tmp_path):
+    # 4 layers -> 4 stages of one block; rank 0 runs stages 0 and 2, rank 1 stages 1 and 3; the
+    # list-of-parts checkpoint path is exercised too.
+    ref_model, ref_opt, *_ = _reference(4)
+    Checkpointer(CheckpointConfig(dir=os.path.join(tmp_path, "single"))).save(STEPS, ref_model, ref_opt, {}, {})
+    run_distributed(_check_pp2, 2, schedule, 2, 4, str(tmp_path))
+    model = _model(seed=7)
+    Checkpointer(CheckpointConfig()).load(os.path.join(tmp_path, "pp2", f"step_{STEPS:08d}"), model, None, {})
+    _assert_matches([model], ref_model, "interleaved pp=2 checkpoint loaded in one process")
+
+
+@pytest.mark.parametrize("schedule,stages_per_rank", [("1f1b", 1), ("interleaved_1f1b", 2)])
+def test_one_process_pipeline_matches_plain_run(schedule, stages_per_rank):
+    cfg = ParallelConfig(pp=1, dp_shard=1, strategies=["pipeline"], pp_schedule=schedule,
+                         pp_stages_per_rank=stages_per_rank, pp_microbatches=4)
+    state = _apply(cfg, 1, _model())
+    assert len(state.model_parts) == stages_per_rank
+    _, losses, aux0, gnorm0 = _train(state)
+    ref_model, _, ref_losses, ref_aux0, ref_gnorm0 = _reference(4)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=0)
+    assert aux0 == pytest.approx(ref_aux0, rel=RTOL)
+    assert gnorm0 == pytest.approx(ref_gnorm0, rel=RTOL)
+    _assert_matches(state.model_parts, ref_model, "one-process pipeline")
+    # The trainer logs MoE layers' aux_losses: after a step they hold the micro-batch mean.
+    layers = [m for part in state.model_parts for m in part.modules() if isinstance(m, MoELayer)]
+    assert layers and all(set(m.aux_losses) == {"lb_loss", "z_loss"} for m in layers)
+
+
+def test_split_stages_keeps_names_and_balances():
+    model = _model()
+    names = {n for n, _ in model.named_parameters()}
+    stages = split_stages(model, 3)
+    assert [list(s.blocks.keys()) for s in stages] == [["0", "1"], ["2"], ["3"]]
+    assert stages[0].embed is model.embed and stages[0].norm is None and stages[0].lm_head is None
+    assert stages[-1].embed is None and stages[-1].lm_head is model.lm_head
+    split = [n for s in stages for n, _ in s.named_parameters()]
+    assert len(split) == len(names) and set(split) == names
+    assert "blocks.3.attention.q_proj.weight" in {n for n, _ in stages[2].named_parameters()}
+    # Chaining the stages is the model.
+    x = torch.randint(0, 64, (2, SEQ))
+    h = x
+    for s in stages:
+        h = s.eval()(h)
+    torch.testing.assert_close(h, model.eval()(x))
+
+
+def test_config_errors():
+    cfg = ParallelConfig(pp=8, dp_shard=1).resolve(8)
+    state = ParallelState([_model()], ParallelMesh(cfg, None), cfg, _model_cfg(), extras={"loss_fn": cross_entropy_loss})
+    with pytest.raises(ConfigError, match=r"parallel.pp=8 x stages_per_rank=1 = 8 stages but the model has 4 layers"):
+        PipelineParallel().validate(state)
+    cfg = ParallelConfig(pp=2, dp_shard=1, pp_microbatches=1).resolve(2)
+    state = ParallelState([_model()], ParallelMesh(cfg, None), cfg, _model_cfg(), extras={"loss_fn": cross_entropy_loss})
+    with pytest.raises(ConfigError, match=r"pp_microbatches >= the number of stages \(2\)"):
+        PipelineParallel().validate(state)
+    state.cfg = ParallelConfig(pp=2, dp_shard=1, pp_microbatches=4).resolve(2)
+    state.extras["local_batch_size"] = 6
+    with pytest.raises(ConfigError, match=r"batch of 6 sequences.*pp_microbatches=4"):
+        PipelineParallel().validate(state)
+    with pytest.raises(ConfigError, match=r"at most 4 stages"):
+        split_stages(_model(), 5)
+    # The step function checks the batch it gets.
+    cfg = ParallelConfig(pp=1, dp_shard=1, strategies=["pipeline"], pp_microbatches=4)
+    state = _apply(cfg, 1, _model())
+    with pytest.raises(ConfigError, match=r"batch of 6 sequences does not split into parallel.pp_microbatches=4"):
+        state.step_fn(torch.zeros(6, SEQ + 1, dtype=torch.long))
