@@ -16,6 +16,7 @@ Process groups are handed to the modules that need them; no layer reads globals.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -44,7 +45,14 @@ class ParallelMesh:
 
     # ---- views ------------------------------------------------------------------------------
     def _sub(self, *names: str) -> DeviceMesh | None:
-        return None if self.world is None else self.world[names if len(names) > 1 else names[0]]
+        if self.world is None:
+            return None
+        with warnings.catch_warnings():
+            # torch >= 2.11 warns that slicing flattened dims back out of the root mesh "will be
+            # deprecated"; it is the one way that works on 2.11 and 2.13 alike (HSDP needs the 2-D
+            # (dp_replicate, dp_shard) view). Revisit when DeviceMesh grows a stable replacement.
+            warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+            return self.world[names if len(names) > 1 else names[0]]
 
     @property
     def dense_fsdp(self) -> DeviceMesh | None:
