@@ -48,6 +48,9 @@ class DataParallel(ParallelStrategy):
         # bf16 compute and all-gathers, fp32 gradient reduction; fp32 throughout on the CPU.
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
         reshard = state.cfg.fsdp_reshard_after_forward
+        if dtype is not None:
+            # Parameters arrive in bf16, so the residual stream between pipeline stages is bf16 too.
+            state.extras["pp_activation_dtype"] = dtype
         dense_mesh, expert_mesh = mesh.dense_fsdp, mesh.expert_fsdp
         for part in state.model_parts:
             for block in _blocks(part):
