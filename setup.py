@@ -34,7 +34,7 @@ setup(
         "pyyaml",
     ],
     extras_require={
-        "test": ["pytest", "safetensors"],
+        "test": ["pytest", "safetensors", "transformers"],
         "te": ["transformer-engine[pytorch]"],
     },
 )

@@ -69,6 +69,9 @@ class CheckpointConfig(Config):
     complete); 0 keeps all."""
     save_final: bool = True
     """Save a checkpoint after the last training step."""
+    init_from: str | None = None
+    """Start a new run from the model weights of this checkpoint (converted from HF or upcycled):
+    fresh optimizer and schedule, step 0. Ignored when resuming."""
 
     def validate(self) -> None:
         super().validate()
@@ -477,8 +480,12 @@ class Checkpointer:
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None,
         extra: dict[str, Any],
+        model_only: bool = False,
     ) -> dict[str, Any]:
         """Verify ``path``, load it into ``model``, ``optimizer`` and ``extra``; return its metadata.
+
+        ``model_only``: load just the weights (a converted or upcycled checkpoint that starts a new
+        run): pass optimizer=None and extra={}; RNG states are left alone.
 
         Stateful extras are restored with ``load_state_dict``; plain values are replaced in the
         ``extra`` dict. This rank's RNG states are restored when the checkpoint has a file for it.
@@ -516,7 +523,9 @@ class Checkpointer:
                 extra[key] = loaded["value"]
 
         rng_file = os.path.join(path, f"rng_rank{self.rank}.pt")
-        if os.path.isfile(rng_file):
+        if model_only:
+            pass
+        elif os.path.isfile(rng_file):
             _set_rng_state(torch.load(rng_file, weights_only=False))
         else:
             log.warning(

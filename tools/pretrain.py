@@ -149,6 +149,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg.to_yaml(os.path.join(cfg.trainer.run_dir, "config.yaml"))
     if resume_path is not None:
         trainer.load(resume_path)
+    elif cfg.checkpoint.init_from:
+        # Weights only: the load itself names any missing, unexpected or mis-shaped tensor.
+        checkpointer.load(cfg.checkpoint.init_from, trainer.model_parts, None, {}, model_only=True)
+        if is_main():
+            print(f"initialized the model from {cfg.checkpoint.init_from}", flush=True)
     trainer.fit()
     barrier()
     if torch.distributed.is_initialized():
@@ -162,6 +167,13 @@ def check_resumable(checkpointer: Checkpointer, path: str, cfg: PretrainConfig) 
     if saved is None:
         return
     now = cfg.model.to_dict()
+
+    def shape_only(d):  # kernel choices may change between runs; the model's shape may not
+        if not isinstance(d, dict):
+            return d
+        return {k: shape_only(v) for k, v in d.items() if k not in ("backend", "experts_backend")}
+
+    saved, now = shape_only(saved), shape_only(now)
     diff = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
     if diff:
         detail = ", ".join(f"model.{k}: checkpoint {saved.get(k)!r} vs now {now.get(k)!r}" for k in diff)

@@ -114,3 +114,19 @@ def test_resume_with_another_model_is_refused(tmp_path, data_dir):
     proc = run([*SMALL, "--trainer.steps=4", "--model.n_layers=3", f"--trainer.run_dir={d}", "--resume"],
                data_dir, check=False)
     assert proc.returncode == 2 and "different model" in proc.stderr and "n_layers" in proc.stderr
+
+
+def test_init_from_weights_starts_a_new_run(tmp_path, data_dir):
+    first = str(tmp_path / "first")
+    run([*SMALL, "--trainer.steps=4", f"--trainer.run_dir={first}"], data_dir)
+    ckpt = os.path.join(first, "checkpoints", "step_00000004")
+    second = str(tmp_path / "second")
+    out = run([*SMALL, "--trainer.steps=2", f"--trainer.run_dir={second}", f"--checkpoint.init_from={ckpt}"], data_dir)
+    assert "initialized the model from" in out.stdout
+    fresh = str(tmp_path / "fresh")
+    run([*SMALL, "--trainer.steps=2", f"--trainer.run_dir={fresh}"], data_dir)
+    # starting from trained weights, the first loss is far below a fresh model's
+    assert losses(second)[1] < losses(fresh)[1] - 0.1
+    bad = run([*SMALL, "--trainer.steps=2", "--model.n_layers=3", f"--trainer.run_dir={tmp_path}/bad",
+               f"--checkpoint.init_from={ckpt}"], data_dir, check=False)
+    assert bad.returncode == 2 and "blocks.2" in bad.stderr or "n_layers" in bad.stderr, bad.stderr

@@ -1,0 +1,48 @@
+"""tools/bench_parallel.py under torchrun on two gloo ranks: both dispatch variants measured in one
+launch, with the expert all-to-all's time and share of the step."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BENCH = os.path.join(ROOT, "tools", "bench_parallel.py")
+
+SMALL = [
+    "--preset", "tiny-moe", "--model.d_model=64", "--model.n_layers=2", "--model.vocab_size=512",
+    "--data.corpus_vocab_size=512", "--data.corpus_max_bytes=300000", "--seq-len", "32", "--tokens-per-gpu", "128",
+    "--steps", "2", "--warmup", "1", "--parallel.ep=2", "--trainer.device=cpu",
+]
+
+
+def test_two_variants_report_all_to_all_share(tmp_path):
+    out = str(tmp_path / "bench.json")
+    env = dict(os.environ, MOETRON_DATA_DIR=str(tmp_path / "corpus"), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", BENCH, *SMALL,
+           "--json", out, "--variants", "synced:parallel.ep_dispatch=synced", "sync_free:parallel.ep_dispatch=sync_free"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.load(open(out))
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert sorted(rows) == ["sync_free", "synced"]
+    for name, r in rows.items():
+        assert r["layout"]["ep"] == 2 and r["layout"]["ep_dispatch"] == name and r["gpus"] == 2
+        assert r["global_batch_size"] == 8  # 128 tokens x 2 data-parallel ranks / 32
+        assert r["tokens_per_s_per_gpu"] > 0 and r["step_ms"] > 0
+        assert r["a2a_ms"] > 0 and 0 < r["a2a_share"] < 1, r
+        assert r["a2a_calls_per_step"] == 4  # one MoE layer: dispatch + combine, forward + backward
+        assert r["mfu"] is None and r["peak_mem_gib"] is None  # no peak, no CUDA memory on the CPU
+    assert "synced" in proc.stdout and "a2a %" in proc.stdout
+    assert result["env"]["env_vars"]["NCCL_NVLS_ENABLE"] == "0"
+    assert result["env"]["command"].startswith("torchrun --nproc-per-node 2 tools/bench_parallel.py")
+
+
+def test_variant_specs_split_on_keys_only():
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import bench_parallel
+
+    assert bench_parallel.split_variant("a:parallel.ep=2,data.train_paths=[x,y]") == (
+        "a", ["--parallel.ep=2", "--data.train_paths=[x,y]"])
+    assert bench_parallel.split_variant("b:--parallel.ep_dispatch=sync_free") == (
+        "b", ["--parallel.ep_dispatch=sync_free"])
