@@ -305,18 +305,7 @@ class Checkpointer:
         return state
 
     def _publish(self, tmp: str, final: str, nonce: str) -> None:
-        """Rename the finished tmp dir to ``final``; an existing ``final`` is moved aside first."""
-        root = os.path.dirname(final)
-        old = None
-        if os.path.exists(final):
-            # A re-save of the same step (e.g. after resume): the new one is complete, so the old one
-            # may go, but only once the new one holds the name.
-            old = os.path.join(root, f".{os.path.basename(final)}.old-{nonce}")
-            os.rename(final, old)
-        os.rename(tmp, final)
-        _fsync_path(root, directory=True)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        publish_dir(tmp, final, nonce)
 
     def _prune(self, root: str) -> None:
         """Delete complete checkpoints beyond ``keep_last`` and leftovers of crashed saves."""
@@ -566,6 +555,20 @@ class Checkpointer:
                 + "; ".join(problems)
                 + "; load a checkpoint saved by the same model configuration (or convert it)"
             )
+
+
+def publish_dir(tmp: str, final: str, nonce: str) -> None:
+    """Rename the finished ``tmp`` dir to ``final`` atomically; an existing ``final`` is moved aside
+    first and deleted only once the new one holds the name."""
+    root = os.path.dirname(final)
+    old = None
+    if os.path.exists(final):
+        old = os.path.join(root, f".{os.path.basename(final)}.old-{nonce}")
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_path(root, directory=True)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def as_one_module(model: nn.Module | list[nn.Module] | tuple[nn.Module, ...]) -> nn.Module:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from .checkpoint import MANIFEST, META, CheckpointError, _fsync_path, _sha256, _write_durable
+from .checkpoint import MANIFEST, META, CheckpointError, _fsync_path, _sha256, _write_durable, publish_dir
 
 __all__ = ["save_weights", "iter_weights", "read_weight_specs", "checkpoint_exists"]
 
@@ -101,14 +101,7 @@ def save_weights(
         manifest = {"format": 1, "step": meta.get("step", 0), "world_size": 1, "files": files}
         _write_durable(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=2).encode())
         _fsync_path(tmp, directory=True)
-        old = None
-        if os.path.exists(path):
-            old = os.path.join(parent, f".{os.path.basename(path)}.old-{nonce}")
-            os.rename(path, old)
-        os.rename(tmp, path)
-        _fsync_path(parent, directory=True)
-        if old:
-            shutil.rmtree(old, ignore_errors=True)
+        publish_dir(tmp, path, nonce)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
