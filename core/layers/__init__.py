@@ -3,13 +3,16 @@
 from .attention import Attention, AttentionBackend, AttentionConfig, sliding_window_causal_mask
 from .mlp import SwiGLU
 from .norm import RMSNorm
-from .rope import RotaryEmbedding, apply_rotary
+from .rope import RopeScalingConfig, RopeScalingLayers, RopeScalingType, RotaryEmbedding, apply_rotary
 
 __all__ = [
     "Attention",
     "AttentionBackend",
     "AttentionConfig",
     "RMSNorm",
+    "RopeScalingConfig",
+    "RopeScalingLayers",
+    "RopeScalingType",
     "RotaryEmbedding",
     "SwiGLU",
     "apply_rotary",

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..config import Config, ConfigError, StrEnum
 from .norm import RMSNorm
-from .rope import RotaryEmbedding, apply_rotary
+from .rope import RopeScalingConfig, RotaryEmbedding, apply_rotary
 
 
 class AttentionBackend(StrEnum):
@@ -40,6 +40,10 @@ class AttentionConfig(Config):
     """RMSNorm over the full q and k projections before RoPE."""
     rope_theta: float = 500_000.0
     """RoPE base."""
+    sliding_rope_theta: float | None = None
+    """RoPE base of the sliding-window layers; None means rope_theta (HF keeps RoPE per layer type)."""
+    rope_scaling: RopeScalingConfig | None = None
+    """Long-context RoPE scaling (YaRN) and the layers it applies to; None = plain RoPE."""
     backend: AttentionBackend = AttentionBackend.auto
     """Kernel for sliding-window layers (full layers always use SDPA's causal flash path)."""
 
@@ -133,7 +137,10 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_width, d_model, bias=False, device=device)
         self.q_norm = RMSNorm(q_width, norm_eps, device) if cfg.qk_norm else None
         self.k_norm = RMSNorm(kv_width, norm_eps, device) if cfg.qk_norm else None
-        self.rope = RotaryEmbedding(self.head_dim, cfg.rope_theta)
+        sliding = sliding_window is not None
+        theta = cfg.sliding_rope_theta if sliding and cfg.sliding_rope_theta is not None else cfg.rope_theta
+        scaling = cfg.rope_scaling if cfg.rope_scaling is not None and cfg.rope_scaling.applies_to(sliding) else None
+        self.rope = RotaryEmbedding(self.head_dim, theta, scaling)
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         B, S, _ = x_BSD.shape

@@ -1,0 +1,306 @@
+"""HF interop: config mapping, name maps, logits equal to transformers' own Olmo3/Olmoe (the oracle),
+export reloads in transformers, native -> HF -> native is bit-exact."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+tf = pytest.importorskip("transformers")
+
+from moetron.core.checkpoint import CheckpointError
+from moetron.core.layers.rope import RopeScalingLayers
+from moetron.core.weights import iter_weights, save_weights
+from moetron.models import ModelConfig
+from moetron.models.config import BlockType, LayerType
+from moetron.models.hf import (
+    MOETRON,
+    OLMO3,
+    OLMOE,
+    export_architecture,
+    export_hf,
+    hf_native_specs,
+    hf_to_native,
+    iter_hf_tensors,
+    load_hf_model,
+    native_to_hf,
+    read_hf_config,
+)
+
+SEQ = 40  # longer than the sliding window (8) and than YaRN's original context (16)
+
+
+def _perturb(model) -> None:
+    """Random norms too (HF inits them to ones), so a swapped norm would show in the logits."""
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+
+
+def olmo3_hf_config(**kw):
+    args = dict(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=8, rms_norm_eps=1e-6, max_position_embeddings=64,
+        # not the default pattern: importing must follow config.json
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        # as the long-context releases: YaRN on full layers only
+        rope_parameters={
+            "full_attention": {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0,
+                               "original_max_position_embeddings": 16, "attention_factor": 1.2},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 5_000.0},
+        },
+        pad_token_id=None, eos_token_id=None,
+    )
+    args.update(kw)
+    return tf.Olmo3Config(**args)
+
+
+def olmoe_hf_config(**kw):
+    args = dict(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, pad_token_id=None, eos_token_id=None)
+    args.update(kw)
+    return tf.OlmoeConfig(**args)
+
+
+def _save(config_cls_model, path, **save_kw):
+    torch.manual_seed(0)
+    model = config_cls_model.eval()
+    _perturb(model)
+    model.save_pretrained(path, **save_kw)
+    return model
+
+
+@pytest.fixture(scope="module")
+def olmo3(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("hf") / "olmo3")
+    return path, _save(tf.Olmo3ForCausalLM(olmo3_hf_config()), path)
+
+
+@pytest.fixture(scope="module")
+def olmoe(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("hf") / "olmoe")
+    model = _save(tf.OlmoeForCausalLM(olmoe_hf_config()), path)
+    sharded = str(tmp_path_factory.mktemp("hf") / "olmoe_sharded")
+    model.save_pretrained(sharded, max_shard_size="40KB")
+    return path, sharded, model
+
+
+def _ids(vocab=128):
+    return torch.randint(0, vocab, (2, SEQ), generator=torch.Generator().manual_seed(0))
+
+
+def _max_diff(hf_model, model) -> float:
+    ids = _ids()
+    with torch.no_grad():
+        return (hf_model(ids).logits - model(ids)).abs().max().item()
+
+
+# ---- config ---------------------------------------------------------------------------------
+
+
+def test_read_olmo3_config_follows_config_json(olmo3):
+    cfg = read_hf_config(olmo3[0])
+    assert (cfg.d_model, cfg.n_layers, cfg.vocab_size, cfg.mlp_hidden) == (64, 4, 128, 96)
+    assert cfg.moe is None and cfg.block_type == BlockType.reordered_norm
+    assert cfg.layer_types == [LayerType.sliding, LayerType.full, LayerType.sliding, LayerType.full]
+    assert cfg.sliding_window == 8 and cfg.norm_eps == 1e-6
+    att = cfg.attention
+    assert (att.n_heads, att.kv_heads(), att.qk_norm) == (4, 2, True)
+    assert att.rope_theta == 10_000.0 and att.sliding_rope_theta == 5_000.0
+    assert att.rope_scaling.layers == RopeScalingLayers.full and att.rope_scaling.factor == 4.0
+    assert att.rope_scaling.original_max_position_embeddings == 16 and att.rope_scaling.attention_factor == 1.2
+
+
+def test_read_olmoe_config(olmoe):
+    cfg = read_hf_config(olmoe[0])
+    assert cfg.block_type == BlockType.pre_norm and cfg.sliding_window is None
+    assert cfg.moe.num_experts == 8 and cfg.moe.expert_hidden == 32
+    assert cfg.moe.router.top_k == 2 and cfg.moe.router.renormalize is False
+    assert cfg.moe.num_shared_experts == 0 and cfg.moe.dense_layers == []
+    assert cfg.norm_eps == 1e-5 and cfg.attention.rope_theta == 10_000.0
+
+
+def test_legacy_rope_format_is_scaled_on_full_layers_only(olmo3, tmp_path):
+    """Released Olmo 3 config.json files: top-level rope_theta + rope_scaling (YaRN), which
+    transformers applies to the full-attention layers only."""
+    legacy = str(tmp_path / "legacy")
+    shutil.copytree(olmo3[0], legacy)
+    path = os.path.join(legacy, "config.json")
+    hf = json.load(open(path))
+    del hf["rope_parameters"]
+    hf["rope_theta"] = 500_000.0
+    hf["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                          "attention_factor": 1.2, "beta_fast": 32, "beta_slow": 1}
+    json.dump(hf, open(path, "w"))
+    cfg = read_hf_config(legacy)
+    assert cfg.attention.rope_theta == 500_000.0 and cfg.attention.sliding_rope_theta is None
+    assert cfg.attention.rope_scaling.layers == RopeScalingLayers.full
+    hf_model = tf.AutoModelForCausalLM.from_pretrained(legacy).eval()
+    _, model = load_hf_model(legacy)
+    assert _max_diff(hf_model, model) < 1e-4
+
+
+def test_export_architecture():
+    assert export_architecture(ModelConfig.tiny())[0] == OLMO3
+    assert export_architecture(ModelConfig.olmoe_1b_7b())[0] == OLMOE
+    arch, why = export_architecture(ModelConfig.tiny_moe())
+    assert arch == MOETRON and "shared experts" in why and "dense layers" in why
+
+
+# ---- names ----------------------------------------------------------------------------------
+
+
+def test_name_maps():
+    assert hf_to_native("model.layers.3.post_attention_layernorm.weight", OLMO3) == "blocks.3.attention_norm.weight"
+    assert hf_to_native("model.layers.3.post_attention_layernorm.weight", OLMOE) == "blocks.3.mlp_norm.weight"
+    assert hf_to_native("model.layers.0.input_layernorm.weight", OLMOE) == "blocks.0.attention_norm.weight"
+    assert hf_to_native("model.layers.1.mlp.experts.5.up_proj.weight", OLMOE) == "blocks.1.mlp.experts.w_gate_up"
+    assert hf_to_native("model.layers.1.mlp.experts.gate_up_proj", OLMOE) == "blocks.1.mlp.experts.w_gate_up"
+    assert hf_to_native("model.layers.1.mlp.gate.weight", OLMOE) == "blocks.1.mlp.router.weight"
+    with pytest.raises(CheckpointError, match="model.layers.0.mlp.gate.weight"):
+        hf_to_native("model.layers.0.mlp.gate.weight", OLMO3)
+    cfg = ModelConfig.olmoe_1b_7b()
+    names = native_to_hf("blocks.2.mlp.experts.w_gate_up", cfg)
+    assert len(names) == 128 and names[:2] == ["model.layers.2.mlp.experts.0.gate_proj.weight",
+                                               "model.layers.2.mlp.experts.0.up_proj.weight"]
+    assert native_to_hf("embed.weight", cfg) == ["model.embed_tokens.weight"]
+    assert native_to_hf("blocks.0.mlp.experts.w_down", ModelConfig.tiny_moe()) == ["blocks.0.mlp.experts.w_down"]
+
+
+def test_iter_hf_tensors_single_and_sharded_agree(olmoe):
+    single, sharded, _ = olmoe
+    assert len([f for f in os.listdir(sharded) if f.endswith(".safetensors")]) > 2
+    a = dict(iter_hf_tensors(single))
+    b = dict(iter_hf_tensors(sharded))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---- logits equal transformers' -------------------------------------------------------------
+
+
+def test_olmo3_logits_match_transformers(olmo3):
+    path, hf_model = olmo3
+    cfg, model = load_hf_model(path)
+    assert _max_diff(hf_model, model) < 1e-4
+    # the check has teeth: without YaRN or with one RoPE base the logits differ
+    for change in ({"rope_scaling": None}, {"sliding_rope_theta": None}):
+        other = cfg.replace(attention=cfg.attention.replace(**change)).build()
+        other.load_state_dict(model.state_dict())
+        assert _max_diff(hf_model, other) > 1e-3
+
+
+@pytest.mark.parametrize("which", ["single", "sharded"])
+def test_olmoe_logits_match_transformers(olmoe, which):
+    single, sharded, hf_model = olmoe
+    _, model = load_hf_model(single if which == "single" else sharded)
+    assert _max_diff(hf_model, model.eval()) < 1e-4
+
+
+def test_fused_expert_layout_is_read(olmoe, tmp_path):
+    """transformers v5 in memory (and possibly future files) keeps experts fused: gate_up_proj [E, 2F, D]."""
+    from safetensors.torch import save_file
+
+    single, _, hf_model = olmoe
+    fused = str(tmp_path / "fused")
+    os.makedirs(fused)
+    shutil.copy(os.path.join(single, "config.json"), fused)
+    tensors = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
+    assert any(k.endswith("experts.gate_up_proj") for k in tensors)
+    save_file(tensors, os.path.join(fused, "model.safetensors"))
+    _, model = load_hf_model(fused)
+    assert _max_diff(hf_model, model) < 1e-4
+
+
+# ---- export ---------------------------------------------------------------------------------
+
+
+def _import(hf_dir, out):
+    cfg = read_hf_config(hf_dir)
+    specs, produce = hf_native_specs(hf_dir, cfg)
+    return save_weights(out, specs, produce, {"config": {"model": cfg.to_dict()}})
+
+
+@pytest.mark.parametrize("which", ["olmo3", "olmoe"])
+def test_export_reloads_in_transformers(which, olmo3, olmoe, tmp_path):
+    src, hf_model = (olmo3[0], olmo3[1]) if which == "olmo3" else (olmoe[1], olmoe[2])
+    native = _import(src, str(tmp_path / "native"))
+    out = export_hf(native, str(tmp_path / "hf"), max_shard_size="30KB")
+    files = os.listdir(out)
+    assert "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) > 2
+    reloaded = tf.AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = _ids()
+    with torch.no_grad():
+        assert (reloaded(ids).logits - hf_model(ids).logits).abs().max().item() < 1e-4
+    # the HF tensors themselves are the originals
+    before, after = dict(iter_hf_tensors(src)), dict(iter_hf_tensors(out))
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def _native_tiny_moe(path, cfg):
+    torch.manual_seed(0)
+    state = cfg.build().state_dict()
+    specs = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+    return save_weights(path, specs, lambda n: state[n], {"config": {"model": cfg.to_dict()}})
+
+
+def _olmoe_like():
+    cfg = ModelConfig.olmoe_1b_7b()
+    cfg.d_model, cfg.n_layers, cfg.vocab_size = 64, 2, 128
+    cfg.attention.n_heads = 4
+    cfg.moe.num_experts, cfg.moe.expert_hidden, cfg.moe.router.top_k = 8, 16, 2
+    return cfg
+
+
+def _small_tiny_moe():
+    cfg = ModelConfig.tiny_moe()
+    cfg.d_model, cfg.vocab_size, cfg.mlp_hidden = 64, 128, 96
+    cfg.moe.num_experts, cfg.moe.expert_hidden = 4, 16
+    return cfg
+
+
+def _olmo3_like():
+    cfg = ModelConfig.tiny()
+    cfg.d_model, cfg.vocab_size, cfg.mlp_hidden, cfg.sliding_window = 64, 128, 96, 8
+    return cfg
+
+
+@pytest.mark.parametrize("make", [_olmo3_like, _olmoe_like, _small_tiny_moe], ids=["olmo3", "olmoe", "moetron"])
+def test_native_hf_native_is_bit_exact(make, tmp_path):
+    from moetron.core.weights import read_weight_specs
+
+    cfg = make()
+    native = _native_tiny_moe(str(tmp_path / "a"), cfg)
+    hf_dir = export_hf(native, str(tmp_path / "hf"), max_shard_size="20KB")
+    arch = json.load(open(os.path.join(hf_dir, "config.json")))["architectures"][0]
+    assert arch == export_architecture(cfg)[0]
+    back = _import(hf_dir, str(tmp_path / "b"))
+    explicit = cfg.replace(layer_types=cfg.resolved_layer_types())
+    back_cfg = read_hf_config(hf_dir)
+    if cfg.moe is not None and not cfg.moe.dense_layers:  # mlp_hidden is unused: OLMoE has no field for it
+        back_cfg.mlp_hidden = cfg.mlp_hidden
+    assert back_cfg.replace(layer_types=back_cfg.resolved_layer_types()).to_dict() == explicit.to_dict()
+    specs_a, specs_b = read_weight_specs(native), read_weight_specs(back)
+    assert specs_a == specs_b
+    for (na, ta), (nb, tb) in zip(iter_weights(native), iter_weights(back)):
+        assert na == nb and torch.equal(ta, tb), na
+    # the rebuilt model computes the same function
+    ids = _ids()
+    _, m_hf = load_hf_model(hf_dir)
+    m = cfg.build()
+    m.load_state_dict(dict(iter_weights(native)))
+    with torch.no_grad():
+        assert torch.equal(m(ids), m_hf(ids))
+
+
+def test_export_bf16(tmp_path):
+    native = _native_tiny_moe(str(tmp_path / "a"), _olmo3_like())
+    out = export_hf(native, str(tmp_path / "hf"), dtype=torch.bfloat16)
+    assert json.load(open(os.path.join(out, "config.json")))["dtype"] == "bfloat16"
+    assert all(t.dtype == torch.bfloat16 for _, t in iter_hf_tensors(out))
+    reloaded = tf.AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    assert reloaded.model.embed_tokens.weight.dtype == torch.bfloat16
