@@ -50,11 +50,3 @@ def is_main() -> bool:
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        t = t.clone()
-        dist.all_reduce(t)
-        t /= dist.get_world_size()
-    return t

@@ -306,11 +306,8 @@ class Trainer:
                 t_last, tokens_since = time.perf_counter(), 0
             if self.on_step_end is not None:
                 self.on_step_end(self.step, record or {})
-            interval = self.checkpointer.cfg.interval if self.checkpointer is not None else 0
-            if self.checkpointer is not None and (
-                (interval and self.step % interval == 0)
-                or (self.step == last_step and self.checkpointer.cfg.save_final)
-            ):
+            ckpt = self.checkpointer.cfg if self.checkpointer is not None else None
+            if ckpt is not None and (ckpt.should_save(self.step) or ckpt.should_save(self.step, final=self.step == last_step)):
                 path = self.save()
                 if is_main() and path:
                     print(f"saved checkpoint {path}", flush=True)
