@@ -110,7 +110,8 @@ class Trainer:
         """``model``: the model, or the list of modules this rank runs (pipeline stages).
         ``step_fn(batch) -> loss`` replaces the built-in forward/backward over micro-batches (the
         pipeline schedule supplies one); ``eval_fn(batch) -> loss`` likewise for evaluation.
-        ``grad_norm_groups``: extra groups the squared grad norm is summed over (pipeline stages).
+        ``grad_norm_groups``: groups across which the model is split (pipeline stages): the squared
+        grad norm is summed over them and the MoE load statistics gathered from them.
         ``pre_step_hook(model_parts)`` sees the gradients before clipping (tests compare layouts)."""
         cfg.validate()
         self.cfg = cfg
@@ -324,6 +325,13 @@ class Trainer:
             out[name] = float(value)
         self.aux_sums = {}
         stats = {i: layer.pop_load_stats() for i, layer in sorted(self.moe_layers.items())}
+        for group in self.grad_norm_groups:
+            # Pipeline stages hold different layers: gather every stage's stats (log steps only).
+            if group is not None and dist.get_world_size(group) > 1:
+                gathered = [None] * dist.get_world_size(group)
+                local = {i: {k: v.cpu() for k, v in d.items()} for i, d in stats.items()}
+                dist.all_gather_object(gathered, local, group=group)
+                stats = {i: d for part in gathered for i, d in part.items()}
         if stats:
             out.update(self.load_log.add(self.step, summarize(stats)))
         return out

@@ -247,3 +247,28 @@ def test_config_errors():
     state = _apply(cfg, 1, _model())
     with pytest.raises(ConfigError, match=r"batch of 6 sequences does not split into parallel.pp_microbatches=4"):
         state.step_fn(torch.zeros(6, SEQ + 1, dtype=torch.long))
+
+
+def _pp_load_stats(rank, world, out, data_dir):
+    os.environ["MOETRON_DATA_DIR"] = data_dir
+    import pretrain
+
+    from tests.parallel.test_equivalence import TINY
+
+    cfg, _ = pretrain.parse_args(["--preset", "tiny-moe", *TINY, f"--trainer.run_dir={out}",
+                                  "--parallel.pp=2", "--parallel.dp_shard=1", "--parallel.pp_microbatches=4"])
+    trainer, _ = pretrain.build(cfg, torch.device("cpu"), world)
+    trainer.train_step(trainer.data.next_batch())
+    trainer.step = 1
+    record = trainer._pop_moe_metrics(1)
+    if rank == 0:
+        torch.save({"layers": sorted(trainer.load_log.records[-1]["layers"].tolist()), "record": record},
+                   os.path.join(out, "stats.pt"))
+
+
+def test_load_stats_cover_every_stage(tmp_path):
+    """Rank 0 holds stage 0 only, yet its load log lists the MoE layers of both stages."""
+    run_distributed(_pp_load_stats, 2, str(tmp_path), str(tmp_path / "data"), timeout_s=300)
+    got = torch.load(tmp_path / "stats.pt")
+    assert got["layers"] == [1, 2, 3]  # tiny MoE: layer 0 dense, layers 1-3 MoE over two stages
+    assert got["record"]["moe_max_violation"] >= 0
