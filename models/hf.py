@@ -33,7 +33,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from moetron.core.checkpoint import META, CheckpointError, _fsync_path
+from moetron.core.checkpoint import META, CheckpointError, _fsync_path, publish_dir
 from moetron.core.config import ConfigError
 from moetron.core.layers.attention import AttentionConfig
 from moetron.core.layers.rope import RopeScalingConfig, RopeScalingLayers
@@ -819,14 +819,7 @@ def export_hf(
             json.dump(hf_config_dict(cfg, out_dtype), f, indent=2)
         for name in os.listdir(tmp):
             _fsync_path(os.path.join(tmp, name))
-        old = None
-        if os.path.exists(out_dir):
-            old = os.path.join(parent, f".{os.path.basename(out_dir)}.old-{nonce}")
-            os.rename(out_dir, old)
-        os.rename(tmp, out_dir)
-        _fsync_path(parent, directory=True)
-        if old:
-            shutil.rmtree(old, ignore_errors=True)
+        publish_dir(tmp, out_dir, nonce)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
