@@ -35,7 +35,10 @@ def pick_device(requested: str = "auto") -> torch.device:
 def init_distributed(device: torch.device, timeout_s: int = 1800) -> tuple[int, int]:
     """Join the process group when launched with several ranks; returns (rank, world_size)."""
     rank, world, _ = env_world()
-    if world > 1 and not dist.is_initialized():
+    # Under a launcher (torchrun / SLURM) join a group even with one rank, so that strategies that
+    # need a mesh (FSDP2, the EP dispatcher) run their real single-GPU path.
+    launched = "WORLD_SIZE" in os.environ or "SLURM_NTASKS" in os.environ
+    if (world > 1 or launched) and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         os.environ.setdefault("RANK", str(rank))
         os.environ.setdefault("WORLD_SIZE", str(world))

@@ -36,7 +36,7 @@ class DataParallel(ParallelStrategy):
     order = 40
 
     def enabled(self, state: ParallelState) -> bool:
-        return state.mesh.world is not None and (state.mesh.dp_size > 1 or self.name in state.cfg.strategies)
+        return (state.mesh.world is not None and state.mesh.dp_size > 1) or self.name in state.cfg.strategies
 
     def validate(self, state: ParallelState) -> None:
         if state.mesh.world is None:

@@ -103,6 +103,8 @@ def build(cfg: PretrainConfig, device: torch.device, world: int, checkpointer: C
         extras={"loss_fn": cross_entropy_loss, "autocast_dtype": cfg.trainer.autocast_dtype(device)},
     )
     apply_strategies(state)
+    if is_main():
+        print(f"parallel strategies applied: {state.extras['applied'] or 'none'}", flush=True)
     parts = state.model_parts
     optimizer = cfg.optimizer.build(parts[0] if len(parts) == 1 else torch.nn.ModuleList(parts))
     scheduler = cfg.scheduler.build(optimizer, cfg.trainer.steps)
