@@ -1,7 +1,6 @@
 """tools/score.py: its mean loss equals the loss of the model run directly on the same windows; one
 log-prob per predicted token; HF directories score as transformers does; bad input fails clearly."""
 
-import importlib.util
 import math
 import os
 import re
@@ -19,6 +18,7 @@ from moetron.data.tokenizer import DataError
 from moetron.data.preprocess import tokenize_documents
 from moetron.core.moe.config import MoEConfig, RouterConfig
 from moetron.models import ModelConfig
+from tests.hf_models import save_tiny_olmo3
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCORE = os.path.join(ROOT, "tools", "score.py")
@@ -147,23 +147,10 @@ def test_errors(setup, tmp_path):
     assert not os.path.exists(out)
 
 
-HAS_HF = importlib.util.find_spec("moetron.models.hf") is not None
-
-
-@pytest.mark.skipif(not HAS_HF, reason="moetron.models.hf (the HF converter) is not in this tree yet")
 def test_hf_dir_matches_transformers(tmp_path, capsys):
-    transformers = pytest.importorskip("transformers")
-    if not hasattr(transformers, "Olmo3Config"):
-        pytest.skip("this transformers has no Olmo3")
-    torch.manual_seed(0)
-    hf_cfg = transformers.Olmo3Config(
-        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, sliding_window=16, rope_theta=10_000.0,
-        layer_types=["sliding_attention", "full_attention"], pad_token_id=1, eos_token_id=2, bos_token_id=None,
-    )
-    hf = transformers.Olmo3ForCausalLM(hf_cfg).eval()
+    pytest.importorskip("transformers")
     hf_dir = str(tmp_path / "hf")
-    hf.save_pretrained(hf_dir)
+    hf = save_tiny_olmo3(hf_dir, vocab_size=320)
     S, windows = 16, 5
     tokens = torch.randint(3, 320, (S * windows + 1,), generator=torch.Generator().manual_seed(1))
     prefix = str(tmp_path / "tok")

@@ -1,7 +1,6 @@
 """tools/upcycle.py end to end: native and HF inputs, printed counts, the pretrain.yaml it writes
 (pretrain continues from it), and one-line errors that leave nothing behind."""
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -14,6 +13,7 @@ from moetron.core.checkpoint import CheckpointConfig, CheckpointError, Checkpoin
 from moetron.core.config import ConfigError
 from moetron.core.weights import save_weights
 from moetron.models import ModelConfig
+from tests.hf_models import save_tiny_olmo3
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 UPCYCLE = os.path.join(ROOT, "tools", "upcycle.py")
@@ -140,23 +140,10 @@ def test_pretrain_continues_from_upcycled(dense, tmp_path):
     assert not torch.equal(w[0], w[1])
 
 
-HAS_HF = importlib.util.find_spec("moetron.models.hf") is not None
-
-
-@pytest.mark.skipif(not HAS_HF, reason="moetron.models.hf (the HF converter) is not in this tree yet")
 def test_hf_input(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    if not hasattr(transformers, "Olmo3Config"):
-        pytest.skip("this transformers has no Olmo3")
-    torch.manual_seed(0)
-    hf_cfg = transformers.Olmo3Config(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, sliding_window=16, rope_theta=10_000.0,
-        layer_types=["sliding_attention", "full_attention"], pad_token_id=1, eos_token_id=2, bos_token_id=None,
-    )
-    hf = transformers.Olmo3ForCausalLM(hf_cfg).eval()
+    pytest.importorskip("transformers")
     hf_dir = str(tmp_path / "hf")
-    hf.save_pretrained(hf_dir)
+    hf = save_tiny_olmo3(hf_dir, vocab_size=512)
     out = str(tmp_path / "moe")
     proc = run([hf_dir, "--output", out, "--num-experts", "4", "--top-k", "2"])
     assert proc.returncode == 0, proc.stderr

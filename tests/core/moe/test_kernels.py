@@ -72,17 +72,20 @@ def make_ids(case: Case, gen: torch.Generator) -> torch.Tensor:
     return ids.to(case.id_dtype)
 
 
-def run_case(case: Case, seed: int) -> dict[str, torch.Tensor | int]:
-    """Route, scatter and combine forward and backward with the current backend; return everything."""
+def run_case(case: Case, seed: int, device: str = "cpu") -> dict[str, torch.Tensor | int]:
+    """Route, scatter and combine forward and backward with the current backend; return everything.
+
+    Inputs are drawn on the CPU from ``seed`` and moved to ``device``, so every device and backend
+    sees the same data."""
     gen = torch.Generator().manual_seed(seed)
-    ids_TK = make_ids(case, gen)
+    ids_TK = make_ids(case, gen).to(device)
     plan = route(ids_TK, case.E, case.capacity)
     R = plan.num_rows
-    x_TD = torch.randn(case.T, case.D, generator=gen).to(case.dtype).requires_grad_()
-    y_RD = torch.randn(R, case.D, generator=gen).to(case.dtype).requires_grad_()
-    w_TK = torch.rand(case.T, case.K, generator=gen).requires_grad_()
-    grad_RD = torch.randn(R, case.D, generator=gen).to(case.dtype)
-    grad_TD = torch.randn(case.T, case.D, generator=gen).to(case.dtype)
+    x_TD = torch.randn(case.T, case.D, generator=gen).to(device, case.dtype).requires_grad_()
+    y_RD = torch.randn(R, case.D, generator=gen).to(device, case.dtype).requires_grad_()
+    w_TK = torch.rand(case.T, case.K, generator=gen).to(device).requires_grad_()
+    grad_RD = torch.randn(R, case.D, generator=gen).to(device, case.dtype)
+    grad_TD = torch.randn(case.T, case.D, generator=gen).to(device, case.dtype)
 
     x_RD = scatter_rows(x_TD, plan.dest_row_TK, R)
     x_RD.backward(grad_RD)
@@ -299,35 +302,6 @@ def _interpreter_main(path: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def run_case_cuda(case: Case, seed: int) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    ids_TK = make_ids(case, gen).cuda()
-    plan = route(ids_TK, case.E, case.capacity)
-    R = plan.num_rows
-    x_TD = torch.randn(case.T, case.D, generator=gen).to("cuda", case.dtype).requires_grad_()
-    y_RD = torch.randn(R, case.D, generator=gen).to("cuda", case.dtype).requires_grad_()
-    w_TK = torch.rand(case.T, case.K, generator=gen).cuda().requires_grad_()
-    grad_RD = torch.randn(R, case.D, generator=gen).to("cuda", case.dtype)
-    grad_TD = torch.randn(case.T, case.D, generator=gen).to("cuda", case.dtype)
-    x_RD = scatter_rows(x_TD, plan.dest_row_TK, R)
-    x_RD.backward(grad_RD)
-    out_TD = combine_rows(y_RD, plan.dest_row_TK, w_TK)
-    out_TD.backward(grad_TD)
-    return {
-        "tokens_per_expert_E": plan.tokens_per_expert_E,
-        "kept_per_expert_E": plan.kept_per_expert_E,
-        "offsets_E": plan.offsets_E,
-        "dest_row_TK": plan.dest_row_TK,
-        "num_rows": R,
-        "x_RD": x_RD.detach(),
-        "out_TD": out_TD.detach(),
-        "out1_TD": combine_rows(y_RD.detach(), plan.dest_row_TK),
-        "grad_x_TD": x_TD.grad,
-        "grad_y_RD": y_RD.grad,
-        "grad_w_TK": w_TK.grad,
-    }
-
-
 GPU_CASES = CASES + [
     Case(16384, 8, 64, None, "random", D=2048, dtype=torch.bfloat16),
     Case(16384, 8, 64, 2560, "skewed", torch.int32, D=2048, dtype=torch.bfloat16),
@@ -349,7 +323,7 @@ def test_gpu_triton_matches_reference(case):
 
 def run_case_cuda_with(case: Case, backend: str) -> dict:
     with use_backend(backend):
-        return run_case_cuda(case, 7)
+        return run_case(case, 7, "cuda")
 
 
 @pytest.mark.gpu
