@@ -34,8 +34,8 @@ def _train(args, run_dir, device, data_dir):
                TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
            os.path.join(ROOT, "tools", "pretrain.py"), "--preset", "tiny-moe", *TINY,
+           # the device comes after TINY's --trainer.device=cpu: the later override wins
            "--trainer.steps=5", f"--trainer.device={device}", f"--trainer.run_dir={run_dir}", *args]
-    cmd = [c for c in cmd if c != "--trainer.device=cpu"] if device != "cpu" else cmd
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     strategy = args[0].split("[")[1].rstrip("]")

@@ -129,4 +129,4 @@ def test_init_from_weights_starts_a_new_run(tmp_path, data_dir):
     assert losses(second)[1] < losses(fresh)[1] - 0.1
     bad = run([*SMALL, "--trainer.steps=2", "--model.n_layers=3", f"--trainer.run_dir={tmp_path}/bad",
                f"--checkpoint.init_from={ckpt}"], data_dir, check=False)
-    assert bad.returncode == 2 and "blocks.2" in bad.stderr or "n_layers" in bad.stderr, bad.stderr
+    assert bad.returncode == 2 and "blocks.2" in bad.stderr, bad.stderr  # the tensor the model lacks is named
