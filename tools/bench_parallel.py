@@ -12,6 +12,18 @@ all-to-alls (forward and backward) and its share of the step, and peak memory.
         --seq-len 4096 --steps 10 --warmup 3 --model.n_layers=4 --parallel.ep=8 \
         --variants "synced:parallel.ep_dispatch=synced" "sync_free:parallel.ep_dispatch=sync_free"
 
+Pipeline bubbles: each pipeline row carries its schedule's theoretical bubble, the idle share of
+the step, (p-1)/(m+p-1) for GPipe and 1F1B and (p-1)/(v*m+p-1) for interleaved 1F1B (p ranks, m
+micro-batches, v stages per rank; Narayanan et al. 2021, as a share of the step rather than of the
+ideal time). With --bubble-baseline NAME, the measured bubble is 1 - step(NAME) / step(row), where
+NAME is a pp=1 variant doing the same work per GPU (same global batch and GPUs: data parallel over
+them), so it also counts the stage send/recv and any imbalance between stages:
+
+    torchrun --nproc-per-node 2 tools/bench_parallel.py --preset olmo3-moe-64e --model.n_layers=8 \
+        --data.global_batch_size=16 --seq-len 4096 --bubble-baseline dp \
+        --variants "dp:parallel.dp_shard=2" "1f1b:parallel.pp=2,parallel.dp_shard=1,parallel.pp_microbatches=8" \
+        "interleaved:parallel.pp=2,parallel.dp_shard=1,parallel.pp_schedule=interleaved_1f1b,parallel.pp_stages_per_rank=2,parallel.pp_microbatches=8"
+
 Any PretrainConfig override (--section.field=value) applies to every variant; a variant is
 NAME:key=value[,key=value...] applied on top. data.global_batch_size defaults to
 tokens-per-gpu x data-parallel ranks / seq_len (so each data-parallel rank sees --tokens-per-gpu).
@@ -57,6 +69,7 @@ from moetron.core.distributed import init_distributed, is_main, pick_device  # n
 from moetron.core.metrics import mfu, model_tflops_per_device, peak_tflops  # noqa: E402
 from moetron.data.tokenizer import DataError  # noqa: E402
 from moetron.parallel import expert as expert_module  # noqa: E402
+from moetron.parallel.config import PipelineSchedule  # noqa: E402
 
 if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # tools/pretrain.py, also when imported
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -176,6 +189,36 @@ def resolve_config(args, overrides: list[str], world: int):
     return cfg
 
 
+def bubble_theory(layout) -> float | None:
+    """The schedule's idle share of a step (None for pp=1 and for schedules without a closed form)."""
+    if layout.pp == 1:
+        return None
+    p, v = layout.pp, layout.pp_stages_per_rank
+    m = layout.pp_microbatches if layout.pp_microbatches is not None else 2 * p * v
+    if layout.pp_schedule in (PipelineSchedule.gpipe, PipelineSchedule.one_f_one_b):
+        return (p - 1) / (m + p - 1)
+    if layout.pp_schedule == PipelineSchedule.interleaved_1f1b:
+        return (p - 1) / (v * m + p - 1)
+    return None
+
+
+def add_measured_bubbles(rows: list[dict], baseline: str | None) -> None:
+    """bubble_measured = 1 - step(baseline) / step(row) for pipeline rows (see the module docstring)."""
+    if baseline is None:
+        return
+    base = next((r for r in rows if r["variant"] == baseline), None)
+    if base is None:
+        raise ConfigError(f"--bubble-baseline {baseline!r} names no variant; variants: {[r['variant'] for r in rows]}")
+    if base["layout"]["pp"] != 1:
+        raise ConfigError(f"--bubble-baseline {baseline!r} must be a pp=1 variant, it has pp={base['layout']['pp']}")
+    for r in rows:
+        if r["layout"]["pp"] > 1:
+            if r["tokens_per_step"] != base["tokens_per_step"] or r["gpus"] != base["gpus"]:
+                raise ConfigError(f"variant {r['variant']!r} and the bubble baseline {baseline!r} differ in tokens per "
+                                  "step or GPUs: set --data.global_batch_size so both do the same work")
+            r["bubble_measured"] = 1 - base["step_ms"] / r["step_ms"]
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -255,7 +298,11 @@ def measure(name: str, overrides: list[str], args, device: torch.device, world: 
         "overrides": overrides,
         "layout": {"pp": layout.pp, "dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard,
                    "ep": layout.ep, "ep_dispatch": str(layout.ep_dispatch),
-                   "pp_schedule": str(layout.pp_schedule) if layout.pp > 1 else None},
+                   "pp_schedule": str(layout.pp_schedule) if layout.pp > 1 else None,
+                   "pp_microbatches": layout.pp_microbatches if layout.pp > 1 else None,
+                   "pp_stages_per_rank": layout.pp_stages_per_rank if layout.pp > 1 else None},
+        "bubble_theory": bubble_theory(layout),
+        "bubble_measured": None,
         "gpus": world,
         "model": cfg.model.describe(),
         "seq_len": seq_len,
@@ -316,7 +363,7 @@ def command_line(argv: list[str]) -> str:
 def print_table(env: dict, rows: list[dict]) -> None:
     print(f"{env['device']} x {env['world_size']} | torch {env['torch']} | cuda {env['cuda']} | {rows[0]['model']}")
     print(f"{'variant':<14} {'pp x dpr x dps':>14} {'ep':>3} {'GPUs':>4} {'tok/s/GPU':>10} {'TFLOP/s':>8} "
-          f"{'MFU':>6} {'step ms':>9} {'a2a ms':>8} {'a2a %':>6} {'mem GiB':>8}")
+          f"{'MFU':>6} {'step ms':>9} {'a2a ms':>8} {'a2a %':>6} {'mem GiB':>8} {'bubble %':>8} {'theory %':>8}")
     for r in rows:
         lay = r["layout"]
         shape = f"{lay['pp']}x{lay['dp_replicate']}x{lay['dp_shard']}"
@@ -324,8 +371,10 @@ def print_table(env: dict, rows: list[dict]) -> None:
         a2a = f"{r['a2a_ms']:.1f}" if r["a2a_ms"] is not None else "-"
         share = f"{100 * r['a2a_share']:.1f}" if r["a2a_share"] is not None else "-"
         mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "-"
+        bub = f"{100 * r['bubble_measured']:.1f}" if r.get("bubble_measured") is not None else "-"
+        theory = f"{100 * r['bubble_theory']:.1f}" if r.get("bubble_theory") is not None else "-"
         print(f"{r['variant']:<14} {shape:>14} {lay['ep']:>3} {r['gpus']:>4} {r['tokens_per_s_per_gpu']:>10,.0f} "
-              f"{r['tflops_per_gpu']:>8.1f} {mfu_s:>6} {r['step_ms']:>9.1f} {a2a:>8} {share:>6} {mem:>8}")
+              f"{r['tflops_per_gpu']:>8.1f} {mfu_s:>6} {r['step_ms']:>9.1f} {a2a:>8} {share:>6} {mem:>8} {bub:>8} {theory:>8}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -342,11 +391,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="NAME:key=value[,key=value...]: overrides measured as one row each")
     parser.add_argument("--a2a-timing", action=argparse.BooleanOptionalAction, default=True,
                         help="time the expert all-to-alls (--no-a2a-timing: plain steps)")
+    parser.add_argument("--bubble-baseline", default=None,
+                        help="a pp=1 variant doing the same work per GPU: pipeline rows get a measured bubble")
     parser.add_argument("--json", default="runs/bench/bench_parallel.json")
     args, overrides = parser.parse_known_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.tokens_per_gpu < 1:
         raise ConfigError("--steps must be >= 1, --warmup >= 0 and --tokens-per-gpu >= 1")
     variants = [split_variant(v) for v in args.variants] or [("base", [])]
+    if args.bubble_baseline is not None and args.bubble_baseline not in [name for name, _ in variants]:
+        raise ConfigError(f"--bubble-baseline {args.bubble_baseline!r} names no variant; "
+                          f"variants: {[name for name, _ in variants]}")
 
     # The device and process group come from the base config (variants may not move the device).
     base = resolve_config(args, overrides, int(os.environ.get("WORLD_SIZE", 1)))
@@ -358,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(measure(name, overrides + extra, args, device, world))
             if is_main():
                 print(f"  {name}: {rows[-1]['step_ms']:.1f} ms/step, loss {rows[-1]['loss']:.3f}", flush=True)
+        add_measured_bubbles(rows, args.bubble_baseline)
         if is_main():
             env = environment(device, world, argv)
             print_table(env, rows)

@@ -46,3 +46,39 @@ def test_variant_specs_split_on_keys_only():
         "a", ["--parallel.ep=2", "--data.train_paths=[x,y]"])
     assert bench_parallel.split_variant("b:--parallel.ep_dispatch=sync_free") == (
         "b", ["--parallel.ep_dispatch=sync_free"])
+
+
+def test_pipeline_bubble_theory_and_measured(tmp_path):
+    """Theory against hand-computed values; measured against a pp=1 baseline in a real two-rank run."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import bench_parallel
+
+    from moetron.parallel.config import ParallelConfig
+
+    def layout(**kw):
+        return ParallelConfig(**kw).resolve(4)
+
+    assert bench_parallel.bubble_theory(layout()) is None
+    assert bench_parallel.bubble_theory(layout(pp=4, pp_microbatches=8)) == 3 / 11  # (p-1)/(m+p-1)
+    assert bench_parallel.bubble_theory(layout(pp=2, pp_schedule="gpipe", pp_microbatches=2)) == 1 / 3
+    assert bench_parallel.bubble_theory(layout(pp=2, pp_schedule="interleaved_1f1b", pp_stages_per_rank=2,
+                                               pp_microbatches=4)) == 1 / 9  # (p-1)/(v m+p-1)
+    assert bench_parallel.bubble_theory(layout(pp=2)) == 1 / 5  # default m = 2 x stages = 4
+
+    out = str(tmp_path / "bench.json")
+    env = dict(os.environ, MOETRON_DATA_DIR=str(tmp_path / "corpus"), OMP_NUM_THREADS="1")
+    small = [a for a in SMALL if a != "--parallel.ep=2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", BENCH, *small,
+           "--json", out, "--data.global_batch_size=8", "--bubble-baseline", "dp",
+           "--variants", "dp:parallel.dp_shard=2", "1f1b:parallel.pp=2,parallel.dp_shard=1,parallel.pp_microbatches=4"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {r["variant"]: r for r in json.load(open(out))["rows"]}
+    assert rows["dp"]["bubble_measured"] is None and rows["dp"]["bubble_theory"] is None
+    assert rows["1f1b"]["bubble_theory"] == 1 / 5
+    assert rows["1f1b"]["bubble_measured"] == 1 - rows["dp"]["step_ms"] / rows["1f1b"]["step_ms"]
+    assert "bubble %" in proc.stdout
+
+    bad = subprocess.run(cmd[:cmd.index("--bubble-baseline") + 1] + ["nope"] + cmd[cmd.index("--variants"):],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert bad.returncode != 0 and "--bubble-baseline 'nope' names no variant" in bad.stderr
