@@ -1,0 +1,63 @@
+"""tools/bench_comm.py: every collective and size measured and verified on two gloo ranks, busbw =
+algbw x the nccl-tests factor; a one-rank run without torchrun; bad input exits 2 and says why."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BENCH = os.path.join(ROOT, "tools", "bench_comm.py")
+OPS = ["all_to_all", "all_reduce", "reduce_scatter", "all_gather"]
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def _run(args, nproc=None, timeout=120):
+    launch = [sys.executable] if nproc is None else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    return subprocess.run([*launch, BENCH, *args], capture_output=True, text=True, env=ENV, cwd=ROOT,
+                          timeout=timeout)
+
+
+def test_two_ranks_every_op_and_size(tmp_path):
+    out = str(tmp_path / "comm.json")
+    proc = _run(["--device", "cpu", "--sizes", "4K", "64K", "--iters", "3", "--warmup", "1", "--json", out], nproc=2)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.load(open(out))
+    rows = {(r["op"], r["bytes"]): r for r in result["rows"]}
+    assert sorted(rows) == sorted((op, size) for op in OPS for size in (4096, 65536))
+    factors = {"all_reduce": 1.0, "all_to_all": 0.5, "reduce_scatter": 0.5, "all_gather": 0.5}  # n = 2
+    for (op, size), r in rows.items():
+        assert r["verified"] and r["time_us"] > 0, r
+        assert r["algbw_gbps"] == pytest.approx(size / (r["time_us"] * 1e-6) / 1e9)
+        assert r["bus_factor"] == factors[op]
+        assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * factors[op])
+        assert r["count"] == size // 2 and r["dtype"] == "bf16"
+    env = result["env"]
+    assert env["world_size"] == 2 and env["backend"] == "gloo" and env["nccl"] is None
+    assert env["env_vars"]["NCCL_NVLS_ENABLE"] == "0"
+    assert env["command"].startswith("torchrun --nproc-per-node 2 tools/bench_comm.py")
+    assert "busbw GB/s" in proc.stdout and "topology" in proc.stdout
+
+
+def test_one_rank_without_torchrun(tmp_path):
+    out = str(tmp_path / "comm.json")
+    proc = _run(["--device", "cpu", "--sizes", "4K", "--iters", "2", "--dtype", "fp32", "--json", out])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.load(open(out))["rows"]
+    assert [r["op"] for r in rows] == OPS
+    assert all(r["time_us"] > 0 and r["bus_factor"] == 0 and r["busbw_gbps"] == 0 for r in rows)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--ops", "all_reduce", "broadcast"], "valid ops: all_to_all, all_reduce, reduce_scatter, all_gather"),
+    (["--sizes", "1X"], "--sizes '1X' is not a positive size"),
+    (["--sizes", "4097"], "does not divide for all_to_all"),
+])
+def test_bad_input_exits_2(args, message):
+    proc = _run(["--device", "cpu", "--json", "", *args], timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "error: " in proc.stderr and message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
