@@ -20,7 +20,8 @@ from .rope import RopeScalingConfig, RotaryEmbedding, apply_rotary
 
 class AttentionBackend(StrEnum):
     auto = "auto"
-    """flex on GPU (measured faster for sliding windows: docs/performance.md), sdpa elsewhere."""
+    """flex on GPU (measured faster for sliding windows: docs/performance.md) where its kernel exists
+    (head_dim >= 16, not float64), sdpa elsewhere."""
     sdpa = "sdpa"
     """torch SDPA: flash kernel for full layers; sliding layers pass a boolean [S, S] mask."""
     flex = "flex"
@@ -96,6 +97,15 @@ def sliding_window_causal_mask(seq_len: int, window: int, device: torch.device) 
 _FLEX: dict[tuple, Any] = {}
 
 
+def use_flex(backend: AttentionBackend, q_BHSD: torch.Tensor) -> bool:
+    """Whether a sliding-window layer runs flex_attention: always when asked for, and under auto on
+    GPU where its kernel exists (head_dim >= 16, which Triton's tl.dot needs; not float64)."""
+    if backend == AttentionBackend.flex:
+        return True
+    return (backend == AttentionBackend.auto and q_BHSD.device.type == "cuda" and q_BHSD.shape[-1] >= 16
+            and q_BHSD.dtype != torch.float64)
+
+
 def _flex_sliding(q_BHSD, k_BGSD, v_BGSD, window: int, gqa: bool) -> torch.Tensor:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -159,9 +169,7 @@ class Attention(nn.Module):
         if self.sliding_window is None or self.sliding_window >= S:
             # Full causal: lets SDPA pick the flash kernel on GPU.
             o_BHSD = F.scaled_dot_product_attention(q_BHSD, k_BGSD, v_BGSD, is_causal=True, enable_gqa=gqa)
-        elif self.backend == AttentionBackend.flex or (
-            self.backend == AttentionBackend.auto and x_BSD.device.type == "cuda"
-        ):
+        elif use_flex(self.backend, q_BHSD):
             o_BHSD = _flex_sliding(q_BHSD, k_BGSD, v_BGSD, self.sliding_window, gqa)
         else:
             mask_SS = sliding_window_causal_mask(S, self.sliding_window, x_BSD.device)

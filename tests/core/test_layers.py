@@ -128,3 +128,20 @@ def test_flex_backend_matches_sdpa():
     x = torch.randn(2, 40, 64)
     with torch.no_grad():  # flex_attention has no CPU backward; the GPU test covers training
         torch.testing.assert_close(flex(x), sdpa(x), rtol=1e-4, atol=1e-5)
+
+
+def test_auto_attention_takes_flex_only_where_its_gpu_kernel_exists():
+    from moetron.core.layers.attention import AttentionBackend, use_flex
+
+    def q(head_dim, dtype=torch.float32, device="meta"):
+        return torch.empty(1, 2, 8, head_dim, dtype=dtype, device=device)
+
+    # meta stands in for a GPU tensor: only the device type is read
+    cuda_like = lambda t: type("T", (), {"device": torch.device("cuda"), "shape": t.shape, "dtype": t.dtype})()  # noqa: E731
+    assert use_flex(AttentionBackend.auto, cuda_like(q(64)))
+    assert use_flex(AttentionBackend.auto, cuda_like(q(16, torch.bfloat16)))
+    assert not use_flex(AttentionBackend.auto, cuda_like(q(8)))  # Triton's tl.dot needs >= 16
+    assert not use_flex(AttentionBackend.auto, cuda_like(q(64, torch.float64)))
+    assert not use_flex(AttentionBackend.auto, q(64, device="cpu"))
+    assert not use_flex(AttentionBackend.sdpa, cuda_like(q(64)))
+    assert use_flex(AttentionBackend.flex, q(8, device="cpu"))  # asked for: the caller's choice
