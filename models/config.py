@@ -190,6 +190,23 @@ class ModelConfig(Config):
         )
 
     @classmethod
+    def moe_1t_proxy(cls) -> "ModelConfig":
+        """moe-1t's block design at one-GPU-per-2-MoE-layers size (examples/pretrain_moe_1t.sh on GPUs):
+        128 routed experts + 1 shared, top-4, the first two layers dense with MLPs as wide as the active
+        experts, expert hidden / d_model = 4/3 as in the recipe, 128-wide heads with 2:1 GQA, sliding
+        windows; vocabulary of the local corpus. 6 layers here; the example sets 2 + 2 x GPUs."""
+        return cls(
+            d_model=768,
+            n_layers=6,
+            vocab_size=4096,
+            attention=AttentionConfig(n_heads=6, n_kv_heads=3, head_dim=128, rope_theta=500_000.0),
+            mlp_hidden=5 * 1024,
+            sliding_window=1024,
+            moe=MoEConfig(num_experts=128, expert_hidden=1024, router=RouterConfig(top_k=4),
+                          num_shared_experts=1, dense_layers=[0, 1]),
+        )
+
+    @classmethod
     def olmo3_moe(cls, num_experts: int) -> "ModelConfig":
         """The OLMo-core 3 MoE family at about 3.2B active: 8 layers x 4096, 32 heads x 128 (8 KV),
         top-4 of num_experts experts of hidden 4096 + 1 shared expert of 4096, the first layer dense
@@ -266,5 +283,6 @@ PRESETS: dict[str, Callable[[], ModelConfig]] = {
     **{f"olmo3-moe-{e}e": (lambda e=e: ModelConfig.olmo3_moe(e)) for e in (8, 16, 32, 48, 64, 128)},
     "olmoe-1b-7b": ModelConfig.olmoe_1b_7b,
     "moe-1t": ModelConfig.moe_1t,
+    "moe-1t-proxy": ModelConfig.moe_1t_proxy,
     "moe-2.4t": lambda: ModelConfig.moe_1t(256),
 }
