@@ -6,6 +6,7 @@ import dataclasses
 import math
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch import nn
 
 from .config import Config, ConfigError, StrEnum
@@ -40,10 +41,13 @@ class OptimizerConfig(Config):
             if not p.requires_grad:
                 continue
             (decay if p.ndim >= 2 and id(p) not in embeddings else no_decay).append(p)
-        groups = [
-            {"params": decay, "weight_decay": self.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
+        groups = []
+        for params, wd in ((decay, self.weight_decay), (no_decay, 0.0)):
+            # The fused and foreach kernels take one kind of tensor per call: where DTensors (expert
+            # parallel without FSDP) meet plain tensors, each kind gets its own group.
+            dt = [p for p in params if isinstance(p, DTensor)]
+            plain = [p for p in params if not isinstance(p, DTensor)]
+            groups += [{"params": ps, "weight_decay": wd} for ps in ((dt, plain) if dt and plain else (params,))]
         on_gpu = any(p.is_cuda for p in model.parameters())
         fused = on_gpu if self.fused is None else self.fused
         return torch.optim.AdamW(

@@ -54,6 +54,9 @@ class ModelConfig(Config):
     """RMSNorm epsilon."""
     init_std: float = 0.02
     """Std of the truncated-normal (+-3 std) init of every weight matrix and the embedding."""
+    init_on_cpu: bool = False
+    """Initialize on the CPU with the CPU generator, then move to the device: the same weights for a
+    seed on any device (for comparing GPU with CPU runs), at the cost of CPU time for big models."""
 
     # ---- derived ----------------------------------------------------------------------------
     def resolved_layer_types(self) -> list[LayerType]:
@@ -135,9 +138,13 @@ class ModelConfig(Config):
         return f"{kind}, {_fmt(self.num_active_params())} active, {_fmt(self.num_params())} total params"
 
     def build(self, device=None):
+        import torch
+
         from .transformer import Transformer
 
         self.validate()
+        if self.init_on_cpu and device is not None and torch.device(device).type not in ("cpu", "meta"):
+            return Transformer(self, device="cpu").to(device)
         return Transformer(self, device=device)
 
     # ---- presets ----------------------------------------------------------------------------

@@ -15,13 +15,19 @@ all-to-alls (forward and backward) and its share of the step, and peak memory.
 Pipeline bubbles: each pipeline row carries its schedule's theoretical bubble, the idle share of
 the step, (p-1)/(m+p-1) for GPipe and 1F1B and (p-1)/(v*m+p-1) for interleaved 1F1B (p ranks, m
 micro-batches, v stages per rank; Narayanan et al. 2021, as a share of the step rather than of the
-ideal time). With --bubble-baseline NAME, the measured bubble is 1 - step(NAME) / step(row), where
-NAME is a pp=1 variant doing the same work per GPU (same global batch and GPUs: data parallel over
-them), so it also counts the stage send/recv and any imbalance between stages:
+ideal time). With --bubble-baseline, the measured bubble is 1 - ideal / step(row), where ideal is
+a pp=1 run's step time scaled to the row's tokens per GPU: NAME is a variant of this launch,
+FILE.json:NAME one of an earlier launch (its JSON). The cleanest baseline is the whole model on one
+GPU with the same micro-batch size (no data-parallel collectives, no pipeline): the measured bubble
+then also counts the stage send/recv and any imbalance between stages. A data-parallel baseline on
+the same GPUs carries FSDP's per-micro-batch collectives, so it understates the bubble:
 
-    torchrun --nproc-per-node 2 tools/bench_parallel.py --preset olmo3-moe-64e --model.n_layers=8 \
-        --data.global_batch_size=16 --seq-len 4096 --bubble-baseline dp \
-        --variants "dp:parallel.dp_shard=2" "1f1b:parallel.pp=2,parallel.dp_shard=1,parallel.pp_microbatches=8" \
+    torchrun --nproc-per-node 1 tools/bench_parallel.py --preset olmoe-1b-7b --model.n_layers=8 \
+        --data.global_batch_size=16 --trainer.micro_batch_size=2 --seq-len 4096 --json one_gpu.json
+
+    torchrun --nproc-per-node 2 tools/bench_parallel.py --preset olmoe-1b-7b --model.n_layers=8 \
+        --data.global_batch_size=16 --seq-len 4096 --bubble-baseline one_gpu.json:base \
+        --variants "1f1b:parallel.pp=2,parallel.dp_shard=1,parallel.pp_microbatches=8" \
         "interleaved:parallel.pp=2,parallel.dp_shard=1,parallel.pp_schedule=interleaved_1f1b,parallel.pp_stages_per_rank=2,parallel.pp_microbatches=8"
 
 Any PretrainConfig override (--section.field=value) applies to every variant; a variant is
@@ -202,21 +208,38 @@ def bubble_theory(layout) -> float | None:
     return None
 
 
-def add_measured_bubbles(rows: list[dict], baseline: str | None) -> None:
-    """bubble_measured = 1 - step(baseline) / step(row) for pipeline rows (see the module docstring)."""
-    if baseline is None:
-        return
-    base = next((r for r in rows if r["variant"] == baseline), None)
+def baseline_row(spec: str | None, rows: list[dict]) -> dict | None:
+    """The --bubble-baseline row: NAME (a variant of this launch) or FILE.json:NAME (an earlier one)."""
+    if spec is None:
+        return None
+    path, name = spec.rsplit(":", 1) if ".json:" in spec else ("", spec)
+    if path:
+        try:
+            candidates = json.load(open(path))["rows"]
+        except (OSError, ValueError, KeyError) as e:
+            raise ConfigError(f"--bubble-baseline {spec!r}: cannot read rows from {path} ({e})") from None
+    else:
+        candidates = rows
+    base = next((r for r in candidates if r["variant"] == name), None)
     if base is None:
-        raise ConfigError(f"--bubble-baseline {baseline!r} names no variant; variants: {[r['variant'] for r in rows]}")
+        raise ConfigError(f"--bubble-baseline {spec!r} names no variant; variants: {[r['variant'] for r in candidates]}")
     if base["layout"]["pp"] != 1:
-        raise ConfigError(f"--bubble-baseline {baseline!r} must be a pp=1 variant, it has pp={base['layout']['pp']}")
+        raise ConfigError(f"--bubble-baseline {spec!r} must be a pp=1 variant, it has pp={base['layout']['pp']}")
+    return base
+
+
+def add_measured_bubbles(rows: list[dict], base: dict | None) -> None:
+    """bubble_measured = 1 - ideal / step(row) for pipeline rows, where ideal is the baseline's step
+    time scaled to the row's tokens per GPU (see the module docstring)."""
+    if base is None:
+        return
+    base_per_gpu = base["tokens_per_step"] / base["gpus"]
     for r in rows:
         if r["layout"]["pp"] > 1:
-            if r["tokens_per_step"] != base["tokens_per_step"] or r["gpus"] != base["gpus"]:
-                raise ConfigError(f"variant {r['variant']!r} and the bubble baseline {baseline!r} differ in tokens per "
-                                  "step or GPUs: set --data.global_batch_size so both do the same work")
-            r["bubble_measured"] = 1 - base["step_ms"] / r["step_ms"]
+            ideal = base["step_ms"] * (r["tokens_per_step"] / r["gpus"]) / base_per_gpu
+            r["bubble_measured"] = 1 - ideal / r["step_ms"]
+            r["bubble_baseline"] = {"variant": base["variant"], "step_ms": base["step_ms"], "gpus": base["gpus"],
+                                    "tokens_per_step": base["tokens_per_step"]}
 
 
 def _sync(device: torch.device) -> None:
@@ -398,9 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1 or args.warmup < 0 or args.tokens_per_gpu < 1:
         raise ConfigError("--steps must be >= 1, --warmup >= 0 and --tokens-per-gpu >= 1")
     variants = [split_variant(v) for v in args.variants] or [("base", [])]
-    if args.bubble_baseline is not None and args.bubble_baseline not in [name for name, _ in variants]:
-        raise ConfigError(f"--bubble-baseline {args.bubble_baseline!r} names no variant; "
-                          f"variants: {[name for name, _ in variants]}")
+    if args.bubble_baseline is not None:  # fail before measuring anything
+        baseline_row(args.bubble_baseline, [{"variant": n, "layout": {"pp": 1}} for n, _ in variants])
 
     # The device and process group come from the base config (variants may not move the device).
     base = resolve_config(args, overrides, int(os.environ.get("WORLD_SIZE", 1)))
@@ -412,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(measure(name, overrides + extra, args, device, world))
             if is_main():
                 print(f"  {name}: {rows[-1]['step_ms']:.1f} ms/step, loss {rows[-1]['loss']:.3f}", flush=True)
-        add_measured_bubbles(rows, args.bubble_baseline)
+        add_measured_bubbles(rows, baseline_row(args.bubble_baseline, rows))
         if is_main():
             env = environment(device, world, argv)
             print_table(env, rows)

@@ -173,7 +173,7 @@ def check_resumable(checkpointer: Checkpointer, path: str, cfg: PretrainConfig) 
     def shape_only(d):  # kernel choices may change between runs; the model's shape may not
         if not isinstance(d, dict):
             return d
-        return {k: shape_only(v) for k, v in d.items() if k not in ("backend", "experts_backend")}
+        return {k: shape_only(v) for k, v in d.items() if k not in ("backend", "experts_backend", "init_on_cpu")}
 
     saved, now = shape_only(saved), shape_only(now)
     diff = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]

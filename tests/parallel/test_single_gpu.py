@@ -35,7 +35,8 @@ def _train(args, run_dir, device, data_dir):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
            os.path.join(ROOT, "tools", "pretrain.py"), "--preset", "tiny-moe", *TINY,
            # the device comes after TINY's --trainer.device=cpu: the later override wins
-           "--trainer.steps=5", f"--trainer.device={device}", f"--trainer.run_dir={run_dir}", *args]
+           # the same initial weights on both devices (the CUDA generator draws other numbers)
+           "--trainer.steps=5", "--model.init_on_cpu=true", f"--trainer.device={device}", f"--trainer.run_dir={run_dir}", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     strategy = args[0].split("[")[1].rstrip("]")

@@ -79,6 +79,15 @@ def test_pipeline_bubble_theory_and_measured(tmp_path):
     assert rows["1f1b"]["bubble_measured"] == 1 - rows["dp"]["step_ms"] / rows["1f1b"]["step_ms"]
     assert "bubble %" in proc.stdout
 
+    # a baseline from an earlier launch's JSON, scaled to the row's tokens per GPU: one GPU doing
+    # the whole step ideally takes twice as long as each of two pipeline ranks
+    base = {"variant": "one", "layout": {"pp": 1}, "step_ms": 10.0, "gpus": 1, "tokens_per_step": 256}
+    path = tmp_path / "one_gpu.json"
+    path.write_text(json.dumps({"rows": [base]}))
+    pipe = {"variant": "p", "layout": {"pp": 2}, "step_ms": 6.0, "gpus": 2, "tokens_per_step": 256}
+    bench_parallel.add_measured_bubbles([pipe], bench_parallel.baseline_row(f"{path}:one", []))
+    assert pipe["bubble_measured"] == 1 - 5.0 / 6.0
+
     bad = subprocess.run(cmd[:cmd.index("--bubble-baseline") + 1] + ["nope"] + cmd[cmd.index("--variants"):],
                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert bad.returncode != 0 and "--bubble-baseline 'nope' names no variant" in bad.stderr
