@@ -18,6 +18,15 @@ class PipelineSchedule(StrEnum):
     """Interleaved zero-bubble: backward split into input and weight gradients (ScheduleInterleavedZeroBubble)."""
 
 
+class PipelineSplit(StrEnum):
+    layers = "layers"
+    """The same number of blocks per stage (earlier stages take the remainder)."""
+    flops = "flops"
+    """Consecutive blocks per stage, balanced by training FLOPs per token with the LM head on the last
+    stage. FLOPs are not time: on OLMoE (2 x H200, docs/performance.md) it cut 5 | 3 and ran no
+    faster than 4 | 4, because MoE blocks run at lower efficiency than the head's dense GEMM."""
+
+
 class ExpertDispatch(StrEnum):
     synced = "synced"
     """Exchange per-expert counts, read them on the host, all-to-all exactly the rows (one sync per layer)."""
@@ -45,6 +54,8 @@ class ParallelConfig(Config):
     """Micro-batches per step through the pipeline; None = 2 x the number of stages."""
     pp_stages_per_rank: int = 1
     """Virtual stages per rank (interleaved and zero-bubble schedules need >= 2)."""
+    pp_split: PipelineSplit = PipelineSplit.layers
+    """How blocks are cut into stages (see PipelineSplit)."""
     ep_dispatch: ExpertDispatch = ExpertDispatch.synced
     """How expert-parallel dispatch sizes its all-to-all (see ExpertDispatch)."""
     ep_capacity_factor: float = 2.0

@@ -1,7 +1,9 @@
 """Pipeline parallelism: the model cut into stages of consecutive blocks, run under a
 ``torch.distributed.pipelining`` schedule (GPipe, 1F1B, interleaved 1F1B, interleaved zero-bubble).
 
-- ``split_stages(model, num_stages)``: stage modules that keep the model's attribute names
+- ``split_stages(model, num_stages, block_costs, head_cost)``: where to cut (``parallel.pp_split``:
+  by training FLOPs per token with the LM head on the last stage, the default, or by block count),
+  and stage modules that keep the model's attribute names
   (``embed`` / ``blocks`` (a ModuleDict with the original keys) / ``norm`` / ``lm_head``), so a
   stage's parameter names equal the full model's ("blocks.3.attention.q_proj.weight") and DCP
   checkpoints load across pipeline layouts.
@@ -29,9 +31,10 @@ import torch.distributed as dist
 from torch import nn
 
 from moetron.core.config import ConfigError
+from moetron.core.distributed import is_main
 from moetron.core.moe.layer import MoELayer
 
-from .config import PipelineSchedule
+from .config import PipelineSchedule, PipelineSplit
 from .registry import ParallelState, ParallelStrategy, register_strategy
 
 __all__ = ["PipelineStageModule", "split_stages", "stage_ids_of_rank", "PipelineStep", "PipelineParallel"]
@@ -116,10 +119,51 @@ def _check_model(model: nn.Module) -> None:
         )
 
 
-def split_stages(model: nn.Module, num_stages: int) -> list[PipelineStageModule]:
-    """Cut ``model`` into ``num_stages`` stages of consecutive blocks, balanced by block count
-    (earlier stages take the remainder); the first stage also holds ``embed``, the last ``norm``
-    and ``lm_head``. The stages share the model's modules (nothing is copied)."""
+def balanced_split(block_costs: list[float], num_stages: int, last_extra: float = 0.0) -> list[int]:
+    """Blocks per stage for consecutive stages of at least one block each that minimize the largest
+    stage cost, the last stage carrying ``last_extra`` on top of its blocks; among those cuts, the
+    one with the most even stages (least sum of squared stage costs). Two dynamic programs over the
+    cut points, O(stages x blocks^2)."""
+    n = len(block_costs)
+    prefix = [0.0]
+    for c in block_costs:
+        prefix.append(prefix[-1] + c)
+
+    def stage_cost(s: int, j: int, i: int) -> float:  # blocks[j:i] as stage s (1-based)
+        return prefix[i] - prefix[j] + (last_extra if s == num_stages else 0.0)
+
+    def solve(combine, limit: float) -> tuple[float, list[int]]:
+        inf = float("inf")
+        best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+        cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+        best[0][0] = 0.0
+        for s in range(1, num_stages + 1):
+            for i in range(s, n + 1):
+                for j in range(s - 1, i):
+                    c = stage_cost(s, j, i)
+                    if c > limit or best[s - 1][j] == inf:
+                        continue
+                    total = combine(best[s - 1][j], c)
+                    if total <= best[s][i]:  # ties: the latest cut, so earlier stages take more
+                        best[s][i], cut[s][i] = total, j
+        counts, i = [], n
+        for s in range(num_stages, 0, -1):
+            counts.append(i - cut[s][i])
+            i = cut[s][i]
+        return best[num_stages][n], counts[::-1]
+
+    worst, _ = solve(max, float("inf"))
+    _, counts = solve(lambda acc, c: acc + c * c, worst * (1 + 1e-9))
+    return counts
+
+
+def split_stages(model: nn.Module, num_stages: int, block_costs: list[float] | None = None,
+                 head_cost: float = 0.0) -> list[PipelineStageModule]:
+    """Cut ``model`` into ``num_stages`` stages of consecutive blocks; the first stage also holds
+    ``embed``, the last ``norm`` and ``lm_head``. Without ``block_costs`` the stages get equal block
+    counts (earlier stages take the remainder); with them (one per block, e.g. FLOPs per token) the
+    cut minimizes the largest stage cost, the last stage counting ``head_cost`` too. The stages
+    share the model's modules (nothing is copied)."""
     _check_model(model)
     keys = list(model.blocks.keys())
     if not 1 <= num_stages <= len(keys):
@@ -127,10 +171,16 @@ def split_stages(model: nn.Module, num_stages: int) -> list[PipelineStageModule]
             f"cannot split a model of {len(keys)} layers into {num_stages} pipeline stages: every stage "
             f"needs at least one block; use at most {len(keys)} stages"
         )
-    base, extra = divmod(len(keys), num_stages)
+    if block_costs is None:
+        base, extra = divmod(len(keys), num_stages)
+        counts = [base + (1 if i < extra else 0) for i in range(num_stages)]
+    else:
+        if len(block_costs) != len(keys):
+            raise ValueError(f"block_costs has {len(block_costs)} entries for {len(keys)} blocks")
+        counts = balanced_split(list(block_costs), num_stages, head_cost)
     stages, start = [], 0
     for i in range(num_stages):
-        end = start + base + (1 if i < extra else 0)
+        end = start + counts[i]
         last = i == num_stages - 1
         stages.append(PipelineStageModule(
             i, num_stages,
@@ -141,6 +191,15 @@ def split_stages(model: nn.Module, num_stages: int) -> list[PipelineStageModule]
         ))
         start = end
     return stages
+
+
+def block_flops_per_token(mcfg, layer: int, seq_len: int | None) -> float:
+    """Training FLOPs per token of one block: 6 x its active params + attention over its context
+    (the convention of ModelConfig.flops_per_token; without a sequence length, the window or 4096)."""
+    width = mcfg.attention.n_heads * mcfg.attention.head_width(mcfg.d_model)
+    window = mcfg.window_of(layer)
+    context = min(x for x in (seq_len, window) if x) if (seq_len or window) else 4096
+    return 6.0 * mcfg.num_block_params(layer, active=True) + 12.0 * width * context
 
 
 def stage_ids_of_rank(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
@@ -374,7 +433,14 @@ class PipelineParallel(ParallelStrategy):
         pp_rank = state.mesh.pp_rank if cfg.pp > 1 else 0
         model = state.model_parts[0]
         d_model, embed_dtype = model.embed.weight.shape[-1], model.embed.weight.dtype
-        all_stages = split_stages(model, num_stages)
+        if cfg.pp_split == PipelineSplit.flops:
+            mcfg, seq = state.model_cfg, state.extras.get("seq_len")
+            costs = [block_flops_per_token(mcfg, i, seq) for i in range(mcfg.n_layers)]
+            all_stages = split_stages(model, num_stages, costs, head_cost=6.0 * mcfg.d_model * mcfg.vocab_size)
+        else:
+            all_stages = split_stages(model, num_stages)
+        if is_main():
+            print("pipeline stages (blocks): " + " | ".join(",".join(s.blocks.keys()) for s in all_stages), flush=True)
         del model
         stages = [all_stages[i] for i in stage_ids_of_rank(pp_rank, cfg.pp, cfg.pp_stages_per_rank)]
         del all_stages  # other ranks' stages (and the full model, once the caller drops it) can go

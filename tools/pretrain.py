@@ -100,7 +100,8 @@ def build(cfg: PretrainConfig, device: torch.device, world: int, checkpointer: C
             block.compile()
     state = ParallelState(
         [model], mesh, mesh.cfg, cfg.model, device,
-        extras={"loss_fn": cross_entropy_loss, "autocast_dtype": cfg.trainer.autocast_dtype(device)},
+        extras={"loss_fn": cross_entropy_loss, "autocast_dtype": cfg.trainer.autocast_dtype(device),
+                "seq_len": cfg.data.seq_len},
     )
     apply_strategies(state)
     if is_main():

@@ -272,3 +272,46 @@ def test_load_stats_cover_every_stage(tmp_path):
     got = torch.load(tmp_path / "stats.pt")
     assert got["layers"] == [1, 2, 3]  # tiny MoE: layer 0 dense, layers 1-3 MoE over two stages
     assert got["record"]["moe_max_violation"] >= 0
+
+
+def test_balanced_split_minimizes_the_largest_stage():
+    import itertools
+    import random
+
+    from moetron.parallel.pipeline import balanced_split
+
+    assert balanced_split([1.0] * 4, 3) == [2, 1, 1]  # equal costs: earlier stages take the remainder
+    assert balanced_split([1.0] * 8, 2, last_extra=1.5) == [5, 3]  # the LM head weighs 1.5 blocks
+    assert balanced_split([1.0] * 8, 4, last_extra=1.5) == [3, 2, 2, 1]
+    rng = random.Random(0)
+    for _ in range(200):  # against every cut of up to 9 blocks
+        n, s = rng.randint(1, 9), rng.randint(1, 4)
+        if s > n:
+            continue
+        costs, extra = [rng.uniform(0.1, 3) for _ in range(n)], rng.uniform(0, 4)
+        counts = balanced_split(costs, s, extra)
+        assert len(counts) == s and sum(counts) == n and min(counts) >= 1
+
+        def worst(cuts):
+            bounds = [0, *cuts, n]
+            return max(sum(costs[a:b]) + (extra if b == n else 0) for a, b in zip(bounds, bounds[1:]))
+
+        brute = min(worst(c) for c in itertools.combinations(range(1, n), s - 1))
+        got = worst(list(itertools.accumulate(counts))[:-1])
+        assert got == pytest.approx(brute, rel=1e-12)
+
+
+def test_flops_split_weighs_the_head():
+    cfg = ParallelConfig(pp=2, dp_shard=1)
+    assert cfg.pp_split == "layers"
+    from moetron.parallel.pipeline import block_flops_per_token
+
+    mcfg = _model_cfg()
+    costs = [block_flops_per_token(mcfg, i, SEQ) for i in range(mcfg.n_layers)]
+    stages = split_stages(_model(), 2, costs, head_cost=6.0 * mcfg.d_model * mcfg.vocab_size)
+    counts = [len(s.blocks) for s in stages]
+    head = 6.0 * mcfg.d_model * mcfg.vocab_size
+    assert sum(counts) == mcfg.n_layers
+    loads = [sum(costs[:counts[0]]), sum(costs[counts[0]:]) + head]
+    for other in range(1, mcfg.n_layers):  # no other cut has a lighter heaviest stage
+        assert max(loads) <= max(sum(costs[:other]), sum(costs[other:]) + head) * (1 + 1e-12)

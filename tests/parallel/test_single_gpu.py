@@ -3,7 +3,8 @@
 FSDP2 with one rank (strategies=[data]), the expert-parallel dispatcher with ep=1
 (strategies=[expert]), and a one-stage pipeline with several micro-batches (strategies=[pipeline]):
 each trains the tiny MoE for a few steps under torchrun with one process on the GPU (NCCL) in
-fp32, and its losses must match the same run on the CPU (gloo). Skipped without CUDA; run on the
+fp32, and its losses must match the same run on the CPU (gloo), both from the same initial
+weights. Skipped without CUDA; run on the
 device with `pytest tests/parallel/test_single_gpu.py` (MOETRON_GPU_TEST_DEVICE=cpu exercises the
 harness on a CPU-only machine).
 """
@@ -52,5 +53,9 @@ def test_single_device_strategy_matches_cpu(name, tmp_path):
     on_device = _train(args, str(tmp_path / "device"), DEVICE, data_dir)
     on_cpu = _train(args, str(tmp_path / "cpu"), "cpu", data_dir)
     assert sorted(on_device) == sorted(on_cpu) == [1, 2, 3, 4, 5]
-    for step in on_cpu:  # fp32 on both; GPU kernels sum in another order
-        assert on_device[step] == pytest.approx(on_cpu[step], rel=2e-4), (step, on_device, on_cpu)
+    # The same initial weights (init_on_cpu) and fp32 on both: the first loss differs only by the GPU
+    # kernels' summation order; later ones also by five AdamW steps at lr 1e-2 compounding it
+    # (measured on an H200: step 1 equal to all printed digits, step 5 within 2.3e-4).
+    for step in on_cpu:
+        rel = 1e-5 if step == 1 else 1e-3
+        assert on_device[step] == pytest.approx(on_cpu[step], rel=rel), (step, on_device, on_cpu)
