@@ -32,6 +32,10 @@ class ExpertDispatch(StrEnum):
     """Exchange per-expert counts, read them on the host, all-to-all exactly the rows (one sync per layer)."""
     sync_free = "sync_free"
     """Static per-rank receive buffers of a capacity bound; no host sync; rows past it are counted and dropped."""
+    all_gather = "all_gather"
+    """Every token goes once to every ep rank (equal all-to-all blocks, an all-gather); each rank runs
+    its experts on the tokens routed to them and sends back one weighted partial sum per token. No
+    host sync, no drops; P*T rows each way instead of about T*K*(P-1)/P: fewer bytes when K >= P."""
 
 
 @dataclasses.dataclass

@@ -14,6 +14,13 @@ Dispatch, as the data flows:
     -> reorder the received rows (source rank major) into local-expert-major order (route, K=1)
 Combine reverses each step; the all-to-alls are differentiable (backward = the reverse exchange).
 
+all_gather mode sends each token once to every rank instead (P equal blocks of T rows, with the
+token's K expert ids and weights), so a token routed to several experts of one rank crosses the link
+once: each rank routes the P*T gathered tokens to its local experts (ids of other ranks' experts go
+to a trash group past the last local expert and are skipped), combines its experts' outputs with
+the routing weights into one partial row per gathered token, and the reverse exchange brings the P
+partials of each token home, where they are summed in fp32.
+
 Legend: T tokens, D model dim, K experts per token, E experts, P ep ranks, L = E_l local experts,
 S rows this rank sends, N rows it receives, R rows of the local experts' buffer, C = cap.
 """
@@ -82,7 +89,8 @@ class _EPState:
     dest_row_TK: Tensor
     """int32 [T, K]: each slot's row in the send buffer (-1 dropped)."""
     local_dest_N1: Tensor
-    """int32 [N, 1]: each received row's row in the local experts' buffer (-1: padding)."""
+    """int32 [N, 1]: each received row's row in the local experts' buffer (-1: padding); all_gather:
+    [N, K], each gathered token's slots on this rank's experts (-1: another rank's or dropped)."""
     send_splits: list[int] | None
     """Rows sent to each peer (synced), None for the equal blocks of sync_free."""
     recv_splits: list[int] | None
@@ -137,7 +145,24 @@ class ExpertParallelDispatcher(TokenDispatcher):
         plan = route(topk_ids_TK, num_experts, capacity)
         if self.mode == ExpertDispatch.synced:
             return self._dispatch_synced(x_TD, plan)
+        if self.mode == ExpertDispatch.all_gather:
+            return self._dispatch_all_gather(x_TD, topk_ids_TK, plan)
         return self._dispatch_sync_free(x_TD, topk_ids_TK, plan)
+
+    def _dispatch_all_gather(self, x_TD: Tensor, topk_ids_TK: Tensor, plan: RoutingPlan) -> DispatchResult:
+        P, L = self.ep_size, self.num_local_experts
+        # Slots dropped by the layer's capacity travel as -1 and find no expert anywhere.
+        ids_TK = torch.where(plan.dest_row_TK >= 0, topk_ids_TK.long(), -1)
+        x_ND = all_to_all_rows(x_TD.repeat(P, 1), None, None, self.group)  # block p: peer p's tokens
+        ids_NK = all_to_all_rows(ids_TK.repeat(P, 1), None, None, self.group)
+        # This rank's experts are local ids 0..L-1; everything else goes to the trash group L.
+        local_NK = ids_NK - self.ep_rank * L
+        local_NK = torch.where((ids_NK >= 0) & (local_NK >= 0) & (local_NK < L), local_NK, L)
+        local = route(local_NK, L + 1, None)
+        local_dest_NK = torch.where(local_NK == L, -1, local.dest_row_TK).to(torch.int32)
+        x_RD = scatter_rows(x_ND, local_dest_NK, local.num_rows)
+        state = _EPState(plan.dest_row_TK, local_dest_NK, None, None)
+        return DispatchResult(x_RD, local.offsets_E[:L], plan.tokens_per_expert_E, plan.kept_per_expert_E, state)
 
     def _exchange_counts(self, send_PL: Tensor) -> Tensor:
         """recv_PL[p, l]: rows of local expert l that peer p sends here (send_PL: what we send)."""
@@ -203,6 +228,8 @@ class ExpertParallelDispatcher(TokenDispatcher):
     # ---- combine -----------------------------------------------------------------------------
     def combine(self, y_RD, topk_weights_TK, result):
         st: _EPState = result.state
+        if self.mode == ExpertDispatch.all_gather:
+            return self._combine_all_gather(y_RD, topk_weights_TK, result)
         if result.x_RD.requires_grad and not y_RD.requires_grad:
             # No rows arrived here (e.g. the loop experts ran nothing): keep the output on the
             # autograd graph anyway, or this rank would skip the two backward all-to-alls its
@@ -215,6 +242,18 @@ class ExpertParallelDispatcher(TokenDispatcher):
             # The backward's all-to-all reuses these splits: no second host sync.
             y_SD = all_to_all_rows(y_ND, st.send_splits, st.recv_splits, self.group)
         return combine_rows(y_SD, st.dest_row_TK, topk_weights_TK)
+
+
+    def _combine_all_gather(self, y_RD, topk_weights_TK, result):
+        st: _EPState = result.state
+        P, T = self.ep_size, topk_weights_TK.shape[0]
+        if result.x_RD.requires_grad and not y_RD.requires_grad:  # see combine(): stay on the graph
+            y_RD = y_RD + result.x_RD[:0].sum()
+        w_NK = all_to_all_rows(topk_weights_TK.repeat(P, 1), None, None, self.group)
+        # One weighted partial sum per gathered token over this rank's experts (fp32 accumulation).
+        part_ND = combine_rows(y_RD, st.local_dest_N1, w_NK)
+        part_PTD = all_to_all_rows(part_ND, None, None, self.group).view(P, T, -1)
+        return part_PTD.sum(0, dtype=torch.promote_types(part_PTD.dtype, torch.float32)).to(part_PTD.dtype)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -107,6 +107,22 @@ def _check(rank, world_size, mode, capacity_factor):
     ids_all = torch.stack([torch.randperm(L, generator=gen)[:K] for _ in range(P * T)]).view(P, T, K)
     _compare_dispatch(rank, P, layer, ref, ids_all, torch.ones(P, T, K, dtype=torch.bool))
 
+    if mode in (ExpertDispatch.all_gather, ExpertDispatch.synced):
+        # (c) the layer's capacity drops slots on the sending rank, as the local dispatcher does on
+        # the same tokens: dropped slots travel as -1 (all_gather) and reach no expert anywhere.
+        gen = torch.Generator().manual_seed(4)
+        ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(P * T)]).view(P, T, K)[rank]
+        x = torch.randn(P, T, D, dtype=torch.float64, generator=gen)[rank]
+        w = torch.rand(P, T, K, dtype=torch.float64, generator=gen)[rank]
+        d = disp.dispatch(x, ids, E, 3)
+        out = disp.combine(layer.experts(d.x_RD, d.offsets_E), w, d)
+        local = LocalDispatcher(E)
+        d_ref = local.dispatch(x, ids, E, 3)
+        out_ref = local.combine(ref.experts(d_ref.x_RD, d_ref.offsets_E), w, d_ref)
+        assert (d_ref.state.dest_row_TK < 0).any()  # something was dropped
+        torch.testing.assert_close(out, out_ref, rtol=1e-10, atol=1e-10)
+        assert torch.equal(d.kept_per_expert_E, d_ref.kept_per_expert_E)
+
     if mode == ExpertDispatch.sync_free:
         # (b) a tiny capacity factor: rows past cap per peer are dropped, counted, and contribute nothing.
         disp.capacity_factor = 0.25
@@ -149,7 +165,7 @@ def _compare_dispatch(rank, P, layer, ref, ids_all, kept_all):
     return d
 
 
-@pytest.mark.parametrize("mode", [ExpertDispatch.synced, ExpertDispatch.sync_free])
+@pytest.mark.parametrize("mode", [ExpertDispatch.synced, ExpertDispatch.sync_free, ExpertDispatch.all_gather])
 def test_expert_parallel_matches_single_process(mode):
     # sync_free: factor P makes cap = T*K, so nothing can overflow in the equivalence checks.
     run_distributed(_check, 2, str(mode), 2.0)
