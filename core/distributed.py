@@ -42,7 +42,10 @@ def init_distributed(device: torch.device, timeout_s: int = 1800) -> tuple[int, 
         backend = "nccl" if device.type == "cuda" else "gloo"
         os.environ.setdefault("RANK", str(rank))
         os.environ.setdefault("WORLD_SIZE", str(world))
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        # device_id binds the rank's GPU to the group (NCCL creates its communicator eagerly, and
+        # barriers need not guess the device).
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=device if device.type == "cuda" else None)
     return rank, world
 
 

@@ -28,6 +28,8 @@ class PipelineSplit(StrEnum):
 
 
 class ExpertDispatch(StrEnum):
+    auto = "auto"
+    """all_gather when top_k >= ep (measured fastest there: docs/performance.md), synced otherwise."""
     synced = "synced"
     """Exchange per-expert counts, read them on the host, all-to-all exactly the rows (one sync per layer)."""
     sync_free = "sync_free"
@@ -60,7 +62,7 @@ class ParallelConfig(Config):
     """Virtual stages per rank (interleaved and zero-bubble schedules need >= 2)."""
     pp_split: PipelineSplit = PipelineSplit.layers
     """How blocks are cut into stages (see PipelineSplit)."""
-    ep_dispatch: ExpertDispatch = ExpertDispatch.synced
+    ep_dispatch: ExpertDispatch = ExpertDispatch.auto
     """How expert-parallel dispatch sizes its all-to-all (see ExpertDispatch)."""
     ep_capacity_factor: float = 2.0
     """sync_free only: each rank receives at most factor x its fair share of rows from each peer."""

@@ -43,10 +43,7 @@ import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
-import platform  # noqa: E402
 import re  # noqa: E402
-import shlex  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from typing import Callable  # noqa: E402
@@ -56,9 +53,8 @@ import torch.distributed as dist  # noqa: E402
 
 from moetron.core.config import ConfigError, StrEnum  # noqa: E402
 from moetron.core.distributed import env_world, init_distributed, is_main, pick_device  # noqa: E402
+from moetron.core.metrics import run_environment  # noqa: E402
 
-ENV_KEYS = ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "CUDA_DEVICE_MAX_CONNECTIONS",
-            "OMP_NUM_THREADS")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 # torch 2.13 renamed reduce_scatter_tensor / all_gather_into_tensor to *_single (same arguments, the
@@ -264,38 +260,8 @@ def check_sizes(ops: list[Op], sizes: list[int], dtype_name: str, world: int) ->
                                   f"it needs a multiple of {what}")
 
 
-def topology() -> str | None:
-    """`nvidia-smi topo -m` (which GPU pairs talk over NVLink, PCIe, ...), or None without nvidia-smi."""
-    try:
-        out = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout if out.returncode == 0 else None
-
-
 def environment(device: torch.device, world: int, argv: list[str]) -> dict:
-    cuda = device.type == "cuda"
-    return {
-        "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
-        "world_size": world,
-        "backend": dist.get_backend(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "command": command_line(argv),
-        "env_vars": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_") or k in ENV_KEYS},
-        "topology": topology(),
-    }
-
-
-def command_line(argv: list[str]) -> str:
-    script = "tools/bench_comm.py " + shlex.join(argv)
-    if "LOCAL_WORLD_SIZE" in os.environ:
-        nodes = int(os.environ.get("WORLD_SIZE", 1)) // max(int(os.environ["LOCAL_WORLD_SIZE"]), 1)
-        prefix = f"torchrun --nproc-per-node {os.environ['LOCAL_WORLD_SIZE']}"
-        return f"{prefix} --nnodes {nodes} {script}" if nodes > 1 else f"{prefix} {script}"
-    return "python " + script
+    return run_environment(device, world, "tools/bench_comm.py", argv)
 
 
 def print_table(env: dict, rows: list[dict]) -> None:

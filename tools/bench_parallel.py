@@ -10,7 +10,8 @@ all-to-alls (forward and backward) and its share of the step, and peak memory.
 
     torchrun --nproc-per-node 8 tools/bench_parallel.py --preset olmoe-1b-7b --tokens-per-gpu 16384 \
         --seq-len 4096 --steps 10 --warmup 3 --model.n_layers=4 --parallel.ep=8 \
-        --variants "synced:parallel.ep_dispatch=synced" "sync_free:parallel.ep_dispatch=sync_free"
+        --variants "synced:parallel.ep_dispatch=synced" "sync_free:parallel.ep_dispatch=sync_free" \
+        "all_gather:parallel.ep_dispatch=all_gather"
 
 Pipeline bubbles: each pipeline row carries its schedule's theoretical bubble, the idle share of
 the step, (p-1)/(m+p-1) for GPipe and 1F1B and (p-1)/(v*m+p-1) for interleaved 1F1B (p ranks, m
@@ -59,10 +60,7 @@ import contextlib  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
-import platform  # noqa: E402
 import re  # noqa: E402
-import shlex  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
@@ -72,17 +70,16 @@ import torch.distributed as dist  # noqa: E402
 from moetron.core.checkpoint import CheckpointError  # noqa: E402
 from moetron.core.config import ConfigError  # noqa: E402
 from moetron.core.distributed import init_distributed, is_main, pick_device  # noqa: E402
-from moetron.core.metrics import mfu, model_tflops_per_device, peak_tflops  # noqa: E402
+from moetron.core.metrics import mfu, model_tflops_per_device, peak_tflops, run_environment  # noqa: E402
 from moetron.data.tokenizer import DataError  # noqa: E402
 from moetron.parallel import expert as expert_module  # noqa: E402
+from moetron.parallel.expert import resolve_dispatch  # noqa: E402
 from moetron.parallel.config import PipelineSchedule  # noqa: E402
 
 if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # tools/pretrain.py, also when imported
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import pretrain  # noqa: E402
 
-ENV_KEYS = ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "CUDA_DEVICE_MAX_CONNECTIONS",
-            "OMP_NUM_THREADS")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,7 +317,8 @@ def measure(name: str, overrides: list[str], args, device: torch.device, world: 
         "variant": name,
         "overrides": overrides,
         "layout": {"pp": layout.pp, "dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard,
-                   "ep": layout.ep, "ep_dispatch": str(layout.ep_dispatch),
+                   "ep": layout.ep, "ep_dispatch": str(resolve_dispatch(layout.ep_dispatch, layout.ep,
+                                                                        cfg.model.moe.router.top_k if cfg.model.moe else None)),
                    "pp_schedule": str(layout.pp_schedule) if layout.pp > 1 else None,
                    "pp_microbatches": layout.pp_microbatches if layout.pp > 1 else None,
                    "pp_stages_per_rank": layout.pp_stages_per_rank if layout.pp > 1 else None},
@@ -353,34 +351,7 @@ def measure(name: str, overrides: list[str], args, device: torch.device, world: 
 
 
 def environment(device: torch.device, world: int, argv: list[str]) -> dict:
-    env = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "gpus": world if device.type == "cuda" else 0,
-        "world_size": world,
-        "backend": dist.get_backend() if dist.is_initialized() else None,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None,
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "command": command_line(argv),
-        "env_vars": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_") or k in ENV_KEYS},
-        "topology": None,
-    }
-    try:
-        out = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=30)
-        env["topology"] = out.stdout if out.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return env
-
-
-def command_line(argv: list[str]) -> str:
-    script = "tools/bench_parallel.py " + shlex.join(argv)
-    if "LOCAL_WORLD_SIZE" in os.environ:
-        nodes = int(os.environ.get("WORLD_SIZE", 1)) // max(int(os.environ["LOCAL_WORLD_SIZE"]), 1)
-        prefix = f"torchrun --nproc-per-node {os.environ['LOCAL_WORLD_SIZE']}"
-        return f"{prefix} --nnodes {nodes} {script}" if nodes > 1 else f"{prefix} {script}"
-    return "python " + script
+    return run_environment(device, world, "tools/bench_parallel.py", argv)
 
 
 def print_table(env: dict, rows: list[dict]) -> None:

@@ -106,6 +106,8 @@ def build(cfg: PretrainConfig, device: torch.device, world: int, checkpointer: C
     apply_strategies(state)
     if is_main():
         print(f"parallel strategies applied: {state.extras['applied'] or 'none'}", flush=True)
+        if "ep_dispatch" in state.extras:
+            print(f"expert-parallel dispatch: {state.extras['ep_dispatch']}", flush=True)
     parts = state.model_parts
     optimizer = cfg.optimizer.build(parts[0] if len(parts) == 1 else torch.nn.ModuleList(parts))
     scheduler = cfg.scheduler.build(optimizer, cfg.trainer.steps)

@@ -41,7 +41,8 @@ TINY = [
 # micro-batches of the same size (the same sequences end up together in both runs).
 LAYOUTS = {
     "dp_shard=2": (2, ["--parallel.dp_shard=2"], 4),
-    "ep=2": (2, ["--parallel.dp_shard=2", "--parallel.ep=2"], 4),
+    "ep=2": (2, ["--parallel.dp_shard=2", "--parallel.ep=2"], 4),  # auto: all_gather (top_k 2 >= ep 2)
+    "ep=2,synced": (2, ["--parallel.dp_shard=2", "--parallel.ep=2", "--parallel.ep_dispatch=synced"], 4),
     "pp=2,1f1b": (2, ["--parallel.pp=2", "--parallel.dp_shard=1", "--parallel.pp_schedule=1f1b",
                       "--parallel.pp_microbatches=4"], 2),
     "ep=2,dp_shard=4": (4, ["--parallel.dp_shard=4", "--parallel.ep=2"], 2),

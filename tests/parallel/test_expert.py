@@ -209,3 +209,15 @@ def test_validate_errors():
         ExpertParallel().validate(state(4, 8))
     ExpertParallel().validate(state(8, 4))
     assert not ExpertParallel().enabled(state(8, 1))
+
+
+def test_auto_dispatch_resolution():
+    from moetron.parallel.expert import resolve_dispatch
+
+    assert resolve_dispatch("auto", 2, 8) == ExpertDispatch.all_gather
+    assert resolve_dispatch("auto", 4, 4) == ExpertDispatch.all_gather
+    assert resolve_dispatch("auto", 8, 4) == ExpertDispatch.synced
+    assert resolve_dispatch("sync_free", 2, 8) == ExpertDispatch.sync_free
+    assert ParallelConfig().ep_dispatch == ExpertDispatch.auto
+    with pytest.raises(ValueError, match="resolved by the strategy"):
+        ExpertParallelDispatcher(4, None, "auto")
