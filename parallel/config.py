@@ -37,7 +37,8 @@ class ExpertDispatch(StrEnum):
     all_gather = "all_gather"
     """Every token goes once to every ep rank (equal all-to-all blocks, an all-gather); each rank runs
     its experts on the tokens routed to them and sends back one weighted partial sum per token. No
-    host sync, no drops; P*T rows each way instead of about T*K*(P-1)/P: fewer bytes when K >= P."""
+    host sync; P*T rows each way instead of about T*K*(P-1)/P: fewer bytes when K >= P. The expert
+    buffer is bounded by ep_capacity_factor (rows past it dropped and counted, none at ep=2)."""
 
 
 @dataclasses.dataclass
@@ -65,7 +66,9 @@ class ParallelConfig(Config):
     ep_dispatch: ExpertDispatch = ExpertDispatch.auto
     """How expert-parallel dispatch sizes its all-to-all (see ExpertDispatch)."""
     ep_capacity_factor: float = 2.0
-    """sync_free only: each rank receives at most factor x its fair share of rows from each peer."""
+    """sync_free: each rank receives at most factor x its fair share of rows from each peer;
+    all_gather: each rank's expert buffer holds at most factor x its fair share of all slots (at
+    ep=2 and factor 2 that is every slot, so nothing can drop). Rows past it are dropped and counted."""
     fsdp_reshard_after_forward: bool = True
     """FSDP2: free the gathered parameters after forward (re-gather for backward); saves memory."""
     strategies: list[str] = dataclasses.field(default_factory=list)

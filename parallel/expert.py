@@ -102,14 +102,18 @@ class ExpertParallelDispatcher(TokenDispatcher):
 
     num_experts: E (global); group: the ep process group (size P, E % P == 0); this rank owns the
     experts [rank*E_l, (rank+1)*E_l). mode: ExpertDispatch.synced (exact splits: one host sync per
-    layer forward, none in backward, which reuses the splits) or sync_free (no host sync: static
-    blocks of cap = ceil(capacity_factor * T*K / P) rows per peer; rows past cap are dropped).
+    layer forward, none in backward, which reuses the splits), sync_free (no host sync: static
+    blocks of cap = ceil(capacity_factor * T*K / P) rows per peer; rows past cap are dropped) or
+    all_gather (no host sync: every token to every rank; the local expert buffer holds
+    min(P*T*K, ceil(capacity_factor * T*K)) rows, its last experts' rows past that are dropped).
 
     DispatchResult.tokens_per_expert_E / kept_per_expert_E stay per global expert and count this
     rank's tokens only (the balance group sums them); with sync_free, kept_per_expert_E also
-    excludes the rows dropped by overflow, so the layer's ``dropped`` metric includes them.
+    excludes the rows dropped by overflow, so the layer's ``dropped`` metric includes them. With
+    all_gather the receiving rank drops them: it subtracts them from its own local experts' kept
+    counts, so the sums over the balance group (all the metric uses) stay right.
     ``overflow_rows`` (int64 scalar on the device, accumulated; pop_overflow() reads and resets)
-    counts the rows sync_free dropped for lack of room.
+    counts the rows sync_free or all_gather dropped for lack of room.
     """
 
     def __init__(self, num_experts: int, group: dist.ProcessGroup, mode: ExpertDispatch | str = ExpertDispatch.synced,
@@ -162,10 +166,21 @@ class ExpertParallelDispatcher(TokenDispatcher):
         local_NK = ids_NK - self.ep_rank * L
         local_NK = torch.where((ids_NK >= 0) & (local_NK >= 0) & (local_NK < L), local_NK, L)
         local = route(local_NK, L + 1, None)
-        local_dest_NK = torch.where(local_NK == L, -1, local.dest_row_TK).to(torch.int32)
-        x_RD = scatter_rows(x_ND, local_dest_NK, local.num_rows)
+        # A static buffer of R rows, the local experts' rows first (expert-major), the trash group's
+        # never written: the slots past R (the last experts' rows) are dropped and counted.
+        N, K = local_NK.shape
+        R = min(N * K, self.peer_capacity(N * K))
+        keep_NK = (local_NK < L) & (local.dest_row_TK < R)
+        local_dest_NK = torch.where(keep_NK, local.dest_row_TK, -1).to(torch.int32)
+        offsets_L = local.offsets_E[:L].clamp(max=R)
+        over_L = local.kept_per_expert_E[:L] - torch.diff(offsets_L, prepend=offsets_L.new_zeros(1))
+        over = over_L.sum().to(torch.int64).detach()
+        self.overflow_rows = over if self.overflow_rows is None else self.overflow_rows + over
+        kept_E = plan.kept_per_expert_E.clone()
+        kept_E[self.ep_rank * L:(self.ep_rank + 1) * L] -= over_L.to(kept_E.dtype)
+        x_RD = scatter_rows(x_ND, local_dest_NK, R)
         state = _EPState(plan.dest_row_TK, local_dest_NK, None, None)
-        return DispatchResult(x_RD, local.offsets_E[:L], plan.tokens_per_expert_E, plan.kept_per_expert_E, state)
+        return DispatchResult(x_RD, offsets_L, plan.tokens_per_expert_E, kept_E, state)
 
     def _exchange_counts(self, send_PL: Tensor) -> Tensor:
         """recv_PL[p, l]: rows of local expert l that peer p sends here (send_PL: what we send)."""

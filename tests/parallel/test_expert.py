@@ -123,6 +123,25 @@ def _check(rank, world_size, mode, capacity_factor):
         torch.testing.assert_close(out, out_ref, rtol=1e-10, atol=1e-10)
         assert torch.equal(d.kept_per_expert_E, d_ref.kept_per_expert_E)
 
+    if mode == ExpertDispatch.all_gather:
+        # (d) a tiny capacity factor bounds each rank's expert buffer to R rows of all P*T*K gathered
+        # slots; the receiver drops its last experts' rows past R (in gathered order: source rank,
+        # token, k), counts them, and takes them out of its kept counts.
+        disp.capacity_factor = 0.25
+        R = disp.peer_capacity(P * T * K)
+        assert R == math.ceil(0.25 * T * K) == 8
+        disp.pop_overflow()
+        ids_all = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(P * T)]).view(P, T, K)
+        kept_all = _naive_kept(ids_all.reshape(P * T, K), P, R).view(P, T, K)
+        assert (~kept_all).any()
+        d = _compare_dispatch(rank, P, layer, ref, ids_all, kept_all)
+        mine = (ids_all // L == rank)
+        assert disp.pop_overflow().item() == int((mine & ~kept_all).sum())
+        kept = d.kept_per_expert_E.long().clone()
+        dist.all_reduce(kept)
+        assert kept.sum().item() == int(kept_all.sum())
+        disp.capacity_factor = 2.0
+
     if mode == ExpertDispatch.sync_free:
         # (b) a tiny capacity factor: rows past cap per peer are dropped, counted, and contribute nothing.
         disp.capacity_factor = 0.25
