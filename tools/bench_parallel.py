@@ -339,7 +339,7 @@ def measure(name: str, overrides: list[str], args, device: torch.device, world: 
         "a2a_ms_max_rank": a2a_max if timed else None,
         "a2a_share": share_mean if timed else None,
         "a2a_calls_per_step": calls_max if timed else None,
-        "sync_free_overflow_rows": overflow_sum,
+        "overflow_rows": overflow_sum,  # rows sync_free or all_gather dropped for lack of room
         "peak_mem_gib": None if device.type != "cuda" else mem_max,
         "loss": loss_value,
     }
