@@ -42,6 +42,7 @@ def _moe_active_by_hand(cfg):
         ("olmo3-moe-8e", 3.17e9, 4.6e9),
         ("olmo3-moe-128e", 3.17e9, 47e9),
         ("olmoe-1b-7b", 1.28e9, 6.92e9),  # OLMoE-1B-7B: 1.3B active, 6.9B total
+        ("moe-1t-proxy", 88.10e6, 1.258e9),  # docs/moe.md
     ],
 )
 def test_moe_family_counts(name, active, total):
