@@ -1,6 +1,7 @@
 """Torch references for the MoE routing kernels: the CPU path and the oracle for routing.py.
 
-Every function here has the same signature and the same results as its Triton twin in routing.py:
+Every public function here has the same signature (but scatter_rows' weights, used only by this
+file's combine_rows_backward) and the same results as its Triton twin in routing.py:
 bit-exact for the integer outputs of `route`, and for the float ops the same fp32 arithmetic in the
 same order (the K terms of a token are summed k = 0, 1, ..., K-1), so results match up to fp32
 rounding of multiply-add contraction (the Triton kernels disable it) and reduction order over D in
@@ -111,7 +112,7 @@ def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _padded_index_TK(dest_row_TK: Tensor, num_rows: int) -> Tensor:
+def padded_index_TK(dest_row_TK: Tensor, num_rows: int) -> Tensor:
     """dest_row_TK as int64 with dropped slots (-1) sent to a spare row `num_rows`."""
     dest_TK = dest_row_TK.long()
     return torch.where(dest_TK < 0, num_rows, dest_TK)
@@ -121,11 +122,12 @@ def scatter_rows(x_TD: Tensor, dest_row_TK: Tensor, num_rows: int, weights_TK: T
     """x_RD[dest_row_TK[t, k]] = x_TD[t] (times weights_TK[t, k] in fp32 if given); unwritten rows 0.
 
     x_TD [T, D], dest_row_TK int [T, K] (-1 = dropped, each row >= 0 at most once) -> x_RD [R, D]
-    in x's dtype. The weighted form is combine_rows' backward for y.
+    in x's dtype. The weighted form is this file's combine_rows_backward for y (the Triton
+    backward fuses it into its own kernel, so routing.scatter_rows has no weights).
     """
     T, D = x_TD.shape
     K = dest_row_TK.shape[1]
-    index_N = _padded_index_TK(dest_row_TK, num_rows).reshape(-1)
+    index_N = padded_index_TK(dest_row_TK, num_rows).reshape(-1)
     src_TKD = x_TD.unsqueeze(1).expand(T, K, D)
     if weights_TK is not None:
         acc = accumulator_dtype(x_TD.dtype)
@@ -144,7 +146,7 @@ def combine_rows(y_RD: Tensor, dest_row_TK: Tensor, weights_TK: Tensor | None = 
     """
     R, D = y_RD.shape
     T, K = dest_row_TK.shape
-    index_TK = _padded_index_TK(dest_row_TK, R)
+    index_TK = padded_index_TK(dest_row_TK, R)
     y_pad_RD = torch.cat([y_RD, y_RD.new_zeros(1, D)])  # the spare row reads as zeros
     acc = accumulator_dtype(y_RD.dtype)
     out_TD = torch.zeros(T, D, dtype=acc, device=y_RD.device)
@@ -166,7 +168,7 @@ def combine_rows_backward(
     """
     R, D = y_RD.shape
     grad_y_RD = scatter_rows(grad_out_TD.to(y_RD.dtype), dest_row_TK, R, weights_TK)
-    index_TK = _padded_index_TK(dest_row_TK, R)
+    index_TK = padded_index_TK(dest_row_TK, R)
     y_pad_RD = torch.cat([y_RD, y_RD.new_zeros(1, D)])
     acc = accumulator_dtype(y_RD.dtype)
     y_TKD = y_pad_RD[index_TK].to(acc)

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from moetron.core.moe.kernels.reference import accumulator_dtype, check_route_args
+from moetron.core.moe.kernels.reference import accumulator_dtype, check_route_args, padded_index_TK
 
 # ---------------------------------------------------------------------------------------------
 # route
@@ -138,10 +138,9 @@ def _row_blocks(D: int, element_size: int) -> tuple[int, int, int]:
 
 @triton.jit
 def _scatter_rows_kernel(
-    x_ptr, dest_ptr, w_ptr, out_ptr, T, D,
-    K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    x_ptr, dest_ptr, out_ptr, T, D, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """out[dest[t, k]] = x[t] (* w[t, k] in fp32): read a token tile once, write it K times."""
+    """out[dest[t, k]] = x[t]: read a token tile once, write it K times."""
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     t_ok = tokens < T
@@ -149,13 +148,8 @@ def _scatter_rows_kernel(
     x = tl.load(x_ptr + tokens.to(tl.int64)[:, None] * D + cols[None, :], mask=t_ok[:, None] & d_ok[None, :])
     for k in tl.static_range(K):
         dest = tl.load(dest_ptr + tokens * K + k, mask=t_ok, other=-1)
-        if HAS_WEIGHTS:
-            w = tl.load(w_ptr + tokens * K + k, mask=t_ok, other=0.0).to(ACC)
-            row = (w[:, None] * x.to(ACC)).to(x.dtype)
-        else:
-            row = x
         keep = (dest >= 0)[:, None] & d_ok[None, :]
-        tl.store(out_ptr + dest.to(tl.int64)[:, None] * D + cols[None, :], row, mask=keep)
+        tl.store(out_ptr + dest.to(tl.int64)[:, None] * D + cols[None, :], x, mask=keep)
 
 
 @triton.jit
@@ -171,7 +165,22 @@ def _zero_unwritten_rows_kernel(
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], zeros, mask=hole[:, None] & (cols < D)[None, :])
 
 
-def _scatter(x_TD: Tensor, dest_row_TK: Tensor, num_rows: int, weights_TK: Tensor | None) -> Tensor:
+def _zero_unwritten_rows(out_RD: Tensor, dest_row_TK: Tensor, BLOCK_D: int, num_warps: int) -> None:
+    """Zero the rows of out_RD that no slot of dest_row_TK writes.
+
+    Flags the written rows in an [R + 1] byte map (the spare row takes the dropped slots): an
+    R-byte pass instead of zero-filling the whole R x D buffer before the kernel writes it.
+    """
+    R, D = out_RD.shape
+    written_R = torch.zeros(R + 1, dtype=torch.uint8, device=out_RD.device)
+    written_R.index_fill_(0, padded_index_TK(dest_row_TK, R).view(-1), 1)
+    BLOCK_R = max(1, 4096 // BLOCK_D)
+    grid = (triton.cdiv(R, BLOCK_R), triton.cdiv(D, BLOCK_D))
+    _zero_unwritten_rows_kernel[grid](out_RD, written_R, R, D, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D, num_warps=num_warps)
+
+
+def scatter_rows(x_TD: Tensor, dest_row_TK: Tensor, num_rows: int) -> Tensor:
+    """Triton twin of reference.scatter_rows (unweighted): x_TD [T, D] -> x_RD [R, D], unwritten rows 0."""
     T, D = x_TD.shape
     K = dest_row_TK.shape[1]
     x_TD = x_TD.contiguous()
@@ -181,27 +190,12 @@ def _scatter(x_TD: Tensor, dest_row_TK: Tensor, num_rows: int, weights_TK: Tenso
         return out_RD
     BLOCK_T, BLOCK_D, num_warps = _row_blocks(D, x_TD.element_size())
     if T > 0:
-        w = weights_TK.contiguous() if weights_TK is not None else dest_row_TK  # dummy pointer
         grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(D, BLOCK_D))
         _scatter_rows_kernel[grid](
-            x_TD, dest_row_TK, w, out_RD, T, D,
-            K=K, HAS_WEIGHTS=weights_TK is not None, ACC=_acc(x_TD.dtype), BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, num_warps=num_warps,
+            x_TD, dest_row_TK, out_RD, T, D, K=K, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, num_warps=num_warps
         )
-    # Flag the written rows in an [R + 1] byte map (the spare row takes the dropped slots): an
-    # R-byte pass instead of zero-filling the whole R x D buffer before the scatter.
-    index_N = dest_row_TK.view(-1).long()
-    index_N = torch.where(index_N < 0, num_rows, index_N)
-    written_R = torch.zeros(num_rows + 1, dtype=torch.uint8, device=x_TD.device)
-    written_R.index_fill_(0, index_N, 1)
-    BLOCK_R = max(1, 4096 // BLOCK_D)
-    grid = (triton.cdiv(num_rows, BLOCK_R), triton.cdiv(D, BLOCK_D))
-    _zero_unwritten_rows_kernel[grid](out_RD, written_R, num_rows, D, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D, num_warps=num_warps)
+    _zero_unwritten_rows(out_RD, dest_row_TK, BLOCK_D, num_warps)
     return out_RD
-
-
-def scatter_rows(x_TD: Tensor, dest_row_TK: Tensor, num_rows: int, weights_TK: Tensor | None = None) -> Tensor:
-    """Triton twin of reference.scatter_rows: x_TD [T, D] -> x_RD [R, D], unwritten rows 0."""
-    return _scatter(x_TD, dest_row_TK, num_rows, weights_TK)
 
 
 @triton.jit
@@ -295,12 +289,7 @@ def combine_rows_backward(
             K=K, ACC=_acc(y_RD.dtype), BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, num_warps=num_warps, **_NO_FMA,
         )
     if R > 0 and D > 0:
-        index_N = dest_row_TK.view(-1).long()
-        written_R = torch.zeros(R + 1, dtype=torch.uint8, device=y_RD.device)
-        written_R.index_fill_(0, torch.where(index_N < 0, R, index_N), 1)
-        BLOCK_R = max(1, 4096 // BLOCK_D)
-        grid = (triton.cdiv(R, BLOCK_R), P)
-        _zero_unwritten_rows_kernel[grid](grad_y_RD, written_R, R, D, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D, num_warps=num_warps)
+        _zero_unwritten_rows(grad_y_RD, dest_row_TK, BLOCK_D, num_warps)
     # P <= a few partial sums per slot; a fixed-order fp32 sum keeps the result deterministic.
     grad_w_TK = partial_TKP.sum(-1)
     return grad_y_RD, grad_w_TK.to(weights_TK.dtype)
