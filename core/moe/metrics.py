@@ -16,17 +16,25 @@ import torch
 def summarize(layer_stats: dict[int, dict[str, torch.Tensor]]) -> dict[str, np.ndarray]:
     """Stack the per-layer stats of MoELayer.pop_load_stats() (one host transfer) into arrays."""
     layers = sorted(layer_stats)
-    tokens_LE = torch.stack([layer_stats[i]["tokens_per_expert"] for i in layers]).cpu().numpy()
+    has_bias = all("expert_bias" in layer_stats[i] for i in layers)
+    # Per layer [tokens_per_expert (E), dropped, entropy, expert_bias (E)?]: one stack, one copy.
+    packed_L = torch.stack([
+        torch.cat([s["tokens_per_expert"], s["dropped"][None], s["entropy"][None]]
+                  + ([s["expert_bias"]] if has_bias else []))
+        for s in (layer_stats[i] for i in layers)
+    ]).cpu().numpy()
+    E = layer_stats[layers[0]]["tokens_per_expert"].numel()
+    tokens_LE = packed_L[:, :E]
     out = {
         "layers": np.array(layers),
         "tokens_per_expert": tokens_LE,
-        "dropped": torch.stack([layer_stats[i]["dropped"] for i in layers]).cpu().numpy(),
-        "entropy": torch.stack([layer_stats[i]["entropy"] for i in layers]).cpu().numpy(),
+        "dropped": packed_L[:, E],
+        "entropy": packed_L[:, E + 1],
     }
     mean_L = tokens_LE.mean(axis=1)
     out["max_violation"] = np.where(mean_L > 0, tokens_LE.max(axis=1) / np.maximum(mean_L, 1e-9) - 1.0, 0.0)
-    if all("expert_bias" in layer_stats[i] for i in layers):
-        out["expert_bias"] = torch.stack([layer_stats[i]["expert_bias"] for i in layers]).cpu().numpy()
+    if has_bias:
+        out["expert_bias"] = packed_L[:, E + 2:]
     return out
 
 
