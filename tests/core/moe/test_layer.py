@@ -124,9 +124,31 @@ def test_aux_losses_reported_and_weighted():
     r = layer.router(x.view(-1, D))
     assert set(layer.aux_losses) == {"lb_loss", "z_loss"}
     assert layer.aux_losses["z_loss"].item() == pytest.approx(0.1 * z_loss(r.logits_TE).item())
+    # Switch loss by hand: E * sum_e (fraction of the 10 * 2 slots on e) * (mean prob of e)
+    f = torch.zeros(E, dtype=torch.float64).index_add_(0, r.topk_ids_TK.reshape(-1), torch.ones(20, dtype=torch.float64)) / 20
+    assert layer.aux_losses["lb_loss"].detach().item() == pytest.approx(0.5 * E * float((f * r.probs_TE.detach().mean(0)).sum()))
     layer.eval()
     layer(x)
     assert layer.aux_losses == {}  # evaluation adds no auxiliary losses
+
+
+def test_load_stats_match_routing():
+    """pop_load_stats: per-expert counts, drops and mean routing entropy of the training forwards."""
+    layer = make_layer(router=dict(top_k=2), capacity_factor=0.5)
+    xs = [torch.randn(2, 9, D, dtype=torch.float64) for _ in range(2)]
+    counts, entropy, dropped = torch.zeros(E, dtype=torch.float64), 0.0, 0
+    for x in xs:
+        layer(x)
+        r = layer.router(x.view(-1, D))
+        step = torch.zeros(E, dtype=torch.float64).index_add_(0, r.topk_ids_TK.reshape(-1), torch.ones(36, dtype=torch.float64))
+        counts += step
+        dropped += int((step - layer.cfg.capacity(18)).clamp_min(0).sum())
+        entropy += sum(-sum(p * math.log(p) for p in row if p > 0) for row in r.probs_TE.tolist())
+    stats = layer.pop_load_stats()
+    torch.testing.assert_close(stats["tokens_per_expert"], counts)
+    assert dropped > 0 and stats["dropped"].item() == dropped
+    assert stats["entropy"].item() == pytest.approx(entropy / 36)
+    assert layer.pop_load_stats()["tokens_per_expert"].sum() == 0  # popping resets the counts
 
 
 def test_expert_bias_moves_load_toward_balance():
