@@ -110,25 +110,28 @@ class PackedDataset:
         return int(sum(len(t) for t in self._tokens))
 
     # ---- access -----------------------------------------------------------------------------
-    def _window(self, index: int) -> np.ndarray:
-        n = len(self)
-        if not -n <= index < n:
-            raise IndexError(f"sample {index} out of range for a dataset of {n} samples")
-        index %= n
-        f = int(np.searchsorted(self._offsets, index, side="right")) - 1
-        start = (index - int(self._offsets[f])) * self.seq_len
-        return self._tokens[f][start : start + self.seq_len + 1]
-
     def __getitem__(self, index: int) -> torch.Tensor:
         """Sample ``index``: LongTensor [S+1]."""
-        return torch.from_numpy(self._window(int(index)).astype(np.int64))
+        return self.get_batch([int(index)])[0]
 
-    def get_batch(self, indices: Sequence[int] | np.ndarray) -> torch.Tensor:
-        """Samples ``indices`` stacked: LongTensor [B, S+1] (B = len(indices))."""
-        batch_BS1 = np.empty((len(indices), self.seq_len + 1), dtype=np.int64)
-        for row, i in enumerate(indices):
-            batch_BS1[row] = self._window(int(i))
-        return torch.from_numpy(batch_BS1)
+    def get_batch(self, indices: Sequence[int] | np.ndarray, pin_memory: bool = False) -> torch.Tensor:
+        """Samples ``indices`` stacked: LongTensor [B, S+1] (B = len(indices)), in page-locked
+        memory with ``pin_memory`` (needs CUDA) so a ``non_blocking`` copy to the GPU is asynchronous."""
+        index_B = np.asarray(indices, dtype=np.int64).reshape(-1)
+        n = len(self)
+        bad = index_B[(index_B < -n) | (index_B >= n)]
+        if bad.size:
+            raise IndexError(f"sample {bad[0]} out of range for a dataset of {n} samples")
+        index_B = index_B % n
+        file_B = np.searchsorted(self._offsets, index_B, side="right") - 1
+        start_B = (index_B - self._offsets[file_B]) * self.seq_len
+        # Filled in place: torch's caching host allocator reuses the pinned block once the copy that
+        # read it has finished, so there is no per-step cudaHostAlloc and no extra host copy.
+        batch_BS1 = torch.empty((len(index_B), self.seq_len + 1), dtype=torch.int64, pin_memory=pin_memory)
+        rows = batch_BS1.numpy()
+        for row, (f, start) in enumerate(zip(file_B.tolist(), start_B.tolist())):
+            rows[row] = self._tokens[f][start : start + self.seq_len + 1]
+        return batch_BS1
 
     def __repr__(self) -> str:
         return f"PackedDataset({len(self.prefixes)} files, {len(self)} samples of seq_len={self.seq_len})"

@@ -18,7 +18,7 @@ import torch
 from moetron.core.config import Config, ConfigError, StrEnum
 from moetron.data.corpus import DEFAULT_MAX_BYTES, ensure_default_corpus
 from moetron.data.dataset import PackedDataset
-from moetron.data.preprocess import open_token_file, token_file_paths
+from moetron.data.preprocess import token_file_paths
 from moetron.data.sampler import GlobalBatchSampler
 from moetron.data.tokenizer import DataError
 
@@ -93,9 +93,10 @@ class DataConfig(Config):
         if not self.data_dir:
             raise ConfigError("data.data_dir is empty: set --data.data_dir=FOLDER or $MOETRON_DATA_DIR")
 
-    def build(self, vocab_size: int, dp_rank: int = 0, dp_size: int = 1) -> "TrainData":
+    def build(self, vocab_size: int, dp_rank: int = 0, dp_size: int = 1, pin_memory: bool = False) -> "TrainData":
         """Open (building the default corpus first if needed) and validate the data for a model
-        of ``vocab_size``; returns this data-parallel rank's :class:`TrainData`."""
+        of ``vocab_size``; returns this data-parallel rank's :class:`TrainData`. ``pin_memory``
+        (training on CUDA): training batches come in page-locked memory."""
         self.validate()
         if self.source == DataSource.default_corpus:
             paths = ensure_default_corpus(self.data_dir, self.corpus_vocab_size, self.corpus_max_bytes)
@@ -103,11 +104,13 @@ class DataConfig(Config):
             tokenizer_path = self.tokenizer_path or paths["tokenizer"]
         else:
             train_paths, val_paths = _expand(self.train_paths), _expand(self.val_paths)
-            tokenizer_path = self.tokenizer_path or open_token_file(train_paths[0])[1].get("tokenizer")
+            tokenizer_path = self.tokenizer_path
         train = PackedDataset(train_paths, self.seq_len, vocab_size, verify_token_ids=self.verify_token_ids)
         val = PackedDataset(val_paths, self.seq_len, vocab_size, self.verify_token_ids) if val_paths else None
+        if not tokenizer_path:  # the one named in the first train file's sidecar
+            tokenizer_path = train.metadata[0].get("tokenizer")
         sampler = GlobalBatchSampler(len(train), self.global_batch_size, dp_rank, dp_size, self.seed)
-        return TrainData(train, val, sampler, tokenizer_path)
+        return TrainData(train, val, sampler, tokenizer_path, pin_memory)
 
 
 def _expand(paths: list[str]) -> list[str]:
@@ -133,9 +136,11 @@ class TrainData:
         val: PackedDataset | None,
         sampler: GlobalBatchSampler,
         tokenizer_path: str | None,
+        pin_memory: bool = False,
     ):
         self.train_dataset, self.val_dataset, self.sampler = train, val, sampler
         self.tokenizer_path = tokenizer_path
+        self.pin_memory = pin_memory
         self.seq_len = train.seq_len
 
     @property
@@ -148,8 +153,8 @@ class TrainData:
         return self.sampler.local_batch_size
 
     def next_batch(self) -> torch.Tensor:
-        """This rank's share of the next step: LongTensor [G // dp_size, S+1]."""
-        return self.train_dataset.get_batch(self.sampler.next_indices())
+        """This rank's share of the next step: LongTensor [G // dp_size, S+1] (pinned with pin_memory)."""
+        return self.train_dataset.get_batch(self.sampler.next_indices(), self.pin_memory)
 
     def val_batches(self, batch_size: int, max_batches: int | None = None) -> list[torch.Tensor]:
         """The held-out set as this rank's shares of global batches of ``batch_size`` sequences:

@@ -89,7 +89,8 @@ def build(cfg: PretrainConfig, device: torch.device, world: int, checkpointer: C
           **trainer_kwargs) -> tuple[Trainer, ParallelState]:
     """Compose a run: mesh, data, model, parallel strategies, optimizer, schedule, trainer."""
     mesh = ParallelMesh.build(cfg.parallel, world, device.type)
-    data = cfg.data.build(vocab_size=cfg.model.vocab_size, dp_rank=mesh.dp_rank, dp_size=mesh.dp_size)
+    data = cfg.data.build(vocab_size=cfg.model.vocab_size, dp_rank=mesh.dp_rank, dp_size=mesh.dp_size,
+                          pin_memory=device.type == "cuda")  # the trainer's non_blocking copy is then async
     seed_everything(cfg.trainer.seed)
     model = cfg.model.build(device=device)  # identical on every rank: same seed
     if is_main():

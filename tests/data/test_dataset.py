@@ -26,6 +26,23 @@ def test_samples_are_hand_sliced_windows(tmp_path, write_token_file):
     with pytest.raises(IndexError):
         ds[6]
     assert ds.num_tokens == 35
+    # Negative indices count from the end; the caller's index array is left as it was.
+    order = np.array([-1, -6, 2])
+    assert ds.get_batch(order).tolist() == [windows[5], windows[0], windows[2]] and order.tolist() == [-1, -6, 2]
+    assert ds.get_batch([]).shape == (0, 6)
+    with pytest.raises(IndexError, match="sample 6 out of range"):
+        ds.get_batch([0, 6])
+    with pytest.raises(IndexError, match="sample -7 out of range"):
+        ds.get_batch([-7])
+
+
+@pytest.mark.gpu
+def test_pinned_batches(tmp_path, write_token_file):
+    a = list(range(100, 123))
+    ds = PackedDataset([write_token_file(tmp_path / "a", a)], seq_len=5, vocab_size=1000)
+    batch = ds.get_batch([3, 1], pin_memory=True)
+    assert batch.is_pinned() and batch.tolist() == [a[15:21], a[5:11]]
+    assert not ds.get_batch([3, 1]).is_pinned()
 
 
 def test_text_to_batches_end_to_end(tmp_path, tokenizer):

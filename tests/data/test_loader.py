@@ -40,15 +40,30 @@ def test_validate_messages(tmp_path, monkeypatch):
     assert cfg.source is DataSource.files and cfg.train_paths == ["a", "b"] and cfg.global_batch_size == 32
 
 
+def hand_windows(prefixes, seq_len):
+    """Every sample of the files, sliced by hand from the raw .bin files (the documented layout)."""
+    windows = []
+    for p in prefixes:
+        tokens = np.fromfile(p + ".bin", dtype="<u2").astype(np.int64)
+        windows += [tokens[j * seq_len : j * seq_len + seq_len + 1] for j in range((len(tokens) - 1) // seq_len)]
+    return windows
+
+
 def test_files_source_batches_follow_sampler(token_files):
     cfg = files_config(token_files)
     data = cfg.build(vocab_size=300)
     ds = PackedDataset(token_files[0], 16, 300)
     ref = GlobalBatchSampler(len(ds), 8, seed=3)
-    for _ in range(len(ds) // 8 + 3):  # past an epoch boundary
+    windows = hand_windows(token_files[0], 16)
+    steps_per_epoch = len(windows) // 8
+    for step in range(len(ds) // 8 + 3):  # past an epoch boundary
         batch = data.next_batch()
         assert batch.shape == (8, 17) and batch.dtype == torch.int64
         assert torch.equal(batch, ds.get_batch(ref.next_indices()))
+        # Independent of the loader's code: the documented order over hand-sliced windows.
+        epoch, t = divmod(step, steps_per_epoch)
+        perm = np.random.Generator(np.random.PCG64(3 + epoch)).permutation(len(windows))
+        assert batch.numpy().tolist() == [windows[i].tolist() for i in perm[t * 8 : (t + 1) * 8]]
     assert data.num_train_tokens == 400 + 437 + 474
     assert data.tokenizer_path.endswith("tok.model")
     with pytest.raises(DataError, match="vocab_size is 200"):
