@@ -42,7 +42,6 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
-import json  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -54,6 +53,8 @@ import torch.distributed as dist  # noqa: E402
 from moetron.core.config import ConfigError, StrEnum  # noqa: E402
 from moetron.core.distributed import env_world, init_distributed, is_main, pick_device  # noqa: E402
 from moetron.core.metrics import run_environment  # noqa: E402
+
+from cli import write_report  # noqa: E402  (tools/cli.py)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
@@ -317,11 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = [measure(op, size, args, dtype, device, world) for op in ops for size in sizes]
         if is_main():
             print_table(env, rows)
-            if args.json:
-                os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-                with open(args.json, "w") as f:
-                    json.dump({"env": env, "rows": rows}, f, indent=1)
-                print(f"wrote {args.json}")
+            write_report(args.json, env, rows)
     finally:
         dist.destroy_process_group()
     return 0

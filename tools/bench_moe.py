@@ -22,7 +22,6 @@ layer's top-k ids are replaced by those recorded ids, so the data's imbalance is
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -30,8 +29,11 @@ import time
 import numpy as np
 import torch
 
+from moetron.core.metrics import run_environment
 from moetron.core.moe import MoEConfig, MoELayer, RouterConfig
 from moetron.core.moe.kernels.ops import combine_rows, route, scatter_rows
+
+from cli import write_report  # tools/cli.py
 
 SHAPES = {
     # name: (D, E, K, F, shared experts)
@@ -232,7 +234,8 @@ def measure(shape: dict, ids_TK: torch.Tensor, tokens: int) -> dict:
     }
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--routing", nargs="+", default=["uniform", "real"], choices=["uniform", "real"])
@@ -279,12 +282,7 @@ def main(argv=None) -> int:
         share = r["routing_share_of_layer_graph"]
         print(f"{r['shape']:<15} {r['routing']:<8} {fmt(r['layer_graph_ms']):>8} {fmt(pg['router'])} {fmt(pg['permute'])} "
               f"{fmt(pg['experts'])} {fmt(pg['combine'])} {(100 * share if share is not None else float('nan')):>5.1f}%")
-    if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        env = {"device": dev, "torch": torch.__version__, "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%d"),
-               "command": "python tools/bench_moe.py " + " ".join(argv if argv is not None else sys.argv[1:])}
-        with open(args.json, "w") as f:
-            json.dump({"env": env, "rows": rows}, f, indent=1)
+    write_report(args.json, run_environment(torch.device("cuda"), 1, "tools/bench_moe.py", argv), rows)
     return 0
 
 

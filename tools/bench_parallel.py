@@ -60,25 +60,23 @@ import contextlib  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
-import re  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from moetron.core.checkpoint import CheckpointError  # noqa: E402
 from moetron.core.config import ConfigError  # noqa: E402
 from moetron.core.distributed import init_distributed, is_main, pick_device  # noqa: E402
 from moetron.core.metrics import mfu, model_tflops_per_device, peak_tflops, run_environment  # noqa: E402
-from moetron.data.tokenizer import DataError  # noqa: E402
 from moetron.parallel import expert as expert_module  # noqa: E402
 from moetron.parallel.expert import resolve_dispatch  # noqa: E402
 from moetron.parallel.config import PipelineSchedule  # noqa: E402
 
-if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # tools/pretrain.py, also when imported
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # tools/pretrain.py and cli.py, also when imported
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import pretrain  # noqa: E402
+from cli import run_cli, split_variant, write_report  # noqa: E402
 
 
 
@@ -164,15 +162,6 @@ def patched_all_to_all(timer: A2ATimer | None):
 # ---------------------------------------------------------------------------------------------
 # One variant
 # ---------------------------------------------------------------------------------------------
-
-
-def split_variant(spec: str) -> tuple[str, list[str]]:
-    """'name:a.b=1,c.d=[x,y]' -> ('name', ['--a.b=1', '--c.d=[x,y]']): commas split only before a key."""
-    name, sep, body = spec.partition(":")
-    if not sep or not name:
-        raise ConfigError(f"--variants entry {spec!r} should read NAME:key=value[,key=value...]")
-    parts = [p for p in re.split(r",(?=-*[A-Za-z_][\w.]*=)", body) if p]
-    return name, ["--" + p.lstrip("-") for p in parts]
 
 
 def resolve_config(args, overrides: list[str], world: int):
@@ -409,11 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         if is_main():
             env = environment(device, world, argv)
             print_table(env, rows)
-            if args.json:
-                os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-                with open(args.json, "w") as f:
-                    json.dump({"env": env, "rows": rows}, f, indent=1)
-                print(f"wrote {args.json}")
+            write_report(args.json, env, rows)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -421,8 +406,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except (ConfigError, CheckpointError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_cli(main)

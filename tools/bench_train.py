@@ -16,19 +16,18 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import os
-import platform
 import sys
 import time
 
 import torch
 
 from moetron.core.config import ConfigError
-from moetron.core.metrics import mfu, model_tflops_per_device, peak_tflops
+from moetron.core.metrics import mfu, model_tflops_per_device, peak_tflops, run_environment
 from moetron.core.optim import OptimizerConfig, SchedulerConfig
 from moetron.core.trainer import Trainer, TrainerConfig
 from moetron.models import ModelConfig, cross_entropy_loss
+
+from cli import run_cli, split_variant, write_report  # tools/cli.py
 
 
 class RandomTokens:
@@ -83,7 +82,8 @@ def measure(model_cfg: ModelConfig, args, device: torch.device) -> dict:
     }
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      allow_abbrev=False)
     parser.add_argument("--preset", default="tiny")
@@ -104,28 +104,17 @@ def main(argv=None) -> int:
     if any(not o.startswith("--model.") for o in overrides):
         raise ConfigError(f"unrecognized arguments {[o for o in overrides if not o.startswith('--model.')]}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    variants = [("base", [])]
-    if args.variant:
-        variants = []
-        for v in args.variant:
-            name, _, spec = v.partition(":")
-            variants.append((name, [s for s in spec.split(",") if s]))
+    variants = [split_variant(v) for v in args.variant] or [("base", [])]
     rows = []
     for name, ovr in variants:
         cfg = copy.deepcopy(base)
-        cfg.apply_overrides([o[len("model."):] if o.startswith("model.") else o for o in ovr])
+        cfg.apply_overrides([o.removeprefix("--").removeprefix("model.") for o in ovr])
         cfg.validate()
         row = {"variant": name, "overrides": ovr, **measure(cfg, args, device)}
         rows.append(row)
         torch.cuda.empty_cache() if device.type == "cuda" else None
-    env = {
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "date": time.strftime("%Y-%m-%d"),
-        "command": "python tools/bench_train.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "preset": args.preset, "seq_len": args.seq_len, "batch": args.batch, "model": base.to_dict(),
-    }
+    env = {**run_environment(device, 1, "tools/bench_train.py", argv),
+           "preset": args.preset, "seq_len": args.seq_len, "batch": args.batch, "model": base.to_dict()}
     print(f"{env['device']} | torch {env['torch']} | {args.preset} {base.describe()} | seq {args.seq_len} x {args.batch}")
     print(f"{'variant':<12} {'step ms':>9} {'tok/s':>10} {'TFLOP/s':>9} {'MFU':>7} {'mem GiB':>8}")
     for r in rows:
@@ -133,16 +122,9 @@ def main(argv=None) -> int:
         mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "-"
         print(f"{r['variant']:<12} {1e3 * r['step_s']:>9.1f} {r['tokens_per_s']:>10,.0f} "
               f"{r['tflops_per_device']:>9.1f} {mfu_s:>7} {mem:>8}")
-    if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"env": env, "rows": rows}, f, indent=1)
+    write_report(args.json, env, rows)
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_cli(main)

@@ -16,7 +16,6 @@ import argparse
 import dataclasses
 import os
 import random
-import sys
 
 import numpy as np
 import torch
@@ -27,9 +26,10 @@ from moetron.core.distributed import barrier, init_distributed, is_main, pick_de
 from moetron.core.optim import OptimizerConfig, SchedulerConfig
 from moetron.core.trainer import Trainer, TrainerConfig
 from moetron.data.loader import DataConfig
-from moetron.data.tokenizer import DataError
 from moetron.models import ModelConfig, cross_entropy_loss
 from moetron.parallel import ParallelConfig, ParallelMesh, ParallelState, apply_strategies
+
+from cli import run_cli  # tools/cli.py
 
 
 @dataclasses.dataclass
@@ -188,8 +188,4 @@ def check_resumable(checkpointer: Checkpointer, path: str, cfg: PretrainConfig) 
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except (ConfigError, CheckpointError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_cli(main)
