@@ -7,6 +7,8 @@ Counts are computed from the config alone, before anything is built, so a run ca
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from typing import Callable
 
 from moetron.core.config import Config, ConfigError, StrEnum
@@ -273,6 +275,28 @@ class ModelConfig(Config):
             hint = f"did you mean {', '.join(close)}?" if close else f"choose one of {', '.join(PRESETS)}"
             raise ConfigError(f"unknown model preset {name!r}: {hint}")
         return PRESETS[key]()
+
+
+def native_config(path: str) -> ModelConfig:
+    """The validated ModelConfig in a native checkpoint's meta.json (config.model), as the trainer,
+    save_weights, tools/convert_hf.py and tools/upcycle.py write it; CheckpointError if it is missing,
+    unreadable or invalid."""
+    from moetron.core.checkpoint import META, CheckpointError
+
+    where = os.path.join(path, META)
+    try:
+        with open(where, encoding="utf-8") as f:
+            model = json.load(f)["config"]["model"]
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{where} cannot be read ({e}): not a moetron checkpoint") from None
+    except (KeyError, TypeError):
+        raise CheckpointError(f"{where} has no config.model: not a moetron model checkpoint") from None
+    try:
+        cfg = ModelConfig.from_dict(model, prefix="model")
+        cfg.validate()
+    except ConfigError as e:
+        raise CheckpointError(f"{where}: invalid model config: {e}") from None
+    return cfg
 
 
 def _fmt(n: int) -> str:

@@ -33,13 +33,13 @@ from typing import Callable, Iterator
 
 import torch
 
-from moetron.core.checkpoint import META, CheckpointError, _fsync_path, publish_dir
+from moetron.core.checkpoint import CheckpointError, _fsync_path, publish_dir
 from moetron.core.config import ConfigError
 from moetron.core.layers.attention import AttentionConfig
 from moetron.core.layers.rope import RopeScalingConfig, RopeScalingLayers
 from moetron.core.moe.config import MoEConfig, RouterConfig, RouterScore
 
-from .config import BlockType, LayerType, ModelConfig
+from .config import BlockType, LayerType, ModelConfig, native_config
 
 __all__ = [
     "OLMO3",
@@ -576,12 +576,6 @@ def _expected_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], torch.
     return {n: (tuple(t.shape), t.dtype) for n, t in model.state_dict().items()}
 
 
-def _declared_dtype(hf_dir: str) -> torch.dtype | None:
-    hf = _load_json(os.path.join(hf_dir, CONFIG))
-    name = hf.get("dtype") or hf.get("torch_dtype")
-    return _JSON_DTYPES.get(name) if isinstance(name, str) else None
-
-
 def hf_native_specs(
     hf_dir: str, cfg: ModelConfig | None = None, dtype: torch.dtype | None = None
 ) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], Callable[[str], torch.Tensor]]:
@@ -594,10 +588,13 @@ def hf_native_specs(
     anything is produced: a mismatch, a missing or an unexpected tensor raises CheckpointError
     naming the tensor.
     """
-    arch = hf_architecture(hf_dir)
-    cfg = cfg if cfg is not None else read_hf_config(hf_dir)
+    config_path = os.path.join(hf_dir, CONFIG)
+    hf = _load_json(config_path)
+    arch = _architecture(hf, config_path)
+    cfg = cfg if cfg is not None else config_from_hf_dict(hf, config_path)
+    dtype_name = hf.get("dtype") or hf.get("torch_dtype")
+    declared = _JSON_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
     files = _HFFiles(hf_dir)
-    declared = _declared_dtype(hf_dir)
     expected = _expected_specs(cfg)
     fused = {}  # native name -> fused HF name when the checkpoint stores experts fused
     for hf_name in files.meta:
@@ -698,15 +695,16 @@ def parse_size(text: str | int) -> int:
     return size
 
 
-def _export_plan(cfg: ModelConfig, arch: str, specs: dict) -> list[tuple[str, list[tuple[str, Callable]]]]:
-    """[(native name, [(hf name, native tensor -> hf tensor)])] in checkpoint order."""
+def _export_plan(cfg: ModelConfig, arch: str, expected: dict) -> list[tuple[str, list[tuple[str, Callable]]]]:
+    """[(native name, [(hf name, native tensor -> hf tensor)])] in checkpoint order (``expected``:
+    the model's {native name: (shape, dtype)})."""
     plan = []
-    for native in _expected_specs(cfg):
+    for native, (shape, _) in expected.items():
         hf_names = native_to_hf(native, cfg, arch)
         if len(hf_names) == 1:
             plan.append((native, [(hf_names[0], lambda t: t)]))
         elif native.endswith("w_gate_up"):
-            F = specs[native][0][1] // 2
+            F = shape[1] // 2
             pieces = []
             for k, name in enumerate(hf_names):
                 e, half = divmod(k, 2)
@@ -721,21 +719,6 @@ def _hf_checkpoint_exists(path: str) -> bool:
     return os.path.isdir(path) and any(
         os.path.exists(os.path.join(path, n)) for n in (CONFIG, SINGLE, INDEX)
     )
-
-
-def native_config(native_ckpt_dir: str) -> ModelConfig:
-    """The ModelConfig stored in a native checkpoint's meta.json (config.model)."""
-    meta = _load_json(os.path.join(native_ckpt_dir, META))
-    try:
-        cfg = ModelConfig.from_dict(meta["config"]["model"])
-        cfg.validate()
-    except (KeyError, TypeError):
-        raise CheckpointError(
-            f"{native_ckpt_dir}/{META} has no config.model: not a moetron weights checkpoint"
-        ) from None
-    except ConfigError as e:
-        raise CheckpointError(f"{native_ckpt_dir}/{META}: invalid model config: {e}") from None
-    return cfg
 
 
 def export_hf(
@@ -769,7 +752,7 @@ def export_hf(
     dtypes = {specs[n][1] for n in expected}
     out_dtype = dtype or (dtypes.pop() if len(dtypes) == 1 else torch.float32)
     arch, _ = export_architecture(cfg)
-    plan = _export_plan(cfg, arch, specs)
+    plan = _export_plan(cfg, arch, expected)
 
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
@@ -783,9 +766,7 @@ def export_hf(
     shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
     used = 0
     for native, pieces in plan:
-        shape = specs[native][0]
-        piece_shape = shape if len(pieces) == 1 else (
-            (shape[1] // 2, shape[2]) if native.endswith("w_gate_up") else tuple(shape[1:]))
+        piece_shape = _source_shape(native, expected[native][0], len(pieces) > 1)
         nbytes = math.prod(piece_shape) * out_dtype.itemsize
         for hf_name, _ in pieces:
             if shards[-1] and used + nbytes > shard_bytes:

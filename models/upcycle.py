@@ -52,7 +52,7 @@ import torch
 from moetron.core.config import Config, ConfigError, StrEnum
 from moetron.core.moe.config import MoEConfig, RouterConfig, RouterScore
 
-from .config import ModelConfig
+from .config import ModelConfig, native_config
 
 __all__ = ["RouterInit", "UpcycleConfig", "upcycle_config", "upcycle_specs", "native_source", "Source"]
 
@@ -189,16 +189,13 @@ def upcycle_config(dense: ModelConfig, up: UpcycleConfig) -> ModelConfig:
 def native_source(path: str) -> tuple[ModelConfig, Source]:
     """A native checkpoint (trainer's step_N or save_weights output) as (model config, source).
 
-    The source reads one tensor per call. Raises CheckpointError / ConfigError.
+    The source reads one tensor per call. Raises CheckpointError.
     """
-    from moetron.core.checkpoint import CheckpointConfig, CheckpointError, Checkpointer
+    from moetron.core.checkpoint import CheckpointConfig, Checkpointer
     from moetron.core.weights import iter_weights, read_weight_specs
 
-    meta = Checkpointer(CheckpointConfig()).verify(path)
-    model = meta.get("config", {}).get("model")
-    if model is None:
-        raise CheckpointError(f"{path}/meta.json has no config.model: not a moetron model checkpoint")
-    cfg = ModelConfig.from_dict(model, prefix="model")
+    Checkpointer(CheckpointConfig()).verify(path)  # every file against the manifest's sha256
+    cfg = native_config(path)
     specs = read_weight_specs(path)
 
     def produce(name: str) -> torch.Tensor:

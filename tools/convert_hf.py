@@ -44,8 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> str:
     from moetron.core.weights import save_weights
-    from moetron.models.hf import (export_architecture, export_hf, hf_architecture, hf_native_specs, native_config,
-                                   read_hf_config)
+    from moetron.models.config import native_config
+    from moetron.models.hf import export_architecture, export_hf, hf_architecture, hf_native_specs, read_hf_config
 
     dtype = DTYPES[args.dtype] if args.dtype else None
     if args.command == "import":

@@ -32,7 +32,7 @@ import torch
 from moetron.core.checkpoint import CheckpointConfig, CheckpointError, Checkpointer
 from moetron.core.config import ConfigError
 from moetron.data.tokenizer import DataError
-from moetron.models import ModelConfig
+from moetron.models.config import native_config
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -71,14 +71,9 @@ def load_model(path: str, device: torch.device):
 
         cfg, model = load_hf_model(path, dtype=torch.float32, device="cpu")
     else:
-        ckpt = Checkpointer(CheckpointConfig())
-        meta = ckpt.read_metadata(path)
-        model_dict = meta.get("config", {}).get("model")
-        if model_dict is None:
-            raise CheckpointError(f"{path}/meta.json has no config.model: not a moetron model checkpoint")
-        cfg = ModelConfig.from_dict(model_dict, prefix="model")
+        cfg = native_config(path)
         model = cfg.build()
-        ckpt.load(path, model, None, {}, model_only=True)
+        Checkpointer(CheckpointConfig()).load(path, model, None, {}, model_only=True)
     return cfg, model.to(device).eval()
 
 

@@ -193,3 +193,14 @@ def test_streams_native_checkpoint(dense, tmp_path):
     Checkpointer(CheckpointConfig()).load(out, moe, None, {}, model_only=True)
     with torch.no_grad():
         torch.testing.assert_close(moe(TOKENS), model(TOKENS), rtol=0, atol=1e-4)
+
+
+def test_native_source_needs_a_model_config(dense, tmp_path):
+    from moetron.core.checkpoint import CheckpointError
+
+    _, model = dense
+    src = str(tmp_path / "no_config")
+    specs, produce = memory_source(model)
+    save_weights(src, specs, produce, {"config": {}})
+    with pytest.raises(CheckpointError, match="meta.json has no config.model"):
+        native_source(src)
