@@ -58,10 +58,8 @@ def load_dense(path: str):
     if not os.path.isdir(path):
         raise CheckpointError(f"{path} is not a directory: pass a native checkpoint or an HF model directory")
     if os.path.isfile(os.path.join(path, "config.json")):
-        try:
-            from moetron.models.hf import hf_native_specs, read_hf_config
-        except ImportError as e:
-            raise CheckpointError(f"{path} is an HF directory but moetron.models.hf is unavailable ({e})") from None
+        from moetron.models.hf import hf_native_specs, read_hf_config
+
         cfg = read_hf_config(path)
         return cfg, hf_native_specs(path, cfg)
     return native_source(path)

@@ -178,6 +178,11 @@ def test_iter_hf_tensors_single_and_sharded_agree(olmoe):
     a = dict(iter_hf_tensors(single))
     b = dict(iter_hf_tensors(sharded))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # against safetensors' own reader of what transformers wrote
+    from safetensors.torch import load_file
+
+    want = load_file(os.path.join(single, "model.safetensors"))
+    assert a.keys() == want.keys() and all(torch.equal(a[k], want[k]) for k in a)
 
 
 # ---- logits equal transformers' -------------------------------------------------------------
