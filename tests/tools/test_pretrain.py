@@ -81,6 +81,11 @@ def test_two_ranks_gloo(tmp_path, data_dir):
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert sorted(losses(d)) == [1, 2, 3]
+    # Two ranks split the same global batches: the run must follow the one-process run.
+    single = str(tmp_path / "single")
+    run([*SMALL, "--trainer.steps=3", f"--trainer.run_dir={single}"], data_dir)
+    for step, loss in losses(single).items():
+        assert losses(d)[step] == pytest.approx(loss, rel=1e-4), (step, losses(d), losses(single))
 
 
 @pytest.mark.parametrize(
