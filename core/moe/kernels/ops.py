@@ -182,15 +182,17 @@ def _(grad_out, y, dest_row, weights, use_triton):
 
 def _combine_rows_setup(ctx, inputs, output):
     y, dest_row, weights, use_triton = inputs
-    ctx.save_for_backward(y, dest_row, weights)
+    # Only the weight gradient reads y: the unweighted form does not keep the [R, D] rows alive.
+    ctx.save_for_backward(y if weights is not None else None, dest_row, weights)
     ctx.num_rows = y.shape[0]
+    ctx.y_dtype = y.dtype
     ctx.use_triton = use_triton
 
 
 def _combine_rows_backward(ctx, grad_out_TD):
     y, dest_row, weights = ctx.saved_tensors
     if weights is None:  # the unweighted form (scatter_rows' backward): grad_y is a plain scatter
-        grad_y = _scatter_rows_op(grad_out_TD.to(y.dtype), dest_row, ctx.num_rows, ctx.use_triton)
+        grad_y = _scatter_rows_op(grad_out_TD.to(ctx.y_dtype), dest_row, ctx.num_rows, ctx.use_triton)
         return grad_y, None, None, None
     grad_y, grad_w = _combine_rows_backward_op(grad_out_TD, y, dest_row, weights, ctx.use_triton)
     return grad_y, None, grad_w, None

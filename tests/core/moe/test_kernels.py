@@ -216,6 +216,26 @@ def test_reference_gradcheck(capacity):
         assert torch.autograd.gradcheck(lambda y: combine_rows(y, dest), (y_RD,))
 
 
+def test_unweighted_combine_does_not_keep_y():
+    """Only the weight gradient reads y: the unweighted combine must not hold the [R, D] rows for backward."""
+    ids_TK = make_ids(Case(16, 2, 4, None, "random"), torch.Generator().manual_seed(5))
+
+    def saved_while(fn):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            fn()
+        return saved
+
+    with use_backend("torch"):
+        plan = route(ids_TK, 4)
+        y_RD = torch.randn(plan.num_rows, 8, requires_grad=True) * 2.0
+        w_TK = torch.rand(16, 2, requires_grad=True)
+        unweighted = saved_while(lambda: combine_rows(y_RD, plan.dest_row_TK))
+        weighted = saved_while(lambda: combine_rows(y_RD, plan.dest_row_TK, w_TK))
+    assert any(t is y_RD for t in weighted)  # the hook sees y where it is needed
+    assert not any(t is y_RD for t in unweighted)
+
+
 def test_ops_opcheck_and_compile():
     """custom_op registrations (fake impls, autograd) hold, and compile traces without breaks."""
     gen = torch.Generator().manual_seed(4)
