@@ -92,9 +92,9 @@ class _EPState:
     """int32 [N, 1]: each received row's row in the local experts' buffer (-1: padding); all_gather:
     [N, K], each gathered token's slots on this rank's experts (-1: another rank's or dropped)."""
     send_splits: list[int] | None
-    """Rows sent to each peer (synced), None for the equal blocks of sync_free."""
+    """Rows sent to each peer (synced), None for the equal blocks of sync_free and all_gather."""
     recv_splits: list[int] | None
-    """Rows received from each peer (synced), None for sync_free."""
+    """Rows received from each peer (synced), None for sync_free and all_gather."""
 
 
 class ExpertParallelDispatcher(TokenDispatcher):
@@ -138,7 +138,7 @@ class ExpertParallelDispatcher(TokenDispatcher):
 
     @torch.no_grad()
     def pop_overflow(self) -> Tensor:
-        """Rows dropped by sync_free overflow since the last call (a device scalar); resets."""
+        """Rows dropped for lack of room (sync_free, all_gather) since the last call (a device scalar); resets."""
         if self.overflow_rows is None:
             return torch.zeros((), dtype=torch.int64)
         out = self.overflow_rows.clone()
@@ -246,13 +246,13 @@ class ExpertParallelDispatcher(TokenDispatcher):
     # ---- combine -----------------------------------------------------------------------------
     def combine(self, y_RD, topk_weights_TK, result):
         st: _EPState = result.state
-        if self.mode == ExpertDispatch.all_gather:
-            return self._combine_all_gather(y_RD, topk_weights_TK, result)
         if result.x_RD.requires_grad and not y_RD.requires_grad:
             # No rows arrived here (e.g. the loop experts ran nothing): keep the output on the
-            # autograd graph anyway, or this rank would skip the two backward all-to-alls its
-            # peers wait in. x_RD[:0].sum() is an exact 0 that links y back to the received rows.
+            # autograd graph anyway, or this rank would skip the backward all-to-alls its peers
+            # wait in. x_RD[:0].sum() is an exact 0 that links y back to the received rows.
             y_RD = y_RD + result.x_RD[:0].sum()
+        if self.mode == ExpertDispatch.all_gather:
+            return self._combine_all_gather(y_RD, topk_weights_TK, st)
         y_ND = combine_rows(y_RD, st.local_dest_N1, None)  # back to (source peer, local expert) order
         if st.send_splits is None:
             y_SD = all_to_all_rows(y_ND, None, None, self.group)
@@ -261,12 +261,8 @@ class ExpertParallelDispatcher(TokenDispatcher):
             y_SD = all_to_all_rows(y_ND, st.send_splits, st.recv_splits, self.group)
         return combine_rows(y_SD, st.dest_row_TK, topk_weights_TK)
 
-
-    def _combine_all_gather(self, y_RD, topk_weights_TK, result):
-        st: _EPState = result.state
+    def _combine_all_gather(self, y_RD: Tensor, topk_weights_TK: Tensor, st: _EPState) -> Tensor:
         P, T = self.ep_size, topk_weights_TK.shape[0]
-        if result.x_RD.requires_grad and not y_RD.requires_grad:  # see combine(): stay on the graph
-            y_RD = y_RD + result.x_RD[:0].sum()
         w_NK = all_to_all_rows(topk_weights_TK.repeat(P, 1), None, None, self.group)
         # One weighted partial sum per gathered token over this rank's experts (fp32 accumulation).
         part_ND = combine_rows(y_RD, st.local_dest_N1, w_NK)
@@ -288,20 +284,12 @@ def _moe_layers(state: ParallelState):
                 yield module
 
 
-def _num_experts(state: ParallelState) -> int | None:
+def _moe_cfg(state: ParallelState):
+    """The model's MoEConfig: model_cfg.moe, else the first MoE layer's; None for a dense model."""
     moe = getattr(state.model_cfg, "moe", None)
     if moe is not None:
-        return moe.num_experts
-    layers = list(_moe_layers(state))
-    return layers[0].num_experts if layers else None
-
-
-def _top_k(state: ParallelState) -> int | None:
-    moe = getattr(state.model_cfg, "moe", None)
-    if moe is not None:
-        return moe.router.top_k
-    layers = list(_moe_layers(state))
-    return layers[0].cfg.router.top_k if layers else None
+        return moe
+    return next((layer.cfg for layer in _moe_layers(state)), None)
 
 
 def resolve_dispatch(mode: ExpertDispatch | str, ep: int, top_k: int | None) -> ExpertDispatch:
@@ -327,9 +315,10 @@ class ExpertParallel(ParallelStrategy):
 
     def validate(self, state: ParallelState) -> None:
         ep = state.cfg.ep
-        E = _num_experts(state)
-        if E is None:
+        moe = _moe_cfg(state)
+        if moe is None:
             raise ConfigError(f"parallel.ep={ep} needs an MoE model (model.moe is not set): set parallel.ep=1")
+        E = moe.num_experts
         if ep > E:
             raise ConfigError(
                 f"parallel.ep={ep} exceeds model.moe.num_experts={E}: every ep rank needs at least one expert; "
@@ -349,7 +338,8 @@ class ExpertParallel(ParallelStrategy):
         if mesh is None or group is None:
             raise ConfigError(f"parallel.ep={state.cfg.ep} needs an initialized process group and world mesh")
         P, r = mesh.size(), mesh.get_local_rank()
-        mode = resolve_dispatch(state.cfg.ep_dispatch, P, _top_k(state))
+        moe = _moe_cfg(state)
+        mode = resolve_dispatch(state.cfg.ep_dispatch, P, moe.router.top_k if moe is not None else None)
         state.extras["ep_dispatch"] = mode
         for layer in _moe_layers(state):
             experts = layer.experts
