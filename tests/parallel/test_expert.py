@@ -71,6 +71,7 @@ def _check(rank, world_size, mode, capacity_factor):
     L = E // P
     disp = layer.dispatcher
     assert isinstance(disp, ExpertParallelDispatcher) and disp.num_local_experts == L
+    assert disp.mode == mode  # the mode under test, not a default
     assert layer.balance_group is mesh.group("dp")
     w = layer.experts.w_gate_up
     assert w.shape == (E, 2 * FH, D) and w.to_local().shape == (L, 2 * FH, D)
@@ -107,21 +108,20 @@ def _check(rank, world_size, mode, capacity_factor):
     ids_all = torch.stack([torch.randperm(L, generator=gen)[:K] for _ in range(P * T)]).view(P, T, K)
     _compare_dispatch(rank, P, layer, ref, ids_all, torch.ones(P, T, K, dtype=torch.bool))
 
-    if mode in (ExpertDispatch.all_gather, ExpertDispatch.synced):
-        # (c) the layer's capacity drops slots on the sending rank, as the local dispatcher does on
-        # the same tokens: dropped slots travel as -1 (all_gather) and reach no expert anywhere.
-        gen = torch.Generator().manual_seed(4)
-        ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(P * T)]).view(P, T, K)[rank]
-        x = torch.randn(P, T, D, dtype=torch.float64, generator=gen)[rank]
-        w = torch.rand(P, T, K, dtype=torch.float64, generator=gen)[rank]
-        d = disp.dispatch(x, ids, E, 3)
-        out = disp.combine(layer.experts(d.x_RD, d.offsets_E), w, d)
-        local = LocalDispatcher(E)
-        d_ref = local.dispatch(x, ids, E, 3)
-        out_ref = local.combine(ref.experts(d_ref.x_RD, d_ref.offsets_E), w, d_ref)
-        assert (d_ref.state.dest_row_TK < 0).any()  # something was dropped
-        torch.testing.assert_close(out, out_ref, rtol=1e-10, atol=1e-10)
-        assert torch.equal(d.kept_per_expert_E, d_ref.kept_per_expert_E)
+    # (c) every mode: the layer's capacity drops slots on the sending rank, as the local dispatcher does on
+    # the same tokens: dropped slots travel as -1 (all_gather) and reach no expert anywhere.
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(P * T)]).view(P, T, K)[rank]
+    x = torch.randn(P, T, D, dtype=torch.float64, generator=gen)[rank]
+    w = torch.rand(P, T, K, dtype=torch.float64, generator=gen)[rank]
+    d = disp.dispatch(x, ids, E, 3)
+    out = disp.combine(layer.experts(d.x_RD, d.offsets_E), w, d)
+    local = LocalDispatcher(E)
+    d_ref = local.dispatch(x, ids, E, 3)
+    out_ref = local.combine(ref.experts(d_ref.x_RD, d_ref.offsets_E), w, d_ref)
+    assert (d_ref.state.dest_row_TK < 0).any()  # something was dropped
+    torch.testing.assert_close(out, out_ref, rtol=1e-10, atol=1e-10)
+    assert torch.equal(d.kept_per_expert_E, d_ref.kept_per_expert_E)
 
     if mode == ExpertDispatch.all_gather:
         # (d) a tiny capacity factor bounds each rank's expert buffer to R rows of all P*T*K gathered
