@@ -301,20 +301,20 @@ class PipelineStep:
         aux-loss totals for logging."""
         vec = torch.zeros(1 + 2 * len(AUX_NAMES), device=self.device, dtype=torch.float32)
         vec[0] = loss_sum
-        by_layer: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         if self.train:
             for stage in self.stages:
                 n = max(stage.aux_forwards, 1)
+                by_block: dict[str, dict[str, torch.Tensor]] = {}
                 for (key, name), total in stage.aux_record.items():
                     mean = total / n
-                    by_layer.setdefault((id(stage), key), {})[name] = mean
+                    by_block.setdefault(key, {})[name] = mean
                     if name in AUX_NAMES:
                         j = 1 + 2 * AUX_NAMES.index(name)
                         vec[j] += mean.float()
                         vec[j + 1] = 1.0
                 for key, layer in stage.moe_layers:
-                    if (id(stage), key) in by_layer:
-                        layer.aux_losses = by_layer[(id(stage), key)]
+                    if key in by_block:
+                        layer.aux_losses = by_block[key]
         if self.group is not None:
             dist.all_reduce(vec, group=self.group)
         if self.train:
@@ -455,12 +455,12 @@ class PipelineParallel(ParallelStrategy):
             return base_loss(logits_BSV, labels_BS) / n_micro
 
         group = state.mesh.group("pp") if cfg.pp > 1 else None
+        autocast_dtype = state.extras.get("autocast_dtype")
         make_schedule = None
         if cfg.pp > 1:
             make_schedule = functools.partial(_make_schedule, stages, num_stages, n_micro, loss_fn, device, group,
-                                              cfg.pp_schedule, state.extras.get("autocast_dtype"), d_model, embed_dtype)
+                                              cfg.pp_schedule, autocast_dtype, d_model, embed_dtype)
 
-        autocast_dtype = state.extras.get("autocast_dtype")
         state.model_parts = list(stages)
         state.step_fn = PipelineStep(stages, n_micro, loss_fn, make_schedule, group, device, autocast_dtype,
                                      state.extras, train=True)

@@ -48,7 +48,7 @@ class ParallelState:
     """The model's config (counts, layer types); strategies read it, never import models."""
     device: Any = None
     step_fn: Callable | None = None
-    """If set (pipeline), runs forward+backward of one rank batch: step_fn(batch, loss_fn) -> loss."""
+    """If set (pipeline), runs forward+backward of one rank batch: step_fn(batch) -> loss."""
     extras: dict[str, Any] = field(default_factory=dict)
 
 

@@ -308,9 +308,12 @@ def test_flops_split_weighs_the_head():
 
     mcfg = _model_cfg()
     costs = [block_flops_per_token(mcfg, i, SEQ) for i in range(mcfg.n_layers)]
-    stages = split_stages(_model(), 2, costs, head_cost=6.0 * mcfg.d_model * mcfg.vocab_size)
-    counts = [len(s.blocks) for s in stages]
+    # The blocks, the LM head and the final norm add up to the model's own FLOPs per token.
     head = 6.0 * mcfg.d_model * mcfg.vocab_size
+    assert sum(costs) + head + 6.0 * mcfg.d_model == pytest.approx(mcfg.flops_per_token(SEQ), rel=1e-12)
+    assert costs[0] != costs[1]  # layer 0 is dense, layer 1 MoE: the costs tell them apart
+    stages = split_stages(_model(), 2, costs, head_cost=head)
+    counts = [len(s.blocks) for s in stages]
     assert sum(counts) == mcfg.n_layers
     loads = [sum(costs[:counts[0]]), sum(costs[counts[0]:]) + head]
     for other in range(1, mcfg.n_layers):  # no other cut has a lighter heaviest stage
