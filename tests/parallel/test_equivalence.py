@@ -93,7 +93,7 @@ def _run(rank, world, mode, args, out, data_dir):
                 got.update(d)
         grads.append(got)
 
-    trainer, _ = pretrain.build(cfg, device, world, pre_step_hook=capture)
+    trainer, state = pretrain.build(cfg, device, world, pre_step_hook=capture)
     losses, norms = [], []
     for _ in range(STEPS):
         loss, norm = trainer.train_step(trainer.data.next_batch())
@@ -103,7 +103,8 @@ def _run(rank, world, mode, args, out, data_dir):
             loss /= world
         losses.append(loss.item())
     if rank == 0:
-        torch.save({"losses": losses, "grads": grads, "grad_norms": norms}, os.path.join(out, "result.pt"))
+        torch.save({"losses": losses, "grads": grads, "grad_norms": norms, "applied": state.extras["applied"],
+                    "ep_dispatch": str(state.extras.get("ep_dispatch"))}, os.path.join(out, "result.pt"))
 
 
 @pytest.fixture(scope="module")
@@ -140,10 +141,17 @@ def test_layout_matches_single_process(layout, mode, references, tmp_path, data_
     reference = references(mode, micro)
     run_distributed(_run, world, mode, args, str(tmp_path), data_dir, timeout_s=300, backend=backend)
     got = torch.load(os.path.join(tmp_path, "result.pt"))
+    # The layout really ran (else the run would be the reference itself and could not differ).
+    assert reference["applied"] == []
+    assert ("pipeline" in got["applied"]) == ("--parallel.pp=2" in args), got["applied"]
+    assert ("expert" in got["applied"]) == ("--parallel.ep=2" in args), got["applied"]
+    if "--parallel.ep=2" in args:  # auto resolves to all_gather here (top_k 2 >= ep 2)
+        assert got["ep_dispatch"] == ("synced" if "--parallel.ep_dispatch=synced" in args else "all_gather")
+    assert len(got["grads"]) == len(reference["grads"]) == STEPS  # zip() below would hide a missing step
     exact = MODES[mode][2] == torch.float64
     assert got["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-9 if exact else 1e-4)
     for step, (g, r) in enumerate(zip(got["grads"], reference["grads"])):
-        assert set(g) == set(r), (set(g) ^ set(r))
+        assert r and set(g) == set(r), (set(g) ^ set(r))
         for name in r:
             msg = lambda m, s=step, n=name: f"{mode} step {s + 1}: {n}\n{m}"  # noqa: E731
             if exact:
