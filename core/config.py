@@ -51,14 +51,13 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if origin in (Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        errors = []
         for arg in args:
             if arg is type(None):
                 continue
             try:
                 return _coerce(value, arg, key)
-            except ConfigError as e:
-                errors.append(str(e))
+            except ConfigError:
+                pass
         raise ConfigError(f"{key}: {value!r} is not a valid {_type_name(tp)}")
     if origin in (list, tuple):
         if isinstance(value, str):
@@ -161,8 +160,6 @@ class Config:
             kwargs[key] = _coerce(value, hints[key], dotted)
         try:
             return cls(**kwargs)
-        except ConfigError:
-            raise
         except TypeError as e:
             raise ConfigError(f"{prefix or cls.__name__}: {e}") from None
 
@@ -221,10 +218,9 @@ class Config:
         """Set the field at dotted path ``key`` (type-checked, nested configs created as needed)."""
         target: Config = self
         parts = key.split(".")
-        walked = []
         for i, part in enumerate(parts):
             names = [f.name for f in dataclasses.fields(target) if f.init]
-            dotted = ".".join(walked + [part])
+            dotted = ".".join(parts[: i + 1])
             if part not in names:
                 raise ConfigError(f"unknown config key {dotted!r}: {_close(part, names)}")
             tp = type(target)._hints()[part]
@@ -241,7 +237,6 @@ class Config:
             if not isinstance(child, Config):
                 raise ConfigError(f"{dotted!r} is a value, not a nested config: use --{dotted}=...")
             target = child
-            walked.append(part)
 
     # ---- validation -------------------------------------------------------------------------
     def validate(self) -> None:

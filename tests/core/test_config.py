@@ -50,6 +50,10 @@ def test_wrong_types():
         Outer.from_dict({"model": {"color": "green"}})
     with pytest.raises(ConfigError, match="expected true or false"):
         Outer().apply_overrides(["--flag=maybe"])
+    with pytest.raises(ConfigError, match=r"model.window: 'seven' is not a valid int \| None"):
+        Outer().apply_overrides(["--model.window=seven"])
+    with pytest.raises(ConfigError, match=r"'model.color' is a value, not a nested config"):
+        Outer().apply_overrides(["--model.color.x=1"])
     with pytest.raises(ConfigError, match="must look like"):
         Outer().apply_overrides(["--flag"])
 
