@@ -19,6 +19,7 @@ instead of ever falling back silently to an older checkpoint or a fresh start.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import io
@@ -30,7 +31,7 @@ import re
 import shutil
 import uuid
 import warnings
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -91,9 +92,7 @@ class CheckpointConfig(Config):
         """Whether the trainer should save after ``step`` (``final``: it was the last step)."""
         if self.dir is None:
             return False
-        if final:
-            return self.save_final
-        return self.interval > 0 and step % self.interval == 0
+        return (final and self.save_final) or (self.interval > 0 and step % self.interval == 0)
 
 
 class CheckpointError(RuntimeError):
@@ -128,6 +127,13 @@ def _sha256(path: str) -> str:
         while chunk := f.read(_HASH_CHUNK):
             h.update(chunk)
     return h.hexdigest()
+
+
+def _write_manifest(root: str, step: int, world_size: int, files: dict[str, dict[str, Any]]) -> None:
+    """Write ``root``'s manifest (``files``: name -> size and sha256), the last file of a checkpoint."""
+    manifest = {"format": 1, "step": step, "world_size": world_size, "files": files}
+    _write_durable(os.path.join(root, MANIFEST), json.dumps(manifest, indent=2).encode())
+    _fsync_path(root, directory=True)
 
 
 def _is_complete(path: str) -> bool:
@@ -283,10 +289,8 @@ class Checkpointer:
         names = sorted(n for n in os.listdir(tmp) if n != MANIFEST)
         files = self._hash_files(tmp, names)
         if self.rank == 0:
-            manifest = {"format": 1, "step": step, "world_size": self.world_size, "files": files}
-            _write_durable(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=2).encode())
-            _fsync_path(tmp, directory=True)
-            self._publish(tmp, final, nonce)
+            _write_manifest(tmp, step, self.world_size, files)
+            publish_dir(tmp, final, nonce)
         self._barrier()
         if self.rank == 0:
             self._prune(root)
@@ -303,9 +307,6 @@ class Checkpointer:
         for key, value in extra.items():
             state[f"extra/{key}"] = value.state_dict() if isinstance(value, Stateful) else _Value(value).state_dict()
         return state
-
-    def _publish(self, tmp: str, final: str, nonce: str) -> None:
-        publish_dir(tmp, final, nonce)
 
     def _prune(self, root: str) -> None:
         """Delete complete checkpoints beyond ``keep_last`` and leftovers of crashed saves."""
@@ -393,10 +394,6 @@ class Checkpointer:
         hashing is split over ranks and the verdict is shared.
         """
         path = os.path.abspath(path)
-        advice = (
-            f"delete or move {path} aside (it is damaged or incomplete) and resume from an older "
-            "checkpoint by passing its path explicitly"
-        )
         problem = None
         manifest: dict[str, Any] = {}
         if self.rank == 0:
@@ -420,7 +417,7 @@ class Checkpointer:
             if bad:
                 problem = "; ".join(bad)
         if problem is not None:
-            raise CheckpointError(f"checkpoint {path} is invalid: {problem}; {advice}")
+            raise _invalid(path, problem)
         return self.read_metadata(path)
 
     def read_metadata(self, path: str) -> dict[str, Any]:
@@ -439,10 +436,7 @@ class Checkpointer:
                 return meta
             except (OSError, ValueError) as e:
                 problem = f"{META} cannot be read: {e}"
-        raise CheckpointError(
-            f"checkpoint {path} is invalid: {problem}; delete or move {path} aside (it is damaged or "
-            "incomplete) and resume from an older checkpoint by passing its path explicitly"
-        )
+        raise _invalid(path, problem)
 
     @staticmethod
     def _read_manifest(path: str) -> tuple[str | None, dict[str, Any]]:
@@ -571,6 +565,35 @@ def publish_dir(tmp: str, final: str, nonce: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def staged_dir(path: str, overwrite: bool, holds_checkpoint: Callable[[str], bool]) -> Iterator[str]:
+    """Write a single-process checkpoint directory atomically.
+
+    Checks that ``path`` may be written (absent, an empty directory, or, with ``overwrite``, a
+    checkpoint that ``holds_checkpoint(path)`` recognises), yields a fresh hidden tmp dir beside it,
+    and publishes that dir as ``path`` when the block ends; if the block raises, the tmp dir is
+    removed and ``path`` is left as it was."""
+    path = os.path.abspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise CheckpointError(f"{path} exists and is not a directory")
+    if holds_checkpoint(path):
+        if not overwrite:
+            raise CheckpointError(f"{path} already holds a checkpoint: pass --overwrite or choose another output")
+    elif os.path.isdir(path) and os.listdir(path):
+        raise CheckpointError(f"{path} is a non-empty directory that is not a checkpoint: choose another output")
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    nonce = uuid.uuid4().hex[:12]
+    tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{nonce}")
+    os.makedirs(tmp)
+    try:
+        yield tmp
+        publish_dir(tmp, path, nonce)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def as_one_module(model: nn.Module | list[nn.Module] | tuple[nn.Module, ...]) -> nn.Module:
     """``model``, or one module over a list of model parts (pipeline stages) that keeps their
     parameter names: parts' children of the same name are merged recursively (their ModuleDicts of
@@ -605,6 +628,13 @@ def _merge_modules(mods: list[nn.Module], prefix: str) -> nn.Module:
     for name, group in children.items():
         merged.add_module(name, _merge_modules(group, f"{prefix}{name}."))
     return merged
+
+
+def _invalid(path: str, problem: str) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint {path} is invalid: {problem}; delete or move {path} aside (it is damaged or "
+        "incomplete) and resume from an older checkpoint by passing its path explicitly"
+    )
 
 
 def _few(items: list[str], n: int = 8) -> str:

@@ -117,6 +117,8 @@ class Trainer:
         self.cfg = cfg
         self.model_parts = list(model) if isinstance(model, (list, tuple)) else [model]
         self.model = self.model_parts[0]
+        # Wrapping (DDP, FSDP2, compile) is done before the Trainer is built: the set is fixed.
+        self.params = [p for part in self.model_parts for p in part.parameters()]
         self.step_fn, self.eval_fn, self.grad_norm_groups = step_fn, eval_fn, tuple(grad_norm_groups)
         self.pre_step_hook = pre_step_hook
         # MoE layers by block index, found in whatever wrappers (DDP, FSDP2, stages) hold them.
@@ -215,8 +217,7 @@ class Trainer:
         if self.pre_step_hook is not None:
             self.pre_step_hook(self.model_parts)
         if self.cfg.grad_clip > 0:
-            params = [p for part in self.model_parts for p in part.parameters()]
-            grad_norm = clip_grad_norm_(params, self.cfg.grad_clip, self.grad_norm_groups)
+            grad_norm = clip_grad_norm_(self.params, self.cfg.grad_clip, self.grad_norm_groups)
         else:
             grad_norm = torch.zeros((), device=self.device)
         self.optimizer.step()
@@ -307,8 +308,7 @@ class Trainer:
                 t_last, tokens_since = time.perf_counter(), 0
             if self.on_step_end is not None:
                 self.on_step_end(self.step, record or {})
-            ckpt = self.checkpointer.cfg if self.checkpointer is not None else None
-            if ckpt is not None and (ckpt.should_save(self.step) or ckpt.should_save(self.step, final=self.step == last_step)):
+            if self.checkpointer is not None and self.checkpointer.cfg.should_save(self.step, final=self.step == last_step):
                 path = self.save()
                 if is_main() and path:
                     print(f"saved checkpoint {path}", flush=True)

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import uuid
 import warnings
 from typing import Any, Callable, Iterable, Iterator
 
@@ -22,7 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from .checkpoint import MANIFEST, META, CheckpointError, _fsync_path, _sha256, _write_durable, publish_dir
+from .checkpoint import MANIFEST, META, CheckpointError, _sha256, _write_durable, _write_manifest, staged_dir
 
 __all__ = ["save_weights", "iter_weights", "read_weight_specs", "checkpoint_exists"]
 
@@ -67,18 +65,7 @@ def save_weights(
     one is complete. Nothing is left at ``path`` if writing fails.
     """
     path = os.path.abspath(path)
-    if checkpoint_exists(path) and not overwrite:
-        raise CheckpointError(f"{path} already holds a checkpoint: pass --overwrite or choose another output")
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise CheckpointError(f"{path} exists and is not a directory")
-    if os.path.isdir(path) and os.listdir(path) and not checkpoint_exists(path):
-        raise CheckpointError(f"{path} is a non-empty directory that is not a checkpoint: choose another output")
-    parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
-    nonce = uuid.uuid4().hex[:12]
-    tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{nonce}")
-    os.makedirs(tmp)
-    try:
+    with staged_dir(path, overwrite, checkpoint_exists) as tmp:
         meta = dict(metadata, world_size=1, torch_version=torch.__version__, weights_only=True)
         state = {f"model.{n}": torch.empty(shape, dtype=dtype, device="meta") for n, (shape, dtype) in specs.items()}
         try:
@@ -98,13 +85,7 @@ def save_weights(
         for name in sorted(os.listdir(tmp)):
             full = os.path.join(tmp, name)
             files[name] = {"size": os.path.getsize(full), "sha256": _sha256(full)}
-        manifest = {"format": 1, "step": meta.get("step", 0), "world_size": 1, "files": files}
-        _write_durable(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=2).encode())
-        _fsync_path(tmp, directory=True)
-        publish_dir(tmp, path, nonce)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        _write_manifest(tmp, meta.get("step", 0), 1, files)
     return path
 
 

@@ -84,6 +84,11 @@ def test_config_validation():
     cfg = CheckpointConfig(dir="x", interval=10)
     assert cfg.should_save(20) and not cfg.should_save(25) and cfg.should_save(25, final=True)
     assert not CheckpointConfig(dir=None, interval=1).should_save(1)
+    assert not CheckpointConfig(dir=None, interval=1).should_save(1, final=True)
+    # The last step saves if it is final (save_final) or on the interval.
+    no_final = CheckpointConfig(dir="x", interval=10, save_final=False)
+    assert no_final.should_save(20, final=True) and not no_final.should_save(25, final=True)
+    assert CheckpointConfig(dir="x").should_save(7, final=True) and not CheckpointConfig(dir="x").should_save(7)
 
 
 # ---- round trip and resumption ---------------------------------------------------------------

@@ -27,7 +27,9 @@ def test_stream_round_trip_and_model_load(tmp_path):
                         {"config": {"model": {"kind": "toy"}}})
     assert sorted(calls) == sorted(sd)  # each tensor produced exactly once
     assert read_weight_specs(path) == {n: (tuple(t.shape), t.dtype) for n, t in sd.items()}
-    for name, t in iter_weights(path):
+    read = dict(iter_weights(path))
+    assert read.keys() == sd.keys()
+    for name, t in read.items():
         assert torch.equal(t, sd[name])
     dst = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
     Checkpointer(CheckpointConfig()).load(path, dst, None, {}, model_only=True)
@@ -46,6 +48,16 @@ def test_refuses_existing_and_leaves_nothing_on_failure(tmp_path):
         save_weights(path, specs, lambda n: torch.zeros(3), {}, overwrite=True)
     assert sorted(os.listdir(path)) == before  # the old checkpoint is intact
     assert [e for e in os.listdir(tmp_path) if e.startswith(".")] == []  # no temp dirs left
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match="exists and is not a directory"):
+        save_weights(str(tmp_path / "file"), specs, lambda n: sd[n], {}, overwrite=True)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("x")
+    with pytest.raises(CheckpointError, match="non-empty directory that is not a checkpoint"):
+        save_weights(str(tmp_path / "other"), specs, lambda n: sd[n], {}, overwrite=True)
+    assert os.listdir(tmp_path / "other") == ["notes.txt"]
+    (tmp_path / "empty").mkdir()
+    assert read_weight_specs(save_weights(str(tmp_path / "empty"), specs, lambda n: sd[n], {})) == specs
 
 
 def test_streaming_peak_memory_is_a_few_tensors(tmp_path):
