@@ -8,7 +8,7 @@ dims only (replicated dims hold copies), and then over any extra groups (the pip
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
@@ -19,8 +19,17 @@ except ImportError:  # pragma: no cover - torch < 2.5
     from torch.distributed._tensor import DTensor
 
 
-def _wide(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.promote_types(t.dtype, torch.float32))
+def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """sum(t**2) over all ``tensors`` in fp32 or wider: one fused foreach norm per dtype, not a
+    few kernels and a full-size temporary per tensor."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    sums = [
+        torch.stack(torch._foreach_norm(ts, 2, dtype=torch.promote_types(dtype, torch.float32))).square().sum()
+        for dtype, ts in by_dtype.items()
+    ]
+    return sum(sums[1:], sums[0])
 
 
 @torch.no_grad()
@@ -32,20 +41,19 @@ def clip_grad_norm_(
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    device = (grads[0]._local_tensor if isinstance(grads[0], DTensor) else grads[0]).device
-    total = torch.zeros((), device=device, dtype=torch.promote_types(grads[0].dtype, torch.float32))
-    by_layout: dict[tuple, torch.Tensor] = {}
-    meshes = {}
-    for g in grads:
+    locals_ = [g._local_tensor if isinstance(g, DTensor) else g for g in grads]
+    total = torch.zeros((), device=locals_[0].device, dtype=torch.promote_types(grads[0].dtype, torch.float32))
+    plain: list[torch.Tensor] = []
+    by_layout: dict[tuple, tuple[Any, list[torch.Tensor]]] = {}  # (mesh id, placements) -> (mesh, local grads)
+    for g, local in zip(grads, locals_):
         if isinstance(g, DTensor):
-            key = (id(g.device_mesh), tuple(g.placements))
-            meshes[key] = g.device_mesh
-            sq = _wide(g._local_tensor).pow(2).sum()
-            by_layout[key] = by_layout[key] + sq if key in by_layout else sq
+            by_layout.setdefault((id(g.device_mesh), tuple(g.placements)), (g.device_mesh, []))[1].append(local)
         else:
-            total += _wide(g).pow(2).sum()
-    for key, sq in by_layout.items():
-        mesh, placements = meshes[key], key[1]
+            plain.append(local)
+    if plain:
+        total += _sum_of_squares(plain)
+    for (_, placements), (mesh, local) in by_layout.items():
+        sq = _sum_of_squares(local)
         for dim, placement in enumerate(placements):
             if not placement.is_replicate():  # Shard, _StridedShard or Partial: sum over the dim
                 dist.all_reduce(sq, group=mesh.get_group(dim))
@@ -55,6 +63,5 @@ def clip_grad_norm_(
             dist.all_reduce(total, group=group)
     norm = total.sqrt()
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    locals_ = [g._local_tensor if isinstance(g, DTensor) else g for g in grads]
     torch._foreach_mul_(locals_, coef.to(locals_[0].dtype))
     return norm
