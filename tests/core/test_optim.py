@@ -1,5 +1,7 @@
-"""Optimizer groups: weight decay on matrices only; DTensors and plain tensors never share a group."""
+"""Optimizer groups: weight decay on matrices only; DTensors and plain tensors never share a group.
+LR schedules against multipliers worked out by hand."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -45,3 +47,36 @@ def test_groups_unsplit_without_dtensors():
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     decay = {id(p) for p in opt.param_groups[0]["params"]}
     assert decay == {id(model[1].weight)}  # matrices decay; embedding, biases and norms do not
+
+
+def _lrs(kind, steps, **kw):
+    from moetron.core.optim import SchedulerConfig
+
+    param = nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([param], lr=2.0)
+    sched = SchedulerConfig(kind=kind, **kw).build(opt, total_steps=20)
+    out = []
+    for _ in range(steps):
+        out.append(opt.param_groups[0]["lr"] / 2.0)
+        opt.step()
+        sched.step()
+    return out
+
+
+def test_lr_schedules_hit_their_landmarks():
+    """Pinned multipliers of the peak LR (warmup 4 of 20 steps, floor 0.1), worked out by hand."""
+    approx = lambda x: pytest.approx(x, abs=1e-12)  # noqa: E731
+    cos = _lrs("cosine", 26, warmup_steps=4, min_lr_ratio=0.1)
+    assert cos[:5] == [approx(0.25), approx(0.5), approx(0.75), approx(1.0), approx(1.0)]
+    assert cos[12] == approx(0.55)  # half way through the decay: the mean of peak and floor
+    assert cos[8] == approx(0.1 + 0.9 * (1 + 2 ** -0.5) / 2)  # a quarter of the way: cos(pi/4)
+    assert cos[20:] == [approx(0.1)] * 6  # the floor, also past the last step
+    assert all(a >= b for a, b in zip(cos[3:], cos[4:]))
+    wsd = _lrs("wsd", 22, warmup_steps=4, min_lr_ratio=0.1, decay_fraction=0.25)  # decay over steps 15..20
+    assert wsd[:4] == [approx(0.25), approx(0.5), approx(0.75), approx(1.0)]
+    assert wsd[4:16] == [approx(1.0)] * 12
+    assert wsd[16:21] == [approx(1 - 0.9 * k / 5) for k in range(1, 6)]
+    assert wsd[21] == approx(0.1)
+    const = _lrs("constant", 22, warmup_steps=2)
+    assert const[:2] == [approx(0.5), approx(1.0)] and const[2:] == [approx(1.0)] * 20
+    assert _lrs("cosine", 1, warmup_steps=0)[0] == approx(1.0)  # no warmup: the peak at once
