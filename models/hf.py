@@ -26,14 +26,12 @@ import json
 import math
 import os
 import re
-import shutil
 import struct
-import uuid
 from typing import Callable, Iterator
 
 import torch
 
-from moetron.core.checkpoint import CheckpointError, _fsync_path, publish_dir
+from moetron.core.checkpoint import CheckpointError, _fsync_path, staged_dir
 from moetron.core.config import ConfigError
 from moetron.core.layers.attention import AttentionConfig
 from moetron.core.layers.rope import RopeScalingConfig, RopeScalingLayers
@@ -754,14 +752,6 @@ def export_hf(
     arch, _ = export_architecture(cfg)
     plan = _export_plan(cfg, arch, expected)
 
-    out_dir = os.path.abspath(out_dir)
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise CheckpointError(f"{out_dir} exists and is not a directory")
-    if _hf_checkpoint_exists(out_dir) and not overwrite:
-        raise CheckpointError(f"{out_dir} already holds a checkpoint: pass --overwrite or choose another output")
-    if os.path.isdir(out_dir) and os.listdir(out_dir) and not _hf_checkpoint_exists(out_dir):
-        raise CheckpointError(f"{out_dir} is a non-empty directory that is not a checkpoint: choose another output")
-
     # Shards: pack the HF tensors in order, a new shard when the next tensor would overflow.
     shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
     used = 0
@@ -777,12 +767,8 @@ def export_hf(
     n = len(shards)
     names = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    nonce = uuid.uuid4().hex[:12]
-    tmp = os.path.join(parent, f".{os.path.basename(out_dir)}.tmp-{nonce}")
-    os.makedirs(tmp)
-    try:
+    out_dir = os.path.abspath(out_dir)
+    with staged_dir(out_dir, overwrite, _hf_checkpoint_exists) as tmp:
         writer = _ShardWriter(tmp, names, shards, out_dtype)
         pieces_of = dict(plan)
         for native, tensor in iter_weights(native_ckpt_dir, [native for native, _ in plan]):
@@ -800,10 +786,6 @@ def export_hf(
             json.dump(hf_config_dict(cfg, out_dtype), f, indent=2)
         for name in os.listdir(tmp):
             _fsync_path(os.path.join(tmp, name))
-        publish_dir(tmp, out_dir, nonce)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 
