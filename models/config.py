@@ -131,9 +131,15 @@ class ModelConfig(Config):
         Attention is 12 * layers * attention width * context (PaLM's convention: QK^T and AV,
         forward and backward, no causal halving); a sliding layer's context is its window.
         """
+        blocks = sum(self.block_flops_per_token(i, seq_len) for i in range(self.n_layers))
+        return blocks + 6.0 * (self.num_embedding_params() + self.d_model)  # + LM head and final norm
+
+    def block_flops_per_token(self, layer: int, seq_len: int) -> float:
+        """One block's share of flops_per_token: 6 x its active params + attention over its context
+        (the layer's window, or seq_len); the rest is the LM head and the final norm."""
         width = self.attention.n_heads * self.attention.head_width(self.d_model)
-        attn = sum(12 * width * min(seq_len, self.window_of(i) or seq_len) for i in range(self.n_layers))
-        return 6.0 * self.num_flops_params() + attn
+        context = min(seq_len, self.window_of(layer) or seq_len)
+        return 6.0 * self.num_block_params(layer, active=True) + 12.0 * width * context
 
     def describe(self) -> str:
         kind = f"MoE {self.moe.num_experts}E top-{self.moe.router.top_k}" if self.moe else "dense"

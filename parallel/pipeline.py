@@ -193,15 +193,6 @@ def split_stages(model: nn.Module, num_stages: int, block_costs: list[float] | N
     return stages
 
 
-def block_flops_per_token(mcfg, layer: int, seq_len: int | None) -> float:
-    """Training FLOPs per token of one block: 6 x its active params + attention over its context
-    (the convention of ModelConfig.flops_per_token; without a sequence length, the window or 4096)."""
-    width = mcfg.attention.n_heads * mcfg.attention.head_width(mcfg.d_model)
-    window = mcfg.window_of(layer)
-    context = min(x for x in (seq_len, window) if x) if (seq_len or window) else 4096
-    return 6.0 * mcfg.num_block_params(layer, active=True) + 12.0 * width * context
-
-
 def stage_ids_of_rank(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
     """Looped assignment: rank r runs stages r, r + pp, r + 2 pp, ..."""
     return [pp_rank + v * pp for v in range(stages_per_rank)]
@@ -434,8 +425,10 @@ class PipelineParallel(ParallelStrategy):
         model = state.model_parts[0]
         d_model, embed_dtype = model.embed.weight.shape[-1], model.embed.weight.dtype
         if cfg.pp_split == PipelineSplit.flops:
-            mcfg, seq = state.model_cfg, state.extras.get("seq_len")
-            costs = [block_flops_per_token(mcfg, i, seq) for i in range(mcfg.n_layers)]
+            # Without the run's sequence length (a strategy applied outside pretrain), a sliding
+            # layer's window is its context and a full layer's is taken as 4096.
+            mcfg, seq = state.model_cfg, state.extras.get("seq_len", 4096)
+            costs = [mcfg.block_flops_per_token(i, seq) for i in range(mcfg.n_layers)]
             all_stages = split_stages(model, num_stages, costs, head_cost=6.0 * mcfg.d_model * mcfg.vocab_size)
         else:
             all_stages = split_stages(model, num_stages)

@@ -304,10 +304,13 @@ def test_balanced_split_minimizes_the_largest_stage():
 def test_flops_split_weighs_the_head():
     cfg = ParallelConfig(pp=2, dp_shard=1)
     assert cfg.pp_split == "layers"
-    from moetron.parallel.pipeline import block_flops_per_token
-
     mcfg = _model_cfg()
-    costs = [block_flops_per_token(mcfg, i, SEQ) for i in range(mcfg.n_layers)]
+    costs = [mcfg.block_flops_per_token(i, SEQ) for i in range(mcfg.n_layers)]
+    # Independently for the dense layer 0: 6 x its built parameters + 12 x width x context.
+    model = _model()
+    width = mcfg.attention.n_heads * mcfg.attention.head_width(mcfg.d_model)
+    built = sum(p.numel() for p in model.blocks["0"].parameters())
+    assert costs[0] == 6.0 * built + 12.0 * width * min(SEQ, mcfg.window_of(0) or SEQ)
     # The blocks, the LM head and the final norm add up to the model's own FLOPs per token.
     head = 6.0 * mcfg.d_model * mcfg.vocab_size
     assert sum(costs) + head + 6.0 * mcfg.d_model == pytest.approx(mcfg.flops_per_token(SEQ), rel=1e-12)
