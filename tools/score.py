@@ -24,7 +24,6 @@ import argparse
 import contextlib
 import math
 import os
-import sys
 
 import numpy as np
 import torch
@@ -163,8 +162,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except (ConfigError, CheckpointError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    from cli import run_cli  # tools/cli.py
+
+    run_cli(main)

@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 from moetron.core.checkpoint import CheckpointError
 from moetron.core.config import ConfigError
 from moetron.core.weights import checkpoint_exists, save_weights
-from moetron.models import ModelConfig
 from moetron.models.upcycle import UpcycleConfig, native_source, pretrain_yaml, upcycle_config, upcycle_specs
 
 
@@ -109,8 +107,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except (ConfigError, CheckpointError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    from cli import run_cli  # tools/cli.py
+
+    run_cli(main, errors=(ConfigError, CheckpointError, FileNotFoundError))
