@@ -20,7 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from .checkpoint import MANIFEST, META, CheckpointError, _sha256, _write_durable, _write_manifest, staged_dir
+from .checkpoint import MANIFEST, META, CheckpointError, sha256_file, staged_dir, write_durable, write_manifest
 
 __all__ = ["save_weights", "iter_weights", "read_weight_specs", "checkpoint_exists"]
 
@@ -80,12 +80,12 @@ def save_weights(
                 )
         except dcp.api.CheckpointException as e:  # DCP wraps the producer's error: surface it as ours
             raise CheckpointError(f"writing {path} failed: {e}") from e
-        _write_durable(os.path.join(tmp, META), json.dumps(meta, indent=2, sort_keys=True).encode())
+        write_durable(os.path.join(tmp, META), json.dumps(meta, indent=2, sort_keys=True).encode())
         files = {}
         for name in sorted(os.listdir(tmp)):
             full = os.path.join(tmp, name)
-            files[name] = {"size": os.path.getsize(full), "sha256": _sha256(full)}
-        _write_manifest(tmp, meta.get("step", 0), 1, files)
+            files[name] = {"size": os.path.getsize(full), "sha256": sha256_file(full)}
+        write_manifest(tmp, meta.get("step", 0), 1, files)
     return path
 
 

@@ -1,37 +1,18 @@
-"""Crash-safe training checkpoints on top of torch.distributed.checkpoint (DCP).
-
-A checkpoint is a plain DCP directory (readable with ``dcp.load`` alone) plus a few small files:
-
-    <dir>/step_00001000/
-        .metadata, __<rank>_<n>.distcp   DCP: "model", "optim" (via get_state_dict, so a checkpoint
-                                         saved on one mesh loads on another) and "extra/<name>"
-        rng_rank<r>.pt                   each rank's python / numpy / torch (CPU, CUDA) RNG states
-        meta.json                        the caller's metadata (run config ...) + step, world size,
-                                         torch version
-        manifest.json                    every other file with its size and sha256; written last
-
-Saving writes everything into ``<dir>/.step_<step>.tmp-<nonce>`` and renames it to its final name
-only once the manifest is on disk, so a crash at any point leaves either a complete checkpoint or a
-hidden tmp dir that :meth:`Checkpointer.latest` ignores. Older checkpoints are pruned only after a
-newer one is complete. Loading verifies the manifest first and raises :class:`CheckpointError`
-instead of ever falling back silently to an older checkpoint or a fresh start.
-"""
+"""The DCP checkpointer: its config, and saving, finding, verifying and loading ``step_XXXXXXXX``
+checkpoints (model and optimizer through get_state_dict, extras, each rank's RNG states)."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import hashlib
 import io
 import json
 import logging
 import os
 import random
-import re
 import shutil
 import uuid
 import warnings
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -48,15 +29,25 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from moetron.core.config import Config, ConfigError
 
-__all__ = ["CheckpointConfig", "CheckpointError", "Checkpointer"]
+from .layout import (
+    MANIFEST,
+    META,
+    STALE_DIR_RE,
+    STEP_DIR_RE,
+    CheckpointError,
+    is_complete,
+    read_manifest,
+    sha256_file,
+    step_name,
+    write_durable,
+    write_manifest,
+)
+from .merge import as_one_module
+from .publish import publish_dir
+
+__all__ = ["CheckpointConfig", "Checkpointer"]
 
 log = logging.getLogger(__name__)
-
-MANIFEST = "manifest.json"
-META = "meta.json"
-_STEP_RE = re.compile(r"^step_(\d{8,})$")
-_STALE_RE = re.compile(r"^\.step_\d{8,}\.(tmp|old)-[0-9a-f]+$")
-_HASH_CHUNK = 8 << 20
 
 
 @dataclasses.dataclass
@@ -95,49 +86,7 @@ class CheckpointConfig(Config):
         return (final and self.save_final) or (self.interval > 0 and step % self.interval == 0)
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be saved, found or loaded; the message says which and what to do."""
-
-
 # ---- helpers ---------------------------------------------------------------------------------
-
-
-def _step_name(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-def _fsync_path(path: str, directory: bool = False) -> None:
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_durable(path: str, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _write_manifest(root: str, step: int, world_size: int, files: dict[str, dict[str, Any]]) -> None:
-    """Write ``root``'s manifest (``files``: name -> size and sha256), the last file of a checkpoint."""
-    manifest = {"format": 1, "step": step, "world_size": world_size, "files": files}
-    _write_durable(os.path.join(root, MANIFEST), json.dumps(manifest, indent=2).encode())
-    _fsync_path(root, directory=True)
-
-
-def _is_complete(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, MANIFEST))
 
 
 def _flat_keys(state: Any, prefix: str = "") -> dict[str, Any]:
@@ -231,7 +180,7 @@ class Checkpointer:
     def _hash_files(self, root: str, names: list[str]) -> dict[str, dict[str, Any]]:
         """Size and sha256 of ``names`` in ``root``; the work is split round-robin over ranks."""
         mine = {
-            n: {"size": os.path.getsize(os.path.join(root, n)), "sha256": _sha256(os.path.join(root, n))}
+            n: {"size": os.path.getsize(os.path.join(root, n)), "sha256": sha256_file(os.path.join(root, n))}
             for i, n in enumerate(names)
             if i % self.world_size == self.rank
         }
@@ -265,7 +214,7 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint metadata for step {step} is not JSON-able: {e}") from None
 
         root = os.path.abspath(self.cfg.dir)
-        name = _step_name(step)
+        name = step_name(step)
         final = os.path.join(root, name)
         nonce = self._broadcast(uuid.uuid4().hex[:12])
         tmp = os.path.join(root, f".{name}.tmp-{nonce}")
@@ -281,15 +230,15 @@ class Checkpointer:
                 storage_writer=dcp.FileSystemWriter(tmp, sync_files=True, overwrite=False),
                 no_dist=not self.distributed,
             )
-        _write_durable(os.path.join(tmp, f"rng_rank{self.rank}.pt"), _bytes_of(_rng_state()))
+        write_durable(os.path.join(tmp, f"rng_rank{self.rank}.pt"), _bytes_of(_rng_state()))
         if self.rank == 0:
-            _write_durable(os.path.join(tmp, META), meta_bytes)
+            write_durable(os.path.join(tmp, META), meta_bytes)
         self._barrier()  # every rank's files exist before they are listed and hashed
 
         names = sorted(n for n in os.listdir(tmp) if n != MANIFEST)
         files = self._hash_files(tmp, names)
         if self.rank == 0:
-            _write_manifest(tmp, step, self.world_size, files)
+            write_manifest(tmp, step, self.world_size, files)
             publish_dir(tmp, final, nonce)
         self._barrier()
         if self.rank == 0:
@@ -311,7 +260,7 @@ class Checkpointer:
     def _prune(self, root: str) -> None:
         """Delete complete checkpoints beyond ``keep_last`` and leftovers of crashed saves."""
         for entry in os.listdir(root):
-            if _STALE_RE.match(entry):
+            if STALE_DIR_RE.match(entry):
                 log.warning("removing %s: left over from an interrupted checkpoint save", os.path.join(root, entry))
                 shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
         if self.cfg.keep_last <= 0:
@@ -332,13 +281,13 @@ class Checkpointer:
         out = []
         for entry in os.listdir(root):
             path = os.path.join(root, entry)
-            m = _STEP_RE.match(entry)
+            m = STEP_DIR_RE.match(entry)
             if m and os.path.isdir(path):
-                if _is_complete(path):
+                if is_complete(path):
                     out.append((int(m.group(1)), path))
                 elif warn and self.rank == 0:
                     log.warning("ignoring %s: it has no %s (an interrupted or damaged save)", path, MANIFEST)
-            elif warn and _STALE_RE.match(entry) and self.rank == 0:
+            elif warn and STALE_DIR_RE.match(entry) and self.rank == 0:
                 log.warning("ignoring %s: an interrupted checkpoint save", path)
         return sorted(out)
 
@@ -376,7 +325,7 @@ class Checkpointer:
         path = os.path.abspath(os.fspath(resume))
         if not os.path.isdir(path):
             raise CheckpointError(f"--resume={resume}: no such directory; pass a step_XXXXXXXX checkpoint dir")
-        if _STEP_RE.match(os.path.basename(path)) or os.path.exists(os.path.join(path, MANIFEST)):
+        if STEP_DIR_RE.match(os.path.basename(path)) or os.path.exists(os.path.join(path, MANIFEST)):
             return path  # load() verifies it and fails loudly if it is incomplete
         latest = self.latest(path)
         if latest is None:
@@ -397,7 +346,7 @@ class Checkpointer:
         problem = None
         manifest: dict[str, Any] = {}
         if self.rank == 0:
-            problem, manifest = self._read_manifest(path)
+            problem, manifest = read_manifest(path)
         problem, manifest = self._broadcast((problem, manifest))
         if problem is None:
             names = sorted(manifest["files"])
@@ -411,7 +360,7 @@ class Checkpointer:
                     mine.append(f"{name} is missing")
                 elif os.path.getsize(file) != want["size"]:
                     mine.append(f"{name} has {os.path.getsize(file)} bytes, the manifest says {want['size']}")
-                elif _sha256(file) != want["sha256"]:
+                elif sha256_file(file) != want["sha256"]:
                     mine.append(f"{name} does not match its sha256 in the manifest (corrupted)")
             bad = sorted(p for part in self._all_gather(mine) for p in part)
             if bad:
@@ -426,7 +375,7 @@ class Checkpointer:
         Raises CheckpointError when ``path`` is not a complete checkpoint or meta.json is unreadable.
         """
         path = os.path.abspath(path)
-        problem, _ = self._read_manifest(path)
+        problem, _ = read_manifest(path)
         if problem is None:
             try:
                 with open(os.path.join(path, META), encoding="utf-8") as f:
@@ -437,25 +386,6 @@ class Checkpointer:
             except (OSError, ValueError) as e:
                 problem = f"{META} cannot be read: {e}"
         raise _invalid(path, problem)
-
-    @staticmethod
-    def _read_manifest(path: str) -> tuple[str | None, dict[str, Any]]:
-        if not os.path.isdir(path):
-            return f"{path} is not a directory", {}
-        try:
-            with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
-                manifest = json.load(f)
-        except FileNotFoundError:
-            return f"{MANIFEST} is missing (the save did not finish)", {}
-        except (OSError, ValueError) as e:
-            return f"{MANIFEST} cannot be read: {e}", {}
-        files = manifest.get("files") if isinstance(manifest, dict) else None
-        if not isinstance(files, dict) or META not in files or ".metadata" not in files:
-            return f"{MANIFEST} is garbled (no valid file list)", {}
-        for name, entry in files.items():
-            if os.path.basename(name) != name or not isinstance(entry, dict) or {"size", "sha256"} - set(entry):
-                return f"{MANIFEST} is garbled (bad entry {name!r})", {}
-        return None, manifest
 
     def load(
         self,
@@ -549,85 +479,6 @@ class Checkpointer:
                 + "; ".join(problems)
                 + "; load a checkpoint saved by the same model configuration (or convert it)"
             )
-
-
-def publish_dir(tmp: str, final: str, nonce: str) -> None:
-    """Rename the finished ``tmp`` dir to ``final`` atomically; an existing ``final`` is moved aside
-    first and deleted only once the new one holds the name."""
-    root = os.path.dirname(final)
-    old = None
-    if os.path.exists(final):
-        old = os.path.join(root, f".{os.path.basename(final)}.old-{nonce}")
-        os.rename(final, old)
-    os.rename(tmp, final)
-    _fsync_path(root, directory=True)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def staged_dir(path: str, overwrite: bool, holds_checkpoint: Callable[[str], bool]) -> Iterator[str]:
-    """Write a single-process checkpoint directory atomically.
-
-    Checks that ``path`` may be written (absent, an empty directory, or, with ``overwrite``, a
-    checkpoint that ``holds_checkpoint(path)`` recognises), yields a fresh hidden tmp dir beside it,
-    and publishes that dir as ``path`` when the block ends; if the block raises, the tmp dir is
-    removed and ``path`` is left as it was."""
-    path = os.path.abspath(path)
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise CheckpointError(f"{path} exists and is not a directory")
-    if holds_checkpoint(path):
-        if not overwrite:
-            raise CheckpointError(f"{path} already holds a checkpoint: pass --overwrite or choose another output")
-    elif os.path.isdir(path) and os.listdir(path):
-        raise CheckpointError(f"{path} is a non-empty directory that is not a checkpoint: choose another output")
-    parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
-    nonce = uuid.uuid4().hex[:12]
-    tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{nonce}")
-    os.makedirs(tmp)
-    try:
-        yield tmp
-        publish_dir(tmp, path, nonce)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def as_one_module(model: nn.Module | list[nn.Module] | tuple[nn.Module, ...]) -> nn.Module:
-    """``model``, or one module over a list of model parts (pipeline stages) that keeps their
-    parameter names: parts' children of the same name are merged recursively (their ModuleDicts of
-    blocks union), so ``blocks.3.mlp...`` is named as in the full model. Parts and merged
-    containers must not own tensors directly (a stage's parameters live in its submodules)."""
-    if isinstance(model, nn.Module):
-        return model
-    parts = list(model)
-    if not parts:
-        raise CheckpointError("Checkpointer got an empty list of model parts")
-    return _merge_modules(parts, "")
-
-
-def _merge_modules(mods: list[nn.Module], prefix: str) -> nn.Module:
-    unique: list[nn.Module] = []
-    for m in mods:
-        if not any(m is u for u in unique):
-            unique.append(m)
-    if len(unique) == 1:
-        return unique[0]
-    for m in unique:
-        if next(m.named_parameters(recurse=False), None) is not None or next(m.named_buffers(recurse=False), None) is not None:
-            raise CheckpointError(
-                f"cannot merge model parts at {prefix or '<root>'!r}: a {type(m).__name__} there owns tensors "
-                "directly; model parts must keep disjoint submodules"
-            )
-    children: dict[str, list[nn.Module]] = {}
-    for m in unique:
-        for name, child in m.named_children():
-            children.setdefault(name, []).append(child)
-    merged = nn.Module()
-    for name, group in children.items():
-        merged.add_module(name, _merge_modules(group, f"{prefix}{name}."))
-    return merged
 
 
 def _invalid(path: str, problem: str) -> CheckpointError:

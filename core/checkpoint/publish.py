@@ -1,0 +1,56 @@
+"""Atomic publication of a finished checkpoint directory: write beside it, then rename into place."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import uuid
+from typing import Callable, Iterator
+
+from .layout import CheckpointError, fsync_path
+
+__all__ = ["publish_dir", "staged_dir"]
+
+
+def publish_dir(tmp: str, final: str, nonce: str) -> None:
+    """Rename the finished ``tmp`` dir to ``final`` atomically; an existing ``final`` is moved aside
+    first and deleted only once the new one holds the name."""
+    root = os.path.dirname(final)
+    old = None
+    if os.path.exists(final):
+        old = os.path.join(root, f".{os.path.basename(final)}.old-{nonce}")
+        os.rename(final, old)
+    os.rename(tmp, final)
+    fsync_path(root, directory=True)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staged_dir(path: str, overwrite: bool, holds_checkpoint: Callable[[str], bool]) -> Iterator[str]:
+    """Write a single-process checkpoint directory atomically.
+
+    Checks that ``path`` may be written (absent, an empty directory, or, with ``overwrite``, a
+    checkpoint that ``holds_checkpoint(path)`` recognises), yields a fresh hidden tmp dir beside it,
+    and publishes that dir as ``path`` when the block ends; if the block raises, the tmp dir is
+    removed and ``path`` is left as it was."""
+    path = os.path.abspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise CheckpointError(f"{path} exists and is not a directory")
+    if holds_checkpoint(path):
+        if not overwrite:
+            raise CheckpointError(f"{path} already holds a checkpoint: pass --overwrite or choose another output")
+    elif os.path.isdir(path) and os.listdir(path):
+        raise CheckpointError(f"{path} is a non-empty directory that is not a checkpoint: choose another output")
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    nonce = uuid.uuid4().hex[:12]
+    tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{nonce}")
+    os.makedirs(tmp)
+    try:
+        yield tmp
+        publish_dir(tmp, path, nonce)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
