@@ -11,12 +11,14 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import fractions
 import os
+import re
 import types
 import typing
 from typing import Any, Iterable, Union
 
-__all__ = ["Config", "ConfigError", "StrEnum", "parse_overrides"]
+__all__ = ["Config", "ConfigError", "StrEnum", "SIZE_UNITS", "parse_overrides", "parse_size"]
 
 
 class ConfigError(ValueError):
@@ -259,3 +261,28 @@ def parse_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     for a in argv:
         (overrides if a.startswith("--") and "=" in a else rest).append(a)
     return overrides, rest
+
+
+# The project's one size convention: GB means 10^9 and GiB 2^30, never mixed.
+SIZE_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+              "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([KMGT])(i)?)?B?\s*", re.IGNORECASE)
+
+
+def parse_size(text: str | int, what: str) -> int:
+    """Bytes in ``text``: a number with an optional unit, K/M/G/T (powers of 1000) or Ki/Mi/Gi/Ti
+    (powers of 1024), with or without B, any case: "5GB" = 5 * 10^9, "500MiB" = 500 * 2^20,
+    "1.5K" = 1500, "4096" = 4096. An int is a count of bytes; a fraction of a byte is dropped.
+    Raises ConfigError naming ``what`` (e.g. "--sizes") unless the result is a positive number.
+    """
+    size = 0
+    if isinstance(text, int):
+        size = text
+    elif (m := _SIZE.fullmatch(str(text))) is not None:
+        unit = (m[2] or "").upper() + ("i" if m[3] else "")
+        size = int(fractions.Fraction(m[1]) * SIZE_UNITS[unit])
+    if size <= 0:
+        raise ConfigError(f"{what} {text!r} is not a positive size: write bytes with an optional unit, "
+                          "K/M/G/T (powers of 1000) or Ki/Mi/Gi/Ti (powers of 1024), B optional, "
+                          "e.g. 4096, 500MB, 64KiB, 1Gi")
+    return size

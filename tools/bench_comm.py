@@ -12,10 +12,11 @@ end; on CPU/gloo: perf_counter around the blocking calls). Reported per row:
            all_reduce 2(n-1)/n; all_to_all, reduce_scatter, all_gather (n-1)/n (n = world size).
            With one rank the factor is 0, so busbw is 0: nothing crosses a link.
 
-    torchrun --nproc-per-node 8 tools/bench_comm.py --sizes 1M 16M 64M 256M 1G --iters 20 --warmup 5
+    torchrun --nproc-per-node 8 tools/bench_comm.py --sizes 1Mi 16Mi 64Mi 256Mi 1Gi --iters 20 --warmup 5
 
-Size convention (nccl-tests'): --sizes is the per-rank buffer in bytes (K/M/G are powers of 1024),
-and for every collective it is the *full* buffer, the largest one a rank holds:
+Size convention (nccl-tests'): --sizes is the per-rank buffer in bytes (core.config.parse_size:
+K/M/G/T are powers of 1000, Ki/Mi/Gi/Ti powers of 1024, B optional; the default sizes are binary,
+1MiB to 1GiB), and for every collective it is the *full* buffer, the largest one a rank holds:
     all_to_all_single       input and output each `size` (n even chunks of size/n, one per peer);
     all_reduce              the buffer, reduced in place;
     reduce_scatter_tensor   the input (`size`); each rank's output is size/n;
@@ -42,7 +43,6 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
-import re  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from typing import Callable  # noqa: E402
@@ -50,14 +50,13 @@ from typing import Callable  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from moetron.core.config import ConfigError, StrEnum  # noqa: E402
+from moetron.core.config import SIZE_UNITS, ConfigError, StrEnum, parse_size  # noqa: E402
 from moetron.core.distributed import env_world, init_distributed, is_main, pick_device  # noqa: E402
 from moetron.core.metrics import run_environment  # noqa: E402
 
 from cli import write_report  # noqa: E402  (tools/cli.py)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 # torch 2.13 renamed reduce_scatter_tensor / all_gather_into_tensor to *_single (same arguments, the
 # old names warn); setup.py allows torch 2.11, which has only the old names.
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -223,19 +222,12 @@ def measure(op: Op, size: int, args, dtype: torch.dtype, device: torch.device, w
 # ---------------------------------------------------------------------------------------------
 
 
-def parse_size(text: str) -> int:
-    """'4096', '64K', '1M', '1G' (also '1MiB', '1MB': powers of 1024) -> bytes."""
-    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:I?B)?\s*", text.upper())
-    if not m or int(m.group(1)) == 0:
-        raise ConfigError(f"--sizes {text!r} is not a positive size: write bytes with an optional K, M or G "
-                          "suffix (powers of 1024), e.g. 4K 1M 1G")
-    return int(m.group(1)) * UNITS[m.group(2)]
-
-
 def format_size(size: int) -> str:
-    for suffix in ("G", "M", "K"):
-        if size % UNITS[suffix] == 0:
-            return f"{size // UNITS[suffix]}{suffix}"
+    """The size in the largest unit that divides it exactly, spelled as parse_size reads it:
+    1048576 -> '1MiB', 4000 -> '4KB', 4097 -> '4097'."""
+    for unit, scale in sorted(SIZE_UNITS.items(), key=lambda item: -item[1]):
+        if unit and size % scale == 0:
+            return f"{size // scale}{unit}B"
     return str(size)
 
 
@@ -289,8 +281,9 @@ def main(argv: list[str] | None = None) -> int:
                                      allow_abbrev=False)
     parser.add_argument("--ops", nargs="+", default=[op.value for op in Op],
                         help=f"collectives to measure, space- or comma-separated: {', '.join(op.value for op in Op)}")
-    parser.add_argument("--sizes", nargs="+", default=["1M", "16M", "64M", "256M", "1G"],
-                        help="full per-rank buffer sizes in bytes, K/M/G suffixes (powers of 1024)")
+    parser.add_argument("--sizes", nargs="+", default=["1Mi", "16Mi", "64Mi", "256Mi", "1Gi"],
+                        help="full per-rank buffer sizes in bytes: K/M/G/T are powers of 1000, Ki/Mi/Gi/Ti "
+                             "powers of 1024, B optional (default: 1Mi 16Mi 64Mi 256Mi 1Gi)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--iters", type=int, default=20, help="timed calls per op and size")
     parser.add_argument("--warmup", type=int, default=5, help="untimed calls before the timed ones")
@@ -303,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda was asked for but CUDA is not available: use --device cpu")
     ops = parse_ops(args.ops)
-    sizes = [parse_size(s) for s in args.sizes]
+    sizes = [parse_size(s, "--sizes") for s in args.sizes]
     dtype = DTYPES[args.dtype]
     # Checked on every rank before any rank joins the group, so bad input fails everywhere alike.
     check_sizes(ops, sizes, args.dtype, env_world()[1])

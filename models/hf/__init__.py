@@ -39,7 +39,7 @@ from .config import (
     hf_config_dict,
     read_hf_config,
 )
-from .export import export_hf, parse_size
+from .export import export_hf
 from .load import hf_native_specs, load_hf_model, native_specs
 from .names import hf_to_native, native_to_hf
 from .reading import INDEX, SINGLE, iter_hf_tensors
@@ -65,6 +65,5 @@ __all__ = [
     "native_specs",
     "load_hf_model",
     "export_hf",
-    "parse_size",
     "native_config",
 ]

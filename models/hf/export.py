@@ -6,37 +6,19 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import struct
 from typing import Callable
 
 import torch
 
 from moetron.core.checkpoint import CheckpointError, fsync_path, staged_dir
+from moetron.core.config import ConfigError, parse_size
 
 from ..config import ModelConfig, native_config
 from .config import CONFIG, export_architecture, hf_config_dict
 from .load import native_specs, source_shape
 from .names import native_to_hf
 from .reading import INDEX, SAFETENSORS_DTYPE_NAMES, SINGLE
-
-
-def parse_size(text: str | int) -> int:
-    """Bytes in "5GB" (10^9), "500MiB" (2^20), "1000" ...; CheckpointError if unreadable."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?i?B?)\s*", str(text), re.IGNORECASE)
-    if not m:
-        raise CheckpointError(f"shard size {text!r} is not a size like 5GB, 500MB or 2GiB")
-    unit = m[2].upper().rstrip("B")
-    scale = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
-             "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}.get(unit)
-    if scale is None:
-        raise CheckpointError(f"shard size {text!r} has an unknown unit")
-    size = int(float(m[1]) * scale)
-    if size <= 0:
-        raise CheckpointError(f"shard size {text!r} must be positive")
-    return size
 
 
 def _export_plan(cfg: ModelConfig, arch: str, expected: dict) -> list[tuple[str, list[tuple[str, Callable]]]]:
@@ -77,13 +59,17 @@ def export_hf(
     The architecture follows export_architecture (Olmo3ForCausalLM, OlmoeForCausalLM, else
     MoetronForCausalLM). Tensors are read and written one at a time into shards of at most
     ``max_shard_size`` bytes (one ``model.safetensors``, or ``model-0000i-of-0000n.safetensors``
-    + ``model.safetensors.index.json``), cast to ``dtype`` if given. Everything goes to a hidden
-    temp dir renamed into place at the end: on any error nothing is written. An ``out_dir`` that
-    already holds a checkpoint is an error unless ``overwrite``.
+    + ``model.safetensors.index.json``), cast to ``dtype`` if given; the size reads as
+    core.config.parse_size does ("5GB" = 5 * 10^9, "2GiB" = 2^31), a bad one is a CheckpointError.
+    Everything goes to a hidden temp dir renamed into place at the end: on any error nothing is
+    written. An ``out_dir`` that already holds a checkpoint is an error unless ``overwrite``.
     """
     from moetron.core.weights import iter_weights, read_weight_specs
 
-    shard_bytes = parse_size(max_shard_size)
+    try:
+        shard_bytes = parse_size(max_shard_size, "shard size")
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
     cfg = native_config(native_ckpt_dir)
     specs = read_weight_specs(native_ckpt_dir)
     expected = native_specs(cfg)

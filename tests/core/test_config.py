@@ -2,7 +2,7 @@ import dataclasses
 
 import pytest
 
-from moetron.core.config import Config, ConfigError, StrEnum
+from moetron.core.config import Config, ConfigError, StrEnum, parse_size
 
 
 class Color(StrEnum):
@@ -69,3 +69,15 @@ def test_yaml_round_trip(tmp_path):
 def test_missing_yaml(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         Outer.from_yaml(tmp_path / "nope.yaml")
+
+
+def test_parse_size_decimal_and_binary_units():
+    decimal = {"4096": 4096, "100B": 100, "4K": 4000, "5GB": 5_000_000_000, "1.5kb": 1500, " 2 TB ": 2 * 10**12,
+               "500M": 500_000_000}
+    binary = {"4Ki": 4096, "64KiB": 65536, "500MiB": 524_288_000, "1gib": 1_073_741_824, "1Ti": 1_099_511_627_776}
+    for text, size in {**decimal, **binary}.items():
+        assert parse_size(text, "x") == size, text
+    assert parse_size(7, "x") == 7
+    for bad in ("1X", "0", "KB", "1iB", "1.2.3", "-1K", "0.5"):
+        with pytest.raises(ConfigError, match=r"--sizes .* is not a positive size.*powers of 1000.*powers of 1024"):
+            parse_size(bad, "--sizes")

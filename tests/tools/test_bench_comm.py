@@ -23,7 +23,7 @@ def _run(args, nproc=None, timeout=120):
 
 def test_two_ranks_every_op_and_size(tmp_path):
     out = str(tmp_path / "comm.json")
-    proc = _run(["--device", "cpu", "--sizes", "4K", "64K", "--iters", "3", "--warmup", "1", "--json", out], nproc=2)
+    proc = _run(["--device", "cpu", "--sizes", "4Ki", "64Ki", "--iters", "3", "--warmup", "1", "--json", out], nproc=2)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.load(open(out))
     rows = {(r["op"], r["bytes"]): r for r in result["rows"]}
@@ -44,7 +44,7 @@ def test_two_ranks_every_op_and_size(tmp_path):
 
 def test_one_rank_without_torchrun(tmp_path):
     out = str(tmp_path / "comm.json")
-    proc = _run(["--device", "cpu", "--sizes", "4K", "--iters", "2", "--dtype", "fp32", "--json", out])
+    proc = _run(["--device", "cpu", "--sizes", "4Ki", "--iters", "2", "--dtype", "fp32", "--json", out])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.load(open(out))["rows"]
     assert [r["op"] for r in rows] == OPS
