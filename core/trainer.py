@@ -1,6 +1,6 @@
 """The training loop: gradient accumulation, clipping, LR schedule, evaluation, logging, checkpoints.
 
-The Trainer is model-agnostic: it takes a built model (plain, DDP or FSDP2-wrapped), a loss
+The Trainer is model-agnostic: it takes a built model (plain or FSDP2-wrapped), a loss
 function over (logits, labels), the model's training FLOPs per token, a data source with
 ``next_batch()/val_batches()/state_dict()``, and a Checkpointer. Host syncs happen only on logging
 and evaluation steps (the loss and grad norm stay on the device in between).
@@ -10,7 +10,6 @@ Legend: B micro-batch, S sequence, V vocab.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
@@ -22,20 +21,22 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import Config, ConfigError, StrEnum
+from .precision import PrecisionPolicy
 from .distributed import is_main
 from .metrics import MetricsLog, mfu, model_tflops_per_device, peak_tflops
 from .grad import clip_grad_norm_
-from .moe.layer import MoELayer
-from .moe.metrics import LoadLog, summarize
+from .moe.layer import MoELayer, moe_layers
+from .moe.aux_loss import aux_loss_scale
+from .moe.metrics import AUX_LOSSES, LoadLog, summarize
 
 
-class Precision(StrEnum):
-    auto = "auto"
-    """bf16 autocast on GPU, fp32 on CPU."""
-    fp32 = "fp32"
-    """Everything in fp32 (bit-exact reproducibility on CPU)."""
-    bf16 = "bf16"
-    """bf16 autocast for matmuls; parameters, norms, softmax and the loss stay in fp32."""
+class GradSync(StrEnum):
+    micro_batch = "micro_batch"
+    """Reduce (FSDP2: reduce-scatter) the gradients after every micro-batch's backward: only the
+    sharded gradients stay between micro-batches (least memory, one collective per micro-batch)."""
+    step = "step"
+    """Reduce once per optimizer step, after the last micro-batch: the unsharded gradients are
+    accumulated locally in between (one collective per step, full-size gradients held)."""
 
 
 @dataclasses.dataclass
@@ -46,10 +47,11 @@ class TrainerConfig(Config):
     """Stop (after checkpointing) once this step is done, as if interrupted; resume continues."""
     micro_batch_size: int | None = None
     """Sequences per forward/backward on each rank; None = the rank's whole share of the batch."""
+    grad_sync: GradSync = GradSync.micro_batch
+    """When gradient accumulation reduces gradients over the data-parallel ranks (see GradSync);
+    no effect without FSDP2, one micro-batch, or under a pipeline schedule."""
     grad_clip: float = 1.0
     """Max global grad norm; 0 disables clipping."""
-    precision: Precision = Precision.auto
-    """Compute precision (see Precision)."""
     device: str = "auto"
     """'auto', 'cpu' or 'cuda'."""
     seed: int = 0
@@ -81,11 +83,6 @@ class TrainerConfig(Config):
         if self.eval_interval < 0 or self.eval_batches < 0:
             raise ConfigError("trainer.eval_interval and trainer.eval_batches must be >= 0")
 
-    def autocast_dtype(self, device: torch.device) -> torch.dtype | None:
-        if self.precision == Precision.bf16 or (self.precision == Precision.auto and device.type == "cuda"):
-            return torch.bfloat16
-        return None
-
 
 class Trainer:
     def __init__(
@@ -106,28 +103,28 @@ class Trainer:
         eval_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
         grad_norm_groups: tuple = (),
         pre_step_hook: Callable[[list[nn.Module]], None] | None = None,
+        precision: PrecisionPolicy | None = None,
+        grad_sync: Callable[[bool], None] | None = None,
     ):
         """``model``: the model, or the list of modules this rank runs (pipeline stages).
         ``step_fn(batch) -> loss`` replaces the built-in forward/backward over micro-batches (the
         pipeline schedule supplies one); ``eval_fn(batch) -> loss`` likewise for evaluation.
         ``grad_norm_groups``: groups across which the model is split (pipeline stages): the squared
         grad norm is summed over them and the MoE load statistics gathered from them.
-        ``pre_step_hook(model_parts)`` sees the gradients before clipping (tests compare layouts)."""
+        ``pre_step_hook(model_parts)`` sees the gradients before clipping (tests compare layouts).
+        ``precision``: the run's PrecisionPolicy (its autocast wraps every forward; default fp32).
+        ``grad_sync(enabled)``: the data strategy's switch for reducing gradients in a backward
+        (ParallelState.grad_sync); with ``cfg.grad_sync=step`` only the last micro-batch reduces."""
         cfg.validate()
         self.cfg = cfg
         self.model_parts = list(model) if isinstance(model, (list, tuple)) else [model]
         self.model = self.model_parts[0]
-        # Wrapping (DDP, FSDP2, compile) is done before the Trainer is built: the set is fixed.
+        # Wrapping (FSDP2, compile) is done before the Trainer is built: the set is fixed.
         self.params = [p for part in self.model_parts for p in part.parameters()]
         self.step_fn, self.eval_fn, self.grad_norm_groups = step_fn, eval_fn, tuple(grad_norm_groups)
         self.pre_step_hook = pre_step_hook
-        # MoE layers by block index, found in whatever wrappers (DDP, FSDP2, stages) hold them.
-        self.moe_layers: dict[int, MoELayer] = {}
-        for part in self.model_parts:
-            for name, module in part.named_modules():
-                if isinstance(module, MoELayer):
-                    digits = [int(p) for p in name.split(".") if p.isdigit()]
-                    self.moe_layers[digits[-1] if digits else len(self.moe_layers)] = module
+        # MoE layers by block index, found in whatever wrappers (FSDP2, stages) hold them.
+        self.moe_layers: dict[int, MoELayer] = moe_layers(self.model_parts)
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -139,12 +136,12 @@ class Trainer:
         self.world_size = world_size
         self.on_step_end = on_step_end
         self.step = 0
-        self.autocast_dtype = cfg.autocast_dtype(device)
+        self.precision = precision or PrecisionPolicy.full(device.type)
+        self.grad_sync = grad_sync
         self.peak = peak_tflops(device, cfg.peak_tflops)
         self.log = MetricsLog(os.path.join(cfg.run_dir, "metrics.jsonl") if is_main() and cfg.run_dir else None)
         self.history: list[dict[str, Any]] = []
         self.load_log = LoadLog(os.path.join(cfg.run_dir, "moe_load.npz") if is_main() and cfg.run_dir else None)
-        self.aux_sums: dict[str, torch.Tensor] = {}
 
     # ---- state ------------------------------------------------------------------------------
     def _extra_state(self) -> dict[str, Any]:
@@ -166,11 +163,6 @@ class Trainer:
         return self.model_parts if len(self.model_parts) > 1 else self.model
 
     # ---- one step ---------------------------------------------------------------------------
-    def _autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
-
     def _micro_batches(self, batch: torch.Tensor) -> list[torch.Tensor]:
         size = self.cfg.micro_batch_size or batch.shape[0]
         if batch.shape[0] % size:
@@ -185,31 +177,23 @@ class Trainer:
         for part in self.model_parts:
             part.train()
         if self.step_fn is not None:
-            loss_sum = self.step_fn(batch.to(self.device, non_blocking=True))
-            # A pipeline step reports its stages' MoE aux losses (mean over micro-batches).
-            for name, value in getattr(self.step_fn, "last_aux_losses", {}).items():
-                self.aux_sums[name] = self.aux_sums.get(name, 0) + value.detach()
-            return self._optimizer_step(loss_sum)
+            return self._optimizer_step(self.step_fn(batch.to(self.device, non_blocking=True)))
         micro = self._micro_batches(batch.to(self.device, non_blocking=True))
         total_tokens = batch.shape[0] * (batch.shape[1] - 1)
         loss_sum = torch.zeros((), device=self.device)
         for i, mb in enumerate(micro):
             inputs_BS, labels_BS = mb[:, :-1], mb[:, 1:]
-            last = i == len(micro) - 1
-            sync = self.model.no_sync() if (not last and hasattr(self.model, "no_sync")) else contextlib.nullcontext()
-            with sync:
-                with self._autocast():
+            if self.grad_sync is not None and self.cfg.grad_sync == GradSync.step:
+                self.grad_sync(i == len(micro) - 1)  # only the last backward reduces
+            # Each micro-batch's mean loss is weighted by its share of the rank's tokens, so the
+            # accumulated gradient is that of the mean over the whole batch; the MoE layers' aux
+            # losses (per-token means too, attached to their outputs) get the same weight.
+            share = labels_BS.numel() / total_tokens
+            with aux_loss_scale(share):
+                with self.precision.autocast():
                     logits_BSV = self.model(inputs_BS)
-                # Each micro-batch's mean loss is weighted by its share of the rank's tokens, so
-                # the accumulated gradient is that of the mean over the whole batch. MoE auxiliary
-                # losses are per-token means too and get the same weight.
-                share = labels_BS.numel() / total_tokens
                 loss = self.loss_fn(logits_BSV, labels_BS) * share
-                total = loss
-                for name, aux in self._aux_losses().items():
-                    total = total + aux * share
-                    self.aux_sums[name] = self.aux_sums.get(name, 0) + aux.detach() * share
-                total.backward()
+                loss.backward()
             loss_sum += loss.detach()
         return self._optimizer_step(loss_sum)
 
@@ -227,14 +211,6 @@ class Trainer:
             layer.update_expert_bias()  # aux-loss-free balancing from this step's global counts
         return loss_sum, grad_norm
 
-    def _aux_losses(self) -> dict[str, torch.Tensor]:
-        """The weighted MoE auxiliary losses of the last forward, summed over layers, by name."""
-        total: dict[str, torch.Tensor] = {}
-        for layer in self.moe_layers.values():
-            for name, value in layer.aux_losses.items():
-                total[name] = total[name] + value if name in total else value
-        return total
-
     @torch.no_grad()
     def evaluate(self) -> float:
         if self.cfg.eval_batches == 0:
@@ -250,7 +226,7 @@ class Trainer:
             if self.eval_fn is not None:
                 loss = self.eval_fn(batch)
             else:
-                with self._autocast():
+                with self.precision.autocast():
                     logits_BSV = self.model(batch[:, :-1])
                 loss = self.loss_fn(logits_BSV, batch[:, 1:])
             total[0] += loss.double() * n
@@ -315,16 +291,8 @@ class Trainer:
         return self.history
 
     def _pop_moe_metrics(self, steps: int) -> dict[str, Any]:
-        """Aux-loss means since the last log line and the load diagnostics (all ranks' counts)."""
-        out: dict[str, Any] = {}
-        for name, value in self.aux_sums.items():
-            value = value / steps
-            if dist.is_initialized():
-                dist.all_reduce(value)
-                value /= dist.get_world_size()
-            out[name] = float(value)
-        self.aux_sums = {}
-        stats = {i: layer.pop_load_stats() for i, layer in sorted(self.moe_layers.items())}
+        """Load diagnostics and aux-loss means per step since the last log line (all ranks' counts)."""
+        stats = {i: layer.pop_load_stats() for i, layer in self.moe_layers.items()}
         for group in self.grad_norm_groups:
             # Pipeline stages hold different layers: gather every stage's stats (log steps only).
             if group is not None and dist.get_world_size(group) > 1:
@@ -332,9 +300,13 @@ class Trainer:
                 local = {i: {k: v.cpu() for k, v in d.items()} for i, d in stats.items()}
                 dist.all_gather_object(gathered, local, group=group)
                 stats = {i: d for part in gathered for i, d in part.items()}
-        if stats:
-            out.update(self.load_log.add(self.step, summarize(stats)))
-        return out
+        if not stats:
+            return {}
+        summary = summarize(stats)
+        for name in AUX_LOSSES:
+            if name in summary:
+                summary[name] = summary[name] / steps  # per-step means, as the loss is logged
+        return self.load_log.add(self.step, summary)
 
     def _emit(self, record: dict[str, Any]) -> None:
         self.history.append(record)

@@ -26,7 +26,7 @@ GRANULARITY="${GRANULARITY:-1}"
 SEQ_LEN="${SEQ_LEN:-128}"
 SCORE_TOKENS="${SCORE_TOKENS:-16384}"
 export MOETRON_DATA_DIR="${MOETRON_DATA_DIR:-$root/data_cache}"
-train=(--trainer.device=cpu --trainer.precision=fp32 --data.seq_len="$SEQ_LEN" --data.global_batch_size=8
+train=(--trainer.device=cpu --precision.recipe=fp32 --data.seq_len="$SEQ_LEN" --data.global_batch_size=8
        --trainer.eval_interval=0 --trainer.log_interval=10)
 mkdir -p "$RUN_DIR"
 

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetron.core.layers import Attention, RMSNorm, SwiGLU
-from moetron.core.moe import MoELayer
+from moetron.core.layers import Attention, Linear, RMSNorm, SwiGLU
+from moetron.core.moe import MoELayer, moe_layers
 
 from .config import BlockType, ModelConfig
 
@@ -21,7 +21,7 @@ class Block(nn.Module):
         self.block_type = cfg.block_type
         self.attention = Attention(cfg.d_model, cfg.attention, cfg.window_of(layer), cfg.norm_eps, device)
         self.is_moe = cfg.is_moe_layer(layer)
-        self.mlp = MoELayer(cfg.d_model, cfg.moe, device) if self.is_moe else SwiGLU(cfg.d_model, cfg.mlp_hidden, device)
+        self.mlp = MoELayer(cfg.d_model, cfg.moe, device, layer_index=layer) if self.is_moe else SwiGLU(cfg.d_model, cfg.mlp_hidden, device)
         self.attention_norm = RMSNorm(cfg.d_model, cfg.norm_eps, device)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, device)
 
@@ -42,7 +42,7 @@ class Transformer(nn.Module):
         # hold only some of the blocks.
         self.blocks = nn.ModuleDict({str(i): Block(cfg, i, device) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, device)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, device=device)
+        self.lm_head = Linear(cfg.d_model, cfg.vocab_size, device)
         if device is None or torch.device(device).type != "meta":
             self.init_weights()
 
@@ -66,7 +66,8 @@ class Transformer(nn.Module):
         return self.lm_head(self.norm(h_BSD))
 
     def moe_layers(self) -> dict[int, MoELayer]:
-        return {int(i): b.mlp for i, b in self.blocks.items() if b.is_moe}
+        """MoE layers by block index (core.moe.moe_layers over this model)."""
+        return moe_layers(self)
 
 
 def cross_entropy_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:

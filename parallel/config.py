@@ -63,8 +63,9 @@ class ParallelConfig(Config):
     """Virtual stages per rank (interleaved and zero-bubble schedules need >= 2)."""
     pp_split: PipelineSplit = PipelineSplit.layers
     """How blocks are cut into stages (see PipelineSplit)."""
-    ep_dispatch: ExpertDispatch = ExpertDispatch.auto
-    """How expert-parallel dispatch sizes its all-to-all (see ExpertDispatch)."""
+    ep_dispatch: str = ExpertDispatch.auto
+    """How expert-parallel dispatch sizes its all-to-all: auto or a registered dispatcher's mode
+    (the built-in ones: see ExpertDispatch; more through parallel.expert.register_dispatcher)."""
     ep_capacity_factor: float = 2.0
     """sync_free: each rank receives at most factor x its fair share of rows from each peer;
     all_gather: each rank's expert buffer holds at most factor x its fair share of all slots (at
@@ -84,6 +85,10 @@ class ParallelConfig(Config):
             raise ConfigError("parallel.tp > 1 is not implemented yet: use dp_shard, ep and pp")
         if self.pp_microbatches is not None and self.pp_microbatches < 1:
             raise ConfigError(f"parallel.pp_microbatches must be >= 1, got {self.pp_microbatches}")
+        from .expert import DISPATCHERS  # registered beside the dispatchers (they import this module)
+
+        if self.ep_dispatch != ExpertDispatch.auto:
+            DISPATCHERS.lookup(self.ep_dispatch, "parallel.ep_dispatch")
         if self.ep_capacity_factor <= 0:
             raise ConfigError("parallel.ep_capacity_factor must be positive")
         multi = self.pp_schedule in (PipelineSchedule.interleaved_1f1b, PipelineSchedule.zero_bubble)

@@ -7,7 +7,7 @@ A strategy is a class with a ``name``, an ``order`` and three methods::
         order = 35                       # between expert (20) and data (40)
         def enabled(self, state) -> bool: ...
         def validate(self, state) -> None: ...   # raise ConfigError saying what to change
-        def apply(self, state) -> None: ...      # edit state.model_parts / state.step_fn in place
+        def apply(self, state) -> None: ...      # edit state.model_parts / state.step_fn ... in place
 
     register_strategy(MyStrategy)
 
@@ -31,25 +31,71 @@ from typing import Any, Callable
 from torch import nn
 
 from moetron.core.config import ConfigError
+from moetron.core.precision import PrecisionPolicy
+from moetron.core.registry import Registry
 
 from .config import ParallelConfig
 from .mesh import ParallelMesh
+from .model import ModelShape
+
+
+@dataclass
+class PipelineLayout:
+    """How the pipeline strategy cut the model (for logs and tests)."""
+
+    num_stages: int
+    stage_ids: list[int]
+    """The stages this rank runs."""
+    blocks: list[list[str]]
+    """Block keys of each of this rank's stages."""
+    n_microbatches: int
+    schedule: str
 
 
 @dataclass
 class ParallelState:
-    """What the strategies transform: the model parts this rank runs, and how a step runs."""
+    """What the strategies transform, and what they read and report, as typed fields.
+
+    The run fills the inputs; apply_strategies() fills ``enabled`` before any strategy applies
+    (so a strategy may ask whether a later one will run) and ``applied`` after.
+    """
 
     model_parts: list[nn.Module]
-    """This rank's modules: the whole model, or its pipeline stages (several when interleaved)."""
+    """This rank's modules: the whole model, or its pipeline stages (several when interleaved);
+    each is a ParallelModel (moetron.parallel.model) or a stage of one."""
     mesh: ParallelMesh
     cfg: ParallelConfig
-    model_cfg: Any
+    model_cfg: ModelShape
     """The model's config (counts, layer types); strategies read it, never import models."""
     device: Any = None
+
+    # ---- inputs from the run ----------------------------------------------------------------
+    precision: PrecisionPolicy = field(default_factory=PrecisionPolicy.full)
+    """The run's precision: autocast, FSDP2 mixed precision, pipeline boundary dtype."""
+    loss_fn: Callable | None = None
+    """loss(logits [b, S, V], labels [b, S]) -> mean; the pipeline needs it."""
+    seq_len: int | None = None
+    """Training sequence length (the pipeline's FLOPs split reads it)."""
+    local_batch_size: int | None = None
+    """Sequences per rank per step (checked against the pipeline's micro-batches up front)."""
+
+    # ---- set by the strategies --------------------------------------------------------------
+    enabled: list[str] = field(default_factory=list)
+    """Names of the strategies that will be applied, in order (set before any applies)."""
+    applied: list[str] = field(default_factory=list)
     step_fn: Callable | None = None
     """If set (pipeline), runs forward+backward of one rank batch: step_fn(batch) -> loss."""
-    extras: dict[str, Any] = field(default_factory=dict)
+    eval_fn: Callable | None = None
+    """If set (pipeline), the forward-only loss of one rank batch: eval_fn(batch) -> loss."""
+    grad_norm_groups: tuple = ()
+    """Groups across which the model is split (pipeline stages): grad norms and MoE stats span them."""
+    ep_dispatch: str | None = None
+    """The expert-parallel dispatch chosen (auto resolved), None without expert parallelism."""
+    pipeline: PipelineLayout | None = None
+    grad_sync: Callable[[bool], None] | None = None
+    """If set (FSDP2), grad_sync(False) keeps the next backward's gradients unreduced (accumulated
+    locally), grad_sync(True) reduces them; the trainer calls it per micro-batch when
+    parallel.grad_sync=step."""
 
 
 class ParallelStrategy:
@@ -66,17 +112,12 @@ class ParallelStrategy:
         raise NotImplementedError
 
 
-STRATEGIES: dict[str, type[ParallelStrategy]] = {}
+STRATEGIES: Registry[type[ParallelStrategy]] = Registry("parallel strategy")
 
 
 def register_strategy(cls: type[ParallelStrategy]) -> type[ParallelStrategy]:
     """Add a strategy class (usable as a decorator); its name must be new."""
-    if not cls.name:
-        raise ConfigError(f"strategy {cls.__name__} needs a name")
-    if cls.name in STRATEGIES and STRATEGIES[cls.name] is not cls:
-        raise ConfigError(f"a parallel strategy named {cls.name!r} is already registered")
-    STRATEGIES[cls.name] = cls
-    return cls
+    return STRATEGIES.add(cls.name, cls)
 
 
 def apply_strategies(state: ParallelState) -> ParallelState:
@@ -86,9 +127,10 @@ def apply_strategies(state: ParallelState) -> ParallelState:
         raise ConfigError(f"unknown parallel strategies {unknown}: registered are {sorted(STRATEGIES)}")
     chosen = sorted((cls() for cls in STRATEGIES.values()), key=lambda s: s.order)
     chosen = [s for s in chosen if s.enabled(state)]
+    state.enabled = [s.name for s in chosen]
     for s in chosen:
         s.validate(state)
     for s in chosen:
         s.apply(state)
-    state.extras["applied"] = [s.name for s in chosen]
+        state.applied.append(s.name)
     return state

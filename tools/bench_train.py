@@ -24,6 +24,7 @@ import torch
 from moetron.core.config import ConfigError
 from moetron.core.metrics import mfu, model_tflops_per_device, peak_tflops, run_environment
 from moetron.core.optim import OptimizerConfig, SchedulerConfig
+from moetron.core.precision import PrecisionConfig
 from moetron.core.trainer import Trainer, TrainerConfig
 from moetron.models import ModelConfig, cross_entropy_loss
 
@@ -48,15 +49,17 @@ class RandomTokens:
 def measure(model_cfg: ModelConfig, args, device: torch.device) -> dict:
     torch.manual_seed(0)
     model = model_cfg.build(device=device)
+    precision = PrecisionConfig(recipe=args.precision).build(device)
+    precision.apply(model)
     if args.compile:
         for block in model.blocks.values():
             block.compile()
     optimizer = OptimizerConfig().build(model)
     scheduler = SchedulerConfig(warmup_steps=0).build(optimizer, 10_000)
-    tcfg = TrainerConfig(steps=10_000, precision=args.precision, micro_batch_size=args.micro_batch, run_dir="")
+    tcfg = TrainerConfig(steps=10_000, micro_batch_size=args.micro_batch, run_dir="")
     data = RandomTokens(model_cfg.vocab_size, args.batch, args.seq_len, device)
     trainer = Trainer(tcfg, model, cross_entropy_loss, optimizer, scheduler, data,
-                      model_cfg.flops_per_token(args.seq_len), device)
+                      model_cfg.flops_per_token(args.seq_len), device, precision=precision)
     for _ in range(args.warmup):
         trainer.train_step(data.next_batch())
     if device.type == "cuda":

@@ -24,6 +24,7 @@ from moetron.core.checkpoint import CheckpointConfig, Checkpointer, CheckpointEr
 from moetron.core.config import Config, ConfigError
 from moetron.core.distributed import barrier, init_distributed, is_main, pick_device
 from moetron.core.optim import OptimizerConfig, SchedulerConfig
+from moetron.core.precision import PrecisionConfig
 from moetron.core.trainer import Trainer, TrainerConfig
 from moetron.data.loader import DataConfig
 from moetron.models import ModelConfig, cross_entropy_loss
@@ -43,6 +44,7 @@ class PretrainConfig(Config):
     optimizer: OptimizerConfig = dataclasses.field(default_factory=lambda: OptimizerConfig(lr=3e-3))
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
 
@@ -93,6 +95,8 @@ def build(cfg: PretrainConfig, device: torch.device, world: int, checkpointer: C
                           pin_memory=device.type == "cuda")  # the trainer's non_blocking copy is then async
     seed_everything(cfg.trainer.seed)
     model = cfg.model.build(device=device)  # identical on every rank: same seed
+    precision = cfg.precision.build(device)
+    precision.apply(model)  # the GEMM backend of every linear and of the experts
     if is_main():
         print(f"run {cfg.name}: {cfg.model.describe()}, {world} rank(s) on {device.type}, {mesh.describe()}",
               flush=True)
@@ -100,15 +104,14 @@ def build(cfg: PretrainConfig, device: torch.device, world: int, checkpointer: C
         for block in model.blocks.values():
             block.compile()
     state = ParallelState(
-        [model], mesh, mesh.cfg, cfg.model, device,
-        extras={"loss_fn": cross_entropy_loss, "autocast_dtype": cfg.trainer.autocast_dtype(device),
-                "seq_len": cfg.data.seq_len},
+        [model], mesh, mesh.cfg, cfg.model, device, precision=precision, loss_fn=cross_entropy_loss,
+        seq_len=cfg.data.seq_len, local_batch_size=data.local_batch_size,
     )
     apply_strategies(state)
     if is_main():
-        print(f"parallel strategies applied: {state.extras['applied'] or 'none'}", flush=True)
-        if "ep_dispatch" in state.extras:
-            print(f"expert-parallel dispatch: {state.extras['ep_dispatch']}", flush=True)
+        print(f"parallel strategies applied: {state.applied or 'none'}", flush=True)
+        if state.ep_dispatch is not None:
+            print(f"expert-parallel dispatch: {state.ep_dispatch}", flush=True)
     parts = state.model_parts
     optimizer = cfg.optimizer.build(parts[0] if len(parts) == 1 else torch.nn.ModuleList(parts))
     scheduler = cfg.scheduler.build(optimizer, cfg.trainer.steps)
@@ -125,8 +128,10 @@ def build(cfg: PretrainConfig, device: torch.device, world: int, checkpointer: C
         run_metadata={"config": cfg.to_dict()},
         world_size=world,
         step_fn=state.step_fn,
-        eval_fn=state.extras.get("eval_fn"),
-        grad_norm_groups=state.extras.get("grad_norm_groups", ()),
+        eval_fn=state.eval_fn,
+        grad_norm_groups=state.grad_norm_groups,
+        precision=precision,
+        grad_sync=state.grad_sync,
         **trainer_kwargs,
     )
     return trainer, state

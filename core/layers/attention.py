@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import Config, ConfigError, StrEnum
+from .linear import Linear
 from .norm import RMSNorm
 from .rope import RopeScalingConfig, RotaryEmbedding, apply_rotary
 
@@ -141,10 +142,10 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.backend = cfg.backend
         q_width, kv_width = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(d_model, q_width, bias=False, device=device)
-        self.k_proj = nn.Linear(d_model, kv_width, bias=False, device=device)
-        self.v_proj = nn.Linear(d_model, kv_width, bias=False, device=device)
-        self.o_proj = nn.Linear(q_width, d_model, bias=False, device=device)
+        self.q_proj = Linear(d_model, q_width, device)
+        self.k_proj = Linear(d_model, kv_width, device)
+        self.v_proj = Linear(d_model, kv_width, device)
+        self.o_proj = Linear(q_width, d_model, device)
         self.q_norm = RMSNorm(q_width, norm_eps, device) if cfg.qk_norm else None
         self.k_norm = RMSNorm(kv_width, norm_eps, device) if cfg.qk_norm else None
         sliding = sliding_window is not None

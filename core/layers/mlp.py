@@ -6,13 +6,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .linear import Linear
+
 
 class SwiGLU(nn.Module):
     def __init__(self, d_model: int, hidden: int, device: torch.device | None = None):
         super().__init__()
-        self.gate_proj = nn.Linear(d_model, hidden, bias=False, device=device)
-        self.up_proj = nn.Linear(d_model, hidden, bias=False, device=device)
-        self.down_proj = nn.Linear(hidden, d_model, bias=False, device=device)
+        self.gate_proj = Linear(d_model, hidden, device)
+        self.up_proj = Linear(d_model, hidden, device)
+        self.down_proj = Linear(hidden, d_model, device)
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x_BSD)) * self.up_proj(x_BSD))

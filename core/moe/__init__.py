@@ -3,7 +3,7 @@
 from .config import ExpertsBackend, LoadBalanceGranularity, MoEConfig, RouterConfig, RouterScore
 from .dispatcher import DispatchResult, LocalDispatcher, TokenDispatcher
 from .experts import GroupedExperts
-from .layer import MoELayer
+from .layer import MoELayer, moe_layers
 from .router import Router, RouterOutput, load_balance_loss, z_loss
 
 __all__ = [
@@ -20,5 +20,6 @@ __all__ = [
     "RouterScore",
     "TokenDispatcher",
     "load_balance_loss",
+    "moe_layers",
     "z_loss",
 ]

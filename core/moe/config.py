@@ -36,6 +36,8 @@ class ExpertsBackend(StrEnum):
 
 @dataclasses.dataclass
 class RouterConfig(Config):
+    kind: str = "topk"
+    """Router class, by its registered name (core.moe.router.ROUTERS; "topk": token-choice top-k)."""
     score: RouterScore = RouterScore.softmax
     """Score function over the router logits (see RouterScore)."""
     top_k: int = 4
@@ -61,6 +63,9 @@ class RouterConfig(Config):
     """Weight of the router z-loss mean(logsumexp(logits)^2); 0 turns it off."""
 
     def validate_for(self, num_experts: int) -> None:
+        from .router import ROUTERS  # the registry lives beside the routers (they import this module)
+
+        ROUTERS.lookup(self.kind, "model.moe.router.kind")
         if self.top_k <= 0:
             raise ConfigError(f"model.moe.router.top_k must be positive, got {self.top_k}")
         if self.top_k > num_experts:

@@ -6,7 +6,8 @@ the per-local-expert offsets, and later brings the expert outputs back into toke
 routing weights. ``LocalDispatcher`` (all experts on this rank) is here; the expert-parallel
 all-to-all dispatcher lives in moetron.parallel and implements the same interface.
 
-Legend: T tokens, D model dim, K experts per token, E experts, R expert-sorted rows.
+Legend: T tokens, D model dim, K experts per token, E experts (all of them), L this rank's experts
+(E without expert parallelism), R expert-sorted rows.
 """
 
 from __future__ import annotations
@@ -21,10 +22,13 @@ from .kernels.ops import combine_rows, route, scatter_rows
 
 @dataclass
 class DispatchResult:
+    """What dispatch() hands the experts (x_RD, offsets_L), the layer's metrics (the counts) and
+    combine() (state)."""
+
     x_RD: torch.Tensor
-    """Rows for this rank's experts, grouped by local expert."""
-    offsets_E: torch.Tensor
-    """int32 [local experts], inclusive cumsum of rows per local expert (torch._grouped_mm's offs)."""
+    """[R, D] rows for this rank's experts, grouped by local expert (compute dtype)."""
+    offsets_L: torch.Tensor
+    """int32 [L], inclusive cumsum of rows per local expert (torch._grouped_mm's offs)."""
     tokens_per_expert_E: torch.Tensor
     """int32 [all experts], slots routed to each expert by this rank's tokens, before dropping."""
     kept_per_expert_E: torch.Tensor
@@ -37,13 +41,18 @@ class TokenDispatcher:
     """Interface: the MoE layer calls dispatch(), runs the local experts, then combine()."""
 
     num_local_experts: int
+    """L: the experts whose rows dispatch() returns."""
 
     def dispatch(
         self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, num_experts: int, capacity: int | None
     ) -> DispatchResult:
+        """x_TD [T, D] tokens, topk_ids_TK int [T, K] their experts (of all E = num_experts),
+        capacity: slots each expert may take (None: dropless) -> this rank's experts' rows."""
         raise NotImplementedError
 
     def combine(self, y_RD: torch.Tensor, topk_weights_TK: torch.Tensor, result: DispatchResult) -> torch.Tensor:
+        """y_RD [R, D] the experts' outputs for result.x_RD, topk_weights_TK [T, K] -> [T, D]:
+        each token's weighted sum over its kept slots, in token order."""
         raise NotImplementedError
 
 

@@ -1,6 +1,7 @@
 """Routed experts: SwiGLU weights stacked experts-first so one grouped GEMM runs all local experts.
 
-Legend: R expert-sorted rows, D model dim, F expert hidden, E local experts.
+Legend: R expert-sorted rows, D model dim, F expert hidden, E experts held here (the local ones
+under expert parallelism), I / O a GEMM's input (reduction) and output dims.
 Weights are [E, out, in] like nn.Linear: w_gate_up_E2FD holds gate (first F rows) and up (next F).
 """
 
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..precision.gemm import DEFAULT_GEMM, GemmBackend, compute_dtype
 from .config import ExpertsBackend
 
 
@@ -34,50 +36,63 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
+def loop_grouped_mm(gemm: GemmBackend, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """grouped_mm as a Python loop of ``gemm.linear`` over the groups, reading the offsets on the
+    host: the CPU path and the reference, never the GPU hot path. Rows past offsets_E[-1] are 0."""
+    out_RO = x_RI.new_zeros(x_RI.shape[0], w_EOI.shape[1])
+    start = 0
+    for e, end in enumerate(offsets_E.tolist()):
+        if end > start:
+            out_RO[start:end] = gemm.linear(x_RI[start:end], w_EOI[e]).to(out_RO.dtype)
+        start = end
+    return out_RO
+
+
+def _fused_grouped_mm(gemm: GemmBackend, x_RI, w_EOI, offsets_E):
+    return gemm.grouped_mm(x_RI, w_EOI, offsets_E)
+
+
+def _auto_grouped_mm(gemm: GemmBackend, x_RI, w_EOI, offsets_E):
+    # The device is known only when the rows arrive (a model may be built on the CPU, then moved).
+    return (_fused_grouped_mm if x_RI.is_cuda else loop_grouped_mm)(gemm, x_RI, w_EOI, offsets_E)
+
+
+_GROUPED_MM = {
+    ExpertsBackend.grouped_mm: _fused_grouped_mm,
+    ExpertsBackend.loop: loop_grouped_mm,
+    ExpertsBackend.auto: _auto_grouped_mm,
+}
+
+
 class GroupedExperts(nn.Module):
+    """The routed experts' SwiGLUs, stacked: ``w_gate_up`` [E, 2F, D] (gate rows, then up rows) and
+    ``w_down`` [E, D, F] (E experts here; a DTensor over all experts, Shard(0), under expert
+    parallelism, whose local shard is used). ``backend`` (ExpertsBackend) picks how the groups
+    run, ``gemm`` (core.precision, installed by the PrecisionPolicy) the GEMM itself."""
+
     def __init__(self, num_experts: int, d_model: int, hidden: int, backend: ExpertsBackend, device=None):
         super().__init__()
         self.num_experts, self.d_model, self.hidden = num_experts, d_model, hidden
-        self.backend = backend
+        self.backend = ExpertsBackend(backend)
+        self._grouped_mm = _GROUPED_MM[self.backend]
+        self.gemm: GemmBackend = DEFAULT_GEMM
         # Under expert parallelism an expert's gradient sums the tokens of every data-parallel
         # rank (the all-to-all brings them in) while dense gradients are averaged over those ranks;
-        # the data-parallel strategy sets this to 1 / ep so the two agree (works on any backend,
-        # unlike a PREMUL_SUM reduce-scatter, which gloo lacks).
+        # the expert strategy sets this to 1 / ep so the two agree (works on any backend, unlike
+        # a PREMUL_SUM reduce-scatter, which gloo lacks).
         self.grad_scale = 1.0
         self.w_gate_up = nn.Parameter(torch.empty(num_experts, 2 * hidden, d_model, device=device))
         self.w_down = nn.Parameter(torch.empty(num_experts, d_model, hidden, device=device))
 
-    def forward(self, x_RD: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-        """Rows of expert e are [offsets_E[e-1], offsets_E[e]) (inclusive cumsum); returns [R, D].
+    def forward(self, x_RD: torch.Tensor, offsets_L: torch.Tensor) -> torch.Tensor:
+        """x_RD [R, D] expert-sorted rows, offsets_L int [E]: rows of expert e (the e-th held
+        here) are [offsets_L[e-1], offsets_L[e]) (inclusive cumsum) -> [R, D].
 
-        Rows past offsets_E[-1] (capacity padding) are left unspecified; nobody reads them.
+        Rows past offsets_L[-1] (capacity padding) are left unspecified; nobody reads them.
         """
-        backend = self.backend
-        if backend == ExpertsBackend.auto:
-            backend = ExpertsBackend.grouped_mm if x_RD.is_cuda else ExpertsBackend.loop
-        if backend == ExpertsBackend.grouped_mm:
-            return self._grouped(x_RD, offsets_E)
-        return self._loop(x_RD, offsets_E)
-
-    def _grouped(self, x_RD: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x_RD.dtype
-        x_RD = x_RD.to(dtype)
-        offs = offsets_E.to(torch.int32)
-        h_R2F = torch._grouped_mm(x_RD, _local(self.w_gate_up, self.grad_scale).to(dtype).transpose(-2, -1), offs=offs)
+        x_RD = x_RD.to(compute_dtype(x_RD))
+        w_gate_up_E2FD = _local(self.w_gate_up, self.grad_scale)
+        w_down_EDF = _local(self.w_down, self.grad_scale)
+        h_R2F = self._grouped_mm(self.gemm, x_RD, w_gate_up_E2FD, offsets_L)
         gate_RF, up_RF = h_R2F.chunk(2, dim=-1)
-        a_RF = F.silu(gate_RF) * up_RF
-        return torch._grouped_mm(a_RF, _local(self.w_down, self.grad_scale).to(dtype).transpose(-2, -1), offs=offs)
-
-    def _loop(self, x_RD: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-        # Reads the offsets on the host: the CPU path and the reference, never the GPU hot path.
-        ends = offsets_E.tolist()
-        w_gate_up, w_down = _local(self.w_gate_up, self.grad_scale), _local(self.w_down, self.grad_scale)
-        out_RD = x_RD.new_zeros(x_RD.shape[0], self.d_model)
-        start = 0
-        for e, end in enumerate(ends):
-            if end > start:
-                x = x_RD[start:end]
-                gate, up = F.linear(x, w_gate_up[e]).chunk(2, dim=-1)
-                out_RD[start:end] = F.linear(F.silu(gate) * up, w_down[e]).to(out_RD.dtype)
-            start = end
-        return out_RD
+        return self._grouped_mm(self.gemm, F.silu(gate_RF) * up_RF, w_down_EDF, offsets_L)

@@ -2,7 +2,9 @@
 
 One averaged number hides imbalance, so every layer's and every expert's load is kept: the log line
 shows the worst layer, and ``moe_load.npz`` in the run dir holds the arrays for plots
-(tokens_per_expert [records, layers, experts], expert_bias likewise, max_violation [records, layers]).
+(tokens_per_expert [records, layers, experts], expert_bias likewise, max_violation [records, layers],
+and each aux loss per layer, lb_loss / z_loss [records, layers]). The aux losses logged as
+``lb_loss`` / ``z_loss`` are these per-layer values summed over layers.
 """
 
 from __future__ import annotations
@@ -12,15 +14,19 @@ import os
 import numpy as np
 import torch
 
+AUX_LOSSES = ("lb_loss", "z_loss")
+"""The MoE layers' auxiliary losses, as named in pop_load_stats() and the logs."""
+
 
 def summarize(layer_stats: dict[int, dict[str, torch.Tensor]]) -> dict[str, np.ndarray]:
     """Stack the per-layer stats of MoELayer.pop_load_stats() (one host transfer) into arrays."""
     layers = sorted(layer_stats)
     has_bias = all("expert_bias" in layer_stats[i] for i in layers)
-    # Per layer [tokens_per_expert (E), dropped, entropy, expert_bias (E)?]: one stack, one copy.
+    aux = [name for name in AUX_LOSSES if all(name in layer_stats[i] for i in layers)]
+    # Per layer [tokens_per_expert (E), dropped, entropy, aux losses, expert_bias (E)?]: one stack, one copy.
     packed_L = torch.stack([
         torch.cat([s["tokens_per_expert"], s["dropped"][None], s["entropy"][None]]
-                  + ([s["expert_bias"]] if has_bias else []))
+                  + [s[name][None] for name in aux] + ([s["expert_bias"]] if has_bias else []))
         for s in (layer_stats[i] for i in layers)
     ]).cpu().numpy()
     E = layer_stats[layers[0]]["tokens_per_expert"].numel()
@@ -31,10 +37,12 @@ def summarize(layer_stats: dict[int, dict[str, torch.Tensor]]) -> dict[str, np.n
         "dropped": packed_L[:, E],
         "entropy": packed_L[:, E + 1],
     }
+    for j, name in enumerate(aux):
+        out[name] = packed_L[:, E + 2 + j]
     mean_L = tokens_LE.mean(axis=1)
     out["max_violation"] = np.where(mean_L > 0, tokens_LE.max(axis=1) / np.maximum(mean_L, 1e-9) - 1.0, 0.0)
     if has_bias:
-        out["expert_bias"] = packed_L[:, E + 2:]
+        out["expert_bias"] = packed_L[:, E + 2 + len(aux):]
     return out
 
 
@@ -62,4 +70,5 @@ class LoadLog:
             "moe_mean_violation": float(summary["max_violation"].mean()),
             "moe_entropy": float(summary["entropy"].mean()),
             "moe_dropped_frac": float(summary["dropped"].sum() / total) if total else 0.0,
+            **{name: float(summary[name].sum()) for name in AUX_LOSSES if name in summary},
         }

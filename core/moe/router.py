@@ -10,9 +10,9 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
+from ..registry import Registry
 from .config import LoadBalanceGranularity, RouterConfig, RouterScore
 
 
@@ -27,11 +27,39 @@ class RouterOutput(NamedTuple):
     """fp32 [T, E] raw router logits."""
 
 
+def _softmax_scores(logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scores_TE = logits_TE.softmax(dim=-1)
+    return scores_TE, scores_TE
+
+
+def _sigmoid_scores(logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scores_TE = logits_TE.sigmoid()
+    return scores_TE, scores_TE / scores_TE.sum(dim=-1, keepdim=True)
+
+
+SCORE_FUNCTIONS = {RouterScore.softmax: _softmax_scores, RouterScore.sigmoid: _sigmoid_scores}
+"""logits [T, E] -> (scores [T, E] the top-k weights come from, probs [T, E] summing to 1 per token)."""
+
+ROUTERS: Registry[type[nn.Module]] = Registry("router")
+"""Router classes by ``model.moe.router.kind``; add one with register_router."""
+
+
+def register_router(name: str):
+    """Class decorator: make a router selectable as ``model.moe.router.kind=name``. The class is
+    built as ``cls(d_model, num_experts, cfg: RouterConfig, device)`` and its forward maps
+    x_TD [T, D] to a RouterOutput."""
+    return lambda cls: ROUTERS.add(name, cls)
+
+
+@register_router("topk")
 class Router(nn.Module):
+    """Token-choice top-k: x_TD [T, D] -> RouterOutput (see there for shapes)."""
+
     def __init__(self, d_model: int, num_experts: int, cfg: RouterConfig, device=None):
         super().__init__()
         self.cfg = cfg
         self.num_experts = num_experts
+        self._scores = SCORE_FUNCTIONS[RouterScore(cfg.score)]
         # Kept in fp32 and applied in fp32 whatever the autocast: routing decisions are sensitive.
         self.weight = nn.Parameter(torch.empty(num_experts, d_model, device=device))
         if cfg.expert_bias:
@@ -43,12 +71,7 @@ class Router(nn.Module):
         dtype = torch.promote_types(x_TD.dtype, torch.float32)  # at least fp32, whatever the autocast
         with torch.autocast(x_TD.device.type, enabled=False):
             logits_TE = x_TD.to(dtype) @ self.weight.to(dtype).t()
-        if self.cfg.score == RouterScore.softmax:
-            scores_TE = logits_TE.softmax(dim=-1)
-            probs_TE = scores_TE
-        else:
-            scores_TE = logits_TE.sigmoid()
-            probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
+        scores_TE, probs_TE = self._scores(logits_TE)
         # The bias steers only which experts are chosen; the weights come from the unbiased scores.
         select_TE = scores_TE.detach()
         if self.expert_bias is not None:

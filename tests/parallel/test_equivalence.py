@@ -32,7 +32,7 @@ TINY = [
     "--model.moe.router.lb_granularity=micro_batch", "--model.moe.router.z_loss_weight=0.001",
     "--data.seq_len=16", "--data.global_batch_size=8", "--data.corpus_vocab_size=512",
     "--data.corpus_max_bytes=300000", f"--trainer.steps={STEPS}", "--scheduler.warmup_steps=1",
-    "--trainer.precision=fp32", "--trainer.device=cpu", "--trainer.eval_batches=0", "--trainer.log_interval=1",
+    "--precision.recipe=fp32", "--trainer.device=cpu", "--trainer.eval_batches=0", "--trainer.log_interval=1",
     "--optimizer.lr=1e-2",
 ]
 
@@ -103,8 +103,8 @@ def _run(rank, world, mode, args, out, data_dir):
             loss /= world
         losses.append(loss.item())
     if rank == 0:
-        torch.save({"losses": losses, "grads": grads, "grad_norms": norms, "applied": state.extras["applied"],
-                    "ep_dispatch": str(state.extras.get("ep_dispatch"))}, os.path.join(out, "result.pt"))
+        torch.save({"losses": losses, "grads": grads, "grad_norms": norms, "applied": state.applied,
+                    "ep_dispatch": str(state.ep_dispatch)}, os.path.join(out, "result.pt"))
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,9 @@
 after AdamW steps, MoE aux losses included; checkpoints portable between layouts; config errors.
 
 The oracle runs the same micro-batches one after another on the whole model and adds the MoE aux
-losses with the LM loss' weight (the load-balance loss depends on the micro-batch, so the oracle
-splits the batch the same way, as the Trainer's gradient accumulation does).
+losses, computed by hand from each router's output, with the LM loss' weight (the load-balance
+loss depends on the micro-batch, so the oracle splits the batch the same way, as the Trainer's
+gradient accumulation does); the layers' own attached losses are switched off there (scale 0).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from moetron.core.checkpoint import CheckpointConfig, Checkpointer  # noqa: E402
 from moetron.core.config import ConfigError  # noqa: E402
 from moetron.core.layers.attention import AttentionConfig  # noqa: E402
 from moetron.core.moe.config import MoEConfig, RouterConfig  # noqa: E402
-from moetron.core.moe.layer import MoELayer  # noqa: E402
+from moetron.core.moe.aux_loss import aux_loss_scale  # noqa: E402
+from moetron.core.moe.layer import MoELayer, moe_layers  # noqa: E402
+from moetron.core.moe.router import load_balance_loss, z_loss  # noqa: E402
 from moetron.models import ModelConfig  # noqa: E402
 from moetron.models.transformer import Transformer, cross_entropy_loss  # noqa: E402
 from moetron.parallel.config import ParallelConfig  # noqa: E402
@@ -58,13 +61,23 @@ def _reference(n_micro: int):
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, aux0, gnorm0 = [], None, None
+    routed = []  # (router output, micro-batch sequences) of every MoE layer's forward
+    for layer in model.moe_layers().values():
+        layer.router.register_forward_hook(lambda mod, args, out: routed.append(out))
+    rcfg = _model_cfg().moe.router
     for step, batch in enumerate(_batches()):
         loss_sum, aux_sum = 0.0, {}
         for mb in batch.chunk(n_micro):
-            loss = cross_entropy_loss(model(mb[:, :-1]), mb[:, 1:]) / n_micro
+            routed.clear()
+            with aux_loss_scale(0.0):  # the oracle adds the aux losses itself
+                loss = cross_entropy_loss(model(mb[:, :-1]), mb[:, 1:]) / n_micro
             total = loss
-            for layer in model.moe_layers().values():
-                for name, value in layer.aux_losses.items():
+            for r in routed:
+                counts_E = torch.bincount(r.topk_ids_TK.reshape(-1), minlength=r.probs_TE.shape[1])
+                aux = {"lb_loss": rcfg.lb_loss_weight * load_balance_loss(r.probs_TE, r.topk_ids_TK, counts_E,
+                                                                          "micro_batch", mb.shape[0]),
+                       "z_loss": rcfg.z_loss_weight * z_loss(r.logits_TE)}
+                for name, value in aux.items():
                     total = total + value / n_micro
                     aux_sum[name] = aux_sum.get(name, 0.0) + value.item() / n_micro
             total.backward()
@@ -81,12 +94,22 @@ def _reference(n_micro: int):
 def _apply(cfg: ParallelConfig, world_size: int, model: torch.nn.Module) -> ParallelState:
     mesh = ParallelMesh.build(cfg, world_size, "cpu")
     state = ParallelState([model], mesh, mesh.cfg, _model_cfg(), device=torch.device("cpu"),
-                          extras={"loss_fn": cross_entropy_loss})
+                          loss_fn=cross_entropy_loss)
     strategy = PipelineParallel()
     assert strategy.enabled(state)
     strategy.validate(state)
     strategy.apply(state)
     return state
+
+
+def _logged_aux(state: ParallelState) -> dict[str, float]:
+    """The aux losses the trainer logs for the step just run: every layer's, on every stage."""
+    stats = [layer.pop_load_stats() for layer in moe_layers(state.model_parts).values()]
+    names = sorted({k for s in stats for k in ("lb_loss", "z_loss") if k in s})
+    vec = torch.stack([sum(s[k] for s in stats) for k in names])
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(vec)  # pp ranks hold different layers
+    return dict(zip(names, vec.tolist()))
 
 
 def _train(state: ParallelState):
@@ -98,8 +121,8 @@ def _train(state: ParallelState):
     for step, batch in enumerate(_batches()):
         loss = state.step_fn(batch)
         if step == 0:
-            aux0 = {k: v.item() for k, v in state.step_fn.last_aux_losses.items()}
-            gnorm0 = clip_grad_norm_(params, 1e9, state.extras["grad_norm_groups"]).item()
+            aux0 = _logged_aux(state)
+            gnorm0 = clip_grad_norm_(params, 1e9, state.grad_norm_groups).item()
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
@@ -121,8 +144,8 @@ def _check_pp2(rank: int, world_size: int, schedule: str, stages_per_rank: int, 
     cfg = ParallelConfig(pp=2, dp_shard=1, pp_schedule=schedule, pp_stages_per_rank=stages_per_rank,
                          pp_microbatches=n_micro)
     state = _apply(cfg, world_size, _model())
-    info = state.extras["pipeline"]
-    assert info["stage_ids"] == [rank + 2 * v for v in range(stages_per_rank)]
+    info = state.pipeline
+    assert info.stage_ids == [rank + 2 * v for v in range(stages_per_rank)]
     opt, losses, aux0, gnorm0 = _train(state)
     ref_model, ref_opt, ref_losses, ref_aux0, ref_gnorm0 = _reference(n_micro)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=0)
@@ -141,7 +164,7 @@ def _check_pp2(rank: int, world_size: int, schedule: str, stages_per_rank: int, 
     ref_model.eval()
     with torch.no_grad():
         batch = _batches()[0]
-        loss = state.extras["eval_fn"](batch)
+        loss = state.eval_fn(batch)
         ref = cross_entropy_loss(ref_model(batch[:, :-1]), batch[:, 1:])
     torch.testing.assert_close(loss, ref, rtol=RTOL, atol=ATOL)
 
@@ -204,9 +227,9 @@ def test_one_process_pipeline_matches_plain_run(schedule, stages_per_rank):
     assert aux0 == pytest.approx(ref_aux0, rel=RTOL)
     assert gnorm0 == pytest.approx(ref_gnorm0, rel=RTOL)
     _assert_matches(state.model_parts, ref_model, "one-process pipeline")
-    # The trainer logs MoE layers' aux_losses: after a step they hold the micro-batch mean.
+    # The trainer logs MoE layers' aux losses from their stats: every layer reports both.
     layers = [m for part in state.model_parts for m in part.modules() if isinstance(m, MoELayer)]
-    assert layers and all(set(m.aux_losses) == {"lb_loss", "z_loss"} for m in layers)
+    assert layers and all({"lb_loss", "z_loss"} <= set(m.pop_load_stats()) for m in layers)
 
 
 def test_split_stages_keeps_names_and_balances():
@@ -229,15 +252,15 @@ def test_split_stages_keeps_names_and_balances():
 
 def test_config_errors():
     cfg = ParallelConfig(pp=8, dp_shard=1).resolve(8)
-    state = ParallelState([_model()], ParallelMesh(cfg, None), cfg, _model_cfg(), extras={"loss_fn": cross_entropy_loss})
+    state = ParallelState([_model()], ParallelMesh(cfg, None), cfg, _model_cfg(), loss_fn=cross_entropy_loss)
     with pytest.raises(ConfigError, match=r"parallel.pp=8 x stages_per_rank=1 = 8 stages but the model has 4 layers"):
         PipelineParallel().validate(state)
     cfg = ParallelConfig(pp=2, dp_shard=1, pp_microbatches=1).resolve(2)
-    state = ParallelState([_model()], ParallelMesh(cfg, None), cfg, _model_cfg(), extras={"loss_fn": cross_entropy_loss})
+    state = ParallelState([_model()], ParallelMesh(cfg, None), cfg, _model_cfg(), loss_fn=cross_entropy_loss)
     with pytest.raises(ConfigError, match=r"pp_microbatches >= the number of stages \(2\)"):
         PipelineParallel().validate(state)
     state.cfg = ParallelConfig(pp=2, dp_shard=1, pp_microbatches=4).resolve(2)
-    state.extras["local_batch_size"] = 6
+    state.local_batch_size = 6
     with pytest.raises(ConfigError, match=r"batch of 6 sequences.*pp_microbatches=4"):
         PipelineParallel().validate(state)
     with pytest.raises(ConfigError, match=r"at most 4 stages"):

@@ -21,9 +21,10 @@ class FreezeEmbedding(ParallelStrategy):
             embed = getattr(part, "embed", None)
             if embed is not None:
                 embed.weight.requires_grad_(False)
-        state.extras.setdefault("log", []).append(self.name)
+        APPLIED_LOG.append(self.name)
 
 
+APPLIED_LOG: list[str] = []
 register_strategy(FreezeEmbedding)
 
 
@@ -34,7 +35,7 @@ def test_toy_strategy_trains(tmp_path, monkeypatch):
     cfg, _ = pretrain.parse_args(["--preset", "tiny-moe", *TINY, f"--trainer.run_dir={tmp_path}/run",
                                   "--parallel.strategies=[freeze_embedding]"])
     trainer, state = pretrain.build(cfg, torch.device("cpu"), 1)
-    assert state.extras["applied"] == ["freeze_embedding"] and state.extras["log"] == ["freeze_embedding"]
+    assert state.applied == ["freeze_embedding"] and APPLIED_LOG == ["freeze_embedding"]
     model = state.model_parts[0]
     embed0, head0 = model.embed.weight.clone(), model.lm_head.weight.clone()
     losses = [trainer.train_step(trainer.data.next_batch())[0].item() for _ in range(3)]

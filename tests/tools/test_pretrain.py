@@ -16,7 +16,7 @@ SMALL = [
     "--model.attention.n_heads=4", "--model.attention.n_kv_heads=2", "--model.sliding_window=16",
     "--data.seq_len=32", "--data.global_batch_size=4", "--data.corpus_vocab_size=512",
     "--data.corpus_max_bytes=400000", "--trainer.log_interval=1", "--trainer.eval_interval=0",
-    "--trainer.eval_batches=2", "--trainer.precision=fp32", "--scheduler.warmup_steps=2", "--trainer.device=cpu",
+    "--trainer.eval_batches=2", "--precision.recipe=fp32", "--scheduler.warmup_steps=2", "--trainer.device=cpu",
 ]
 
 

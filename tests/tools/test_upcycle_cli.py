@@ -130,7 +130,7 @@ def test_pretrain_continues_from_upcycled(dense, tmp_path):
         [sys.executable, PRETRAIN, "--config", os.path.join(out, "pretrain.yaml"), "--trainer.steps=3",
          f"--trainer.run_dir={run_dir}", "--data.seq_len=32", "--data.global_batch_size=4",
          "--data.corpus_vocab_size=512", "--data.corpus_max_bytes=300000", "--trainer.eval_interval=0",
-         "--trainer.precision=fp32", "--scheduler.warmup_steps=1", "--trainer.device=cpu"],
+         "--precision.recipe=fp32", "--scheduler.warmup_steps=1", "--trainer.device=cpu"],
         capture_output=True, text=True, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"initialized the model from {out}" in proc.stdout

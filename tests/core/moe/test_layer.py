@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from moetron.core.config import ConfigError
+from moetron.core.moe.aux_loss import aux_loss_scale
 from moetron.core.moe import LoadBalanceGranularity, MoEConfig, MoELayer, RouterConfig, load_balance_loss, z_loss
 from moetron.models import ModelConfig
 
@@ -117,19 +118,47 @@ def test_z_loss_hand_value():
     assert z_loss(torch.tensor([[0.0, math.log(3.0)]])).item() == pytest.approx(math.log(4.0) ** 2)
 
 
+def _hand_aux_losses(layer, x):
+    """(lb_loss, z_loss) of layer's router on x, weighted 0.5 and 0.1, from the formulas by hand."""
+    r = layer.router(x.view(-1, D))
+    z = 0.1 * torch.logsumexp(r.logits_TE, dim=-1).square().mean()
+    # Switch loss by hand: E * sum_e (fraction of the 10 * 2 slots on e) * (mean prob of e)
+    f = torch.zeros(E, dtype=torch.float64).index_add_(0, r.topk_ids_TK.reshape(-1), torch.ones(20, dtype=torch.float64)) / 20
+    return 0.5 * E * (f * r.probs_TE.mean(0)).sum(), z
+
+
 def test_aux_losses_reported_and_weighted():
     layer = make_layer(router=dict(lb_loss_weight=0.5, z_loss_weight=0.1))
     x = torch.randn(2, 5, D, dtype=torch.float64)
     layer(x)
-    r = layer.router(x.view(-1, D))
-    assert set(layer.aux_losses) == {"lb_loss", "z_loss"}
-    assert layer.aux_losses["z_loss"].item() == pytest.approx(0.1 * z_loss(r.logits_TE).item())
-    # Switch loss by hand: E * sum_e (fraction of the 10 * 2 slots on e) * (mean prob of e)
-    f = torch.zeros(E, dtype=torch.float64).index_add_(0, r.topk_ids_TK.reshape(-1), torch.ones(20, dtype=torch.float64)) / 20
-    assert layer.aux_losses["lb_loss"].detach().item() == pytest.approx(0.5 * E * float((f * r.probs_TE.detach().mean(0)).sum()))
+    lb, z = _hand_aux_losses(layer, x)
+    stats = layer.pop_load_stats()
+    assert layer.aux_names == ("lb_loss", "z_loss")
+    assert stats["z_loss"].item() == pytest.approx(z.item())
+    assert stats["lb_loss"].item() == pytest.approx(lb.item())
+    with aux_loss_scale(0.25):  # a micro-batch of weight 1/4: reported (and trained) at that weight
+        layer(x)
+    assert layer.pop_load_stats()["z_loss"].item() == pytest.approx(0.25 * z.item())
     layer.eval()
     layer(x)
-    assert layer.aux_losses == {}  # evaluation adds no auxiliary losses
+    stats = layer.pop_load_stats()
+    assert stats["lb_loss"].item() == 0 and stats["z_loss"].item() == 0  # evaluation adds no auxiliary losses
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.25])
+def test_aux_losses_train_through_the_output(scale):
+    """The router gets the aux losses' gradient from the layer's output alone, at the step's scale."""
+    layer = make_layer(router=dict(lb_loss_weight=0.5, z_loss_weight=0.1))
+    x = torch.randn(2, 5, D, dtype=torch.float64)
+    with aux_loss_scale(scale):
+        (layer(x) * 0).sum().backward()  # the LM loss contributes nothing: only the attached losses
+    got = layer.router.weight.grad.clone()
+    layer.router.weight.grad = None
+    lb, z = _hand_aux_losses(layer, x)
+    (scale * (lb + z)).backward()
+    # rtol: the layer counts the routed fractions f_e in fp32
+    torch.testing.assert_close(got, layer.router.weight.grad, rtol=1e-6, atol=1e-9)
+    assert got.abs().sum() > 0
 
 
 def test_load_stats_match_routing():

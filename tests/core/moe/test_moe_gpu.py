@@ -28,7 +28,7 @@ def test_moe_forward_backward_has_no_host_sync(kw):
         try:
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 y = layer(x)
-                loss = y.float().square().mean() + sum(layer.aux_losses.values())
+                loss = y.float().square().mean()  # the z-loss rides on y
             loss.backward()
             layer.update_expert_bias()
         finally:

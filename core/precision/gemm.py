@@ -1,0 +1,85 @@
+"""GEMM backends: how dense linears and the grouped expert GEMM run, chosen at build time.
+
+A backend is a small class with two methods; modules that run GEMMs (core.layers.Linear, the MoE
+experts) hold one in ``.gemm`` and call it, so changing precision swaps an object, never adds an
+``if`` to a forward pass. ``PrecisionPolicy.apply(model)`` installs the run's backend.
+
+    class MyGemm(GemmBackend):
+        name = "my_gemm"
+        def linear(self, x_TI, w_OI): ...
+        def grouped_mm(self, x_RI, w_EOI, offsets_E): ...
+
+    register_gemm_backend(MyGemm)
+
+Legend: T tokens (any leading dims), I input (reduction) dim, O output dim, R expert-sorted rows,
+E groups (local experts).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from ..registry import Registry
+
+__all__ = ["GEMM_BACKENDS", "GemmBackend", "TorchGemm", "compute_dtype", "gemm_backend", "register_gemm_backend"]
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype GEMMs on ``x`` run in: autocast's dtype where autocast is on, else x's own."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+class GemmBackend:
+    """Interface. ``linear(x [..., I], w [O, I]) -> [..., O]``;
+    ``grouped_mm(x [R, I], w [E, O, I], offsets_E int [E]) -> [R, O]``: rows
+    [offsets_E[e-1], offsets_E[e]) times w[e]^T (inclusive cumsum; rows past offsets_E[-1] are
+    left unspecified). Both differentiable."""
+
+    name: ClassVar[str] = ""
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def grouped_mm(self, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class TorchGemm(GemmBackend):
+    """PyTorch's own GEMMs in the compute dtype: bf16 under autocast with fp32 master weights, or
+    fp32 without it. Dense: F.linear (autocast casts). Grouped: torch._grouped_mm on both
+    operands cast to the compute dtype (it takes no autocast itself)."""
+
+    name = "torch"
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, w)
+
+    def grouped_mm(self, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+        dtype = compute_dtype(x_RI)
+        return torch._grouped_mm(x_RI.to(dtype), w_EOI.to(dtype).transpose(-2, -1), offs=offsets_E.to(torch.int32))
+
+
+GEMM_BACKENDS: Registry[type[GemmBackend]] = Registry("GEMM backend")
+
+
+def register_gemm_backend(cls: type[GemmBackend]) -> type[GemmBackend]:
+    """Add a backend class (usable as a decorator); its name must be new."""
+    return GEMM_BACKENDS.add(cls.name, cls)
+
+
+def gemm_backend(name: str) -> GemmBackend:
+    """A new instance of the registered backend ``name`` (ConfigError naming the registered ones)."""
+    return GEMM_BACKENDS.lookup(name, "GEMM backend")()
+
+
+register_gemm_backend(TorchGemm)
+DEFAULT_GEMM = TorchGemm()
+"""What GEMM modules hold until a policy installs another (stateless, so one instance is shared)."""
