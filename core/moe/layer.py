@@ -4,8 +4,9 @@ Legend: B sequences, S sequence length, T = B*S tokens, D model dim, E experts (
 K experts per token, R rows of this rank's expert buffer, L this rank's experts (E without ep).
 
 The layer trains its own auxiliary losses (load balancing, router z-loss): in training they are
-attached to its output (core.moe.aux_loss: identity forward, their gradient injected in backward
-at the step's micro-batch weight), so no caller collects or weights them. Besides, it keeps on the
+attached to its combine weights, upstream of its output (core.moe.aux_loss: identity forward,
+their gradient injected in backward at the step's micro-batch weight), so no caller collects or
+weights them. Besides, it keeps on the
 device, without host syncs, running per-expert counts, dropped slots, routing entropy and the
 weighted aux-loss values, which the trainer reads at log steps (pop_load_stats) and turns into the
 expert-bias update after each optimizer step (update_expert_bias).
@@ -72,7 +73,8 @@ class MoELayer(nn.Module):
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         """x_BSD [B, S, D] -> [B, S, D]: the routed experts' weighted sum (+ the shared experts).
 
-        In training the aux losses ride on the returned tensor (see the module docstring).
+        In training the aux losses ride on the combine weights, so on the returned tensor's graph
+        (see the module docstring).
         """
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
@@ -81,15 +83,18 @@ class MoELayer(nn.Module):
         x_TD = x_TD.to(compute_dtype(x_TD))
         capacity = self.cfg.capacity(B * S)
         dispatched = self.dispatcher.dispatch(x_TD, routing.topk_ids_TK, self.num_experts, capacity)
-        y_RD = self.experts(dispatched.x_RD, dispatched.offsets_L)
-        out_TD = self.dispatcher.combine(y_RD, routing.topk_weights_TK, dispatched)
-        if self.shared is not None:
-            out_TD = out_TD + self.shared(x_TD)
+        weights_TK = routing.topk_weights_TK
         if self.training:
             aux = self._aux_losses(routing, dispatched.tokens_per_expert_E, B)
             self._record(routing, dispatched.tokens_per_expert_E, dispatched.kept_per_expert_E, aux)
             if aux and torch.is_grad_enabled():
-                out_TD = attach_aux_loss(out_TD, sum(aux))
+                # On the [T, K] combine weights, whose gradient every backward computes: an
+                # identity on a small tensor (on the [T, D] output it cost a copy per layer compiled).
+                weights_TK = attach_aux_loss(weights_TK, sum(aux))
+        y_RD = self.experts(dispatched.x_RD, dispatched.offsets_L)
+        out_TD = self.dispatcher.combine(y_RD, weights_TK, dispatched)
+        if self.shared is not None:
+            out_TD = out_TD + self.shared(x_TD)
         return out_TD.view(B, S, D)
 
     def _aux_losses(self, routing, tokens_per_expert_E, num_sequences: int) -> list[torch.Tensor]:
