@@ -33,6 +33,7 @@ __all__ = [
     "tokenize_documents",
     "open_token_file",
     "token_file_paths",
+    "check_output_prefix",
 ]
 
 TOKEN_FILE_FORMAT = "moetron-tokens"
@@ -72,6 +73,20 @@ def token_file_paths(prefix_or_path: str) -> tuple[str, str, str]:
     return p, p + ".bin", p + ".json"
 
 
+def check_output_prefix(output_prefix: str, overwrite: bool = False) -> None:
+    """DataError unless ``<output_prefix>.bin/.json`` are free to write (or ``overwrite``): a token
+    file is never replaced by accident."""
+    if overwrite:
+        return
+    _, bin_path, json_path = token_file_paths(output_prefix)
+    existing = [p for p in (bin_path, json_path) if os.path.exists(p)]
+    if existing:
+        raise DataError(
+            f"output {' and '.join(map(repr, existing))} already exists: choose another output prefix, "
+            f"or replace it with --overwrite (overwrite=True)"
+        )
+
+
 # ---- reading documents ------------------------------------------------------------------------
 def iter_documents(path: str, jsonl_key: str = "text", split_blank_lines: bool = False) -> Iterator[str]:
     """Documents of one input file.
@@ -83,8 +98,17 @@ def iter_documents(path: str, jsonl_key: str = "text", split_blank_lines: bool =
     if not os.path.isfile(path):
         raise DataError(f"input file {path!r} does not exist: check --input")
     if path.endswith((".jsonl", ".json")):
-        with open(path, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, 1):
+        # Bytes decoded line by line, so a bad byte is reported at its line (a text-mode reader
+        # decodes whole chunks and fails lines ahead of it).
+        with open(path, "rb") as f:
+            for line_no, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(
+                        f"{path}:{line_no} is not valid UTF-8 (byte {e.object[e.start]:#04x} at column "
+                        f"{e.start + 1}): re-encode the file as UTF-8 or remove that line"
+                    ) from None
                 if not line.strip():
                     continue
                 try:
@@ -156,9 +180,12 @@ def tokenize_files(
     jsonl_key: str = "text",
     split_blank_lines: bool = False,
     progress: bool | None = None,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Tokenize every document of ``input_files`` (in order, see :func:`iter_documents`) into
-    ``<output_prefix>.bin/.json``; returns the sidecar metadata."""
+    ``<output_prefix>.bin/.json``; returns the sidecar metadata. An existing output is a DataError
+    unless ``overwrite``."""
+    check_output_prefix(output_prefix, overwrite)
     for f in input_files:
         if not os.path.isfile(f):
             raise DataError(f"input file {f!r} does not exist: check --input")
@@ -168,7 +195,9 @@ def tokenize_files(
         doc for f in input_files for doc in iter_documents(f, jsonl_key=jsonl_key, split_blank_lines=split_blank_lines)
     )
     total_bytes = sum(os.path.getsize(f) for f in input_files)
-    return tokenize_documents(documents, output_prefix, tokenizer, total_bytes=total_bytes, progress=progress)
+    return tokenize_documents(
+        documents, output_prefix, tokenizer, total_bytes=total_bytes, progress=progress, overwrite=overwrite
+    )
 
 
 def tokenize_documents(
@@ -178,14 +207,17 @@ def tokenize_documents(
     total_bytes: int | None = None,
     progress: bool | None = None,
     batch_bytes: int = 4 << 20,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Write ``tokenizer.encode(doc) + [tokenizer.eos_id]`` for every document into
     ``<output_prefix>.bin`` and its sidecar; returns the sidecar metadata.
 
     ``progress`` (default: when stderr is a terminal) draws a bar against ``total_bytes``.
     Documents are encoded in batches of ``batch_bytes`` characters (in C++ threads when the
-    tokenizer has ``encode_batch``).
+    tokenizer has ``encode_batch``). An existing ``<output_prefix>.bin`` or ``.json`` is a
+    DataError unless ``overwrite``.
     """
+    check_output_prefix(output_prefix, overwrite)
     eos_id = tokenizer.eos_id
     if eos_id is None:
         raise DataError(f"tokenizer {getattr(tokenizer, 'path', None)!r} has no EOS id: train it with eos_id >= 0")

@@ -14,11 +14,10 @@ from __future__ import annotations
 import argparse
 import glob
 import os
-import sys
 import tempfile
 import time
 
-from moetron.data.preprocess import iter_documents, tokenize_files
+from moetron.data.preprocess import check_output_prefix, iter_documents, tokenize_files
 from moetron.data.tokenizer import DataError, SentencePieceTokenizer
 
 
@@ -47,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--jsonl-key", default="text", help="field of each JSONL record holding the document")
     p.add_argument("--split-blank-lines", action="store_true", help="text files: blank lines separate documents")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing <prefix>.bin/.json (and, with --train-tokenizer, its tokenizer)")
     args = p.parse_args(argv)
     if args.train_tokenizer and not args.vocab_size:
         p.error("--train-tokenizer needs --vocab-size")
@@ -55,8 +56,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def tokenizer_prefix(args: argparse.Namespace) -> str:
+    return args.tokenizer_prefix or args.output_prefix + ".tokenizer"
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """DataError before any work if an output exists and --overwrite is not given."""
+    check_output_prefix(args.output_prefix, args.overwrite)
+    model = tokenizer_prefix(args) + ".model"
+    if args.train_tokenizer and not args.overwrite and os.path.exists(model):
+        raise DataError(
+            f"tokenizer {model!r} already exists: choose another --tokenizer-prefix, reuse it with "
+            f"--tokenizer {model}, or replace it with --overwrite"
+        )
+
+
 def train_tokenizer(args: argparse.Namespace, files: list[str]) -> SentencePieceTokenizer:
-    prefix = args.tokenizer_prefix or args.output_prefix + ".tokenizer"
+    prefix = tokenizer_prefix(args)
     out_dir = os.path.dirname(os.path.abspath(prefix))
     os.makedirs(out_dir, exist_ok=True)
     # Train on the documents, not the raw files: JSONL records must be unpacked first.
@@ -72,27 +88,26 @@ def train_tokenizer(args: argparse.Namespace, files: list[str]) -> SentencePiece
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit status 0; bad input raises DataError (run_cli prints it as one ``error:`` line, exit 2)."""
     args = parse_args(argv)
-    try:
-        files = expand_inputs(args.input)
-        t0 = time.monotonic()
-        if args.train_tokenizer:
-            tokenizer = train_tokenizer(args, files)
-            print(f"trained {tokenizer.path} (vocab {tokenizer.vocab_size}) in {time.monotonic() - t0:.1f}s")
-        else:
-            tokenizer = SentencePieceTokenizer.from_file(args.tokenizer)
-        t1 = time.monotonic()
-        meta = tokenize_files(
-            files,
-            args.output_prefix,
-            tokenizer,
-            jsonl_key=args.jsonl_key,
-            split_blank_lines=args.split_blank_lines,
-            progress=None if not args.no_progress else False,
-        )
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    check_outputs(args)
+    files = expand_inputs(args.input)
+    t0 = time.monotonic()
+    if args.train_tokenizer:
+        tokenizer = train_tokenizer(args, files)
+        print(f"trained {tokenizer.path} (vocab {tokenizer.vocab_size}) in {time.monotonic() - t0:.1f}s")
+    else:
+        tokenizer = SentencePieceTokenizer.from_file(args.tokenizer)
+    t1 = time.monotonic()
+    meta = tokenize_files(
+        files,
+        args.output_prefix,
+        tokenizer,
+        jsonl_key=args.jsonl_key,
+        split_blank_lines=args.split_blank_lines,
+        progress=None if not args.no_progress else False,
+        overwrite=args.overwrite,
+    )
     print(
         f"wrote {args.output_prefix}.bin: {meta['num_tokens']:,} {meta['dtype']} tokens, "
         f"{meta['num_documents']:,} documents, vocab {meta['vocab_size']}, in {time.monotonic() - t1:.1f}s"
@@ -101,4 +116,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from cli import run_cli  # tools/cli.py
+
+    run_cli(main)

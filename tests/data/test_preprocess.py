@@ -79,6 +79,36 @@ def test_jsonl_key(tmp_path, tokenizer):
     assert not os.path.exists(tmp_path / "bad.json") and not os.path.exists(tmp_path / "bad.bin")
 
 
+def test_existing_output_is_refused_unless_overwrite(tmp_path, tokenizer):
+    p = tmp_path / "a.txt"
+    p.write_text("first version", encoding="utf-8")
+    out = str(tmp_path / "out")
+    tokenize_files([str(p)], out, tokenizer, progress=False)
+    before = read_raw(out, "<u2")
+    p.write_text("a second, longer version of the text", encoding="utf-8")
+    with pytest.raises(DataError, match=r"out\.bin.*already exists.*--overwrite"):
+        tokenize_files([str(p)], out, tokenizer, progress=False)
+    with pytest.raises(DataError, match="already exists"):
+        tokenize_documents(["x"], out, tokenizer, progress=False)
+    assert read_raw(out, "<u2") == before
+    # a lone sidecar (or .bin) counts too
+    os.remove(out + ".bin")
+    with pytest.raises(DataError, match=r"out\.json.*already exists"):
+        tokenize_files([str(p)], out, tokenizer, progress=False)
+    tokenize_files([str(p)], out, tokenizer, progress=False, overwrite=True)
+    assert read_raw(out, "<u2") == expected_tokens(tokenizer, ["a second, longer version of the text"])
+
+
+def test_invalid_utf8_in_jsonl_names_file_and_line(tmp_path, tokenizer):
+    p = tmp_path / "d.jsonl"
+    # enough valid lines first that a chunked text-mode decoder would fail before reaching line 3000
+    lines = [json.dumps({"text": f"doc {i}"}).encode() for i in range(2999)] + [b'{"text": "caf\xe9"}']
+    p.write_bytes(b"\n".join(lines) + b"\n")
+    with pytest.raises(DataError, match=r"d\.jsonl:3000 is not valid UTF-8 \(byte 0xe9 at column 14\)"):
+        tokenize_files([str(p)], str(tmp_path / "out"), tokenizer, progress=False)
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("out")]
+
+
 class CharTokenizer:
     """A test double with a huge vocabulary: id = code point + 70000 (so ids need uint32)."""
 
@@ -130,7 +160,9 @@ def test_cli_trains_tokenizer_and_tokenizes(tmp_path, sample_text):
     assert tokens.tolist() == expected_tokens(tok, by_hand)
     # With an existing tokenizer; a missing one is a clean error, not a traceback.
     assert cli.main(["--input", str(src), "--output-prefix", str(tmp_path / "b"), "--tokenizer", tok.path]) == 0
-    assert cli.main(["--input", str(src), "--output-prefix", str(tmp_path / "c"), "--tokenizer", str(tmp_path / "no.model")]) == 1
+    # (main raises the DataError; run_cli turns it into one "error:" line and exit 2: tests/tools/test_preprocess_data.py)
+    with pytest.raises(DataError, match="no.model"):
+        cli.main(["--input", str(src), "--output-prefix", str(tmp_path / "c"), "--tokenizer", str(tmp_path / "no.model")])
 
 
 # ---- open_token_file errors -------------------------------------------------------------------
