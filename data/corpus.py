@@ -10,7 +10,10 @@ tokenized into ``<data_dir>/default_corpus_v1_<vocab>/{train,val}.bin/.json`` + 
 
 Building happens in a temporary folder renamed into place under an fcntl file lock, so several
 processes (torchrun ranks) may call :func:`ensure_default_corpus` at once: one builds, the others
-wait and reuse; a crash mid-build leaves only a temporary folder that is never read.
+wait and reuse. A failed build removes its temporary folder; a killed one (SIGKILL, OOM) leaves it,
+and the next process to take the lock removes it: the lock is only ever held by the one live
+builder, and the kernel releases it when its holder dies, so any temporary folder of this corpus
+found while holding the lock belongs to a dead build.
 """
 
 from __future__ import annotations
@@ -113,6 +116,16 @@ def _file_lock(path: str) -> Iterator[None]:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
+def _remove_dead_builds(folder: str) -> None:
+    """Delete the temporary and half-deleted folders that dead builds of ``folder`` left behind.
+    Call only while holding ``folder``'s lock (then no live build owns any of them)."""
+    parent, name = os.path.split(folder)
+    for entry in os.listdir(parent):
+        if entry.startswith((f"{name}.tmp-", f"{name}.broken-")):
+            _log(f"removing {os.path.join(parent, entry)} (left by an interrupted build)")
+            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+
+
 def _log(msg: str) -> None:
     print(f"[moetron.data.corpus] {msg}", file=sys.stderr, flush=True)
 
@@ -196,6 +209,7 @@ def ensure_default_corpus(
         return paths
     os.makedirs(data_dir, exist_ok=True)
     with _file_lock(folder + ".lock"):
+        _remove_dead_builds(folder)
         paths = _valid(folder)  # another process may have built it while we waited
         if paths is not None:
             _log(f"reusing {folder} (built by another process)")

@@ -96,3 +96,27 @@ def test_bad_arguments(tmp_path):
         ensure_default_corpus(str(tmp_path), 100, TINY)
     with pytest.raises(DataError, match="must be positive"):
         ensure_default_corpus(str(tmp_path), VOCAB, 0)
+
+
+def _killed_build(data_dir):
+    """A build that dies mid-way without running any cleanup (as SIGKILL or the OOM killer would)."""
+    corpus_mod.tokenize_documents = lambda *args, **kwargs: os._exit(9)
+    ensure_default_corpus(data_dir, VOCAB, TINY)
+
+
+def test_killed_build_leftovers_are_removed_by_the_next_build(tmp_path, capfd):
+    name = os.path.basename(corpus_dir(str(tmp_path), VOCAB, TINY))
+    ctx = multiprocessing.get_context("fork")
+    proc = ctx.Process(target=_killed_build, args=(str(tmp_path),))
+    proc.start()
+    proc.join(timeout=60)
+    assert proc.exitcode == 9
+    left = [n for n in os.listdir(tmp_path) if n.startswith(name + ".tmp-")]
+    assert len(left) == 1 and os.listdir(tmp_path / left[0])  # what a dead build leaves today
+    (tmp_path / f"{name}.broken-12345").mkdir()  # killed while deleting a broken cache
+    other = tmp_path / (os.path.basename(corpus_dir(str(tmp_path), VOCAB, 2 * TINY)) + ".tmp-live")
+    other.mkdir()  # another corpus's build (its own lock): not ours to touch
+    paths = ensure_default_corpus(str(tmp_path), VOCAB, TINY)
+    check_corpus(paths)
+    assert "left by an interrupted build" in capfd.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == sorted([name, name + ".lock", other.name])
