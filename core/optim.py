@@ -25,13 +25,19 @@ class OptimizerConfig(Config):
     """Fused AdamW kernel; None picks it on GPU (where it is fastest) and off on CPU."""
 
     def validate(self) -> None:
-        if self.lr <= 0:
-            raise ConfigError(f"optimizer.lr must be positive, got {self.lr}")
+        # math.isfinite first: nan fails every comparison, so "nan <= 0" alone would let it through.
+        if not math.isfinite(self.lr) or self.lr <= 0:
+            raise ConfigError(f"optimizer.lr must be a positive finite number, got {self.lr}: e.g. --optimizer.lr=3e-4")
+        if not math.isfinite(self.eps) or self.eps <= 0:
+            raise ConfigError(
+                f"optimizer.eps must be a positive finite number (it keeps Adam's update denominator away from "
+                f"zero), got {self.eps}: e.g. --optimizer.eps=1e-8"
+            )
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"optimizer.{name} must be in [0, 1), got {getattr(self, name)}")
-        if self.weight_decay < 0:
-            raise ConfigError(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
+        if not math.isfinite(self.weight_decay) or self.weight_decay < 0:
+            raise ConfigError(f"optimizer.weight_decay must be a finite number >= 0, got {self.weight_decay}")
 
     def build(self, model: nn.Module) -> torch.optim.AdamW:
         self.validate()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Callable
 
@@ -82,6 +83,11 @@ class ModelConfig(Config):
         for name in ("d_model", "n_layers", "vocab_size", "mlp_hidden", "full_attention_every"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if not math.isfinite(self.norm_eps) or self.norm_eps <= 0:
+            raise ConfigError(
+                f"model.norm_eps must be a positive finite number (RMSNorm divides by sqrt(mean(x^2) + eps)), "
+                f"got {self.norm_eps}: e.g. --model.norm_eps=1e-6"
+            )
         self.attention.validate_for(self.d_model, "model.attention")
         if self.moe is not None:
             self.moe.validate_for(self.n_layers)

@@ -50,10 +50,10 @@ class AttentionConfig(Config):
     """Kernel for sliding-window layers (full layers always use SDPA's causal flash path)."""
 
     def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
 
     def head_width(self, d_model: int) -> int:
-        return self.head_dim or d_model // self.n_heads
+        return d_model // self.n_heads if self.head_dim is None else self.head_dim
 
     def num_params(self, d_model: int) -> int:
         dh = self.head_width(d_model)
@@ -64,6 +64,16 @@ class AttentionConfig(Config):
     def validate_for(self, d_model: int, prefix: str = "attention") -> None:
         if self.n_heads <= 0:
             raise ConfigError(f"{prefix}.n_heads must be positive, got {self.n_heads}")
+        # 0 is not a spelling of the defaults: those are null (None)
+        if self.n_kv_heads is not None and self.n_kv_heads <= 0:
+            raise ConfigError(
+                f"{prefix}.n_kv_heads must be positive, got {self.n_kv_heads}: set it to a divisor of "
+                f"n_heads={self.n_heads}, or null for multi-head attention"
+            )
+        if self.head_dim is not None and self.head_dim <= 0:
+            raise ConfigError(
+                f"{prefix}.head_dim must be positive, got {self.head_dim}: set it, or null for d_model // n_heads"
+            )
         if self.n_heads % self.kv_heads():
             raise ConfigError(
                 f"{prefix}.n_heads={self.n_heads} is not a multiple of n_kv_heads={self.kv_heads()}: "

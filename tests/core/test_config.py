@@ -81,3 +81,20 @@ def test_parse_size_decimal_and_binary_units():
     for bad in ("1X", "0", "KB", "1iB", "1.2.3", "-1K", "0.5"):
         with pytest.raises(ConfigError, match=r"--sizes .* is not a positive size.*powers of 1000.*powers of 1024"):
             parse_size(bad, "--sizes")
+
+
+@pytest.mark.parametrize("override,message", [
+    ("--eps=0", r"optimizer\.eps must be a positive finite number.*got 0\.0.*--optimizer\.eps=1e-8"),
+    ("--eps=-1e-8", r"optimizer\.eps must be a positive"),
+    ("--eps=inf", r"optimizer\.eps must be a positive finite number.*got inf"),
+    ("--lr=nan", r"optimizer\.lr must be a positive finite number, got nan.*--optimizer\.lr="),
+    ("--lr=inf", r"optimizer\.lr must be a positive finite number, got inf"),
+    ("--lr=0", r"optimizer\.lr must be a positive"),
+    ("--weight_decay=nan", r"optimizer\.weight_decay must be a finite number >= 0, got nan"),
+])
+def test_optimizer_range_checks(override, message):
+    from moetron.core.optim import OptimizerConfig
+
+    cfg = OptimizerConfig().apply_overrides([override])
+    with pytest.raises(ConfigError, match=message):
+        cfg.validate()

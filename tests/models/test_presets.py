@@ -111,3 +111,22 @@ def test_bad_model_configs():
         ModelConfig.from_dict({"attention": {"n_heads": 6, "n_kv_heads": 4}}).validate()
     with pytest.raises(ConfigError, match="unknown model preset 'olmo3-8b'"):
         ModelConfig.preset("olmo3-8b")
+
+
+@pytest.mark.parametrize("override,message", [
+    ("--norm_eps=0", r"model\.norm_eps must be a positive finite number.*got 0\.0.*--model\.norm_eps=1e-6"),
+    ("--norm_eps=-1e-6", r"model\.norm_eps must be a positive"),
+    ("--norm_eps=nan", r"model\.norm_eps must be a positive finite number.*got nan"),
+    ("--attention.n_kv_heads=0", r"model\.attention\.n_kv_heads must be positive, got 0.*divisor of n_heads=4"),
+    ("--attention.n_kv_heads=-2", r"model\.attention\.n_kv_heads must be positive, got -2"),
+    ("--attention.head_dim=0", r"model\.attention\.head_dim must be positive, got 0.*null for d_model // n_heads"),
+    ("--attention.n_kv_heads=3", r"n_heads=4 is not a multiple of n_kv_heads=3"),
+])
+def test_model_range_checks(override, message):
+    """0 or a negative count is an error naming the field, never a silent default (head_dim=0 used to
+    mean d_model // n_heads, n_kv_heads=-2 passed the divisibility check)."""
+    cfg = ModelConfig.tiny().apply_overrides([override])
+    with pytest.raises(ConfigError, match=message):
+        cfg.validate()
+    with pytest.raises(ConfigError, match=message):
+        cfg.build(device="meta")
