@@ -16,39 +16,43 @@ from typing import Iterator
 import torch
 
 
-class AuxLossScaler(torch.autograd.Function):
-    """Identity on ``out``; backward injects ``scale`` (read at forward) as the gradient of ``aux``."""
+_scale: float = 1.0
+"""The LM loss weight of the micro-batch now running (a module global: torch.compile traces its
+reads and guards on its value, so a new value recompiles and never goes stale)."""
 
-    scale: float = 1.0
-    """The LM loss weight of the micro-batch now running; set through aux_loss_scale()."""
+
+class AuxLossScaler(torch.autograd.Function):
+    """Identity on ``out``; backward injects ``scale`` as the gradient of ``aux``."""
 
     @staticmethod
-    def forward(ctx, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
-        ctx.scale = AuxLossScaler.scale  # torch.compile guards on it: a new value recompiles, never goes stale
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
         ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         shape, dtype, device = ctx.aux_meta
-        return grad_out, torch.full(shape, ctx.scale, dtype=dtype, device=device)
+        return grad_out, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
 
 
-def attach_aux_loss(out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
-    """``out`` unchanged, with ``aux`` (a scalar loss) trained at the current aux_loss_scale()."""
-    return AuxLossScaler.apply(out, aux)
+def attach_aux_loss(out: torch.Tensor, aux: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """``out`` unchanged, with ``aux`` (a scalar loss) trained at ``scale`` (default: the current
+    aux_loss_scale(); a caller that also logs the weighted value reads it once and passes it)."""
+    return AuxLossScaler.apply(out, aux, current_aux_loss_scale() if scale is None else scale)
 
 
 def current_aux_loss_scale() -> float:
     """The weight attach_aux_loss() gives aux losses now (what the layer's metrics weight them by)."""
-    return AuxLossScaler.scale
+    return _scale
 
 
 @contextlib.contextmanager
 def aux_loss_scale(scale: float) -> Iterator[None]:
     """Aux losses attached in this block get gradient ``scale`` (the micro-batch's LM loss weight)."""
-    previous, AuxLossScaler.scale = AuxLossScaler.scale, float(scale)
+    global _scale
+    previous, _scale = _scale, float(scale)
     try:
         yield
     finally:
-        AuxLossScaler.scale = previous
+        _scale = previous

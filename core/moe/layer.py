@@ -86,11 +86,12 @@ class MoELayer(nn.Module):
         weights_TK = routing.topk_weights_TK
         if self.training:
             aux = self._aux_losses(routing, dispatched.tokens_per_expert_E, B)
-            self._record(routing, dispatched.tokens_per_expert_E, dispatched.kept_per_expert_E, aux)
+            scale = current_aux_loss_scale()  # read once: the weight trained and the weight logged
+            self._record(routing, dispatched.tokens_per_expert_E, dispatched.kept_per_expert_E, aux, scale)
             if aux and torch.is_grad_enabled():
                 # On the [T, K] combine weights, whose gradient every backward computes: an
-                # identity on a small tensor (on the [T, D] output it cost a copy per layer compiled).
-                weights_TK = attach_aux_loss(weights_TK, sum(aux))
+                # identity on a small tensor rather than on the [T, D] output.
+                weights_TK = attach_aux_loss(weights_TK, sum(aux), scale)
         y_RD = self.experts(dispatched.x_RD, dispatched.offsets_L)
         out_TD = self.dispatcher.combine(y_RD, weights_TK, dispatched)
         if self.shared is not None:
@@ -112,7 +113,7 @@ class MoELayer(nn.Module):
         return losses
 
     @torch.no_grad()
-    def _record(self, routing, tokens_per_expert_E, kept_per_expert_E, aux: list[torch.Tensor]) -> None:
+    def _record(self, routing, tokens_per_expert_E, kept_per_expert_E, aux: list[torch.Tensor], scale: float) -> None:
         counts_E = tokens_per_expert_E.float()
         self.step_tokens_E += counts_E
         self.log_tokens_E += counts_E
@@ -122,7 +123,7 @@ class MoELayer(nn.Module):
         self.log_token_count += routing.probs_TE.shape[0]
         if aux:
             # Weighted as the loss trains them: summed over a step's micro-batches, the step's mean.
-            self.log_aux += torch.stack(aux).detach().float() * current_aux_loss_scale()
+            self.log_aux += torch.stack(aux).detach().float() * scale
 
     # ---- after each optimizer step ----------------------------------------------------------
     @torch.no_grad()

@@ -228,3 +228,28 @@ def test_bad_moe_configs(kw, message):
 def test_unknown_router_type():
     with pytest.raises(ConfigError, match="score: 'relu' is not one of 'softmax', 'sigmoid'"):
         ModelConfig.tiny_moe().apply_overrides(["--moe.router.score=relu"])
+
+
+def test_aux_loss_attach_compiles_without_graph_breaks():
+    """The layer's aux-loss path (attach + the scale read for its metrics) traces in one graph, and a
+    new scale recompiles instead of reusing a stale one."""
+    import torch._dynamo as dynamo
+
+    from moetron.core.moe.aux_loss import attach_aux_loss, current_aux_loss_scale
+
+    w = torch.ones(3, requires_grad=True)
+
+    def f(x):
+        aux = (w * x).sum() ** 2
+        scale = current_aux_loss_scale()  # as the layer does: one read, trained and logged
+        return attach_aux_loss(x * 2, aux, scale), aux.detach() * scale
+
+    assert dynamo.explain(f)(torch.ones(3)).graph_break_count == 0
+    compiled = torch.compile(f, backend="aot_eager")
+    for scale in (1.0, 0.5):
+        w.grad = None
+        with aux_loss_scale(scale):
+            out, logged = compiled(torch.ones(3))
+        out.sum().backward()
+        assert logged.item() == 9 * scale
+        torch.testing.assert_close(w.grad, torch.full((3,), 6.0 * scale))
