@@ -8,6 +8,10 @@ measured on and off side by side.
 
     python tools/bench_train.py --preset olmo3-7b --model.n_layers=8 --seq-len 8192 --batch 2 \
         --variant sdpa:model.attention.backend=sdpa --variant flex:model.attention.backend=flex
+    python tools/bench_train.py --preset olmoe-1b-7b --model.n_layers=8 --batch 4 --compile \
+        --variant none:memory.recompute=none --variant full:memory.recompute=full
+
+Overrides (on the command line and in variants) are --model.* and --memory.* fields.
 
 Dense models see random token ids (their step time does not depend on the data).
 """
@@ -23,6 +27,7 @@ import torch
 
 from moetron.core.config import ConfigError
 from moetron.core.metrics import mfu, model_tflops_per_device, peak_tflops, run_environment
+from moetron.core.memory import MemoryConfig
 from moetron.core.optim import OptimizerConfig, SchedulerConfig
 from moetron.core.precision import PrecisionConfig
 from moetron.core.trainer import Trainer, TrainerConfig
@@ -46,11 +51,12 @@ class RandomTokens:
         pass
 
 
-def measure(model_cfg: ModelConfig, args, device: torch.device) -> dict:
+def measure(model_cfg: ModelConfig, memory: MemoryConfig, args, device: torch.device) -> dict:
     torch.manual_seed(0)
     model = model_cfg.build(device=device)
     precision = PrecisionConfig(recipe=args.precision).build(device)
     precision.apply(model)
+    memory.apply(model)
     if args.compile:
         for block in model.blocks.values():
             block.compile()
@@ -85,6 +91,15 @@ def measure(model_cfg: ModelConfig, args, device: torch.device) -> dict:
     }
 
 
+def _apply(model: ModelConfig, memory: MemoryConfig, overrides: list[str]) -> None:
+    """--model.* and --memory.* overrides onto the two configs; anything else is an error."""
+    bad = [o for o in overrides if not o.startswith(("--model.", "--memory."))]
+    if bad:
+        raise ConfigError(f"unrecognized arguments {bad}: overrides are --model.* and --memory.* fields")
+    model.apply_overrides([o[len("--model."):] for o in overrides if o.startswith("--model.")])
+    memory.apply_overrides([o[len("--memory."):] for o in overrides if o.startswith("--memory.")])
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -103,17 +118,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default="runs/bench/bench_train.json")
     args, overrides = parser.parse_known_args(argv)
     base = ModelConfig.preset(args.preset)
-    base.apply_overrides([o[len("--model."):] for o in overrides if o.startswith("--model.")])
-    if any(not o.startswith("--model.") for o in overrides):
-        raise ConfigError(f"unrecognized arguments {[o for o in overrides if not o.startswith('--model.')]}")
+    base_memory = MemoryConfig()
+    _apply(base, base_memory, overrides)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     variants = [split_variant(v) for v in args.variant] or [("base", [])]
     rows = []
     for name, ovr in variants:
-        cfg = copy.deepcopy(base)
-        cfg.apply_overrides([o.removeprefix("--").removeprefix("model.") for o in ovr])
+        cfg, memory = copy.deepcopy(base), copy.deepcopy(base_memory)
+        _apply(cfg, memory, ovr)
         cfg.validate()
-        row = {"variant": name, "overrides": ovr, **measure(cfg, args, device)}
+        memory.validate()
+        row = {"variant": name, "overrides": ovr, **measure(cfg, memory, args, device)}
         rows.append(row)
         torch.cuda.empty_cache() if device.type == "cuda" else None
     env = {**run_environment(device, 1, "tools/bench_train.py", argv),

@@ -8,10 +8,10 @@ Weights are [E, out, in] like nn.Linear: w_gate_up_E2FD holds gate (first F rows
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..layers.mlp import swiglu
 from ..precision.gemm import DEFAULT_GEMM, GemmBackend, compute_dtype
 from .config import ExpertsBackend
 
@@ -76,6 +76,7 @@ class GroupedExperts(nn.Module):
         self.backend = ExpertsBackend(backend)
         self._grouped_mm = _GROUPED_MM[self.backend]
         self.gemm: GemmBackend = DEFAULT_GEMM
+        self.act = swiglu  # recompute may swap in a checkpointed twin (core/memory.py)
         # Under expert parallelism an expert's gradient sums the tokens of every data-parallel
         # rank (the all-to-all brings them in) while dense gradients are averaged over those ranks;
         # the expert strategy sets this to 1 / ep so the two agree (works on any backend, unlike
@@ -95,4 +96,4 @@ class GroupedExperts(nn.Module):
         w_down_EDF = _local(self.w_down, self.grad_scale)
         h_R2F = self._grouped_mm(self.gemm, x_RD, w_gate_up_E2FD, offsets_L)
         gate_RF, up_RF = h_R2F.chunk(2, dim=-1)
-        return self._grouped_mm(self.gemm, F.silu(gate_RF) * up_RF, w_down_EDF, offsets_L)
+        return self._grouped_mm(self.gemm, self.act(gate_RF, up_RF), w_down_EDF, offsets_L)

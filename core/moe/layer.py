@@ -28,6 +28,14 @@ from .router import load_balance_loss, z_loss
 from .spec import MoESpec
 
 
+def _replaying() -> bool:
+    """True when an eager activation recompute replays this forward inside backward. Compiled
+    graphs recompute only pure ops (never the statistics' in-place updates), so there it is False."""
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._current_graph_task_id() != -1
+
+
 class MoELayer(nn.Module):
     """Routed experts, plus shared experts if configured, on D-wide tokens.
 
@@ -87,7 +95,8 @@ class MoELayer(nn.Module):
         if self.training:
             aux = self._aux_losses(routing, dispatched.tokens_per_expert_E, B)
             scale = current_aux_loss_scale()  # read once: the weight trained and the weight logged
-            self._record(routing, dispatched.tokens_per_expert_E, dispatched.kept_per_expert_E, aux, scale)
+            if not _replaying():  # a recompute (core/memory.py) runs this forward again: count once
+                self._record(routing, dispatched.tokens_per_expert_E, dispatched.kept_per_expert_E, aux, scale)
             if aux and torch.is_grad_enabled():
                 # On the [T, K] combine weights, whose gradient every backward computes: an
                 # identity on a small tensor rather than on the [T, D] output.

@@ -1,0 +1,29 @@
+"""tools/bench_train.py on the CPU: every variant is measured and written, memory.* overrides reach
+the run as variants, bad overrides fail with one error."""
+
+import json
+
+import pytest
+
+import bench_train
+from moetron.core.config import ConfigError
+
+
+def test_variants_with_memory_overrides(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    bench_train.main(["--preset", "tiny-moe", "--model.n_layers=2", "--seq-len", "32", "--batch", "2",
+                      "--steps", "1", "--warmup", "0", "--json", str(out),
+                      "--variant", "none:memory.recompute=none",
+                      "--variant", "sel:memory.recompute=selective,memory.recompute_modules=[norm,swiglu]"])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["none", "sel"]
+    assert rows[1]["overrides"] == ["--memory.recompute=selective", "--memory.recompute_modules=[norm,swiglu]"]
+    assert all(r["tokens_per_s"] > 0 for r in rows)
+    assert "sel" in capsys.readouterr().out
+
+
+def test_bad_override_is_one_error():
+    with pytest.raises(ConfigError, match="--trainer.steps=3"):
+        bench_train.main(["--preset", "tiny", "--trainer.steps=3"])
+    with pytest.raises(ConfigError, match="recompute_modules"):
+        bench_train.main(["--preset", "tiny", "--memory.recompute=selective", "--steps", "1"])
