@@ -32,6 +32,24 @@ class LayerType(StrEnum):
 
 
 @dataclasses.dataclass
+class HFMetadata(Config):
+    """Fields of a Hugging Face config.json that the model does not compute with, kept from an import
+    so that an export writes them back (None: unknown, see docs/checkpoints.md)."""
+
+    max_position_embeddings: int | None = None
+    """Context length the checkpoint declares."""
+    bos_token_id: int | list[int] | None = None
+    """Beginning-of-sequence token id(s) of its tokenizer."""
+    eos_token_id: int | list[int] | None = None
+    """End-of-sequence token id(s) of its tokenizer (generation stops at any of them)."""
+    pad_token_id: int | None = None
+    """Padding token id of its tokenizer."""
+
+    def is_empty(self) -> bool:
+        return all(getattr(self, f.name) is None for f in dataclasses.fields(self))
+
+
+@dataclasses.dataclass
 class ModelConfig(Config):
     d_model: int = 256
     """Residual stream width."""
@@ -60,6 +78,9 @@ class ModelConfig(Config):
     init_on_cpu: bool = False
     """Initialize on the CPU with the CPU generator, then move to the device: the same weights for a
     seed on any device (for comparing GPU with CPU runs), at the cost of CPU time for big models."""
+    hf_metadata: HFMetadata | None = None
+    """config.json fields of an imported HF checkpoint that only matter to HF tools (context length,
+    special token ids); carried through to export. None for models that never came from HF."""
 
     # ---- derived ----------------------------------------------------------------------------
     def resolved_layer_types(self) -> list[LayerType]:

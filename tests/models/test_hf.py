@@ -4,6 +4,7 @@ export reloads in transformers, native -> HF -> native is bit-exact."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 
@@ -27,6 +28,7 @@ from moetron.models.hf import (
     hf_to_native,
     iter_hf_tensors,
     load_hf_model,
+    native_config,
     native_to_hf,
     read_hf_config,
 )
@@ -309,3 +311,152 @@ def test_export_bf16(tmp_path):
     assert all(t.dtype == torch.bfloat16 for _, t in iter_hf_tensors(out))
     reloaded = tf.AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
     assert reloaded.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+# ---- config.json edge cases -----------------------------------------------------------------
+
+
+def _variant(src, tmp_path, name, edit):
+    """A copy of the HF checkpoint ``src`` whose config.json went through ``edit(dict)``."""
+    out = str(tmp_path / name)
+    shutil.copytree(src, out)
+    path = os.path.join(out, "config.json")
+    hf = json.load(open(path))
+    edit(hf)
+    json.dump(hf, open(path, "w"))
+    return out
+
+
+def _matches_transformers(path):
+    hf_model = tf.AutoModelForCausalLM.from_pretrained(path).eval()
+    cfg, model = load_hf_model(path)
+    return cfg, hf_model, _max_diff(hf_model, model.eval())
+
+
+def _legacy(theta, scaling=None, layer_types=None):
+    def edit(hf):
+        del hf["rope_parameters"]
+        hf["rope_theta"] = theta
+        if scaling is not None:
+            hf["rope_scaling"] = scaling
+        if layer_types is not None:
+            hf["layer_types"] = layer_types
+    return edit
+
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+
+
+@pytest.mark.parametrize("scaling", [None, YARN], ids=["plain", "yarn"])
+def test_legacy_top_level_theta_is_refused_where_transformers_versions_disagree(olmo3, tmp_path, scaling):
+    """Old-style config.json, rope_theta 10000: transformers 5 gives the sliding layers 500000 (4.x gave
+    them 10000; moetron used to, a logit error of 1.30, 1.78 with YaRN): refused by name."""
+    path = _variant(olmo3[0], tmp_path, "legacy", _legacy(10_000.0, scaling))
+    assert tf.AutoConfig.from_pretrained(path).rope_parameters["sliding_attention"]["rope_theta"] == 500_000.0
+    with pytest.raises(CheckpointError, match=r"config\.json: rope_theta=10000 is given only at the top level.*"
+                                              r"2 sliding_attention layers.*state both thetas in rope_parameters"):
+        read_hf_config(path)
+    # without sliding layers nothing is ambiguous: it loads, and equals transformers
+    full = _variant(olmo3[0], tmp_path, "legacy_full", _legacy(10_000.0, scaling, ["full_attention"] * 4))
+    cfg, _, diff = _matches_transformers(full)
+    assert cfg.attention.rope_theta == 10_000.0 and diff < 1e-4
+    assert (cfg.attention.rope_scaling is None) == (scaling is None)
+
+
+def test_top_level_theta_beside_rope_parameters_is_the_full_layers_theta(olmo3, tmp_path):
+    """transformers 5 fills a full_attention entry without rope_theta from the top-level rope_theta
+    (moetron used to take 500000 there: a logit error of 1.67)."""
+    def edit(hf):
+        del hf["rope_parameters"]["full_attention"]["rope_theta"]
+        hf["rope_theta"] = 10_000.0
+    cfg, hf_model, diff = _matches_transformers(_variant(olmo3[0], tmp_path, "mixed", edit))
+    assert cfg.attention.rope_theta == 10_000.0 and cfg.attention.sliding_rope_theta == 5_000.0
+    assert hf_model.config.rope_parameters["full_attention"]["rope_theta"] == 10_000.0
+    assert cfg.attention.rope_scaling.layers == RopeScalingLayers.full and diff < 1e-4
+
+
+def test_missing_yarn_original_context_defaults_to_max_position_embeddings(olmo3, tmp_path):
+    def edit(hf):
+        del hf["rope_parameters"]["full_attention"]["original_max_position_embeddings"]
+    cfg, _, diff = _matches_transformers(_variant(olmo3[0], tmp_path, "no_orig", edit))
+    assert cfg.attention.rope_scaling.original_max_position_embeddings == 64 and diff < 1e-4
+
+
+def _nested_truncate(hf):
+    hf["rope_parameters"]["full_attention"]["truncate"] = False
+
+
+@pytest.mark.parametrize("edit,message", [
+    (_nested_truncate, r"rope_parameters\.full_attention\.truncate is false, which transformers 5's Olmo3 ignores"),
+    (_legacy(500_000.0, dict(YARN, truncate=False)), r"rope_parameters\.full_attention\.truncate is false"),
+    (lambda hf: hf.update(rope_parameters=dict(YARN, rope_theta=10_000.0)),
+     r"rope_parameters has \['factor', 'original_max_position_embeddings', 'rope_theta', 'rope_type'\] beside"),
+], ids=["truncate", "legacy_truncate", "flat_rope_parameters"])
+def test_configs_transformers_reads_against_their_words_are_refused(olmo3, tmp_path, edit, message):
+    """YaRN truncate=false (transformers 5 truncates anyway; moetron used to honour it: a logit error of
+    1.51) and a flat rope_parameters dict (transformers' Olmo3 ignores it: default RoPE at 500000)."""
+    path = _variant(olmo3[0], tmp_path, "refused", edit)
+    with pytest.raises(CheckpointError, match=message):
+        read_hf_config(path)
+
+
+def test_olmoe_top_level_theta_fills_rope_parameters(olmoe, tmp_path):
+    def edit(hf):
+        hf["rope_parameters"] = {"rope_type": "default"}
+        hf["rope_theta"] = 2_500.0
+    cfg, _, diff = _matches_transformers(_variant(olmoe[0], tmp_path, "olmoe_theta", edit))
+    assert cfg.attention.rope_theta == 2_500.0 and diff < 1e-4
+
+
+@pytest.mark.parametrize("which,field,value,message", [
+    ("olmo3", "hidden_size", "64", r"hidden_size is \"64\", expected an integer"),
+    ("olmo3", "hidden_size", None, r"hidden_size is null, expected an integer"),
+    ("olmo3", "num_hidden_layers", 1.5, r"num_hidden_layers is 1\.5, expected an integer"),
+    ("olmo3", "num_attention_heads", True, r"num_attention_heads is true, expected an integer"),
+    ("olmo3", "rms_norm_eps", "1e-6", r"rms_norm_eps is \"1e-6\", expected a number"),
+    ("olmo3", "tie_word_embeddings", "false", r"tie_word_embeddings is \"false\", expected true or false"),
+    ("olmo3", "layer_types", "sliding_attention", r"layer_types is \"sliding_attention\", expected a list"),
+    ("olmo3", "layer_types", [{"a": 1}] * 4, r"unknown layer_types"),
+    ("olmo3", "sliding_window", [8], r"sliding_window is \[8\], expected an integer"),
+    ("olmo3", "rope_parameters", {"full_attention": {"rope_type": "yarn", "factor": "4"}},
+     r"rope_parameters\.full_attention\.factor is \"4\", expected a number"),
+    ("olmo3", "rope_parameters", {"full_attention": {"rope_type": "default", "rope_theta": None}},
+     r"rope_parameters\.full_attention\.rope_theta is null, expected a number"),
+    ("olmo3", "eos_token_id", [1, "2"], r"eos_token_id\[1\] is \"2\", expected an integer"),
+    ("olmo3", "architectures", "Olmo3ForCausalLM", r"architectures is \"Olmo3ForCausalLM\", expected a list"),
+    ("olmoe", "num_experts", "8", r"num_experts is \"8\", expected an integer"),
+    ("olmoe", "rope_theta", "1e4", r"rope_theta is \"1e4\", expected a number"),
+])
+def test_wrong_field_type_is_one_checkpoint_error(olmo3, olmoe, tmp_path, which, field, value, message):
+    """A field of the wrong JSON type: one CheckpointError naming the field and the file (it used to be a
+    traceback, or, for "64" and 1.5, a silent int())."""
+    path = _variant((olmo3 if which == "olmo3" else olmoe)[0], tmp_path, "typed", lambda hf: hf.update({field: value}))
+    with pytest.raises(CheckpointError, match=re.escape(os.path.join(path, "config.json")) + ": " + message):
+        read_hf_config(path)
+
+
+# ---- export keeps the HF-only fields --------------------------------------------------------
+
+
+def test_export_keeps_token_ids_and_context_length(tmp_path):
+    """max_position_embeddings and the special token ids of an imported config.json survive
+    HF -> native -> HF (they used to come back as 64 -> factor x original and null)."""
+    src = str(tmp_path / "src")
+    config = olmo3_hf_config(max_position_embeddings=96, eos_token_id=[7, 9], pad_token_id=3, bos_token_id=5)
+    _save(tf.Olmo3ForCausalLM(config), src)
+    native = _import(src, str(tmp_path / "native"))
+    meta = native_config(native).hf_metadata
+    assert (meta.max_position_embeddings, meta.eos_token_id, meta.pad_token_id, meta.bos_token_id) == (96, [7, 9], 3, 5)
+    out = export_hf(native, str(tmp_path / "hf"))
+    written = json.load(open(os.path.join(out, "config.json")))
+    assert (written["max_position_embeddings"], written["eos_token_id"], written["pad_token_id"],
+            written["bos_token_id"]) == (96, [7, 9], 3, 5)
+    reloaded = tf.AutoConfig.from_pretrained(out)
+    assert (reloaded.max_position_embeddings, reloaded.eos_token_id, reloaded.pad_token_id) == (96, [7, 9], 3)
+    # a model that never came from HF: null ids (not transformers' defaults), YaRN's extended context
+    cfg = _olmo3_like()
+    cfg.attention.rope_scaling = read_hf_config(src).attention.rope_scaling
+    written = json.load(open(os.path.join(export_hf(_native_tiny_moe(str(tmp_path / "n2"), cfg), str(tmp_path / "hf2")),
+                                          "config.json")))
+    assert written["eos_token_id"] is None and written["pad_token_id"] is None
+    assert written["max_position_embeddings"] == 4 * 16
