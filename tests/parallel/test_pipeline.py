@@ -344,3 +344,16 @@ def test_flops_split_weighs_the_head():
     loads = [sum(costs[:counts[0]]), sum(costs[counts[0]:]) + head]
     for other in range(1, mcfg.n_layers):  # no other cut has a lighter heaviest stage
         assert max(loads) <= max(sum(costs[:other]), sum(costs[other:]) + head) * (1 + 1e-12)
+
+
+def test_pretrain_checks_the_rank_batch_against_micro_batches_at_build(tmp_path, monkeypatch):
+    """pretrain hands the strategies the per-rank batch (ParallelState.local_batch_size), so a batch
+    that does not split into pp_microbatches fails before any step runs, naming both numbers."""
+    import pretrain
+    from tests.parallel.test_equivalence import TINY
+
+    monkeypatch.setenv("MOETRON_DATA_DIR", str(tmp_path / "data"))
+    cfg, _ = pretrain.parse_args(["--preset", "tiny-moe", *TINY, "--trainer.run_dir=", "--parallel.strategies=[pipeline]",
+                                  "--parallel.pp_microbatches=3"])
+    with pytest.raises(ConfigError, match=r"batch of 8 sequences.*pp_microbatches=3"):
+        pretrain.build(cfg, torch.device("cpu"), 1)
