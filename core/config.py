@@ -189,11 +189,18 @@ class Config:
         path = os.fspath(path)
         if not os.path.exists(path):
             raise ConfigError(f"config file {path!r} does not exist")
-        with open(path, encoding="utf-8") as f:
-            try:
+        if os.path.isdir(path):
+            raise ConfigError(f"config file {path!r} is a directory: pass a YAML file (e.g. <run_dir>/config.yaml)")
+        try:
+            with open(path, encoding="utf-8") as f:
                 data = yaml.safe_load(f) or {}
-            except yaml.YAMLError as e:
-                raise ConfigError(f"config file {path!r} is not valid YAML: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {path!r} is not UTF-8 text ({e.reason} at byte {e.start}): "
+                              "pass a YAML file") from None
+        except OSError as e:
+            raise ConfigError(f"config file {path!r} cannot be read: {e.strerror or e}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path!r} is not valid YAML: {e}") from None
         return cls.from_dict(data)
 
     def to_yaml(self, path: str | os.PathLike | None = None) -> str:

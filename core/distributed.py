@@ -1,12 +1,18 @@
-"""Process-group set-up from torchrun / SLURM environment variables, and rank helpers."""
+"""Process-group set-up from torchrun / SLURM environment variables, rank helpers, and the
+watchdog that ends a rank whose training step hangs."""
 
 from __future__ import annotations
 
 import datetime
 import os
+import sys
+import threading
+import time
 
 import torch
 import torch.distributed as dist
+
+from .config import ConfigError
 
 
 def env_world() -> tuple[int, int, int]:
@@ -23,17 +29,24 @@ def pick_device(requested: str = "auto") -> torch.device:
     _, _, local_rank = env_world()
     if requested == "auto":
         requested = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(requested)
+    try:
+        device = torch.device(requested)
+    except RuntimeError:
+        raise ConfigError(f"trainer.device={requested!r} is not a device: use auto, cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"trainer.device={requested!r}: moetron trains on auto, cpu, cuda or cuda:N")
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError("device 'cuda' was asked for but CUDA is not available: use --trainer.device=cpu")
+            raise ConfigError(f"trainer.device={requested!r} was asked for but CUDA is not available here "
+                              f"(no GPU visible to torch): use --trainer.device=cpu or auto")
         device = torch.device("cuda", local_rank if device.index is None else device.index)
         torch.cuda.set_device(device)
     return device
 
 
-def init_distributed(device: torch.device, timeout_s: int = 1800) -> tuple[int, int]:
-    """Join the process group when launched with several ranks; returns (rank, world_size)."""
+def init_distributed(device: torch.device, timeout_s: float = 1800.0) -> tuple[int, int]:
+    """Join the process group when launched with several ranks; returns (rank, world_size).
+    ``timeout_s``: how long a collective waits for the other ranks (trainer.collective_timeout_s)."""
     rank, world, _ = env_world()
     # Under a launcher (torchrun / SLURM) join a group even with one rank, so that strategies that
     # need a mesh (FSDP2, the EP dispatcher) run their real single-GPU path.
@@ -56,3 +69,46 @@ def is_main() -> bool:
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+class StepWatchdog:
+    """A daemon thread that ends the process when no training step completes for ``timeout_s``.
+
+    A rank that hangs (or waits on a peer that hung or died) would otherwise block until the
+    collective timeout, or for ever in a kernel; the watchdog writes ``rank R stuck at step S``
+    to stderr and exits with status 1, so the launcher (torchrun, srun) stops the job.
+    The trainer calls :meth:`beat` after every step (its evaluation and save included).
+    """
+
+    EXIT_CODE = 1
+
+    def __init__(self, timeout_s: float, step: int = 0):
+        self.timeout_s = timeout_s
+        self.step = step
+        self._last = time.monotonic()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="moetron-step-watchdog", daemon=True)
+
+    def start(self) -> None:
+        self._last = time.monotonic()
+        self._thread.start()
+
+    def beat(self, step: int) -> None:
+        """Step ``step`` is done (a plain store each: no lock, no sync)."""
+        self.step, self._last = step, time.monotonic()
+
+    def stop(self) -> None:
+        self._done.set()
+
+    def _watch(self) -> None:
+        period = min(5.0, self.timeout_s / 4)
+        while not self._done.wait(period):
+            idle = time.monotonic() - self._last
+            if idle > self.timeout_s:
+                rank = dist.get_rank() if dist.is_initialized() else 0
+                sys.stderr.write(
+                    f"rank {rank} stuck at step {self.step + 1}: no training step completed for {idle:.0f}s "
+                    f"(trainer.collective_timeout_s={self.timeout_s:g}); a rank hung or died: exiting\n"
+                )
+                sys.stderr.flush()
+                os._exit(self.EXIT_CODE)  # the main thread may be blocked in a collective for good

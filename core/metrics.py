@@ -12,6 +12,7 @@ import subprocess
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
 # Dense bf16 tensor-core peaks (no sparsity), TFLOP/s, from the vendors' datasheets.
@@ -48,8 +49,23 @@ def mfu(tflops: float, peak: float | None) -> float:
     return tflops / peak if peak else math.nan
 
 
+def _json_safe(value: Any) -> Any:
+    """``value`` with every NaN or infinite float (numpy's too) as None, so the JSON is valid."""
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, (float, np.floating)):
+        return float(value) if math.isfinite(value) else None
+    if isinstance(value, np.integer):
+        return int(value)
+    return value
+
+
 class MetricsLog:
-    """Appends one JSON object per record to <run_dir>/metrics.jsonl (main rank only)."""
+    """Appends one JSON object per record to <run_dir>/metrics.jsonl (main rank only).
+
+    Every line is strict JSON: a NaN or infinite value (a diverged loss) is written as null."""
 
     def __init__(self, path: str | None):
         self.path = path
@@ -59,9 +75,31 @@ class MetricsLog:
     def write(self, record: dict[str, Any]) -> None:
         if not self.path:
             return
-        clean = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in record.items()}
         with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(clean) + "\n")
+            f.write(json.dumps(_json_safe(record), allow_nan=False) + "\n")
+
+    def truncate_after(self, step: int) -> int:
+        """Drop the rows of steps after ``step`` (a resumed run trains them again); rewrites the
+        file atomically. Returns the number of rows dropped."""
+        if not self.path or not os.path.exists(self.path):
+            return 0
+        with open(self.path, encoding="utf-8", errors="replace") as f:
+            lines = f.readlines()
+        kept = []
+        for line in lines:
+            try:
+                row_step = json.loads(line).get("step")
+            except (ValueError, AttributeError):
+                row_step = None  # a torn last line of a killed run: dropped as well
+            if isinstance(row_step, int) and row_step <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+        if len(kept) == len(lines):
+            return 0
+        tmp = self.path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.replace(tmp, self.path)
+        return len(lines) - len(kept)
 
 
 # Environment variables a benchmark's figures depend on (besides every NCCL_* one).

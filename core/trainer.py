@@ -22,12 +22,29 @@ from torch import nn
 
 from .config import Config, ConfigError, StrEnum
 from .precision import PrecisionPolicy
-from .distributed import is_main
+from .distributed import StepWatchdog, is_main
 from .metrics import MetricsLog, mfu, model_tflops_per_device, peak_tflops
-from .grad import clip_grad_norm_
+from .grad import DTensor, clip_grad_norm_
 from .moe.layer import MoELayer, moe_layers
 from .moe.aux_loss import aux_loss_scale
 from .moe.metrics import AUX_LOSSES, LoadLog, summarize
+
+
+class NonFinite(StrEnum):
+    stop = "stop"
+    """Stop with an error naming the first step whose loss or grad norm was NaN/inf (checked at
+    log steps and before every save; no host sync per step). Nothing is saved after it."""
+    skip = "skip"
+    """Skip the update of such a step (gradients dropped; data, schedule and step count move on).
+    Costs one host sync per step; a state that is itself non-finite still stops the run."""
+
+
+class NonFiniteError(RuntimeError):
+    """Training produced a NaN/inf loss, grad norm or parameter: the message names the step."""
+
+
+# "No non-finite step since the last check" in the device-side flag (steps are far below it).
+_NO_STEP = 2**62
 
 
 class GradSync(StrEnum):
@@ -51,9 +68,11 @@ class TrainerConfig(Config):
     """When gradient accumulation reduces gradients over the data-parallel ranks (see GradSync);
     no effect without FSDP2, one micro-batch, or under a pipeline schedule."""
     grad_clip: float = 1.0
-    """Max global grad norm; 0 disables clipping."""
+    """Max global grad norm; 0 disables clipping (the norm is still computed and logged)."""
+    on_nonfinite: NonFinite = NonFinite.stop
+    """What a NaN/inf loss or grad norm does: stop the run (default) or skip that step (see NonFinite)."""
     device: str = "auto"
-    """'auto', 'cpu' or 'cuda'."""
+    """'auto', 'cpu' or 'cuda' (or 'cuda:N')."""
     seed: int = 0
     """Seeds model init and every RNG."""
     log_interval: int = 10
@@ -70,6 +89,10 @@ class TrainerConfig(Config):
     """Device peak for MFU; None detects known GPUs (and reports no MFU on the CPU)."""
     compile: bool = False
     """torch.compile each block."""
+    collective_timeout_s: float = 1800.0
+    """Seconds a collective may wait for the other ranks before it fails (the process group's
+    timeout); a watchdog also ends this rank, naming it and its step, when no training step
+    completes within this time (a hung or dead peer)."""
 
     def validate(self) -> None:
         if self.steps <= 0:
@@ -82,6 +105,14 @@ class TrainerConfig(Config):
             raise ConfigError(f"trainer.log_interval must be positive, got {self.log_interval}")
         if self.eval_interval < 0 or self.eval_batches < 0:
             raise ConfigError("trainer.eval_interval and trainer.eval_batches must be >= 0")
+        if self.eval_batch_size is not None and self.eval_batch_size <= 0:
+            raise ConfigError(f"trainer.eval_batch_size must be positive (or null: the training global batch "
+                              f"size), got {self.eval_batch_size}")
+        if not self.grad_clip >= 0 or math.isinf(self.grad_clip):  # also refuses NaN
+            raise ConfigError(f"trainer.grad_clip must be a finite number >= 0 (0 disables clipping), "
+                              f"got {self.grad_clip}")
+        if not self.collective_timeout_s > 0:
+            raise ConfigError(f"trainer.collective_timeout_s must be positive, got {self.collective_timeout_s}")
 
 
 class Trainer:
@@ -142,6 +173,10 @@ class Trainer:
         self.log = MetricsLog(os.path.join(cfg.run_dir, "metrics.jsonl") if is_main() and cfg.run_dir else None)
         self.history: list[dict[str, Any]] = []
         self.load_log = LoadLog(os.path.join(cfg.run_dir, "moe_load.npz") if is_main() and cfg.run_dir else None)
+        # The first step since the last check whose loss or grad norm was not finite (_NO_STEP:
+        # none): updated on the device every step, read only where the loop syncs anyway.
+        self.first_nonfinite = torch.full((), _NO_STEP, dtype=torch.long, device=device)
+        self.skipped_steps = 0  # on_nonfinite=skip: updates dropped so far in this process
 
     # ---- state ------------------------------------------------------------------------------
     def _extra_state(self) -> dict[str, Any]:
@@ -156,8 +191,13 @@ class Trainer:
     def load(self, path: str) -> None:
         meta = self.checkpointer.load(path, self._ckpt_model(), self.optimizer, self._extra_state())
         self.step = int(meta["step"])
+        # The steps after the checkpoint are trained again: their old log rows go, the earlier
+        # load records are kept (both files then read as one uninterrupted run).
+        dropped = self.log.truncate_after(self.step)
+        self.load_log.resume(self.step)
         if is_main():
-            print(f"resumed from {path} at step {self.step}", flush=True)
+            note = f" (dropped {dropped} metrics.jsonl rows of later steps, trained again now)" if dropped else ""
+            print(f"resumed from {path} at step {self.step}{note}", flush=True)
 
     def _ckpt_model(self):
         return self.model_parts if len(self.model_parts) > 1 else self.model
@@ -200,16 +240,57 @@ class Trainer:
     def _optimizer_step(self, loss_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.pre_step_hook is not None:
             self.pre_step_hook(self.model_parts)
-        if self.cfg.grad_clip > 0:
-            grad_norm = clip_grad_norm_(self.params, self.cfg.grad_clip, self.grad_norm_groups)
+        # Without clipping the norm is still measured (logged, and checked for NaN/inf): an
+        # infinite max_norm scales by 1.
+        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
+        grad_norm = clip_grad_norm_(self.params, max_norm, self.grad_norm_groups)
+        bad = ~(torch.isfinite(loss_sum) & torch.isfinite(grad_norm))
+        if self.cfg.on_nonfinite == NonFinite.skip and self._any_rank(bad):
+            self.skipped_steps += 1
+            if is_main():
+                print(f"step {self.step + 1}: non-finite loss or grad norm, update skipped "
+                      f"(trainer.on_nonfinite=skip)", flush=True)
         else:
-            grad_norm = torch.zeros((), device=self.device)
-        self.optimizer.step()
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        # No sync: the flag is read at the next log step or save (stop mode).
+        self.first_nonfinite = torch.minimum(self.first_nonfinite, torch.where(bad, self.step + 1, _NO_STEP))
         self.scheduler.step()
         for layer in self.moe_layers.values():
             layer.update_expert_bias()  # aux-loss-free balancing from this step's global counts
         return loss_sum, grad_norm
+
+    # ---- non-finite values -------------------------------------------------------------------
+    @staticmethod
+    def _any_rank(flag: torch.Tensor) -> bool:
+        """Whether ``flag`` (a 0-dim bool) is set on any rank; one host sync."""
+        flag = flag.to(torch.int32)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _check_finite(self, before_save: bool = False) -> None:
+        """Raise NonFiniteError if a step since the last check had a NaN/inf loss or grad norm
+        (stop mode), or, before a save, if any parameter is NaN/inf: such a state is never saved."""
+        first = self.first_nonfinite.clone()
+        if dist.is_initialized():
+            dist.all_reduce(first, op=dist.ReduceOp.MIN)
+        first = int(first.item())
+        if first != _NO_STEP and self.cfg.on_nonfinite == NonFinite.stop:
+            raise NonFiniteError(
+                f"step {first} had a non-finite (NaN/inf) loss or grad norm: training stopped at step "
+                f"{self.step} without saving it (any earlier checkpoint is intact); lower optimizer.lr "
+                f"or model.init_std, check the norm eps and the data, or set trainer.on_nonfinite=skip"
+            )
+        self.first_nonfinite.fill_(_NO_STEP)
+        if before_save:
+            local = [p.to_local() if isinstance(p, DTensor) else p for p in self.params]
+            finite = torch.stack([torch.isfinite(t).all() for t in local]).all() if local else torch.ones((), dtype=torch.bool)
+            if self._any_rank(~finite.to(self.device)):
+                raise NonFiniteError(
+                    f"the parameters are NaN/inf after step {self.step}: not saving them (the checkpoints "
+                    f"before it are intact); lower optimizer.lr or model.init_std, or check the norm eps"
+                )
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -217,8 +298,7 @@ class Trainer:
             return math.nan
         for part in self.model_parts:
             part.eval()
-        size = self.cfg.eval_batch_size or self.data.local_batch_size * self.world_size
-        batches = self.data.val_batches(size, max_batches=self.cfg.eval_batches)
+        batches = self.data.val_batches(self._eval_batch_size(), max_batches=self.cfg.eval_batches)
         total = torch.zeros(2, device=self.device, dtype=torch.float64)
         for batch in batches:
             batch = batch.to(self.device)
@@ -238,11 +318,37 @@ class Trainer:
         return (total[0] / total[1].clamp(min=1)).item()
 
     # ---- the loop ---------------------------------------------------------------------------
+    def _eval_plan(self) -> bool:
+        """Check the held-out data and eval sizes before the first step (an error there must not
+        cost the run at its end); False when there is nothing to evaluate (said once)."""
+        if self.cfg.eval_batches == 0:
+            return False
+        if getattr(self.data, "val_dataset", True) is None:
+            if is_main():
+                print("no held-out data (data.val_paths is empty): held-out evaluation is off", flush=True)
+            return False
+        self.data.val_batches(self._eval_batch_size(), max_batches=1)  # raises naming what to change
+        return True
+
+    def _eval_batch_size(self) -> int:
+        return self.cfg.eval_batch_size or self.data.local_batch_size * self.world_size
+
     def fit(self) -> list[dict[str, Any]]:
         cfg = self.cfg
         last_step = cfg.stop_at_step or cfg.steps
+        self.eval_enabled = self._eval_plan()
         if is_main():
             print(f"training steps {self.step + 1}..{last_step} of {cfg.steps}", flush=True)
+        watchdog = StepWatchdog(cfg.collective_timeout_s, self.step)
+        watchdog.start()
+        try:
+            self._loop(last_step, watchdog)
+        finally:
+            watchdog.stop()
+        return self.history
+
+    def _loop(self, last_step: int, watchdog: StepWatchdog) -> None:
+        cfg = self.cfg
         t_last, tokens_since = time.perf_counter(), 0
         loss_acc = torch.zeros((), device=self.device)
         steps_since = 0
@@ -272,11 +378,24 @@ class Trainer:
                     "tflops_per_device": tflops,
                     "mfu": mfu(tflops, self.peak),
                 }
+                if cfg.on_nonfinite == NonFinite.skip:
+                    record["skipped_steps"] = self.skipped_steps
                 record.update(self._pop_moe_metrics(steps_since))
                 loss_acc.zero_()
                 steps_since = 0
+                try:
+                    self._check_finite()  # the host has synced for the log line already
+                except NonFiniteError:
+                    self._emit(record)
+                    raise
+            # Save before evaluating: a failing evaluation must not cost the step's checkpoint.
+            if self.checkpointer is not None and self.checkpointer.cfg.should_save(self.step, final=self.step == last_step):
+                self._check_finite(before_save=True)
+                path = self.save()
+                if is_main() and path:
+                    print(f"saved checkpoint {path}", flush=True)
             evaluating = (cfg.eval_interval and self.step % cfg.eval_interval == 0) or self.step == cfg.steps
-            if evaluating:
+            if evaluating and self.eval_enabled:
                 record = record or {"step": self.step}
                 record["eval_loss"] = self.evaluate()
             if record is not None:
@@ -284,11 +403,7 @@ class Trainer:
                 t_last, tokens_since = time.perf_counter(), 0
             if self.on_step_end is not None:
                 self.on_step_end(self.step, record or {})
-            if self.checkpointer is not None and self.checkpointer.cfg.should_save(self.step, final=self.step == last_step):
-                path = self.save()
-                if is_main() and path:
-                    print(f"saved checkpoint {path}", flush=True)
-        return self.history
+            watchdog.beat(self.step)
 
     def _pop_moe_metrics(self, steps: int) -> dict[str, Any]:
         """Load diagnostics and aux-loss means per step since the last log line (all ranks' counts)."""

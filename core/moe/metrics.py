@@ -47,12 +47,26 @@ def summarize(layer_stats: dict[int, dict[str, torch.Tensor]]) -> dict[str, np.n
 
 
 class LoadLog:
-    """Accumulates summaries at log steps and rewrites <run_dir>/moe_load.npz (main rank only)."""
+    """Accumulates summaries at log steps and rewrites <run_dir>/moe_load.npz (main rank only).
+
+    A resumed run calls :meth:`resume` first, so the file keeps the steps before the resume too."""
 
     def __init__(self, path: str | None):
         self.path = path
         self.steps: list[int] = []
         self.records: list[dict[str, np.ndarray]] = []
+
+    def resume(self, step: int) -> None:
+        """Take over the records of an existing moe_load.npz up to ``step`` (the resumed step):
+        the steps after it are trained again and re-recorded."""
+        if not self.path or not os.path.exists(self.path):
+            return
+        with np.load(self.path) as saved:
+            arrays = {k: saved[k] for k in saved.files}
+        steps, layers = arrays.pop("step").tolist(), arrays.pop("layers")
+        keep = [i for i, s in enumerate(steps) if s <= step]
+        self.steps = [int(steps[i]) for i in keep]
+        self.records = [dict({k: v[i] for k, v in arrays.items()}, layers=layers) for i in keep]
 
     def add(self, step: int, summary: dict[str, np.ndarray]) -> dict[str, float]:
         self.steps.append(step)
