@@ -25,6 +25,8 @@ STEPS="${STEPS:-240}"
 NPROC="${NPROC:-1}"
 RUN_DIR="${RUN_DIR:-runs/pretrain_moe_1t_local-$(date +%Y%m%d-%H%M%S)}"
 half=$((STEPS / 2))
+if [ "$STEPS" -lt 2 ]; then echo "error: STEPS=$STEPS: the recipe trains, stops half-way and resumes: use STEPS >= 2" >&2; exit 2; fi
+warmup=$((STEPS < 20 ? STEPS : 20))  # the default warmup (20 steps) may not exceed the run
 PROXY="${PROXY:-auto}"
 if [ "$PROXY" = auto ]; then
   gpus="$("$py" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')"
@@ -44,7 +46,7 @@ else
   launch=("$py")
 fi
 common=("${model[@]}" --name=moe-1t-proxy --trainer.run_dir="$RUN_DIR" --trainer.steps="$STEPS"
-        --trainer.eval_interval=$((STEPS / 4)))
+        --trainer.eval_interval=$((STEPS / 4)) --scheduler.warmup_steps="$warmup")
 
 echo "== proxy: $PROXY (${model[*]}), $NPROC rank(s)"
 echo "== phase 1: train steps 1..$half of $STEPS, then checkpoint and stop (run dir $RUN_DIR)"

@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import os
 import random
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,12 +26,12 @@ from moetron.core.config import Config, ConfigError
 from moetron.core.distributed import barrier, init_distributed, is_main, pick_device
 from moetron.core.optim import OptimizerConfig, SchedulerConfig
 from moetron.core.precision import PrecisionConfig
-from moetron.core.trainer import Trainer, TrainerConfig
+from moetron.core.trainer import NonFiniteError, Trainer, TrainerConfig
 from moetron.data.loader import DataConfig
 from moetron.models import ModelConfig, cross_entropy_loss
 from moetron.parallel import ParallelConfig, ParallelMesh, ParallelState, apply_strategies
 
-from cli import run_cli  # tools/cli.py
+from cli import USER_ERRORS, run_cli  # tools/cli.py
 
 
 @dataclasses.dataclass
@@ -75,10 +76,32 @@ def parse_args(argv: list[str] | None = None) -> tuple[PretrainConfig, argparse.
     if bad:
         raise ConfigError(f"unrecognized arguments {bad}: overrides look like --section.field=value")
     cfg.apply_overrides(rest)
-    if cfg.checkpoint.dir is None:
-        cfg.checkpoint.dir = os.path.join(cfg.trainer.run_dir, "checkpoints")
+    if cfg.checkpoint.dir is None and not _checkpoint_dir_given(args.config, rest):
+        cfg.checkpoint.dir = os.path.join(cfg.trainer.run_dir, "checkpoints")  # unset: the default
     cfg.validate()
     return cfg, args
+
+
+def _checkpoint_dir_given(config_path: str | None, overrides: list[str]) -> bool:
+    """Whether checkpoint.dir was written out (in the YAML or an override), so that null there
+    means "no checkpoints" while leaving it out means ``<run_dir>/checkpoints``."""
+    if any(a.lstrip("-").partition("=")[0].strip() == "checkpoint.dir" for a in overrides):
+        return True
+    if not config_path:
+        return False
+    import yaml
+
+    with open(config_path, encoding="utf-8") as f:  # from_yaml has read it already: it parses
+        raw = yaml.safe_load(f) or {}
+    return isinstance(raw.get("checkpoint"), dict) and "dir" in raw["checkpoint"]
+
+
+def write_config(cfg: PretrainConfig) -> None:
+    """<run_dir>/config.yaml, the settings in effect, replaced atomically (a crash leaves the old one)."""
+    os.makedirs(cfg.trainer.run_dir, exist_ok=True)
+    path = os.path.join(cfg.trainer.run_dir, "config.yaml")
+    cfg.to_yaml(path + ".tmp")
+    os.replace(path + ".tmp", path)
 
 
 def seed_everything(seed: int) -> None:
@@ -143,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
         print(cfg.to_yaml(), end="")
         return 0
     device = pick_device(cfg.trainer.device)
-    rank, world = init_distributed(device)
+    rank, world = init_distributed(device, cfg.trainer.collective_timeout_s)
+    if cfg.checkpoint.dir is None and is_main():
+        print("checkpoint.dir is null: this run writes no checkpoints (it cannot be resumed)", flush=True)
 
     checkpointer = Checkpointer(cfg.checkpoint)
     resume_path = checkpointer.resolve(args.resume) if args.resume else None
@@ -154,10 +179,13 @@ def main(argv: list[str] | None = None) -> int:
         )
     if resume_path is not None:
         check_resumable(checkpointer, resume_path, cfg)
+        check_resume_settings(checkpointer, resume_path, cfg)
+    elif cfg.checkpoint.init_from and not os.path.exists(cfg.checkpoint.init_from):
+        raise CheckpointError(
+            f"checkpoint.init_from={cfg.checkpoint.init_from} does not exist: pass a checkpoint directory "
+            f"(a step_XXXXXXXX dir, or the output of tools/convert_hf.py import / tools/upcycle.py)"
+        )
     trainer, _ = build(cfg, device, world, checkpointer)
-    if is_main():
-        os.makedirs(cfg.trainer.run_dir, exist_ok=True)
-        cfg.to_yaml(os.path.join(cfg.trainer.run_dir, "config.yaml"))
     if resume_path is not None:
         trainer.load(resume_path)
     elif cfg.checkpoint.init_from:
@@ -165,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         checkpointer.load(cfg.checkpoint.init_from, trainer.model_parts, None, {}, model_only=True)
         if is_main():
             print(f"initialized the model from {cfg.checkpoint.init_from}", flush=True)
+    if is_main():  # only now: a rejected resume must leave the run's config.yaml as it was
+        write_config(cfg)
     trainer.fit()
     barrier()
     if torch.distributed.is_initialized():
@@ -172,25 +202,72 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _leaf_diff(saved: Any, now: Any, path: str) -> list[str]:
+    """``path.to.leaf: checkpoint X vs now Y`` for every leaf of two config dicts that differs."""
+    if isinstance(saved, dict) and isinstance(now, dict):
+        return [line for k in sorted(set(saved) | set(now), key=str)
+                for line in _leaf_diff(saved.get(k), now.get(k), f"{path}.{k}")]
+    return [] if saved == now else [f"{path}: checkpoint {saved!r} vs now {now!r}"]
+
+
+def _param_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor the model's state dict holds (built on the meta device)."""
+    return {k: tuple(v.shape) for k, v in model_cfg.build(device="meta").state_dict().items()}
+
+
 def check_resumable(checkpointer: Checkpointer, path: str, cfg: PretrainConfig) -> None:
-    """A checkpoint of another model shape cannot continue this run: say which fields differ."""
+    """A checkpoint of another model shape cannot continue this run: say which fields differ.
+
+    Only what changes the parameters' names, shapes or counts blocks (kernel choices, RoPE theta,
+    norm eps ... may change); the message lists the config leaves that differ."""
     saved = checkpointer.read_metadata(path).get("config", {}).get("model")
     if saved is None:
         return
-    now = cfg.model.to_dict()
+    diff = _leaf_diff(saved, cfg.model.to_dict(), "model")
+    if not diff:
+        return
+    try:
+        saved_cfg = type(cfg.model).from_dict(saved, prefix="model")
+        if _param_shapes(saved_cfg) == _param_shapes(cfg.model):
+            return
+    except ConfigError:
+        pass  # a config this version cannot build: the differing fields are all we can report
+    raise CheckpointError(
+        f"checkpoint {path} was saved for a different model (its parameters differ; {'; '.join(diff)}): resume "
+        f"with the checkpoint's config (its run's config.yaml) or start a new run"
+    )
 
-    def shape_only(d):  # kernel choices may change between runs; the model's shape may not
-        if not isinstance(d, dict):
-            return d
-        return {k: shape_only(v) for k, v in d.items() if k not in ("backend", "experts_backend", "init_on_cpu")}
 
-    saved, now = shape_only(saved), shape_only(now)
-    diff = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+# What a resume restores from the checkpoint (optimizer param groups, the LR schedule with its
+# horizon, the RNG states) and so cannot change: (config section, fields; None = all).
+RESTORED_ON_RESUME: tuple[tuple[str, tuple[str, ...] | None], ...] = (
+    ("optimizer", None),
+    ("scheduler", None),
+    ("trainer", ("steps", "seed")),
+)
+
+
+def check_resume_settings(checkpointer: Checkpointer, path: str, cfg: PretrainConfig) -> None:
+    """Refuse, by name, settings that differ from the checkpoint's run but would not take effect:
+    the checkpoint's values are restored, and config.yaml must not claim others."""
+    saved = checkpointer.read_metadata(path).get("config", {})
+    now = cfg.to_dict()
+    diff = []
+    for section, fields in RESTORED_ON_RESUME:
+        if not isinstance(saved.get(section), dict):
+            continue  # a weights-only checkpoint (converted, upcycled): nothing restored
+        keys = fields if fields is not None else sorted(set(saved[section]) | set(now[section]))
+        for key in keys:
+            if key in saved[section]:
+                diff += _leaf_diff(saved[section][key], now[section].get(key), f"{section}.{key}")
     if diff:
-        detail = ", ".join(f"model.{k}: checkpoint {saved.get(k)!r} vs now {now.get(k)!r}" for k in diff)
-        raise CheckpointError(f"checkpoint {path} was saved for a different model ({detail}): resume with the "
-                              f"checkpoint's config (its run's config.yaml) or start a new run")
+        raise ConfigError(
+            f"resuming from {path} restores these settings from the checkpoint, so they cannot change: "
+            f"{'; '.join(diff)}. Resume with the checkpoint's values (drop these overrides: --config "
+            f"<run_dir>/config.yaml --resume), or start a new run from its weights with "
+            f"--checkpoint.init_from={path} (fresh optimizer and schedule)"
+        )
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    run_cli(main, USER_ERRORS + (NonFiniteError,))

@@ -135,3 +135,140 @@ def test_init_from_weights_starts_a_new_run(tmp_path, data_dir):
     bad = run([*SMALL, "--trainer.steps=2", "--model.n_layers=3", f"--trainer.run_dir={tmp_path}/bad",
                f"--checkpoint.init_from={ckpt}"], data_dir, check=False)
     assert bad.returncode == 2 and "blocks.2" in bad.stderr, bad.stderr  # the tensor the model lacks is named
+
+
+# ---- hardening: resume, held-out data, NaN, logs, set-up errors ----------------------------
+
+MOE = ["--preset", "tiny-moe", *SMALL, "--model.moe.num_experts=4", "--model.moe.expert_hidden=32",
+       "--model.moe.router.top_k=2"]
+
+
+def strict_rows(path):
+    """metrics.jsonl rows, refusing the NaN/Infinity constants that strict JSON does not have."""
+    def refuse(constant):
+        raise AssertionError(f"{path} holds {constant}: not valid JSON")
+    return [json.loads(line, parse_constant=refuse) for line in open(path)]
+
+
+def test_rejected_resumes_leave_config_yaml_and_name_the_settings(tmp_path, data_dir):
+    d = str(tmp_path / "run")
+    run([*SMALL, "--trainer.steps=4", "--trainer.stop_at_step=2", f"--trainer.run_dir={d}"], data_dir)
+    before = open(f"{d}/config.yaml").read()
+    # fails in the load itself (the sampler refuses another data seed)
+    bad = run(["--config", f"{d}/config.yaml", "--data.seed=5", "--resume"], data_dir, check=False)
+    assert bad.returncode == 2 and "seed" in bad.stderr, bad.stderr
+    assert open(f"{d}/config.yaml").read() == before
+    # settings the checkpoint would silently override are refused by name
+    bad = run(["--config", f"{d}/config.yaml", "--optimizer.lr=1e-3", "--trainer.steps=8", "--resume"], data_dir,
+              check=False)
+    assert bad.returncode == 2, bad.stdout + bad.stderr
+    assert "optimizer.lr: checkpoint 0.003 vs now 0.001" in bad.stderr and "trainer.steps: checkpoint 4 vs now 8" in bad.stderr
+    assert "Traceback" not in bad.stderr and open(f"{d}/config.yaml").read() == before
+    # the documented resume command still works
+    out = run(["--config", f"{d}/config.yaml", "--trainer.stop_at_step=null", "--resume"], data_dir)
+    assert "resumed from" in out.stdout and sorted(losses(d)) == [1, 2, 3, 4]
+
+
+def test_resume_from_an_earlier_checkpoint_keeps_one_log(tmp_path, data_dir):
+    d = str(tmp_path / "run")
+    run([*MOE, "--trainer.steps=4", "--trainer.stop_at_step=3", "--checkpoint.interval=1", "--checkpoint.keep_last=0",
+         f"--trainer.run_dir={d}"], data_dir)
+    out = run(["--config", f"{d}/config.yaml", "--trainer.stop_at_step=null",
+               f"--resume={d}/checkpoints/step_00000002"], data_dir)
+    assert "dropped 1 metrics.jsonl rows" in out.stdout
+    assert [r["step"] for r in strict_rows(f"{d}/metrics.jsonl")] == [1, 2, 3, 4]  # step 3 once, re-trained
+    import numpy as np
+    np.testing.assert_array_equal(np.load(f"{d}/moe_load.npz")["step"], [1, 2, 3, 4])
+
+
+def test_files_without_val_paths_train_and_save(tmp_path, data_dir):
+    from moetron.data.corpus import ensure_default_corpus
+
+    train = ensure_default_corpus(data_dir, 512, 400000)["train"]
+    d = str(tmp_path / "run")
+    out = run([*SMALL, "--trainer.steps=2", "--data.source=files", f"--data.train_paths=[{train}]",
+               f"--trainer.run_dir={d}"], data_dir)
+    assert "held-out evaluation is off" in out.stdout
+    assert os.listdir(f"{d}/checkpoints") == ["step_00000002"]
+
+
+def test_too_small_held_out_set_fails_at_start(tmp_path, data_dir):
+    proc = run([*SMALL, "--trainer.steps=2", "--trainer.eval_batch_size=100000", f"--trainer.run_dir={tmp_path}/r"],
+               data_dir, check=False)
+    assert proc.returncode == 2 and "fewer than one val batch" in proc.stderr, proc.stderr
+    assert "step      1" not in proc.stdout
+
+
+def test_nonfinite_stops_with_valid_metrics_and_no_checkpoint(tmp_path, data_dir):
+    d = str(tmp_path / "run")
+    proc = run([*SMALL, "--trainer.steps=3", "--model.init_std=1e30", f"--trainer.run_dir={d}"], data_dir, check=False)
+    assert proc.returncode == 2 and "error: step 1 had a non-finite" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and not os.path.exists(f"{d}/checkpoints")
+    assert strict_rows(f"{d}/metrics.jsonl")[0]["loss"] is None
+
+
+def test_checkpoint_dir_null_writes_no_checkpoints(tmp_path, data_dir):
+    d = str(tmp_path / "run")
+    out = run([*SMALL, "--trainer.steps=2", "--checkpoint.dir=null", f"--trainer.run_dir={d}"], data_dir)
+    assert "writes no checkpoints" in out.stdout and "saved checkpoint" not in out.stdout
+    assert sorted(os.listdir(d)) == ["config.yaml", "metrics.jsonl"]
+
+
+def test_checkpoint_dir_null_and_unset_in_yaml(tmp_path):
+    import pretrain
+
+    (tmp_path / "null.yaml").write_text("checkpoint:\n  dir: null\n")
+    (tmp_path / "unset.yaml").write_text("checkpoint:\n  interval: 5\n")
+    assert pretrain.parse_args(["--config", str(tmp_path / "null.yaml")])[0].checkpoint.dir is None
+    assert pretrain.parse_args(["--checkpoint.dir=null"])[0].checkpoint.dir is None
+    cfg, _ = pretrain.parse_args(["--config", str(tmp_path / "unset.yaml"), "--trainer.run_dir=r"])
+    assert cfg.checkpoint.dir == os.path.join("r", "checkpoints")
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--trainer.grad_clip=-1"], "trainer.grad_clip must be"),
+        (["--trainer.eval_batch_size=0"], "trainer.eval_batch_size must be positive"),
+        (["--checkpoint.init_from=/nonexistent/ckpt"], "/nonexistent/ckpt does not exist"),
+        (["--trainer.device=cuda"], "CUDA is not available"),
+        (["--config", "/"], "is a directory"),
+    ],
+)
+def test_more_bad_input_is_one_clear_error(tmp_path, data_dir, args, message):
+    if "--trainer.device=cuda" in args and torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    test_bad_input_is_one_clear_error(tmp_path, data_dir, args, message)
+
+
+def test_resume_check_ignores_fields_that_keep_the_shapes(tmp_path):
+    import pretrain
+    from moetron.core.checkpoint import CheckpointError
+
+    class Saved:  # a checkpoint's meta.json, without the checkpoint
+        def __init__(self, cfg):
+            self.meta = {"config": cfg.to_dict()}
+
+        def read_metadata(self, path):
+            return self.meta
+
+    cfg, _ = pretrain.parse_args(SMALL)
+    other, _ = pretrain.parse_args([*SMALL, "--model.norm_eps=1e-5", "--model.attention.rope_theta=5e5"])
+    pretrain.check_resumable(Saved(cfg), "ckpt", other)  # no shape changes: allowed
+    bigger, _ = pretrain.parse_args([*SMALL, "--model.mlp_hidden=256", "--model.norm_eps=1e-5"])
+    with pytest.raises(CheckpointError) as e:
+        pretrain.check_resumable(Saved(cfg), "ckpt", bigger)
+    msg = str(e.value)
+    assert "model.mlp_hidden: checkpoint 128 vs now 256" in msg and "model.norm_eps" in msg
+    assert "'d_model'" not in msg  # the differing leaves, not the whole dicts
+
+
+def test_example_recipe_runs_with_few_steps(tmp_path, data_dir):
+    env = dict(os.environ, MOETRON_DATA_DIR=data_dir, OMP_NUM_THREADS="1", MOETRON_PYTHON=sys.executable,
+               STEPS="4", RUN_DIR=str(tmp_path / "run"))
+    small = [a for a in SMALL if not a.startswith("--scheduler.warmup_steps")]  # the recipe's own warmup
+    proc = subprocess.run(["bash", "examples/pretrain_moe_1t.sh", *small, "--model.moe.num_experts=4",
+                           "--model.moe.expert_hidden=32", "--model.moe.router.top_k=2"],
+                          capture_output=True, text=True, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "== summary" in proc.stdout and sorted(losses(str(tmp_path / "run"))) == [1, 2, 3, 4]
