@@ -20,7 +20,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from .checkpoint import MANIFEST, META, CheckpointError, sha256_file, staged_dir, write_durable, write_manifest
+from .checkpoint import (
+    MANIFEST, META, CheckpointError, SafeFileSystemReader, dcp_cause, load_dcp, sha256_file, staged_dir,
+    write_durable, write_manifest,
+)
 
 __all__ = ["save_weights", "iter_weights", "read_weight_specs", "checkpoint_exists"]
 
@@ -79,7 +82,10 @@ def save_weights(
                     no_dist=True,
                 )
         except dcp.api.CheckpointException as e:  # DCP wraps the producer's error: surface it as ours
-            raise CheckpointError(f"writing {path} failed: {e}") from e
+            cause = dcp_cause(e)
+            if isinstance(cause, CheckpointError):  # e.g. a source tensor refused by the safe reader
+                raise cause from None
+            raise CheckpointError(f"writing {path} failed: {cause}") from e
         write_durable(os.path.join(tmp, META), json.dumps(meta, indent=2, sort_keys=True).encode())
         files = {}
         for name in sorted(os.listdir(tmp)):
@@ -93,7 +99,7 @@ def read_weight_specs(path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype
     """{name: (shape, dtype)} of the model tensors stored in a native checkpoint."""
     if not os.path.exists(os.path.join(path, ".metadata")):
         raise CheckpointError(f"{path} is not a native (DCP) checkpoint: no .metadata file")
-    md = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    md = SafeFileSystemReader(path).read_metadata().state_dict_metadata  # restricted unpickler
     out = {}
     for key, value in md.items():
         if key.startswith("model.") and hasattr(value, "size"):
@@ -109,7 +115,5 @@ def iter_weights(path: str, names: Iterable[str] | None = None) -> Iterator[tupl
             raise CheckpointError(f"{path} has no tensor {name!r}")
         shape, dtype = specs[name]
         state = {f"model.{name}": torch.empty(shape, dtype=dtype)}
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+        load_dcp(state, SafeFileSystemReader(path), no_dist=True)
         yield name, state[f"model.{name}"]

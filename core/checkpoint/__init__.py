@@ -5,7 +5,8 @@ A checkpoint is a plain DCP directory (readable with ``dcp.load`` alone) plus a 
     <dir>/step_00001000/
         .metadata, __<rank>_<n>.distcp   DCP: "model", "optim" (via get_state_dict, so a checkpoint
                                          saved on one mesh loads on another) and "extra/<name>"
-        rng_rank<r>.pt                   each rank's python / numpy / torch (CPU, CUDA) RNG states
+        rng_rank<r>.pt                   each rank's python / numpy / torch (CPU, CUDA) RNG states, as
+                                         plain data (tensors, numbers: loads with weights_only=True)
         meta.json                        the caller's metadata (run config ...) + step, world size,
                                          torch version
         manifest.json                    every other file with its size and sha256; written last
@@ -16,18 +17,23 @@ hidden tmp dir that :meth:`Checkpointer.latest` ignores. Older checkpoints are p
 newer one is complete. Loading verifies the manifest first and raises :class:`CheckpointError`
 instead of ever falling back silently to an older checkpoint or a fresh start.
 
+Loading never runs code from the checkpoint: :mod:`.safe_load` reads DCP's pickled ``.metadata``
+through a restricted unpickler and every other pickle with ``weights_only=True``.
+
 The package, one idea a file: :mod:`.layout` (names, the manifest, durable writes, sha256),
 :mod:`.publish` (atomic publication of a finished directory), :mod:`.merge` (one module over a
-model's pipeline parts) and :mod:`.checkpointer` (the config and the DCP Checkpointer).
+model's pipeline parts), :mod:`.safe_load` (reading without running code) and :mod:`.checkpointer`
+(the config and the DCP Checkpointer).
 """
 
 from .checkpointer import CheckpointConfig, Checkpointer
 from .layout import (
-    MANIFEST, META, STALE_DIR_RE, STEP_DIR_RE, CheckpointError, fsync_path, is_complete, read_manifest,
-    sha256_file, step_name, write_durable, write_manifest,
+    MANIFEST, META, STALE_DIR_RE, STEP_DIR_RE, CheckpointError, dcp_cause, fsync_path, is_complete,
+    read_manifest, sha256_file, step_name, write_durable, write_manifest,
 )
 from .merge import as_one_module
 from .publish import publish_dir, staged_dir
+from .safe_load import SafeFileSystemReader, SafeLoadPlanner, load_dcp, load_plain
 
 __all__ = [
     "CheckpointConfig",
@@ -37,9 +43,14 @@ __all__ = [
     "META",
     "STALE_DIR_RE",
     "STEP_DIR_RE",
+    "SafeFileSystemReader",
+    "SafeLoadPlanner",
     "as_one_module",
+    "dcp_cause",
     "fsync_path",
     "is_complete",
+    "load_dcp",
+    "load_plain",
     "read_manifest",
     "publish_dir",
     "sha256_file",

@@ -44,6 +44,7 @@ from .layout import (
 )
 from .merge import as_one_module
 from .publish import publish_dir
+from .safe_load import SafeFileSystemReader, load_dcp, load_plain
 
 __all__ = ["CheckpointConfig", "Checkpointer"]
 
@@ -100,9 +101,13 @@ def _flat_keys(state: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def _rng_state() -> dict[str, Any]:
+    """This process's RNG states as plain data (tensors, numbers, tuples): the file loads with
+    ``torch.load(weights_only=True)``."""
+    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
     state: dict[str, Any] = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -112,7 +117,11 @@ def _rng_state() -> dict[str, Any]:
 
 def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    numpy_state = state["numpy"]
+    if isinstance(numpy_state, dict):
+        numpy_state = (numpy_state["kind"], numpy_state["keys"].numpy().astype(np.uint32), numpy_state["pos"],
+                       numpy_state["has_gauss"], numpy_state["cached_gaussian"])
+    np.random.set_state(numpy_state)  # else a tuple with an ndarray: written before the RNG state was plain data
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -408,15 +417,17 @@ class Checkpointer:
         meta = self.verify(path)
         model = as_one_module(model)
         state = self._state(model, optimizer, extra)
-        reader = dcp.FileSystemReader(path)
+        reader = SafeFileSystemReader(path)  # nothing in the checkpoint is unpickled unrestricted
         # Pipeline stages hold different parameters: a stored key is unexpected only if no rank wants it.
         wanted_anywhere = set().union(*self._all_gather(sorted(_flat_keys(state))))
         self._check_keys(path, reader, state, wanted_anywhere)
         try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.load(state, storage_reader=reader, no_dist=not self.distributed)
-        except Exception as e:  # DCP raises CheckpointException / RuntimeError / ValueError
+            load_dcp(state, reader, no_dist=not self.distributed)
+        except (Exception, dcp.api.CheckpointException) as e:  # CheckpointException is a BaseException
+            # DCP fails on every rank together: say which file a rank refused, if one did.
+            refused = [r for r in self._all_gather(None if reader.refused is None else str(reader.refused)) if r]
+            if refused:
+                raise CheckpointError(refused[0]) from None
             raise CheckpointError(
                 f"checkpoint {path} does not fit this model/optimizer/extras: {e}; load a checkpoint "
                 "saved by the same model configuration"
@@ -437,19 +448,28 @@ class Checkpointer:
 
         rng_file = os.path.join(path, f"rng_rank{self.rank}.pt")
         if model_only:
-            pass
-        elif os.path.isfile(rng_file):
-            _set_rng_state(torch.load(rng_file, weights_only=False))
+            return meta
+        problem = None
+        if os.path.isfile(rng_file):
+            try:
+                _set_rng_state(load_plain(rng_file))
+            except CheckpointError as e:
+                problem = str(e)
+            except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as e:
+                problem = f"{rng_file} does not hold RNG states ({type(e).__name__}: {e})"
         else:
             log.warning(
                 "%s has no RNG state for rank %d (saved with world size %s, now %d): this rank keeps "
                 "fresh RNG state, so random draws will differ from an uninterrupted run",
                 path, self.rank, meta.get("world_size"), self.world_size,
             )
+        problems = [p for p in self._all_gather(problem) if p]  # every rank fails, or none
+        if problems:
+            raise _invalid(path, problems[0])
         return meta
 
     @staticmethod
-    def _check_keys(path: str, reader: dcp.FileSystemReader, state: dict[str, Any],
+    def _check_keys(path: str, reader: SafeFileSystemReader, state: dict[str, Any],
                     wanted_anywhere: set[str] | None = None) -> None:
         """Raise CheckpointError naming keys or shapes that differ between ``path`` and ``state``."""
         stored = reader.read_metadata().state_dict_metadata

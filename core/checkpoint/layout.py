@@ -27,6 +27,7 @@ __all__ = [
     "write_manifest",
     "is_complete",
     "read_manifest",
+    "dcp_cause",
 ]
 
 MANIFEST = "manifest.json"
@@ -40,6 +41,18 @@ _HASH_CHUNK = 8 << 20
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be saved, found or loaded; the message says which and what to do."""
+
+
+def dcp_cause(e: BaseException) -> BaseException:
+    """The first rank's original exception inside DCP's CheckpointException (which wraps what a
+    save or load step raised, tracebacks and all), else ``e``."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict):
+        for _, wrapped in sorted(failures.items()):
+            cause = wrapped[0] if isinstance(wrapped, tuple) and wrapped else wrapped
+            if isinstance(cause, BaseException):
+                return dcp_cause(cause)
+    return e
 
 
 def step_name(step: int) -> str:
