@@ -25,6 +25,7 @@ from moetron.core.checkpoint import CheckpointConfig, Checkpointer, CheckpointEr
 from moetron.core.config import Config, ConfigError
 from moetron.core.distributed import barrier, init_distributed, is_main, pick_device
 from moetron.core.optim import OptimizerConfig, SchedulerConfig
+from moetron.core.memory import MemoryConfig
 from moetron.core.precision import PrecisionConfig
 from moetron.core.trainer import NonFiniteError, Trainer, TrainerConfig
 from moetron.data.loader import DataConfig
@@ -46,6 +47,7 @@ class PretrainConfig(Config):
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
     precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
+    memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
 
@@ -120,6 +122,7 @@ def build(cfg: PretrainConfig, device: torch.device, world: int, checkpointer: C
     model = cfg.model.build(device=device)  # identical on every rank: same seed
     precision = cfg.precision.build(device)
     precision.apply(model)  # the GEMM backend of every linear and of the experts
+    cfg.memory.apply(model)  # activation recompute, before compile and the strategies wrap blocks
     if is_main():
         print(f"run {cfg.name}: {cfg.model.describe()}, {world} rank(s) on {device.type}, {mesh.describe()}",
               flush=True)
