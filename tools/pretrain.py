@@ -189,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
             f"(a step_XXXXXXXX dir, or the output of tools/convert_hf.py import / tools/upcycle.py)"
         )
     trainer, _ = build(cfg, device, world, checkpointer)
+    # Fail now, not at the first save: the checkpoint dir is writable and has room for a checkpoint.
+    checkpointer.check_writable(Checkpointer.estimate_bytes(trainer.model_parts, trainer.optimizer))
     if resume_path is not None:
         trainer.load(resume_path)
     elif cfg.checkpoint.init_from:

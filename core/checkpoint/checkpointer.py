@@ -35,6 +35,7 @@ from .layout import (
     STALE_DIR_RE,
     STEP_DIR_RE,
     CheckpointError,
+    dcp_cause,
     is_complete,
     read_manifest,
     sha256_file,
@@ -199,6 +200,67 @@ class Checkpointer:
         return merged
 
     # ---- saving -----------------------------------------------------------------------------
+    @staticmethod
+    def estimate_bytes(model: nn.Module | list[nn.Module], optimizer: torch.optim.Optimizer | None) -> int:
+        """About the bytes of one checkpoint of ``model`` (or its pipeline parts) and ``optimizer``:
+        every parameter and buffer (DTensors at their full size), plus the optimizer state it holds, or,
+        before its first step, two moments per trainable parameter in its dtype (Adam's exp_avg and
+        exp_avg_sq). A pipeline rank counts only its own stages."""
+        model = as_one_module(model)
+        tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        if optimizer is not None:
+            state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+            if state:
+                total += sum(v.numel() * v.element_size() for v in state)
+            else:
+                total += sum(2 * p.numel() * p.element_size() for g in optimizer.param_groups for p in g["params"]
+                             if p.requires_grad)
+        return total
+
+    def check_writable(self, estimated_bytes: int) -> None:
+        """Fail at the start of a run, not at its first save: ``cfg.dir`` must be creatable and writable
+        by every rank, and its file system must have ``estimated_bytes`` free (see :meth:`estimate_bytes`).
+        Raises CheckpointError on every rank. Directories it creates to probe are removed again (the
+        first save makes them). Does nothing for a run that saves no checkpoints."""
+        if self.cfg.dir is None or not (self.cfg.save_final or self.cfg.interval > 0):
+            return
+        root = os.path.abspath(self.cfg.dir)
+        missing = []  # rank 0 looks before any rank creates anything
+        if self.rank == 0:
+            d = root
+            while not os.path.lexists(d) and os.path.dirname(d) != d:
+                missing.append(d)
+                d = os.path.dirname(d)
+        missing = self._broadcast(missing)
+        problem = None
+        try:
+            os.makedirs(root, exist_ok=True)
+            probe = os.path.join(root, f".write-probe-rank{self.rank}-{uuid.uuid4().hex[:12]}")
+            try:
+                write_durable(probe, b"0")
+            finally:
+                if os.path.exists(probe):
+                    os.remove(probe)
+        except OSError as e:
+            problem = (f"checkpoint dir {root} is not writable: {_os_reason(e)} ({e.filename or root}); set "
+                       "--checkpoint.dir to a directory this run can write")
+        if problem is None and self.rank == 0:
+            free = shutil.disk_usage(root).free
+            if free < estimated_bytes:
+                problem = (f"checkpoint dir {root} has {_gib(free)} free but one checkpoint of this run takes about "
+                           f"{_gib(estimated_bytes)} (parameters + optimizer state): free space there or set "
+                           "--checkpoint.dir to a file system with room")
+        problems = [p for p in self._all_gather(problem) if p]  # also: every rank has probed
+        if self.rank == 0:
+            for d in missing:  # deepest first
+                try:
+                    os.rmdir(d)
+                except OSError:
+                    break
+        if problems:
+            raise CheckpointError(problems[0])
+
     def save(
         self,
         step: int,
@@ -227,33 +289,71 @@ class Checkpointer:
         final = os.path.join(root, name)
         nonce = self._broadcast(uuid.uuid4().hex[:12])
         tmp = os.path.join(root, f".{name}.tmp-{nonce}")
-        os.makedirs(tmp, exist_ok=True)
-        self._barrier()
+        # Each stage's outcome is agreed over ranks (that is also the barrier between stages): a full
+        # disk on one rank fails the save on all, removes the partial save and keeps older checkpoints.
+        failure = None
+        try:
+            os.makedirs(tmp, exist_ok=True)
+        except OSError as e:
+            failure = e
+        self._save_stage_done(step, root, tmp, failure)
 
         model = as_one_module(model)
         state = self._state(model, optimizer, extra)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save(
-                state,
-                storage_writer=dcp.FileSystemWriter(tmp, sync_files=True, overwrite=False),
-                no_dist=not self.distributed,
-            )
-        write_durable(os.path.join(tmp, f"rng_rank{self.rank}.pt"), _bytes_of(_rng_state()))
-        if self.rank == 0:
-            write_durable(os.path.join(tmp, META), meta_bytes)
-        self._barrier()  # every rank's files exist before they are listed and hashed
+        failure = None
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.save(
+                    state,
+                    storage_writer=dcp.FileSystemWriter(tmp, sync_files=True, overwrite=False),
+                    no_dist=not self.distributed,
+                )
+            write_durable(os.path.join(tmp, f"rng_rank{self.rank}.pt"), _bytes_of(_rng_state()))
+            if self.rank == 0:
+                write_durable(os.path.join(tmp, META), meta_bytes)
+        except (Exception, dcp.api.CheckpointException) as e:  # DCP wraps the OSError of a failed write
+            failure = e
+        self._save_stage_done(step, root, tmp, failure)  # every rank's files exist before they are hashed
 
         names = sorted(n for n in os.listdir(tmp) if n != MANIFEST)
         files = self._hash_files(tmp, names)
+        failure = None
         if self.rank == 0:
-            write_manifest(tmp, step, self.world_size, files)
-            publish_dir(tmp, final, nonce)
-        self._barrier()
+            try:
+                write_manifest(tmp, step, self.world_size, files)
+                publish_dir(tmp, final, nonce)
+            except OSError as e:
+                failure = e
+        self._save_stage_done(step, root, tmp, failure)
         if self.rank == 0:
             self._prune(root)
         self._barrier()
         return final
+
+    def _save_stage_done(self, step: int, root: str, tmp: str, failure: BaseException | None) -> None:
+        """Agree on a save stage over ranks; if any rank failed, remove ``tmp`` and raise on every rank:
+        a CheckpointError naming the OS error ("no space left on device ...") and the path, or, for a
+        failure that is not the file system's, the original exception."""
+        cause = None if failure is None else dcp_cause(failure)
+        mine = None
+        if cause is not None:
+            mine = (f"{_os_reason(cause)} ({cause.filename or tmp})" if isinstance(cause, OSError)
+                    else f"{type(cause).__name__}: {cause}")
+        problems = [p for p in self._all_gather(mine) if p]
+        if not problems:
+            return
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if cause is not None and not isinstance(cause, OSError):
+            raise failure  # a bug rather than the disk: as raised (the partial save is removed)
+        complete = self._complete(root, warn=False) if os.path.isdir(root) else []
+        kept = f"the previous checkpoint {complete[-1][1]} is kept" if complete else "no earlier checkpoint exists"
+        raise CheckpointError(
+            f"saving checkpoint step {step} to {root} failed: {problems[0]}; the partial save {tmp} was removed "
+            f"and {kept}; free space there (or point --checkpoint.dir at a writable file system with room) "
+            "and resume"
+        )
 
     def _state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict[str, Any]) -> dict[str, Any]:
         """The DCP state dict: ``model``, ``optim`` (if any) and ``extra/<name>``."""
@@ -506,6 +606,15 @@ def _invalid(path: str, problem: str) -> CheckpointError:
         f"checkpoint {path} is invalid: {problem}; delete or move {path} aside (it is damaged or "
         "incomplete) and resume from an older checkpoint by passing its path explicitly"
     )
+
+
+def _os_reason(e: OSError) -> str:
+    """'no space left on device', 'permission denied' ...: the OS's words for ``e``."""
+    return (e.strerror or os.strerror(e.errno) if e.errno else str(e)).lower()
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
 
 
 def _few(items: list[str], n: int = 8) -> str:
