@@ -1,14 +1,14 @@
-"""Reading safetensors checkpoints: where each tensor lives (from the file headers alone) and the
-tensors themselves, one at a time."""
+"""Reading safetensors checkpoints through the ``safetensors`` package's own reader
+(``safe_open(..., framework="pt")``): where each tensor lives (from the file headers alone: the
+files are memory-mapped, no tensor data is touched) and the tensors themselves, one at a time."""
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 from typing import Iterator
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from moetron.core.checkpoint import CheckpointError
 
@@ -22,19 +22,29 @@ _ST_DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+# The writer (export.py) streams shards itself (safetensors has no streaming writer) with these names.
 SAFETENSORS_DTYPE_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 
 
-def _read_header(path: str) -> dict:
-    """The safetensors header {name: {dtype, shape, data_offsets}} without mapping the file."""
+def _open(path: str):
+    """``safe_open(path)``; a file safetensors refuses (bad header, truncated data) is a CheckpointError."""
     try:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-    except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
+        return safe_open(path, framework="pt")
+    except (OSError, SafetensorError) as e:
         raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from None
-    header.pop("__metadata__", None)
-    return header
+
+
+def _read_specs(path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """{name: (shape, dtype)} of every tensor in the safetensors file ``path`` (headers only)."""
+    specs = {}
+    with _open(path) as f:
+        for key in f.keys():
+            sl = f.get_slice(key)
+            dtype = sl.get_dtype()
+            if dtype not in _ST_DTYPES:
+                raise CheckpointError(f"{path}: tensor {key} has unsupported dtype {dtype}")
+            specs[key] = (tuple(sl.get_shape()), _ST_DTYPES[dtype])
+    return specs
 
 
 class HFFiles:
@@ -59,12 +69,9 @@ class HFFiles:
         self.location: dict[str, str] = {}
         self.meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         for name in files:
-            path = os.path.join(hf_dir, name)
-            for key, info in _read_header(path).items():
-                if info["dtype"] not in _ST_DTYPES:
-                    raise CheckpointError(f"{path}: tensor {key} has unsupported dtype {info['dtype']}")
+            for key, spec in _read_specs(os.path.join(hf_dir, name)).items():
                 self.location[key] = name
-                self.meta[key] = (tuple(info["shape"]), _ST_DTYPES[info["dtype"]])
+                self.meta[key] = spec
         if weight_map is not None:
             for key, name in weight_map.items():
                 if self.location.get(key) != name:
@@ -72,28 +79,30 @@ class HFFiles:
 
     def read(self, names: list[str]) -> list[torch.Tensor]:
         """Load the named tensors, opening each needed file once and closing it right after."""
-        from safetensors import safe_open
-
         by_file: dict[str, list[str]] = {}
         for n in names:
             by_file.setdefault(self.location[n], []).append(n)
         out: dict[str, torch.Tensor] = {}
         for fname, keys in by_file.items():
-            with safe_open(os.path.join(self.dir, fname), framework="pt") as f:
-                for k in keys:
-                    out[k] = f.get_tensor(k)
+            out.update(zip(keys, _get_tensors(os.path.join(self.dir, fname), keys)))
         return [out[n] for n in names]
+
+
+def _get_tensors(path: str, keys: list[str]) -> Iterator[torch.Tensor]:
+    """The tensors ``keys`` of ``path``, read one at a time (the file is open only meanwhile)."""
+    with _open(path) as f:
+        for k in keys:
+            try:
+                tensor = f.get_tensor(k)
+            except SafetensorError as e:
+                raise CheckpointError(f"{path}: tensor {k} cannot be read: {e}") from None
+            yield tensor
 
 
 def iter_hf_tensors(hf_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, tensor) from ``model.safetensors`` or the shards named by
     ``model.safetensors.index.json``, one tensor at a time (a missing shard is a CheckpointError)."""
     files = HFFiles(hf_dir)
-    from safetensors import safe_open
-
     for fname in files.files:
         keys = sorted(k for k, f in files.location.items() if f == fname)
-        for k in keys:
-            with safe_open(os.path.join(hf_dir, fname), framework="pt") as f:
-                tensor = f.get_tensor(k)
-            yield k, tensor
+        yield from zip(keys, _get_tensors(os.path.join(hf_dir, fname), keys))

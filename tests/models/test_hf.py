@@ -460,3 +460,49 @@ def test_export_keeps_token_ids_and_context_length(tmp_path):
                                           "config.json")))
     assert written["eos_token_id"] is None and written["pad_token_id"] is None
     assert written["max_position_embeddings"] == 4 * 16
+
+
+# ---- reading through safetensors' own reader ------------------------------------------------
+
+
+def test_unreadable_shards_are_one_checkpoint_error(olmoe, tmp_path):
+    """safe_open reads the headers; what it refuses (garbage, a truncated file) or a dtype moetron
+    cannot hold is a CheckpointError naming the file, before any tensor is produced."""
+    from safetensors.torch import save_file
+
+    single = olmoe[0]
+    bad = str(tmp_path / "bad")
+    shutil.copytree(single, bad)
+    path = os.path.join(bad, "model.safetensors")
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) // 2])  # header intact, data cut
+    with pytest.raises(CheckpointError, match=re.escape(path) + " is not a readable safetensors file"):
+        hf_native_specs(bad)
+    open(path, "wb").write(b"\x08\x00\x00\x00\x00\x00\x00\x00not json")
+    with pytest.raises(CheckpointError, match="is not a readable safetensors file"):
+        iter_hf_tensors(bad).__next__()
+    save_file({"model.embed_tokens.weight": torch.zeros(2, 2, dtype=torch.float8_e4m3fn)}, path)
+    with pytest.raises(CheckpointError, match="tensor model.embed_tokens.weight has unsupported dtype F8_E4M3"):
+        hf_native_specs(bad)
+
+
+def test_export_and_load_report_progress(tmp_path):
+    """The conversion functions report (done_bytes, total_bytes) to one callback
+    (tools/convert_hf.py points it at data.progress.Progress.update)."""
+    native = _native_tiny_moe(str(tmp_path / "a"), _olmo3_like())
+    calls = []
+    hf_dir = export_hf(native, str(tmp_path / "hf"), progress=lambda done, total: calls.append((done, total)))
+    total = calls[-1][1]
+    assert calls[-1][0] == total == sum(os.path.getsize(os.path.join(hf_dir, f)) for f in os.listdir(hf_dir)
+                                        if f.endswith(".safetensors")) - _header_bytes(hf_dir)
+    assert [d for d, _ in calls] == sorted(d for d, _ in calls)
+    calls.clear()
+    load_hf_model(hf_dir, progress=lambda done, total: calls.append((done, total)))
+    assert calls[-1][0] == calls[-1][1] == total
+
+
+def _header_bytes(hf_dir):
+    import struct
+
+    return sum(8 + struct.unpack("<Q", open(os.path.join(hf_dir, f), "rb").read(8))[0]
+               for f in os.listdir(hf_dir) if f.endswith(".safetensors"))
