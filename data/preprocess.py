@@ -5,7 +5,9 @@ A token file is a pair:
 - ``<prefix>.bin``: the token ids of every document, each followed by the tokenizer's EOS id, as raw
   little-endian ``uint16`` (vocab_size <= 65536) or ``uint32``;
 - ``<prefix>.json``: the sidecar ``{"format": "moetron-tokens", "version": 1, "dtype", "vocab_size",
-  "num_tokens", "num_documents", "eos_id", "max_token_id", "tokenizer"}``.
+  "num_tokens", "num_documents", "eos_id", "max_token_id", "tokenizer"}``, plus what the tokenizer
+  tells (``"tokenizer_kind"``: sentencepiece or hf, ``"tokenizer_name"``, ``"bos_id"``; optional
+  keys, so older sidecars still read).
 
 Both are written under temporary names and renamed, the sidecar last, so a crash never leaves a
 pair that looks complete: readers treat "no sidecar" as "not there".
@@ -15,12 +17,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-import time
 from typing import Any, Iterable, Iterator, Protocol, Sequence
 
 import numpy as np
 
+from moetron.data.progress import Progress
 from moetron.data.tokenizer import DataError
 
 __all__ = [
@@ -43,7 +44,8 @@ _REQUIRED_KEYS = ("format", "version", "dtype", "vocab_size", "num_tokens", "num
 
 
 class TokenizerLike(Protocol):
-    """What preprocessing needs from a tokenizer (SentencePieceTokenizer, or a test double)."""
+    """What preprocessing needs from a tokenizer (a data.tokenizer.Tokenizer, or a test double;
+    ``encode_batch``, ``kind``, ``name`` and ``bos_id`` are used when present)."""
 
     vocab_size: int
     eos_id: int | None
@@ -143,30 +145,6 @@ def iter_documents(path: str, jsonl_key: str = "text", split_blank_lines: bool =
             yield "".join(lines).rstrip("\n")
 
 
-# ---- progress -----------------------------------------------------------------------------------
-class _Progress:
-    """A one-line progress report on stderr, redrawn at most twice a second (no dependency)."""
-
-    def __init__(self, total_bytes: int, label: str, enabled: bool):
-        self.total, self.label, self.enabled = max(total_bytes, 1), label, enabled
-        self.start = self.last = time.monotonic()
-
-    def update(self, done_bytes: int, num_tokens: int, force: bool = False) -> None:
-        now = time.monotonic()
-        if not self.enabled or (not force and now - self.last < 0.5):
-            return
-        self.last = now
-        frac = min(done_bytes / self.total, 1.0)
-        bar = "#" * int(30 * frac) + "." * (30 - int(30 * frac))
-        rate = done_bytes / max(now - self.start, 1e-9) / 1e6
-        sys.stderr.write(
-            f"\r{self.label} [{bar}] {100 * frac:5.1f}% {done_bytes / 1e6:.1f}MB {num_tokens:,} tokens {rate:.1f}MB/s"
-        )
-        if force:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
-
-
 # ---- writing ------------------------------------------------------------------------------------
 def _encode_many(tokenizer: TokenizerLike, texts: Sequence[str]) -> list[list[int]]:
     batch = getattr(tokenizer, "encode_batch", None)
@@ -220,13 +198,13 @@ def tokenize_documents(
     check_output_prefix(output_prefix, overwrite)
     eos_id = tokenizer.eos_id
     if eos_id is None:
-        raise DataError(f"tokenizer {getattr(tokenizer, 'path', None)!r} has no EOS id: train it with eos_id >= 0")
+        raise DataError(f"tokenizer {getattr(tokenizer, 'path', None)!r} has no EOS id: train it with eos_id >= 0 "
+                        f"(sentencepiece), or name eos_token in a tokenizer_config.json beside tokenizer.json (HF)")
     vocab_size = int(tokenizer.vocab_size)
     dtype = dtype_for_vocab(vocab_size)
     prefix, bin_path, json_path = token_file_paths(output_prefix)
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
-    enabled = sys.stderr.isatty() if progress is None else progress
-    bar = _Progress(total_bytes or 0, f"tokenizing -> {bin_path}", enabled and bool(total_bytes))
+    bar = Progress(f"tokenizing -> {bin_path}", total_bytes, "B", enabled=progress if total_bytes else False)
 
     tmp_bin = f"{bin_path}.tmp-{os.getpid()}"
     tmp_json = f"{json_path}.tmp-{os.getpid()}"
@@ -234,7 +212,7 @@ def tokenize_documents(
     max_token_id = -1
     done_bytes = 0
     try:
-        with open(tmp_bin, "wb") as out:
+        with bar, open(tmp_bin, "wb") as out:
 
             def flush(texts: list[str]) -> None:
                 nonlocal num_tokens, num_documents, max_token_id
@@ -261,10 +239,10 @@ def tokenize_documents(
                 if pending_bytes >= batch_bytes:
                     flush(pending)
                     done_bytes += pending_bytes
-                    bar.update(done_bytes, num_tokens)
+                    bar.update(done_bytes, note=f"{num_tokens:,} tokens")
                     pending, pending_bytes = [], 0
             flush(pending)
-        bar.update(total_bytes or 0, num_tokens, force=True)
+            bar.update(total_bytes or 0, note=f"{num_tokens:,} tokens")
         if num_documents == 0:
             raise DataError(f"no documents to tokenize for {bin_path!r}: the inputs are empty")
         meta = {
@@ -277,6 +255,9 @@ def tokenize_documents(
             "eos_id": int(eos_id),
             "max_token_id": max_token_id,
             "tokenizer": _tokenizer_ref(getattr(tokenizer, "path", None), json_path),
+            "tokenizer_kind": getattr(tokenizer, "kind", None),
+            "tokenizer_name": getattr(tokenizer, "name", None),
+            "bos_id": getattr(tokenizer, "bos_id", None),
         }
         with open(tmp_json, "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=1)

@@ -1,4 +1,7 @@
-"""SentencePiece tokenizer: deterministic training, loading, encode/decode.
+"""Tokenizers: one interface (:class:`Tokenizer`), two implementations, chosen by file type in
+:func:`load_tokenizer`: :class:`SentencePieceTokenizer` (a ``.model`` file; deterministic training)
+and :class:`HFTokenizer` (a Hugging Face ``tokenizer.json`` or a directory holding one, read by the
+optional ``tokenizers`` package: the Olmo 3 / OLMoE dolma2 tokenizers are in this format).
 
 Also home of :class:`DataError`, the one exception type for bad data files (this module is the
 bottom of ``moetron.data``'s import graph, so every other data module can import it from here).
@@ -11,16 +14,64 @@ ourselves, and the trainer runs with a fixed thread count (the count is stored i
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Protocol, Sequence
 
-__all__ = ["DataError", "SentencePieceTokenizer", "DEFAULT_TRAIN_OPTIONS"]
+__all__ = ["DataError", "Tokenizer", "SentencePieceTokenizer", "HFTokenizer", "load_tokenizer", "DEFAULT_TRAIN_OPTIONS"]
 
 
 class DataError(ValueError):
     """A data file or tokenizer is missing, malformed or incompatible: the message names the file
     and says what to do about it."""
+
+
+class Tokenizer(Protocol):
+    """What moetron needs from a tokenizer. ``encode`` never adds BOS/EOS (preprocessing appends
+    EOS); every id is in ``[0, vocab_size)``."""
+
+    @property
+    def path(self) -> str: ...  # the file or directory it was loaded from
+    @property
+    def kind(self) -> str: ...  # "sentencepiece" or "hf"
+    @property
+    def name(self) -> str: ...  # a short human name (the model file's stem, the HF directory's name)
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def eos_id(self) -> int | None: ...
+    @property
+    def bos_id(self) -> int | None: ...
+
+    def encode(self, text: str) -> list[int]: ...
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+_TOKENIZER_KINDS = "a sentencepiece .model file, a Hugging Face tokenizer.json, or a directory holding one"
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """The tokenizer at ``path``, by file type: ``*.model`` -> SentencePieceTokenizer; ``*.json``
+    (``tokenizer.json``) or a directory with ``tokenizer.json`` -> HFTokenizer; a directory with
+    only ``tokenizer.model`` -> SentencePieceTokenizer. Anything else is a DataError saying what
+    is accepted."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise DataError(f"tokenizer {path!r} does not exist: pass {_TOKENIZER_KINDS}")
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, HFTokenizer.FILE)):
+            return HFTokenizer(path)
+        if os.path.isfile(os.path.join(path, "tokenizer.model")):
+            return SentencePieceTokenizer(os.path.join(path, "tokenizer.model"))
+        raise DataError(f"tokenizer directory {path!r} holds neither tokenizer.json nor tokenizer.model: "
+                        f"pass {_TOKENIZER_KINDS}")
+    if path.endswith(".model"):
+        return SentencePieceTokenizer(path)
+    if path.endswith(".json"):
+        return HFTokenizer(path)
+    raise DataError(f"tokenizer {path!r} is of unknown type (by its name): pass {_TOKENIZER_KINDS}")
 
 
 # Defaults suited to code and prose alike: no normalization (so indentation and unicode survive a
@@ -67,6 +118,8 @@ def _strided_keep(num_lines: int, max_lines: int) -> Iterable[bool]:
 
 class SentencePieceTokenizer:
     """A trained sentencepiece model. ``encode`` never adds BOS/EOS; preprocessing appends EOS."""
+
+    kind = "sentencepiece"
 
     def __init__(self, path: str):
         path = os.fspath(path)
@@ -151,6 +204,10 @@ class SentencePieceTokenizer:
         return self._path
 
     @property
+    def name(self) -> str:
+        return os.path.splitext(os.path.basename(self._path))[0]
+
+    @property
     def vocab_size(self) -> int:
         return int(self._sp.GetPieceSize())
 
@@ -180,6 +237,148 @@ class SentencePieceTokenizer:
 
     def __repr__(self) -> str:
         return f"SentencePieceTokenizer(path={self._path!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
+
+
+def _import_tokenizers():
+    try:
+        import tokenizers
+    except ImportError as e:
+        raise DataError("Hugging Face tokenizers (tokenizer.json) need the tokenizers package: "
+                        "pip install tokenizers") from e
+    return tokenizers
+
+
+# Special tokens that mean end/begin of text in common tokenizer.json files (dolma2, GPT-2, Llama
+# 3, T5-style), for a tokenizer.json that comes without tokenizer_config.json.
+_KNOWN_EOS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
+_KNOWN_BOS = ("<|begin_of_text|>", "<s>", "<bos>", "<|bos|>")
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` read by the ``tokenizers`` package (import-guarded).
+
+    ``path`` is the tokenizer.json file or a directory holding it. ``encode`` is tokenizers'
+    ``encode(text, add_special_tokens=False).ids`` (no BOS/EOS; text that spells an added special
+    token, e.g. ``<|endoftext|>``, encodes to that token, as in tokenizers). ``vocab_size`` is the
+    largest id (added tokens included) + 1. EOS/BOS come from, in order: the ``eos_token`` /
+    ``bos_token`` arguments; ``tokenizer_config.json``, then ``special_tokens_map.json`` beside the
+    file; the special tokens of the post-processor template in tokenizer.json; a well-known
+    special token name (``<|endoftext|>``, ``</s>`` ...).
+    """
+
+    kind = "hf"
+    FILE = "tokenizer.json"
+
+    def __init__(self, path: str, eos_token: str | None = None, bos_token: str | None = None):
+        path = os.fspath(path)
+        file = os.path.join(path, self.FILE) if os.path.isdir(path) else path
+        if not os.path.isfile(file):
+            raise DataError(f"tokenizer {file!r} does not exist: pass {_TOKENIZER_KINDS}")
+        tokenizers = _import_tokenizers()
+        try:
+            self._tok = tokenizers.Tokenizer.from_file(file)
+        except Exception as e:  # tokenizers raises bare Exception subclasses for bad files
+            raise DataError(f"tokenizer {file!r} is not a valid Hugging Face tokenizer.json ({e}): "
+                            f"point at the right file") from None
+        self._path, self._file = path, file
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        self._vocab_size = max(vocab.values()) + 1 if vocab else 0
+        folder = os.path.dirname(os.path.abspath(file))
+        named = _special_tokens_from_configs(folder)
+        template = _template_special_tokens(self._tok.to_str())
+        self._eos_id = self._special_id("eos", [eos_token, named.get("eos"), template.get("eos"), *_KNOWN_EOS],
+                                        explicit=eos_token or named.get("eos"))
+        self._bos_id = self._special_id("bos", [bos_token, named.get("bos"), template.get("bos"), *_KNOWN_BOS],
+                                        explicit=bos_token or named.get("bos"))
+
+    def _special_id(self, what: str, candidates: list[str | None], explicit: str | None) -> int | None:
+        """The id of the first candidate token in the vocabulary; a named (explicit) token that is
+        not in it is a DataError, since a silently different EOS would corrupt the data."""
+        if explicit is not None and self._tok.token_to_id(explicit) is None:
+            raise DataError(f"tokenizer {self._file!r}: {what}_token {explicit!r} (from the arguments or "
+                            f"tokenizer_config.json / special_tokens_map.json) is not in its vocabulary")
+        for token in candidates:
+            if token is not None and (i := self._tok.token_to_id(token)) is not None:
+                return int(i)
+        return None
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(os.path.dirname(os.path.abspath(self._file)))
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def eos_id(self) -> int | None:
+        return self._eos_id
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._bos_id
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no BOS/EOS added)."""
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """``[encode(t) for t in texts]``, in Rust threads (TOKENIZERS_PARALLELISM governs them)."""
+        if not texts:
+            return []
+        return [list(e.ids) for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer(path={self._path!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def _special_tokens_from_configs(folder: str) -> dict[str, str]:
+    """{"eos"/"bos": token} from tokenizer_config.json, else special_tokens_map.json, in ``folder``."""
+    found: dict[str, str] = {}
+    for fname in ("special_tokens_map.json", "tokenizer_config.json"):  # the latter wins
+        path = os.path.join(folder, fname)
+        if not os.path.isfile(path):
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                config = json.load(f)
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise DataError(f"{path} is not valid JSON ({e}): fix or remove it") from None
+        if not isinstance(config, dict):
+            raise DataError(f"{path} is not a JSON object: fix or remove it")
+        for what in ("eos", "bos"):
+            token = _token_content(config.get(f"{what}_token"))
+            if token is not None:
+                found[what] = token
+    return found
+
+
+def _template_special_tokens(tokenizer_json: str) -> dict[str, str]:
+    """{"eos"/"bos": token} from a TemplateProcessing post-processor: the special token its
+    single-sequence template ends (EOS) or starts (BOS) with."""
+    processor = json.loads(tokenizer_json).get("post_processor") or {}
+    steps = processor.get("processors", [processor]) if processor.get("type") == "Sequence" else [processor]
+    for step in steps:
+        single = step.get("single") if step.get("type") == "TemplateProcessing" else None
+        if not single:
+            continue
+        ends = {"eos": single[-1], "bos": single[0]}
+        return {what: piece["SpecialToken"]["id"] for what, piece in ends.items() if "SpecialToken" in piece}
+    return {}
 
 
 def _iter_lines(path: str) -> Iterable[str]:

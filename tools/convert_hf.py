@@ -8,8 +8,8 @@ import reads Olmo3ForCausalLM or OlmoeForCausalLM (config.json + model.safetenso
 model.safetensors.index.json) and writes a weights-only native checkpoint that
 ``--checkpoint.init_from`` and tools/upcycle.py read. export writes Olmo3ForCausalLM (dense),
 OlmoeForCausalLM (OLMoE-shaped MoE) or MoetronForCausalLM (any other MoE). Both stream one tensor
-at a time (peak memory: a few tensors, never the checkpoint). Errors print one "error: ..." line,
-exit 2 and write nothing.
+at a time (peak memory: a few tensors, never the checkpoint), with a progress bar on a terminal
+(--no-progress: none). Errors print one "error: ..." line, exit 2 and write nothing.
 """
 
 from __future__ import annotations
@@ -39,28 +39,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already at the output")
         p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                        help="cast the weights (default: keep the source dtype)")
+        p.add_argument("--no-progress", action="store_true", help="no progress bar (default: on a terminal)")
     return parser.parse_args(argv)
 
 
 def run(args: argparse.Namespace) -> str:
     from moetron.core.weights import save_weights
+    from moetron.data.progress import Progress
     from moetron.models.config import native_config
     from moetron.models.hf import export_architecture, export_hf, hf_architecture, hf_native_specs, read_hf_config
 
     dtype = DTYPES[args.dtype] if args.dtype else None
+    enabled = False if args.no_progress else None
     if args.command == "import":
         arch = hf_architecture(args.src)
         cfg = read_hf_config(args.src)
         print(f"{arch}: {cfg.describe()}")
         specs, produce = hf_native_specs(args.src, cfg, dtype=dtype)
         meta = {"config": {"model": cfg.to_dict()}, "source": {"hf_dir": args.src, "architecture": arch}}
-        path = save_weights(args.out, specs, produce, meta, overwrite=args.overwrite)
+        with Progress(f"importing -> {args.out}", enabled=enabled) as bar:
+            path = save_weights(args.out, specs, bar.tracking(specs, produce), meta, overwrite=args.overwrite)
         print(f"wrote native checkpoint {path} ({len(specs)} tensors)")
         return path
     cfg = native_config(args.src)
     arch, why = export_architecture(cfg)
     print(f"{arch} ({why}): {cfg.describe()}")
-    path = export_hf(args.src, args.out, overwrite=args.overwrite, dtype=dtype, max_shard_size=args.shard_size)
+    with Progress(f"exporting -> {args.out}", enabled=enabled) as bar:
+        path = export_hf(args.src, args.out, overwrite=args.overwrite, dtype=dtype, max_shard_size=args.shard_size,
+                         progress=bar.update)
     print(f"wrote Hugging Face checkpoint {path}")
     return path
 

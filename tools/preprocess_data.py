@@ -4,6 +4,9 @@ Examples:
     # with an existing sentencepiece model
     python tools/preprocess_data.py --input 'corpus/*.jsonl' --output-prefix data/train \
         --tokenizer tok.model
+    # with a Hugging Face tokenizer.json (or its directory; needs pip install tokenizers)
+    python tools/preprocess_data.py --input 'corpus/*.jsonl' --output-prefix data/train \
+        --tokenizer hf/dolma2-tokenizer/tokenizer.json
     # train a tokenizer on the inputs first (written to <output-prefix>.tokenizer.model)
     python tools/preprocess_data.py --input books/*.txt --split-blank-lines \
         --output-prefix data/books --train-tokenizer --vocab-size 32000
@@ -18,7 +21,7 @@ import tempfile
 import time
 
 from moetron.data.preprocess import check_output_prefix, iter_documents, tokenize_files
-from moetron.data.tokenizer import DataError, SentencePieceTokenizer
+from moetron.data.tokenizer import DataError, SentencePieceTokenizer, load_tokenizer
 
 
 def expand_inputs(patterns: list[str]) -> list[str]:
@@ -37,7 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--input", nargs="+", required=True, help="text (.txt ...) or .jsonl files or globs")
     p.add_argument("--output-prefix", required=True, help="writes <prefix>.bin and <prefix>.json")
     tok = p.add_mutually_exclusive_group(required=True)
-    tok.add_argument("--tokenizer", help="sentencepiece .model file")
+    tok.add_argument("--tokenizer", help="sentencepiece .model file, HF tokenizer.json, or a directory holding one")
     tok.add_argument("--train-tokenizer", action="store_true", help="train a tokenizer on the inputs first")
     p.add_argument("--vocab-size", type=int, help="vocabulary of the trained tokenizer (with --train-tokenizer)")
     p.add_argument("--tokenizer-type", default="bpe", choices=["bpe", "unigram"], help="with --train-tokenizer")
@@ -97,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = train_tokenizer(args, files)
         print(f"trained {tokenizer.path} (vocab {tokenizer.vocab_size}) in {time.monotonic() - t0:.1f}s")
     else:
-        tokenizer = SentencePieceTokenizer.from_file(args.tokenizer)
+        tokenizer = load_tokenizer(args.tokenizer)
     t1 = time.monotonic()
     meta = tokenize_files(
         files,
@@ -110,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"wrote {args.output_prefix}.bin: {meta['num_tokens']:,} {meta['dtype']} tokens, "
-        f"{meta['num_documents']:,} documents, vocab {meta['vocab_size']}, in {time.monotonic() - t1:.1f}s"
+        f"{meta['num_documents']:,} documents, vocab {meta['vocab_size']}, eos {meta['eos_id']} "
+        f"({tokenizer.kind} tokenizer {tokenizer.name}), in {time.monotonic() - t1:.1f}s"
     )
     return 0
 

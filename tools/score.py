@@ -7,7 +7,8 @@
 CKPT is a native checkpoint (a trainer's <run_dir>/checkpoints/step_N, a run's checkpoints/ folder
 (its latest step), tools/upcycle.py or tools/convert_hf.py output) or an HF directory (config.json).
 DATA is a moetron token file (.bin/.json pair or their prefix) or a text file, tokenized with
---tokenizer (a sentencepiece .model) as one document with EOS appended.
+--tokenizer (a sentencepiece .model, an HF tokenizer.json or its directory) as one document with EOS
+appended.
 
 Windows: the first N tokens (N = --max-tokens, default all) are cut into windows of --seq-len + 1
 tokens with stride --seq-len (window w covers tokens [w*S, w*S + S]), so neighbouring windows share
@@ -39,7 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 allow_abbrev=False)
     p.add_argument("checkpoint", help="native checkpoint dir or HF dir (config.json)")
     p.add_argument("data", help="moetron token file (.bin/.json or prefix) or a text file (needs --tokenizer)")
-    p.add_argument("--tokenizer", help="sentencepiece .model for a text file")
+    p.add_argument("--tokenizer", help="for a text file: sentencepiece .model, HF tokenizer.json or its directory")
     p.add_argument("--seq-len", type=int, default=512, help="tokens predicted per window (stride)")
     p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
     p.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens")
@@ -87,10 +88,11 @@ def load_tokens(path: str, tokenizer: str | None, max_tokens: int | None) -> np.
         if not os.path.isfile(path):
             raise DataError(f"data file {path!r} does not exist")
         if tokenizer is None:
-            raise DataError(f"{path!r} is not a moetron token file: pass --tokenizer MODEL.model to tokenize it as text")
-        from moetron.data.tokenizer import SentencePieceTokenizer
+            raise DataError(f"{path!r} is not a moetron token file: pass --tokenizer (a .model, tokenizer.json "
+                            f"or HF tokenizer directory) to tokenize it as text")
+        from moetron.data.tokenizer import load_tokenizer
 
-        tok = SentencePieceTokenizer(tokenizer)
+        tok = load_tokenizer(tokenizer)
         with open(path, encoding="utf-8") as f:
             ids = tok.encode(f.read())
         if tok.eos_id is not None:

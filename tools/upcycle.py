@@ -11,7 +11,8 @@ native checkpoint (DCP + meta.json with the MoE model config), written one tenso
 memory: one layer's experts), plus <output>/pretrain.yaml for
 ``tools/pretrain.py --config <output>/pretrain.yaml`` (model + checkpoint.init_from). DCP reshards
 on load, so the output loads under any expert-parallel layout; --ep N only checks that N divides the
-expert count. Errors print one "error: ..." line, exit 2 and write nothing.
+expert count. A progress bar shows on a terminal (--no-progress: none). Errors print one
+"error: ..." line, exit 2 and write nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 from moetron.core.checkpoint import CheckpointError
 from moetron.core.config import ConfigError
 from moetron.core.weights import checkpoint_exists, save_weights
+from moetron.data.progress import Progress
 from moetron.models.upcycle import UpcycleConfig, native_source, pretrain_yaml, upcycle_config, upcycle_specs
 
 
@@ -48,6 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --shared-expert: share of the dense output the routed experts carry at start")
     p.add_argument("--layers", default="all", help='"all", "every_other" or a comma list of layer indices')
     p.add_argument("--ep", type=int, default=None, help="check that this expert-parallel size divides the experts")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (default: on a terminal)")
     return p.parse_args(argv)
 
 
@@ -90,9 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     dense_cfg, source = load_dense(args.dense)
     moe_cfg = upcycle_config(dense_cfg, up)
     specs, produce = upcycle_specs(source, dense_cfg, moe_cfg, up, args.seed)
-    save_weights(out, specs, produce, {"config": {"model": moe_cfg.to_dict()}, "step": 0,
-                                       "upcycled_from": os.path.abspath(args.dense), "upcycle": up.to_dict(),
-                                       "seed": args.seed}, overwrite=args.overwrite)
+    meta = {"config": {"model": moe_cfg.to_dict()}, "step": 0, "upcycled_from": os.path.abspath(args.dense),
+            "upcycle": up.to_dict(), "seed": args.seed}
+    with Progress(f"upcycling -> {out}", enabled=False if args.no_progress else None) as bar:
+        save_weights(out, specs, bar.tracking(specs, produce), meta, overwrite=args.overwrite)
     with open(os.path.join(out, "pretrain.yaml"), "w", encoding="utf-8") as f:
         f.write(pretrain_yaml(moe_cfg, out, name=f"upcycled-{up.num_experts}e-top{up.top_k}"))
     exact, why = up.exact_start()

@@ -53,6 +53,7 @@ def export_hf(
     overwrite: bool = False,
     dtype: torch.dtype | None = None,
     max_shard_size: str | int = "5GB",
+    progress: Callable[[int, int], None] | None = None,
 ) -> str:
     """Write the native checkpoint ``native_ckpt_dir`` as a HF checkpoint at ``out_dir``; returns it.
 
@@ -63,6 +64,8 @@ def export_hf(
     core.config.parse_size does ("5GB" = 5 * 10^9, "2GiB" = 2^31), a bad one is a CheckpointError.
     Everything goes to a hidden temp dir renamed into place at the end: on any error nothing is
     written. An ``out_dir`` that already holds a checkpoint is an error unless ``overwrite``.
+    ``progress(done_bytes, total_bytes)`` is called after each tensor (tools/convert_hf.py points
+    it at data.progress.Progress.update).
     """
     from moetron.core.weights import iter_weights, read_weight_specs
 
@@ -103,12 +106,16 @@ def export_hf(
     with staged_dir(out_dir, overwrite, _hf_checkpoint_exists) as tmp:
         writer = _ShardWriter(tmp, names, shards, out_dtype)
         pieces_of = dict(plan)
+        total = sum(math.prod(s) * out_dtype.itemsize for shard in shards for _, s in shard)
+        done = 0
         for native, tensor in iter_weights(native_ckpt_dir, [native for native, _ in plan]):
             tensor = tensor.to(out_dtype)
             for hf_name, extract in pieces_of[native]:
                 writer.write(hf_name, extract(tensor))
+            done += tensor.numel() * out_dtype.itemsize
+            if progress is not None:
+                progress(done, total)
         writer.close()
-        total = sum(math.prod(s) * out_dtype.itemsize for shard in shards for _, s in shard)
         if n > 1:
             index = {"metadata": {"total_size": total},
                      "weight_map": {h: names[i] for i, shard in enumerate(shards) for h, _ in shard}}

@@ -112,16 +112,23 @@ def source_shape(native: str, shape: tuple[int, ...], per_expert: bool) -> tuple
     return tuple(shape[1:])  # w_down [E, D, F] from down [D, F]
 
 
-def load_hf_model(hf_dir: str, dtype: torch.dtype = torch.float32, device="cpu"):
+def load_hf_model(hf_dir: str, dtype: torch.dtype = torch.float32, device="cpu",
+                  progress: Callable[[int, int], None] | None = None):
     """(ModelConfig, Transformer) with the weights of the HF checkpoint in ``hf_dir`` (for small
-    models: the whole model is materialized on ``device`` in ``dtype``)."""
+    models: the whole model is materialized on ``device`` in ``dtype``). ``progress(done_bytes,
+    total_bytes)`` is called after each tensor (data.progress.Progress.update fits it)."""
     cfg = read_hf_config(hf_dir)
     specs, produce = hf_native_specs(hf_dir, cfg)
     model = cfg.build(device="meta")
     model.to_empty(device=device)
     model.to(dtype)
     state = model.state_dict()
+    total = sum(state[name].nbytes for name in specs)
+    done = 0
     with torch.no_grad():
         for name in specs:
             state[name].copy_(produce(name))
+            done += state[name].nbytes
+            if progress is not None:
+                progress(done, total)
     return cfg, model

@@ -111,6 +111,27 @@ def test_text_file_with_tokenizer(setup, capsys):
     np.testing.assert_allclose(lp, direct_logprobs(model, ids, 8), rtol=0, atol=1e-5)
 
 
+def test_text_file_with_hf_tokenizer(setup):
+    """A tokenizer.json (tokenizers' own encode + EOS) scores like a sentencepiece model does."""
+    tokenizers = pytest.importorskip("tokenizers")
+    cfg, model, ckpt, prefix, tmp = setup
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False,
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([f"line {i} of some text about foxes and dogs" for i in range(300)], trainer)
+    os.makedirs(tmp / "hf_tok", exist_ok=True)
+    tok.save(str(tmp / "hf_tok" / "tokenizer.json"))
+    text = tmp / "doc_hf.txt"
+    text.write_text("some text about dogs and foxes, line 12")
+    out = str(tmp / "text_hf.npy")
+    assert score_tool.main([ckpt, str(text), "--tokenizer", str(tmp / "hf_tok"), "--seq-len", "8", "--output", out,
+                            "--device", "cpu"]) == 0
+    ids = tok.encode(text.read_text(), add_special_tokens=False).ids + [tok.token_to_id("<|endoftext|>")]
+    np.testing.assert_allclose(np.load(out), direct_logprobs(model, ids, 8), rtol=0, atol=1e-5)
+
+
 def run_cli(args):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, SCORE, *args], capture_output=True, text=True, env=env, cwd=ROOT)
