@@ -1,4 +1,4 @@
-"""Packed fixed-length samples over one or many token files.
+"""Packed fixed-length samples over one or many token files (any format of moetron.data.formats).
 
 Shapes: S = seq_len, B = batch size. A sample is S+1 consecutive tokens (inputs = sample[:-1],
 labels = sample[1:]); sample j of a file starts at token j*S, so consecutive samples share one
@@ -14,95 +14,127 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from moetron.data.preprocess import open_token_file, token_file_paths
+from moetron.data.formats import TokenFile, TokenFormat, open_tokens
 from moetron.data.tokenizer import DataError
 
-__all__ = ["PackedDataset", "scan_max_token_id"]
+__all__ = ["PackedDataset", "scan_max_token_id", "scan_token_range"]
 
 # Tokens per np.max call while scanning: 64 MiB of uint32, a bounded amount of memory for any size.
 _SCAN_CHUNK = 16 << 20
 
 
-def scan_max_token_id(tokens_N: np.ndarray, chunk: int = _SCAN_CHUNK) -> int:
-    """The largest id in ``tokens_N`` (-1 if empty), read in chunks so a memmap is never loaded whole."""
-    best = -1
+def scan_token_range(tokens_N: np.ndarray, chunk: int = _SCAN_CHUNK) -> tuple[int, int]:
+    """``(smallest, largest)`` id in ``tokens_N`` (``(0, -1)`` if empty), read in chunks so a memmap
+    is never loaded whole; the smallest is looked for only in signed dtypes (else 0)."""
+    signed = np.issubdtype(tokens_N.dtype, np.signedinteger)
+    lowest, best = 0, -1
     for start in range(0, len(tokens_N), chunk):
-        best = max(best, int(np.max(tokens_N[start : start + chunk])))
-    return best
+        part = tokens_N[start : start + chunk]
+        best = max(best, int(np.max(part)))
+        if signed:
+            lowest = min(lowest, int(np.min(part)))
+    return lowest, best
+
+
+def scan_max_token_id(tokens_N: np.ndarray, chunk: int = _SCAN_CHUNK) -> int:
+    """The largest id in ``tokens_N`` (-1 if empty)."""
+    return scan_token_range(tokens_N, chunk)[1]
 
 
 class PackedDataset:
     """Fixed-length windows over token files: ``len(ds)`` samples of ``seq_len + 1`` tokens.
 
     Args:
-        prefixes: token files (prefixes or ``.bin`` paths) written by ``tokenize_files``.
+        paths: token files (moetron prefixes or ``.bin`` paths, Megatron prefixes, ``.bin`` or
+            ``.idx`` paths, Dolma ``.npy`` paths; see moetron.data.formats).
         seq_len: tokens per training sequence S.
         vocab_size: the model's vocabulary size: every id in every file must be below it.
         verify_token_ids: also scan the data itself for its largest id (catches a sidecar that
-            lies; costs one sequential read of every file).
+            lies, or a wrong dtype; costs one sequential read of every file).
+        format: the files' format (``auto``: detected per file).
+        dtype: a dolma_npy file's dtype (None: from ``vocab_size``).
+        eos_id: the id ending each document, for formats that do not store it (dolma_npy).
     """
 
-    def __init__(self, prefixes: Sequence[str], seq_len: int, vocab_size: int, verify_token_ids: bool = True):
-        if isinstance(prefixes, (str, os.PathLike)):
-            prefixes = [prefixes]
-        if not prefixes:
-            raise DataError("PackedDataset needs at least one token file: pass a list of prefixes")
+    def __init__(
+        self,
+        paths: Sequence[str],
+        seq_len: int,
+        vocab_size: int,
+        verify_token_ids: bool = True,
+        format: TokenFormat | str = TokenFormat.auto,
+        dtype: str | None = None,
+        eos_id: int | None = None,
+    ):
+        if isinstance(paths, (str, os.PathLike)):
+            paths = [paths]
+        if not paths:
+            raise DataError("PackedDataset needs at least one token file: pass a list of paths")
         if seq_len <= 0:
             raise DataError(f"seq_len={seq_len} must be positive")
         if vocab_size <= 0:
             raise DataError(f"vocab_size={vocab_size} must be positive")
         self.seq_len = int(seq_len)
         self.vocab_size = int(vocab_size)
-        self.prefixes: list[str] = []
-        self.metadata: list[dict] = []
-        self._tokens: list[np.ndarray] = []
+        self.files: list[TokenFile] = []
         samples_per_file = []
-        for p in prefixes:
-            prefix, bin_path, json_path = token_file_paths(p)
-            if not (os.path.exists(bin_path) or os.path.exists(json_path)):
-                raise DataError(
-                    f"data path {os.fspath(p)!r} does not exist (looked for {bin_path!r} and {json_path!r}): "
-                    f"check the path or create it with tools/preprocess_data.py"
-                )
-            tokens_N, meta = open_token_file(prefix)
-            self._check_ids(bin_path, meta, tokens_N, verify_token_ids)
-            n = (len(tokens_N) - 1) // self.seq_len
+        for p in paths:
+            token_file = open_tokens(p, format, self.vocab_size, dtype, eos_id)
+            self._check_ids(token_file, verify_token_ids)
+            n = (len(token_file.tokens_N) - 1) // self.seq_len
             if n < 1:
                 raise DataError(
-                    f"token file {bin_path!r} has {len(tokens_N)} tokens, fewer than one sample of "
-                    f"seq_len+1={self.seq_len + 1}: use a shorter seq_len or more data"
+                    f"token file {token_file.data_path!r} has {len(token_file.tokens_N)} tokens, fewer than one "
+                    f"sample of seq_len+1={self.seq_len + 1}: use a shorter seq_len or more data"
                 )
-            self.prefixes.append(prefix)
-            self.metadata.append(meta)
-            self._tokens.append(tokens_N)
+            self.files.append(token_file)
             samples_per_file.append(n)
+        self.prefixes = [f.path for f in self.files]
+        self.metadata = [f.metadata for f in self.files]
+        self._tokens = [f.tokens_N for f in self.files]
         # offsets[f] = first global sample index of file f; offsets[-1] = len(self).
         self._offsets = np.concatenate([[0], np.cumsum(samples_per_file)]).astype(np.int64)
 
-    def _check_ids(self, bin_path: str, meta: dict, tokens_N: np.ndarray, verify: bool) -> None:
-        largest = max(meta["vocab_size"] - 1, meta["max_token_id"])
-        if largest >= self.vocab_size:
+    def _check_ids(self, token_file: TokenFile, verify: bool) -> None:
+        where = token_file.data_path
+        if token_file.max_token_id is not None:  # declared by the file (moetron sidecar)
+            largest = max(token_file.vocab_size - 1, token_file.max_token_id)
+            if largest >= self.vocab_size:
+                raise DataError(
+                    f"token ids up to {largest} in {where} but the model's vocab_size is {self.vocab_size}: "
+                    f"set --model.vocab_size >= {largest + 1} or re-tokenize"
+                )
+        if not verify:
+            return
+        lowest, actual = scan_token_range(token_file.tokens_N)
+        if lowest < 0:
+            raise DataError(f"token file {where} holds a negative id ({lowest}): the file is corrupt")
+        if actual >= self.vocab_size:
+            if token_file.max_token_id is not None:
+                why = f" (its sidecar wrongly says max_token_id={token_file.max_token_id})"
+            elif token_file.dtype_inferred:
+                why = (f" (read as {token_file.tokens_N.dtype.name}, the dtype for a vocab of {self.vocab_size}: "
+                       f"set --data.dtype if the file was written in another)")
+            else:
+                why = ""
             raise DataError(
-                f"token ids up to {largest} in {bin_path} but the model's vocab_size is {self.vocab_size}: "
-                f"set --model.vocab_size >= {largest + 1} or re-tokenize"
+                f"token ids up to {actual} in {where} but the model's vocab_size is {self.vocab_size}: "
+                f"set --model.vocab_size >= {actual + 1} or re-tokenize{why}"
             )
-        if verify:
-            actual = scan_max_token_id(tokens_N)
-            if actual >= self.vocab_size:
-                raise DataError(
-                    f"token ids up to {actual} in {bin_path} but the model's vocab_size is {self.vocab_size}: "
-                    f"set --model.vocab_size >= {actual + 1} or re-tokenize "
-                    f"(its sidecar wrongly says max_token_id={meta['max_token_id']})"
-                )
-            if actual > meta["max_token_id"]:
-                raise DataError(
-                    f"token file {bin_path} holds id {actual} but its sidecar says max_token_id="
-                    f"{meta['max_token_id']}: the file or sidecar is corrupt, re-run preprocessing"
-                )
+        if token_file.max_token_id is not None and actual > token_file.max_token_id:
+            raise DataError(
+                f"token file {where} holds id {actual} but its sidecar says max_token_id="
+                f"{token_file.max_token_id}: the file or sidecar is corrupt, re-run preprocessing"
+            )
 
     # ---- sizes ------------------------------------------------------------------------------
     def __len__(self) -> int:
         return int(self._offsets[-1])
+
+    @property
+    def samples_per_file(self) -> list[int]:
+        """Samples of each file, in order (file f's are the indices after those of files < f)."""
+        return np.diff(self._offsets).tolist()
 
     @property
     def num_tokens(self) -> int:
@@ -134,4 +166,4 @@ class PackedDataset:
         return batch_BS1
 
     def __repr__(self) -> str:
-        return f"PackedDataset({len(self.prefixes)} files, {len(self)} samples of seq_len={self.seq_len})"
+        return f"PackedDataset({len(self.files)} files, {len(self)} samples of seq_len={self.seq_len})"

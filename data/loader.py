@@ -18,11 +18,11 @@ import torch
 from moetron.core.config import Config, ConfigError, StrEnum
 from moetron.data.corpus import DEFAULT_MAX_BYTES, ensure_default_corpus
 from moetron.data.dataset import PackedDataset
-from moetron.data.preprocess import token_file_paths
-from moetron.data.sampler import GlobalBatchSampler
+from moetron.data.formats import TOKEN_DTYPES, TokenFormat, source_key
+from moetron.data.sampler import GlobalBatchSampler, MixtureSampler
 from moetron.data.tokenizer import DataError
 
-__all__ = ["DataSource", "DataConfig", "TrainData"]
+__all__ = ["DataSource", "DataConfig", "MixtureSource", "TrainData"]
 
 # The held-out order never depends on the run's seed, so val losses compare across runs.
 _VAL_SEED = 1234
@@ -32,7 +32,33 @@ class DataSource(StrEnum):
     default_corpus = "default_corpus"
     """The embedded corpus (moetron.data.corpus): Python stdlib text, tokenized on first use."""
     files = "files"
-    """Token files written by tools/preprocess_data.py, named by train_paths / val_paths."""
+    """Token files (moetron, Dolma .npy, Megatron .bin/.idx) named by train_paths or mixture, and val_paths."""
+
+
+_TOKEN_EXTENSIONS = (".bin", ".json", ".idx", ".npy")
+
+
+@dataclasses.dataclass
+class MixtureSource(Config):
+    """One source of a weighted mixture: its token files and its share of the training samples."""
+
+    paths: list[str] = dataclasses.field(default_factory=list)
+    """Token files of this source (paths, prefixes or globs, any format data.format reads)."""
+    weight: float = 1.0
+    """Relative share of training samples (weights are normalised over the sources)."""
+    name: str | None = None
+    """Name in logs and checkpoints; None: the first path's file name (its folder's for a glob)."""
+
+    def resolved_name(self) -> str:
+        if self.name:
+            return self.name
+        first = self.paths[0] if self.paths else ""
+        base = os.path.basename(first.rstrip("/"))
+        if glob.has_magic(base):
+            base = os.path.basename(os.path.dirname(first)) or base
+        for ext in _TOKEN_EXTENSIONS:
+            base = base.removesuffix(ext)
+        return base
 
 
 def _default_data_dir() -> str:
@@ -46,9 +72,18 @@ class DataConfig(Config):
     source: DataSource = DataSource.default_corpus
     """default_corpus (built and cached under data_dir on first use) or files (train_paths)."""
     train_paths: list[str] = dataclasses.field(default_factory=list)
-    """Token files for training (prefixes, .bin paths or globs of them); source=files only."""
+    """Token files for training (paths, prefixes or globs); source=files only (or use mixture)."""
+    mixture: list[MixtureSource] = dataclasses.field(default_factory=list)
+    """Weighted training sources instead of train_paths: a list of {paths: [...], weight: w, name: n}
+    (``--data.mixture='[{paths: [web/*.npy], weight: 3}, {paths: [code], weight: 1}]'``)."""
     val_paths: list[str] = dataclasses.field(default_factory=list)
-    """Held-out token files (prefixes, .bin paths or globs); source=files only; may be empty."""
+    """Held-out token files (paths, prefixes or globs); source=files only; may be empty."""
+    format: TokenFormat = TokenFormat.auto
+    """Format of every token file: auto (detected per file), moetron, dolma_npy or megatron."""
+    dtype: str | None = None
+    """dtype of dolma_npy files (uint8/16/32/64); None: uint16 if the model's vocab_size <= 65536, else uint32."""
+    eos_id: int | None = None
+    """EOS id ending each document in dolma_npy files (only needed to find document boundaries)."""
     tokenizer_path: str | None = None
     """The sentencepiece model; None: the corpus's own, or the one named in the first train sidecar."""
     data_dir: str = dataclasses.field(default_factory=_default_data_dir)
@@ -73,16 +108,24 @@ class DataConfig(Config):
                 raise ConfigError(f"data.{name}={getattr(self, name)} must be positive")
         if self.seed < 0:
             raise ConfigError(f"data.seed={self.seed} must be >= 0 (numpy seeds are non-negative)")
+        if self.dtype is not None and self.dtype not in TOKEN_DTYPES:
+            raise ConfigError(f"data.dtype={self.dtype!r} is not a token dtype: use one of {sorted(TOKEN_DTYPES)} or null")
         if self.source == DataSource.files:
-            if not self.train_paths:
+            if not self.train_paths and not self.mixture:
                 raise ConfigError(
                     "data.source=files needs data.train_paths: set --data.train_paths=PREFIX[,PREFIX...] "
-                    "(token files from tools/preprocess_data.py), or use --data.source=default_corpus"
+                    "(token files from tools/preprocess_data.py), or data.mixture, or use --data.source=default_corpus"
                 )
-        else:
-            if self.train_paths or self.val_paths:
+            if self.train_paths and self.mixture:
                 raise ConfigError(
-                    "data.train_paths/val_paths are only read with data.source=files: set "
+                    "data.train_paths and data.mixture both name training data: put every file in one "
+                    "mixture source, or drop data.mixture"
+                )
+            self._validate_mixture()
+        else:
+            if self.train_paths or self.val_paths or self.mixture:
+                raise ConfigError(
+                    "data.train_paths/mixture/val_paths are only read with data.source=files: set "
                     "--data.source=files or drop the paths"
                 )
             if self.corpus_vocab_size < 260:
@@ -92,6 +135,20 @@ class DataConfig(Config):
                 )
         if not self.data_dir:
             raise ConfigError("data.data_dir is empty: set --data.data_dir=FOLDER or $MOETRON_DATA_DIR")
+
+    def _validate_mixture(self) -> None:
+        for i, src in enumerate(self.mixture):
+            if not src.paths:
+                raise ConfigError(f"data.mixture[{i}] has no paths: give it paths: [FILE, ...]")
+            if not (src.weight > 0 and src.weight != float("inf")):
+                raise ConfigError(f"data.mixture[{i}].weight={src.weight} must be a positive number (drop the source to leave it out)")
+        names = [src.resolved_name() for src in self.mixture]
+        for name in names:
+            if names.count(name) > 1 or not name:
+                raise ConfigError(
+                    f"data.mixture has {names.count(name)} sources named {name!r}: give each source its own "
+                    f"name (name: web, name: code, ...)"
+                )
 
     def build(self, vocab_size: int, dp_rank: int = 0, dp_size: int = 1, pin_memory: bool = False) -> "TrainData":
         """Open (building the default corpus first if needed) and validate the data for a model
@@ -103,27 +160,38 @@ class DataConfig(Config):
             train_paths, val_paths = [paths["train"]], [paths["val"]]
             tokenizer_path = self.tokenizer_path or paths["tokenizer"]
         else:
-            train_paths, val_paths = _expand(self.train_paths), _expand(self.val_paths)
+            source_paths = [_expand(src.paths) for src in self.mixture] or [_expand(self.train_paths)]
+            train_paths, val_paths = [p for paths in source_paths for p in paths], _expand(self.val_paths)
             tokenizer_path = self.tokenizer_path
-        train = PackedDataset(train_paths, self.seq_len, vocab_size, verify_token_ids=self.verify_token_ids)
-        val = PackedDataset(val_paths, self.seq_len, vocab_size, self.verify_token_ids) if val_paths else None
+        opts = dict(verify_token_ids=self.verify_token_ids, format=self.format, dtype=self.dtype, eos_id=self.eos_id)
+        train = PackedDataset(train_paths, self.seq_len, vocab_size, **opts)
+        val = PackedDataset(val_paths, self.seq_len, vocab_size, **opts) if val_paths else None
         if not tokenizer_path:  # the one named in the first train file's sidecar
             tokenizer_path = train.metadata[0].get("tokenizer")
-        sampler = GlobalBatchSampler(len(train), self.global_batch_size, dp_rank, dp_size, self.seed)
+        if self.mixture:
+            # The sources' files lie back to back in ``train``: source i is a contiguous index range.
+            per_file, sizes = iter(train.samples_per_file), []
+            for paths in source_paths:
+                sizes.append(sum(next(per_file) for _ in paths))
+            sampler = MixtureSampler(sizes, [src.weight for src in self.mixture], self.global_batch_size, dp_rank,
+                                     dp_size, self.seed, names=[src.resolved_name() for src in self.mixture])
+        else:
+            sampler = GlobalBatchSampler(len(train), self.global_batch_size, dp_rank, dp_size, self.seed)
         return TrainData(train, val, sampler, tokenizer_path, pin_memory)
 
 
 def _expand(paths: list[str]) -> list[str]:
-    """Token-file prefixes for ``paths``: prefixes and .bin paths as given, globs expanded sorted."""
+    """Token files for ``paths``: paths and prefixes as given, globs expanded and sorted (a
+    .bin/.json/.idx match stands for its prefix, a .npy match for itself)."""
     out: list[str] = []
     for p in paths:
         if glob.has_magic(p):
-            matches = sorted({token_file_paths(m)[0] for m in glob.glob(p) if m.endswith((".bin", ".json"))})
+            matches = sorted({k for k in map(source_key, glob.glob(p)) if k is not None})
             if not matches:
-                raise DataError(f"data path pattern {p!r} matches no .bin/.json token files: check the path")
+                raise DataError(f"data path pattern {p!r} matches no .bin/.json/.idx/.npy token files: check the path")
             out.extend(matches)
         else:
-            out.append(token_file_paths(p)[0])
+            out.append(p)
     return out
 
 
@@ -134,7 +202,7 @@ class TrainData:
         self,
         train: PackedDataset,
         val: PackedDataset | None,
-        sampler: GlobalBatchSampler,
+        sampler: GlobalBatchSampler | MixtureSampler,
         tokenizer_path: str | None,
         pin_memory: bool = False,
     ):
@@ -182,6 +250,18 @@ class TrainData:
             self.val_dataset.get_batch(order[b * batch_size + dp_rank * local : b * batch_size + (dp_rank + 1) * local])
             for b in range(num_batches)
         ]
+
+    def metrics(self) -> dict[str, float]:
+        """What to log about the data so far: ``data/consumed_samples``, ``data/epoch`` (passes over
+        the training set), and for a mixture each source's realised share ``data/share/<name>`` and
+        passes ``data/epochs/<name>``. Host-side counters only (no device sync)."""
+        out: dict[str, float] = {"data/consumed_samples": self.sampler.consumed_samples}
+        if isinstance(self.sampler, MixtureSampler):
+            out.update({f"data/share/{name}": share for name, share in self.sampler.shares().items()})
+            out.update({f"data/epochs/{name}": epochs for name, epochs in self.sampler.epochs().items()})
+        else:
+            out["data/epoch"] = self.sampler.consumed_samples / (self.sampler.steps_per_epoch * self.sampler.global_batch_size)
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         return {"sampler": self.sampler.state_dict()}
