@@ -32,9 +32,13 @@ setup(
         "numpy",
         "sentencepiece",
         "pyyaml",
+        "safetensors",
     ],
     extras_require={
-        "test": ["pytest", "safetensors", "transformers"],
+        # wandb stays out of the tests' extra (heavy): its test skips without it.
+        "test": ["pytest", "transformers", "tokenizers", "tensorboard", "matplotlib"],
         "te": ["transformer-engine[pytorch]"],
+        # Experiment tracking and plots: --logging.tensorboard, --logging.wandb, tools/plot.py.
+        "track": ["tensorboard", "wandb", "matplotlib"],
     },
 )

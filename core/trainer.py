@@ -27,7 +27,8 @@ from .metrics import MetricsLog, mfu, model_tflops_per_device, peak_tflops
 from .grad import DTensor, clip_grad_norm_
 from .moe.layer import MoELayer, moe_layers
 from .moe.aux_loss import aux_loss_scale
-from .moe.metrics import AUX_LOSSES, LoadLog, summarize
+from .moe.metrics import AUX_LOSSES, LoadLog, StarvedExpertWatch, summarize
+from .tracking import Tracker
 
 
 class NonFinite(StrEnum):
@@ -93,6 +94,11 @@ class TrainerConfig(Config):
     """Seconds a collective may wait for the other ranks before it fails (the process group's
     timeout); a watchdog also ends this rank, naming it and its step, when no training step
     completes within this time (a hung or dead peer)."""
+    starved_expert_share: float = 0.1
+    """An expert is starved at a log step when it got less than this x the fair share (1/E) of its
+    layer's tokens; 0 turns the starved-expert alert off."""
+    starved_expert_log_steps: int = 3
+    """Consecutive log steps an expert must stay starved before the console alerts, naming its layer."""
 
     def validate(self) -> None:
         if self.steps <= 0:
@@ -113,6 +119,11 @@ class TrainerConfig(Config):
                               f"got {self.grad_clip}")
         if not self.collective_timeout_s > 0:
             raise ConfigError(f"trainer.collective_timeout_s must be positive, got {self.collective_timeout_s}")
+        if not 0 <= self.starved_expert_share <= 1:
+            raise ConfigError(f"trainer.starved_expert_share must be in [0, 1] (a fraction of the fair share; "
+                              f"0 = no alert), got {self.starved_expert_share}")
+        if self.starved_expert_log_steps <= 0:
+            raise ConfigError(f"trainer.starved_expert_log_steps must be positive, got {self.starved_expert_log_steps}")
 
 
 class Trainer:
@@ -136,6 +147,7 @@ class Trainer:
         pre_step_hook: Callable[[list[nn.Module]], None] | None = None,
         precision: PrecisionPolicy | None = None,
         grad_sync: Callable[[bool], None] | None = None,
+        tracker: Tracker | None = None,
     ):
         """``model``: the model, or the list of modules this rank runs (pipeline stages).
         ``step_fn(batch) -> loss`` replaces the built-in forward/backward over micro-batches (the
@@ -145,7 +157,8 @@ class Trainer:
         ``pre_step_hook(model_parts)`` sees the gradients before clipping (tests compare layouts).
         ``precision``: the run's PrecisionPolicy (its autocast wraps every forward; default fp32).
         ``grad_sync(enabled)``: the data strategy's switch for reducing gradients in a backward
-        (ParallelState.grad_sync); with ``cfg.grad_sync=step`` only the last micro-batch reduces."""
+        (ParallelState.grad_sync); with ``cfg.grad_sync=step`` only the last micro-batch reduces.
+        ``tracker``: also sends every log record and MoE load summary to TensorBoard / W&B."""
         cfg.validate()
         self.cfg = cfg
         self.model_parts = list(model) if isinstance(model, (list, tuple)) else [model]
@@ -173,6 +186,8 @@ class Trainer:
         self.log = MetricsLog(os.path.join(cfg.run_dir, "metrics.jsonl") if is_main() and cfg.run_dir else None)
         self.history: list[dict[str, Any]] = []
         self.load_log = LoadLog(os.path.join(cfg.run_dir, "moe_load.npz") if is_main() and cfg.run_dir else None)
+        self.tracker = tracker
+        self.starved_watch = StarvedExpertWatch(cfg.starved_expert_share, cfg.starved_expert_log_steps)
         # The first step since the last check whose loss or grad norm was not finite (_NO_STEP:
         # none): updated on the device every step, read only where the loop syncs anyway.
         self.first_nonfinite = torch.full((), _NO_STEP, dtype=torch.long, device=device)
@@ -421,11 +436,17 @@ class Trainer:
         for name in AUX_LOSSES:
             if name in summary:
                 summary[name] = summary[name] / steps  # per-step means, as the loss is logged
+        for line in self.starved_watch.update(self.step, summary):
+            if is_main():
+                print(line, flush=True)
         return self.load_log.add(self.step, summary)
 
     def _emit(self, record: dict[str, Any]) -> None:
         self.history.append(record)
         self.log.write(record)
+        if self.tracker is not None:
+            logged = self.load_log.steps and self.load_log.steps[-1] == record["step"]
+            self.tracker.log(record, self.load_log.records[-1] if logged else None)
         if not is_main():
             return
         parts = [f"step {record['step']:>6}"]

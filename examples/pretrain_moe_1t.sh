@@ -4,7 +4,8 @@
 #
 # On a machine without that many GPUs it runs a local proxy end to end: set-up (a venv on first
 # use), the embedded corpus (built on first use), training, a checkpoint half-way, a new process
-# that resumes from it, and a summary of the loss and of the expert load. The proxy is sized to
+# that resumes from it, a summary of the loss and of the expert load, and plots of both
+# (tools/plot.py: PNGs under RUN_DIR/plots). The proxy is sized to
 # the machine (PROXY=auto picks gpu when NPROC GPUs are visible and --trainer.device=cpu is not given):
 #   cpu: preset tiny-moe, the recipe's block design at CPU size (top-4 over 16 experts + 1 shared,
 #        first layer dense, Olmo 3 attention with sliding windows), a few minutes on 2 cores;
@@ -67,3 +68,9 @@ if moe:
     print(f"== expert load: max violation (worst layer) {moe[0]['moe_max_violation']:.2f} -> "
           f"{moe[-1]['moe_max_violation']:.2f}; per-layer, per-expert counts in {sys.argv[1][:-len('metrics.jsonl')]}moe_load.npz")
 PY
+if "$py" -c "import matplotlib" 2>/dev/null; then
+  echo "== plots (loss, lr, grad norm, throughput, every layer's expert load):"
+  "$py" tools/plot.py "$RUN_DIR" | sed 's/^wrote /   /' || echo "== plotting failed (the training run is complete): $py tools/plot.py $RUN_DIR"
+else
+  echo "== plots: matplotlib is not installed; $py -m pip install matplotlib (or 'moetron[track]'), then $py tools/plot.py $RUN_DIR"
+fi

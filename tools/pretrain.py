@@ -28,6 +28,7 @@ from moetron.core.optim import OptimizerConfig, SchedulerConfig
 from moetron.core.memory import MemoryConfig
 from moetron.core.precision import PrecisionConfig
 from moetron.core.trainer import NonFiniteError, Trainer, TrainerConfig
+from moetron.core.tracking import LoggingConfig
 from moetron.data.loader import DataConfig
 from moetron.models import ModelConfig, cross_entropy_loss
 from moetron.parallel import ParallelConfig, ParallelMesh, ParallelState, apply_strategies
@@ -37,7 +38,7 @@ from cli import USER_ERRORS, run_cli  # tools/cli.py
 
 @dataclasses.dataclass
 class PretrainConfig(Config):
-    """A whole run: model, data, optimizer, schedule, trainer and checkpoints."""
+    """A whole run: model, data, optimizer, schedule, trainer, checkpoints and experiment tracking."""
 
     name: str = "tiny-local"
     """Run name shown in logs."""
@@ -50,6 +51,7 @@ class PretrainConfig(Config):
     memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
 
     def validate(self) -> None:
         super().validate()
@@ -170,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     device = pick_device(cfg.trainer.device)
     rank, world = init_distributed(device, cfg.trainer.collective_timeout_s)
+    tracker = cfg.logging.build(cfg.trainer.run_dir, cfg.name, cfg.to_dict())  # a missing package fails here
     if cfg.checkpoint.dir is None and is_main():
         print("checkpoint.dir is null: this run writes no checkpoints (it cannot be resumed)", flush=True)
 
@@ -188,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             f"checkpoint.init_from={cfg.checkpoint.init_from} does not exist: pass a checkpoint directory "
             f"(a step_XXXXXXXX dir, or the output of tools/convert_hf.py import / tools/upcycle.py)"
         )
-    trainer, _ = build(cfg, device, world, checkpointer)
+    trainer, _ = build(cfg, device, world, checkpointer, tracker=tracker)
     # Fail now, not at the first save: the checkpoint dir is writable and has room for a checkpoint.
     checkpointer.check_writable(Checkpointer.estimate_bytes(trainer.model_parts, trainer.optimizer))
     if resume_path is not None:
@@ -200,7 +203,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"initialized the model from {cfg.checkpoint.init_from}", flush=True)
     if is_main():  # only now: a rejected resume must leave the run's config.yaml as it was
         write_config(cfg)
-    trainer.fit()
+    try:
+        trainer.fit()
+    finally:
+        tracker.close()
     barrier()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

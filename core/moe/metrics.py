@@ -86,3 +86,55 @@ class LoadLog:
             "moe_dropped_frac": float(summary["dropped"].sum() / total) if total else 0.0,
             **{name: float(summary[name].sum()) for name in AUX_LOSSES if name in summary},
         }
+
+
+def expert_share(tokens_LE: np.ndarray) -> np.ndarray:
+    """Each expert's share of its layer's routed tokens [L, E] (a layer with no tokens: zeros)."""
+    tokens_LE = np.asarray(tokens_LE, dtype=np.float64)
+    return tokens_LE / np.maximum(tokens_LE.sum(axis=-1, keepdims=True), 1e-12)
+
+
+def starved_experts(tokens_LE: np.ndarray, share_of_fair: float) -> np.ndarray:
+    """Which experts got less than ``share_of_fair`` x the fair share (1/E) of their layer's
+    tokens: bool [L, E]. Dead experts (no tokens at all) are starved too; a layer that routed
+    nothing has none."""
+    tokens_LE = np.asarray(tokens_LE, dtype=np.float64)
+    routed_L = tokens_LE.sum(axis=-1, keepdims=True) > 0
+    return (expert_share(tokens_LE) < share_of_fair / tokens_LE.shape[-1]) & routed_L
+
+
+class StarvedExpertWatch:
+    """Per layer and expert, the consecutive log steps spent under ``share_of_fair`` x the fair
+    share. A layer raises an alert when one of its experts' streaks reaches ``log_steps`` and again
+    every ``log_steps`` log steps while it lasts: the averaged balance metrics can look fine while
+    some experts get (almost) nothing. Works on the host summary of each log step (no sync)."""
+
+    def __init__(self, share_of_fair: float, log_steps: int):
+        self.share_of_fair, self.log_steps = share_of_fair, log_steps
+        self.streak_LE: np.ndarray | None = None
+
+    def update(self, step: int, summary: dict[str, np.ndarray]) -> list[str]:
+        """Count this log step's summary (``summarize``'s arrays); returns the alert lines, one per layer."""
+        if self.share_of_fair <= 0:
+            return []
+        tokens_LE = summary["tokens_per_expert"]
+        starved_LE = starved_experts(tokens_LE, self.share_of_fair)
+        if self.streak_LE is None or self.streak_LE.shape != starved_LE.shape:
+            self.streak_LE = np.zeros(starved_LE.shape, dtype=np.int64)
+        self.streak_LE = np.where(starved_LE, self.streak_LE + 1, 0)
+        share_LE = expert_share(tokens_LE)
+        E = tokens_LE.shape[-1]
+        lines = []
+        for row, layer in enumerate(np.asarray(summary["layers"]).tolist()):
+            streak_E = self.streak_LE[row]
+            if not ((streak_E >= self.log_steps) & (streak_E % self.log_steps == 0)).any():
+                continue
+            experts = np.flatnonzero(streak_E >= self.log_steps).tolist()
+            shares = ", ".join(f"{share_LE[row, e]:.4f}" for e in experts)
+            lines.append(
+                f"alert: step {step}: layer {layer}: expert(s) {', '.join(map(str, experts))} got under "
+                f"{self.share_of_fair:g} x the fair share (1/{E}) of the tokens for {int(streak_E[experts].min())}+ "
+                f"consecutive log steps (shares now {shares}); the averaged balance metrics hide this "
+                f"(tools/plot.py RUN_DIR draws every layer's load)"
+            )
+        return lines
