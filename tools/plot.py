@@ -149,9 +149,11 @@ def plot_expert_load(load: dict[str, np.ndarray], record: int, share_of_fair: fl
     image = ax.imshow(share_LE, aspect="auto", cmap="RdBu_r", norm=norm, interpolation="nearest")
     fig.colorbar(image, ax=ax, label=f"share of the layer's tokens\n(fair: 1/{E} = {fair:.3f})")
     rows_s, cols_s = np.nonzero(starved_LE & ~dead_LE)
-    ax.scatter(cols_s, rows_s, marker="x", color="black", s=30, label=f"starved (< {share_of_fair:g} x fair)")
+    # Gold marks stand out on the dark blue of a starved cell and on every other colour of the scale.
+    ax.scatter(cols_s, rows_s, marker="x", color="gold", s=40, linewidths=2, label=f"starved (< {share_of_fair:g} x fair)")
     rows_d, cols_d = np.nonzero(dead_LE)
-    ax.scatter(cols_d, rows_d, marker="s", facecolors="none", edgecolors="black", s=60, label="dead (no tokens)")
+    ax.scatter(cols_d, rows_d, marker="s", facecolors="none", edgecolors="gold", s=90, linewidths=2,
+               label="dead (no tokens)")
     layers = load["layers"].tolist()
     ax.set_yticks(range(L), [str(i) for i in layers])
     if E <= 32:
