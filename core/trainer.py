@@ -396,6 +396,8 @@ class Trainer:
                 if cfg.on_nonfinite == NonFinite.skip:
                     record["skipped_steps"] = self.skipped_steps
                 record.update(self._pop_moe_metrics(steps_since))
+                if hasattr(self.data, "metrics"):  # consumed samples, epoch, each mixture source's share (host values)
+                    record.update(self.data.metrics())
                 loss_acc.zero_()
                 steps_since = 0
                 try:

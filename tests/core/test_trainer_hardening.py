@@ -211,7 +211,8 @@ def _hang_on_rank_1(rank, world):
         if rank == 1 and step == 2:
             time.sleep(60)  # rank 0 waits in step 3's log all-reduce meanwhile
 
-    _trainer(log_interval=1, collective_timeout_s=2.0, on_step_end=stall).fit()
+    # 8 s: far above a tiny step even on a loaded 2-core machine, far below the 60 s sleep
+    _trainer(log_interval=1, collective_timeout_s=8.0, on_step_end=stall).fit()
 
 
 def test_watchdog_names_the_stuck_rank_and_step(capfd):

@@ -71,3 +71,13 @@ def test_mixture_trains_and_resumes_exactly_from_a_checkpoint(tmp_path, monkeypa
     batches, losses = steps(resumed, 2)
     assert all(torch.equal(a, b) for a, b in zip(batches, straight_batches[2:]))
     assert losses == straight_losses[2:]
+
+
+def test_mixture_shares_reach_the_log(tmp_path, monkeypatch, foreign_files):
+    mix = (f"--data.mixture=[{{paths: [{foreign_files['dolma_npy']}], weight: 3, name: dolma}}, "
+           f"{{paths: [{foreign_files['megatron']}], weight: 1, name: megatron}}]")
+    trainer, _ = build(tmp_path, monkeypatch, mix, "--trainer.steps=2", "--trainer.log_interval=1",
+                       "--trainer.eval_batches=0")
+    history = trainer.fit()
+    assert history[-1]["data/share/dolma"] == 0.75 and history[-1]["data/share/megatron"] == 0.25
+    assert history[-1]["data/consumed_samples"] == 16
