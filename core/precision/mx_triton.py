@@ -32,8 +32,7 @@ def _round_to_e4m3(q):
     # subnormal E4M3 (|q| < 2^-6): multiples of 2^-9; adding 1.5 * 2^14 (whose ulp is 2^-9) rounds
     # to nearest even, and subtracting it back is exact
     magic = 24576.0
-    sub = (tl.abs(q) + magic) - magic
-    sub = tl.where(bits < 0, -sub, sub)  # the sign bit: -0.0 stays -0.0
+    sub = (tl.abs(q) + magic) - magic  # >= 0; the caller sets the sign
     return tl.where(tl.abs(q) >= 0.015625, normal, sub)
 
 
@@ -67,6 +66,9 @@ def _mx_quantize_kernel(
     inv_bits = tl.where(e == 127, 1 << 22, (127 - e) << 23)
     inv = inv_bits.to(tl.float32, bitcast=True)
     q = _round_to_e4m3(tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0))
+    # the sign bit from x's own bits, set by bits (negation may lower to 0 - q, which loses -0.0)
+    sign = x.to(tl.int32, bitcast=True) & (-2147483648)
+    q = (tl.abs(q).to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     tl.store(data_ptr + rows[:, None] * stride_dm + cols[None, :] * stride_dk, q.to(tl.float8e4nv), mask=mask)
     tl.store(scale_ptr + rows * stride_sm + b * stride_sb, code.to(tl.uint8), mask=rows < M)
 
