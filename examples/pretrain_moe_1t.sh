@@ -17,6 +17,9 @@
 #   STEPS=400 bash examples/pretrain_moe_1t.sh --optimizer.lr=2e-3   # extra args: config overrides
 #   NPROC=4 bash examples/pretrain_moe_1t.sh              # 4 ranks via torchrun (NCCL on GPUs, gloo on CPU)
 #   NPROC=2 PROXY=cpu bash examples/pretrain_moe_1t.sh --parallel.ep=2 --trainer.device=cpu
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=host0 NPROC=8 bash examples/pretrain_moe_1t.sh   # on each node
+#   sbatch examples/slurm/pretrain_moe_1t.sbatch                                     # SLURM (srun)
+#   PRINT_LAUNCH=1 bash examples/pretrain_moe_1t.sh     # print this node's launch commands only
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -24,7 +27,7 @@ py="$(bash tools/setup_env.sh)"
 
 STEPS="${STEPS:-240}"
 NPROC="${NPROC:-1}"
-RUN_DIR="${RUN_DIR:-runs/pretrain_moe_1t_local-$(date +%Y%m%d-%H%M%S)}"
+RUN_DIR="${RUN_DIR:-}"  # default below, once the launch mode is known
 half=$((STEPS / 2))
 if [ "$STEPS" -lt 2 ]; then echo "error: STEPS=$STEPS: the recipe trains, stops half-way and resumes: use STEPS >= 2" >&2; exit 2; fi
 warmup=$((STEPS < 20 ? STEPS : 20))  # the default warmup (20 steps) may not exceed the run
@@ -41,19 +44,62 @@ case "$PROXY" in
   *) echo "error: PROXY=$PROXY: choose auto, cpu or gpu" >&2; exit 2 ;;
 esac
 
-if [ "$NPROC" -gt 1 ]; then
-  launch=("$py" -m torch.distributed.run --standalone --nproc-per-node "$NPROC")
+# How to launch, said at start with the reason:
+#   SLURM (SLURM_JOB_ID and SLURM_NNODES set, e.g. under srun from examples/slurm/): one torchrun per
+#     node, the node count, node rank and rendezvous host from SLURM (MASTER_ADDR: the first node of
+#     SLURM_JOB_NODELIST unless set);
+#   NNODES > 1 (set by hand): one torchrun per node with NODE_RANK, MASTER_ADDR and MASTER_PORT;
+#   NPROC > 1 on one machine: torchrun --standalone; else one plain process.
+NNODES="${NNODES:-1}"
+NODE_RANK="${NODE_RANK:-0}"
+MASTER_PORT="${MASTER_PORT:-29500}"
+if [ -n "${SLURM_JOB_ID:-}" ] && [ -n "${SLURM_NNODES:-}" ]; then
+  NNODES="$SLURM_NNODES"; NODE_RANK="${SLURM_NODEID:-0}"
+  if [ -z "${MASTER_ADDR:-}" ]; then
+    MASTER_ADDR="$( (scontrol show hostnames "$SLURM_JOB_NODELIST" 2>/dev/null || true) | head -n 1)"
+    MASTER_ADDR="${MASTER_ADDR:-${SLURM_JOB_NODELIST%%,*}}"
+  fi
+  mode="slurm: $NNODES node(s) x $NPROC rank(s), this is node $NODE_RANK (SLURM_NNODES, SLURM_NODEID), rendezvous $MASTER_ADDR:$MASTER_PORT"
+elif [ "$NNODES" -gt 1 ]; then
+  if [ -z "${MASTER_ADDR:-}" ]; then echo "error: NNODES=$NNODES needs MASTER_ADDR (the host of node 0) and NODE_RANK" >&2; exit 2; fi
+  mode="multi-node: $NNODES node(s) x $NPROC rank(s), this is node $NODE_RANK (NNODES, NODE_RANK), rendezvous $MASTER_ADDR:$MASTER_PORT"
+elif [ "$NPROC" -gt 1 ]; then
+  mode="one machine: $NPROC ranks (NPROC) under torchrun --standalone"
 else
-  launch=("$py")
+  mode="one process (set NPROC, NNODES or run under SLURM for more)"
 fi
+if [ -z "$RUN_DIR" ]; then  # every node must name the same run dir (on a file system they all see)
+  if [ -n "${SLURM_JOB_ID:-}" ]; then RUN_DIR="runs/pretrain_moe_1t-slurm-$SLURM_JOB_ID"
+  elif [ "$NNODES" -gt 1 ]; then echo "error: NNODES=$NNODES needs RUN_DIR: the same path on every node, on a file system they all see" >&2; exit 2
+  else RUN_DIR="runs/pretrain_moe_1t_local-$(date +%Y%m%d-%H%M%S)"; fi
+fi
+if [ "$NNODES" -gt 1 ]; then
+  # c10d rendezvous; the run id keeps the two phases' rendezvous apart
+  launch_for() { echo "$py" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK" \
+    --nproc-per-node "$NPROC" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$1"; }
+elif [ "$NPROC" -gt 1 ]; then
+  launch_for() { echo "$py" -m torch.distributed.run --standalone --nproc-per-node "$NPROC"; }
+else
+  launch_for() { echo "$py"; }
+fi
+run_id="$(basename "$RUN_DIR")"
+read -r -a launch <<< "$(launch_for "$run_id-1")"
+read -r -a relaunch <<< "$(launch_for "$run_id-2")"
 common=("${model[@]}" --name=moe-1t-proxy --trainer.run_dir="$RUN_DIR" --trainer.steps="$STEPS"
         --trainer.eval_interval=$((STEPS / 4)) --scheduler.warmup_steps="$warmup")
 
-echo "== proxy: $PROXY (${model[*]}), $NPROC rank(s)"
+echo "== launch: $mode"
+echo "== proxy: $PROXY (${model[*]}), $NPROC rank(s) per node"
+if [ -n "${PRINT_LAUNCH:-}" ]; then  # print the two commands this node would run, run nothing
+  echo "${launch[*]} tools/pretrain.py ${common[*]} --trainer.stop_at_step=$half $*"
+  echo "${relaunch[*]} tools/pretrain.py --config $RUN_DIR/config.yaml --trainer.stop_at_step=null --resume"
+  exit 0
+fi
 echo "== phase 1: train steps 1..$half of $STEPS, then checkpoint and stop (run dir $RUN_DIR)"
 "${launch[@]}" tools/pretrain.py "${common[@]}" --trainer.stop_at_step="$half" "$@"
 echo "== phase 2: a new process resumes from the checkpoint and trains to step $STEPS"
-"${launch[@]}" tools/pretrain.py --config "$RUN_DIR/config.yaml" --trainer.stop_at_step=null --resume
+"${relaunch[@]}" tools/pretrain.py --config "$RUN_DIR/config.yaml" --trainer.stop_at_step=null --resume
+if [ "$NODE_RANK" != 0 ]; then exit 0; fi  # node 0 (global rank 0) wrote the logs: it summarizes and plots
 
 "$py" - "$RUN_DIR/metrics.jsonl" <<'PY'
 import json, sys
