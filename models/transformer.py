@@ -16,12 +16,14 @@ from .config import BlockType, ModelConfig
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, device=None):
+    def __init__(self, cfg: ModelConfig, layer: int, device=None, moe_spec=None):
+        """Block ``layer`` of ``cfg``; ``moe_spec`` (core.moe.MoESpec) builds its MoE layer's parts
+        (default: from cfg.moe)."""
         super().__init__()
         self.block_type = cfg.block_type
         self.attention = Attention(cfg.d_model, cfg.attention, cfg.window_of(layer), cfg.norm_eps, device)
         self.is_moe = cfg.is_moe_layer(layer)
-        self.mlp = MoELayer(cfg.d_model, cfg.moe, device, layer_index=layer) if self.is_moe else SwiGLU(cfg.d_model, cfg.mlp_hidden, device)
+        self.mlp = MoELayer(cfg.d_model, cfg.moe, device, layer_index=layer, spec=moe_spec) if self.is_moe else SwiGLU(cfg.d_model, cfg.mlp_hidden, device)
         self.attention_norm = RMSNorm(cfg.d_model, cfg.norm_eps, device)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, device)
 

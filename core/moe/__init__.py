@@ -5,6 +5,7 @@ from .dispatcher import DispatchResult, LocalDispatcher, TokenDispatcher
 from .experts import GroupedExperts
 from .layer import MoELayer, moe_layers
 from .router import Router, RouterOutput, load_balance_loss, z_loss
+from .spec import MoESpec
 
 __all__ = [
     "DispatchResult",
@@ -14,6 +15,7 @@ __all__ = [
     "LocalDispatcher",
     "MoEConfig",
     "MoELayer",
+    "MoESpec",
     "Router",
     "RouterConfig",
     "RouterOutput",
