@@ -6,7 +6,7 @@ Each library folder at the root becomes a subpackage (``core`` -> ``moetron.core
 
 from setuptools import find_packages, setup
 
-LIBRARY_FOLDERS = ("core", "models", "parallel", "data")
+LIBRARY_FOLDERS = ("core", "models", "parallel", "data", "run")
 
 packages = []
 package_dir = {}

@@ -7,9 +7,9 @@
 # that resumes from it, a summary of the loss and of the expert load, and plots of both
 # (tools/plot.py: PNGs under RUN_DIR/plots). The proxy is sized to
 # the machine (PROXY=auto picks gpu when NPROC GPUs are visible and --trainer.device=cpu is not given):
-#   cpu: preset tiny-moe, the recipe's block design at CPU size (top-4 over 16 experts + 1 shared,
-#        first layer dense, Olmo 3 attention with sliding windows), a few minutes on 2 cores;
-#   gpu: preset moe-1t-proxy, the recipe's routing as is (top-4 over 128 experts + 1 shared, the
+#   cpu: recipe tiny-moe-local (preset tiny-moe), moe-1t's block design at CPU size (top-4 over 16
+#        experts + 1 shared, first layer dense, Olmo 3 attention with sliding windows), a few minutes on 2 cores;
+#   gpu: recipe moe-1t-proxy (its preset), moe-1t's routing as is (top-4 over 128 experts + 1 shared, the
 #        first two layers dense, expert hidden 4/3 of d_model) at d_model 768, with 2 + 2 x NPROC
 #        layers, expert parallel over all NPROC GPUs (ep = NPROC), 16K tokens per GPU per step.
 #
@@ -38,9 +38,9 @@ if [ "$PROXY" = auto ]; then
   if [ "$gpus" -ge "$NPROC" ] && [ "$gpus" -gt 0 ] && [[ " $* " != *" --trainer.device=cpu "* ]]; then PROXY=gpu; fi
 fi
 case "$PROXY" in
-  cpu) model=(--preset tiny-moe) ;;
-  gpu) model=(--preset moe-1t-proxy --model.n_layers=$((2 + 2 * NPROC)) --parallel.ep="$NPROC"
-              --data.seq_len=2048 --data.global_batch_size=$((8 * NPROC))) ;;
+  cpu) model=(--recipe tiny-moe-local) ;;  # recipes: moetron.run.recipes (docs/training.md)
+  gpu) model=(--recipe moe-1t-proxy --model.n_layers=$((2 + 2 * NPROC)) --parallel.ep="$NPROC"
+              --data.global_batch_size=$((8 * NPROC))) ;;  # the recipe is for 8 GPUs: resized to NPROC
   *) echo "error: PROXY=$PROXY: choose auto, cpu or gpu" >&2; exit 2 ;;
 esac
 

@@ -3,6 +3,7 @@
 
     python tools/pretrain.py                                  # tiny model on the embedded corpus
     python tools/pretrain.py --preset olmo3-7b --data.source=files --data.train_paths=[a,b]
+    python tools/pretrain.py --recipe tiny-moe-local --trainer.steps=50   # a named run (moetron.run)
     python tools/pretrain.py --config run.yaml --trainer.steps=1000 --optimizer.lr=1e-3
     python tools/pretrain.py --config runs/x/config.yaml --resume        # continue the latest
     torchrun --nproc-per-node 2 tools/pretrain.py ...                     # data parallel
@@ -13,52 +14,19 @@ Every config field can be overridden as --section.field=value (see --print-confi
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
-import random
 from typing import Any
 
-import numpy as np
 import torch
 
-from moetron.core.checkpoint import CheckpointConfig, Checkpointer, CheckpointError
-from moetron.core.config import Config, ConfigError
+from moetron.core.checkpoint import Checkpointer, CheckpointError
+from moetron.core.config import ConfigError
 from moetron.core.distributed import barrier, init_distributed, is_main, pick_device
-from moetron.core.optim import OptimizerConfig, SchedulerConfig
-from moetron.core.memory import MemoryConfig
-from moetron.core.precision import PrecisionConfig
-from moetron.core.trainer import NonFiniteError, Trainer, TrainerConfig
-from moetron.core.tracking import LoggingConfig
-from moetron.data.loader import DataConfig
-from moetron.models import ModelConfig, cross_entropy_loss
-from moetron.parallel import ParallelConfig, ParallelMesh, ParallelState, apply_strategies
+from moetron.core.trainer import NonFiniteError
+from moetron.models import ModelConfig
+from moetron.run import RECIPES, PretrainConfig, build, recipe  # PretrainConfig, build: also pretrain.X
 
 from cli import USER_ERRORS, run_cli  # tools/cli.py
-
-
-@dataclasses.dataclass
-class PretrainConfig(Config):
-    """A whole run: model, data, optimizer, schedule, trainer, checkpoints and experiment tracking."""
-
-    name: str = "tiny-local"
-    """Run name shown in logs."""
-    model: ModelConfig = dataclasses.field(default_factory=ModelConfig.tiny)
-    data: DataConfig = dataclasses.field(default_factory=DataConfig)
-    optimizer: OptimizerConfig = dataclasses.field(default_factory=lambda: OptimizerConfig(lr=3e-3))
-    scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
-    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
-    precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
-    memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)
-    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
-    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
-    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
-
-    def validate(self) -> None:
-        super().validate()
-        if self.scheduler.warmup_steps > self.trainer.steps:
-            raise ConfigError(
-                f"scheduler.warmup_steps={self.scheduler.warmup_steps} exceeds trainer.steps={self.trainer.steps}"
-            )
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[PretrainConfig, argparse.Namespace]:
@@ -66,6 +34,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[PretrainConfig, argparse.
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )
     parser.add_argument("--config", help="YAML file with a PretrainConfig (overrides apply on top)")
+    parser.add_argument(
+        "--recipe", help=f"named run recipe, a whole PretrainConfig ({', '.join(RECIPES)}; overrides apply on top)"
+    )
     parser.add_argument("--preset", help="model preset (tiny, tiny-moe, olmo3-7b, olmo3-moe-64e, olmoe-1b-7b, moe-1t ...)")
     parser.add_argument(
         "--resume", nargs="?", const=True, default=False,
@@ -73,7 +44,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[PretrainConfig, argparse.
     )
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     args, rest = parser.parse_known_args(argv)
-    cfg = PretrainConfig.from_yaml(args.config) if args.config else PretrainConfig()
+    if args.config and args.recipe:
+        raise ConfigError("--config and --recipe both give a whole run: choose one (overrides apply on top of it)")
+    if args.config:
+        cfg = PretrainConfig.from_yaml(args.config)
+    else:
+        cfg = recipe(args.recipe) if args.recipe else PretrainConfig()
     if args.preset:
         cfg.model = ModelConfig.preset(args.preset)
     bad = [a for a in rest if not (a.startswith("--") and "=" in a)]
@@ -106,63 +82,6 @@ def write_config(cfg: PretrainConfig) -> None:
     path = os.path.join(cfg.trainer.run_dir, "config.yaml")
     cfg.to_yaml(path + ".tmp")
     os.replace(path + ".tmp", path)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def build(cfg: PretrainConfig, device: torch.device, world: int, checkpointer: Checkpointer | None = None,
-          **trainer_kwargs) -> tuple[Trainer, ParallelState]:
-    """Compose a run: mesh, data, model, parallel strategies, optimizer, schedule, trainer."""
-    mesh = ParallelMesh.build(cfg.parallel, world, device.type)
-    data = cfg.data.build(vocab_size=cfg.model.vocab_size, dp_rank=mesh.dp_rank, dp_size=mesh.dp_size,
-                          pin_memory=device.type == "cuda")  # the trainer's non_blocking copy is then async
-    seed_everything(cfg.trainer.seed)
-    model = cfg.model.build(device=device)  # identical on every rank: same seed
-    precision = cfg.precision.build(device)
-    precision.apply(model)  # the GEMM backend of every linear and of the experts
-    cfg.memory.apply(model)  # activation recompute, before compile and the strategies wrap blocks
-    if is_main():
-        print(f"run {cfg.name}: {cfg.model.describe()}, {world} rank(s) on {device.type}, {mesh.describe()}",
-              flush=True)
-    if cfg.trainer.compile:
-        for block in model.blocks.values():
-            block.compile()
-    state = ParallelState(
-        [model], mesh, mesh.cfg, cfg.model, device, precision=precision, loss_fn=cross_entropy_loss,
-        seq_len=cfg.data.seq_len, local_batch_size=data.local_batch_size,
-    )
-    apply_strategies(state)
-    if is_main():
-        print(f"parallel strategies applied: {state.applied or 'none'}", flush=True)
-        if state.ep_dispatch is not None:
-            print(f"expert-parallel dispatch: {state.ep_dispatch}", flush=True)
-    parts = state.model_parts
-    optimizer = cfg.optimizer.build(parts[0] if len(parts) == 1 else torch.nn.ModuleList(parts))
-    scheduler = cfg.scheduler.build(optimizer, cfg.trainer.steps)
-    trainer = Trainer(
-        cfg.trainer,
-        parts,
-        cross_entropy_loss,
-        optimizer,
-        scheduler,
-        data,
-        flops_per_token=cfg.model.flops_per_token(cfg.data.seq_len),
-        device=device,
-        checkpointer=checkpointer,
-        run_metadata={"config": cfg.to_dict()},
-        world_size=world,
-        step_fn=state.step_fn,
-        eval_fn=state.eval_fn,
-        grad_norm_groups=state.grad_norm_groups,
-        precision=precision,
-        grad_sync=state.grad_sync,
-        **trainer_kwargs,
-    )
-    return trainer, state
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,77 @@
+"""build(): a PretrainConfig made into a Trainer on this process's ranks (mesh, data, model,
+precision, recompute, compile, parallel strategies, optimizer, schedule)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+from moetron.core.checkpoint import Checkpointer
+from moetron.core.distributed import is_main
+from moetron.core.trainer import Trainer
+from moetron.models import cross_entropy_loss
+from moetron.parallel import ParallelMesh, ParallelState, apply_strategies
+
+from .config import PretrainConfig
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build(cfg: PretrainConfig, device: torch.device, world: int, checkpointer: Checkpointer | None = None,
+          **trainer_kwargs) -> tuple[Trainer, ParallelState]:
+    """Compose a run: mesh, data, model, parallel strategies, optimizer, schedule, trainer.
+
+    ``world`` is the number of ranks (torch.distributed is initialized when it is > 1);
+    ``trainer_kwargs`` go to Trainer (e.g. tracker). Returns the trainer and the parallel state."""
+    mesh = ParallelMesh.build(cfg.parallel, world, device.type)
+    data = cfg.data.build(vocab_size=cfg.model.vocab_size, dp_rank=mesh.dp_rank, dp_size=mesh.dp_size,
+                          pin_memory=device.type == "cuda")  # the trainer's non_blocking copy is then async
+    seed_everything(cfg.trainer.seed)
+    model = cfg.model.build(device=device)  # identical on every rank: same seed
+    precision = cfg.precision.build(device)
+    precision.apply(model)  # the GEMM backend of every linear and of the experts
+    cfg.memory.apply(model)  # activation recompute, before compile and the strategies wrap blocks
+    if is_main():
+        print(f"run {cfg.name}: {cfg.model.describe()}, {world} rank(s) on {device.type}, {mesh.describe()}",
+              flush=True)
+    if cfg.trainer.compile:
+        for block in model.blocks.values():
+            block.compile()
+    state = ParallelState(
+        [model], mesh, mesh.cfg, cfg.model, device, precision=precision, loss_fn=cross_entropy_loss,
+        seq_len=cfg.data.seq_len, local_batch_size=data.local_batch_size,
+    )
+    apply_strategies(state)
+    if is_main():
+        print(f"parallel strategies applied: {state.applied or 'none'}", flush=True)
+        if state.ep_dispatch is not None:
+            print(f"expert-parallel dispatch: {state.ep_dispatch}", flush=True)
+    parts = state.model_parts
+    optimizer = cfg.optimizer.build(parts[0] if len(parts) == 1 else torch.nn.ModuleList(parts))
+    scheduler = cfg.scheduler.build(optimizer, cfg.trainer.steps)
+    trainer = Trainer(
+        cfg.trainer,
+        parts,
+        cross_entropy_loss,
+        optimizer,
+        scheduler,
+        data,
+        flops_per_token=cfg.model.flops_per_token(cfg.data.seq_len),
+        device=device,
+        checkpointer=checkpointer,
+        run_metadata={"config": cfg.to_dict()},
+        world_size=world,
+        step_fn=state.step_fn,
+        eval_fn=state.eval_fn,
+        grad_norm_groups=state.grad_norm_groups,
+        precision=precision,
+        grad_sync=state.grad_sync,
+        **trainer_kwargs,
+    )
+    return trainer, state
