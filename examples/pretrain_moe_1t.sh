@@ -20,11 +20,27 @@
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=host0 NPROC=8 bash examples/pretrain_moe_1t.sh   # on each node
 #   sbatch examples/slurm/pretrain_moe_1t.sbatch                                     # SLURM (srun)
 #   PRINT_LAUNCH=1 bash examples/pretrain_moe_1t.sh     # print this node's launch commands only
+#   bash examples/pretrain_moe_1t.sh --dry-run          # the full recipe's plan (GPU=b300 NUM_GPUS=512) + launch
+#   PROXY=full ... bash examples/pretrain_moe_1t.sh --data.train_paths=[...]   # the real recipe (one phase)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 py="$(bash tools/setup_env.sh)"
 
+if [ "${1:-}" = "--dry-run" ]; then
+  # The plan of the full recipe on a cluster (GPU type and count), and the exact launch: nothing trains.
+  shift
+  GPU="${GPU:-b300}"; NUM_GPUS="${NUM_GPUS:-512}"; GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
+  echo "== dry run: recipe moe-1t on $NUM_GPUS x $GPU ($((NUM_GPUS / GPUS_PER_NODE)) nodes x $GPUS_PER_NODE), planned, not run"
+  "$py" tools/plan.py --preset moe-1t --gpu "$GPU" --num-gpus "$NUM_GPUS" --parallel.ep=8 --parallel.pp=8 --parallel.pp_microbatches=128 \
+    --seq-len 8192 --global-batch 8192 --micro-batch 1 --memory.recompute=full --json "" "$@"
+  echo "== launch: sbatch --nodes=$((NUM_GPUS / GPUS_PER_NODE)) examples/slurm/pretrain_moe_1t.sbatch --data.train_paths=[...]"
+  echo "   with PROXY=full in its environment; each node then runs:"
+  PRINT_LAUNCH=1 PROXY=full NNODES=$((NUM_GPUS / GPUS_PER_NODE)) NODE_RANK='$SLURM_NODEID' MASTER_ADDR='$MASTER_ADDR' \
+    NPROC="$GPUS_PER_NODE" RUN_DIR="${RUN_DIR:-runs/pretrain_moe_1t-cluster}" MOETRON_PYTHON="$py" bash "$0" \
+    | tail -n 1 | sed 's/^/   /'
+  exit 0
+fi
 STEPS="${STEPS:-240}"
 NPROC="${NPROC:-1}"
 RUN_DIR="${RUN_DIR:-}"  # default below, once the launch mode is known
@@ -41,7 +57,8 @@ case "$PROXY" in
   cpu) model=(--recipe tiny-moe-local) ;;  # recipes: moetron.run.recipes (docs/training.md)
   gpu) model=(--recipe moe-1t-proxy --model.n_layers=$((2 + 2 * NPROC)) --parallel.ep="$NPROC"
               --data.global_batch_size=$((8 * NPROC))) ;;  # the recipe is for 8 GPUs: resized to NPROC
-  *) echo "error: PROXY=$PROXY: choose auto, cpu or gpu" >&2; exit 2 ;;
+  full) model=(--recipe moe-1t) ;;  # the real 1.2T recipe (512 GPUs; give --data.train_paths)
+  *) echo "error: PROXY=$PROXY: choose auto, cpu, gpu or full" >&2; exit 2 ;;
 esac
 
 # How to launch, said at start with the reason:
@@ -89,6 +106,14 @@ common=("${model[@]}" --name=moe-1t-proxy --trainer.run_dir="$RUN_DIR" --trainer
         --trainer.eval_interval=$((STEPS / 4)) --scheduler.warmup_steps="$warmup")
 
 echo "== launch: $mode"
+if [ "$PROXY" = full ]; then
+  # The real recipe keeps its own schedule; one phase, resuming whenever the run dir holds a checkpoint
+  # (re-submit the same job after a failure).
+  full=("${launch[@]}" tools/pretrain.py "${model[@]}" --trainer.run_dir="$RUN_DIR" "$@")
+  [ -d "$RUN_DIR/checkpoints" ] && full+=(--resume)
+  if [ -n "${PRINT_LAUNCH:-}" ]; then echo "== recipe: moe-1t"; echo "${full[*]}"; exit 0; fi
+  exec "${full[@]}"
+fi
 echo "== proxy: $PROXY (${model[*]}), $NPROC rank(s) per node"
 if [ -n "${PRINT_LAUNCH:-}" ]; then  # print the two commands this node would run, run nothing
   echo "${launch[*]} tools/pretrain.py ${common[*]} --trainer.stop_at_step=$half $*"

@@ -64,3 +64,18 @@ def test_sbatch_example_runs_the_script_under_srun():
     assert "#SBATCH --ntasks-per-node=1" in text and "NCCL_NVLS_ENABLE=0" in text
     assert "srun --kill-on-bad-exit=1 bash examples/pretrain_moe_1t.sh" in text
     assert subprocess.run(["bash", "-n", os.path.join(ROOT, "examples", "slurm", "pretrain_moe_1t.sbatch")]).returncode == 0
+
+
+def test_dry_run_plans_the_full_recipe_and_prints_its_launch():
+    import time
+
+    t0 = time.monotonic()
+    out = subprocess.run(["bash", SCRIPT, "--dry-run"], cwd=ROOT, env=_env(), capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert time.monotonic() - t0 < 60  # seconds, on a laptop: nothing is built
+    text = out.stdout
+    assert "== dry run: recipe moe-1t on 512 x b300 (64 nodes x 8)" in text
+    assert "1.20T total params" in text and "memory per rank" in text and "TFLOP/s/GPU" in text
+    assert "layout dp_replicate 1 x dp_shard 64 (ep 8 x efsdp 8) x pp 8" in text
+    last = text.strip().splitlines()[-1]
+    assert "--nnodes 64 --node-rank $SLURM_NODEID --nproc-per-node 8" in last and "tools/pretrain.py --recipe moe-1t" in last
