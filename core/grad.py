@@ -8,6 +8,7 @@ dims only (replicated dims hold copies), and then over any extra groups (the pip
 
 from __future__ import annotations
 
+import math
 from typing import Any, Iterable
 
 import torch
@@ -37,7 +38,8 @@ def clip_grad_norm_(
     parameters: Iterable[torch.Tensor], max_norm: float, extra_groups: Iterable[dist.ProcessGroup | None] = ()
 ) -> torch.Tensor:
     """Scale gradients so their global L2 norm is at most max_norm; returns the norm before clipping
-    (a 0-dim fp32 tensor on the gradients' device; no host sync)."""
+    (a 0-dim fp32 tensor on the gradients' device; no host sync). ``max_norm=inf`` only measures:
+    the gradients are not touched."""
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros(())
@@ -62,6 +64,7 @@ def clip_grad_norm_(
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(total, group=group)
     norm = total.sqrt()
-    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    torch._foreach_mul_(locals_, coef.to(locals_[0].dtype))
+    if math.isfinite(max_norm):  # an infinite bound scales by 1: skip the pass over every gradient
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(locals_, coef.to(locals_[0].dtype))
     return norm

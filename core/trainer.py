@@ -256,7 +256,7 @@ class Trainer:
         if self.pre_step_hook is not None:
             self.pre_step_hook(self.model_parts)
         # Without clipping the norm is still measured (logged, and checked for NaN/inf): an
-        # infinite max_norm scales by 1.
+        # infinite max_norm measures without touching the gradients.
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
         grad_norm = clip_grad_norm_(self.params, max_norm, self.grad_norm_groups)
         bad = ~(torch.isfinite(loss_sum) & torch.isfinite(grad_norm))

@@ -60,3 +60,19 @@ def _sharded(rank, world):
 
 def test_sharded_dtensors_match_torch():
     run_distributed(_sharded, 2)
+
+
+def test_infinite_max_norm_measures_without_touching_the_gradients():
+    import math
+
+    from moetron.core.grad import clip_grad_norm_
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]
+    for p in params:
+        p.grad = torch.randn_like(p) * 100  # far above any bound
+    before = [p.grad.clone() for p in params]
+    norm = clip_grad_norm_(params, math.inf)
+    want = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in before]))
+    torch.testing.assert_close(norm, want)
+    assert all(torch.equal(p.grad, b) for p, b in zip(params, before))
