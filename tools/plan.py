@@ -37,6 +37,8 @@ from moetron.core.config import ConfigError
 from moetron.core.memory import MemoryConfig, Recompute
 from moetron.models import ModelConfig
 from moetron.parallel.config import ParallelConfig
+from moetron.parallel.pipeline.runtime import n_microbatches
+from moetron.run import PretrainConfig, check_layout
 
 from cli import run_cli, write_report  # tools/cli.py
 
@@ -206,30 +208,23 @@ def plan(p: Plan) -> dict:
     if p.gpu not in GPUS:
         raise ConfigError(f"--gpu {p.gpu!r} is not in the table: choose one of {', '.join(GPUS)}")
     gpu = GPUS[p.gpu]
-    par = p.parallel.resolve(p.num_gpus)
-    if par.pp > cfg.n_layers:
-        raise ConfigError(f"parallel.pp={par.pp} exceeds model.n_layers={cfg.n_layers}: at most one stage per block")
+    # The layout checks pretrain's runs get (moetron.run.check_layout), on the plan's sizes.
+    run = PretrainConfig(model=cfg, parallel=p.parallel)
+    run.data.global_batch_size = p.global_batch
+    if p.parallel.pp == 1:
+        run.trainer.micro_batch_size = p.micro_batch
+    par = check_layout(run, p.num_gpus)
     dp = par.dp_replicate * par.dp_shard
-    if p.global_batch % dp:
-        raise ConfigError(f"--global-batch {p.global_batch} sequences does not split over dp_replicate x dp_shard = "
-                          f"{dp} ranks: choose a multiple of {dp}")
     local_batch = p.global_batch // dp
     if par.pp > 1:
-        m = par.pp_microbatches or 2 * par.pp
-        if local_batch % m:
-            raise ConfigError(f"{local_batch} sequences per data-parallel rank do not split into "
-                              f"parallel.pp_microbatches={m}: choose a batch that is a multiple of {m * dp}")
+        m = n_microbatches(par, par.pp * par.pp_stages_per_rank)
         micro = local_batch // m
         if p.micro_batch is not None and p.micro_batch != micro:
             raise ConfigError(f"--micro-batch {p.micro_batch} disagrees with the pipeline's {local_batch} / {m} = "
                               f"{micro} sequences per micro-batch: drop it or change pp_microbatches")
     else:
         micro = p.micro_batch or local_batch
-        if local_batch % micro:
-            raise ConfigError(f"--micro-batch {micro} does not divide the {local_batch} sequences per rank")
         m = local_batch // micro
-    if cfg.moe is not None and cfg.moe.num_experts % par.ep:
-        raise ConfigError(f"parallel.ep={par.ep} must divide model.moe.num_experts={cfg.moe.num_experts}")
     ep, efsdp = par.ep, par.dp_shard // par.ep
     T_mb = micro * p.seq_len  # tokens per micro-batch per rank
     fsdp = p.num_gpus > 1  # FSDP2 is applied whenever there is more than one rank
