@@ -11,7 +11,8 @@ measured on and off side by side.
     python tools/bench_train.py --preset olmoe-1b-7b --model.n_layers=8 --batch 4 --compile \
         --variant none:memory.recompute=none --variant full:memory.recompute=full
 
-Overrides (on the command line and in variants) are --model.* and --memory.* fields.
+Overrides (on the command line and in variants) are --model.*, --memory.* and --optimizer.* fields
+(e.g. --variant fp32:optimizer.state_dtype=fp32 --variant bf16:optimizer.state_dtype=bf16).
 
 Dense models see random token ids (their step time does not depend on the data).
 """
@@ -25,7 +26,7 @@ import time
 
 import torch
 
-from moetron.core.config import ConfigError
+from moetron.core.config import Config, ConfigError
 from moetron.core.metrics import mfu, model_tflops_per_device, peak_tflops, run_environment
 from moetron.core.memory import MemoryConfig
 from moetron.core.optim import OptimizerConfig, SchedulerConfig
@@ -51,7 +52,8 @@ class RandomTokens:
         pass
 
 
-def measure(model_cfg: ModelConfig, memory: MemoryConfig, args, device: torch.device) -> dict:
+def measure(model_cfg: ModelConfig, memory: MemoryConfig, optim_cfg: OptimizerConfig, args,
+            device: torch.device) -> dict:
     torch.manual_seed(0)
     model = model_cfg.build(device=device)
     precision = PrecisionConfig(recipe=args.precision).build(device)
@@ -60,7 +62,7 @@ def measure(model_cfg: ModelConfig, memory: MemoryConfig, args, device: torch.de
     if args.compile:
         for block in model.blocks.values():
             block.compile()
-    optimizer = OptimizerConfig().build(model)
+    optimizer = optim_cfg.build(model)
     scheduler = SchedulerConfig(warmup_steps=0).build(optimizer, 10_000)
     tcfg = TrainerConfig(steps=10_000, micro_batch_size=args.micro_batch, run_dir="")
     data = RandomTokens(model_cfg.vocab_size, args.batch, args.seq_len, device)
@@ -91,13 +93,16 @@ def measure(model_cfg: ModelConfig, memory: MemoryConfig, args, device: torch.de
     }
 
 
-def _apply(model: ModelConfig, memory: MemoryConfig, overrides: list[str]) -> None:
-    """--model.* and --memory.* overrides onto the two configs; anything else is an error."""
-    bad = [o for o in overrides if not o.startswith(("--model.", "--memory."))]
+def _apply(configs: dict[str, Config], overrides: list[str]) -> None:
+    """--<section>.* overrides onto the configs by section name (model, memory, optimizer); anything
+    else is an error."""
+    prefixes = tuple(f"--{name}." for name in configs)
+    bad = [o for o in overrides if not o.startswith(prefixes)]
     if bad:
-        raise ConfigError(f"unrecognized arguments {bad}: overrides are --model.* and --memory.* fields")
-    model.apply_overrides([o[len("--model."):] for o in overrides if o.startswith("--model.")])
-    memory.apply_overrides([o[len("--memory."):] for o in overrides if o.startswith("--memory.")])
+        raise ConfigError(f"unrecognized arguments {bad}: overrides are {', '.join(p + '*' for p in prefixes)} fields")
+    for name, cfg in configs.items():
+        prefix = f"--{name}."
+        cfg.apply_overrides([o[len(prefix):] for o in overrides if o.startswith(prefix)])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,17 +123,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default="runs/bench/bench_train.json")
     args, overrides = parser.parse_known_args(argv)
     base = ModelConfig.preset(args.preset)
-    base_memory = MemoryConfig()
-    _apply(base, base_memory, overrides)
+    base_memory, base_optim = MemoryConfig(), OptimizerConfig()
+    _apply({"model": base, "memory": base_memory, "optimizer": base_optim}, overrides)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     variants = [split_variant(v) for v in args.variant] or [("base", [])]
     rows = []
     for name, ovr in variants:
-        cfg, memory = copy.deepcopy(base), copy.deepcopy(base_memory)
-        _apply(cfg, memory, ovr)
+        cfg, memory, optim = copy.deepcopy(base), copy.deepcopy(base_memory), copy.deepcopy(base_optim)
+        _apply({"model": cfg, "memory": memory, "optimizer": optim}, ovr)
         cfg.validate()
         memory.validate()
-        row = {"variant": name, "overrides": ovr, **measure(cfg, memory, args, device)}
+        optim.validate()
+        row = {"variant": name, "overrides": ovr, **measure(cfg, memory, optim, args, device)}
         rows.append(row)
         torch.cuda.empty_cache() if device.type == "cuda" else None
     env = {**run_environment(device, 1, "tools/bench_train.py", argv),

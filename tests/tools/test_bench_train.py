@@ -1,4 +1,4 @@
-"""tools/bench_train.py on the CPU: every variant is measured and written, memory.* overrides reach
+"""tools/bench_train.py on the CPU: every variant is measured and written, memory.* and optimizer.* overrides reach
 the run as variants, bad overrides fail with one error."""
 
 import json
@@ -27,3 +27,14 @@ def test_bad_override_is_one_error():
         bench_train.main(["--preset", "tiny", "--trainer.steps=3"])
     with pytest.raises(ConfigError, match="recompute_modules"):
         bench_train.main(["--preset", "tiny", "--memory.recompute=selective", "--steps", "1"])
+
+
+def test_optimizer_overrides_are_variants(tmp_path):
+    out = tmp_path / "bench.json"
+    bench_train.main(["--preset", "tiny", "--model.n_layers=1", "--seq-len", "16", "--batch", "1", "--steps", "1",
+                      "--warmup", "0", "--json", str(out), "--optimizer.weight_decay=0.0",
+                      "--variant", "a:optimizer.lr=1e-3", "--variant", "b:optimizer.lr=2e-3,optimizer.beta2=0.99"])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["overrides"] for r in rows] == [["--optimizer.lr=1e-3"], ["--optimizer.lr=2e-3", "--optimizer.beta2=0.99"]]
+    with pytest.raises(ConfigError, match="optimizer.lr"):
+        bench_train.main(["--preset", "tiny", "--steps", "1", "--variant", "bad:optimizer.lr=-1"])
