@@ -1,0 +1,195 @@
+"""tools/profile_step.py: the kernel classifier on real kernel names, the GPU path's event handling on
+hand-made profiler events, and the whole tool on the CPU (table, JSON, trace; categories sum to the total)."""
+
+import glob
+import json
+import os
+import re
+
+import pytest
+from torch.autograd import DeviceType
+from torch.autograd.profiler_util import FunctionEvent
+
+import profile_step
+from moetron.core.config import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# Names as the profiler reports them on an H200 (CUDA kernels) and on the CPU (aten ops).
+NAMES = {
+    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off":
+        "gemm",
+    "nvjet_tst_128x256_64x4_1x2_h_bz_coopB_TNN": "gemm",
+    "void cutlass::device_kernel<at::cuda::detail::enable_3x_kernel_for_sm9x<cutlass::gemm::kernel::"
+    "GemmUniversal<cutlass::gemm::GroupProblemShape<cute::tuple<int, int, int> >>>>": "gemm",
+    "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, float>": "gemm",
+    "aten::mm": "gemm",
+    "aten::addmm": "gemm",
+    "aten::_grouped_mm": "gemm",
+    "triton_tem_fused_mm_0": "gemm",
+    "flash_fwd_kernel": "attention",
+    "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<128>>": "attention",
+    "fmha_cutlassF_bf16_aligned_64x128_rf_sm80(PyTorchMemEffAttention::AttentionKernel<...>::Params)": "attention",
+    "triton_tem_fused_flex_attention_0": "attention",
+    "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
+    "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+    "TensorListMetadata<4>, at::native::(anonymous namespace)::FusedAdamMathFunctor<float, 4, ADAM_MODE::ADAMW>>":
+        "optimizer",
+    "aten::_fused_adamw_": "optimizer",
+    "aten::_foreach_norm": "optimizer",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<int>, "
+    "std::array<char*, 1ul> >(int, at::native::FillFunctor<int>, std::array<char*, 1ul>)": "fill_int32",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, std::array<char*, 1ul> >":
+        "fill",
+    "Memset (Device)": "fill",
+    "aten::fill_": "fill",
+    "aten::zero_": "fill",
+    "triton_poi_fused__to_copy_0": "cast_copy",
+    "triton_poi_fused__to_copy_clone_transpose_3": "cast_copy",
+    "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)"
+    "::{lambda()#3}::operator()() const::{lambda()#7}::operator()() const::{lambda(float)#1}>": "cast_copy",
+    "Memcpy DtoD (Device -> Device)": "cast_copy",
+    "aten::copy_": "cast_copy",
+    "aten::to": "cast_copy",
+    "triton_poi_fused_add_mul_silu_3": "fused_pointwise",
+    "triton_per_fused__to_copy_add_sum_5": "fused_pointwise",
+    "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_2": "norm",
+    "aten::rsqrt": "norm",
+    "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, "
+    "at::native::(anonymous namespace)::LogSoftMaxForwardEpilogue>(float*, float const*, int)": "loss",
+    "void at::native::(anonymous namespace)::nll_loss_forward_reduce_cuda_kernel_2d<float, float, long>": "loss",
+    "aten::log_softmax": "loss",
+    "_route_count_kernel": "routing",
+    "_combine_rows_backward_kernel": "routing",
+    "moetron::scatter_rows": "routing",
+    "void at::native::sbtopk::gatherTopK<float, unsigned int, 2, false>": "routing",
+    "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "communication",
+    "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL": "communication",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>, "
+    "std::array<char*, 3ul> >": "elementwise",
+    "void at::native::unrolled_elementwise_kernel<at::native::BinaryFunctor<float, float, float, "
+    "at::native::binary_internal::MulFunctor<float> >, std::array<char*, 3ul>, 4, TrivialOffsetCalculator<2, "
+    "unsigned int>, TrivialOffsetCalculator<1, unsigned int>, at::native::memory::LoadWithCast<2>, "
+    "at::native::memory::StoreWithCast<1> >": "elementwise",
+    "aten::mul": "elementwise",
+    "aten::silu_backward": "elementwise",
+    "void at::native::(anonymous namespace)::indexing_backward_kernel<c10::BFloat16, 4>": "other",
+    "aten::embedding_dense_backward": "other",
+}
+
+
+@pytest.mark.parametrize("name", list(NAMES))
+def test_classify_real_kernel_names(name):
+    assert profile_step.classify(name) == NAMES[name]
+
+
+def test_every_category_has_a_case_and_other_catches_all():
+    assert set(NAMES.values()) == set(profile_step.CATEGORIES)
+    assert profile_step.RULES[-1] == ("other", "")
+
+
+def test_moetron_triton_kernels_are_routing_or_casts():
+    """Every @triton.jit kernel of moetron is named by a rule, so a new kernel shows up here first
+    (helpers a kernel calls, like _round_to_e4m3, are inlined and never launched)."""
+    kernels = {}
+    for path in glob.glob(os.path.join(ROOT, "core", "**", "*.py"), recursive=True):
+        for name in re.findall(r"@triton\.jit\s*\ndef (\w+_kernel)\(", open(path).read()):
+            kernels[name] = os.path.relpath(path, ROOT)
+    assert "_route_count_kernel" in kernels and "_mx_quantize_kernel" in kernels
+    for name, path in kernels.items():
+        expected = "routing" if path.startswith("core/moe/kernels/") else "cast_copy"
+        assert profile_step.classify(name) == expected, (name, path)
+
+
+def test_op_record_decides_fill_dtype_and_optimizer_range():
+    assert profile_step.classify("Memset (Device)", ["int", "Scalar"]) == "fill_int32"
+    assert profile_step.classify("aten::fill_", ["int", "Scalar"]) == "fill_int32"
+    assert profile_step.classify("aten::fill_", ["long int", "Scalar"]) == "fill"
+    assert profile_step.classify("aten::copy_", ["int", "int"]) == "cast_copy"  # only fills are split
+    opt = ["aten::lerp_", "Optimizer.step#AdamW.step", "ProfilerStep*"]
+    assert profile_step.classify("aten::lerp_", enclosing=opt) == "optimizer"
+    assert profile_step.classify("aten::lerp_", enclosing=["aten::lerp_", "ProfilerStep*"]) == "other"
+    fused_loss = ["_LinearCrossEntropyBackward", "autograd::engine::evaluate_function: _LinearCrossEntropyBackward"]
+    assert profile_step.classify("aten::exp_", enclosing=fused_loss) == "loss"
+    assert profile_step.classify("aten::mm", enclosing=fused_loss) == "gemm"  # its matmuls stay GEMMs
+
+
+def _event(id, name, start, end, device=DeviceType.CPU, linked=0, **kw):
+    return FunctionEvent(id=id, name=name, thread=0, start_us=start, end_us=end, device_type=device,
+                         linked_correlation_id=linked, use_device="cuda", **kw)
+
+
+def test_gpu_kernels_take_their_launching_op_record():
+    """CUDA events (hand-made, as _parse_kineto_results makes them): a memset under an int32
+    aten::zero_, a kernel under the optimizer step; the device-side step annotation is not a kernel."""
+    step = _event(1, "Optimizer.step#AdamW.step", 0, 100, is_user_annotation=True)
+    zero = _event(2, "aten::zero_", 10, 20)
+    zero.input_dtypes = ["int"]  # set after, as older torch's FunctionEvent takes no input_dtypes
+    foreach = _event(3, "aten::_foreach_mul_", 30, 40)
+    foreach.set_cpu_parent(step)
+    events = [step, zero, foreach,
+              _event(4, "Memset (Device)", 50, 53, DeviceType.CUDA, linked=2),
+              _event(5, "void at::native::vectorized_elementwise_kernel<4, Mul>", 60, 70, DeviceType.CUDA, linked=3),
+              _event(6, "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n", 70, 90, DeviceType.CUDA, linked=99),
+              _event(7, "ProfilerStep#4", 0, 100, DeviceType.CUDA, is_user_annotation=True)]
+    assert profile_step.kernel_times(events, on_device=True) == [
+        ("Memset (Device)", 3, "fill_int32"),
+        ("void at::native::vectorized_elementwise_kernel<4, Mul>", 10, "optimizer"),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n", 20, "gemm"),
+    ]
+
+
+def test_breakdown_per_step_shares_and_headline():
+    kernels = [("gemm_a", 600.0, "gemm"), ("gemm_a", 600.0, "gemm"), ("flash_fwd_kernel", 200.0, "attention"),
+               ("fill", 300.0, "fill"), ("copy", 300.0, "cast_copy")]
+    row = profile_step.breakdown(kernels, steps=2, step_ms=1.25, top=2)
+    cats = {c["category"]: c for c in row["categories"]}
+    assert list(cats) == profile_step.CATEGORIES
+    assert cats["gemm"]["ms_per_step"] == pytest.approx(0.6) and cats["gemm"]["kernels_per_step"] == 1
+    assert row["kernel_ms_per_step"] == pytest.approx(1.0) and row["busy"] == pytest.approx(0.8)
+    assert row["non_gemm_attention_share"] == pytest.approx(0.3)
+    assert [k["name"] for k in row["top_kernels"]] == ["gemm_a", "fill"]
+    assert row["top_kernels"][0]["calls_per_step"] == 1 and row["top_kernels"][0]["share"] == pytest.approx(0.6)
+
+
+SMALL = ["--preset", "tiny-moe", "--model.n_layers=2", "--seq-len", "32", "--batch", "2",
+         "--wait", "0", "--warmup", "1", "--active", "2"]
+
+
+def _check_report(path, out):
+    result = json.loads(path.read_text())
+    (row,) = result["rows"]
+    cats = {c["category"]: c for c in row["categories"]}
+    assert list(cats) == profile_step.CATEGORIES and row["active_steps"] == 2
+    assert sum(c["ms_per_step"] for c in cats.values()) == pytest.approx(row["kernel_ms_per_step"])
+    assert sum(c["share"] for c in cats.values()) == pytest.approx(1.0)
+    for category in ("gemm", "attention", "optimizer", "routing", "loss"):
+        assert cats[category]["ms_per_step"] > 0, category
+    assert 0 < row["non_gemm_attention_share"] < 1 and row["step_ms"] > 0
+    assert 0 < len(row["top_kernels"]) <= 20
+    assert "non-GEMM, non-attention share" in out and "top " in out and "optimizer" in out
+    return result
+
+
+def test_cpu_run_writes_table_json_and_trace(tmp_path, capsys):
+    out, trace = tmp_path / "profile.json", tmp_path / "trace.json"
+    assert profile_step.main([*SMALL, "--json", str(out), "--trace", str(trace)]) == 0
+    result = _check_report(out, capsys.readouterr().out)
+    assert result["rows"][0]["source"] == "CPU ops (self time)" and not result["rows"][0]["real_text"]
+    assert result["env"]["command"].startswith("python tools/profile_step.py --preset tiny-moe")
+    assert "traceEvents" in json.loads(trace.read_text())
+
+
+def test_real_text_and_data_overrides(tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    args = [*SMALL, "--model.vocab_size=512", "--real-text", f"--data.data_dir={tmp_path / 'corpus'}",
+            "--data.corpus_max_bytes=300000", "--json", str(out)]
+    assert profile_step.main(args) == 0
+    assert _check_report(out, capsys.readouterr().out)["rows"][0]["real_text"]
+
+
+def test_bad_overrides_are_one_error():
+    with pytest.raises(ConfigError, match="--trainer.steps=3"):
+        profile_step.main(["--preset", "tiny", "--trainer.steps=3"])
+    with pytest.raises(ConfigError, match="only apply with --real-text"):
+        profile_step.main([*SMALL, "--data.seq_len=8", "--json", ""])

@@ -1,0 +1,241 @@
+#!/usr/bin/env python
+"""Where a training step's kernel time goes: torch.profiler over the step tools/bench_train.py
+measures, every kernel put in one category (GEMM, attention, optimizer, casts and copies, fills,
+loss, routing, norm, fused pointwise, ...), printed as a table per category and the top kernels.
+
+    python tools/profile_step.py --preset olmoe-1b-7b --model.n_layers=8 --model.vocab_size=100352 \
+        --seq-len 4096 --batch 4 --compile
+    python tools/profile_step.py --preset tiny-moe --seq-len 256 --batch 2 --real-text --trace runs/bench/step.json
+
+The profiler skips --wait steps (compilation happens there), runs --warmup steps untimed and records
+--active steps; every figure is per active step. On a GPU the kernels are the CUDA kernels, memsets
+and memcpys (their device time); on the CPU they are the CPU ops (their self time), so the tool runs
+anywhere. A category's share is of the summed kernel time (streams that overlap count twice);
+"busy" is that sum over the step's wall time. The headline is the share of kernel time that is
+neither GEMM nor attention. Overrides are --model.*, --memory.* and (with --real-text) --data.*.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import sys
+from typing import Iterable
+
+import torch
+from torch.autograd import DeviceType
+
+from moetron.core.memory import MemoryConfig
+from moetron.core.metrics import run_environment
+from moetron.models import ModelConfig
+
+from cli import run_cli, write_report  # tools/cli.py
+from step_builder import add_step_arguments, build_trainer, split_overrides, token_stream
+
+# Inductor names a generated kernel triton_{poi,red,per,tem}_fused_<aten ops>_<n>; one made of
+# layout ops and casts only is a copy (the per-use fp32 -> bf16 cast-and-transpose of the weights).
+_INDUCTOR_COPY = r"^triton_\w+_fused(?:_(?:_to_copy|clone|copy|transpose|permute|view|_unsafe_view|t|expand|cat))+_\d+$"
+
+# (category, pattern): the first pattern found in a kernel's (or CPU op's) name wins, so the order
+# matters: attention before gemm (cutlass FMHA), the inductor rules before the generic copy and fill.
+RULES: list[tuple[str, str]] = [
+    ("communication", r"nccl|c10d::|all_gather|allgather|reduce_scatter|all_reduce|allreduce|all_to_all|alltoall"),
+    ("attention", r"flash|fmha|efficient_attention|flex_attention|scaled_dot_product|_attention"),
+    ("optimizer", r"multi_tensor_apply|[Ff]used[_]?[Aa]dam|_foreach_|linalg_vector_norm"),
+    # moetron's routing kernels (core/moe/kernels/routing.py) and custom ops, and the router's top-k.
+    ("routing", r"_(?:route|scatter_rows|zero_unwritten_rows|combine_rows)\w*_kernel|^moetron::|topk|TopK|[Ss]ort"),
+    ("loss", r"log_softmax|LogSoftMax|nll_loss|cross_entropy|logsumexp"),
+    ("gemm", r"[Gg]emm|gemv|cutlass|cublas|xmma|nvjet|_grouped_mm|splitKreduce|"
+             r"^aten::(?:mm|addmm|bmm|baddbmm|addbmm|matmul|linear|dot)$|^triton_tem_fused_\w*mm"),
+    ("cast_copy", _INDUCTOR_COPY),
+    ("norm", r"rms_norm|layer_norm|RowwiseMoments|rsqrt"),
+    ("fused_pointwise", r"^triton_(?:poi|red|per)_"),
+    ("fill_int32", r"FillFunctor<int>"),
+    ("fill", r"fill|FillFunctor|zero_|zeros|Memset|memset"),
+    ("cast_copy", r"copy|^aten::to$|contiguous|clone|transpose|cast_transpose|\bcast_|Memcpy|memcpy|CatArray|"
+                  r"^aten::cat$|_mx_quantize_kernel"),
+    ("elementwise", r"elementwise_kernel|reduce_kernel|^aten::(?:add|sub|rsub|mul|div|neg|exp|log|pow|mean|sum|"
+                    r"where|silu|sigmoid|gelu|tanh|softmax|_softmax|clamp|abs|sqrt|maximum|minimum|eq|ne|lt|gt|"
+                    r"ge|le)(?:_backward(?:_data)?)?_?$"),
+    ("other", r""),
+]
+# (category, pattern of an enclosing op or range): a kernel launched inside one is that category unless
+# its name says GEMM or attention: the unfused optimizer's lerp/addcdiv/sqrt, the chunked fused loss's
+# exp/sum/casts (its matmuls stay gemm). Routing has none, so the int32 fills inside it stay visible.
+ENCLOSING: list[tuple[str, str]] = [
+    ("optimizer", r"^Optimizer\.(?:step|zero_grad)#"),
+    ("loss", r"CrossEntropy|^aten::cross_entropy_loss$"),
+]
+CATEGORIES: list[str] = list(dict.fromkeys(c for c, _ in RULES))
+_COMPILED = [(c, re.compile(p)) for c, p in RULES]
+_ENCLOSING = [(c, re.compile(p)) for c, p in ENCLOSING]
+# Neither of these counts against the issue's target (non-GEMM, non-attention time <= 15%).
+COMPUTE = ("gemm", "attention")
+
+
+def classify(name: str, input_dtypes: Iterable[str] | None = None, enclosing: Iterable[str] = ()) -> str:
+    """The category of a kernel or CPU op ``name``: the first matching rule of RULES; unless that is
+    gemm or attention, the first ENCLOSING rule matching one of the ``enclosing`` op names
+    (innermost first) overrides it. A fill whose name does not give its dtype is ``fill_int32``
+    when its op record's inputs (``input_dtypes``, as the profiler writes them: 'int' is int32,
+    'long int' int64) say so."""
+    category = next(c for c, pattern in _COMPILED if pattern.search(name))
+    if category not in COMPUTE:
+        outer = (c for op in enclosing for c, pattern in _ENCLOSING if pattern.search(op))
+        category = next(outer, category)
+    if category == "fill" and input_dtypes and "int" in input_dtypes:
+        return "fill_int32"
+    return category
+
+
+def _enclosing(op) -> list[str]:
+    """Names of the CPU ops and ranges around ``op`` (a profiler event), innermost first, ``op`` included."""
+    names = []
+    while op is not None:
+        names.append(op.name)
+        op = op.cpu_parent
+    return names
+
+
+def kernel_times(events, on_device: bool) -> list[tuple[str, float, str]]:
+    """(name, microseconds, category) of every kernel recorded: device activity on a GPU (classified
+    with its launching op's dtypes and enclosing ranges), the CPU ops' self time otherwise."""
+    def annotation(e) -> bool:  # a record_function range (ProfilerStep#, Optimizer.step#), on either side
+        return getattr(e, "is_user_annotation", False) or "annotation" in (getattr(e, "activity_type", None) or "")
+
+    if on_device:
+        ops = {e.id: e for e in events if e.device_type == DeviceType.CPU and e.linked_correlation_id == 0}
+        out = []
+        for e in events:
+            if e.device_type != DeviceType.CUDA or annotation(e):
+                continue
+            op = ops.get(e.linked_correlation_id)
+            dtypes = getattr(op, "input_dtypes", None) if op is not None else None
+            out.append((e.name, e.time_range.elapsed_us(), classify(e.name, dtypes, _enclosing(op))))
+        return out
+    return [(e.name, e.self_cpu_time_total,
+             classify(e.name, getattr(e, "input_dtypes", None), _enclosing(e.cpu_parent)))
+            for e in events if e.device_type == DeviceType.CPU and not annotation(e) and not e.is_async
+            and not e.name.startswith(("ProfilerStep", "[")) and not getattr(e, "is_python_function", False)]
+
+
+def breakdown(kernels: list[tuple[str, float, str]], steps: int, step_ms: float, top: int = 20) -> dict:
+    """Per-category and top-``top`` kernel figures per step from ``kernel_times`` over ``steps`` steps."""
+    total_us = sum(us for _, us, _ in kernels)
+    share = (lambda us: us / total_us) if total_us > 0 else (lambda us: 0.0)
+    per_cat_us, per_cat_n = collections.Counter(), collections.Counter()
+    per_name = collections.defaultdict(lambda: [0.0, 0])
+    for name, us, category in kernels:
+        per_cat_us[category] += us
+        per_cat_n[category] += 1
+        per_name[(name, category)][0] += us
+        per_name[(name, category)][1] += 1
+    categories = [{"category": c, "ms_per_step": per_cat_us[c] / 1e3 / steps, "share": share(per_cat_us[c]),
+                   "kernels_per_step": per_cat_n[c] / steps} for c in CATEGORIES]
+    ranked = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:top]
+    top_kernels = [{"name": name, "category": c, "ms_per_step": us / 1e3 / steps, "share": share(us),
+                    "calls_per_step": n / steps} for (name, c), (us, n) in ranked]
+    kernel_ms = total_us / 1e3 / steps
+    return {
+        "active_steps": steps,
+        "step_ms": step_ms,
+        "kernel_ms_per_step": kernel_ms,
+        "busy": kernel_ms / step_ms if step_ms > 0 else None,
+        "non_gemm_attention_share": 1.0 - sum(share(per_cat_us[c]) for c in COMPUTE) if total_us > 0 else None,
+        "categories": categories,
+        "top_kernels": top_kernels,
+    }
+
+
+def profile(trainer, data, device: torch.device, wait: int, warmup: int, active: int, trace: str = ""):
+    """Run wait + warmup + active train steps under torch.profiler; the recorded events (active steps only)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+
+    def on_trace_ready(prof):
+        if trace:
+            prof.export_chrome_trace(trace)
+
+    schedule = torch.profiler.schedule(wait=wait, warmup=warmup, active=active, repeat=1)
+    # record_shapes gives each op its input dtypes (how an int32 fill is told from a float one).
+    with torch.profiler.profile(activities=activities, schedule=schedule, record_shapes=True,
+                                on_trace_ready=on_trace_ready) as prof:
+        for _ in range(wait + warmup + active):
+            trainer.train_step(data.next_batch())
+            if device.type == "cuda":
+                torch.cuda.synchronize()  # the step's kernels land inside its ProfilerStep window
+            prof.step()
+    return prof.events()
+
+
+def _short(name: str, width: int) -> str:
+    return name if len(name) <= width else name[: width - 3] + "..."
+
+
+def print_report(row: dict, header: str) -> None:
+    print(header)
+    busy = f", busy {100 * row['busy']:.0f}%" if row["busy"] is not None else ""
+    print(f"{row['source']} over {row['active_steps']} active steps: step {row['step_ms']:.1f} ms wall, "
+          f"{row['kernel_ms_per_step']:.1f} ms of kernels{busy}")
+    print(f"{'category':<16} {'ms/step':>9} {'share':>7} {'kernels':>9}")
+    for c in row["categories"]:
+        print(f"{c['category']:<16} {c['ms_per_step']:>9.2f} {100 * c['share']:>6.1f}% {c['kernels_per_step']:>9.0f}")
+    print(f"{'total':<16} {row['kernel_ms_per_step']:>9.2f} {'100.0%':>7} "
+          f"{sum(c['kernels_per_step'] for c in row['categories']):>9.0f}")
+    print(f"\ntop {len(row['top_kernels'])} kernels")
+    print(f"{'ms/step':>9} {'share':>7} {'calls':>6}  {'category':<16} name")
+    for k in row["top_kernels"]:
+        print(f"{k['ms_per_step']:>9.2f} {100 * k['share']:>6.1f}% {k['calls_per_step']:>6.0f}  {k['category']:<16} "
+              f"{_short(k['name'], 100)}")
+    if row["non_gemm_attention_share"] is not None:
+        print(f"\nnon-GEMM, non-attention share of kernel time: {100 * row['non_gemm_attention_share']:.1f}% "
+              f"(issue #13 target <= 15%)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
+    add_step_arguments(parser)
+    parser.add_argument("--wait", type=int, default=2, help="steps run before the profiler starts (compilation)")
+    parser.add_argument("--warmup", type=int, default=2, help="steps the profiler runs but does not record")
+    parser.add_argument("--active", type=int, default=3, help="steps recorded; every figure is per active step")
+    parser.add_argument("--top", type=int, default=20, help="how many kernels to list by time")
+    parser.add_argument("--json", default="runs/bench/profile_step.json")
+    parser.add_argument("--trace", default="", help="also write the active steps' chrome trace here")
+    args, overrides = parser.parse_known_args(argv)
+    if args.active < 1 or args.wait < 0 or args.warmup < 0:
+        parser.error("--active must be >= 1, --wait and --warmup >= 0")
+    sections = split_overrides(overrides, ("model", "memory", "data"))
+    model_cfg = ModelConfig.preset(args.preset)
+    model_cfg.apply_overrides(sections["model"])
+    memory = MemoryConfig()
+    memory.apply_overrides(sections["memory"])
+    model_cfg.validate()
+    memory.validate()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    data = token_stream(model_cfg, args.batch, args.seq_len, device, args.real_text, sections["data"])
+    trainer = build_trainer(model_cfg, memory, data, device, seq_len=args.seq_len,
+                            precision=args.precision, compile=args.compile, micro_batch=args.micro_batch)
+    events = profile(trainer, data, device, args.wait, args.warmup, args.active, args.trace)
+    steps = [e for e in events if e.device_type == DeviceType.CPU and e.name.startswith("ProfilerStep")]
+    step_ms = sum(e.time_range.elapsed_us() for e in steps) / 1e3 / max(len(steps), 1)
+    on_device = device.type == "cuda"
+    row = {"preset": args.preset, "overrides": overrides, "real_text": args.real_text, "compile": args.compile,
+           "source": "CUDA kernels" if on_device else "CPU ops (self time)",
+           **breakdown(kernel_times(events, on_device), args.active, step_ms, args.top)}
+    env = {**run_environment(device, 1, "tools/profile_step.py", argv),
+           "preset": args.preset, "seq_len": args.seq_len, "batch": args.batch, "model": model_cfg.to_dict()}
+    print_report(row, f"{env['device']} | torch {env['torch']} | {args.preset} {model_cfg.describe()} | "
+                      f"seq {args.seq_len} x {args.batch}{' | compiled' if args.compile else ''}"
+                      f"{' | real text' if args.real_text else ''}")
+    if args.trace:
+        print(f"wrote {args.trace}")
+    write_report(args.json, env, [row])
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,92 @@
+"""One training step as the benchmarks build it: model, precision, memory, AdamW, Trainer, and the
+token stream it trains on (random ids, or the embedded corpus so routing sees real text).
+
+tools/profile_step.py builds its step here; tools/bench_train.py builds the same step inline and can
+adopt :func:`build_trainer` (moving ``RandomTokens`` here when it does, since this imports it from
+there). Like every tools/ script this is imported by file name (see tools/cli.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Protocol
+
+import torch
+
+from moetron.core.config import ConfigError
+from moetron.core.memory import MemoryConfig
+from moetron.core.optim import OptimizerConfig, SchedulerConfig
+from moetron.core.precision import PrecisionConfig
+from moetron.core.trainer import Trainer, TrainerConfig
+from moetron.data.loader import DataConfig
+from moetron.models import ModelConfig, cross_entropy_loss
+
+from bench_train import RandomTokens  # tools/bench_train.py
+
+
+class TokenStream(Protocol):
+    """What the trainer reads: ``next_batch()`` -> LongTensor [batch, seq_len + 1]."""
+
+    def next_batch(self) -> torch.Tensor: ...
+
+
+def add_step_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that say which step to build (the rest of the command line is --model.*,
+    --memory.* and, with --real-text, --data.* overrides)."""
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=2, help="sequences per step")
+    parser.add_argument("--micro-batch", type=int, default=None)
+    parser.add_argument("--precision", default="auto")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each block, as bench_train does")
+    parser.add_argument("--real-text", action="store_true",
+                        help="train on the embedded corpus (data-dependent routing) instead of random token ids")
+
+
+def split_overrides(overrides: list[str], sections: tuple[str, ...]) -> dict[str, list[str]]:
+    """``['--model.n_layers=2', '--memory.recompute=full']`` -> ``{'model': ['n_layers=2'], 'memory':
+    ['recompute=full']}`` for each of ``sections``; an argument of any other section is a ConfigError."""
+    out: dict[str, list[str]] = {s: [] for s in sections}
+    for arg in overrides:
+        section, dot, field = arg.removeprefix("--").partition(".")
+        if not arg.startswith("--") or not dot or section not in out:
+            allowed = ", ".join(f"--{s}.*" for s in sections)
+            raise ConfigError(f"unrecognized argument {arg!r}: overrides are {allowed}")
+        out[section].append(field)
+    return out
+
+
+def token_stream(model_cfg: ModelConfig, batch: int, seq_len: int, device: torch.device, real_text: bool = False,
+                 data_overrides: list[str] = ()) -> TokenStream:
+    """Random ids over the whole vocabulary, or (``real_text``) the embedded corpus cut into
+    ``batch`` sequences of ``seq_len`` (built on first use; its tokenizer's vocabulary is the
+    model's or 4096, whichever is smaller, unless ``data_overrides`` say otherwise)."""
+    if not real_text:
+        if data_overrides:
+            raise ConfigError(f"{['--data.' + o for o in data_overrides]} only apply with --real-text")
+        return RandomTokens(model_cfg.vocab_size, batch, seq_len, device)
+    data = DataConfig(seq_len=seq_len, global_batch_size=batch,
+                      corpus_vocab_size=min(model_cfg.vocab_size, DataConfig.corpus_vocab_size))
+    data.apply_overrides(list(data_overrides))
+    return data.build(model_cfg.vocab_size, pin_memory=device.type == "cuda")
+
+
+def build_trainer(model_cfg: ModelConfig, memory: MemoryConfig, data: TokenStream, device: torch.device, *,
+                  seq_len: int, precision: str = "auto", compile: bool = False,
+                  micro_batch: int | None = None) -> Trainer:
+    """The Trainer of tools/bench_train.py: the model built on ``device`` (seed 0), the precision
+    recipe and memory config applied, each block compiled if ``compile``, AdamW with a constant
+    learning rate; ``trainer.train_step(data.next_batch())`` runs one step."""
+    torch.manual_seed(0)
+    model = model_cfg.build(device=device)
+    recipe = PrecisionConfig(recipe=precision).build(device)
+    recipe.apply(model)
+    memory.apply(model)
+    if compile:
+        for block in model.blocks.values():
+            block.compile()
+    optimizer = OptimizerConfig().build(model)
+    scheduler = SchedulerConfig(warmup_steps=0).build(optimizer, 10_000)
+    tcfg = TrainerConfig(steps=10_000, micro_batch_size=micro_batch, run_dir="")
+    return Trainer(tcfg, model, cross_entropy_loss, optimizer, scheduler, data,
+                   model_cfg.flops_per_token(seq_len), device, precision=recipe)
