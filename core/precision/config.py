@@ -6,11 +6,12 @@ import dataclasses
 
 import torch
 
-from ..config import Config, StrEnum
+from ..config import Config, ConfigError, StrEnum
+from ..distributed import is_main
 from .gemm import gemm_backend
-from .policy import PrecisionPolicy
+from .policy import GemmModule, PrecisionPolicy
 
-__all__ = ["PrecisionConfig", "PrecisionRecipe"]
+__all__ = ["GemmModule", "PrecisionBackend", "PrecisionConfig", "PrecisionRecipe"]
 
 
 class PrecisionRecipe(StrEnum):
@@ -20,27 +21,111 @@ class PrecisionRecipe(StrEnum):
     """Everything in fp32 (bit-exact reproducibility on the CPU)."""
     bf16 = "bf16"
     """bf16 autocast for the GEMMs with fp32 master weights; norms, softmax, router and loss in fp32."""
+    mxfp8 = "mxfp8"
+    """bf16 autocast, and the GEMMs of ``modules`` in MXFP8 (E4M3 + E8M0 per 32 along each GEMM's
+    reduction dim): native on SM100+ (core.precision.native_mx), emulated elsewhere
+    (core.precision.emulated: exact MX operands through bf16 GEMMs)."""
+    fp8_blockwise = "fp8_blockwise"
+    """bf16 autocast, and the GEMMs of ``modules`` in FP8 with 1x128 activation / gradient tiles and
+    128x128 weight tiles (DeepSeek-V3): native on SM90+ (F.scaled_mm and a Triton grouped GEMM,
+    core.precision.fp8_gemm), emulated elsewhere. Not MXFP8."""
 
 
-# Each recipe: (compute dtype, GEMM backend). Low-precision recipes add a row and a backend.
-_RECIPES = {
-    PrecisionRecipe.fp32: (None, "torch"),
-    PrecisionRecipe.bf16: (torch.bfloat16, "torch"),
-}
+class PrecisionBackend(StrEnum):
+    auto = "auto"
+    """native where the GPU has the recipe's GEMMs, else emulated (with a note at start-up)."""
+    native = "native"
+    """The hardware's scaled GEMMs (mxfp8: SM100+; fp8_blockwise: SM90+); an error elsewhere."""
+    emulated = "emulated"
+    """Exact quantized operands dequantized into bf16 GEMMs: the recipe's numerics on any device."""
+
+
+_LOW_PRECISION = (PrecisionRecipe.mxfp8, PrecisionRecipe.fp8_blockwise)
+_NATIVE_SM = {PrecisionRecipe.mxfp8: 10, PrecisionRecipe.fp8_blockwise: 9}
+_NATIVE_GPU = {PrecisionRecipe.mxfp8: "SM100+ (Blackwell)", PrecisionRecipe.fp8_blockwise: "SM90+ (Hopper)"}
+
+
+def _capability_major(device_type: str) -> int | None:
+    if device_type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability()[0]
 
 
 @dataclasses.dataclass
 class PrecisionConfig(Config):
     recipe: PrecisionRecipe = PrecisionRecipe.auto
     """Compute precision (see PrecisionRecipe)."""
+    backend: PrecisionBackend = PrecisionBackend.auto
+    """How a low-precision recipe's GEMMs run (see PrecisionBackend); bf16 / fp32 ignore it."""
+    mx_scale: str = "rceil"
+    """MX scale rounding: ``rceil`` (NVIDIA / torchao: 2^ceil(log2(amax / 448))) or ``floor`` (the OCP
+    spec: 2^(floor(log2 amax) - 8), the top of the range saturates). mxfp8 only."""
+    modules: list[GemmModule] = dataclasses.field(
+        default_factory=lambda: [GemmModule.experts, GemmModule.attention, GemmModule.mlp])
+    """Which modules' GEMMs use a low-precision recipe: ``experts`` (the routed experts' grouped
+    GEMMs), ``attention`` (q/k/v/o projections), ``mlp`` (dense SwiGLUs, the MoE layer's shared
+    expert included). The LM head and the router always stay in bf16."""
+
+    def validate(self) -> None:
+        super().validate()
+        if self.mx_scale not in ("rceil", "floor"):
+            raise ConfigError(f"precision.mx_scale: {self.mx_scale!r} is not one of 'rceil', 'floor'")
 
     def resolved_recipe(self, device_type: str) -> PrecisionRecipe:
         if self.recipe == PrecisionRecipe.auto:
             return PrecisionRecipe.bf16 if device_type == "cuda" else PrecisionRecipe.fp32
         return self.recipe
 
-    def build(self, device: torch.device | str) -> PrecisionPolicy:
+    def resolved_backend(self, device_type: str, capability_major: int | None = None,
+                         verbose: bool = False) -> PrecisionBackend:
+        """native or emulated for a low-precision recipe on this device (ConfigError where native
+        cannot run); ``capability_major`` defaults to the current GPU's."""
+        recipe = self.resolved_recipe(device_type)
+        if recipe not in _LOW_PRECISION:
+            return PrecisionBackend.native
+        major = capability_major if capability_major is not None else _capability_major(device_type)
+        can_native = major is not None and major >= _NATIVE_SM[recipe]
+        where = "the CPU" if major is None else f"an SM{major}x GPU"
+        if self.backend == PrecisionBackend.native and not can_native:
+            raise ConfigError(
+                f"precision.recipe={recipe} with precision.backend=native needs an {_NATIVE_GPU[recipe]} GPU, "
+                f"and this run is on {where}: use --precision.backend=emulated (the same numerics through "
+                f"bf16 GEMMs)" + (" or --precision.recipe=fp8_blockwise (native on Hopper)"
+                                  if recipe == PrecisionRecipe.mxfp8 and major == 9 else ""))
+        if self.backend == PrecisionBackend.auto:
+            chosen = PrecisionBackend.native if can_native else PrecisionBackend.emulated
+            if verbose and not can_native and is_main():
+                print(f"precision: {recipe} has no native GEMMs on {where} (they need {_NATIVE_GPU[recipe]}): "
+                      f"running it emulated (exact quantized operands, bf16 GEMMs; results labelled emulated)",
+                      flush=True)
+            return chosen
+        return self.backend
+
+    def build(self, device: torch.device | str, verbose: bool = True) -> PrecisionPolicy:
         """The policy for a run on ``device``."""
+        self.validate()
         device_type = torch.device(device).type
-        dtype, backend = _RECIPES[self.resolved_recipe(device_type)]
-        return PrecisionPolicy(device_type, dtype, gemm_backend(backend))
+        recipe = self.resolved_recipe(device_type)
+        if recipe == PrecisionRecipe.fp32:
+            return PrecisionPolicy(device_type, None, gemm_backend("torch"))
+        if recipe == PrecisionRecipe.bf16:
+            return PrecisionPolicy(device_type, torch.bfloat16, gemm_backend("torch"))
+        backend = self.resolved_backend(device_type, verbose=verbose)
+        gemm = low_precision_gemm(recipe, backend, self.mx_scale)
+        return PrecisionPolicy(device_type, torch.bfloat16, gemm, modules=frozenset(GemmModule(m) for m in self.modules))
+
+
+def low_precision_gemm(recipe: PrecisionRecipe | str, backend: PrecisionBackend | str, mx_scale: str = "rceil"):
+    """The GemmBackend instance of a low-precision recipe and a resolved backend (native / emulated)."""
+    recipe, backend = PrecisionRecipe(recipe), PrecisionBackend(backend)
+    if backend == PrecisionBackend.emulated:
+        from .emulated import BlockwiseFormat, EmulatedGemm, MXFormat
+
+        return EmulatedGemm(MXFormat(mx_scale) if recipe == PrecisionRecipe.mxfp8 else BlockwiseFormat())
+    if recipe == PrecisionRecipe.mxfp8:
+        from .native_mx import NativeMXGemm
+
+        return NativeMXGemm(mx_scale)
+    from .fp8_gemm import Fp8BlockwiseGemm
+
+    return Fp8BlockwiseGemm()

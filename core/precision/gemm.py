@@ -41,6 +41,12 @@ class GemmBackend:
     left unspecified). Both differentiable."""
 
     name: ClassVar[str] = ""
+    label: ClassVar[str] = ""
+    """How results of this backend are reported (e.g. "mxfp8 (emulated ...)"); "" for plain torch."""
+
+    def after_optimizer_step(self) -> None:
+        """Called once the weights changed (PrecisionPolicy.after_optimizer_step): a backend that
+        keeps quantized weights drops them here. Nothing to do by default."""
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

@@ -10,9 +10,30 @@ from typing import ContextManager
 import torch
 from torch import nn
 
+from ..config import StrEnum
 from .gemm import GemmBackend
 
-__all__ = ["PrecisionPolicy"]
+__all__ = ["GemmModule", "PrecisionPolicy"]
+
+
+class GemmModule(StrEnum):
+    """The kinds of modules whose GEMMs a low-precision recipe may take (precision.modules)."""
+
+    experts = "experts"
+    """core.moe.experts.GroupedExperts: the routed experts' grouped GEMMs."""
+    attention = "attention"
+    """core.layers.attention.Attention: the q, k, v and o projections."""
+    mlp = "mlp"
+    """core.layers.mlp.SwiGLU: dense MLPs, and the MoE layer's shared expert."""
+
+
+def _module_kinds() -> dict[type, GemmModule]:
+    # imported here: core.layers and core.moe import core.precision
+    from ..layers.attention import Attention
+    from ..layers.mlp import SwiGLU
+    from ..moe.experts import GroupedExperts
+
+    return {GroupedExperts: GemmModule.experts, Attention: GemmModule.attention, SwiGLU: GemmModule.mlp}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,7 +43,10 @@ class PrecisionPolicy:
     compute_dtype: torch.dtype | None
     """Autocast dtype of the GEMMs (bf16), or None: everything in the parameters' dtype (fp32)."""
     gemm: GemmBackend
-    """The backend installed in every GEMM module (apply())."""
+    """The backend installed in the GEMM modules of ``modules`` (apply())."""
+    modules: frozenset[GemmModule] | None = None
+    """The kinds of modules that get ``gemm``; the others (the LM head, any GEMM module outside an
+    attention, MLP or experts module) get PyTorch's GEMMs. None: every GEMM module gets ``gemm``."""
 
     @classmethod
     def full(cls, device_type: str = "cpu") -> "PrecisionPolicy":
@@ -51,8 +75,43 @@ class PrecisionPolicy:
         hands the blocks compute-dtype parameters (``sharded``), else the parameters' own."""
         return self.compute_dtype if sharded and self.compute_dtype is not None else param_dtype
 
+    @property
+    def label(self) -> str:
+        """How this run's precision is reported: "bf16", "fp32", or the backend's label."""
+        return self.gemm.label or ("fp32" if self.compute_dtype is None else str(self.compute_dtype).split(".")[-1])
+
     def apply(self, model: nn.Module) -> None:
-        """Install this policy's GEMM backend in every module that runs GEMMs through one."""
-        for module in model.modules():
+        """Install this policy's GEMM backend in every module that runs GEMMs through one (in the
+        modules of ``self.modules`` only, when it is set; the others get PyTorch's GEMMs). A GEMM
+        module's kind is that of its nearest enclosing attention / MLP / experts module."""
+        if self.modules is None:
+            for module in model.modules():
+                if isinstance(getattr(module, "gemm", None), GemmBackend):
+                    module.gemm = self.gemm
+            return
+        from .gemm import DEFAULT_GEMM
+
+        kinds = _module_kinds()
+
+        def visit(module: nn.Module, kind: GemmModule | None) -> None:
+            kind = next((k for cls, k in kinds.items() if isinstance(module, cls)), kind)
             if isinstance(getattr(module, "gemm", None), GemmBackend):
-                module.gemm = self.gemm
+                module.gemm = self.gemm if kind in self.modules else DEFAULT_GEMM
+            for child in module.children():
+                visit(child, kind)
+
+        visit(model, None)
+
+    def after_optimizer_step(self, model: nn.Module | list[nn.Module] | None = None) -> None:
+        """Tell the GEMM backends the weights changed (call after every optimizer step): backends
+        that keep weights quantized once per step drop them. ``model`` (or its parts): also every
+        backend installed in it, should another one have been put there by hand."""
+        backends = {id(self.gemm): self.gemm}
+        parts = model if isinstance(model, (list, tuple)) else [model] if model is not None else []
+        for part in parts:
+            for module in part.modules():
+                gemm = getattr(module, "gemm", None)
+                if isinstance(gemm, GemmBackend):
+                    backends[id(gemm)] = gemm
+        for gemm in backends.values():
+            gemm.after_optimizer_step()

@@ -1,0 +1,54 @@
+"""Quantized weights made once per optimizer step and reused by every micro-batch.
+
+An entry is keyed on the weight's storage owner (the parameter, also when the GEMM receives a
+view of it: an expert's slice, an expert-parallel local shard), the view's geometry and a tag
+(which quantization: forward, dgrad); it is valid while the tensor's ``_version`` (bumped by every
+in-place update, the optimizer's included) and the cache's generation (bumped by
+``invalidate()``, which PrecisionPolicy.after_optimizer_step calls) are both unchanged. Either
+one alone would do on one device; both together also cover FSDP2, whose all-gather refills an
+unsharded parameter without going through autograd's version counter.
+
+Entries hold only weak references to the weights: a freed parameter drops its entries.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["WeightCache"]
+
+
+class WeightCache:
+    def __init__(self) -> None:
+        self._entries: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.generation = 0
+        self.hits = 0
+        self.misses = 0
+
+    def invalidate(self) -> None:
+        """Forget every entry (after the optimizer step: the weights changed)."""
+        self.generation += 1
+        self._entries = WeakIdKeyDictionary()
+
+    def get(self, w: torch.Tensor, tag: str, make: Callable[[torch.Tensor], Any]) -> Any:
+        """``make(w)``, computed once while ``w`` is unchanged (see the module docstring)."""
+        if torch.compiler.is_compiling():  # a traced graph cannot keep Python state: quantize
+            return make(w)
+        owner = w if w._base is None else w._base
+        key = (tag, tuple(w.shape), w.stride(), w.storage_offset(), w.dtype)
+        stamp = (w._version, self.generation)
+        slots = self._entries.get(owner)
+        if slots is None:
+            slots = self._entries[owner] = {}
+        hit = slots.get(key)
+        if hit is not None and hit[0] == stamp:
+            self.hits += 1
+            return hit[1]
+        self.misses += 1
+        with torch.no_grad():
+            value = make(w.detach())
+        slots[key] = (stamp, value)
+        return value

@@ -1,0 +1,187 @@
+"""Emulated low-precision GEMMs: every GEMM's operands quantized exactly (MXFP8, or FP8 blockwise),
+dequantized to bf16 (lossless: an E4M3 value times a power of two is a bf16 value), and run through
+the bf16 GEMM (F.linear / torch._grouped_mm; loops on the CPU). The dot products are those of the
+hardware's scaled GEMMs up to fp32 summation order; the speed is not (on Hopper there is no MX
+GEMM): results of these backends are labelled "emulated".
+
+Which dim each GEMM quantizes along (y = x @ w^T, w [O, I]):
+
+- forward  y  = x @ w^T:    x along I (its last dim), w along I;
+- dgrad    dx = dy @ w:     dy along O (its last dim), w along O;
+- wgrad    dw = dy^T @ x:   dy and x along the tokens.
+
+MXFP8 (``MXFormat``): blocks of 32, E8M0 scales, w quantized twice (along I and along O).
+FP8 blockwise (``BlockwiseFormat``): 1 x 128 tiles for x and dy, one 128 x 128 tiling of w for both.
+
+The forward saves x for backward as the wgrad operand in its quantized form (fp8 data + scales
+along the tokens: 1 + 1/32 bytes per element for MX, the memory Blackwell's recipe keeps), not as
+bf16. Weights are quantized once per optimizer step (core.precision.cache.WeightCache); the cache
+holds the dequantized bf16 copies the GEMMs consume.
+
+Token blocks: a dense linear pads its tokens with zero rows to a whole block; the grouped GEMM pads
+each expert's rows to a whole block (core.precision.grouping.pad_groups, on the device), so no
+block of its wgrad operands holds two experts' rows.
+
+Legend: T tokens, R expert-sorted rows, P padded rows, E experts, I / O input / output dims.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .blockwise import FP8_BLOCK, dequantize_128x128, dequantize_1x128, quantize_128x128, quantize_1x128
+from .cache import WeightCache
+from .gemm import GemmBackend
+from .grouping import grouped_mm_2d2d, grouped_mm_2d3d, pad_groups
+from .mx import MX_BLOCK, dequantize_mx, quantize_mx
+
+__all__ = ["BlockwiseFormat", "EmulatedGemm", "MXFormat", "mx_qdq"]
+
+_BF16 = torch.bfloat16
+
+
+def mx_qdq(x: torch.Tensor, axis: int, scale_mode: str, dtype: torch.dtype = _BF16) -> torch.Tensor:
+    """x quantized to MX along ``axis`` and dequantized, in ``dtype`` (exact for bf16 and fp32)."""
+    data, scale = quantize_mx(x, MX_BLOCK, axis, scale_mode)
+    return dequantize_mx(data, scale, MX_BLOCK, axis).to(dtype)
+
+
+class MXFormat:
+    """MXFP8: E4M3 + one E8M0 scale per 32 along the reduction dim, for every operand."""
+
+    name = "mxfp8"
+    block = MX_BLOCK
+
+    def __init__(self, scale_mode: str = "rceil") -> None:
+        self.scale_mode = scale_mode
+
+    def quantize(self, x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_mx(x, MX_BLOCK, axis, self.scale_mode)
+
+    def dequantize(self, payload: tuple[torch.Tensor, ...], axis: int) -> torch.Tensor:
+        return dequantize_mx(*payload, MX_BLOCK, axis)
+
+    def weight(self, w: torch.Tensor, axis: int) -> torch.Tensor:
+        """w [..., O, I] quantized along ``axis`` (-1: I, forward; -2: O, dgrad), as bf16."""
+        return mx_qdq(w, axis, self.scale_mode)
+
+    def weight_tag(self, axis: int) -> str:
+        return f"mx_{self.scale_mode}_{axis}"
+
+    def __repr__(self) -> str:
+        return f"MXFormat(scale_mode={self.scale_mode!r})"
+
+
+class BlockwiseFormat:
+    """FP8 blockwise: 1 x 128 tiles (fp32 power-of-two scales) for activations and gradients,
+    128 x 128 tiles for weights (one tiling serves the forward and the dgrad)."""
+
+    name = "fp8_blockwise"
+    block = FP8_BLOCK
+
+    def quantize(self, x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_1x128(x, axis)
+
+    def dequantize(self, payload: tuple[torch.Tensor, ...], axis: int) -> torch.Tensor:
+        return dequantize_1x128(*payload, axis)
+
+    def weight(self, w: torch.Tensor, axis: int) -> torch.Tensor:
+        return dequantize_128x128(*quantize_128x128(w)).to(_BF16)
+
+    def weight_tag(self, axis: int) -> str:
+        return "fp8_128x128"
+
+    def __repr__(self) -> str:
+        return "BlockwiseFormat()"
+
+
+def _qdq(fmt, x: torch.Tensor, axis: int) -> torch.Tensor:
+    return fmt.dequantize(fmt.quantize(x, axis), axis).to(_BF16)
+
+
+def _pad_rows(x_TC: torch.Tensor, multiple: int) -> torch.Tensor:
+    pad = -x_TC.shape[0] % multiple
+    return F.pad(x_TC, (0, 0, 0, pad)) if pad else x_TC
+
+
+def _weight(gemm: "EmulatedGemm", w: torch.Tensor, axis: int) -> torch.Tensor:
+    fmt = gemm.format
+    return gemm.cache.get(w, fmt.weight_tag(axis), lambda t: fmt.weight(t, axis))
+
+
+class _EmulatedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TI: torch.Tensor, w_OI: torch.Tensor, gemm: "EmulatedGemm"):
+        fmt = gemm.format
+        y_TO = F.linear(_qdq(fmt, x_TI, -1), _weight(gemm, w_OI, -1))
+        # the wgrad operand, saved quantized (tokens padded to whole blocks)
+        ctx.save_for_backward(*fmt.quantize(_pad_rows(x_TI, fmt.block), 0), w_OI)
+        ctx.gemm, ctx.x_dtype = gemm, x_TI.dtype
+        return y_TO
+
+    @staticmethod
+    def backward(ctx, dy_TO: torch.Tensor):
+        *x_payload, w_OI = ctx.saved_tensors
+        gemm = ctx.gemm
+        fmt = gemm.format
+        dx_TI = dw_OI = None
+        if ctx.needs_input_grad[0]:
+            dx_TI = (_qdq(fmt, dy_TO, -1) @ _weight(gemm, w_OI, -2)).to(ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            dy_hat_PO = _qdq(fmt, _pad_rows(dy_TO, fmt.block), 0)
+            x_hat_PI = fmt.dequantize(tuple(x_payload), 0).to(_BF16)
+            dw_OI = (dy_hat_PO.t() @ x_hat_PI).to(w_OI.dtype)
+        return dx_TI, dw_OI, None
+
+
+class _EmulatedGroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor, gemm: "EmulatedGemm"):
+        fmt = gemm.format
+        y_RO = grouped_mm_2d3d(_qdq(fmt, x_RI, -1), _weight(gemm, w_EOI, -1).transpose(-2, -1), offsets_E)
+        x_PI, padded_offsets_E = pad_groups(x_RI, offsets_E, fmt.block)
+        ctx.save_for_backward(*fmt.quantize(x_PI, 0), w_EOI, offsets_E, padded_offsets_E)
+        ctx.gemm, ctx.x_dtype = gemm, x_RI.dtype
+        return y_RO
+
+    @staticmethod
+    def backward(ctx, dy_RO: torch.Tensor):
+        *x_payload, w_EOI, offsets_E, padded_offsets_E = ctx.saved_tensors
+        gemm = ctx.gemm
+        fmt = gemm.format
+        dx_RI = dw_EOI = None
+        if ctx.needs_input_grad[0]:
+            dx_RI = grouped_mm_2d3d(_qdq(fmt, dy_RO, -1), _weight(gemm, w_EOI, -2), offsets_E).to(ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            dy_PO, _ = pad_groups(dy_RO, offsets_E, fmt.block)
+            x_hat_PI = fmt.dequantize(tuple(x_payload), 0).to(_BF16)
+            dw_EOI = grouped_mm_2d2d(_qdq(fmt, dy_PO, 0).t(), x_hat_PI, padded_offsets_E).to(w_EOI.dtype)
+        return dx_RI, dw_EOI, None, None
+
+
+class EmulatedGemm(GemmBackend):
+    """A block format's numerics through bf16 GEMMs (see the module docstring); any device."""
+
+    name = "emulated"
+
+    def __init__(self, fmt: MXFormat | BlockwiseFormat | None = None) -> None:
+        self.format = fmt if fmt is not None else MXFormat()
+        self.cache = WeightCache()
+
+    @property
+    def label(self) -> str:
+        return f"{self.format.name} (emulated: exact quantized operands, bf16 GEMMs)"
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        x_TI = x.reshape(-1, x.shape[-1])
+        return _EmulatedLinear.apply(x_TI, w, self).reshape(*x.shape[:-1], w.shape[0])
+
+    def grouped_mm(self, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+        return _EmulatedGroupedMM.apply(x_RI, w_EOI, offsets_E, self)
+
+    def after_optimizer_step(self) -> None:
+        self.cache.invalidate()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.format!r})"

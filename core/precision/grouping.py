@@ -1,0 +1,73 @@
+"""Expert groups for low-precision grouped GEMMs: padding each group's rows to a multiple of a
+quantization block (on the device, no host sync), and bf16 grouped GEMMs that run anywhere.
+
+A weight-gradient GEMM reduces over tokens, so its operands are quantized in blocks along the
+rows; a block must not hold rows of two experts. ``pad_groups`` moves each group to a start that
+is a multiple of ``multiple`` and zero-fills the gap: zero rows add nothing to any dot product,
+and a block's scale then comes from one expert's rows only. The padded buffer has a static size
+(R + E x (multiple - 1), rounded up), so nothing waits for the counts to reach the host.
+
+Legend: R rows, C columns, E groups, P padded rows, I / O a GEMM's input / output dims.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["grouped_mm_2d2d", "grouped_mm_2d3d", "pad_groups", "padded_rows"]
+
+
+def padded_rows(rows: int, groups: int, multiple: int) -> int:
+    """Static size of pad_groups' output: enough for any split of ``rows`` into ``groups``."""
+    n = rows + groups * (multiple - 1)
+    return -(-n // multiple) * multiple
+
+
+def pad_groups(x_RC: torch.Tensor, offsets_E: torch.Tensor, multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x_RC [R, C] in groups [offsets_E[e-1], offsets_E[e]) -> (x_PC [P, C], padded_offsets_E int32):
+    group e's rows start at padded_offsets_E[e-1], a multiple of ``multiple``, followed by zero rows
+    up to the next multiple. Rows past offsets_E[-1] are dropped. No host sync."""
+    R, E = x_RC.shape[0], offsets_E.numel()
+    P = padded_rows(R, E, multiple)
+    offsets_E = offsets_E.to(torch.int64)
+    sizes_E = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1))
+    padded_sizes_E = (sizes_E + multiple - 1) // multiple * multiple
+    padded_offsets_E = torch.cumsum(padded_sizes_E, 0)
+    rows_R = torch.arange(R, device=x_RC.device)
+    group_R = torch.searchsorted(offsets_E, rows_R, right=True).clamp_max(E - 1)
+    shift_E = (padded_offsets_E - padded_sizes_E) - (offsets_E - sizes_E)  # padded start - start
+    dest_R = rows_R + shift_E[group_R]
+    dest_R = torch.where(rows_R < offsets_E[-1], dest_R, P)  # the rows past the end go to a spare row
+    out_PC = x_RC.new_zeros(P + 1, x_RC.shape[1])
+    out_PC[dest_R] = x_RC
+    return out_PC[:P], padded_offsets_E.to(torch.int32)
+
+
+def grouped_mm_2d3d(a_RK: torch.Tensor, b_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """out[rows of e] = a[rows of e] @ b[e] -> [R, N] in a's dtype (fp32 accumulation).
+    torch._grouped_mm on CUDA; a loop over the groups on the CPU (host offsets: the reference path).
+    Rows past offsets_E[-1] are unspecified (zero on the CPU)."""
+    if a_RK.is_cuda:
+        return torch._grouped_mm(a_RK, b_EKN, offs=offsets_E.to(torch.int32))
+    out_RN = a_RK.new_zeros(a_RK.shape[0], b_EKN.shape[-1])
+    start = 0
+    for e, end in enumerate(offsets_E.tolist()):
+        if end > start:
+            out_RN[start:end] = a_RK[start:end] @ b_EKN[e]
+        start = end
+    return out_RN
+
+
+def grouped_mm_2d2d(a_MR: torch.Tensor, b_RN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """out[e] = a[:, rows of e] @ b[rows of e] -> [E, M, N] (the weight gradient: a reduction over each
+    group's rows; an empty group gives zeros). torch._grouped_mm on CUDA, a loop on the CPU."""
+    if a_MR.is_cuda:
+        return torch._grouped_mm(a_MR, b_RN, offs=offsets_E.to(torch.int32))
+    E = offsets_E.numel()
+    out_EMN = a_MR.new_zeros(E, a_MR.shape[0], b_RN.shape[1])
+    start = 0
+    for e, end in enumerate(offsets_E.tolist()):
+        if end > start:
+            out_EMN[e] = a_MR[:, start:end] @ b_RN[start:end]
+        start = end
+    return out_EMN

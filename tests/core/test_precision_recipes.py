@@ -1,0 +1,104 @@
+"""The precision section's low-precision recipes: config resolution and errors, which modules get the
+low-precision backend, and a tiny MoE trained with mxfp8 emulated through the trainer."""
+
+import numpy as np
+import pytest
+import torch
+
+from moetron.core.config import ConfigError
+from moetron.core.moe.experts import GroupedExperts
+from moetron.core.precision import PrecisionConfig, TorchGemm
+from moetron.core.precision.emulated import EmulatedGemm
+
+
+def cfg(**kw):
+    return PrecisionConfig.from_dict(kw)
+
+
+def test_backend_resolution_and_errors(capsys):
+    mx = cfg(recipe="mxfp8")
+    assert mx.resolved_backend("cuda", 10) == "native"
+    assert mx.resolved_backend("cuda", 9, verbose=True) == "emulated"
+    assert "emulated" in capsys.readouterr().out  # auto on Hopper says so
+    assert mx.resolved_backend("cpu") == "emulated"
+    assert cfg(recipe="fp8_blockwise").resolved_backend("cuda", 9) == "native"
+    assert cfg(recipe="fp8_blockwise").resolved_backend("cpu") == "emulated"
+    with pytest.raises(ConfigError, match="SM100.*fp8_blockwise"):
+        cfg(recipe="mxfp8", backend="native").resolved_backend("cuda", 9)
+    with pytest.raises(ConfigError, match="SM100.*the CPU.*backend=emulated"):
+        cfg(recipe="mxfp8", backend="native").build("cpu")
+    with pytest.raises(ConfigError, match="SM90.*the CPU"):
+        cfg(recipe="fp8_blockwise", backend="native").build("cpu")
+    with pytest.raises(ConfigError, match="'expert' is not one of 'experts', 'attention', 'mlp'"):
+        cfg(recipe="mxfp8", modules=["expert"])
+    with pytest.raises(ConfigError, match="mx_scale"):
+        cfg(recipe="mxfp8", mx_scale="ceil").build("cpu")
+
+
+def tiny_moe():
+    from moetron.models.config import ModelConfig
+
+    m = ModelConfig.tiny_moe()
+    m.d_model, m.vocab_size, m.mlp_hidden, m.n_layers = 64, 256, 128, 2
+    m.attention.n_heads, m.attention.n_kv_heads = 2, 1
+    m.moe.num_experts, m.moe.expert_hidden = 4, 32
+    return m.build(device="cpu")
+
+
+@pytest.mark.parametrize("modules", [["experts", "attention", "mlp"], ["experts"], ["attention", "mlp"]])
+def test_modules_choose_who_gets_the_low_precision_backend(modules):
+    model = tiny_moe()
+    policy = cfg(recipe="mxfp8", backend="emulated", modules=modules).build("cpu", verbose=False)
+    policy.apply(model)
+    kinds = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "gemm"):
+            low = isinstance(module.gemm, EmulatedGemm)
+            assert low or isinstance(module.gemm, TorchGemm)
+            kind = ("experts" if isinstance(module, GroupedExperts) else "attention" if ".attn" in name or "attention" in name
+                    else "lm_head" if "lm_head" in name else "mlp")
+            kinds.setdefault(kind, set()).add(low)
+    assert kinds["lm_head"] == {False}  # the LM head stays bf16
+    for kind in ("experts", "attention", "mlp"):
+        assert kinds[kind] == {kind in modules}, (kind, kinds)
+
+
+def train(recipe_args, tmp_path, monkeypatch, steps=12):
+    import pretrain
+
+    from tests.data.token_writers import write_dolma_npy
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    docs = [list(rng.integers(1, 64, size=rng.integers(20, 60)) % 64 * 4 % 256) for _ in range(200)]
+    path = write_dolma_npy(tmp_path / "tokens.npy", docs)
+    monkeypatch.setenv("MOETRON_DATA_DIR", str(tmp_path / "unused"))
+    cfg_, _ = pretrain.parse_args([
+        "--preset", "tiny-moe", "--model.d_model=64", "--model.n_layers=2", "--model.vocab_size=256",
+        "--model.mlp_hidden=128", "--model.attention.n_heads=2", "--model.attention.n_kv_heads=1",
+        "--model.sliding_window=16", "--model.moe.num_experts=4", "--model.moe.expert_hidden=32",
+        "--model.moe.router.top_k=2", "--model.moe.shared_expert_hidden=32", "--data.seq_len=32",
+        "--data.global_batch_size=8", f"--trainer.steps={steps}", "--scheduler.warmup_steps=1",
+        "--trainer.device=cpu", "--trainer.eval_batches=0", "--trainer.log_interval=1", "--optimizer.lr=1e-2",
+        f"--trainer.run_dir={tmp_path}/run", f"--checkpoint.dir={tmp_path}/ckpt", "--data.source=files",
+        f"--data.train_paths=[{path}]", *recipe_args])
+    trainer, _ = pretrain.build(cfg_, torch.device("cpu"), 1, None)
+    losses = []
+    for _ in range(steps):
+        losses.append(trainer.train_step(trainer.data.next_batch())[0].item())
+        trainer.precision.after_optimizer_step(trainer.model_parts)
+        trainer.step += 1
+    return trainer, losses
+
+
+@pytest.mark.parametrize("experts_backend", ["grouped_mm", "loop"])
+def test_tiny_moe_trains_in_mxfp8_emulated_close_to_fp32(tmp_path, monkeypatch, experts_backend):
+    _, fp32 = train(["--precision.recipe=fp32"], tmp_path / "fp32", monkeypatch)
+    trainer, mx = train(["--precision.recipe=mxfp8", "--precision.backend=emulated",
+                         f"--model.moe.experts_backend={experts_backend}"], tmp_path / "mx", monkeypatch)
+    gemms = {type(m.gemm).__name__ for m in trainer.model_parts[0].modules() if hasattr(m, "gemm")}
+    assert gemms == {"EmulatedGemm", "TorchGemm"}  # TorchGemm: the LM head
+    print("fp32", np.round(fp32, 3), "mxfp8", np.round(mx, 3))
+    assert all(np.isfinite(mx))
+    assert np.mean(mx[-3:]) < mx[0] - 0.5  # it learns
+    assert abs(np.mean(mx[-3:]) - np.mean(fp32[-3:])) < 0.01 * np.mean(fp32[-3:]), (mx, fp32)
