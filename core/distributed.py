@@ -44,15 +44,17 @@ def pick_device(requested: str = "auto") -> torch.device:
     return device
 
 
-def init_distributed(device: torch.device, timeout_s: float = 1800.0) -> tuple[int, int]:
+def init_distributed(device: torch.device, timeout_s: float = 1800.0, cpu_collectives: bool = False) -> tuple[int, int]:
     """Join the process group when launched with several ranks; returns (rank, world_size).
-    ``timeout_s``: how long a collective waits for the other ranks (trainer.collective_timeout_s)."""
+    ``timeout_s``: how long a collective waits for the other ranks (trainer.collective_timeout_s);
+    ``cpu_collectives``: on GPUs also give the group gloo for CPU tensors (parallel.fsdp_offload keeps
+    gradients on the CPU, and the grad norm is all-reduced there)."""
     rank, world, _ = env_world()
     # Under a launcher (torchrun / SLURM) join a group even with one rank, so that strategies that
     # need a mesh (FSDP2, the EP dispatcher) run their real single-GPU path.
     launched = "WORLD_SIZE" in os.environ or "SLURM_NTASKS" in os.environ
     if (world > 1 or launched) and not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        backend = ("cuda:nccl,cpu:gloo" if cpu_collectives else "nccl") if device.type == "cuda" else "gloo"
         os.environ.setdefault("RANK", str(rank))
         os.environ.setdefault("WORLD_SIZE", str(world))
         # device_id binds the rank's GPU to the group (NCCL creates its communicator eagerly, and

@@ -1,4 +1,5 @@
-"""AdamW with decoupled weight decay groups, and LR schedules (linear warmup, then cosine / WSD)."""
+"""AdamW with decoupled weight decay groups (moments in fp32 or bf16), and LR schedules (linear
+warmup, then cosine / WSD)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,17 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch import nn
 
+from .adamw import MIN_ONE_MINUS_BETA, PrecisionAwareAdamW
 from .config import Config, ConfigError, StrEnum
+
+
+class StateDtype(StrEnum):
+    fp32 = "fp32"
+    """Adam moments in fp32 (8 bytes per parameter): torch.optim.AdamW, fused on the GPU."""
+    bf16 = "bf16"
+    """Adam moments stored in bf16 (4 bytes per parameter, 4 saved), fp32 master weights and update
+    math (core.adamw.PrecisionAwareAdamW, foreach kernels); round-to-nearest, so each 1 - beta must
+    be at least 2^-8 (beta2 <= 0.996: 0.95 is fine, 0.999 would freeze exp_avg_sq)."""
 
 
 @dataclasses.dataclass
@@ -22,7 +33,9 @@ class OptimizerConfig(Config):
     weight_decay: float = 0.1
     """Applied to weight matrices only; never to norms or the input embedding."""
     fused: bool | None = None
-    """Fused AdamW kernel; None picks it on GPU (where it is fastest) and off on CPU."""
+    """Fused AdamW kernel; None picks it on GPU (where it is fastest) and off on CPU. state_dtype=fp32 only."""
+    state_dtype: StateDtype = StateDtype.fp32
+    """Storage dtype of the Adam moments exp_avg and exp_avg_sq (see StateDtype); parameters stay fp32."""
 
     def validate(self) -> None:
         # math.isfinite first: nan fails every comparison, so "nan <= 0" alone would let it through.
@@ -38,8 +51,23 @@ class OptimizerConfig(Config):
                 raise ConfigError(f"optimizer.{name} must be in [0, 1), got {getattr(self, name)}")
         if not math.isfinite(self.weight_decay) or self.weight_decay < 0:
             raise ConfigError(f"optimizer.weight_decay must be a finite number >= 0, got {self.weight_decay}")
+        if self.state_dtype == StateDtype.bf16:
+            if self.fused:
+                raise ConfigError("optimizer.fused=true is torch's fused AdamW, which keeps fp32 moments: with "
+                                  "optimizer.state_dtype=bf16 leave optimizer.fused unset (foreach kernels are used)")
+            floor = MIN_ONE_MINUS_BETA[torch.bfloat16]
+            for name in ("beta1", "beta2"):
+                if 1 - getattr(self, name) < floor:
+                    raise ConfigError(
+                        f"optimizer.{name}={getattr(self, name)} with optimizer.state_dtype=bf16: a bf16 moment "
+                        f"rounded to nearest cannot register a per-step decay 1 - {name} below 2^-8 (it would stop "
+                        f"decaying): "
+                        f"set optimizer.{name} <= {1 - floor:.4f} (e.g. beta2=0.95) or optimizer.state_dtype=fp32"
+                    )
 
-    def build(self, model: nn.Module) -> torch.optim.AdamW:
+    def build(self, model: nn.Module) -> torch.optim.Optimizer:
+        """The optimizer over ``model``'s trainable parameters in two decay groups (more where DTensors
+        meet plain tensors): torch.optim.AdamW for fp32 state, PrecisionAwareAdamW for bf16."""
         self.validate()
         embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
         decay, no_decay = [], []
@@ -54,10 +82,20 @@ class OptimizerConfig(Config):
             dt = [p for p in params if isinstance(p, DTensor)]
             plain = [p for p in params if not isinstance(p, DTensor)]
             groups += [{"params": ps, "weight_decay": wd} for ps in ((dt, plain) if dt and plain else (params,))]
+        betas = (self.beta1, self.beta2)
+        if self.state_dtype == StateDtype.bf16:
+            bad = sorted({str(p.dtype) for g in groups for p in g["params"]
+                          if not p.is_floating_point() or torch.finfo(p.dtype).bits < 32})
+            if bad:
+                raise ConfigError(
+                    f"optimizer.state_dtype=bf16 keeps the parameters as fp32 master weights, but some are {bad}: "
+                    f"build the model in fp32 (bf16 compute comes from precision.recipe), or use state_dtype=fp32"
+                )
+            return PrecisionAwareAdamW(groups, lr=self.lr, betas=betas, eps=self.eps, state_dtype=torch.bfloat16)
         on_gpu = any(p.is_cuda for p in model.parameters())
         fused = on_gpu if self.fused is None else self.fused
         return torch.optim.AdamW(
-            groups, lr=self.lr, betas=(self.beta1, self.beta2), eps=self.eps, fused=fused or None
+            groups, lr=self.lr, betas=betas, eps=self.eps, fused=fused or None
         )
 
 

@@ -72,6 +72,13 @@ class ParallelConfig(Config):
     ep=2 and factor 2 that is every slot, so nothing can drop). Rows past it are dropped and counted."""
     fsdp_reshard_after_forward: bool = True
     """FSDP2: free the gathered parameters after forward (re-gather for backward); saves memory."""
+    fsdp_offload: bool = False
+    """FSDP2 CPUOffloadPolicy: the sharded fp32 parameters, their gradients and so the optimizer state
+    live in host memory (pinned on GPUs) and the optimizer steps on the CPU; each unit's parameters are
+    copied to the GPU for its all-gather and its gradients back after the reduce-scatter. Saves all
+    per-parameter device memory but activations and the gathered units, costs host-device traffic and
+    a CPU optimizer step. Needs FSDP2 in the layout (dp_shard or dp_replicate > 1, or the data
+    strategy named); on GPUs the process group also gets gloo for the CPU gradients' collectives."""
     strategies: list[str] = dataclasses.field(default_factory=list)
     """Extra registered strategies to apply, by name (see docs/parallel.md)."""
 
@@ -120,5 +127,11 @@ class ParallelConfig(Config):
             raise ConfigError(
                 f"parallel.ep={self.ep} must divide dp_shard={dp_shard} (expert parallelism borrows data-parallel "
                 f"ranks): choose ep among {[d for d in range(1, dp_shard + 1) if dp_shard % d == 0]}"
+            )
+        if self.fsdp_offload and self.dp_replicate * dp_shard == 1 and "data" not in self.strategies:
+            raise ConfigError(
+                f"parallel.fsdp_offload=true offloads FSDP2's shards, but this layout has no FSDP2 (dp_replicate x "
+                f"dp_shard = 1 at world size {world_size}): use more data-parallel ranks, add 'data' to "
+                f"parallel.strategies (FSDP2 on one rank), or set parallel.fsdp_offload=false"
             )
         return dataclasses.replace(self, dp_shard=dp_shard)

@@ -9,11 +9,15 @@ MoE experts under expert parallelism are their own FSDP2 unit on the expert mesh
 ranks left once ep is taken). Their gradients already sum the tokens of all ep ranks (the
 all-to-all brings them in); the expert strategy scales them by 1/ep, so that with FSDP2's average
 over the expert mesh every gradient is the mean over all data-parallel ranks.
+
+parallel.fsdp_offload passes CPUOffloadPolicy to every unit: shards, gradients and optimizer state in
+host memory, the optimizer stepping on the CPU.
 """
 
 from __future__ import annotations
 
-from torch.distributed.fsdp import fully_shard
+import torch
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
 from moetron.core.config import ConfigError
 from moetron.core.moe.layer import moe_layers
@@ -39,6 +43,10 @@ class DataParallel(ParallelStrategy):
         # bf16 compute and all-gathers, fp32 gradient reduction; fp32 throughout on the CPU.
         mp = state.precision.fsdp_mp_policy()
         reshard = state.cfg.fsdp_reshard_after_forward
+        # parallel.fsdp_offload: shards in host memory (pinned only where there is a GPU to copy to).
+        on_gpu = state.device is not None and torch.device(state.device).type == "cuda"
+        offload = CPUOffloadPolicy(pin_memory=on_gpu) if state.cfg.fsdp_offload else OffloadPolicy()
+        shard = dict(mp_policy=mp, reshard_after_forward=reshard, offload_policy=offload)
         dense_mesh, expert_mesh = mesh.dense_fsdp, mesh.expert_fsdp
         for part in state.model_parts:
             require_parts(part, "data parallelism (FSDP2)", ("blocks",))
@@ -48,9 +56,9 @@ class DataParallel(ParallelStrategy):
                         moe.balance_group = mesh.group("dp")
                     if state.cfg.ep > 1:
                         # Experts split over ep shard over the rest of the dp ranks (efsdp x dp_replicate).
-                        fully_shard(moe.experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard)
-                fully_shard(block, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=reshard)
-            fully_shard(part, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=reshard)
+                        fully_shard(moe.experts, mesh=expert_mesh, **shard)
+                fully_shard(block, mesh=dense_mesh, **shard)
+            fully_shard(part, mesh=dense_mesh, **shard)
         roots = list(state.model_parts)
 
         def grad_sync(enabled: bool) -> None:

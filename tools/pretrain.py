@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         print(cfg.to_yaml(), end="")
         return 0
     device = pick_device(cfg.trainer.device)
-    rank, world = init_distributed(device, cfg.trainer.collective_timeout_s)
+    rank, world = init_distributed(device, cfg.trainer.collective_timeout_s, cpu_collectives=cfg.parallel.fsdp_offload)
     tracker = cfg.logging.build(cfg.trainer.run_dir, cfg.name, cfg.to_dict())  # a missing package fails here
     if cfg.checkpoint.dir is None and is_main():
         print("checkpoint.dir is null: this run writes no checkpoints (it cannot be resumed)", flush=True)
