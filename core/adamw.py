@@ -42,7 +42,8 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
 
     ``params``: tensors or param groups (``lr``, ``betas``, ``eps``, ``weight_decay`` per group),
     floating point parameters of at least fp32 (they are the master weights); ``chunk_numel``:
-    elements upcast at a time (bounds the step's fp32 temporaries at about 3 x 4 x chunk_numel bytes)."""
+    elements upcast at a time (the step's fp32 temporaries: two moment copies, 2 x 4 x chunk_numel bytes,
+    256 MiB at the default)."""
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, state_dtype: torch.dtype = torch.bfloat16,
