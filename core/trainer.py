@@ -1,7 +1,8 @@
 """The training loop: gradient accumulation, clipping, LR schedule, evaluation, logging, checkpoints.
 
 The Trainer is model-agnostic: it takes a built model (plain or FSDP2-wrapped), a loss
-function over (logits, labels), the model's training FLOPs per token, a data source with
+function over (logits, labels) or None when the model computes its own loss from labels
+(``model(inputs, labels) -> mean loss``: the fused LM-head loss never makes full logits), the model's training FLOPs per token, a data source with
 ``next_batch()/val_batches()/state_dict()``, and a Checkpointer. Host syncs happen only on logging
 and evaluation steps (the loss and grad norm stay on the device in between).
 
@@ -131,7 +132,7 @@ class Trainer:
         self,
         cfg: TrainerConfig,
         model: nn.Module | list[nn.Module],
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         data: Any,
@@ -150,6 +151,9 @@ class Trainer:
         tracker: Tracker | None = None,
     ):
         """``model``: the model, or the list of modules this rank runs (pipeline stages).
+        ``loss_fn(logits, labels) -> mean loss`` over ``model(inputs)``'s logits, or None: the model
+        takes the labels and returns the mean loss itself (``model(inputs, labels)``, e.g. a
+        moetron Transformer, whose LM head then fuses the loss with its GEMM).
         ``step_fn(batch) -> loss`` replaces the built-in forward/backward over micro-batches (the
         pipeline schedule supplies one); ``eval_fn(batch) -> loss`` likewise for evaluation.
         ``grad_norm_groups``: groups across which the model is split (pipeline stages): the squared
@@ -245,12 +249,20 @@ class Trainer:
             # losses (per-token means too, attached to their outputs) get the same weight.
             share = labels_BS.numel() / total_tokens
             with aux_loss_scale(share):
-                with self.precision.autocast():
-                    logits_BSV = self.model(inputs_BS)
-                loss = self.loss_fn(logits_BSV, labels_BS) * share
+                loss = self._loss(inputs_BS, labels_BS) * share
                 loss.backward()
             loss_sum += loss.detach()
         return self._optimizer_step(loss_sum)
+
+    def _loss(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+        """The mean loss of one micro-batch: the model's own (loss_fn None), else loss_fn over its
+        logits; the forward under the run's autocast, the loss_fn outside it (fp32 as before)."""
+        if self.loss_fn is None:
+            with self.precision.autocast():
+                return self.model(inputs_BS, labels_BS)
+        with self.precision.autocast():
+            logits_BSV = self.model(inputs_BS)
+        return self.loss_fn(logits_BSV, labels_BS)
 
     def _optimizer_step(self, loss_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.pre_step_hook is not None:
@@ -321,9 +333,7 @@ class Trainer:
             if self.eval_fn is not None:
                 loss = self.eval_fn(batch)
             else:
-                with self.precision.autocast():
-                    logits_BSV = self.model(batch[:, :-1])
-                loss = self.loss_fn(logits_BSV, batch[:, 1:])
+                loss = self._loss(batch[:, :-1], batch[:, 1:])
             total[0] += loss.double() * n
             total[1] += n
         if dist.is_initialized():

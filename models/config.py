@@ -78,6 +78,14 @@ class ModelConfig(Config):
     init_on_cpu: bool = False
     """Initialize on the CPU with the CPU generator, then move to the device: the same weights for a
     seed on any device (for comparing GPU with CPU runs), at the cost of CPU time for big models."""
+    fused_loss: bool = True
+    """The LM head's loss fused with its GEMM and chunked over tokens (core.layers.loss.linear_cross_entropy):
+    no [tokens, vocab] logits in bf16 or fp32 are ever held, only one chunk's. Off: logits, then
+    fp32 cross entropy (the reference). Default on: the same GEMMs with 10 bytes x tokens x vocab
+    less memory at the start of the backward; the step-time measurement on GPUs is tools/bench_loss.py.
+    Forward without labels (scoring, HF comparisons) gives logits either way."""
+    loss_chunk_tokens: int | None = None
+    """Tokens per chunk of the fused loss; None: about 1 GiB of fp32 logits (2560 tokens at vocab 100352)."""
     hf_metadata: HFMetadata | None = None
     """config.json fields of an imported HF checkpoint that only matter to HF tools (context length,
     special token ids); carried through to export. None for models that never came from HF."""
@@ -112,6 +120,9 @@ class ModelConfig(Config):
         self.attention.validate_for(self.d_model, "model.attention")
         if self.moe is not None:
             self.moe.validate_for(self.n_layers)
+        if self.loss_chunk_tokens is not None and self.loss_chunk_tokens <= 0:
+            raise ConfigError(f"model.loss_chunk_tokens must be positive (tokens per chunk of the fused loss) or "
+                              f"null (about 1 GiB of fp32 logits), got {self.loss_chunk_tokens}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError(f"model.sliding_window must be positive or null, got {self.sliding_window}")
         if self.layer_types is not None:

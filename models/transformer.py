@@ -6,10 +6,10 @@ Legend: B batch, S sequence, D model dim, V vocab.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from moetron.core.layers import Attention, Linear, RMSNorm, SwiGLU
+from moetron.core.layers import Attention, LMHead, RMSNorm, SwiGLU
+from moetron.core.layers.loss import cross_entropy
 from moetron.core.moe import MoELayer, moe_layers
 
 from .config import BlockType, ModelConfig
@@ -44,7 +44,8 @@ class Transformer(nn.Module):
         # hold only some of the blocks.
         self.blocks = nn.ModuleDict({str(i): Block(cfg, i, device) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, device)
-        self.lm_head = Linear(cfg.d_model, cfg.vocab_size, device)
+        self.lm_head = LMHead(cfg.d_model, cfg.vocab_size, device, fused=cfg.fused_loss,
+                              chunk_tokens=cfg.loss_chunk_tokens)
         if device is None or torch.device(device).type != "meta":
             self.init_weights()
 
@@ -60,21 +61,19 @@ class Transformer(nn.Module):
             elif isinstance(module, MoELayer):
                 module.init_weights(std)
 
-    def forward(self, input_ids_BS: torch.Tensor) -> torch.Tensor:
-        """Token ids [B, S] -> logits [B, S, V]."""
+    def forward(self, input_ids_BS: torch.Tensor, labels_BS: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids [B, S] -> logits [B, S, V]; with labels [B, S], the mean next-token loss over
+        the labels != -100 instead (the LM head's: fused and chunked when cfg.fused_loss, so no
+        [B, S, V] tensor is made)."""
         h_BSD = self.embed(input_ids_BS)
         for block in self.blocks.values():
             h_BSD = block(h_BSD)
-        return self.lm_head(self.norm(h_BSD))
+        return self.lm_head(self.norm(h_BSD), labels_BS)
 
     def moe_layers(self) -> dict[int, MoELayer]:
         """MoE layers by block index (core.moe.moe_layers over this model)."""
         return moe_layers(self)
 
 
-def cross_entropy_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """Mean next-token cross entropy in fp32 (or wider) over the tokens whose label is not ignore_index."""
-    logits = logits_BSV.flatten(0, 1)
-    return F.cross_entropy(
-        logits.to(torch.promote_types(logits.dtype, torch.float32)), labels_BS.flatten(), ignore_index=ignore_index
-    )
+cross_entropy_loss = cross_entropy
+"""loss(logits [B, S, V], labels [B, S]) -> mean next-token cross entropy in fp32 (core.layers.loss)."""

@@ -73,7 +73,8 @@ class ParallelState:
     precision: PrecisionPolicy = field(default_factory=PrecisionPolicy.full)
     """The run's precision: autocast, FSDP2 mixed precision, pipeline boundary dtype."""
     loss_fn: Callable | None = None
-    """loss(logits [b, S, V], labels [b, S]) -> mean; the pipeline needs it."""
+    """loss(logits [b, S, V], labels [b, S]) -> mean, over the last pipeline stage's logits; None:
+    the model's LM head computes the loss itself (lm_head(hidden, labels), core.layers.LMHead)."""
     seq_len: int | None = None
     """Training sequence length (the pipeline's FLOPs split reads it)."""
     local_batch_size: int | None = None

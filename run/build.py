@@ -11,7 +11,6 @@ import torch
 from moetron.core.checkpoint import Checkpointer
 from moetron.core.distributed import is_main
 from moetron.core.trainer import Trainer
-from moetron.models import cross_entropy_loss
 from moetron.parallel import ParallelMesh, ParallelState, apply_strategies
 
 from .config import PretrainConfig
@@ -44,7 +43,9 @@ def build(cfg: PretrainConfig, device: torch.device, world: int, checkpointer: C
         for block in model.blocks.values():
             block.compile()
     state = ParallelState(
-        [model], mesh, mesh.cfg, cfg.model, device, precision=precision, loss_fn=cross_entropy_loss,
+        # loss_fn None: the model's LM head computes the loss from the labels (fused and chunked
+        # unless model.fused_loss=false), in the trainer and on the last pipeline stage alike.
+        [model], mesh, mesh.cfg, cfg.model, device, precision=precision, loss_fn=None,
         seq_len=cfg.data.seq_len, local_batch_size=data.local_batch_size,
     )
     apply_strategies(state)
@@ -58,7 +59,7 @@ def build(cfg: PretrainConfig, device: torch.device, world: int, checkpointer: C
     trainer = Trainer(
         cfg.trainer,
         parts,
-        cross_entropy_loss,
+        None,  # model(inputs, labels) -> loss
         optimizer,
         scheduler,
         data,

@@ -1,7 +1,8 @@
-"""Model-agnostic transformer layers: norms, rotary embeddings, attention, MLPs."""
+"""Model-agnostic transformer layers: norms, rotary embeddings, attention, MLPs, the LM head and its loss."""
 
 from .attention import Attention, AttentionBackend, AttentionConfig, sliding_window_causal_mask
 from .linear import Linear
+from .loss import LMHead, cross_entropy, linear_cross_entropy
 from .mlp import SwiGLU
 from .norm import RMSNorm
 from .rope import RopeScalingConfig, RopeScalingLayers, RopeScalingType, RotaryEmbedding, apply_rotary
@@ -10,6 +11,7 @@ __all__ = [
     "Attention",
     "AttentionBackend",
     "AttentionConfig",
+    "LMHead",
     "Linear",
     "RMSNorm",
     "RopeScalingConfig",
@@ -18,5 +20,7 @@ __all__ = [
     "RotaryEmbedding",
     "SwiGLU",
     "apply_rotary",
+    "cross_entropy",
+    "linear_cross_entropy",
     "sliding_window_causal_mask",
 ]

@@ -7,6 +7,10 @@
   (``embed`` / ``blocks`` (a ModuleDict with the original keys) / ``norm`` / ``lm_head``), so a
   stage's parameter names equal the full model's ("blocks.3.attention.q_proj.weight") and DCP
   checkpoints load across pipeline layouts.
+- The LM loss: ``state.loss_fn(logits, labels)`` over the last stage's logits, or, when
+  ``state.loss_fn`` is None, the model's own LM head (core.layers.LMHead: ``lm_head(h, labels)``,
+  fused and chunked by default) over the last stage's normed hidden, so that no stage output or
+  loss input is a [B, S, V] tensor.
 - MoE auxiliary losses need nothing here: each MoE layer attaches its own to its output
   (core.moe.aux_loss); the step sets their weight to the LM loss' micro-batch weight, 1 / M.
 - ``PipelineParallel``: the strategy (order 10); sets ``state.step_fn``, ``state.eval_fn``,
@@ -29,6 +33,7 @@ import torch
 
 from moetron.core.config import ConfigError
 from moetron.core.distributed import is_main
+from moetron.core.layers import LMHead
 
 from ..config import PipelineSchedule, PipelineSplit
 from ..model import require_parts
@@ -45,7 +50,7 @@ class PipelineParallel(ParallelStrategy):
     """Split the model into ``pp x pp_stages_per_rank`` stages and run them under
     ``parallel.pp_schedule`` with ``parallel.pp_microbatches`` micro-batches.
 
-    Reads ``state.loss_fn`` (required), ``state.precision``, ``state.seq_len`` and
+    Reads ``state.loss_fn`` (over logits; None: the LM head's own loss), ``state.precision``, ``state.seq_len`` and
     ``state.local_batch_size`` (optional: checked against the micro-batch count up front). Sets
     ``state.model_parts`` (this rank's stages), ``state.step_fn`` (a PipelineStep),
     ``state.eval_fn``, ``state.grad_norm_groups`` and ``state.pipeline`` (the split). With pp == 1 (``parallel.strategies=["pipeline"]``) the stages run in this process
@@ -72,8 +77,11 @@ class PipelineParallel(ParallelStrategy):
                 f"model has {n_layers} layers: every stage needs at least one block; lower parallel.pp or "
                 f"parallel.pp_stages_per_rank so that their product is <= {n_layers}"
             )
-        if state.loss_fn is None:
-            raise ConfigError("the pipeline strategy needs state.loss_fn (the LM loss over logits, labels)")
+        if state.loss_fn is None and not isinstance(model.lm_head, LMHead):
+            raise ConfigError(
+                f"the pipeline strategy needs state.loss_fn (the LM loss over logits, labels), or an LM head that "
+                f"computes the loss itself (core.layers.LMHead), not {type(model.lm_head).__name__}: pass loss_fn"
+            )
         n_micro = n_microbatches(cfg, num_stages)
         if cfg.pp > 1 and cfg.pp_schedule == PipelineSchedule.one_f_one_b and n_micro < num_stages:
             raise ConfigError(
@@ -101,27 +109,31 @@ class PipelineParallel(ParallelStrategy):
         device = torch.device(state.device) if state.device is not None else torch.device("cpu")
         pp_rank = state.mesh.pp_rank if cfg.pp > 1 else 0
         model = state.model_parts[0]
+        head_loss = state.loss_fn is None  # the last stage returns the normed hidden, its LM head the loss
         d_model, embed_dtype = model.embed.weight.shape[-1], model.embed.weight.dtype
         if cfg.pp_split == PipelineSplit.flops:
             # Without the run's sequence length (a strategy applied outside pretrain), a sliding
             # layer's window is its context and a full layer's is taken as 4096.
             mcfg, seq = state.model_cfg, state.seq_len or 4096
             costs = [mcfg.block_flops_per_token(i, seq) for i in range(mcfg.n_layers)]
-            all_stages = split_stages(model, num_stages, costs, head_cost=6.0 * mcfg.d_model * mcfg.vocab_size)
+            all_stages = split_stages(model, num_stages, costs, head_cost=6.0 * mcfg.d_model * mcfg.vocab_size,
+                                      head_loss=head_loss)
         else:
-            all_stages = split_stages(model, num_stages)
+            all_stages = split_stages(model, num_stages, head_loss=head_loss)
         if is_main():
             print("pipeline stages (blocks): " + " | ".join(",".join(s.blocks.keys()) for s in all_stages), flush=True)
         del model
         stages = [all_stages[i] for i in stage_ids_of_rank(pp_rank, cfg.pp, cfg.pp_stages_per_rank)]
         del all_stages  # other ranks' stages (and the full model, once the caller drops it) can go
 
-        base_loss = state.loss_fn
+        last = [s for s in stages if s.stage_index == num_stages - 1]
+        base_loss = state.loss_fn if not head_loss else (last[0].head_loss_fn if last else None)
 
-        def loss_fn(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+        def loss_fn(out_BS: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
             # Every micro-batch holds B/M x S tokens, so the mean over the batch is the sum of
             # the micro-batch means / M: scale here and keep torch from rescaling the gradients.
-            return base_loss(logits_BSV, labels_BS) / n_micro
+            # (Only the rank holding the last stage calls it.)
+            return base_loss(out_BS, labels_BS) / n_micro
 
         group = state.mesh.group("pp") if cfg.pp > 1 else None
         precision = state.precision

@@ -81,10 +81,10 @@ class PipelineStep:
                 return torch.stack([l.detach().float() for l in losses]).sum()
         else:
             # Forward-only: the schedule has no loss_fn, so it runs no backward on any torch
-            # version; the last stage gets the merged logits back.
-            logits_BSV = schedule.step(*args)
+            # version; the last stage gets its merged outputs (logits, or normed hidden) back.
+            out_BS = schedule.step(*args)
             if self.holds_last:
-                return self.loss_fn(logits_BSV, labels_BS).detach().float() * self.n_microbatches
+                return self.loss_fn(out_BS, labels_BS).detach().float() * self.n_microbatches
         return torch.zeros((), device=self.device)
 
     def _run_local(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
@@ -128,7 +128,8 @@ def make_schedule(stages: list[PipelineStageModule], num_stages: int, n_micro: i
     """PipelineStage objects with static shapes (meta tensors) and torch's schedule over them.
 
     The residual stream crosses stages in ``hidden_dtype`` (PrecisionPolicy.boundary_dtype),
-    logits leave the last stage in ``logits_dtype``.
+    logits leave the last stage in ``logits_dtype`` (with head_loss, the normed hidden leaves it
+    in ``hidden_dtype``: RMSNorm keeps its input's dtype).
     """
     from torch.distributed import pipelining
 
@@ -138,7 +139,7 @@ def make_schedule(stages: list[PipelineStageModule], num_stages: int, n_micro: i
             x = torch.empty(micro_batch, seq, dtype=torch.long, device="meta")
         else:
             x = torch.empty(micro_batch, seq, d_model, dtype=hidden_dtype, device="meta", requires_grad=train)
-        if s.lm_head is not None:
+        if s.lm_head is not None and not s.head_loss:
             y = torch.empty(micro_batch, seq, s.lm_head.weight.shape[0], dtype=logits_dtype, device="meta",
                             requires_grad=train)
         else:

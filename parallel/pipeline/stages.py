@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from moetron.core.config import ConfigError
 
@@ -26,14 +27,15 @@ class PipelineStageModule(nn.Module):
     """One pipeline stage: optional ``embed``, ``blocks`` (ModuleDict, original keys), optional
     ``norm`` and ``lm_head`` (absent parts are None and own no parameters).
 
-    forward: token ids [B, S] (first stage) or hidden [B, S, D] -> hidden [B, S, D], or logits
-    [B, S, V] on the last stage.
+    forward: token ids [B, S] (first stage) or hidden [B, S, D] -> hidden [B, S, D], or on the
+    last stage logits [B, S, V]; with ``head_loss`` the last stage stops at the final norm
+    (hidden [B, S, D]) and the schedule's loss is ``lm_head(hidden, labels)`` (head_loss_fn).
     """
 
     def __init__(self, stage_index: int, num_stages: int, embed: nn.Module | None, blocks: dict[str, nn.Module],
-                 norm: nn.Module | None, lm_head: nn.Module | None):
+                 norm: nn.Module | None, lm_head: nn.Module | None, head_loss: bool = False):
         super().__init__()
-        self.stage_index, self.num_stages = stage_index, num_stages
+        self.stage_index, self.num_stages, self.head_loss = stage_index, num_stages, head_loss
         self.embed = embed
         self.blocks = nn.ModuleDict(blocks)
         self.norm = norm
@@ -45,9 +47,25 @@ class PipelineStageModule(nn.Module):
             h_BSD = block(h_BSD)
         if self.norm is not None:
             h_BSD = self.norm(h_BSD)
-        if self.lm_head is not None:
-            h_BSD = self.lm_head(h_BSD)
+        if self.lm_head is not None and not self.head_loss:
+            return self.lm_head(h_BSD)
         return h_BSD
+
+    def head_loss_fn(self, h_BSD: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss from its output (head_loss): the LM head's mean loss over the
+        labels, run as a module call (its hooks fire, as they would inside forward).
+
+        Under FSDP2 the stage (the root unit, holding the head) has resharded after its forward:
+        the head's parameters are gathered again here (the gather the backward would have made
+        anyway) and stay so through the backward, whose post-backward reduces their gradients and
+        reshards; without grad (evaluation) they are resharded right after."""
+        fsdp = isinstance(self, FSDPModule)
+        if fsdp:
+            self.unshard()
+        loss = self.lm_head(h_BSD, labels_BS)
+        if fsdp and not (torch.is_grad_enabled() and loss.requires_grad):
+            self.reshard()
+        return loss
 
 
 def balanced_split(block_costs: list[float], num_stages: int, last_extra: float = 0.0) -> list[int]:
@@ -89,12 +107,13 @@ def balanced_split(block_costs: list[float], num_stages: int, last_extra: float 
 
 
 def split_stages(model: nn.Module, num_stages: int, block_costs: list[float] | None = None,
-                 head_cost: float = 0.0) -> list[PipelineStageModule]:
+                 head_cost: float = 0.0, head_loss: bool = False) -> list[PipelineStageModule]:
     """Cut ``model`` into ``num_stages`` stages of consecutive blocks; the first stage also holds
     ``embed``, the last ``norm`` and ``lm_head``. Without ``block_costs`` the stages get equal block
     counts (earlier stages take the remainder); with them (one per block, e.g. FLOPs per token) the
     cut minimizes the largest stage cost, the last stage counting ``head_cost`` too. The stages
-    share the model's modules (nothing is copied)."""
+    share the model's modules (nothing is copied). ``head_loss``: the last stage returns the normed
+    hidden and its LM head computes the loss (PipelineStageModule.head_loss_fn)."""
     require_parts(model, "pipeline parallelism", ("embed", "blocks", "norm", "lm_head"))
     keys = list(model.blocks.keys())
     if not 1 <= num_stages <= len(keys):
@@ -119,6 +138,7 @@ def split_stages(model: nn.Module, num_stages: int, block_costs: list[float] | N
             {k: model.blocks[k] for k in keys[start:end]},
             model.norm if last else None,
             model.lm_head if last else None,
+            head_loss=head_loss,
         ))
         start = end
     return stages

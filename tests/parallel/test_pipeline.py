@@ -129,15 +129,25 @@ def _train(state: ParallelState):
     return opt, losses, aux0, gnorm0
 
 
-def _assert_matches(parts, ref_model, what: str) -> int:
+def _assert_matches(parts, ref_model, what: str, rtol: float = RTOL, atol: float = ATOL) -> int:
     ref = dict(ref_model.named_parameters())
     n = 0
     for part in parts:
         for name, p in part.named_parameters():
-            torch.testing.assert_close(p.detach(), ref[name].detach(), rtol=RTOL, atol=ATOL,
+            torch.testing.assert_close(p.detach(), ref[name].detach(), rtol=rtol, atol=atol,
                                        msg=lambda m, name=name: f"{what}: {name}: {m}")
             n += 1
     return n
+
+
+def _eval_losses(state: ParallelState, ref_model) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the pipeline's forward-only loss of the first batch, the plain model's), in eval mode."""
+    for part in state.model_parts:
+        part.eval()
+    ref_model.eval()
+    with torch.no_grad():
+        batch = _batches()[0]
+        return state.eval_fn(batch), cross_entropy_loss(ref_model(batch[:, :-1]), batch[:, 1:])
 
 
 def _check_pp2(rank: int, world_size: int, schedule: str, stages_per_rank: int, n_micro: int, tmp: str | None):
@@ -159,13 +169,7 @@ def _check_pp2(rank: int, world_size: int, schedule: str, stages_per_rank: int, 
     assert sum(counts) == len(list(ref_model.parameters()))  # every parameter lives on exactly one rank
 
     # eval: forward-only loss through the pipeline equals the plain model's.
-    for part in state.model_parts:
-        part.eval()
-    ref_model.eval()
-    with torch.no_grad():
-        batch = _batches()[0]
-        loss = state.eval_fn(batch)
-        ref = cross_entropy_loss(ref_model(batch[:, :-1]), batch[:, 1:])
+    loss, ref = _eval_losses(state, ref_model)
     torch.testing.assert_close(loss, ref, rtol=RTOL, atol=ATOL)
 
     if tmp is None:

@@ -1,0 +1,196 @@
+"""The LM head's loss: next-token cross entropy over the vocabulary, either from full logits
+(``cross_entropy``, the reference) or fused with the head's GEMM and chunked over tokens
+(``linear_cross_entropy``), so that no [T, V] tensor larger than one chunk of tokens ever exists.
+
+The fused loss computes, per chunk of C tokens, the logits in the compute dtype (bf16 under
+autocast), logsumexp and softmax in fp32 (or wider), and, when gradients are wanted, the gradients
+right there in the forward: dlogits = (softmax - onehot) / N, grad_h = dlogits @ W,
+grad_W += dlogits^T @ h (accumulated in fp32). Only grad_h [T, D] and grad_W [V, D] are kept for
+the backward, which scales them by the incoming gradient. The plain path instead holds, at the
+start of the backward, the logits, their fp32 copy and the fp32 log-softmax: 10 bytes x T x V.
+
+Legend: T tokens (leading dims flattened), D model dim, V vocab, C tokens of one chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ConfigError
+from ..precision.gemm import compute_dtype
+from .linear import Linear
+
+__all__ = ["DEFAULT_CHUNK_BYTES", "LMHead", "cross_entropy", "default_chunk_tokens", "linear_cross_entropy"]
+
+DEFAULT_CHUNK_BYTES = 1 << 30
+"""Default size of one chunk's fp32 logits (1 GiB): 2560 tokens at V = 100352, 65536 at V = 4096.
+A chunk's transient buffers are about 1.5x this (its compute-dtype logits, the fp32 copy turned into
+dlogits in place, dlogits in the compute dtype); larger chunks make fewer, larger GEMMs and fewer
+read-modify-writes of the fp32 grad_W accumulator."""
+
+
+def default_chunk_tokens(vocab_size: int) -> int:
+    """Tokens per chunk whose fp32 logits take about DEFAULT_CHUNK_BYTES, rounded down to a
+    multiple of 256 (GEMM-friendly), at least 256."""
+    tokens = DEFAULT_CHUNK_BYTES // (4 * vocab_size)
+    return max(256, tokens // 256 * 256)
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Mean next-token cross entropy of logits [..., V] against labels [...], in fp32 (or wider),
+    over the tokens whose label is not ignore_index. The reference for linear_cross_entropy."""
+    logits_TV = logits.flatten(0, -2)
+    return F.cross_entropy(logits_TV.to(torch.promote_types(logits_TV.dtype, torch.float32)), labels.flatten(),
+                           ignore_index=ignore_index)
+
+
+def linear_cross_entropy(h: torch.Tensor, weight_VD: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100,
+                         z_loss_weight: float = 0.0, chunk_tokens: int | None = None,
+                         return_z_loss: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Mean cross entropy of the logits h @ weight^T without materialising them.
+
+    ``h`` [..., D] (the final-normed hidden), ``weight_VD`` [V, D] (the LM head's; an fp32 master
+    weight under bf16 autocast is cast once per call), ``labels`` [...] (h's leading shape).
+    Returns the mean over the tokens whose label is not ``ignore_index`` (counted over the whole
+    call, as F.cross_entropy does; NaN if every token is ignored, with zero gradients), plus
+    ``z_loss_weight`` x mean(logsumexp^2) when positive. With ``return_z_loss`` also returns the
+    unweighted mean(logsumexp^2) over those tokens (detached, for logging).
+    ``chunk_tokens``: tokens per chunk (default: default_chunk_tokens(V), about 1 GiB of fp32 logits).
+    The GEMMs run in the compute dtype (autocast's, else h's) whatever the GEMM backend; softmax
+    and the loss in fp32 (or wider). Differentiable in h and weight.
+    """
+    if chunk_tokens is None:
+        chunk_tokens = default_chunk_tokens(weight_VD.shape[0])
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens <= 0:
+        raise ConfigError(f"linear_cross_entropy: chunk_tokens must be a positive int (tokens per chunk), got "
+                          f"{chunk_tokens!r}: pass e.g. 2048, or None for the default (model.loss_chunk_tokens)")
+    if labels.shape != h.shape[:-1] or weight_VD.dim() != 2 or weight_VD.shape[1] != h.shape[-1]:
+        raise ValueError(f"linear_cross_entropy: labels {tuple(labels.shape)} must be h's leading shape "
+                         f"{tuple(h.shape[:-1])} (h {tuple(h.shape)}), and weight [V, D={h.shape[-1]}], got "
+                         f"{tuple(weight_VD.shape)}: pass the labels of the same [B, S] tokens as h")
+    dtype = compute_dtype(h)
+    h_TD, labels_T = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
+    args = (h_TD, weight_VD, labels_T, ignore_index, float(z_loss_weight), chunk_tokens, dtype)
+    if torch.is_grad_enabled() and (h.requires_grad or weight_VD.requires_grad):
+        loss, z = _LinearCrossEntropy.apply(*args)
+    else:
+        with torch.no_grad():
+            loss, z, _, _ = _chunked(*args, grad_h=False, grad_w=False)
+    return (loss, z) if return_z_loss else loss
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """forward(h_TD, w_VD, labels_T, ...) -> (loss, z); the gradients are computed in the forward
+    (see _chunked) and only scaled in the backward."""
+
+    @staticmethod
+    def forward(ctx, h_TD, w_VD, labels_T, ignore_index, z_loss_weight, chunk_tokens, dtype):
+        loss, z, grad_h_TD, grad_w_VD = _chunked(h_TD, w_VD, labels_T, ignore_index, z_loss_weight, chunk_tokens,
+                                                 dtype, grad_h=ctx.needs_input_grad[0],
+                                                 grad_w=ctx.needs_input_grad[1])
+        ctx.save_for_backward(grad_h_TD, grad_w_VD)
+        ctx.mark_non_differentiable(z)
+        return loss, z
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_z):
+        grad_h_TD, grad_w_VD = ctx.saved_tensors
+        grad_h = grad_h_TD * grad_loss.to(grad_h_TD.dtype) if ctx.needs_input_grad[0] else None
+        grad_w = grad_w_VD * grad_loss.to(grad_w_VD.dtype) if ctx.needs_input_grad[1] else None
+        return grad_h, grad_w, None, None, None, None, None
+
+
+def _chunked(h_TD: torch.Tensor, w_VD: torch.Tensor, labels_T: torch.Tensor, ignore_index: int,
+             z_loss_weight: float, chunk_tokens: int, dtype: torch.dtype, grad_h: bool, grad_w: bool):
+    """(loss, z, grad_h_TD or None, grad_w_VD or None) of the mean loss, chunk by chunk; no host sync."""
+    with torch.autocast(h_TD.device.type, enabled=False):  # explicit dtypes below
+        acc = torch.promote_types(dtype, torch.float32)
+        w_cast = w_VD.detach().to(dtype)  # once per call (an fp32 master weight -> bf16)
+        h_cast = h_TD.detach().to(dtype)
+        valid_T = labels_T != ignore_index
+        n_valid = valid_T.sum().to(acc)
+        inv_n = 1.0 / n_valid.clamp(min=1)  # all ignored: NaN loss (0 / 0), zero gradients
+        loss_sum = torch.zeros((), dtype=acc, device=h_TD.device)
+        z_sum = torch.zeros((), dtype=acc, device=h_TD.device)
+        out_h = torch.empty_like(h_TD, memory_format=torch.contiguous_format) if grad_h else None
+        out_w = torch.zeros(w_VD.shape, dtype=acc, device=w_VD.device) if grad_w else None
+        for start in range(0, h_TD.shape[0], chunk_tokens):
+            end = min(start + chunk_tokens, h_TD.shape[0])
+            h_CD, valid_C = h_cast[start:end], valid_T[start:end]
+            target_C = torch.where(valid_C, labels_T[start:end], 0)[:, None]
+            logits_CV = (h_CD @ w_cast.t()).to(acc)  # the compute-dtype logits die here
+            target_logit_C = logits_CV.gather(1, target_C)[:, 0]
+            # In place from here: logits -> exp(logits - max) -> dlogits (no second [C, V] fp32 buffer).
+            max_C = logits_CV.amax(dim=1)
+            logits_CV.sub_(max_C[:, None]).exp_()
+            sum_exp_C = logits_CV.sum(dim=1)
+            lse_C = max_C + sum_exp_C.log()
+            mask_C = valid_C.to(acc)
+            loss_sum += ((lse_C - target_logit_C) * mask_C).sum()
+            z_sum += (lse_C.square() * mask_C).sum()
+            if not (grad_h or grad_w):
+                continue
+            # d(mean CE)/dlogits = (softmax - onehot) / N; z-loss adds 2 w lse softmax / N.
+            coef_C = mask_C * inv_n
+            row_C = coef_C * (1.0 + 2.0 * z_loss_weight * lse_C) if z_loss_weight > 0 else coef_C
+            logits_CV.mul_((row_C / sum_exp_C)[:, None])
+            logits_CV.scatter_add_(1, target_C, -coef_C[:, None])
+            dlogits_CV = logits_CV.to(dtype)
+            del logits_CV
+            if grad_h:
+                out_h[start:end] = dlogits_CV @ w_cast
+            if grad_w:
+                _accumulate_wgrad(out_w, dlogits_CV, h_CD)
+        loss = loss_sum / n_valid
+        z = (z_sum / n_valid).detach()
+        if z_loss_weight > 0:
+            loss = loss + z_loss_weight * z
+        return loss, z, out_h, (out_w.to(w_VD.dtype) if grad_w else None)
+
+
+# Per device type: whether addmm with an fp32 output from bf16/fp16 operands exists (CUDA: yes;
+# the CPU has no kernel for it). Learned on first use from the dispatcher's error, which is raised
+# before anything is written.
+_FP32_OUT_ADDMM: dict[str, bool] = {}
+
+
+def _accumulate_wgrad(grad_VD: torch.Tensor, dlogits_CV: torch.Tensor, h_CD: torch.Tensor) -> None:
+    """grad_VD += dlogits^T @ h, the sum kept in grad's (fp32) dtype: one GEMM with an fp32
+    epilogue where the device has it, else a compute-dtype product added in."""
+    kind = grad_VD.device.type
+    if grad_VD.dtype != dlogits_CV.dtype and _FP32_OUT_ADDMM.get(kind, True):
+        try:
+            torch.addmm(grad_VD, dlogits_CV.t(), h_CD, out_dtype=grad_VD.dtype, out=grad_VD)
+            _FP32_OUT_ADDMM[kind] = True
+            return
+        except (RuntimeError, NotImplementedError, TypeError):
+            _FP32_OUT_ADDMM[kind] = False
+    grad_VD.add_(dlogits_CV.t() @ h_CD)
+
+
+class LMHead(Linear):
+    """The untied LM head: a Linear [V, D] (same ``weight`` name and init) whose forward gives the
+    logits, or, given labels, the mean next-token loss.
+
+    forward(h [..., D]) -> logits [..., V] through the GEMM backend;
+    forward(h [..., D], labels [...]) -> mean cross entropy over labels != -100: fused and chunked
+    (linear_cross_entropy, never materialising the logits) when ``fused``, else the logits then
+    cross_entropy (the reference). ``chunk_tokens``: the fused loss' tokens per chunk (None: ~1 GiB
+    of fp32 logits).
+    """
+
+    def __init__(self, in_features: int, out_features: int, device: torch.device | None = None, fused: bool = True,
+                 chunk_tokens: int | None = None):
+        super().__init__(in_features, out_features, device)
+        self.fused, self.chunk_tokens = fused, chunk_tokens
+
+    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if labels is None:
+            return super().forward(h)
+        if self.fused:
+            return linear_cross_entropy(h, self.weight, labels, chunk_tokens=self.chunk_tokens)
+        return cross_entropy(super().forward(h), labels)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, fused_loss={self.fused}, chunk_tokens={self.chunk_tokens}"
