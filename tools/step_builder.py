@@ -73,10 +73,11 @@ def token_stream(model_cfg: ModelConfig, batch: int, seq_len: int, device: torch
 
 def build_trainer(model_cfg: ModelConfig, memory: MemoryConfig, data: TokenStream, device: torch.device, *,
                   seq_len: int, precision: str = "auto", compile: bool = False,
-                  micro_batch: int | None = None) -> Trainer:
+                  micro_batch: int | None = None, optimizer: OptimizerConfig | None = None) -> Trainer:
     """The Trainer of tools/bench_train.py: the model built on ``device`` (seed 0), the precision
     recipe and memory config applied, each block compiled if ``compile``, AdamW with a constant
-    learning rate; ``trainer.train_step(data.next_batch())`` runs one step."""
+    learning rate (``optimizer``: its settings, default OptimizerConfig()); ``trainer.train_step(data.next_batch())``
+    runs one step."""
     torch.manual_seed(0)
     model = model_cfg.build(device=device)
     recipe = PrecisionConfig(recipe=precision).build(device)
@@ -85,7 +86,7 @@ def build_trainer(model_cfg: ModelConfig, memory: MemoryConfig, data: TokenStrea
     if compile:
         for block in model.blocks.values():
             block.compile()
-    optimizer = OptimizerConfig().build(model)
+    optimizer = (optimizer or OptimizerConfig()).build(model)
     scheduler = SchedulerConfig(warmup_steps=0).build(optimizer, 10_000)
     tcfg = TrainerConfig(steps=10_000, micro_batch_size=micro_batch, run_dir="")
     return Trainer(tcfg, model, cross_entropy_loss, optimizer, scheduler, data,

@@ -57,10 +57,24 @@ def _auto_grouped_mm(gemm: GemmBackend, x_RI, w_EOI, offsets_E):
     return (_fused_grouped_mm if x_RI.is_cuda else loop_grouped_mm)(gemm, x_RI, w_EOI, offsets_E)
 
 
+def _loop_swiglu_down(gemm: GemmBackend, h_R2F, w_EDF, offsets_E, act):
+    gate_RF, up_RF = h_R2F.chunk(2, dim=-1)
+    return loop_grouped_mm(gemm, act(gate_RF, up_RF), w_EDF, offsets_E)
+
+
+def _fused_swiglu_down(gemm: GemmBackend, h_R2F, w_EDF, offsets_E, act):
+    return gemm.grouped_swiglu_down(h_R2F, w_EDF, offsets_E, act)
+
+
+def _auto_swiglu_down(gemm: GemmBackend, h_R2F, w_EDF, offsets_E, act):
+    return (_fused_swiglu_down if h_R2F.is_cuda else _loop_swiglu_down)(gemm, h_R2F, w_EDF, offsets_E, act)
+
+
+# Per backend: (the gate/up grouped GEMM, the activation + down grouped GEMM).
 _GROUPED_MM = {
-    ExpertsBackend.grouped_mm: _fused_grouped_mm,
-    ExpertsBackend.loop: loop_grouped_mm,
-    ExpertsBackend.auto: _auto_grouped_mm,
+    ExpertsBackend.grouped_mm: (_fused_grouped_mm, _fused_swiglu_down),
+    ExpertsBackend.loop: (loop_grouped_mm, _loop_swiglu_down),
+    ExpertsBackend.auto: (_auto_grouped_mm, _auto_swiglu_down),
 }
 
 
@@ -74,7 +88,7 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.num_experts, self.d_model, self.hidden = num_experts, d_model, hidden
         self.backend = ExpertsBackend(backend)
-        self._grouped_mm = _GROUPED_MM[self.backend]
+        self._grouped_mm, self._swiglu_down = _GROUPED_MM[self.backend]
         self.gemm: GemmBackend = DEFAULT_GEMM
         self.act = swiglu  # recompute may swap in a checkpointed twin (core/memory.py)
         # Under expert parallelism an expert's gradient sums the tokens of every data-parallel
@@ -95,5 +109,5 @@ class GroupedExperts(nn.Module):
         w_gate_up_E2FD = _local(self.w_gate_up, self.grad_scale)
         w_down_EDF = _local(self.w_down, self.grad_scale)
         h_R2F = self._grouped_mm(self.gemm, x_RD, w_gate_up_E2FD, offsets_L)
-        gate_RF, up_RF = h_R2F.chunk(2, dim=-1)
-        return self._grouped_mm(self.gemm, self.act(gate_RF, up_RF), w_down_EDF, offsets_L)
+        # The activation goes into the down projection's call: a backend may fuse the two.
+        return self._swiglu_down(self.gemm, h_R2F, w_down_EDF, offsets_L, self.act)

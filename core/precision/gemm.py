@@ -17,12 +17,13 @@ E groups (local experts).
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from ..registry import Registry
+from . import bf16_grouped
 
 __all__ = ["GEMM_BACKENDS", "GemmBackend", "TorchGemm", "compute_dtype", "gemm_backend", "register_gemm_backend"]
 
@@ -54,14 +55,24 @@ class GemmBackend:
     def grouped_mm(self, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def grouped_swiglu_down(self, h_R2F: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor,
+                            act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The SwiGLU experts' down projection: ``act(gate, up)`` on h_R2F [R, 2F] (gate columns,
+        then up), then ``grouped_mm`` with w_EDF [E, D, F] -> [R, D]. A backend may fuse the two
+        (saving less for backward); this default composes them."""
+        gate_RF, up_RF = h_R2F.chunk(2, dim=-1)
+        return self.grouped_mm(act(gate_RF, up_RF), w_EDF, offsets_E)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
 
 class TorchGemm(GemmBackend):
     """PyTorch's own GEMMs in the compute dtype: bf16 under autocast with fp32 master weights, or
-    fp32 without it. Dense: F.linear (autocast casts). Grouped: torch._grouped_mm on both
-    operands cast to the compute dtype (it takes no autocast itself)."""
+    fp32 without it. Dense: F.linear (autocast casts). Grouped: torch._grouped_mm in the compute
+    dtype (it takes no autocast itself) through core.precision.bf16_grouped's ops, which cast the
+    master weight inside and save it rather than a copy, and fuse the SwiGLU into the down
+    projection."""
 
     name = "torch"
 
@@ -69,8 +80,16 @@ class TorchGemm(GemmBackend):
         return F.linear(x, w)
 
     def grouped_mm(self, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-        dtype = compute_dtype(x_RI)
-        return torch._grouped_mm(x_RI.to(dtype), w_EOI.to(dtype).transpose(-2, -1), offs=offsets_E.to(torch.int32))
+        return bf16_grouped.grouped_mm(x_RI, w_EOI, offsets_E, compute_dtype(x_RI))
+
+    def grouped_swiglu_down(self, h_R2F, w_EDF, offsets_E, act):
+        # The fused op recomputes the product in backward; it knows only the plain SwiGLU (a
+        # recompute twin of it computes the same, so it fuses too).
+        from ..layers.mlp import swiglu  # (layers import this module)
+
+        if getattr(act, "__wrapped__", act) is not swiglu:
+            return super().grouped_swiglu_down(h_R2F, w_EDF, offsets_E, act)
+        return bf16_grouped.grouped_swiglu_down(h_R2F, w_EDF, offsets_E, compute_dtype(h_R2F))
 
 
 GEMM_BACKENDS: Registry[type[GemmBackend]] = Registry("GEMM backend")

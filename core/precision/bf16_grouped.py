@@ -1,0 +1,156 @@
+"""The bf16 grouped expert GEMMs on fp32 master weights, as opaque ops that save less for backward.
+
+Two things the plain ``torch._grouped_mm(x.to(bf16), w.to(bf16).transpose(-2, -1))`` keeps alive
+from forward to backward, measured on one H200 with torch.compile (tools/bench_memory.py, OLMoE
+shape): the bf16 copy of every expert weight (48 KiB per token per layer; 6 GiB on OLMoE-8L at
+16k tokens: the compile partitioner saves the 2-byte copy rather than the 4-byte parameter), and
+the SwiGLU product silu(gate) * up that feeds the down projection (16 KiB per token per layer).
+
+``grouped_mm`` casts the weight inside the op and saves the fp32 parameter itself (no extra
+memory: the optimizer holds it), casting again in backward (one more read of the weights per
+step). ``grouped_swiglu_down`` is the down projection of the SwiGLU experts with the activation
+inside: it saves the gate/up GEMM output (which the activation's backward needs anyway) and
+recomputes the product in backward (it fuses only the plain SwiGLU, silu(gate) * up, whose
+backward it writes out op for op as autograd runs it). Both are ``torch.library.custom_op``s with fake
+implementations, so torch.compile traces them without graph breaks and its partitioner cannot
+re-decide what they save; their backward ops are opaque too. Numerics: the same bf16 GEMMs and the
+same elementwise ops (the activation's backward is autograd's, op for op, on the recomputed product), so
+results equal the plain composition bit for bit (tests/core/test_bf16_grouped.py).
+
+Legend: R expert-sorted rows, I / O a GEMM's input (reduction) / output dims, E groups (local
+experts), F expert hidden, D model dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["grouped_mm", "grouped_swiglu_down"]
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _gmm(x_RI: Tensor, w_EOI: Tensor, offsets_E: Tensor) -> Tensor:
+    return torch._grouped_mm(x_RI, w_EOI.transpose(-2, -1), offs=offsets_E)
+
+
+def _grads(grad_RO: Tensor, x_RI: Tensor, w_EOI: Tensor, offsets_E: Tensor, dtype: torch.dtype,
+           need_x: bool, need_w: bool) -> tuple[Tensor | None, Tensor | None]:
+    """dgrad [R, I] = grad @ w[e] per group; wgrad [E, O, I] = grad^T @ x per group (in w's dtype)."""
+    grad_RO = grad_RO.to(dtype)
+    grad_x = torch._grouped_mm(grad_RO, w_EOI.to(dtype), offs=offsets_E) if need_x else None
+    grad_w = torch._grouped_mm(grad_RO.t(), x_RI.to(dtype), offs=offsets_E).to(w_EOI.dtype) if need_w else None
+    return grad_x, grad_w
+
+
+# ---- grouped_mm ------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("moetron::grouped_mm", mutates_args=())
+def _grouped_mm_op(x: Tensor, w: Tensor, offsets: Tensor, dtype: str) -> Tensor:
+    dt = _DTYPES[dtype]
+    return _gmm(x.to(dt), w.to(dt), offsets)
+
+
+@_grouped_mm_op.register_fake
+def _(x, w, offsets, dtype):
+    return x.new_empty(x.shape[0], w.shape[1], dtype=_DTYPES[dtype])
+
+
+@torch.library.custom_op("moetron::grouped_mm_backward", mutates_args=())
+def _grouped_mm_backward_op(grad: Tensor, x: Tensor, w: Tensor, offsets: Tensor, dtype: str) -> tuple[Tensor, Tensor]:
+    grad_x, grad_w = _grads(grad, x, w, offsets, _DTYPES[dtype], True, True)
+    return grad_x.to(x.dtype), grad_w
+
+
+@_grouped_mm_backward_op.register_fake
+def _(grad, x, w, offsets, dtype):
+    return torch.empty_like(x), torch.empty_like(w)
+
+
+def _grouped_mm_setup(ctx, inputs, output):
+    x, w, offsets, dtype = inputs
+    ctx.save_for_backward(x, w, offsets)
+    ctx.dtype = dtype
+
+
+def _grouped_mm_backward(ctx, grad):
+    x, w, offsets = ctx.saved_tensors
+    grad_x, grad_w = _grouped_mm_backward_op(grad, x, w, offsets, ctx.dtype)
+    return grad_x, grad_w, None, None
+
+
+_grouped_mm_op.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def grouped_mm(x_RI: Tensor, w_EOI: Tensor, offsets_E: Tensor, dtype: torch.dtype) -> Tensor:
+    """x_RI [R, I] (rows of group e in [offsets_E[e-1], offsets_E[e]), inclusive cumsum int32) times
+    w_EOI[e]^T ([E, O, I], any float dtype, e.g. the fp32 master weight) -> [R, O] in ``dtype``, the
+    GEMM run in ``dtype``. Differentiable in x and w (w's gradient in w's dtype); saves x and w
+    themselves, never a cast copy. Rows past offsets_E[-1] are unspecified."""
+    return _grouped_mm_op(x_RI.to(dtype), w_EOI, offsets_E.to(torch.int32), _dtype_name(dtype))
+
+
+# ---- grouped_swiglu_down -----------------------------------------------------------------------
+
+
+def _swiglu(h_R2F: Tensor) -> Tensor:
+    from ..layers.mlp import swiglu
+
+    gate_RF, up_RF = h_R2F.chunk(2, dim=-1)
+    return swiglu(gate_RF, up_RF)
+
+
+@torch.library.custom_op("moetron::grouped_swiglu_down", mutates_args=())
+def _swiglu_down_op(h: Tensor, w: Tensor, offsets: Tensor, dtype: str) -> Tensor:
+    dt = _DTYPES[dtype]
+    return _gmm(_swiglu(h.to(dt)), w.to(dt), offsets)
+
+
+@_swiglu_down_op.register_fake
+def _(h, w, offsets, dtype):
+    return h.new_empty(h.shape[0], w.shape[1], dtype=_DTYPES[dtype])
+
+
+@torch.library.custom_op("moetron::grouped_swiglu_down_backward", mutates_args=())
+def _swiglu_down_backward_op(grad: Tensor, h: Tensor, w: Tensor, offsets: Tensor, dtype: str) -> tuple[Tensor, Tensor]:
+    dt = _DTYPES[dtype]
+    gate_RF, up_RF = h.to(dt).chunk(2, dim=-1)
+    silu_RF = F.silu(gate_RF)  # the product again, op for op as swiglu() computes it
+    grad_act, grad_w = _grads(grad, silu_RF * up_RF, w, offsets, dt, True, True)
+    # swiglu's backward as autograd runs it (mul, then silu's own backward kernel): same bits.
+    grad_gate = torch.ops.aten.silu_backward(grad_act * up_RF, gate_RF)
+    return torch.cat([grad_gate, grad_act * silu_RF], dim=-1).to(h.dtype), grad_w
+
+
+@_swiglu_down_backward_op.register_fake
+def _(grad, h, w, offsets, dtype):
+    return torch.empty_like(h), torch.empty_like(w)
+
+
+def _swiglu_down_setup(ctx, inputs, output):
+    h, w, offsets, dtype = inputs
+    ctx.save_for_backward(h, w, offsets)
+    ctx.dtype = dtype
+
+
+def _swiglu_down_backward(ctx, grad):
+    h, w, offsets = ctx.saved_tensors
+    grad_h, grad_w = _swiglu_down_backward_op(grad, h, w, offsets, ctx.dtype)
+    return grad_h, grad_w, None, None
+
+
+_swiglu_down_op.register_autograd(_swiglu_down_backward, setup_context=_swiglu_down_setup)
+
+
+def grouped_swiglu_down(h_R2F: Tensor, w_EDF: Tensor, offsets_E: Tensor, dtype: torch.dtype) -> Tensor:
+    """The SwiGLU experts' down projection with the activation inside: h_R2F [R, 2F] (gate columns,
+    then up) -> silu(gate) * up [R, F] -> times w_EDF[e]^T per group -> [R, D] in ``dtype``.
+    Differentiable in h and w; saves h and w, not the [R, F] product (recomputed in backward)."""
+    return _swiglu_down_op(h_R2F.to(dtype), w_EDF, offsets_E.to(torch.int32), _dtype_name(dtype))

@@ -1,0 +1,30 @@
+"""tools/bench_memory.py on the CPU: the breakdown's parts against what they must be (parameter and
+optimizer-state bytes from the model's own counts, the saved activations a recompute must drop),
+and that every variant is measured and written."""
+
+import json
+
+import bench_memory
+from moetron.models import ModelConfig
+
+
+def test_breakdown_against_counts_and_switches(tmp_path, capsys):
+    out = tmp_path / "mem.json"
+    bench_memory.main(["--preset", "tiny-moe", "--model.n_layers=2", "--seq-len", "32", "--batch", "2",
+                       "--steps", "1", "--warmup", "1", "--json", str(out),
+                       "--variant", "base:", "--variant", "full:memory.recompute=full",
+                       "--variant", "bf16:optimizer.state_dtype=bf16"])
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    cfg = ModelConfig.preset("tiny-moe")
+    cfg.apply_overrides(["n_layers=2"])
+    n = cfg.num_params()
+    base = rows["base"]
+    assert base["param_bytes"] == 4 * n  # fp32 master weights
+    assert base["optimizer_state_bytes"] == 8 * n  # two fp32 Adam moments
+    assert rows["bf16"]["optimizer_state_bytes"] == 4 * n
+    # Full recompute keeps only each block's input: far less than every activation.
+    assert 0 < rows["full"]["saved_activation_bytes"] < base["saved_activation_bytes"] / 3
+    layers = base["saved_by_layer"]
+    assert layers["blocks.0"] > 0 and layers["blocks.1"] > 0
+    assert sum(base["saved_by_kind"].values()) == base["saved_activation_bytes"]
+    assert "saved for backward" in capsys.readouterr().out
