@@ -10,6 +10,8 @@ measured on and off side by side.
         --variant sdpa:model.attention.backend=sdpa --variant flex:model.attention.backend=flex
     python tools/bench_train.py --preset olmoe-1b-7b --model.n_layers=8 --batch 4 --compile \
         --variant none:memory.recompute=none --variant full:memory.recompute=full
+    python tools/bench_train.py --preset olmoe-1b-7b --model.n_layers=8 --model.vocab_size=100352 --batch 4 \
+        --variant fused:model.fused_loss=true --variant plain:model.fused_loss=false
 
 Overrides (on the command line and in variants) are --model.*, --memory.* and --optimizer.* fields
 (e.g. --variant fp32:optimizer.state_dtype=fp32 --variant bf16:optimizer.state_dtype=bf16).
@@ -32,7 +34,7 @@ from moetron.core.memory import MemoryConfig
 from moetron.core.optim import OptimizerConfig, SchedulerConfig
 from moetron.core.precision import PrecisionConfig
 from moetron.core.trainer import Trainer, TrainerConfig
-from moetron.models import ModelConfig, cross_entropy_loss
+from moetron.models import ModelConfig
 
 from cli import run_cli, split_variant, write_report  # tools/cli.py
 
@@ -66,7 +68,8 @@ def measure(model_cfg: ModelConfig, memory: MemoryConfig, optim_cfg: OptimizerCo
     scheduler = SchedulerConfig(warmup_steps=0).build(optimizer, 10_000)
     tcfg = TrainerConfig(steps=10_000, micro_batch_size=args.micro_batch, run_dir="")
     data = RandomTokens(model_cfg.vocab_size, args.batch, args.seq_len, device)
-    trainer = Trainer(tcfg, model, cross_entropy_loss, optimizer, scheduler, data,
+    # loss_fn None: the model's own loss from the labels (model.fused_loss picks fused or plain).
+    trainer = Trainer(tcfg, model, None, optimizer, scheduler, data,
                       model_cfg.flops_per_token(args.seq_len), device, precision=precision)
     for _ in range(args.warmup):
         trainer.train_step(data.next_batch())

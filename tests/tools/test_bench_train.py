@@ -38,3 +38,13 @@ def test_optimizer_overrides_are_variants(tmp_path):
     assert [r["overrides"] for r in rows] == [["--optimizer.lr=1e-3"], ["--optimizer.lr=2e-3", "--optimizer.beta2=0.99"]]
     with pytest.raises(ConfigError, match="optimizer.lr"):
         bench_train.main(["--preset", "tiny", "--steps", "1", "--variant", "bad:optimizer.lr=-1"])
+
+
+def test_fused_loss_on_and_off_are_variants(tmp_path):
+    out = tmp_path / "bench.json"
+    bench_train.main(["--preset", "tiny", "--model.n_layers=1", "--seq-len", "16", "--batch", "2", "--steps", "1",
+                      "--warmup", "0", "--json", str(out), "--model.loss_chunk_tokens=7",
+                      "--variant", "fused:model.fused_loss=true", "--variant", "plain:model.fused_loss=false"])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["fused", "plain"]
+    assert all(r["tokens_per_s"] > 0 for r in rows)
