@@ -1,0 +1,252 @@
+#!/usr/bin/env python
+"""Low-precision GEMMs, forward + backward: TFLOP/s of the grouped expert GEMMs and of dense linears
+per precision backend, after a correctness check of the FP8 kernels on this device.
+
+1. Check (exit 1 on a mismatch): the fp8_blockwise backend (Triton grouped GEMM: forward, dgrad,
+   wgrad; dense linear through F.scaled_mm and through the Triton kernel) against a float64 GEMM
+   of the same quantized-then-dequantized operands (1x128 / 128x128 tiles, per expert); each
+   element's error over the sum of its products' magnitudes must be <= 2^-7.
+2. Grouped: both GEMMs of an MoE layer's experts (x [R, D] -> [R, 2F] and [R, F] -> [R, D], R =
+   tokens x top-k rows, uniform routing) at the two layer shapes of tools/bench_moe.py, fwd+bwd
+   (6 x R x I x O FLOPs per GEMM): bf16 torch._grouped_mm (bf16 weights), fp8_blockwise (Triton,
+   fp32 master weights quantized once per step: ``cached``; and requantized every call), mxfp8
+   emulated (labelled so: exact MX operands through bf16 GEMMs).
+3. Dense: [T, I] x [I, O] linears at 16384 x 2048 x 2048 and 16384 x 4096 x 4096, fwd+bwd: bf16
+   F.linear vs fp8_blockwise (F.scaled_mm, and the Triton kernel with one group).
+
+    python tools/bench_gemm_fp8.py --json runs/bench/gemm_fp8.json
+    python tools/bench_gemm_fp8.py --tiny           # tiny shapes; on the CPU under TRITON_INTERPRET=1
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+SHAPES = {  # tools/bench_moe.py's layer shapes: (D, E, K, F)
+    "olmoe": dict(d_model=2048, num_experts=64, top_k=8, hidden=1024),
+    "olmo3-moe-3.2b": dict(d_model=4096, num_experts=64, top_k=4, hidden=4096),
+}
+DENSE = [(16384, 2048, 2048), (16384, 4096, 4096)]
+TINY_SHAPES = {"tiny": dict(d_model=256, num_experts=4, top_k=2, hidden=128)}
+TINY_DENSE = [(256, 256, 128)]
+TOL = 2.0 ** -7
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (runs on the CPU, Triton interpreted)")
+    p.add_argument("--tokens", type=int, default=16384, help="tokens per GPU for the grouped shapes")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--skip-check", action="store_true")
+    p.add_argument("--json", default="", help="write the results here")
+    return p.parse_args(argv)
+
+
+def timed(fn, device, warmup: int, iters: int) -> float:
+    """Median milliseconds of fn()."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+# ---- correctness -------------------------------------------------------------------------------
+def _err(actual, a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((actual.double() - a @ b).abs() / (a.abs() @ b.abs()).clamp_min(1e-300)).max().item()
+
+
+def _qdq_1x128(x, axis):
+    from moetron.core.precision.blockwise import dequantize_1x128, quantize_1x128
+
+    axis = axis % x.dim()
+    n = x.shape[axis]
+    pad = list(x.shape)
+    pad[axis] = -n % 128
+    xp = torch.cat([x, x.new_zeros(pad)], dim=axis)
+    return dequantize_1x128(*quantize_1x128(xp, axis), axis).narrow(axis, 0, n)
+
+
+def _qdq_128x128(w):
+    from moetron.core.precision.blockwise import dequantize_128x128, quantize_128x128
+
+    return dequantize_128x128(*quantize_128x128(w))
+
+
+def check(device, tiny: bool) -> list[dict]:
+    """The fp8_blockwise backend against float64 on the dequantized operands; rows of errors."""
+    from moetron.core.precision.fp8_gemm import Fp8BlockwiseGemm
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    R, I, O, E = (300, 256, 128, 3) if tiny else (4096, 1024, 768, 8)
+    rnd = lambda *s: (torch.randn(*s, generator=g) * torch.logspace(-2, 2, s[-1])[torch.randperm(s[-1], generator=g)])  # noqa: E731
+    rows = []
+    cuts = sorted(torch.randint(0, R - 20, (E - 1,), generator=g).tolist())
+    cuts[0] = cuts[1]  # an empty expert
+    offsets = torch.tensor([*cuts, R - 20])  # 20 rows past the end
+    x, w, dy = rnd(R, I), rnd(E, O, I), rnd(R, O).bfloat16().float()
+    dy[R - 20:] = 0
+    xd, wd = x.to(device).requires_grad_(), w.to(device).requires_grad_()
+    y = Fp8BlockwiseGemm("triton").grouped_mm(xd, wd, offsets.to(device))
+    y.backward(dy.to(device))
+    y, dx, dw = y.float().cpu(), xd.grad.cpu(), wd.grad.cpu()
+    errs = {"fwd": 0.0, "dgrad": 0.0, "wgrad": 0.0}
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        if end > start:
+            xe, dye = x[start:end], dy[start:end]
+            errs["fwd"] = max(errs["fwd"], _err(y[start:end], _qdq_1x128(xe, -1), _qdq_128x128(w[e]).T))
+            errs["dgrad"] = max(errs["dgrad"], _err(dx[start:end], _qdq_1x128(dye, -1), _qdq_128x128(w[e])))
+            errs["wgrad"] = max(errs["wgrad"], _err(dw[e], _qdq_1x128(dye, 0).T, _qdq_1x128(xe, 0)))
+        elif dw[e].abs().max() != 0:
+            errs["wgrad"] = float("inf")
+        start = end
+    rows += [{"check": f"grouped triton {k}", "error": v} for k, v in errs.items()]
+    dense_modes = ["triton"] + (["scaled_mm"] if device.type == "cuda" else [])
+    T = R - 20  # not a whole number of 128 tokens
+    x2, w2, dy2 = rnd(T, I), rnd(O, I), rnd(T, O).bfloat16().float()
+    for mode in dense_modes:
+        xd, wd = x2.to(device).requires_grad_(), w2.to(device).requires_grad_()
+        try:
+            y = Fp8BlockwiseGemm(mode).linear(xd, wd)
+            y.backward(dy2.to(device))
+        except Exception as exc:  # a refused layout is a failed check, reported as such
+            rows.append({"check": f"dense {mode}", "error": float("inf"), "exception": repr(exc)[:300]})
+            continue
+        rows += [
+            {"check": f"dense {mode} fwd", "error": _err(y.float().cpu(), _qdq_1x128(x2, -1), _qdq_128x128(w2).T)},
+            {"check": f"dense {mode} dgrad", "error": _err(xd.grad.cpu(), _qdq_1x128(dy2, -1), _qdq_128x128(w2))},
+            {"check": f"dense {mode} wgrad", "error": _err(wd.grad.cpu(), _qdq_1x128(dy2, 0).T, _qdq_1x128(x2, 0))},
+        ]
+    return rows
+
+
+# ---- speed -------------------------------------------------------------------------------------
+def uniform_offsets(tokens: int, E: int, K: int, device) -> torch.Tensor:
+    g = torch.Generator(device="cpu").manual_seed(1)
+    ids = torch.rand(tokens, E, generator=g).topk(K, dim=-1).indices
+    return torch.cumsum(torch.bincount(ids.flatten(), minlength=E), 0).to(device=device, dtype=torch.int32)
+
+
+def backends(device):
+    from moetron.core.precision import TorchGemm
+    from moetron.core.precision.emulated import EmulatedGemm, MXFormat
+    from moetron.core.precision.fp8_gemm import Fp8BlockwiseGemm
+
+    out = {"bf16": (TorchGemm(), torch.bfloat16)}
+    out["fp8_blockwise"] = (Fp8BlockwiseGemm("triton"), torch.float32)
+    out["mxfp8 emulated"] = (EmulatedGemm(MXFormat()), torch.float32)
+    return out
+
+
+def bench_gemm(gemm, fn_kind, x, w, offsets, dy, device, iters, requantize: bool) -> float:
+    def step():
+        if requantize:
+            gemm.after_optimizer_step()
+        x.grad = w.grad = None
+        y = gemm.grouped_mm(x, w, offsets) if fn_kind == "grouped" else gemm.linear(x, w)
+        y.backward(dy)
+
+    return timed(step, device, warmup=min(3, iters), iters=iters)
+
+
+def grouped_rows(shapes, tokens, device, iters):
+    rows = []
+    for name, s in shapes.items():
+        D, E, K, F = s["d_model"], s["num_experts"], s["top_k"], s["hidden"]
+        offsets = uniform_offsets(tokens, E, K, device)
+        R = tokens * K
+        for label, (gemm, wdtype) in backends(device).items():
+            for requant in ((False, True) if label != "bf16" else (False,)):
+                ms, flops = 0.0, 0
+                for I, O in ((D, 2 * F), (F, D)):
+                    x = torch.randn(R, I, device=device, dtype=torch.bfloat16, requires_grad=True)
+                    w = (torch.randn(E, O, I, device=device) * I ** -0.5).to(wdtype).requires_grad_()
+                    dy = torch.randn(R, O, device=device, dtype=torch.bfloat16)
+                    ms += bench_gemm(gemm, "grouped", x, w, offsets, dy, device, iters, requant)
+                    flops += 6 * R * I * O
+                rows.append({"kind": "grouped", "shape": name, "rows": R, "backend": label,
+                             "weights": "requantized" if requant else "cached", "ms": ms,
+                             "tflops": flops / ms / 1e9})
+    return rows
+
+
+def dense_rows(dense, device, iters):
+    from moetron.core.precision import TorchGemm
+    from moetron.core.precision.fp8_gemm import Fp8BlockwiseGemm
+
+    rows = []
+    modes = {"bf16": (TorchGemm(), torch.bfloat16), "fp8_blockwise triton": (Fp8BlockwiseGemm("triton"), torch.float32)}
+    if device.type == "cuda":
+        modes["fp8_blockwise scaled_mm"] = (Fp8BlockwiseGemm("scaled_mm"), torch.float32)
+    for T, I, O in dense:
+        for label, (gemm, wdtype) in modes.items():
+            x = torch.randn(T, I, device=device, dtype=torch.bfloat16, requires_grad=True)
+            w = (torch.randn(O, I, device=device) * I ** -0.5).to(wdtype).requires_grad_()
+            dy = torch.randn(T, O, device=device, dtype=torch.bfloat16)
+            ms = bench_gemm(gemm, "dense", x, w, None, dy, device, iters, False)
+            rows.append({"kind": "dense", "shape": f"{T}x{I}x{O}", "rows": T, "backend": label,
+                         "weights": "cached", "ms": ms, "tflops": 6 * T * I * O / ms / 1e9})
+    return rows
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    if args.tiny and not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+    elif not torch.cuda.is_available():
+        print("bench_gemm_fp8: needs a GPU (or --tiny, which runs on the CPU)", file=sys.stderr)
+        return 2
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from cli import write_report  # tools/cli.py
+
+    from moetron.core.metrics import run_environment
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    ok = True
+    checks = [] if args.skip_check else check(device, args.tiny)
+    for c in checks:
+        c["ok"] = c["error"] <= TOL
+        ok &= c["ok"]
+        print(f"check {c['check']:<28} error {c['error']:.2e} (tol {TOL:.1e}) {'ok' if c['ok'] else 'MISMATCH'}"
+              + (f"  {c['exception']}" if "exception" in c else ""))
+    shapes, dense = (TINY_SHAPES, TINY_DENSE) if args.tiny else (SHAPES, DENSE)
+    tokens = 64 if args.tiny else args.tokens
+    iters = 1 if args.tiny else args.iters
+    rows = grouped_rows(shapes, tokens, device, iters) + dense_rows(dense, device, iters)
+    base = {(r["kind"], r["shape"]): r["tflops"] for r in rows if r["backend"] == "bf16"}
+    dev = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreted: timings meaningless)"
+    print(f"\n{dev} | torch {torch.__version__} | fwd+bwd | mxfp8 emulated = exact MX operands through bf16 GEMMs")
+    print(f"{'kind':<8} {'shape':<17} {'backend':<24} {'weights':<12} {'ms':>8} {'TFLOP/s':>8} {'x bf16':>7}")
+    for r in rows:
+        r["vs_bf16"] = r["tflops"] / base[(r["kind"], r["shape"])]
+        print(f"{r['kind']:<8} {r['shape']:<17} {r['backend']:<24} {r['weights']:<12} {r['ms']:>8.3f} "
+              f"{r['tflops']:>8.1f} {r['vs_bf16']:>7.2f}")
+    env = run_environment(device, 1, "tools/bench_gemm_fp8.py", sys.argv[1:] if argv is None else argv)
+    write_report(args.json, env, [*({"kind": "check", **c} for c in checks), *rows])
+    if not ok:
+        print("bench_gemm_fp8: the fp8 kernels do not match the reference (see the checks above)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
