@@ -111,6 +111,10 @@ class PrecisionConfig(Config):
         if recipe == PrecisionRecipe.bf16:
             return PrecisionPolicy(device_type, torch.bfloat16, gemm_backend("torch"))
         backend = self.resolved_backend(device_type, verbose=verbose)
+        if recipe == PrecisionRecipe.mxfp8 and backend == PrecisionBackend.native and GemmModule.experts in self.modules:
+            raise ConfigError("precision.recipe=mxfp8 with backend=native: the native MX grouped GEMM for the "
+                              "experts is not built; use --precision.backend=emulated, or "
+                              "--precision.modules=[attention,mlp] (experts then stay bf16)")
         gemm = low_precision_gemm(recipe, backend, self.mx_scale)
         return PrecisionPolicy(device_type, torch.bfloat16, gemm, modules=frozenset(GemmModule(m) for m in self.modules))
 

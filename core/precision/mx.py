@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["E4M3_MAX", "E8M0_BIAS", "E8M0_NAN", "MX_BLOCK", "dequantize_mx", "quantize_mx", "mx_scale_codes"]
+__all__ = ["E4M3_MAX", "E8M0_BIAS", "E8M0_NAN", "MX_BLOCK", "dequantize_mx", "quantize_mx", "mx_scale_codes",
+           "swizzle_mx_scales"]
 
 MX_BLOCK = 32
 E4M3_MAX = 448.0
@@ -112,3 +113,17 @@ def dequantize_mx(data: torch.Tensor, scale: torch.Tensor, block: int = MX_BLOCK
     out_BK = d_BK * _pow2(codes_B1, 1)
     out_BK = torch.where(codes_B1 == E8M0_NAN, torch.nan, out_BK)
     return out_BK.reshape(data.movedim(axis, -1).shape).movedim(-1, axis)
+
+
+def swizzle_mx_scales(scale_MB: torch.Tensor) -> torch.Tensor:
+    """Natural [M, B] scales (M rows, B = K / 32 blocks) -> the 128x4-tile layout Blackwell's MX GEMMs
+    read (cuBLAS's "block scaling factors layout"; torch's SwizzleType.SWIZZLE_32_4_4): rows padded
+    to a multiple of 128 and blocks to a multiple of 4 (with zeros), tiles of 128 rows x 4 blocks
+    stored one after another row-major over the tiles, and inside a tile row r = 32 a + b, block c
+    at byte 16 b + 4 a + c. Returns the flat [ceil(M/128) * 128 * ceil(B/4) * 4] tensor."""
+    M, B = scale_MB.shape
+    Mt, Bt = -(-M // 128), -(-B // 4)
+    padded = scale_MB.new_zeros(Mt * 128, Bt * 4)
+    padded[:M, :B] = scale_MB
+    # (tile row i, a, b, tile col j, c) -> (i, j, b, a, c)
+    return padded.view(Mt, 4, 32, Bt, 4).permute(0, 3, 2, 1, 4).reshape(-1)

@@ -102,3 +102,22 @@ def test_tiny_moe_trains_in_mxfp8_emulated_close_to_fp32(tmp_path, monkeypatch, 
     assert all(np.isfinite(mx))
     assert np.mean(mx[-3:]) < mx[0] - 0.5  # it learns
     assert abs(np.mean(mx[-3:]) - np.mean(fp32[-3:])) < 0.01 * np.mean(fp32[-3:]), (mx, fp32)
+
+
+def test_swizzled_mx_scales_match_torchao_to_blocked():
+    pytest.importorskip("torchao")
+    from torchao.prototype.mx_formats.utils import to_blocked
+
+    from moetron.core.precision.mx import swizzle_mx_scales
+
+    g = torch.Generator().manual_seed(0)
+    for rows, blocks in [(128, 4), (300, 7), (1, 1), (256, 64), (129, 5)]:
+        scale = torch.randint(0, 256, (rows, blocks), dtype=torch.uint8, generator=g)
+        assert torch.equal(swizzle_mx_scales(scale), to_blocked(scale).flatten()), (rows, blocks)
+
+
+def test_native_mx_for_experts_is_refused():
+    c = cfg(recipe="mxfp8", backend="native")
+    c.resolved_backend = lambda *a, **k: "native"  # as on an SM100 GPU
+    with pytest.raises(ConfigError, match="grouped GEMM.*not built.*emulated"):
+        c.build("cuda")
