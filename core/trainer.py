@@ -279,6 +279,7 @@ class Trainer:
                       f"(trainer.on_nonfinite=skip)", flush=True)
         else:
             self.optimizer.step()
+            self.precision.after_optimizer_step()  # backends holding weights quantized per step drop them
         self.optimizer.zero_grad(set_to_none=True)
         # No sync: the flag is read at the next log step or save (stop mode).
         self.first_nonfinite = torch.minimum(self.first_nonfinite, torch.where(bad, self.step + 1, _NO_STEP))

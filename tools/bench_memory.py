@@ -132,21 +132,19 @@ def measure(model_cfg: ModelConfig, memory: MemoryConfig, optimizer: OptimizerCo
     # The measured step: saved tensors recorded; allocated memory when the loss is computed.
     ledger = SavedTensorLedger(model)
     at_loss: list[int] = []
-    loss_fn = trainer.loss_fn
 
-    def loss_and_mark(*a, **k):
-        loss = loss_fn(*a, **k)
+    def mark(*_):
+        # The model's forward returns the loss (its own, fused or not): what is held when backward starts.
         if cuda:
             at_loss.append(torch.cuda.memory_allocated() - base)
-        return loss
 
-    trainer.loss_fn = loss_and_mark
+    handle = model.register_forward_hook(mark)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     with ledger.hooks():
         trainer.train_step(data.next_batch())
-    trainer.loss_fn = loss_fn
+    handle.remove()
     peak = torch.cuda.max_memory_allocated() - base if cuda else None
 
     t0 = time.perf_counter()

@@ -19,7 +19,7 @@ from moetron.core.optim import OptimizerConfig, SchedulerConfig
 from moetron.core.precision import PrecisionConfig
 from moetron.core.trainer import Trainer, TrainerConfig
 from moetron.data.loader import DataConfig
-from moetron.models import ModelConfig, cross_entropy_loss
+from moetron.models import ModelConfig
 
 from bench_train import RandomTokens  # tools/bench_train.py
 
@@ -89,5 +89,5 @@ def build_trainer(model_cfg: ModelConfig, memory: MemoryConfig, data: TokenStrea
     optimizer = (optimizer or OptimizerConfig()).build(model)
     scheduler = SchedulerConfig(warmup_steps=0).build(optimizer, 10_000)
     tcfg = TrainerConfig(steps=10_000, micro_batch_size=micro_batch, run_dir="")
-    return Trainer(tcfg, model, cross_entropy_loss, optimizer, scheduler, data,
+    return Trainer(tcfg, model, None, optimizer, scheduler, data,
                    model_cfg.flops_per_token(seq_len), device, precision=recipe)
