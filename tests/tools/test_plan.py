@@ -69,3 +69,142 @@ def test_cli_writes_json(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["rows"][0]["recompute"] == "full" and data["rows"][0]["fits"]
     assert "tightest resource" in capsys.readouterr().out
+
+
+# ---- this session's switches: each term from its definition --------------------------------------
+
+def _olmoe8(**kw):
+    model = ModelConfig.preset("olmoe-1b-7b")
+    model.n_layers, model.vocab_size = 8, 100352
+    for k, v in kw.pop("model", {}).items():
+        setattr(model, k, v)
+    return planner.Plan(model=model, parallel=kw.pop("parallel", ParallelConfig()), memory=MemoryConfig(),
+                        seq_len=4096, global_batch=4, **kw)
+
+
+def test_bf16_state_halves_the_moments():
+    from moetron.core.optim import OptimizerConfig
+
+    n = ModelConfig.tiny_moe().num_params()
+    p = _plan()
+    p.optimizer = OptimizerConfig(state_dtype="bf16")
+    r = planner.plan(p)
+    assert r["stages"][0]["optimizer_gib"] * GiB == 4 * n and r["state_dtype"] == "bf16"
+    assert r["optimizer_s"] > planner.plan(_plan())["optimizer_s"]  # foreach ops move more bytes than fused AdamW
+    p.optimizer = OptimizerConfig(state_dtype="bf16", fused=True)
+    with pytest.raises(ConfigError, match="fused"):
+        planner.plan(p)
+
+
+def test_fsdp_offload_moves_params_grads_state_to_the_host_and_adds_copies():
+    n = ModelConfig.tiny_moe().num_params()
+    on = planner.plan(_plan(num_gpus=2, dp_shard=2, fsdp_offload=True))
+    off = planner.plan(_plan(num_gpus=2, dp_shard=2))
+    s = on["stages"][0]
+    assert s["params_gib"] == s["grads_gib"] == s["optimizer_gib"] == 0
+    assert s["host_gib"] * GiB == pytest.approx(16 * n / 2)
+    assert on["peak_gib"] < off["peak_gib"] and on["step_s"] > off["step_s"] and on["offload_s"] > 0
+    assert on["bytes_per_step"]["offload_host_device"] == pytest.approx(4 * n / 2 * 3)  # 2 gathers + 1 grad copy
+    with pytest.raises(ConfigError, match="fsdp_offload"):
+        planner.plan(_plan(fsdp_offload=True))  # one rank, no FSDP2: pretrain's error
+
+
+def test_loss_terms_fused_vs_plain():
+    T, D, V = 16384, 2048, 100352
+    fused = planner.plan(_olmoe8())["stages"][0]
+    plain = planner.plan(_olmoe8(model={"fused_loss": False}))
+    # fused keeps the final norm's fp32 input, grad_h [T, D] fp32 and grad_W [V, D] fp32
+    assert fused["loss_saved_gib"] * GiB == 4 * T * D + 4 * T * D + 4 * V * D
+    # plain keeps the fp32 log-softmax and the head's bf16 input; its peak is inside its backward
+    s = plain["stages"][0]
+    assert s["loss_saved_gib"] * GiB == 4 * T * D + 2 * T * D + 4 * T * V
+    assert plain["peak_at"].startswith("loss backward") and s["loss_gib"] * GiB == s["loss_saved_gib"] * GiB + 10 * T * V
+    assert plain["peak_gib"] - planner.plan(_olmoe8())["peak_gib"] > 14  # the [T, V] buffers gone
+
+
+def test_bf16_experts_save_no_product_low_precision_saves_fp8_inputs():
+    cfg = ModelConfig.preset("olmoe-1b-7b")
+    K, D, F = 8, 2048, 1024
+    for compiled in (True, False):
+        bf16 = planner.activation_terms(cfg, 0, planner.Switches(compiled=compiled))
+        assert "expert_swiglu" not in bf16
+        low = planner.Switches(compiled=compiled, recipe="mxfp8", backend="emulated",
+                               low_modules=frozenset({"experts", "attention", "mlp"}))
+        terms = planner.activation_terms(cfg, 0, low)
+        assert terms["expert_swiglu"][1] == pytest.approx(K * (0 if compiled else 2 * F) + K * (1 + 1 / 32) * F)
+        assert terms["o_proj_input"][1] == pytest.approx((1 + 1 / 32) * D)
+    # the compiled table reproduces the measured OLMoE block: 96 KiB of rows, 36 of attention, 11 rest - 2 of copies
+    total = sum(b for _, b in planner.activation_terms(cfg, 0, planner.Switches()).values())
+    assert total == pytest.approx((96 + 36 + 9.25) * 1024)
+
+
+def test_precision_recipes_resolve_per_gpu_and_change_the_step():
+    from moetron.core.precision import PrecisionConfig
+
+    bf16 = planner.plan(_olmoe8())
+    emu = planner.plan(_olmoe8(precision=PrecisionConfig(recipe="mxfp8")))  # auto on Hopper: emulated
+    assert emu["precision_backend"] == "emulated" and emu["step_s"] > bf16["step_s"]
+    assert emu["microbatch_parts_s"]["gemm"] == pytest.approx(bf16["microbatch_parts_s"]["gemm"])  # bf16 GEMMs
+    assert emu["stages"][0]["activations_gib"] < bf16["stages"][0]["activations_gib"]
+    fp8 = planner.plan(_olmoe8(precision=PrecisionConfig(recipe="fp8_blockwise")))
+    assert fp8["precision_backend"] == "native" and fp8["microbatch_parts_s"]["gemm"] < bf16["microbatch_parts_s"]["gemm"]
+    with pytest.raises(ConfigError, match="SM100"):
+        planner.plan(_olmoe8(precision=PrecisionConfig(recipe="mxfp8", backend="native")))
+    assert planner.plan(_olmoe8(precision=PrecisionConfig(recipe="mxfp8"), gpu="b300"))["precision_backend"] == "native"
+
+
+def test_cli_reads_pretrains_switch_flags(tmp_path):
+    out = tmp_path / "plan.json"
+    assert planner.main(["--preset", "tiny-moe", "--seq-len", "256", "--global-batch", "8", "--num-gpus", "2",
+                         "--parallel.fsdp_offload=true", "--optimizer.state_dtype=bf16", "--model.fused_loss=false",
+                         "--precision.recipe=fp8_blockwise", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())["rows"][0]
+    assert r["fsdp_offload"] and r["state_dtype"] == "bf16" and not r["fused_loss"] and r["precision"] == "fp8_blockwise"
+    with pytest.raises(ConfigError, match="unrecognized"):
+        planner.main(["--preset", "tiny-moe", "--trainer.steps=3"])
+
+
+# ---- --validate --------------------------------------------------------------------------------
+
+def _bench_files(tmp_path):
+    """A bench_train and a bench_memory report, each with a row planned to within the targets and one far off."""
+    base = ["--preset", "tiny-moe", "--seq-len", "256", "--batch", "8", "--model.n_layers=2"]
+    full = ["--memory.recompute=full"]
+    model = ModelConfig.tiny_moe()
+    model.n_layers = 2
+    plans = {}
+    for name, ovr, compiled in (("none", [], True), ("full", full, True), ("eager", [], False)):
+        p = planner.Plan(model=model, parallel=ParallelConfig(), memory=MemoryConfig(recompute="full" if ovr else "none"),
+                         seq_len=256, global_batch=8, compiled=compiled)
+        plans[name] = planner.plan(p)
+    train = {"env": {"command": "python tools/bench_train.py " + " ".join(base + ["--compile"]), "preset": "tiny-moe",
+                     "seq_len": 256, "batch": 8},
+             "rows": [{"variant": "none", "overrides": [], "peak_mem_gib": plans["none"]["peak_gib"] * 1.05,
+                       "step_s": plans["none"]["step_s"] * 1.1},
+                      {"variant": "full", "overrides": full, "peak_mem_gib": plans["full"]["peak_gib"] * 2,
+                       "step_s": plans["full"]["step_s"]}]}
+    memory = {"env": {"command": "python tools/bench_memory.py " + " ".join(base), "preset": "tiny-moe", "seq_len": 256,
+                      "batch": 8, "compile": False, "base_overrides": {"model": ["n_layers=2"]}},
+              "rows": [{"variant": "eager", "overrides": [], "peak_bytes": plans["eager"]["peak_gib"] * GiB,
+                        "step_s": plans["eager"]["step_s"] * 0.5}]}
+    paths = []
+    for name, report in (("train", train), ("memory", memory)):
+        path = tmp_path / f"bench_{name}.json"
+        path.write_text(json.dumps(report))
+        paths.append(str(path))
+    return paths
+
+
+def test_validate_rebuilds_each_rows_config_and_scores_it(tmp_path, capsys):
+    paths = _bench_files(tmp_path)
+    out = tmp_path / "validate.json"
+    assert planner.main(["--validate", *paths, "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["none", "full", "eager"]
+    none, full, eager = rows
+    assert none["peak_error"] == pytest.approx(1 / 1.05 - 1) and none["step_error"] == pytest.approx(1 / 1.1 - 1)
+    assert none["peak_met"] and none["step_met"] and none["compiled"]
+    assert not full["peak_met"] and full["step_met"]  # the row's override reached the plan: planned = full's
+    assert not eager["compiled"] and eager["peak_met"] and not eager["step_met"]  # bench_memory: peak_bytes, eager
+    text = capsys.readouterr().out
+    assert "met / met" in text and "missed / met" in text and "1 of 3 rows meet both targets" in text
