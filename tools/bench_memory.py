@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import copy
+import gc
 import sys
 import time
 
@@ -114,6 +114,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 def measure(model_cfg: ModelConfig, memory: MemoryConfig, optimizer: OptimizerConfig, args,
             device: torch.device) -> dict:
     cuda = device.type == "cuda"
+    gc.collect()  # the previous variant's step (reference cycles) must be gone before the baseline
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -173,7 +174,9 @@ def measure(model_cfg: ModelConfig, memory: MemoryConfig, optimizer: OptimizerCo
         "step_s": step_s,
         "tokens_per_s": tokens / step_s if args.steps else None,
     }
-    del trainer, model, params, ledger
+    del trainer, model, params, ledger, data
+    torch._dynamo.reset()  # compiled graphs (and what they hold) of this variant
+    gc.collect()
     if cuda:
         torch.cuda.empty_cache()
     return row
