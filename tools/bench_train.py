@@ -13,16 +13,19 @@ measured on and off side by side.
     python tools/bench_train.py --preset olmoe-1b-7b --model.n_layers=8 --model.vocab_size=100352 --batch 4 \
         --variant fused:model.fused_loss=true --variant plain:model.fused_loss=false
 
-Overrides (on the command line and in variants) are --model.*, --memory.* and --optimizer.* fields
-(e.g. --variant fp32:optimizer.state_dtype=fp32 --variant bf16:optimizer.state_dtype=bf16).
+Overrides (on the command line and in variants) are --model.*, --memory.*, --optimizer.* and
+--precision.* fields (e.g. --variant fp32:optimizer.state_dtype=fp32 --variant
+bf16:optimizer.state_dtype=bf16, --variant fp8:precision.recipe=fp8_blockwise).
 
-Dense models see random token ids (their step time does not depend on the data).
+Random token ids by default (near-uniform routing); --real-text trains on the embedded corpus, so
+MoE routing depends on the data. The step is built by tools/step_builder.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import sys
 import time
 
@@ -31,46 +34,20 @@ import torch
 from moetron.core.config import Config, ConfigError
 from moetron.core.metrics import mfu, model_tflops_per_device, peak_tflops, run_environment
 from moetron.core.memory import MemoryConfig
-from moetron.core.optim import OptimizerConfig, SchedulerConfig
+from moetron.core.optim import OptimizerConfig
 from moetron.core.precision import PrecisionConfig
-from moetron.core.trainer import Trainer, TrainerConfig
 from moetron.models import ModelConfig
 
 from cli import run_cli, split_variant, write_report  # tools/cli.py
+from step_builder import add_step_arguments, build_trainer, token_stream  # tools/step_builder.py
 
 
-class RandomTokens:
-    def __init__(self, vocab: int, batch: int, seq_len: int, device):
-        self.vocab, self.batch, self.seq_len, self.device = vocab, batch, seq_len, device
-        self.gen = torch.Generator(device=device).manual_seed(0)
-
-    def next_batch(self) -> torch.Tensor:
-        return torch.randint(0, self.vocab, (self.batch, self.seq_len + 1), device=self.device, generator=self.gen)
-
-    def state_dict(self):
-        return {}
-
-    def load_state_dict(self, sd):
-        pass
-
-
-def measure(model_cfg: ModelConfig, memory: MemoryConfig, optim_cfg: OptimizerConfig, args,
-            device: torch.device) -> dict:
-    torch.manual_seed(0)
-    model = model_cfg.build(device=device)
-    precision = PrecisionConfig(recipe=args.precision).build(device)
-    precision.apply(model)
-    memory.apply(model)
-    if args.compile:
-        for block in model.blocks.values():
-            block.compile()
-    optimizer = optim_cfg.build(model)
-    scheduler = SchedulerConfig(warmup_steps=0).build(optimizer, 10_000)
-    tcfg = TrainerConfig(steps=10_000, micro_batch_size=args.micro_batch, run_dir="")
-    data = RandomTokens(model_cfg.vocab_size, args.batch, args.seq_len, device)
-    # loss_fn None: the model's own loss from the labels (model.fused_loss picks fused or plain).
-    trainer = Trainer(tcfg, model, None, optimizer, scheduler, data,
-                      model_cfg.flops_per_token(args.seq_len), device, precision=precision)
+def measure(model_cfg: ModelConfig, memory: MemoryConfig, optim_cfg: OptimizerConfig, precision: PrecisionConfig,
+            args, device: torch.device) -> dict:
+    data = token_stream(model_cfg, args.batch, args.seq_len, device, args.real_text)
+    # The model's own loss from the labels (model.fused_loss picks fused or plain).
+    trainer = build_trainer(model_cfg, memory, data, device, seq_len=args.seq_len, precision=precision,
+                            compile=args.compile, micro_batch=args.micro_batch, optimizer=optim_cfg)
     for _ in range(args.warmup):
         trainer.train_step(data.next_batch())
     if device.type == "cuda":
@@ -97,8 +74,8 @@ def measure(model_cfg: ModelConfig, memory: MemoryConfig, optim_cfg: OptimizerCo
 
 
 def _apply(configs: dict[str, Config], overrides: list[str]) -> None:
-    """--<section>.* overrides onto the configs by section name (model, memory, optimizer); anything
-    else is an error."""
+    """--<section>.* overrides onto the configs by section name (model, memory, optimizer,
+    precision); anything else is an error."""
     prefixes = tuple(f"--{name}." for name in configs)
     bad = [o for o in overrides if not o.startswith(prefixes)]
     if bad:
@@ -112,36 +89,34 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      allow_abbrev=False)
-    parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--batch", type=int, default=2, help="sequences per step")
-    parser.add_argument("--micro-batch", type=int, default=None)
+    add_step_arguments(parser)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--precision", default="auto")
-    parser.add_argument("--compile", action="store_true")
     parser.add_argument("--peak-tflops", type=float, default=None)
     parser.add_argument("--variant", action="append", default=[],
                         help="NAME:key=value[,key=value...] overrides measured as one row")
     parser.add_argument("--json", default="runs/bench/bench_train.json")
     args, overrides = parser.parse_known_args(argv)
     base = ModelConfig.preset(args.preset)
-    base_memory, base_optim = MemoryConfig(), OptimizerConfig()
-    _apply({"model": base, "memory": base_memory, "optimizer": base_optim}, overrides)
+    base_memory, base_optim, base_precision = MemoryConfig(), OptimizerConfig(), PrecisionConfig(recipe=args.precision)
+    _apply({"model": base, "memory": base_memory, "optimizer": base_optim, "precision": base_precision}, overrides)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     variants = [split_variant(v) for v in args.variant] or [("base", [])]
     rows = []
     for name, ovr in variants:
-        cfg, memory, optim = copy.deepcopy(base), copy.deepcopy(base_memory), copy.deepcopy(base_optim)
-        _apply({"model": cfg, "memory": memory, "optimizer": optim}, ovr)
+        cfg, memory, optim, precision = (copy.deepcopy(c) for c in (base, base_memory, base_optim, base_precision))
+        _apply({"model": cfg, "memory": memory, "optimizer": optim, "precision": precision}, ovr)
         cfg.validate()
         memory.validate()
         optim.validate()
-        row = {"variant": name, "overrides": ovr, **measure(cfg, memory, optim, args, device)}
+        row = {"variant": name, "overrides": ovr, **measure(cfg, memory, optim, precision, args, device)}
         rows.append(row)
+        torch._dynamo.reset()  # this variant's compiled graphs
+        gc.collect()
         torch.cuda.empty_cache() if device.type == "cuda" else None
     env = {**run_environment(device, 1, "tools/bench_train.py", argv),
-           "preset": args.preset, "seq_len": args.seq_len, "batch": args.batch, "model": base.to_dict()}
+           "preset": args.preset, "seq_len": args.seq_len, "batch": args.batch, "compile": args.compile,
+           "real_text": args.real_text, "model": base.to_dict()}
     print(f"{env['device']} | torch {env['torch']} | {args.preset} {base.describe()} | seq {args.seq_len} x {args.batch}")
     print(f"{'variant':<12} {'step ms':>9} {'tok/s':>10} {'TFLOP/s':>9} {'MFU':>7} {'mem GiB':>8}")
     for r in rows:

@@ -1,9 +1,9 @@
 """One training step as the benchmarks build it: model, precision, memory, AdamW, Trainer, and the
 token stream it trains on (random ids, or the embedded corpus so routing sees real text).
 
-tools/profile_step.py builds its step here; tools/bench_train.py builds the same step inline and can
-adopt :func:`build_trainer` (moving ``RandomTokens`` here when it does, since this imports it from
-there). Like every tools/ script this is imported by file name (see tools/cli.py).
+tools/bench_train.py, tools/bench_memory.py and tools/profile_step.py build their step here, so the
+three measure the same thing. Like every tools/ script this is imported by file name (see
+tools/cli.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,23 @@ from moetron.core.trainer import Trainer, TrainerConfig
 from moetron.data.loader import DataConfig
 from moetron.models import ModelConfig
 
-from bench_train import RandomTokens  # tools/bench_train.py
+
+
+class RandomTokens:
+    """Uniform random ids [batch, seq_len + 1] over the vocabulary, seeded (routing near uniform)."""
+
+    def __init__(self, vocab: int, batch: int, seq_len: int, device):
+        self.vocab, self.batch, self.seq_len, self.device = vocab, batch, seq_len, device
+        self.gen = torch.Generator(device=device).manual_seed(0)
+
+    def next_batch(self) -> torch.Tensor:
+        return torch.randint(0, self.vocab, (self.batch, self.seq_len + 1), device=self.device, generator=self.gen)
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, sd):
+        pass
 
 
 class TokenStream(Protocol):
@@ -72,7 +88,7 @@ def token_stream(model_cfg: ModelConfig, batch: int, seq_len: int, device: torch
 
 
 def build_trainer(model_cfg: ModelConfig, memory: MemoryConfig, data: TokenStream, device: torch.device, *,
-                  seq_len: int, precision: str = "auto", compile: bool = False,
+                  seq_len: int, precision: str | PrecisionConfig = "auto", compile: bool = False,
                   micro_batch: int | None = None, optimizer: OptimizerConfig | None = None) -> Trainer:
     """The Trainer of tools/bench_train.py: the model built on ``device`` (seed 0), the precision
     recipe and memory config applied, each block compiled if ``compile``, AdamW with a constant
@@ -80,7 +96,7 @@ def build_trainer(model_cfg: ModelConfig, memory: MemoryConfig, data: TokenStrea
     runs one step."""
     torch.manual_seed(0)
     model = model_cfg.build(device=device)
-    recipe = PrecisionConfig(recipe=precision).build(device)
+    recipe = (precision if isinstance(precision, PrecisionConfig) else PrecisionConfig(recipe=precision)).build(device)
     recipe.apply(model)
     memory.apply(model)
     if compile:
