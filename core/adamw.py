@@ -5,12 +5,21 @@ each step upcasts a chunk of moments, updates them, writes them back rounded to 
 updates the parameters from the unrounded fp32 moments, as Megatron's precision-aware optimizer and
 Transformer Engine's FusedAdam(exp_avg_dtype=bf16) do. The math is torch.optim.AdamW's, operation for
 operation (decoupled decay p *= 1 - lr * wd, bias correction, eps outside the square root), so with
-the state kept in the parameters' dtype the result is torch's bit for bit.
+the state kept in the parameters' dtype the foreach path's result is torch's bit for bit.
 
-Speed: torch._foreach_* ops over lists grouped by (device, dtype), so a chunk costs about ten kernel
+Speed (foreach path): torch._foreach_* ops over lists grouped by (device, dtype), so a chunk costs about ten kernel
 launches whatever its tensor count. Memory: the fp32 copies of the moments exist for one chunk at a
 time (at most ``chunk_numel`` elements, large tensors are split into flat views), so the step's peak
 is not the fp32 state that the bf16 state saves.
+
+Kernels (``kernel``, an AdamWKernel): the foreach path above, or core.adamw_triton's one-pass Triton
+kernel (each tensor read and written once: 20 bytes per parameter with bf16 state, 28 with fp32,
+where the foreach path makes about ten passes); ``auto`` takes Triton for CUDA tensors and foreach
+elsewhere. The Triton kernel follows torch's foreach CUDA kernels operation for operation (its
+docstring; on the CPU torch rounds addcmul and addcdiv in another order: a few ulps,
+tests/core/test_adamw_triton.py); it also takes bf16 gradients, and can write a bf16 copy of each
+updated weight in the same pass (``compute_copies``: the hook for bf16 compute weights written by
+the step itself).
 
 DTensors (FSDP2 shards, expert-parallel weights): the moments are DTensors like their parameters
 (DCP reshards them), the math runs on the local tensors (to_local shares storage).
@@ -22,12 +31,15 @@ the value), so a moment whose per-step decay 1 - beta is below 2^-8 would never 
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+import os
+from typing import Any, Iterable, NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["PrecisionAwareAdamW", "MIN_ONE_MINUS_BETA"]
+from .config import StrEnum
+
+__all__ = ["AdamWKernel", "PrecisionAwareAdamW", "MIN_ONE_MINUS_BETA", "triton_usable"]
 
 # Smallest 1 - beta whose decay a bf16 moment registers under round-to-nearest (see the docstring).
 MIN_ONE_MINUS_BETA = {torch.bfloat16: 2.0**-8}
@@ -37,26 +49,71 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+class _Row(NamedTuple):
+    """One parameter's tensors for a step, all local (a DTensor's shard)."""
+
+    param: torch.Tensor
+    grad: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    step: torch.Tensor  # CPU float scalar, already incremented
+    copy: torch.Tensor | None  # the bf16 compute copy to refresh, if any
+
+
+class AdamWKernel(StrEnum):
+    auto = "auto"
+    """triton for CUDA tensors with fp32 parameters, foreach for the rest (CPU, fp64)."""
+    foreach = "foreach"
+    """torch._foreach_* ops over chunks (about ten passes over the state): any device; the reference."""
+    triton = "triton"
+    """core.adamw_triton, one launch and one pass per tensor: fp32 parameters on CUDA, or on the CPU
+    under TRITON_INTERPRET=1; a non-contiguous tensor still takes the foreach path."""
+
+
+def triton_usable(device: torch.device) -> str | None:
+    """None if the Triton kernel can run on ``device``'s tensors, else why not (for an error)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed"
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return (f"the Triton AdamW kernel runs on CUDA tensors, or on {device.type} tensors only under "
+                f"TRITON_INTERPRET=1 set before triton is imported")
+    return None
+
+
 class PrecisionAwareAdamW(torch.optim.Optimizer):
     """torch.optim.AdamW semantics with ``state_dtype`` moments (default bf16) and fp32 update math.
 
     ``params``: tensors or param groups (``lr``, ``betas``, ``eps``, ``weight_decay`` per group),
     floating point parameters of at least fp32 (they are the master weights); ``chunk_numel``:
-    elements upcast at a time (the step's fp32 temporaries: two moment copies, 2 x 4 x chunk_numel bytes,
-    256 MiB at the default)."""
+    elements upcast at a time by the foreach path (the step's fp32 temporaries: two moment copies,
+    2 x 4 x chunk_numel bytes, 256 MiB at the default); ``kernel``: an AdamWKernel (see the module
+    docstring); ``compute_copies``: {parameter: bf16 tensor of its shape (a DTensor like it, for a
+    DTensor)}, each overwritten with its parameter rounded to nearest after every step (by the
+    Triton kernel in its pass, by one copy on the foreach path)."""
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, state_dtype: torch.dtype = torch.bfloat16,
-                 chunk_numel: int = 2**25):
+                 chunk_numel: int = 2**25, kernel: AdamWKernel | str = AdamWKernel.auto,
+                 compute_copies: dict[torch.Tensor, torch.Tensor] | None = None):
         if chunk_numel < 1:
             raise ValueError(f"chunk_numel must be >= 1, got {chunk_numel}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self.state_dtype, self.chunk_numel = state_dtype, chunk_numel
-        for group in self.param_groups:
-            for p in group["params"]:
-                if not p.is_floating_point() or torch.finfo(p.dtype).bits < 32 or p.is_complex():
-                    raise ValueError(f"PrecisionAwareAdamW keeps the parameters as master weights: they must be "
-                                     f"fp32 or fp64, got {p.dtype}")
+        self.state_dtype, self.chunk_numel, self.kernel = state_dtype, chunk_numel, AdamWKernel(kernel)
+        params = [p for group in self.param_groups for p in group["params"]]
+        for p in params:
+            if not p.is_floating_point() or torch.finfo(p.dtype).bits < 32 or p.is_complex():
+                raise ValueError(f"PrecisionAwareAdamW keeps the parameters as master weights: they must be "
+                                 f"fp32 or fp64, got {p.dtype}")
+        self.compute_copies = dict(compute_copies or {})
+        known = {id(p) for p in params}
+        for p, copy in self.compute_copies.items():
+            if id(p) not in known:
+                raise ValueError("compute_copies has a key that is not one of the optimizer's parameters")
+            if copy.dtype != torch.bfloat16 or copy.shape != p.shape or copy.device != p.device:
+                raise ValueError(f"a compute copy must be bf16 of its parameter's shape {tuple(p.shape)} on "
+                                 f"{p.device}, got {copy.dtype} {tuple(copy.shape)} on {copy.device}")
 
     def _init_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         state = self.state[p]
@@ -87,9 +144,9 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         return loss
 
     def _step_group(self, group: dict[str, Any]) -> None:
-        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        # (device, dtype) -> rows of (param, grad, exp_avg, exp_avg_sq, step), all local tensors.
-        buckets: dict[tuple, list[tuple[torch.Tensor, ...]]] = {}
+        hyper = dict(lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
+                     weight_decay=group["weight_decay"])
+        buckets: dict[tuple[torch.device, torch.dtype], list[_Row]] = {}
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -97,14 +154,44 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                 raise RuntimeError("PrecisionAwareAdamW does not support sparse gradients")
             state = self._init_state(p)
             state["step"] += 1
-            local_p, local_g = _local(p), _local(p.grad)
-            if local_g.dtype != local_p.dtype:
-                raise RuntimeError(f"gradient dtype {local_g.dtype} differs from its parameter's {local_p.dtype}")
-            row = (local_p, local_g, _local(state["exp_avg"]), _local(state["exp_avg_sq"]), state["step"])
-            buckets.setdefault((local_p.device, local_p.dtype), []).append(row)
-        for rows in buckets.values():
-            for chunk in self._chunks(rows):
-                self._update(chunk, lr, beta1, beta2, eps, wd)
+            copy = self.compute_copies.get(p)
+            row = _Row(_local(p), _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
+                       state["step"], None if copy is None else _local(copy))
+            buckets.setdefault((row.param.device, row.param.dtype), []).append(row)
+        for (device, dtype), rows in buckets.items():
+            if self._takes_triton(device, dtype):
+                from .adamw_triton import adamw_update_
+
+                rest = []
+                for row in rows:
+                    if all(t is None or t.is_contiguous() for t in (*row[:4], row.copy)):
+                        adamw_update_(*row[:4], step=row.step.item(), out_bf16=row.copy, **hyper)
+                    else:
+                        rest.append(row)
+                rows = rest
+            self._foreach_step(rows, hyper)
+
+    def _takes_triton(self, device: torch.device, dtype: torch.dtype) -> bool:
+        if self.kernel == AdamWKernel.foreach:
+            return False
+        if self.kernel == AdamWKernel.auto:
+            return device.type == "cuda" and dtype == torch.float32 and triton_usable(device) is None
+        why = triton_usable(device) or (None if dtype == torch.float32 else
+                                        f"it updates fp32 parameters, these are {dtype}")
+        if why:
+            raise RuntimeError(f"PrecisionAwareAdamW(kernel='triton'): {why}; use kernel='auto' or 'foreach'")
+        return True
+
+    def _foreach_step(self, rows: list[_Row], hyper: dict[str, float]) -> None:
+        for row in rows:
+            if row.grad.dtype != row.param.dtype:
+                raise RuntimeError(f"gradient dtype {row.grad.dtype} differs from its parameter's {row.param.dtype} "
+                                   f"(the foreach path needs them equal; the Triton kernel takes bf16 gradients)")
+        for chunk in self._chunks([row[:5] for row in rows]):
+            self._update(chunk, **hyper)
+        with_copies = [row for row in rows if row.copy is not None]
+        if with_copies:
+            torch._foreach_copy_([row.copy for row in with_copies], [row.param for row in with_copies])
 
     def _chunks(self, rows: list[tuple[torch.Tensor, ...]]) -> Iterable[list[tuple[torch.Tensor, ...]]]:
         """Rows packed into chunks of at most chunk_numel elements; a larger contiguous tensor is
@@ -128,7 +215,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             yield chunk
 
     def _update(self, chunk: list[tuple[torch.Tensor, ...]], lr: float, beta1: float, beta2: float, eps: float,
-                wd: float) -> None:
+                weight_decay: float) -> None:
         """One AdamW update of a chunk (torch's _multi_tensor_adam, non-capturable, in the same order)."""
         params, grads, exp_avgs, exp_avg_sqs, steps = (list(col) for col in zip(*chunk))
         compute = params[0].dtype
@@ -139,8 +226,8 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             exp_avg_sqs = [torch.empty_like(t, dtype=compute) for t in stored_sqs]
             torch._foreach_copy_(exp_avgs, stored_avgs)
             torch._foreach_copy_(exp_avg_sqs, stored_sqs)
-        if wd != 0:
-            torch._foreach_mul_(params, 1 - lr * wd)
+        if weight_decay != 0:
+            torch._foreach_mul_(params, 1 - lr * weight_decay)
         torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
         torch._foreach_mul_(exp_avg_sqs, beta2)
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)

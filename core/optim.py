@@ -10,7 +10,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch import nn
 
-from .adamw import MIN_ONE_MINUS_BETA, PrecisionAwareAdamW
+from .adamw import MIN_ONE_MINUS_BETA, AdamWKernel, PrecisionAwareAdamW, triton_usable
 from .config import Config, ConfigError, StrEnum
 
 
@@ -19,8 +19,21 @@ class StateDtype(StrEnum):
     """Adam moments in fp32 (8 bytes per parameter): torch.optim.AdamW, fused on the GPU."""
     bf16 = "bf16"
     """Adam moments stored in bf16 (4 bytes per parameter, 4 saved), fp32 master weights and update
-    math (core.adamw.PrecisionAwareAdamW, foreach kernels); round-to-nearest, so each 1 - beta must
-    be at least 2^-8 (beta2 <= 0.996: 0.95 is fine, 0.999 would freeze exp_avg_sq)."""
+    math (core.adamw.PrecisionAwareAdamW); round-to-nearest, so each 1 - beta must be at least 2^-8
+    (beta2 <= 0.996: 0.95 is fine, 0.999 would freeze exp_avg_sq)."""
+
+
+class OptimizerImpl(StrEnum):
+    auto = "auto"
+    """torch for state_dtype=fp32; for bf16, PrecisionAwareAdamW with the Triton kernel on CUDA
+    parameters and its foreach ops on the CPU."""
+    torch = "torch"
+    """fp32 state: torch.optim.AdamW (fused on the GPU, see fused); bf16: PrecisionAwareAdamW's
+    foreach ops (about ten passes over the state per step)."""
+    triton = "triton"
+    """PrecisionAwareAdamW with core.adamw_triton's kernel for either state_dtype: one read and one
+    write of each tensor per step (28 bytes per parameter fp32, 20 bf16). CUDA parameters, or the
+    CPU under TRITON_INTERPRET=1."""
 
 
 @dataclasses.dataclass
@@ -33,9 +46,11 @@ class OptimizerConfig(Config):
     weight_decay: float = 0.1
     """Applied to weight matrices only; never to norms or the input embedding."""
     fused: bool | None = None
-    """Fused AdamW kernel; None picks it on GPU (where it is fastest) and off on CPU. state_dtype=fp32 only."""
+    """torch's fused AdamW kernel; None picks it on GPU, off on CPU. state_dtype=fp32 with impl auto or torch."""
     state_dtype: StateDtype = StateDtype.fp32
     """Storage dtype of the Adam moments exp_avg and exp_avg_sq (see StateDtype); parameters stay fp32."""
+    impl: OptimizerImpl = OptimizerImpl.auto
+    """Which AdamW runs the step (see OptimizerImpl); the maths is torch's either way."""
 
     def validate(self) -> None:
         # math.isfinite first: nan fails every comparison, so "nan <= 0" alone would let it through.
@@ -51,6 +66,9 @@ class OptimizerConfig(Config):
                 raise ConfigError(f"optimizer.{name} must be in [0, 1), got {getattr(self, name)}")
         if not math.isfinite(self.weight_decay) or self.weight_decay < 0:
             raise ConfigError(f"optimizer.weight_decay must be a finite number >= 0, got {self.weight_decay}")
+        if self.impl == OptimizerImpl.triton and self.fused:
+            raise ConfigError("optimizer.fused=true is torch's fused AdamW: with optimizer.impl=triton leave "
+                              "optimizer.fused unset")
         if self.state_dtype == StateDtype.bf16:
             if self.fused:
                 raise ConfigError("optimizer.fused=true is torch's fused AdamW, which keeps fp32 moments: with "
@@ -67,7 +85,8 @@ class OptimizerConfig(Config):
 
     def build(self, model: nn.Module) -> torch.optim.Optimizer:
         """The optimizer over ``model``'s trainable parameters in two decay groups (more where DTensors
-        meet plain tensors): torch.optim.AdamW for fp32 state, PrecisionAwareAdamW for bf16."""
+        meet plain tensors): torch.optim.AdamW for fp32 state (impl auto or torch), else
+        PrecisionAwareAdamW."""
         self.validate()
         embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
         decay, no_decay = [], []
@@ -83,20 +102,28 @@ class OptimizerConfig(Config):
             plain = [p for p in params if not isinstance(p, DTensor)]
             groups += [{"params": ps, "weight_decay": wd} for ps in ((dt, plain) if dt and plain else (params,))]
         betas = (self.beta1, self.beta2)
-        if self.state_dtype == StateDtype.bf16:
-            bad = sorted({str(p.dtype) for g in groups for p in g["params"]
-                          if not p.is_floating_point() or torch.finfo(p.dtype).bits < 32})
-            if bad:
-                raise ConfigError(
-                    f"optimizer.state_dtype=bf16 keeps the parameters as fp32 master weights, but some are {bad}: "
-                    f"build the model in fp32 (bf16 compute comes from precision.recipe), or use state_dtype=fp32"
-                )
-            return PrecisionAwareAdamW(groups, lr=self.lr, betas=betas, eps=self.eps, state_dtype=torch.bfloat16)
         on_gpu = any(p.is_cuda for p in model.parameters())
-        fused = on_gpu if self.fused is None else self.fused
-        return torch.optim.AdamW(
-            groups, lr=self.lr, betas=betas, eps=self.eps, fused=fused or None
-        )
+        if self.state_dtype == StateDtype.fp32 and self.impl != OptimizerImpl.triton:
+            fused = on_gpu if self.fused is None else self.fused
+            return torch.optim.AdamW(groups, lr=self.lr, betas=betas, eps=self.eps, fused=fused or None)
+        bad = sorted({str(p.dtype) for g in groups for p in g["params"]
+                      if not p.is_floating_point() or torch.finfo(p.dtype).bits < 32
+                      or (self.impl == OptimizerImpl.triton and p.dtype != torch.float32)})
+        if bad:
+            raise ConfigError(
+                f"optimizer.state_dtype={self.state_dtype} with optimizer.impl={self.impl} keeps the parameters as "
+                f"fp32 master weights, but some are {bad}: build the model in fp32 (bf16 compute comes from "
+                f"precision.recipe), or use state_dtype=fp32 with impl=torch"
+            )
+        if self.impl == OptimizerImpl.triton:
+            why = triton_usable(torch.device("cuda" if on_gpu else "cpu"))
+            if why:
+                raise ConfigError(f"optimizer.impl=triton: {why}; use optimizer.impl=auto or torch")
+        kernel = {OptimizerImpl.torch: AdamWKernel.foreach, OptimizerImpl.triton: AdamWKernel.triton,
+                  OptimizerImpl.auto: AdamWKernel.auto}[self.impl]
+        state_dtype = {StateDtype.fp32: torch.float32, StateDtype.bf16: torch.bfloat16}[self.state_dtype]
+        return PrecisionAwareAdamW(groups, lr=self.lr, betas=betas, eps=self.eps, state_dtype=state_dtype,
+                                   kernel=kernel)
 
 
 class ScheduleKind(StrEnum):

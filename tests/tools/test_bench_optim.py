@@ -1,0 +1,43 @@
+"""tools/bench_optim.py --tiny on the CPU (Triton interpreted, in a subprocess: TRITON_INTERPRET must
+be set before triton is imported): every variant and BLOCK is measured and written with its
+traffic and floor; bad arguments fail with one error."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "tools", "bench_optim.py")
+
+
+def _run(*args):
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "TRITON_INTERPRET")}
+    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env=env)
+
+
+def test_tiny_rows(tmp_path):
+    out = tmp_path / "optim.json"
+    proc = _run("--tiny", "--steps", "1", "--warmup", "1", "--block", "1024,4096", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    assert [(r["variant"], r["block"]) for r in rows] == [
+        ("torch_fused_fp32", None), ("torch_foreach_fp32", None), ("foreach_bf16", None),
+        *((v, b) for v in ("triton_fp32", "triton_bf16", "triton_bf16_copy") for b in (1024, 4096))]
+    params = rows[0]["params"]
+    assert params > 10_000 and all(r["params"] == params for r in rows)
+    for r in rows:
+        assert r["ms"] > 0 and r["gbps"] > 0
+        assert abs(r["floor_ms"] - 1e3 * r["bytes_per_param"] * params / 4300e9) < 1e-9
+        state_bytes = 2 * params * (4 if r["variant"].endswith("fp32") else 2)
+        assert abs(r["state_gib"] * 2**30 - state_bytes) < 1, r
+    assert report["env"]["tiny"] is True and "triton_bf16_copy" in proc.stdout
+
+
+def test_bad_arguments():
+    proc = _run("--tiny", "--variants", "adam8bit")
+    assert proc.returncode == 2 and "error: --variants: unknown ['adam8bit']" in proc.stderr
+    proc = _run("--tiny", "--block", "1000")
+    assert proc.returncode == 2 and "powers of two" in proc.stderr

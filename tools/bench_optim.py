@@ -1,0 +1,204 @@
+#!/usr/bin/env python
+"""Optimizer step time and achieved HBM bandwidth, per AdamW implementation, on a parameter set
+shaped like OLMoE-1B-7B cut to 8 layers (vocab 100352: 3.77B parameters, 91 tensors, ~15 GB fp32).
+
+Shapes come from models.ModelConfig built on the meta device; real tensors of those shapes are
+then allocated (fp32 parameters, fp32 gradients), one copy shared by every variant, which steps
+them in turn (the values drift a little; timing does not depend on them). Variants:
+
+    torch_fused_fp32    torch.optim.AdamW(fused=True), fp32 moments            28 B/param
+    torch_foreach_fp32  torch.optim.AdamW(foreach=True), fp32 moments          28 B/param
+    foreach_bf16        PrecisionAwareAdamW(kernel=foreach), bf16 moments      20 B/param
+    triton_fp32         PrecisionAwareAdamW(kernel=triton), fp32 moments       28 B/param
+    triton_bf16         PrecisionAwareAdamW(kernel=triton), bf16 moments       20 B/param
+    triton_bf16_copy    triton_bf16 + a bf16 copy of each updated weight       22 B/param
+
+B/param is each variant's least traffic (read p, g, m, v; write p, m, v; and the copy): GB/s and
+the floor (those bytes / --hbm-gbps, 4300 by default: the H200's 4.8 TB/s spec as copies reach it)
+count only that, so extra passes (foreach) show as lower GB/s. ms is CUDA-event time per step;
+launch_ms is the host time to issue a step (above ms, the step is launch bound). state_gib: the
+moments' bytes.
+
+    python tools/bench_optim.py                                 # on the GPU: the table and JSON
+    python tools/bench_optim.py --block 1024,2048,4096          # Triton rows per BLOCK size
+    python tools/bench_optim.py --variants torch_fused_fp32,triton_bf16 --steps 20
+    python tools/bench_optim.py --tiny                          # small shapes; on the CPU (Triton interpreted)
+
+Prints a table and writes JSON (--json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+VARIANTS = {  # name -> (bytes per parameter moved at least, uses the Triton kernel)
+    "torch_fused_fp32": (28, False),
+    "torch_foreach_fp32": (28, False),
+    "foreach_bf16": (20, False),
+    "triton_fp32": (28, True),
+    "triton_bf16": (20, True),
+    "triton_bf16_copy": (22, True),
+}
+GiB = 2**30
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, from: " + ", ".join(VARIANTS))
+    parser.add_argument("--block", default="", help="Triton BLOCK sizes, comma-separated (default: the kernel's)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per variant")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (the first allocates the state)")
+    parser.add_argument("--hbm-gbps", type=float, default=4300.0, help="HBM bandwidth for the floor, GB/s")
+    parser.add_argument("--tiny", action="store_true", help="a small model's shapes; runs on the CPU")
+    parser.add_argument("--json", default="runs/bench/bench_optim.json")
+    return parser.parse_args(argv)
+
+
+def param_shapes(tiny: bool) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every parameter of OLMoE-1B-7B with 8 layers and vocab 100352 (or a small
+    model of the same design), from the model built on the meta device."""
+    from moetron.models import ModelConfig
+
+    cfg = ModelConfig.preset("olmoe-1b-7b")
+    if tiny:
+        cfg.d_model, cfg.n_layers, cfg.vocab_size, cfg.mlp_hidden = 64, 2, 1000, 32
+        cfg.attention.n_heads = 4
+        cfg.moe.num_experts, cfg.moe.expert_hidden, cfg.moe.router.top_k = 4, 32, 2
+    else:
+        cfg.n_layers, cfg.vocab_size = 8, 100352
+    model = cfg.build(torch.device("meta"))
+    return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+
+
+def build(variant: str, groups: list[dict]):
+    from moetron.core.adamw import PrecisionAwareAdamW
+
+    kw = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8)
+    if variant == "torch_fused_fp32":
+        return torch.optim.AdamW(groups, fused=True, **kw)
+    if variant == "torch_foreach_fp32":
+        return torch.optim.AdamW(groups, foreach=True, **kw)
+    state_dtype = torch.float32 if variant == "triton_fp32" else torch.bfloat16
+    copies = None
+    if variant == "triton_bf16_copy":
+        copies = {p: torch.empty_like(p, dtype=torch.bfloat16) for g in groups for p in g["params"]}
+    kernel = "foreach" if variant == "foreach_bf16" else "triton"
+    return PrecisionAwareAdamW(groups, state_dtype=state_dtype, kernel=kernel, compute_copies=copies, **kw)
+
+
+def measure(opt, device: torch.device, steps: int, warmup: int) -> dict:
+    cuda = device.type == "cuda"
+    for _ in range(warmup):
+        opt.step()
+    if cuda:
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        opt.step()
+    launch = time.perf_counter() - t0
+    if cuda:
+        end.record()
+        torch.cuda.synchronize(device)
+        seconds = start.elapsed_time(end) / 1e3
+    else:
+        seconds = time.perf_counter() - t0
+    state = sum(t.numel() * t.element_size() for s in opt.state.values()
+                for k, t in s.items() if k in ("exp_avg", "exp_avg_sq"))
+    return {"ms": 1e3 * seconds / steps, "launch_ms": 1e3 * launch / steps, "state_gib": state / GiB}
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    if args.tiny and not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (moetron imports it lazily)
+    elif not torch.cuda.is_available():
+        print("bench_optim: needs a GPU (or --tiny, which runs on the CPU)", file=sys.stderr)
+        return 2
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from cli import write_report  # tools/cli.py
+
+    from moetron.core.config import ConfigError
+    from moetron.core.metrics import run_environment
+
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown or not variants:
+        raise ConfigError(f"--variants: unknown {unknown}, choose from {', '.join(VARIANTS)}")
+    try:
+        blocks = [int(b) for b in args.block.split(",") if b] or [None]
+    except ValueError:
+        blocks = [0]
+    if any(b is not None and (b <= 0 or b & (b - 1)) for b in blocks):
+        raise ConfigError(f"--block takes powers of two separated by commas, got {args.block!r}")
+    if args.steps <= 0 or args.warmup < 0:
+        raise ConfigError("--steps must be positive and --warmup >= 0")
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    shapes = param_shapes(args.tiny)
+    numel = sum(torch.Size(s).numel() for _, s in shapes)
+    gen = torch.Generator(device=device).manual_seed(0)
+    params = []
+    for _, shape in shapes:
+        params.append(torch.nn.Parameter(torch.randn(shape, device=device, generator=gen) * 0.02))
+        params[-1].grad = torch.randn(shape, device=device, generator=gen) * 1e-3
+    decay = [p for (name, _), p in zip(shapes, params) if p.ndim >= 2 and "embed" not in name]
+    no_decay = [p for (name, _), p in zip(shapes, params) if not (p.ndim >= 2 and "embed" not in name)]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+
+    import moetron.core.adamw_triton as kernel_module
+
+    default_block = kernel_module.BLOCK
+    rows = []
+    for variant in variants:
+        bytes_per_param, triton_kernel = VARIANTS[variant]
+        for block in (blocks if triton_kernel else [None]):
+            row = {"variant": variant, "block": (block or default_block) if triton_kernel else None,
+                   "params": numel, "tensors": len(params), "bytes_per_param": bytes_per_param}
+            opt = None
+            kernel_module.BLOCK = block or default_block  # read by every launch
+            try:
+                opt = build(variant, groups)
+                row.update(measure(opt, device, args.steps, args.warmup))
+                row["gbps"] = bytes_per_param * numel / (row["ms"] / 1e3) / 1e9
+                row["floor_ms"] = 1e3 * bytes_per_param * numel / (args.hbm_gbps * 1e9)
+                row["x_floor"] = row["ms"] / row["floor_ms"]
+            except torch.cuda.OutOfMemoryError:
+                row["oom"] = True
+            finally:
+                kernel_module.BLOCK = default_block
+            rows.append(row)
+            del opt
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    env = {**run_environment(device, 1, "tools/bench_optim.py", list(sys.argv[1:] if argv is None else argv)),
+           "hbm_gbps": args.hbm_gbps, "tiny": args.tiny}
+    where = env["device"] if device.type == "cuda" else "cpu (Triton interpreted: timings meaningless)"
+    print(f"{where} | torch {torch.__version__} | {numel / 1e6:,.1f}M params in {len(params)} tensors | "
+          f"floor at {args.hbm_gbps:.0f} GB/s")
+    print(f"{'variant':<20} {'block':>6} {'B/param':>7} {'ms':>9} {'launch ms':>9} {'GB/s':>7} {'floor ms':>9} "
+          f"{'x floor':>7} {'state GiB':>9}")
+    for r in rows:
+        block = "-" if r["block"] is None else str(r["block"])
+        if r.get("oom"):
+            print(f"{r['variant']:<20} {block:>6} out of memory")
+            continue
+        print(f"{r['variant']:<20} {block:>6} {r['bytes_per_param']:>7} {r['ms']:>9.2f} {r['launch_ms']:>9.2f} "
+              f"{r['gbps']:>7.0f} {r['floor_ms']:>9.2f} {r['x_floor']:>7.2f} {r['state_gib']:>9.2f}")
+    write_report(args.json, env, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from cli import run_cli  # tools/cli.py
+
+    run_cli(lambda: main())
