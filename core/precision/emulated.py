@@ -19,8 +19,11 @@ bf16. Weights are quantized once per optimizer step (core.precision.cache.Weight
 holds the dequantized bf16 copies the GEMMs consume.
 
 Token blocks: a dense linear pads its tokens with zero rows to a whole block; the grouped GEMM pads
-each expert's rows to a whole block (core.precision.grouping.pad_groups, on the device), so no
-block of its wgrad operands holds two experts' rows.
+each expert's rows to a whole block (core.precision.grouping.padded_source_rows: pad_groups as an
+index, on the device), so no block of its wgrad operands holds two experts' rows.
+
+Kernels: on CUDA, MXFormat runs mx_triton's fused kernels (quantize-dequantize in one read and one
+write; the padded wgrad operands gathered inside the load); the torch ops elsewhere; same bits.
 
 Legend: T tokens, R expert-sorted rows, P padded rows, E experts, I / O input / output dims.
 """
@@ -33,12 +36,13 @@ import torch.nn.functional as F
 from .blockwise import FP8_BLOCK, dequantize_128x128, dequantize_1x128, quantize_128x128, quantize_1x128
 from .cache import WeightCache
 from .gemm import GemmBackend
-from .grouping import grouped_mm_2d2d, grouped_mm_2d3d, pad_groups
+from .grouping import gather_rows, grouped_mm_2d2d, grouped_mm_2d3d, padded_source_rows
 from .mx import MX_BLOCK, dequantize_mx, quantize_mx
 
 __all__ = ["BlockwiseFormat", "EmulatedGemm", "MXFormat", "mx_qdq"]
 
 _BF16 = torch.bfloat16
+KERNELS = ("auto", "triton", "torch")
 
 
 def mx_qdq(x: torch.Tensor, axis: int, scale_mode: str, dtype: torch.dtype = _BF16) -> torch.Tensor:
@@ -47,23 +51,58 @@ def mx_qdq(x: torch.Tensor, axis: int, scale_mode: str, dtype: torch.dtype = _BF
     return dequantize_mx(data, scale, MX_BLOCK, axis).to(dtype)
 
 
+def _gathered(x: torch.Tensor, src_rows: torch.Tensor | None) -> torch.Tensor:
+    return x if src_rows is None else gather_rows(x, src_rows)
+
+
 class MXFormat:
-    """MXFP8: E4M3 + one E8M0 scale per 32 along the reduction dim, for every operand."""
+    """MXFP8: E4M3 + one E8M0 scale per 32 along the reduction dim, for every operand.
+
+    ``kernels``: "triton" runs the fused kernels of mx_triton (quantize-dequantize in one pass, the
+    padded wgrad operand gathered in the load), "torch" the reference ops, "auto" Triton on CUDA.
+    Both give the same bits."""
 
     name = "mxfp8"
     block = MX_BLOCK
 
-    def __init__(self, scale_mode: str = "rceil") -> None:
+    def __init__(self, scale_mode: str = "rceil", kernels: str = "auto") -> None:
+        if kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
         self.scale_mode = scale_mode
+        self.kernels = kernels
 
-    def quantize(self, x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return quantize_mx(x, MX_BLOCK, axis, self.scale_mode)
+    def _triton(self, x: torch.Tensor) -> bool:
+        return x.dim() == 2 and (self.kernels == "triton" or (self.kernels == "auto" and x.is_cuda))
 
-    def dequantize(self, payload: tuple[torch.Tensor, ...], axis: int) -> torch.Tensor:
-        return dequantize_mx(*payload, MX_BLOCK, axis)
+    def quantize(self, x: torch.Tensor, axis: int, src_rows: torch.Tensor | None = None):
+        """x (2-D) -> (e4m3 data, E8M0 codes) along ``axis``; of x[src_rows] (zero rows where < 0) if given."""
+        if self._triton(x):
+            from .mx_triton import quantize_mx_triton
+
+            return quantize_mx_triton(x, MX_BLOCK, axis, self.scale_mode, src_rows=src_rows)
+        return quantize_mx(_gathered(x, src_rows), MX_BLOCK, axis, self.scale_mode)
+
+    def qdq(self, x: torch.Tensor, axis: int, src_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """quantize then dequantize, as bf16 (one pass on the GPU)."""
+        if self._triton(x):
+            from .mx_triton import mx_qdq_triton
+
+            return mx_qdq_triton(x, axis, self.scale_mode, _BF16, src_rows=src_rows)
+        return mx_qdq(_gathered(x, src_rows), axis, self.scale_mode)
+
+    def dequantize(self, payload: tuple[torch.Tensor, ...], axis: int, dtype: torch.dtype = torch.float32):
+        if self._triton(payload[0]):
+            from .mx_triton import dequantize_mx_triton
+
+            return dequantize_mx_triton(*payload, MX_BLOCK, axis, out_dtype=dtype)
+        return dequantize_mx(*payload, MX_BLOCK, axis).to(dtype)
 
     def weight(self, w: torch.Tensor, axis: int) -> torch.Tensor:
         """w [..., O, I] quantized along ``axis`` (-1: I, forward; -2: O, dgrad), as bf16."""
+        if w.dim() >= 2 and self._triton(w.reshape(-1, w.shape[-1])):
+            # blocks of 32 along O never cross the leading dims (O % 32 == 0): one 2-D view
+            w2 = w.reshape(-1, w.shape[-1])
+            return self.qdq(w2, -1 if axis % w.dim() == w.dim() - 1 else 0).reshape(w.shape)
         return mx_qdq(w, axis, self.scale_mode)
 
     def weight_tag(self, axis: int) -> str:
@@ -75,16 +114,20 @@ class MXFormat:
 
 class BlockwiseFormat:
     """FP8 blockwise: 1 x 128 tiles (fp32 power-of-two scales) for activations and gradients,
-    128 x 128 tiles for weights (one tiling serves the forward and the dgrad)."""
+    128 x 128 tiles for weights (one tiling serves the forward and the dgrad). Torch ops (the
+    fused kernels serve the native backend, fp8_gemm)."""
 
     name = "fp8_blockwise"
     block = FP8_BLOCK
 
-    def quantize(self, x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return quantize_1x128(x, axis)
+    def quantize(self, x: torch.Tensor, axis: int, src_rows: torch.Tensor | None = None):
+        return quantize_1x128(_gathered(x, src_rows), axis)
 
-    def dequantize(self, payload: tuple[torch.Tensor, ...], axis: int) -> torch.Tensor:
-        return dequantize_1x128(*payload, axis)
+    def qdq(self, x: torch.Tensor, axis: int, src_rows: torch.Tensor | None = None) -> torch.Tensor:
+        return dequantize_1x128(*self.quantize(x, axis, src_rows), axis).to(_BF16)
+
+    def dequantize(self, payload: tuple[torch.Tensor, ...], axis: int, dtype: torch.dtype = torch.float32):
+        return dequantize_1x128(*payload, axis).to(dtype)
 
     def weight(self, w: torch.Tensor, axis: int) -> torch.Tensor:
         return dequantize_128x128(*quantize_128x128(w)).to(_BF16)
@@ -94,10 +137,6 @@ class BlockwiseFormat:
 
     def __repr__(self) -> str:
         return "BlockwiseFormat()"
-
-
-def _qdq(fmt, x: torch.Tensor, axis: int) -> torch.Tensor:
-    return fmt.dequantize(fmt.quantize(x, axis), axis).to(_BF16)
 
 
 def _pad_rows(x_TC: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -114,7 +153,7 @@ class _EmulatedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TI: torch.Tensor, w_OI: torch.Tensor, gemm: "EmulatedGemm"):
         fmt = gemm.format
-        y_TO = F.linear(_qdq(fmt, x_TI, -1), _weight(gemm, w_OI, -1))
+        y_TO = F.linear(fmt.qdq(x_TI, -1), _weight(gemm, w_OI, -1))
         # the wgrad operand, saved quantized (tokens padded to whole blocks)
         ctx.save_for_backward(*fmt.quantize(_pad_rows(x_TI, fmt.block), 0), w_OI)
         ctx.gemm, ctx.x_dtype = gemm, x_TI.dtype
@@ -127,10 +166,10 @@ class _EmulatedLinear(torch.autograd.Function):
         fmt = gemm.format
         dx_TI = dw_OI = None
         if ctx.needs_input_grad[0]:
-            dx_TI = (_qdq(fmt, dy_TO, -1) @ _weight(gemm, w_OI, -2)).to(ctx.x_dtype)
+            dx_TI = (fmt.qdq(dy_TO, -1) @ _weight(gemm, w_OI, -2)).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            dy_hat_PO = _qdq(fmt, _pad_rows(dy_TO, fmt.block), 0)
-            x_hat_PI = fmt.dequantize(tuple(x_payload), 0).to(_BF16)
+            dy_hat_PO = fmt.qdq(_pad_rows(dy_TO, fmt.block), 0)
+            x_hat_PI = fmt.dequantize(tuple(x_payload), 0, _BF16)
             dw_OI = (dy_hat_PO.t() @ x_hat_PI).to(w_OI.dtype)
         return dx_TI, dw_OI, None
 
@@ -139,24 +178,25 @@ class _EmulatedGroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor, gemm: "EmulatedGemm"):
         fmt = gemm.format
-        y_RO = grouped_mm_2d3d(_qdq(fmt, x_RI, -1), _weight(gemm, w_EOI, -1).transpose(-2, -1), offsets_E)
-        x_PI, padded_offsets_E = pad_groups(x_RI, offsets_E, fmt.block)
-        ctx.save_for_backward(*fmt.quantize(x_PI, 0), w_EOI, offsets_E, padded_offsets_E)
+        y_RO = grouped_mm_2d3d(fmt.qdq(x_RI, -1), _weight(gemm, w_EOI, -1).transpose(-2, -1), offsets_E)
+        # the wgrad operand: each expert's rows padded to whole blocks (pad_groups, read through an index)
+        src_P, padded_offsets_E = padded_source_rows(offsets_E, x_RI.shape[0], fmt.block)
+        ctx.save_for_backward(*fmt.quantize(x_RI, 0, src_P), w_EOI, offsets_E, src_P, padded_offsets_E)
         ctx.gemm, ctx.x_dtype = gemm, x_RI.dtype
         return y_RO
 
     @staticmethod
     def backward(ctx, dy_RO: torch.Tensor):
-        *x_payload, w_EOI, offsets_E, padded_offsets_E = ctx.saved_tensors
+        *x_payload, w_EOI, offsets_E, src_P, padded_offsets_E = ctx.saved_tensors
         gemm = ctx.gemm
         fmt = gemm.format
         dx_RI = dw_EOI = None
         if ctx.needs_input_grad[0]:
-            dx_RI = grouped_mm_2d3d(_qdq(fmt, dy_RO, -1), _weight(gemm, w_EOI, -2), offsets_E).to(ctx.x_dtype)
+            dx_RI = grouped_mm_2d3d(fmt.qdq(dy_RO, -1), _weight(gemm, w_EOI, -2), offsets_E).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            dy_PO, _ = pad_groups(dy_RO, offsets_E, fmt.block)
-            x_hat_PI = fmt.dequantize(tuple(x_payload), 0).to(_BF16)
-            dw_EOI = grouped_mm_2d2d(_qdq(fmt, dy_PO, 0).t(), x_hat_PI, padded_offsets_E).to(w_EOI.dtype)
+            x_hat_PI = fmt.dequantize(tuple(x_payload), 0, _BF16)
+            dy_hat_PO = fmt.qdq(dy_RO, 0, src_P)
+            dw_EOI = grouped_mm_2d2d(dy_hat_PO.t(), x_hat_PI, padded_offsets_E).to(w_EOI.dtype)
         return dx_RI, dw_EOI, None, None
 
 

@@ -9,7 +9,10 @@
 
 Every operand is quantized along its GEMM's reduction dim; the layouts are the fast ones (the
 K-contiguous operand of every GEMM: w and w^T both kept, once per optimizer step; x saved for the
-wgrad as fp8 along the tokens, transposed). Quantization runs as torch ops (no fused kernels yet).
+wgrad as fp8 along the tokens, transposed). Quantization (``quant``): "triton" runs the fused
+kernels of core.precision.blockwise_triton (one read of x or dy writes both its 1x128 rows and its
+transposed token tiles; the expert padding of the wgrad operand is an index read in the load; w
+and w^T from one read), "torch" the reference ops, "auto" Triton on CUDA. Both give the same bits.
 
 Legend: T tokens, R rows, P padded rows, E experts, I / O input / output dims, B blocks of 128.
 """
@@ -22,9 +25,11 @@ import torch.nn.functional as F
 from .blockwise import FP8_BLOCK, quantize_128x128, quantize_1x128
 from .cache import WeightCache
 from .gemm import GemmBackend
-from .grouping import pad_groups
+from .grouping import gather_rows, padded_source_rows
 
 __all__ = ["Fp8BlockwiseGemm", "has_blockwise_scaled_mm"]
+
+QUANT = ("auto", "triton", "torch")
 
 
 def has_blockwise_scaled_mm() -> bool:
@@ -36,16 +41,10 @@ def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
     return F.pad(x, (0, 0, 0, pad)) if pad else x
 
 
-def _weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _weights_torch(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """w [..., O, I] -> (data [..., O, I], data^T [..., I, O] contiguous, scales [..., O/128, I/128])."""
     data, scale = quantize_128x128(w)
     return data, data.transpose(-2, -1).contiguous(), scale
-
-
-def _tokens_major(x_TC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, C] (T a multiple of 128) quantized along the tokens, stored transposed: (data [C, T]
-    contiguous, scales [C, T/128]): the K-contiguous operand of a wgrad GEMM."""
-    return quantize_1x128(x_TC.t().contiguous(), -1)
 
 
 def _outer_major(s: torch.Tensor) -> torch.Tensor:
@@ -66,21 +65,53 @@ def _scaled_mm(a, sa, b, sb, recipe_b, out_dtype):
     return F.scaled_mm(a, b, sa, st.BlockWise1x128, sb, recipe_b, output_dtype=out_dtype)
 
 
+def _quantize(gemm: "Fp8BlockwiseGemm", x_RC: torch.Tensor, rows: bool, tokens: bool,
+              src_P: torch.Tensor | None = None, rows_out: int | None = None):
+    """x's 1x128 operands: (rows, tokens), each (data, scale) or None (blockwise_triton's
+    quantize_1x128_fused, whose reference this is: rows = quantize_1x128(x padded to rows_out, -1);
+    tokens = quantize_1x128(x_P^T) with x_P = x[src_P] or x padded to whole 128s, data [C, P])."""
+    outer = gemm.dense == "scaled_mm" and src_P is None  # cuBLAS's scale layout, for the dense GEMMs
+    if gemm.uses_triton(x_RC):
+        from .blockwise_triton import quantize_1x128_fused
+
+        return quantize_1x128_fused(x_RC, rows, tokens, src_P, rows_out, outer)
+    rq = tq = None
+    if rows:
+        pad = (rows_out if rows_out is not None else x_RC.shape[0]) - x_RC.shape[0]
+        d, s = quantize_1x128(F.pad(x_RC, (0, 0, 0, pad)) if pad else x_RC, -1)
+        rq = (d, _outer_major(s) if outer else s)
+    if tokens:
+        x_P = gather_rows(x_RC, src_P) if src_P is not None else _pad_rows(x_RC, FP8_BLOCK)
+        d, s = quantize_1x128(x_P.t().contiguous(), -1)
+        tq = (d, _outer_major(s) if outer else s)
+    return rq, tq
+
+
+def _weights(gemm: "Fp8BlockwiseGemm", w: torch.Tensor):
+    if gemm.uses_triton(w):
+        from .blockwise_triton import quantize_128x128_triton
+
+        return gemm.cache.get(w, "fp8_128x128", quantize_128x128_triton)
+    return gemm.cache.get(w, "fp8_128x128", _weights_torch)
+
+
+def _rows_out(gemm: "Fp8BlockwiseGemm", T: int) -> int:
+    return -(-T // gemm.row_multiple) * gemm.row_multiple
+
+
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TI: torch.Tensor, w_OI: torch.Tensor, gemm: "Fp8BlockwiseGemm"):
         T = x_TI.shape[0]
-        w_q, wt_q, w_s = gemm.cache.get(w_OI, "fp8_128x128", _weights)
-        x_p = _pad_rows(x_TI, gemm.row_multiple)
-        x_q, x_s = quantize_1x128(x_p, -1)
+        w_q, wt_q, w_s = _weights(gemm, w_OI)
+        (x_q, x_s), xt = _quantize(gemm, x_TI, True, True, rows_out=_rows_out(gemm, T))
         if gemm.dense == "scaled_mm":
-            y = _scaled_mm(x_q, _outer_major(x_s), w_q.t(), _tile_scales(w_s), F.ScalingType.BlockWise128x128,
-                           torch.bfloat16)
+            y = _scaled_mm(x_q, x_s, w_q.t(), _tile_scales(w_s), F.ScalingType.BlockWise128x128, torch.bfloat16)
         else:
             from .fp8_triton import fp8_grouped_mm_rows
 
-            y = fp8_grouped_mm_rows(x_q, x_s, w_q.t()[None], w_s.t()[None], _rows(x_p))
-        ctx.save_for_backward(*_tokens_major(_pad_rows(x_TI, FP8_BLOCK)), w_OI)
+            y = fp8_grouped_mm_rows(x_q, x_s, w_q.t()[None], w_s.t()[None], _rows(x_q))
+        ctx.save_for_backward(*xt, w_OI)
         ctx.gemm, ctx.x_dtype, ctx.tokens = gemm, x_TI.dtype, T
         return y[:T]
 
@@ -89,23 +120,23 @@ class _Fp8Linear(torch.autograd.Function):
         xt_q, xt_s, w_OI = ctx.saved_tensors
         gemm, T = ctx.gemm, ctx.tokens
         dx = dw = None
+        dyq, dyt = _quantize(gemm, dy_TO, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                             rows_out=_rows_out(gemm, T))
         if ctx.needs_input_grad[0]:
-            w_q, wt_q, w_s = gemm.cache.get(w_OI, "fp8_128x128", _weights)
-            dy_p = _pad_rows(dy_TO, gemm.row_multiple)
-            dy_q, dy_s = quantize_1x128(dy_p, -1)
+            w_q, wt_q, w_s = _weights(gemm, w_OI)
+            dy_q, dy_s = dyq
             if gemm.dense == "scaled_mm":
-                dx = _scaled_mm(dy_q, _outer_major(dy_s), wt_q.t(), _tile_scales(w_s.t()),
-                                F.ScalingType.BlockWise128x128, torch.bfloat16)
+                dx = _scaled_mm(dy_q, dy_s, wt_q.t(), _tile_scales(w_s.t()), F.ScalingType.BlockWise128x128,
+                                torch.bfloat16)
             else:
                 from .fp8_triton import fp8_grouped_mm_rows
 
-                dx = fp8_grouped_mm_rows(dy_q, dy_s, wt_q.t()[None], w_s[None], _rows(dy_p))
+                dx = fp8_grouped_mm_rows(dy_q, dy_s, wt_q.t()[None], w_s[None], _rows(dy_q))
             dx = dx[:T].to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            dyt_q, dyt_s = _tokens_major(_pad_rows(dy_TO, FP8_BLOCK))
+            dyt_q, dyt_s = dyt
             if gemm.dense == "scaled_mm":
-                dw = _scaled_mm(dyt_q, _outer_major(dyt_s), xt_q.t(), _outer_major(xt_s), F.ScalingType.BlockWise1x128,
-                                torch.float32)
+                dw = _scaled_mm(dyt_q, dyt_s, xt_q.t(), xt_s, F.ScalingType.BlockWise1x128, torch.float32)
             else:
                 from .fp8_triton import fp8_grouped_mm_k
 
@@ -124,12 +155,13 @@ class _Fp8GroupedMM(torch.autograd.Function):
     def forward(ctx, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor, gemm: "Fp8BlockwiseGemm"):
         from .fp8_triton import fp8_grouped_mm_rows
 
-        w_q, wt_q, w_s = gemm.cache.get(w_EOI, "fp8_128x128", _weights)
-        x_q, x_s = quantize_1x128(x_RI, -1)
+        w_q, wt_q, w_s = _weights(gemm, w_EOI)
+        # the wgrad operand: each expert's rows padded to whole 128s, read through an index
+        src_P, padded_offsets_E = padded_source_rows(offsets_E, x_RI.shape[0], FP8_BLOCK)
+        (x_q, x_s), xt = _quantize(gemm, x_RI, True, True, src_P)
         # B[e] = w[e]^T [I, O], K-contiguous; its tiles [E, I/128, O/128]
         y_RO = fp8_grouped_mm_rows(x_q, x_s, w_q.transpose(1, 2), w_s.transpose(1, 2), offsets_E)
-        x_PI, padded_offsets_E = pad_groups(x_RI, offsets_E, FP8_BLOCK)
-        ctx.save_for_backward(*_tokens_major(x_PI), w_EOI, offsets_E, padded_offsets_E)
+        ctx.save_for_backward(*xt, w_EOI, offsets_E, src_P, padded_offsets_E)
         ctx.gemm, ctx.x_dtype = gemm, x_RI.dtype
         return y_RO
 
@@ -137,34 +169,39 @@ class _Fp8GroupedMM(torch.autograd.Function):
     def backward(ctx, dy_RO: torch.Tensor):
         from .fp8_triton import fp8_grouped_mm_k, fp8_grouped_mm_rows
 
-        xt_q, xt_s, w_EOI, offsets_E, padded_offsets_E = ctx.saved_tensors
+        xt_q, xt_s, w_EOI, offsets_E, src_P, padded_offsets_E = ctx.saved_tensors
         gemm = ctx.gemm
         dx = dw = None
+        dyq, dyt = _quantize(gemm, dy_RO, ctx.needs_input_grad[0], ctx.needs_input_grad[1], src_P)
         if ctx.needs_input_grad[0]:
-            w_q, wt_q, w_s = gemm.cache.get(w_EOI, "fp8_128x128", _weights)
-            dy_q, dy_s = quantize_1x128(dy_RO, -1)
+            w_q, wt_q, w_s = _weights(gemm, w_EOI)
             # B[e] = w[e] [O, I] read from w^T's storage (K = O contiguous); tiles [E, O/128, I/128]
-            dx = fp8_grouped_mm_rows(dy_q, dy_s, wt_q.transpose(1, 2), w_s, offsets_E).to(ctx.x_dtype)
+            dx = fp8_grouped_mm_rows(*dyq, wt_q.transpose(1, 2), w_s, offsets_E).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            dy_PO, _ = pad_groups(dy_RO, offsets_E, FP8_BLOCK)
-            dyt_q, dyt_s = _tokens_major(dy_PO)
-            dw = fp8_grouped_mm_k(dyt_q, dyt_s, xt_q, xt_s, padded_offsets_E).to(w_EOI.dtype)
+            dw = fp8_grouped_mm_k(*dyt, xt_q, xt_s, padded_offsets_E).to(w_EOI.dtype)
         return dx, dw, None, None
 
 
 class Fp8BlockwiseGemm(GemmBackend):
     """FP8 blockwise on the GPU (see the module docstring). ``dense``: "scaled_mm" (cuBLAS through
-    F.scaled_mm) or "triton" (the grouped kernel, one group)."""
+    F.scaled_mm) or "triton" (the grouped kernel, one group). ``quant``: "auto" (the fused Triton
+    quantization kernels on CUDA, torch ops elsewhere), "triton" or "torch"."""
 
     name = "fp8_blockwise"
     label = "fp8_blockwise (1x128 / 128x128 FP8 GEMMs)"
 
-    def __init__(self, dense: str = "scaled_mm") -> None:
+    def __init__(self, dense: str = "scaled_mm", quant: str = "auto") -> None:
         if dense not in ("scaled_mm", "triton"):
             raise ValueError(f"dense must be 'scaled_mm' or 'triton', got {dense!r}")
-        self.dense = dense
+        if quant not in QUANT:
+            raise ValueError(f"quant must be one of {QUANT}, got {quant!r}")
+        self.dense, self.quant = dense, quant
         self.row_multiple = 4 if dense == "scaled_mm" else 1  # cuBLAS: the 1x128 scales' rows in 4s
         self.cache = WeightCache()
+
+    def uses_triton(self, x: torch.Tensor) -> bool:
+        """Whether x's quantization runs the fused Triton kernels."""
+        return self.quant == "triton" or (self.quant == "auto" and x.is_cuda)
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         x_TI = x.reshape(-1, x.shape[-1])
@@ -177,4 +214,4 @@ class Fp8BlockwiseGemm(GemmBackend):
         self.cache.invalidate()
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(dense={self.dense!r})"
+        return f"{type(self).__name__}(dense={self.dense!r}, quant={self.quant!r})"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["grouped_mm_2d2d", "grouped_mm_2d3d", "pad_groups", "padded_rows"]
+__all__ = ["gather_rows", "grouped_mm_2d2d", "grouped_mm_2d3d", "pad_groups", "padded_rows", "padded_source_rows"]
 
 
 def padded_rows(rows: int, groups: int, multiple: int) -> int:
@@ -27,20 +27,32 @@ def pad_groups(x_RC: torch.Tensor, offsets_E: torch.Tensor, multiple: int) -> tu
     """x_RC [R, C] in groups [offsets_E[e-1], offsets_E[e]) -> (x_PC [P, C], padded_offsets_E int32):
     group e's rows start at padded_offsets_E[e-1], a multiple of ``multiple``, followed by zero rows
     up to the next multiple. Rows past offsets_E[-1] are dropped. No host sync."""
-    R, E = x_RC.shape[0], offsets_E.numel()
-    P = padded_rows(R, E, multiple)
+    src_P, padded_offsets_E = padded_source_rows(offsets_E, x_RC.shape[0], multiple)
+    return gather_rows(x_RC, src_P), padded_offsets_E
+
+
+def padded_source_rows(offsets_E: torch.Tensor, rows: int, multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """pad_groups as an index: (src_P int32 [P], padded_offsets_E int32) with src_P[p] the row of x
+    that row p of pad_groups(x, offsets_E, multiple) holds, -1 for a zero row. A kernel that reads
+    x[src_P] makes the padded operand without the padded copy. No host sync."""
+    E = offsets_E.numel()
+    P = padded_rows(rows, E, multiple)
     offsets_E = offsets_E.to(torch.int64)
     sizes_E = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1))
     padded_sizes_E = (sizes_E + multiple - 1) // multiple * multiple
     padded_offsets_E = torch.cumsum(padded_sizes_E, 0)
-    rows_R = torch.arange(R, device=x_RC.device)
-    group_R = torch.searchsorted(offsets_E, rows_R, right=True).clamp_max(E - 1)
-    shift_E = (padded_offsets_E - padded_sizes_E) - (offsets_E - sizes_E)  # padded start - start
-    dest_R = rows_R + shift_E[group_R]
-    dest_R = torch.where(rows_R < offsets_E[-1], dest_R, P)  # the rows past the end go to a spare row
-    out_PC = x_RC.new_zeros(P + 1, x_RC.shape[1])
-    out_PC[dest_R] = x_RC
-    return out_PC[:P], padded_offsets_E.to(torch.int32)
+    p_P = torch.arange(P, device=offsets_E.device)
+    group_P = torch.searchsorted(padded_offsets_E, p_P, right=True).clamp_max(E - 1)
+    within_P = p_P - (padded_offsets_E - padded_sizes_E)[group_P]
+    src_P = (offsets_E - sizes_E)[group_P] + within_P
+    src_P = torch.where((within_P < sizes_E[group_P]) & (p_P < padded_offsets_E[-1]), src_P, -1)
+    return src_P.to(torch.int32), padded_offsets_E.to(torch.int32)
+
+
+def gather_rows(x_RC: torch.Tensor, src_P: torch.Tensor) -> torch.Tensor:
+    """x[src_P] with zero rows where src_P < 0 (the torch reference of a gathering kernel)."""
+    rows = x_RC[src_P.clamp_min(0).long()]
+    return torch.where((src_P >= 0)[:, None], rows, torch.zeros((), dtype=x_RC.dtype, device=x_RC.device))
 
 
 def grouped_mm_2d3d(a_RK: torch.Tensor, b_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:

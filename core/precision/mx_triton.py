@@ -1,13 +1,20 @@
-"""Triton MX quantization: the GPU path of mx.quantize_mx, with the same signature and results.
+"""Triton MX quantization: the GPU path of mx.quantize_mx / dequantize_mx and of the emulation's fused
+quantize-dequantize, bit for bit the reference's results.
 
-One program quantizes ROWS x 32 elements: ROWS rows of a 2-D view, one 32-element block each, read
-with the view's strides, so blocks along the last dim (row-wise, x [M, K]) and along the first dim
-(column-wise, the same x for its transpose's GEMM) are the same kernel without a copy. The scale
-exponent comes from the bits of amax (floor) or of amax / 448 (rceil, exact ceil); scaling is by an
-exact power of two built from bits; the only rounding is the hardware's fp32 -> e4m3 conversion
-(round to nearest even, saturating).
+One kernel (``_mx_quantize_kernel``) reads a 2-D view [P, C] once and writes what the caller asks:
+the fp8 payload (e4m3 data + E8M0 codes) and/or the dequantized bf16 (the emulated GEMMs' operand:
+one read, one write, nothing in between). Blocks of 32 run along C (``axis=-1``, each row's) or
+along P (``axis=0``, each column's: the wgrad operand along the tokens, read in [32, 256] tiles so
+the loads stay coalesced, no transposed copy). The rows of the view may be gathered: row p reads
+x[src_rows[p]], or zeros where src_rows[p] < 0, which is grouping.pad_groups fused into the load.
+``_mx_dequantize_kernel`` turns a payload back into bf16.
 
-Legend: M rows, K the quantized dim (blocks of 32 along it), B = K / 32 blocks per row.
+Bits: the scale exponent comes from the bits of amax (floor) or of amax / 448 (rceil, exact ceil);
+scaling is by exact powers of two built from bits; the only rounding is to E4M3, done in fp32 by
+bit arithmetic (``round_to_e4m3``), so the interpreter agrees with the GPU. The jit helpers here
+(``round_to_e4m3``, ``mx_exponent``, ``exp2_int``, ``store_rounded``) are shared with blockwise_triton.
+
+Legend: P rows of the view, C its columns, R rows of the source (gathered views), B blocks.
 """
 
 from __future__ import annotations
@@ -18,11 +25,15 @@ import triton.language as tl
 
 from .mx import E4M3_MAX, MX_BLOCK, SCALE_MODES
 
-__all__ = ["quantize_mx_triton"]
+__all__ = ["dequantize_mx_triton", "exp2_int", "mx_exponent", "mx_qdq_triton", "quantize_mx_triton",
+           "round_to_e4m3", "store_rounded"]
+
+_ROWS_TILE = (32, 128)   # axis -1: 32 rows x 4 blocks of 32
+_COLS_TILE = (32, 256)   # axis 0: one block of 32 rows x 256 columns
 
 
 @triton.jit
-def _round_to_e4m3(q):
+def round_to_e4m3(q):
     """Round fp32 |q| <= 448 to the nearest E4M3 value, ties to even, in fp32 (so the final cast is
     exact whatever the conversion's own rounding, and the interpreter agrees with the GPU)."""
     bits = q.to(tl.int32, bitcast=True)
@@ -37,18 +48,9 @@ def _round_to_e4m3(q):
 
 
 @triton.jit
-def _mx_quantize_kernel(
-    x_ptr, data_ptr, scale_ptr, M, B,
-    stride_xm, stride_xk, stride_dm, stride_dk, stride_sm, stride_sb,
-    FLOOR: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-):
-    pid_m, b = tl.program_id(0), tl.program_id(1)
-    rows = pid_m * ROWS + tl.arange(0, ROWS)
-    cols = b * BLOCK + tl.arange(0, BLOCK)
-    mask = (rows < M)[:, None]
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)  # max ignores NaN on the GPU: look for them apart
-    finite = (tl.max((x != x).to(tl.int32), axis=1) == 0) & (amax < float("inf"))
+def mx_exponent(amax, FLOOR: tl.constexpr):
+    """The block scale's unbiased exponent from fp32 amax >= 0, clamped to [-127, 127], -127 for a
+    zero block: floor(log2 amax) - 8 (FLOOR) or ceil(log2(amax / 448)) from the bits."""
     if FLOOR:
         bits = amax.to(tl.int32, bitcast=True)
         e = ((bits >> 23) & 0xFF) - 127 - 8  # floor(log2 amax) - floor(log2 448); subnormal amax clamps anyway
@@ -59,43 +61,184 @@ def _mx_quantize_kernel(
         e_subnormal = tl.where(mantissa > (1 << 22), -126, -127)  # d = mantissa * 2^-149 > 2^-127 ?
         e = tl.where(field == 0, e_subnormal, e_normal)
     e = tl.where(amax > 0, e, -127)
-    e = tl.minimum(tl.maximum(e, -127), 127)
+    return tl.minimum(tl.maximum(e, -127), 127)
+
+
+@triton.jit
+def exp2_int(e):
+    """fp32 2^e for int32 e in [-127, 127], from its bits (2^-127 is the subnormal 1 << 22)."""
+    return tl.where(e == -127, 1 << 22, (e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def store_rounded(ptrs, v, mask, OUT_BF16: tl.constexpr):
+    """Store fp32 v, as bf16 rounded to nearest even by its bits when OUT_BF16 (subnormals kept: the
+    interpreter's conversion flushes them), else as the pointers' dtype."""
+    if OUT_BF16:
+        bits = v.to(tl.int32, bitcast=True)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16)
+        tl.store(ptrs, rounded.to(tl.bfloat16, bitcast=True), mask=mask)
+    else:
+        tl.store(ptrs, v.to(ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _signed_e4m3(x, inv):
+    """x * inv saturated to +-448 and rounded to E4M3 (fp32 values), the sign taken from x's bits
+    (negation may lower to 0 - q, which loses -0.0)."""
+    q = round_to_e4m3(tl.minimum(tl.maximum(x * inv, -448.0), 448.0))
+    sign = x.to(tl.int32, bitcast=True) & (-2147483648)
+    return (tl.abs(q).to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _tile(pid_p, pid_c, ALONG_C: tl.constexpr, TP: tl.constexpr, TC: tl.constexpr):
+    """A program's elements (p rows, c columns, i block ids). ALONG_C: [TP * TC / 32, 32], block i
+    is row p[i], columns c[i, :]; else [32, TC], one block per column."""
+    i = tl.arange(0, TP * (TC // 32))
+    if ALONG_C:
+        p = pid_p * TP + i // (TC // 32)
+        c = pid_c * TC + (i % (TC // 32))[:, None] * 32 + tl.arange(0, 32)[None, :]
+    else:
+        p = pid_p * 32 + tl.arange(0, 32)
+        c = pid_c * TC + tl.arange(0, TC)[None, :]
+    return p, c, i
+
+
+@triton.jit
+def _mx_quantize_kernel(
+    x_ptr, src_ptr, out_ptr, data_ptr, scale_ptr, P, R, C,
+    s_xp, s_xc, s_op, s_oc, s_dp, s_dc, s_sp, s_sc,
+    ALONG_C: tl.constexpr, GATHER: tl.constexpr, WRITE_OUT: tl.constexpr, WRITE_PAYLOAD: tl.constexpr,
+    FLOOR: tl.constexpr, OUT_BF16: tl.constexpr, TP: tl.constexpr, TC: tl.constexpr,
+):
+    pid_p, pid_c = tl.program_id(0), tl.program_id(1)
+    p, c, i = _tile(pid_p, pid_c, ALONG_C, TP, TC)
+    p2 = p[:, None]
+    if GATHER:
+        src = tl.load(src_ptr + p, mask=p < P, other=-1)
+        valid = src >= 0
+    else:
+        src = p
+        valid = p < R
+    mask = (p2 < P) & (c < C)
+    x = tl.load(x_ptr + src[:, None].to(tl.int64) * s_xp + c * s_xc, mask=mask & valid[:, None],
+                other=0.0).to(tl.float32)
+    # max ignores NaN on the GPU: look for them apart
+    if ALONG_C:
+        amax = tl.max(tl.abs(x), axis=1)
+        finite = (tl.max((x != x).to(tl.int32), axis=1) == 0) & (amax < float("inf"))
+    else:
+        amax = tl.max(tl.abs(x), axis=0)
+        finite = (tl.max((x != x).to(tl.int32), axis=0) == 0) & (amax < float("inf"))
+    e = mx_exponent(amax, FLOOR)
     code = tl.where(finite, e + 127, 255)
     e = tl.where(finite, e, 0)  # a NaN-scale block dequantizes to NaN: its data bits are unspecified
-    # 2^-e from its bits: exponent field 127 - e in [0, 254]; 0 (e = 127) is the subnormal 2^-127.
-    inv_bits = tl.where(e == 127, 1 << 22, (127 - e) << 23)
-    inv = inv_bits.to(tl.float32, bitcast=True)
-    q = _round_to_e4m3(tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0))
-    # the sign bit from x's own bits, set by bits (negation may lower to 0 - q, which loses -0.0)
-    sign = x.to(tl.int32, bitcast=True) & (-2147483648)
-    q = (tl.abs(q).to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-    tl.store(data_ptr + rows[:, None] * stride_dm + cols[None, :] * stride_dk, q.to(tl.float8e4nv), mask=mask)
-    tl.store(scale_ptr + rows * stride_sm + b * stride_sb, code.to(tl.uint8), mask=rows < M)
+    if ALONG_C:
+        e2, finite2 = e[:, None], finite[:, None]
+    else:
+        e2, finite2 = e[None, :], finite[None, :]
+    q = _signed_e4m3(x, exp2_int(-e2))
+    if WRITE_OUT:
+        deq = tl.where(finite2, q * exp2_int(e2), float("nan"))
+        store_rounded(out_ptr + p2.to(tl.int64) * s_op + c * s_oc, deq, mask, OUT_BF16)
+    if WRITE_PAYLOAD:
+        tl.store(data_ptr + p2.to(tl.int64) * s_dp + c * s_dc, q.to(tl.float8e4nv), mask=mask)
+        if ALONG_C:
+            b = pid_c * (TC // 32) + i % (TC // 32)
+            tl.store(scale_ptr + p.to(tl.int64) * s_sp + b * s_sc, code.to(tl.uint8), mask=p < P)
+        else:
+            cc = pid_c * TC + tl.arange(0, TC)
+            tl.store(scale_ptr + pid_p.to(tl.int64) * s_sp + cc * s_sc, code.to(tl.uint8), mask=cc < C)
 
 
-def quantize_mx_triton(x: torch.Tensor, block: int = MX_BLOCK, axis: int = -1,
-                       scale_mode: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_mx for a 2-D x (axis 0 or -1/1), on the GPU (or under TRITON_INTERPRET=1)."""
+@triton.jit
+def _mx_dequantize_kernel(data_ptr, scale_ptr, out_ptr, P, C, s_dp, s_dc, s_sp, s_sc, s_op, s_oc,
+                          ALONG_C: tl.constexpr, OUT_BF16: tl.constexpr, TP: tl.constexpr, TC: tl.constexpr):
+    pid_p, pid_c = tl.program_id(0), tl.program_id(1)
+    p, c, i = _tile(pid_p, pid_c, ALONG_C, TP, TC)
+    if ALONG_C:
+        code = tl.load(scale_ptr + p.to(tl.int64) * s_sp + (pid_c * (TC // 32) + i % (TC // 32)) * s_sc, mask=p < P, other=0)
+        code2 = code.to(tl.int32)[:, None]
+    else:
+        code = tl.load(scale_ptr + pid_p.to(tl.int64) * s_sp + c * s_sc, mask=c < C, other=0)
+        code2 = code.to(tl.int32)
+    p2 = p[:, None]
+    mask = (p2 < P) & (c < C)
+    d = tl.load(data_ptr + p2.to(tl.int64) * s_dp + c * s_dc, mask=mask, other=0.0).to(tl.float32)
+    deq = tl.where(code2 == 255, float("nan"), d * exp2_int(tl.where(code2 == 255, 127, code2) - 127))
+    store_rounded(out_ptr + p2.to(tl.int64) * s_op + c * s_oc, deq, mask, OUT_BF16)
+
+
+def _check(x: torch.Tensor, axis: int, block: int, scale_mode: str, rows: int) -> int:
     if scale_mode not in SCALE_MODES:
         raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
     if x.dim() != 2 or block != MX_BLOCK:
-        raise ValueError(f"the Triton MX kernel takes 2-D tensors and blocks of {MX_BLOCK}; use quantize_mx")
+        raise ValueError(f"the Triton MX kernels take 2-D tensors and blocks of {MX_BLOCK}; use quantize_mx")
     axis = axis % 2
-    n = x.shape[axis]
+    n = rows if axis == 0 else x.shape[1]
     if n % block:
         raise ValueError(f"MX blocks of {block} must divide the quantized dimension (axis {axis}, size {n}): "
                          f"pad it to a multiple of {block}")
-    data = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
-    scale_shape = (x.shape[0] // block, x.shape[1]) if axis == 0 else (x.shape[0], x.shape[1] // block)
-    scale = torch.empty(scale_shape, dtype=torch.uint8, device=x.device)
-    # A [M, K] view with the blocks along K: the tensor itself (axis 1) or its transpose (axis 0).
-    xv, dv, sv = (x, data, scale) if axis == 1 else (x.t(), data.t(), scale.t())
-    M, B = xv.shape[0], xv.shape[1] // block
-    rows = 32
-    grid = (triton.cdiv(M, rows), B)
+    assert E4M3_MAX == 448.0  # the kernels' clamp
+    return axis
+
+
+def _launch(x, axis, scale_mode, src_rows, out_dtype, payload):
+    P = x.shape[0] if src_rows is None else src_rows.numel()
+    C = x.shape[1]
+    axis = _check(x, axis, MX_BLOCK, scale_mode, P)
+    dev = x.device
+    out = torch.empty(P, C, dtype=out_dtype, device=dev) if out_dtype is not None else None
+    data = scale = None
+    if payload:
+        data = torch.empty(P, C, dtype=torch.float8_e4m3fn, device=dev)
+        scale = torch.empty((P, C // MX_BLOCK) if axis == 1 else (P // MX_BLOCK, C), dtype=torch.uint8, device=dev)
+    TP, TC = _ROWS_TILE if axis == 1 else _COLS_TILE
+    grid = (triton.cdiv(P, TP if axis == 1 else MX_BLOCK), triton.cdiv(C, TC))
+    dummy = x  # pointers the kernel never touches
+    o, d, s = (out if out is not None else dummy), (data if payload else dummy), (scale if payload else dummy)
     _mx_quantize_kernel[grid](
-        xv, dv, sv, M, B, xv.stride(0), xv.stride(1), dv.stride(0), dv.stride(1), sv.stride(0), sv.stride(1),
-        FLOOR=scale_mode == "floor", ROWS=rows, BLOCK=block,
+        x, src_rows if src_rows is not None else dummy, o, d, s, P, x.shape[0], C,
+        x.stride(0), x.stride(1), o.stride(0), o.stride(1), d.stride(0), d.stride(1), s.stride(0), s.stride(1),
+        ALONG_C=axis == 1, GATHER=src_rows is not None, WRITE_OUT=out is not None, WRITE_PAYLOAD=payload,
+        FLOOR=scale_mode == "floor", OUT_BF16=out_dtype == torch.bfloat16, TP=TP, TC=TC, num_warps=4,
     )
-    assert E4M3_MAX == 448.0  # the kernel's clamp
+    return out, data, scale
+
+
+def quantize_mx_triton(x: torch.Tensor, block: int = MX_BLOCK, axis: int = -1, scale_mode: str = "rceil",
+                       src_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_mx for a 2-D x [P, C] (axis 0 or -1/1), on the GPU (or under TRITON_INTERPRET=1).
+    ``src_rows`` (int32 [P], -1 for a zero row): quantize x[src_rows] without making it."""
+    if block != MX_BLOCK:
+        raise ValueError(f"the Triton MX kernels take blocks of {MX_BLOCK}; use quantize_mx")
+    _, data, scale = _launch(x, axis, scale_mode, src_rows, None, True)
     return data, scale
+
+
+def mx_qdq_triton(x: torch.Tensor, axis: int = -1, scale_mode: str = "rceil", out_dtype: torch.dtype = torch.bfloat16,
+                  src_rows: torch.Tensor | None = None, payload: bool = False):
+    """dequantize_mx(quantize_mx(x, axis)) in ``out_dtype`` for a 2-D x, one read and one write
+    (``src_rows`` as quantize_mx_triton's). With ``payload`` -> (out, data, scale), else out."""
+    out, data, scale = _launch(x, axis, scale_mode, src_rows, out_dtype, payload)
+    return (out, data, scale) if payload else out
+
+
+def dequantize_mx_triton(data: torch.Tensor, scale: torch.Tensor, block: int = MX_BLOCK, axis: int = -1,
+                         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """dequantize_mx for 2-D data, in ``out_dtype`` (as the reference's fp32 result cast to it)."""
+    axis = _check(data, axis, block, "rceil", data.shape[0])
+    P, C = data.shape
+    want = (P, C // block) if axis == 1 else (P // block, C)
+    if tuple(scale.shape) != want:
+        raise ValueError(f"scale of shape {tuple(scale.shape)} does not match data {tuple(data.shape)} in "
+                         f"blocks of {block} along axis {axis}")
+    out = torch.empty(P, C, dtype=out_dtype, device=data.device)
+    TP, TC = _ROWS_TILE if axis == 1 else _COLS_TILE
+    grid = (triton.cdiv(P, TP if axis == 1 else MX_BLOCK), triton.cdiv(C, TC))
+    _mx_dequantize_kernel[grid](data, scale, out, P, C, data.stride(0), data.stride(1), scale.stride(0),
+                                scale.stride(1), out.stride(0), out.stride(1), ALONG_C=axis == 1,
+                                OUT_BF16=out_dtype == torch.bfloat16, TP=TP, TC=TC,
+                                num_warps=4)
+    return out

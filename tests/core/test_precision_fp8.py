@@ -16,13 +16,13 @@ from tests.core.test_precision_emulated import FORMATS, check_grouped, close, wi
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def check_fp8(device: str, dense_modes=("triton",)) -> None:
+def check_fp8(device: str, dense_modes=("triton",), quant: str = "auto") -> None:
     from moetron.core.precision.fp8_gemm import Fp8BlockwiseGemm
 
     _, act, wq = FORMATS["fp8_blockwise"]
     E, I, O = 3, 256, 128
     offsets = torch.tensor([40, 40, 140, 150], device=device)  # an empty expert, ragged sizes
-    gemm = Fp8BlockwiseGemm("triton")
+    gemm = Fp8BlockwiseGemm("triton", quant)
     x = wide(160, I, seed=1).to(device).requires_grad_()
     w = wide(E + 1, O, I, seed=2).to(device).requires_grad_()
     dy = wide(160, O, seed=3).bfloat16().float().to(device)
@@ -34,7 +34,7 @@ def check_fp8(device: str, dense_modes=("triton",)) -> None:
     xc.grad, wc.grad = cpu(x.grad), cpu(w.grad)
     check_grouped(act, wq, xc, wc, offsets.cpu(), cpu(y).float(), dyc)
     for dense in dense_modes:
-        gemm = Fp8BlockwiseGemm(dense)
+        gemm = Fp8BlockwiseGemm(dense, quant)
         x2 = wide(200, I, seed=4).to(device).requires_grad_()  # not a whole number of 128 tokens
         w2 = wide(O, I, seed=5).to(device).requires_grad_()
         dy2 = wide(200, O, seed=6).bfloat16().float().to(device)
@@ -46,9 +46,12 @@ def check_fp8(device: str, dense_modes=("triton",)) -> None:
         close(cpu(w2.grad), act(dy2c, 0).T, act(x2c, 0), f"{dense} wgrad")
 
 
-def test_triton_fp8_interpreted_matches_float64():
+@pytest.mark.parametrize("quant", ["torch", "triton"])
+def test_triton_fp8_interpreted_matches_float64(quant):
+    """The GEMM kernels with the torch quantization and with the fused quantization kernels."""
     pytest.importorskip("triton")
-    code = f"import sys; sys.path.insert(0, {ROOT!r}); from tests.core.test_precision_fp8 import check_fp8; check_fp8('cpu')"
+    code = (f"import sys; sys.path.insert(0, {ROOT!r}); from tests.core.test_precision_fp8 import check_fp8; "
+            f"check_fp8('cpu', quant={quant!r})")
     proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"),
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

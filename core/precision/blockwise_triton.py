@@ -1,0 +1,157 @@
+"""Triton FP8 blockwise quantization (the GPU path of core.precision.blockwise), bit for bit the
+torch reference's codes: one read of the operand, every output written from registers.
+
+- ``quantize_1x128_fused``: x [R, C] -> its 1x128 tiles along C ("rows": the forward's and the
+  dgrad's A operand, [R, C] e4m3 + [R, C / 128] scales) and/or along the rows ("tokens": the wgrad's
+  operand, written transposed, [C, P] e4m3 contiguous + [C, P / 128] scales: x^T is never made),
+  from one read of each 128 x 128 tile. The tokens output may be grouped: row p of the padded
+  layout reads x[src_rows[p]], or zeros where src_rows[p] < 0 (grouping.padded_source_rows; the
+  same bits as quantizing grouping.pad_groups' output). Rows output then go to the source rows.
+- ``quantize_128x128_triton``: a weight [..., O, I] -> (e4m3 w, e4m3 w^T [..., I, O] contiguous,
+  scales [..., O / 128, I / 128]), one read.
+
+Scales are 2^ceil(log2(amax / 448)) from the bits (mx_triton.mx_exponent, rceil), 1 for a block
+holding NaN or inf (the reference's choice); data = x / scale saturated to +-448, rounded to E4M3
+in fp32 by bits; a NaN element stays NaN. Scale tensors may be given any strides (F.scaled_mm
+wants the 1x128 scales outer-major: ``outer_major=True``).
+
+Legend: R rows, C columns, P padded rows (the tokens output), O / I a weight's dims.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .blockwise import FP8_BLOCK
+from .mx_triton import exp2_int, mx_exponent, round_to_e4m3
+
+__all__ = ["quantize_128x128_triton", "quantize_1x128_fused"]
+
+
+@triton.jit
+def _fp8_tile(x, amax, nan_count):
+    """(e4m3 values in fp32 of the tile x given its blocks' amax broadcast to x's shape, the
+    blocks' fp32 scales): nothing but the one rounding, a NaN element kept NaN."""
+    finite = (nan_count == 0) & (amax < float("inf"))
+    e = tl.where(finite, mx_exponent(amax, False), 0)
+    q = round_to_e4m3(tl.minimum(tl.maximum(x * exp2_int(-e), -448.0), 448.0))
+    sign = x.to(tl.int32, bitcast=True) & (-2147483648)
+    q = (tl.abs(q).to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    return tl.where(x == x, q, x), exp2_int(e)
+
+
+@triton.jit
+def _fp8_quantize_1x128_kernel(
+    x_ptr, src_ptr, rd_ptr, rs_ptr, td_ptr, ts_ptr, R, P, C, R_OUT,
+    s_xr, s_xc, s_rdr, s_rdc, s_rsr, s_rsb, s_tdc, s_tdp, s_tsc, s_tsb,
+    GATHER: tl.constexpr, ROWS: tl.constexpr, TOKENS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    pid_c, pid_p = tl.program_id(0), tl.program_id(1)
+    p = pid_p * BLOCK + tl.arange(0, BLOCK)
+    c = pid_c * BLOCK + tl.arange(0, BLOCK)
+    if GATHER:
+        src = tl.load(src_ptr + p, mask=p < P, other=-1)
+        valid = src >= 0
+        row_out = valid
+    else:
+        src = p
+        valid = p < R
+        row_out = p < R_OUT  # rows R..R_OUT: zero padding rows, quantized as zeros
+    x = tl.load(x_ptr + src[:, None].to(tl.int64) * s_xr + c[None, :] * s_xc, mask=valid[:, None],
+                other=0.0).to(tl.float32)
+    nan = (x != x).to(tl.int32)
+    if ROWS:
+        amax = tl.max(tl.abs(x), axis=1)
+        q, scale = _fp8_tile(x, amax[:, None], tl.max(nan, axis=1)[:, None])
+        src64 = src.to(tl.int64)
+        tl.store(rd_ptr + src64[:, None] * s_rdr + c[None, :] * s_rdc, q.to(tl.float8e4nv), mask=row_out[:, None])
+        tl.store(rs_ptr + src64 * s_rsr + pid_c * s_rsb, tl.max(scale, axis=1), mask=row_out)
+    if TOKENS:
+        amax = tl.max(tl.abs(x), axis=0)
+        q, scale = _fp8_tile(x, amax[None, :], tl.max(nan, axis=0)[None, :])
+        qt = tl.trans(q.to(tl.float8e4nv))  # [C tile, P tile], written with P contiguous
+        tl.store(td_ptr + c[:, None].to(tl.int64) * s_tdc + p[None, :] * s_tdp, qt, mask=(p < P)[None, :])
+        tl.store(ts_ptr + c.to(tl.int64) * s_tsc + pid_p * s_tsb, tl.max(scale, axis=0))
+
+
+@triton.jit
+def _fp8_quantize_128x128_kernel(w_ptr, d_ptr, dt_ptr, s_ptr, O, I, BLOCK: tl.constexpr):
+    """w [G, O, I] contiguous; one program per 128 x 128 tile: d [G, O, I], dt [G, I, O], s [G, O/128, I/128]."""
+    pid_i, pid_o, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o = pid_o * BLOCK + tl.arange(0, BLOCK)
+    i = pid_i * BLOCK + tl.arange(0, BLOCK)
+    base = g.to(tl.int64) * O * I
+    x = tl.load(w_ptr + base + o[:, None] * I + i[None, :]).to(tl.float32)
+    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    nan = tl.max(tl.max((x != x).to(tl.int32), axis=1), axis=0)
+    q, scale = _fp8_tile(x, amax, nan)
+    q8 = q.to(tl.float8e4nv)
+    tl.store(d_ptr + base + o[:, None] * I + i[None, :], q8)
+    tl.store(dt_ptr + base + i[:, None] * O + o[None, :], tl.trans(q8))
+    tl.store(s_ptr + g.to(tl.int64) * (O // BLOCK) * (I // BLOCK) + pid_o * (I // BLOCK) + pid_i, scale)
+
+
+def _scales(rows: int, blocks: int, outer_major: bool, device) -> torch.Tensor:
+    if outer_major:
+        return torch.empty(blocks, rows, dtype=torch.float32, device=device).t()
+    return torch.empty(rows, blocks, dtype=torch.float32, device=device)
+
+
+def quantize_1x128_fused(x_RC: torch.Tensor, rows: bool = True, tokens: bool = True,
+                         src_rows_P: torch.Tensor | None = None, rows_out: int | None = None,
+                         outer_major: bool = False):
+    """x [R, C] (C a multiple of 128) -> (rows, tokens), each (data, scale) or None:
+
+    - rows: quantize_1x128(x, -1) over ``rows_out`` rows (default R; rows past R are zeros): e4m3
+      [rows_out, C], fp32 [rows_out, C / 128]. With ``src_rows_P``, only the rows some p reads are
+      written (the rest of the outputs is unspecified).
+    - tokens: quantize_1x128(x_P^T, -1) for x_P = x padded with zero rows to P = ceil(R / 128) x 128,
+      or x_P = x[src_rows_P] (zeros where < 0; P = len(src_rows_P), a multiple of 128): e4m3 [C, P],
+      fp32 [C, P / 128].
+
+    ``outer_major``: scales laid out rows-fastest (stride (1, rows)), as F.scaled_mm wants them."""
+    R, C = x_RC.shape
+    if C % FP8_BLOCK:
+        raise ValueError(f"fp8 1x128 tiles must divide the columns ({C}): pad them to a multiple of {FP8_BLOCK}")
+    dev = x_RC.device
+    P = src_rows_P.numel() if src_rows_P is not None else -(-R // FP8_BLOCK) * FP8_BLOCK
+    if P % FP8_BLOCK:
+        raise ValueError(f"the padded rows ({P}) must be a multiple of {FP8_BLOCK}")
+    R_OUT = R if rows_out is None else rows_out
+    if src_rows_P is None and R_OUT > P:
+        raise ValueError(f"rows_out ({R_OUT}) may pad R ({R}) by less than {FP8_BLOCK}")
+    B = C // FP8_BLOCK
+    rq = (torch.empty(R_OUT, C, dtype=torch.float8_e4m3fn, device=dev), _scales(R_OUT, B, outer_major, dev)) if rows else None
+    tq = (torch.empty(C, P, dtype=torch.float8_e4m3fn, device=dev), _scales(C, P // FP8_BLOCK, outer_major, dev)) if tokens else None
+    if not (rows or tokens) or P == 0:
+        return rq, tq
+    rd, rs = rq if rows else (x_RC, x_RC)
+    td, ts = tq if tokens else (x_RC, x_RC)
+    grid = (B, P // FP8_BLOCK)
+    _fp8_quantize_1x128_kernel[grid](
+        x_RC, src_rows_P if src_rows_P is not None else x_RC, rd, rs, td, ts, R, P, C, R_OUT,
+        x_RC.stride(0), x_RC.stride(1), rd.stride(0), rd.stride(1), rs.stride(0), rs.stride(1),
+        td.stride(0), td.stride(1), ts.stride(0), ts.stride(1),
+        GATHER=src_rows_P is not None, ROWS=rows, TOKENS=tokens, BLOCK=FP8_BLOCK, num_warps=8,
+    )
+    return rq, tq
+
+
+def quantize_128x128_triton(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [..., O, I] -> (data e4m3 [..., O, I], data^T [..., I, O] contiguous, scale fp32
+    [..., O / 128, I / 128]): quantize_128x128(w) and its transpose, one read."""
+    *lead, O, I = w.shape
+    if O % FP8_BLOCK or I % FP8_BLOCK:
+        raise ValueError(f"fp8 128x128 weight tiles must divide both dims of the weight {tuple(w.shape)}: "
+                         f"make them multiples of {FP8_BLOCK}")
+    w3 = w.reshape(-1, O, I).contiguous()
+    G = w3.shape[0]
+    d = torch.empty(G, O, I, dtype=torch.float8_e4m3fn, device=w.device)
+    dt = torch.empty(G, I, O, dtype=torch.float8_e4m3fn, device=w.device)
+    s = torch.empty(G, O // FP8_BLOCK, I // FP8_BLOCK, dtype=torch.float32, device=w.device)
+    if G:
+        _fp8_quantize_128x128_kernel[(I // FP8_BLOCK, O // FP8_BLOCK, G)](w3, d, dt, s, O, I, BLOCK=FP8_BLOCK,
+                                                                          num_warps=8)
+    return d.reshape(w.shape), dt.reshape(*lead, I, O), s.reshape(*lead, O // FP8_BLOCK, I // FP8_BLOCK)
