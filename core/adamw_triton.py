@@ -54,9 +54,12 @@ def _fp32_to_bf16(x):
 
 @triton.jit
 def _load_fp32(ptr, offs, mask, IS_BF16: tl.constexpr):
+    # if/else, not an early return: Triton type-checks the code after a constexpr-taken return too.
     if IS_BF16:
-        return _bf16_bits_to_fp32(tl.load(ptr + offs, mask=mask, other=0).to(tl.uint16, bitcast=True))
-    return tl.load(ptr + offs, mask=mask, other=0.0)
+        x = _bf16_bits_to_fp32(tl.load(ptr + offs, mask=mask, other=0).to(tl.uint16, bitcast=True))
+    else:
+        x = tl.load(ptr + offs, mask=mask, other=0.0)
+    return x
 
 
 @triton.jit

@@ -28,6 +28,7 @@ import copy
 import gc
 import sys
 import time
+import traceback
 
 import torch
 
@@ -102,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     _apply({"model": base, "memory": base_memory, "optimizer": base_optim, "precision": base_precision}, overrides)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     variants = [split_variant(v) for v in args.variant] or [("base", [])]
+    env = {**run_environment(device, 1, "tools/bench_train.py", argv),
+           "preset": args.preset, "seq_len": args.seq_len, "batch": args.batch, "compile": args.compile,
+           "real_text": args.real_text, "model": base.to_dict()}
     rows = []
     for name, ovr in variants:
         cfg, memory, optim, precision = (copy.deepcopy(c) for c in (base, base_memory, base_optim, base_precision))
@@ -109,23 +113,27 @@ def main(argv: list[str] | None = None) -> int:
         cfg.validate()
         memory.validate()
         optim.validate()
-        row = {"variant": name, "overrides": ovr, **measure(cfg, memory, optim, precision, args, device)}
+        try:
+            row = {"variant": name, "overrides": ovr, **measure(cfg, memory, optim, precision, args, device)}
+        except Exception as e:  # noqa: BLE001 - a variant that fails is a row saying why; the others still run
+            traceback.print_exc()
+            row = {"variant": name, "overrides": ovr, "error": f"{type(e).__name__}: {e}"[:500]}
         rows.append(row)
+        write_report(args.json, env, rows)  # after every variant: a later failure loses nothing
         torch._dynamo.reset()  # this variant's compiled graphs
         gc.collect()
         torch.cuda.empty_cache() if device.type == "cuda" else None
-    env = {**run_environment(device, 1, "tools/bench_train.py", argv),
-           "preset": args.preset, "seq_len": args.seq_len, "batch": args.batch, "compile": args.compile,
-           "real_text": args.real_text, "model": base.to_dict()}
     print(f"{env['device']} | torch {env['torch']} | {args.preset} {base.describe()} | seq {args.seq_len} x {args.batch}")
     print(f"{'variant':<12} {'step ms':>9} {'tok/s':>10} {'TFLOP/s':>9} {'MFU':>7} {'mem GiB':>8}")
     for r in rows:
+        if "error" in r:
+            print(f"{r['variant']:<12} {r['error'][:90]}")
+            continue
         mfu_s = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "-"
         print(f"{r['variant']:<12} {1e3 * r['step_s']:>9.1f} {r['tokens_per_s']:>10,.0f} "
               f"{r['tflops_per_device']:>9.1f} {mfu_s:>7} {mem:>8}")
-    write_report(args.json, env, rows)
-    return 0
+    return 1 if any("error" in r for r in rows) else 0
 
 
 if __name__ == "__main__":

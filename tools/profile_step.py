@@ -104,6 +104,12 @@ def kernel_times(events, on_device: bool) -> list[tuple[str, float, str]]:
     def annotation(e) -> bool:  # a record_function range (ProfilerStep#, Optimizer.step#), on either side
         return getattr(e, "is_user_annotation", False) or "annotation" in (getattr(e, "activity_type", None) or "")
 
+    if on_device and events and not hasattr(events[0], "linked_correlation_id"):
+        # torch <= 2.11 keeps no link on the device events: each kernel is listed (name, device,
+        # duration) under the CPU op that launched it; a range's device-side mirror is skipped.
+        return [(k.name, k.duration, classify(k.name, getattr(op, "input_dtypes", None), _enclosing(op)))
+                for op in events if op.device_type == DeviceType.CPU and not op.is_async
+                for k in op.kernels if not (annotation(op) and k.name == op.name)]
     if on_device:
         ops = {e.id: e for e in events if e.device_type == DeviceType.CPU and e.linked_correlation_id == 0}
         out = []

@@ -140,6 +140,28 @@ def test_gpu_kernels_take_their_launching_op_record():
     ]
 
 
+def test_gpu_kernels_under_their_ops_on_older_torch():
+    """torch <= 2.11's events carry no linked_correlation_id: kernels are read off their ops."""
+    from types import SimpleNamespace
+
+    from torch.autograd.profiler_util import Kernel
+
+    def op(name, kernels, parent=None, dtypes=None, annotation=False):
+        return SimpleNamespace(name=name, device_type=DeviceType.CPU, is_async=False, cpu_parent=parent,
+                               input_dtypes=dtypes, is_user_annotation=annotation,
+                               kernels=[Kernel(k, 0, us) for k, us in kernels])
+
+    step = op("Optimizer.step#AdamW.step", [("Optimizer.step#AdamW.step", 100)], annotation=True)
+    events = [step, op("aten::zero_", [("Memset (Device)", 3)], dtypes=["int"]),
+              op("aten::_foreach_mul_", [("void at::native::vectorized_elementwise_kernel<4, Mul>", 10)], step),
+              op("aten::mm", [("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n", 20)])]
+    assert profile_step.kernel_times(events, on_device=True) == [
+        ("Memset (Device)", 3, "fill_int32"),
+        ("void at::native::vectorized_elementwise_kernel<4, Mul>", 10, "optimizer"),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n", 20, "gemm"),
+    ]
+
+
 def test_breakdown_per_step_shares_and_headline():
     kernels = [("gemm_a", 600.0, "gemm"), ("gemm_a", 600.0, "gemm"), ("flash_fwd_kernel", 200.0, "attention"),
                ("fill", 300.0, "fill"), ("copy", 300.0, "cast_copy")]
