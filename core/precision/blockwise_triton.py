@@ -12,7 +12,7 @@ torch reference's codes: one read of the operand, every output written from regi
 
 Scales are 2^ceil(log2(amax / 448)) from the bits (mx_triton.mx_exponent, rceil), 1 for a block
 holding NaN or inf (the reference's choice); data = x / scale saturated to +-448, rounded to E4M3
-in fp32 by bits; a NaN element stays NaN. Scale tensors may be given any strides (F.scaled_mm
+in fp32 by bits; a NaN element is e4m3's NaN (0x7F). Scale tensors may be given any strides (F.scaled_mm
 wants the 1x128 scales outer-major: ``outer_major=True``).
 
 Legend: R rows, C columns, P padded rows (the tokens output), O / I a weight's dims.
@@ -25,28 +25,30 @@ import triton
 import triton.language as tl
 
 from .blockwise import FP8_BLOCK
-from .mx_triton import exp2_int, mx_exponent, round_to_e4m3
+from .mx_triton import as_loadable, exp2_int, load_fp32, mx_exponent, round_to_e4m3
 
 __all__ = ["quantize_128x128_triton", "quantize_1x128_fused"]
 
 
 @triton.jit
 def _fp8_tile(x, amax, nan_count):
-    """(e4m3 values in fp32 of the tile x given its blocks' amax broadcast to x's shape, the
-    blocks' fp32 scales): nothing but the one rounding, a NaN element kept NaN."""
+    """(the e4m3 tile of x given its blocks' amax broadcast to x's shape, the blocks' fp32 scales):
+    nothing but the one rounding; a NaN element becomes e4m3's NaN 0x7F, set by bits (the
+    interpreter's own conversion of NaN differs)."""
     finite = (nan_count == 0) & (amax < float("inf"))
     e = tl.where(finite, mx_exponent(amax, False), 0)
     q = round_to_e4m3(tl.minimum(tl.maximum(x * exp2_int(-e), -448.0), 448.0))
     sign = x.to(tl.int32, bitcast=True) & (-2147483648)
     q = (tl.abs(q).to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-    return tl.where(x == x, q, x), exp2_int(e)
+    q8 = tl.where(x == x, q, 0.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    return tl.where(x == x, q8, 0x7F).to(tl.float8e4nv, bitcast=True), exp2_int(e)
 
 
 @triton.jit
 def _fp8_quantize_1x128_kernel(
     x_ptr, src_ptr, rd_ptr, rs_ptr, td_ptr, ts_ptr, R, P, C, R_OUT,
     s_xr, s_xc, s_rdr, s_rdc, s_rsr, s_rsb, s_tdc, s_tdp, s_tsc, s_tsb,
-    GATHER: tl.constexpr, ROWS: tl.constexpr, TOKENS: tl.constexpr, BLOCK: tl.constexpr,
+    GATHER: tl.constexpr, ROWS: tl.constexpr, TOKENS: tl.constexpr, IN_BF16: tl.constexpr, BLOCK: tl.constexpr,
 ):
     pid_c, pid_p = tl.program_id(0), tl.program_id(1)
     p = pid_p * BLOCK + tl.arange(0, BLOCK)
@@ -59,37 +61,35 @@ def _fp8_quantize_1x128_kernel(
         src = p
         valid = p < R
         row_out = p < R_OUT  # rows R..R_OUT: zero padding rows, quantized as zeros
-    x = tl.load(x_ptr + src[:, None].to(tl.int64) * s_xr + c[None, :] * s_xc, mask=valid[:, None],
-                other=0.0).to(tl.float32)
+    x = load_fp32(x_ptr + src[:, None].to(tl.int64) * s_xr + c[None, :] * s_xc, valid[:, None], IN_BF16)
     nan = (x != x).to(tl.int32)
     if ROWS:
         amax = tl.max(tl.abs(x), axis=1)
         q, scale = _fp8_tile(x, amax[:, None], tl.max(nan, axis=1)[:, None])
         src64 = src.to(tl.int64)
-        tl.store(rd_ptr + src64[:, None] * s_rdr + c[None, :] * s_rdc, q.to(tl.float8e4nv), mask=row_out[:, None])
+        tl.store(rd_ptr + src64[:, None] * s_rdr + c[None, :] * s_rdc, q, mask=row_out[:, None])
         tl.store(rs_ptr + src64 * s_rsr + pid_c * s_rsb, tl.max(scale, axis=1), mask=row_out)
     if TOKENS:
         amax = tl.max(tl.abs(x), axis=0)
         q, scale = _fp8_tile(x, amax[None, :], tl.max(nan, axis=0)[None, :])
-        qt = tl.trans(q.to(tl.float8e4nv))  # [C tile, P tile], written with P contiguous
+        qt = tl.trans(q)  # [C tile, P tile], written with P contiguous
         tl.store(td_ptr + c[:, None].to(tl.int64) * s_tdc + p[None, :] * s_tdp, qt, mask=(p < P)[None, :])
         tl.store(ts_ptr + c.to(tl.int64) * s_tsc + pid_p * s_tsb, tl.max(scale, axis=0))
 
 
 @triton.jit
-def _fp8_quantize_128x128_kernel(w_ptr, d_ptr, dt_ptr, s_ptr, O, I, BLOCK: tl.constexpr):
+def _fp8_quantize_128x128_kernel(w_ptr, d_ptr, dt_ptr, s_ptr, O, I, IN_BF16: tl.constexpr, BLOCK: tl.constexpr):
     """w [G, O, I] contiguous; one program per 128 x 128 tile: d [G, O, I], dt [G, I, O], s [G, O/128, I/128]."""
     pid_i, pid_o, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o = pid_o * BLOCK + tl.arange(0, BLOCK)
     i = pid_i * BLOCK + tl.arange(0, BLOCK)
     base = g.to(tl.int64) * O * I
-    x = tl.load(w_ptr + base + o[:, None] * I + i[None, :]).to(tl.float32)
+    x = load_fp32(w_ptr + base + o[:, None] * I + i[None, :], (o < O)[:, None], IN_BF16)
     amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
     nan = tl.max(tl.max((x != x).to(tl.int32), axis=1), axis=0)
     q, scale = _fp8_tile(x, amax, nan)
-    q8 = q.to(tl.float8e4nv)
-    tl.store(d_ptr + base + o[:, None] * I + i[None, :], q8)
-    tl.store(dt_ptr + base + i[:, None] * O + o[None, :], tl.trans(q8))
+    tl.store(d_ptr + base + o[:, None] * I + i[None, :], q)
+    tl.store(dt_ptr + base + i[:, None] * O + o[None, :], tl.trans(q))
     tl.store(s_ptr + g.to(tl.int64) * (O // BLOCK) * (I // BLOCK) + pid_o * (I // BLOCK) + pid_i, scale)
 
 
@@ -130,11 +130,12 @@ def quantize_1x128_fused(x_RC: torch.Tensor, rows: bool = True, tokens: bool = T
     rd, rs = rq if rows else (x_RC, x_RC)
     td, ts = tq if tokens else (x_RC, x_RC)
     grid = (B, P // FP8_BLOCK)
+    xk, in_bf16 = as_loadable(x_RC)
     _fp8_quantize_1x128_kernel[grid](
-        x_RC, src_rows_P if src_rows_P is not None else x_RC, rd, rs, td, ts, R, P, C, R_OUT,
+        xk, src_rows_P if src_rows_P is not None else x_RC, rd, rs, td, ts, R, P, C, R_OUT,
         x_RC.stride(0), x_RC.stride(1), rd.stride(0), rd.stride(1), rs.stride(0), rs.stride(1),
         td.stride(0), td.stride(1), ts.stride(0), ts.stride(1),
-        GATHER=src_rows_P is not None, ROWS=rows, TOKENS=tokens, BLOCK=FP8_BLOCK, num_warps=8,
+        GATHER=src_rows_P is not None, ROWS=rows, TOKENS=tokens, IN_BF16=in_bf16, BLOCK=FP8_BLOCK, num_warps=8,
     )
     return rq, tq
 
@@ -152,6 +153,7 @@ def quantize_128x128_triton(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     dt = torch.empty(G, I, O, dtype=torch.float8_e4m3fn, device=w.device)
     s = torch.empty(G, O // FP8_BLOCK, I // FP8_BLOCK, dtype=torch.float32, device=w.device)
     if G:
-        _fp8_quantize_128x128_kernel[(I // FP8_BLOCK, O // FP8_BLOCK, G)](w3, d, dt, s, O, I, BLOCK=FP8_BLOCK,
-                                                                          num_warps=8)
+        wk, in_bf16 = as_loadable(w3)
+        _fp8_quantize_128x128_kernel[(I // FP8_BLOCK, O // FP8_BLOCK, G)](wk, d, dt, s, O, I, IN_BF16=in_bf16,
+                                                                          BLOCK=FP8_BLOCK, num_warps=8)
     return d.reshape(w.shape), dt.reshape(*lead, I, O), s.reshape(*lead, O // FP8_BLOCK, I // FP8_BLOCK)

@@ -12,7 +12,7 @@ x[src_rows[p]], or zeros where src_rows[p] < 0, which is grouping.pad_groups fus
 Bits: the scale exponent comes from the bits of amax (floor) or of amax / 448 (rceil, exact ceil);
 scaling is by exact powers of two built from bits; the only rounding is to E4M3, done in fp32 by
 bit arithmetic (``round_to_e4m3``), so the interpreter agrees with the GPU. The jit helpers here
-(``round_to_e4m3``, ``mx_exponent``, ``exp2_int``, ``store_rounded``) are shared with blockwise_triton.
+(``round_to_e4m3``, ``mx_exponent``, ``exp2_int``, ``load_fp32``, ``store_rounded``) are shared with blockwise_triton.
 
 Legend: P rows of the view, C its columns, R rows of the source (gathered views), B blocks.
 """
@@ -26,7 +26,7 @@ import triton.language as tl
 from .mx import E4M3_MAX, MX_BLOCK, SCALE_MODES
 
 __all__ = ["dequantize_mx_triton", "exp2_int", "mx_exponent", "mx_qdq_triton", "quantize_mx_triton",
-           "round_to_e4m3", "store_rounded"]
+           "as_loadable", "load_fp32", "round_to_e4m3", "store_rounded"]
 
 _ROWS_TILE = (32, 128)   # axis -1: 32 rows x 4 blocks of 32
 _COLS_TILE = (32, 256)   # axis 0: one block of 32 rows x 256 columns
@@ -71,6 +71,22 @@ def exp2_int(e):
 
 
 @triton.jit
+def load_fp32(ptrs, mask, IN_BF16: tl.constexpr):
+    """Load as fp32; IN_BF16: the pointers are a bf16 tensor's int16 view, widened by bits (exact,
+    subnormals kept: the interpreter's conversion flushes them)."""
+    if IN_BF16:
+        bits = tl.load(ptrs, mask=mask, other=0)
+        return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+def as_loadable(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(what to pass the kernel for x, IN_BF16): a bf16 tensor goes as its int16 view (load_fp32)."""
+    return (x.view(torch.int16), True) if x.dtype == torch.bfloat16 else (x, False)
+
+
+@triton.jit
 def store_rounded(ptrs, v, mask, OUT_BF16: tl.constexpr):
     """Store fp32 v, as bf16 rounded to nearest even by its bits when OUT_BF16 (subnormals kept: the
     interpreter's conversion flushes them), else as the pointers' dtype."""
@@ -110,7 +126,7 @@ def _mx_quantize_kernel(
     x_ptr, src_ptr, out_ptr, data_ptr, scale_ptr, P, R, C,
     s_xp, s_xc, s_op, s_oc, s_dp, s_dc, s_sp, s_sc,
     ALONG_C: tl.constexpr, GATHER: tl.constexpr, WRITE_OUT: tl.constexpr, WRITE_PAYLOAD: tl.constexpr,
-    FLOOR: tl.constexpr, OUT_BF16: tl.constexpr, TP: tl.constexpr, TC: tl.constexpr,
+    FLOOR: tl.constexpr, IN_BF16: tl.constexpr, OUT_BF16: tl.constexpr, TP: tl.constexpr, TC: tl.constexpr,
 ):
     pid_p, pid_c = tl.program_id(0), tl.program_id(1)
     p, c, i = _tile(pid_p, pid_c, ALONG_C, TP, TC)
@@ -122,8 +138,7 @@ def _mx_quantize_kernel(
         src = p
         valid = p < R
     mask = (p2 < P) & (c < C)
-    x = tl.load(x_ptr + src[:, None].to(tl.int64) * s_xp + c * s_xc, mask=mask & valid[:, None],
-                other=0.0).to(tl.float32)
+    x = load_fp32(x_ptr + src[:, None].to(tl.int64) * s_xp + c * s_xc, mask & valid[:, None], IN_BF16)
     # max ignores NaN on the GPU: look for them apart
     if ALONG_C:
         amax = tl.max(tl.abs(x), axis=1)
@@ -198,11 +213,12 @@ def _launch(x, axis, scale_mode, src_rows, out_dtype, payload):
     grid = (triton.cdiv(P, TP if axis == 1 else MX_BLOCK), triton.cdiv(C, TC))
     dummy = x  # pointers the kernel never touches
     o, d, s = (out if out is not None else dummy), (data if payload else dummy), (scale if payload else dummy)
+    xk, in_bf16 = as_loadable(x)
     _mx_quantize_kernel[grid](
-        x, src_rows if src_rows is not None else dummy, o, d, s, P, x.shape[0], C,
+        xk, src_rows if src_rows is not None else dummy, o, d, s, P, x.shape[0], C,
         x.stride(0), x.stride(1), o.stride(0), o.stride(1), d.stride(0), d.stride(1), s.stride(0), s.stride(1),
         ALONG_C=axis == 1, GATHER=src_rows is not None, WRITE_OUT=out is not None, WRITE_PAYLOAD=payload,
-        FLOOR=scale_mode == "floor", OUT_BF16=out_dtype == torch.bfloat16, TP=TP, TC=TC, num_warps=4,
+        FLOOR=scale_mode == "floor", IN_BF16=in_bf16, OUT_BF16=out_dtype == torch.bfloat16, TP=TP, TC=TC, num_warps=4,
     )
     return out, data, scale
 

@@ -151,3 +151,59 @@ def test_triton_interpreted_matches_reference():
 @pytest.mark.gpu
 def test_triton_on_gpu_matches_reference():
     _triton_vs_reference("cuda")
+
+
+def _triton_qdq_vs_reference(device: str) -> None:
+    """The fused quantize-dequantize (bf16 and fp32 out), the dequantize kernel and the gathered
+    rows (a padded wgrad operand read through an index) against the reference, bit for bit."""
+    from moetron.core.precision.grouping import pad_groups, padded_source_rows
+    from moetron.core.precision.mx_triton import dequantize_mx_triton, mx_qdq_triton, quantize_mx_triton
+
+    x = _wide_range((96, 256), 5, lo=-130, hi=120)  # scales clamp at both ends, bf16 subnormal products
+    x[0, :32] = 0.0
+    x[2, 5], x[3, 40] = math.nan, math.inf
+    x[4, 32:64] = torch.tensor([449.0, 1.0625, 1.1875, 2 ** -10, 3 * 2 ** -10, -0.0, 2 ** -9, 448.0] * 4)
+    x = x.to(device)
+
+    def same(got, want, what):
+        assert got.dtype == want.dtype and torch.equal(got.isnan(), want.isnan()), what
+        assert torch.equal(got.view(torch.int16 if got.dtype == torch.bfloat16 else torch.int32)[~got.isnan()],
+                           want.view(torch.int16 if got.dtype == torch.bfloat16 else torch.int32)[~want.isnan()]), what
+
+    for mode in ("floor", "rceil"):
+        for xx, axis in ((x, -1), (x, 0), (x.bfloat16(), -1), (x.bfloat16(), 0), (x[:64, :128].t(), 0)):
+            data, scale = quantize_mx(xx, axis=axis, scale_mode=mode)
+            ref = dequantize_mx(data, scale, axis=axis)
+            for dtype in (torch.bfloat16, torch.float32):
+                same(mx_qdq_triton(xx, axis, mode, dtype), ref.to(dtype), (mode, axis, dtype, "qdq"))
+                same(dequantize_mx_triton(data, scale, axis=axis, out_dtype=dtype), ref.to(dtype), (mode, axis, "deq"))
+            out, d2, s2 = mx_qdq_triton(xx, axis, mode, payload=True)
+            finite = (scale != E8M0_NAN).repeat_interleave(32, dim=1 if axis == -1 else 0)
+            assert torch.equal(s2, scale) and torch.equal(d2.view(torch.uint8)[finite], data.view(torch.uint8)[finite])
+        offsets = torch.tensor([10, 10, 50, 90], device=device)  # an empty group, rows 90.. dropped
+        src, _ = padded_source_rows(offsets, x.shape[0], 32)
+        padded, _ = pad_groups(x, offsets, 32)
+        want_d, want_s = quantize_mx(padded, axis=0, scale_mode=mode)
+        got_d, got_s = quantize_mx_triton(x, axis=0, scale_mode=mode, src_rows=src)
+        assert torch.equal(got_s, want_s)
+        finite = (want_s != E8M0_NAN).repeat_interleave(32, dim=0)
+        assert torch.equal(got_d.view(torch.uint8)[finite], want_d.view(torch.uint8)[finite])
+        same(mx_qdq_triton(x, 0, mode, src_rows=src), dequantize_mx(want_d, want_s, axis=0).bfloat16(), "gathered")
+
+
+def test_triton_qdq_interpreted_matches_reference():
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    code = ("import sys; sys.path.insert(0, %r); from tests.core.test_mx import _triton_qdq_vs_reference; "
+            "_triton_qdq_vs_reference('cpu')") % os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_triton_qdq_on_gpu_matches_reference():
+    _triton_qdq_vs_reference("cuda")
