@@ -16,12 +16,18 @@ per precision backend, after a correctness check of the FP8 kernels on this devi
 
     python tools/bench_gemm_fp8.py --json runs/bench/gemm_fp8.json
     python tools/bench_gemm_fp8.py --tiny           # tiny shapes; on the CPU under TRITON_INTERPRET=1
+    python tools/bench_gemm_fp8.py --profile        # + where the time goes: quantize / GEMM / other kernels
+
+``--profile``: each grouped (shape, backend) step again under torch.profiler, its kernel time per
+step split into quantize (the fused Triton kernels, or the torch ops' amax/div/clamp/cast/copy
+passes), GEMM and other (padding index, casts, accumulation), with the top kernels of each row.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 
@@ -44,6 +50,8 @@ def parse(argv):
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--skip-check", action="store_true")
     p.add_argument("--json", default="", help="write the results here")
+    p.add_argument("--profile", action="store_true", help="kernel time per phase (quantize / GEMM / other)")
+    p.add_argument("--top", type=int, default=6, help="--profile: top kernels shown per row")
     return p.parse_args(argv)
 
 
@@ -189,6 +197,70 @@ def grouped_rows(shapes, tokens, device, iters):
     return rows
 
 
+# kernel names -> phase; the first match wins (torch's quantization ops count as quantize)
+PHASES = [
+    ("gemm", re.compile(r"[Gg]emm|_grouped_mm|cutlass|nvjet|xmma|cublas|sm90_|^aten::(?:mm|addmm|bmm|linear|matmul)$")),
+    ("quantize", re.compile(r"quantize|_mx_|_fp8_|amax|abs|div|clamp|frexp|ldexp|maximum|where|_to_copy|copy_|"
+                            r"reduce_kernel|elementwise_kernel|^aten::(?:mul|to|abs|amax|div|clamp|where)$")),
+    ("other", re.compile(r"")),
+]
+
+
+def phase_of(name: str) -> str:
+    return next(phase for phase, rule in PHASES if rule.search(name))
+
+
+def profile_rows(shapes, tokens, device, top: int) -> list[dict]:
+    """Kernel time per step of each grouped (shape, backend), split by phase (see PHASES)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rows, steps = [], 3
+    for name, s in shapes.items():
+        D, E, K, F = s["d_model"], s["num_experts"], s["top_k"], s["hidden"]
+        offsets = uniform_offsets(tokens, E, K, device)
+        R = tokens * K
+        for label, (gemm, wdtype) in backends(device).items():
+            x = torch.randn(R, D, device=device, dtype=torch.bfloat16, requires_grad=True)
+            w = (torch.randn(E, 2 * F, D, device=device) * D ** -0.5).to(wdtype).requires_grad_()
+            dy = torch.randn(R, 2 * F, device=device, dtype=torch.bfloat16)
+            bench_gemm(gemm, "grouped", x, w, offsets, dy, device, 2, False)  # warm (autotune, cache)
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+            with profile(activities=acts) as prof:
+                for _ in range(steps):
+                    x.grad = w.grad = None
+                    gemm.grouped_mm(x, w, offsets).backward(dy)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+            kernels = {}
+            for ev in prof.key_averages():
+                if device.type == "cuda":
+                    us = getattr(ev, "self_device_time_total", 0) or getattr(ev, "self_cuda_time_total", 0)
+                    if getattr(ev, "device_type", None) != torch.autograd.DeviceType.CUDA:
+                        continue
+                else:
+                    us = ev.self_cpu_time_total
+                if us > 0:
+                    kernels[ev.key] = kernels.get(ev.key, 0.0) + us / 1e3 / steps
+            by_phase = {phase: 0.0 for phase, _ in PHASES}
+            for k, ms in kernels.items():
+                by_phase[phase_of(k)] += ms
+            ranked = sorted(kernels.items(), key=lambda kv: -kv[1])[:top]
+            rows.append({"kind": "profile", "shape": name, "gemm": f"{D}->{2 * F}", "backend": label,
+                         "ms": sum(kernels.values()), **{f"{p}_ms": v for p, v in by_phase.items()},
+                         "top": [{"name": k[:90], "phase": phase_of(k), "ms": v} for k, v in ranked]})
+    return rows
+
+
+def print_profile(rows) -> None:
+    print(f"\nkernel time per fwd+bwd step of the first expert GEMM (x [R, D] -> [R, 2F]), weights cached")
+    print(f"{'shape':<17} {'backend':<16} {'total ms':>9} {'quantize':>9} {'gemm':>9} {'other':>9}")
+    for r in rows:
+        print(f"{r['shape']:<17} {r['backend']:<16} {r['ms']:>9.3f} {r['quantize_ms']:>9.3f} {r['gemm_ms']:>9.3f} "
+              f"{r['other_ms']:>9.3f}")
+        for k in r["top"]:
+            print(f"    {k['ms']:>8.3f} ms  {k['phase']:<8} {k['name']}")
+
+
 def dense_rows(dense, device, iters):
     from moetron.core.precision import TorchGemm
     from moetron.core.precision.fp8_gemm import Fp8BlockwiseGemm
@@ -240,8 +312,11 @@ def main(argv=None) -> int:
         r["vs_bf16"] = r["tflops"] / base[(r["kind"], r["shape"])]
         print(f"{r['kind']:<8} {r['shape']:<17} {r['backend']:<24} {r['weights']:<12} {r['ms']:>8.3f} "
               f"{r['tflops']:>8.1f} {r['vs_bf16']:>7.2f}")
+    prof = profile_rows(shapes, tokens, device, args.top) if args.profile else []
+    if prof:
+        print_profile(prof)
     env = run_environment(device, 1, "tools/bench_gemm_fp8.py", sys.argv[1:] if argv is None else argv)
-    write_report(args.json, env, [*({"kind": "check", **c} for c in checks), *rows])
+    write_report(args.json, env, [*({"kind": "check", **c} for c in checks), *rows, *prof])
     if not ok:
         print("bench_gemm_fp8: the fp8 kernels do not match the reference (see the checks above)", file=sys.stderr)
         return 1

@@ -12,7 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_tiny_run_checks_and_reports(tmp_path):
     out = tmp_path / "gemm.json"
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_gemm_fp8.py"), "--tiny", "--json", str(out)],
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_gemm_fp8.py"), "--tiny", "--profile", "--json", str(out)],
                           capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
@@ -23,3 +23,19 @@ def test_tiny_run_checks_and_reports(tmp_path):
                        ("mxfp8 emulated", "cached"), ("mxfp8 emulated", "requantized")}
     assert {r["backend"] for r in rows if r["kind"] == "dense"} >= {"bf16", "fp8_blockwise triton"}
     assert "MISMATCH" not in proc.stdout
+    prof = [r for r in rows if r["kind"] == "profile"]
+    assert {r["backend"] for r in prof} == {"bf16", "fp8_blockwise", "mxfp8 emulated"}
+    for r in prof:
+        assert abs(r["quantize_ms"] + r["gemm_ms"] + r["other_ms"] - r["ms"]) < 1e-6 * max(1.0, r["ms"]) and r["top"]
+
+
+def test_phases_name_the_kernels():
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import bench_gemm_fp8
+
+    assert bench_gemm_fp8.phase_of("_fp8_grouped_gemm_rows_kernel") == "gemm"
+    assert bench_gemm_fp8.phase_of("_fp8_quantize_1x128_kernel") == "quantize"
+    assert bench_gemm_fp8.phase_of("_mx_quantize_kernel") == "quantize"
+    assert bench_gemm_fp8.phase_of("void at::native::reduce_kernel<512, 1, ...>") == "quantize"
+    assert bench_gemm_fp8.phase_of("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
+    assert bench_gemm_fp8.phase_of("searchsorted_cuda_kernel") == "other"
