@@ -74,11 +74,12 @@ def exp2_int(e):
 def load_fp32(ptrs, mask, IN_BF16: tl.constexpr):
     """Load as fp32; IN_BF16: the pointers are a bf16 tensor's int16 view, widened by bits (exact,
     subnormals kept: the interpreter's conversion flushes them)."""
+    # one return after the if/else: Triton 3.6 type-checks the code after a constexpr-taken return
     if IN_BF16:
-        bits = tl.load(ptrs, mask=mask, other=0)
-        return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        x = (tl.load(ptrs, mask=mask, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
     else:
-        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    return x
 
 
 def as_loadable(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
