@@ -119,6 +119,21 @@ def _chunked(h_TD: torch.Tensor, w_VD: torch.Tensor, labels_T: torch.Tensor, ign
             end = min(start + chunk_tokens, h_TD.shape[0])
             h_CD, valid_C = h_cast[start:end], valid_T[start:end]
             target_C = torch.where(valid_C, labels_T[start:end], 0)[:, None]
+            mask_C = valid_C.to(acc)
+            if _use_triton(h_CD):
+                # One Triton pass per row on the compute-dtype logits, the gradient in place.
+                from .cross_entropy_triton import ce_rows_
+
+                dlogits_CV = h_CD @ w_cast.t()
+                lse_C, target_logit_C = ce_rows_(dlogits_CV, target_C[:, 0], mask_C * inv_n, z_loss_weight,
+                                                 grad=grad_h or grad_w)
+                loss_sum += ((lse_C - target_logit_C) * mask_C).sum()
+                z_sum += (lse_C.square() * mask_C).sum()
+                if grad_h:
+                    out_h[start:end] = dlogits_CV @ w_cast
+                if grad_w:
+                    _accumulate_wgrad(out_w, dlogits_CV, h_CD)
+                continue
             logits_CV = (h_CD @ w_cast.t()).to(acc)  # the compute-dtype logits die here
             target_logit_C = logits_CV.gather(1, target_C)[:, 0]
             # In place from here: logits -> exp(logits - max) -> dlogits (no second [C, V] fp32 buffer).
@@ -126,7 +141,6 @@ def _chunked(h_TD: torch.Tensor, w_VD: torch.Tensor, labels_T: torch.Tensor, ign
             logits_CV.sub_(max_C[:, None]).exp_()
             sum_exp_C = logits_CV.sum(dim=1)
             lse_C = max_C + sum_exp_C.log()
-            mask_C = valid_C.to(acc)
             loss_sum += ((lse_C - target_logit_C) * mask_C).sum()
             z_sum += (lse_C.square() * mask_C).sum()
             if not (grad_h or grad_w):
@@ -147,6 +161,17 @@ def _chunked(h_TD: torch.Tensor, w_VD: torch.Tensor, labels_T: torch.Tensor, ign
         if z_loss_weight > 0:
             loss = loss + z_loss_weight * z
         return loss, z, out_h, (out_w.to(w_VD.dtype) if grad_w else None)
+
+
+CE_KERNEL = "auto"
+"""How a chunk's softmax and gradient run: "auto" (Triton on CUDA for bf16/fp16/fp32 logits, torch
+elsewhere), "triton" (also on the CPU under TRITON_INTERPRET=1: the tests), "torch" (the reference)."""
+
+
+def _use_triton(h: torch.Tensor) -> bool:
+    if CE_KERNEL == "torch" or h.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    return CE_KERNEL == "triton" or h.is_cuda
 
 
 # Per device type: whether addmm with an fp32 output from bf16/fp16 operands exists (CUDA: yes;
