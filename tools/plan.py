@@ -139,11 +139,19 @@ HBM_TRAFFIC = {"eager": 18.0, "compiled": 7.5}
 """Elementwise HBM bytes moved per step / reference saved-activation bytes (reference_activation_bytes:
 the eager count of the code these were fitted on): fitted to the two OLMoE-8L recompute=none rows
 (compiled and eager) before this session's memory switches; every other row is a check."""
-OPTIMIZER_BYTES = {"fp32": 32.0, "bf16": 112.0}
-"""HBM bytes per local parameter per optimizer step, counted from the code: fp32 state = torch's
-fused AdamW (reads p, g, m, v, writes p, m, v: 28) + the grad-norm pass (4); bf16 state =
-core/adamw.py's foreach ops (upcast m and v to fp32, decay, lerp, mul, addcmul, write back, sqrt,
+OPTIMIZER_BYTES = {("fp32", "triton"): 32.0, ("bf16", "triton"): 24.0,
+                   ("fp32", "torch"): 32.0 * 1.2, ("bf16", "torch"): 112.0}
+"""HBM bytes per local parameter per optimizer step, counted from the code, by (state_dtype, kernel):
+the Triton AdamW (optimizer.impl auto on GPUs, core/adamw_triton.py: reads p, g, m, v, writes p, m, v:
+28 fp32, 20 bf16; measured at 1.03x that floor on one H200) + the grad-norm pass (4); torch's fused
+AdamW (impl=torch, fp32: the same 28 + 4, measured at 1.24x its floor, hence x 1.2); core/adamw.py's
+foreach ops (impl=torch, bf16: upcast m and v to fp32, decay, lerp, mul, addcmul, write back, sqrt,
 div, add, addcdiv: 108) + 4."""
+RECOMPUTE_FORWARD = {"eager": 1.0 / 3.0, "compiled": 0.65}
+"""Extra step time of a fully recomputed block, as a share of its forward + backward: eager = the
+one extra forward (1/3, counted); compiled = 0.65, fitted to the OLMoE-8L compiled full-recompute row
+of 2026-12-01 (compiled blocks recompute slower than they first ran; not understood); the every-2nd
+and olmoe3 rows check it."""
 HOST_OPTIMIZER_BYTES = {"fp32": 88.0, "bf16": 112.0}
 """Host bytes per parameter of the CPU optimizer step under fsdp_offload (torch's AdamW on CPU runs
 op by op: no fused kernel): counted from its ops as above."""
@@ -177,6 +185,8 @@ class Switches:
     low_modules: frozenset = frozenset()
     """Modules whose GEMMs run the low-precision recipe (precision.modules): experts, attention, mlp."""
     state_dtype: str = "fp32"
+    optimizer_kernel: str = "triton"
+    """The optimizer step's kernel on GPUs: triton (optimizer.impl auto or triton) or torch (impl=torch)."""
     offload: bool = False
 
     def low(self, module: str) -> bool:
@@ -212,7 +222,9 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
                     loss_chunk_tokens=model.loss_chunk_tokens or default_chunk_tokens(model.vocab_size),
                     recipe=str(recipe), backend=str(backend) if recipe in LOW_PRECISION else "native",
                     low_modules=frozenset(str(m) for m in precision.modules) if recipe in LOW_PRECISION else frozenset(),
-                    state_dtype=str(optimizer.state_dtype), offload=parallel.fsdp_offload)
+                    state_dtype=str(optimizer.state_dtype),
+                    optimizer_kernel="torch" if str(optimizer.impl) == "torch" or optimizer.fused is not None else "triton",
+                    offload=parallel.fsdp_offload)
 
 
 def reference_activation_bytes(cfg: ModelConfig, layer: int) -> float:
@@ -570,8 +582,8 @@ def plan(p: Plan) -> dict:
         if last:
             other_f += fpt - sum(cfg.block_flops_per_token(i, p.seq_len) for i in range(cfg.n_layers))
         recomputed = [i for i in layers if mem.recompute == Recompute.full and i % mem.recompute_every == 0]
-        share = len(recomputed) / max(1, len(layers))  # an extra forward (1/3 of fwd + bwd) for those
-        extra = 1 + share / 3
+        share = len(recomputed) / max(1, len(layers))
+        extra = 1 + share * RECOMPUTE_FORWARD["compiled" if p.compiled else "eager"]
         t_gemm = T_mb * extra * (other_f / (bf16_flops * EFF_GEMM) + by_module["attention"] / rate("attention", False)
                                  + by_module["mlp"] / rate("mlp", False) + by_module["experts"] / rate("experts", True))
         t_attn = T_mb * attn_f / (bf16_flops * EFF_ATTN) * extra
@@ -641,7 +653,7 @@ def plan(p: Plan) -> dict:
         t_offload = offload_bytes / (gpu.pcie_gbps * 1e9 * EFF_PCIE)
         t_opt = HOST_OPTIMIZER_BYTES[sw.state_dtype] * tl / (HOST_GBPS * 1e9)
     else:
-        t_opt = OPTIMIZER_BYTES[sw.state_dtype] * tl / (gpu.hbm_tbps * 1e12)
+        t_opt = OPTIMIZER_BYTES[(sw.state_dtype, sw.optimizer_kernel)] * tl / (gpu.hbm_tbps * 1e12)
     exposed_fsdp = max(0.0, t_fsdp - t_compute)
     step = t_pipe + exposed_fsdp + t_ar + t_opt + t_offload
     a2a_bytes = 0.0

@@ -90,7 +90,10 @@ def test_bf16_state_halves_the_moments():
     p.optimizer = OptimizerConfig(state_dtype="bf16")
     r = planner.plan(p)
     assert r["stages"][0]["optimizer_gib"] * GiB == 4 * n and r["state_dtype"] == "bf16"
-    assert r["optimizer_s"] > planner.plan(_plan())["optimizer_s"]  # foreach ops move more bytes than fused AdamW
+    # The Triton kernel moves fewer bytes with bf16 moments; the foreach ops (impl=torch) more.
+    assert r["optimizer_s"] < planner.plan(_plan())["optimizer_s"]
+    p.optimizer = OptimizerConfig(state_dtype="bf16", impl="torch")
+    assert planner.plan(p)["optimizer_s"] > planner.plan(_plan())["optimizer_s"]
     p.optimizer = OptimizerConfig(state_dtype="bf16", fused=True)
     with pytest.raises(ConfigError, match="fused"):
         planner.plan(p)
