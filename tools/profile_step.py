@@ -45,8 +45,10 @@ RULES: list[tuple[str, str]] = [
     ("optimizer", r"multi_tensor_apply|[Ff]used[_]?[Aa]dam|_foreach_|linalg_vector_norm|_adamw_kernel"),
     # moetron's routing kernels (core/moe/kernels/routing.py) and custom ops, and the router's top-k.
     ("routing", r"_(?:route|scatter_rows|zero_unwritten_rows|combine_rows)\w*_kernel|^moetron::|topk|TopK|[Ss]ort"),
-    ("loss", r"log_softmax|LogSoftMax|nll_loss|cross_entropy|logsumexp"),
-    ("gemm", r"[Gg]emm|gemv|cutlass|cublas|xmma|nvjet|_grouped_mm|splitKreduce|"
+    # The loss kernels, moetron's fused one (core/layers/cross_entropy_triton.py) included.
+    ("loss", r"log_softmax|LogSoftMax|nll_loss|cross_entropy|logsumexp|^_ce_\w*_kernel$"),
+    # GEMMs, moetron's FP8 grouped ones (core/precision/fp8_triton.py) included.
+    ("gemm", r"[Gg]emm|gemv|cutlass|cublas|xmma|nvjet|_grouped_mm|splitKreduce|^_fp8_grouped_gemm_\w*_kernel$|"
              r"^aten::(?:mm|addmm|bmm|baddbmm|addbmm|matmul|linear|dot)$|^triton_tem_fused_\w*mm"),
     ("cast_copy", _INDUCTOR_COPY),
     ("norm", r"rms_norm|layer_norm|RowwiseMoments|rsqrt"),
@@ -54,7 +56,9 @@ RULES: list[tuple[str, str]] = [
     ("fill_int32", r"FillFunctor<int>"),
     ("fill", r"fill|FillFunctor|zero_|zeros|Memset|memset"),
     ("cast_copy", r"copy|^aten::to$|contiguous|clone|transpose|cast_transpose|\bcast_|Memcpy|memcpy|CatArray|"
-                  r"^aten::cat$|_mx_quantize_kernel"),
+                  r"^aten::cat$|"
+                  # moetron's quantization kernels (core/precision/blockwise_triton.py, mx_triton.py)
+                  r"^_(?:fp8|mx)_(?:de)?quantize\w*_kernel$"),
     ("elementwise", r"elementwise_kernel|reduce_kernel|^aten::(?:add|sub|rsub|mul|div|neg|exp|log|pow|mean|sum|"
                     r"where|silu|sigmoid|gelu|tanh|softmax|_softmax|clamp|abs|sqrt|maximum|minimum|eq|ne|lt|gt|"
                     r"ge|le)(?:_backward(?:_data)?)?_?$"),
@@ -98,27 +102,55 @@ def _enclosing(op) -> list[str]:
     return names
 
 
+# CPU-side records that are no op: CUDA runtime/driver calls and CUPTI overhead records. On torch <= 2.11
+# an unlinked one takes the kernels of whichever op shares its correlation id (pytorch #124388, #193392).
+_NOT_AN_OP = re.compile(r"^cu(?:da)?[A-Z]|^(?:Activity Buffer Request|Lazy Function Loading)$")
+
+
+def _launching_ops(events, annotation) -> dict:
+    """(kernel name, duration) -> the CPU op or range that launched it, read off the ops' ``kernels``
+    lists (torch <= 2.11, whose events carry no linked_correlation_id). Those lists are used for this
+    look-up only, never for time: one kernel can sit in several lists (an unlinked runtime or CUPTI
+    overhead record with the op's correlation id lists the op's kernels again). The first list wins,
+    in this order: real ops first (not a runtime or overhead record; activity_type cpu_op or
+    user_annotation where torch gives it), innermost first (an op before a range around it), then in
+    event order."""
+    def real(op) -> bool:
+        kind = getattr(op, "activity_type", None)
+        return (kind in ("cpu_op", "user_annotation") if kind else True) and not _NOT_AN_OP.search(op.name)
+
+    ops = [e for e in events if e.device_type == DeviceType.CPU and not e.is_async and e.kernels]
+    found: dict = {}
+    for op in sorted(ops, key=lambda e: (not real(e), -len(_enclosing(e)))):  # stable: event order
+        for k in op.kernels:
+            if not (annotation(op) and k.name == op.name):  # the range's own device-side mirror
+                found.setdefault((k.name, k.duration), op)
+    return found
+
+
 def kernel_times(events, on_device: bool) -> list[tuple[str, float, str]]:
-    """(name, microseconds, category) of every kernel recorded: device activity on a GPU (classified
-    with its launching op's dtypes and enclosing ranges), the CPU ops' self time otherwise."""
+    """(name, microseconds, category) of every kernel recorded: device activity on a GPU, each device
+    event once (classified with its launching op's dtypes and enclosing ranges), the CPU ops' self
+    time otherwise."""
     def annotation(e) -> bool:  # a record_function range (ProfilerStep#, Optimizer.step#), on either side
         return getattr(e, "is_user_annotation", False) or "annotation" in (getattr(e, "activity_type", None) or "")
 
-    if on_device and events and not hasattr(events[0], "linked_correlation_id"):
-        # torch <= 2.11 keeps no link on the device events: each kernel is listed (name, device,
-        # duration) under the CPU op that launched it; a range's device-side mirror is skipped.
-        return [(k.name, k.duration, classify(k.name, getattr(op, "input_dtypes", None), _enclosing(op)))
-                for op in events if op.device_type == DeviceType.CPU and not op.is_async
-                for k in op.kernels if not (annotation(op) and k.name == op.name)]
     if on_device:
-        ops = {e.id: e for e in events if e.device_type == DeviceType.CPU and e.linked_correlation_id == 0}
+        linked = bool(events) and hasattr(events[0], "linked_correlation_id")
+        if linked:
+            ops = {e.id: e for e in events if e.device_type == DeviceType.CPU and e.linked_correlation_id == 0}
+        else:
+            ops = _launching_ops(events, annotation)
+        # a range's device-side mirror is no kernel (by its flag, or by its name on older torch)
+        ranges = {e.name for e in events if e.device_type == DeviceType.CPU and annotation(e)}
         out = []
         for e in events:
-            if e.device_type != DeviceType.CUDA or annotation(e):
+            if e.device_type != DeviceType.CUDA or annotation(e) or e.name in ranges:
                 continue
-            op = ops.get(e.linked_correlation_id)
+            us = e.time_range.elapsed_us()
+            op = ops.get(e.linked_correlation_id if linked else (e.name, us))
             dtypes = getattr(op, "input_dtypes", None) if op is not None else None
-            out.append((e.name, e.time_range.elapsed_us(), classify(e.name, dtypes, _enclosing(op))))
+            out.append((e.name, us, classify(e.name, dtypes, _enclosing(op))))
         return out
     return [(e.name, e.self_cpu_time_total,
              classify(e.name, getattr(e, "input_dtypes", None), _enclosing(e.cpu_parent)))

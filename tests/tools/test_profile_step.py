@@ -88,18 +88,32 @@ def test_every_category_has_a_case_and_other_catches_all():
     assert profile_step.RULES[-1] == ("other", "")
 
 
-def test_moetron_triton_kernels_are_routing_or_casts():
-    """Every @triton.jit kernel of moetron is named by a rule, so a new kernel shows up here first
-    (helpers a kernel calls, like _round_to_e4m3, are inlined and never launched)."""
+# The category of every moetron Triton kernel, by the file (or folder) that defines it.
+TRITON_KERNEL_CATEGORIES = {
+    "core/adamw_triton.py": "optimizer",
+    "core/moe/kernels/": "routing",
+    "core/layers/cross_entropy_triton.py": "loss",
+    "core/precision/fp8_triton.py": "gemm",
+    "core/precision/blockwise_triton.py": "cast_copy",  # quantization
+    "core/precision/mx_triton.py": "cast_copy",  # quantization
+}
+
+
+def test_moetron_triton_kernels_have_their_category():
+    """Every @triton.jit kernel of moetron is named by a rule and has an expected category here, so a
+    new kernel (or kernel file) shows up here first (helpers a kernel calls, like round_to_e4m3, are
+    inlined and never launched)."""
     kernels = {}
     for path in glob.glob(os.path.join(ROOT, "core", "**", "*.py"), recursive=True):
         for name in re.findall(r"@triton\.jit\s*\ndef (\w+_kernel)\(", open(path).read()):
-            kernels[name] = os.path.relpath(path, ROOT)
-    assert "_route_count_kernel" in kernels and "_mx_quantize_kernel" in kernels
-    by_file = {"core/adamw_triton.py": "optimizer"}  # the rest: routing kernels, else quantization
-    for name, path in kernels.items():
-        expected = by_file.get(path, "routing" if path.startswith("core/moe/kernels/") else "cast_copy")
-        assert profile_step.classify(name) == expected, (name, path)
+            kernels[name] = os.path.relpath(path, ROOT).replace(os.sep, "/")
+    for name in ("_route_count_kernel", "_mx_quantize_kernel", "_fp8_grouped_gemm_rows_kernel",
+                 "_fp8_grouped_gemm_k_kernel", "_adamw_kernel"):
+        assert name in kernels, name
+    for name, path in sorted(kernels.items()):
+        where = [k for k in TRITON_KERNEL_CATEGORIES if path == k or (k.endswith("/") and path.startswith(k))]
+        assert where, f"{name} ({path}): give its file an expected category in TRITON_KERNEL_CATEGORIES"
+        assert profile_step.classify(name) == TRITON_KERNEL_CATEGORIES[where[0]], (name, path)
 
 
 def test_op_record_decides_fill_dtype_and_optimizer_range():
@@ -140,26 +154,69 @@ def test_gpu_kernels_take_their_launching_op_record():
     ]
 
 
+def _old_torch(*events):
+    """The events as torch <= 2.11 makes them: no linked_correlation_id on a FunctionEvent."""
+    for e in events:
+        del e.linked_correlation_id
+    return list(events)
+
+
 def test_gpu_kernels_under_their_ops_on_older_torch():
-    """torch <= 2.11's events carry no linked_correlation_id: kernels are read off their ops."""
-    from types import SimpleNamespace
-
-    from torch.autograd.profiler_util import Kernel
-
-    def op(name, kernels, parent=None, dtypes=None, annotation=False):
-        return SimpleNamespace(name=name, device_type=DeviceType.CPU, is_async=False, cpu_parent=parent,
-                               input_dtypes=dtypes, is_user_annotation=annotation,
-                               kernels=[Kernel(k, 0, us) for k, us in kernels])
-
-    step = op("Optimizer.step#AdamW.step", [("Optimizer.step#AdamW.step", 100)], annotation=True)
-    events = [step, op("aten::zero_", [("Memset (Device)", 3)], dtypes=["int"]),
-              op("aten::_foreach_mul_", [("void at::native::vectorized_elementwise_kernel<4, Mul>", 10)], step),
-              op("aten::mm", [("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n", 20)])]
+    """torch <= 2.11's events carry no linked_correlation_id: the time is the device events', each
+    kernel's launching op is found through the ops' kernel lists."""
+    step = _event(1, "Optimizer.step#AdamW.step", 0, 100, is_user_annotation=True)
+    zero = _event(2, "aten::zero_", 10, 20)
+    zero.input_dtypes = ["int"]
+    foreach = _event(3, "aten::_foreach_mul_", 30, 40)
+    foreach.set_cpu_parent(step)
+    mm = _event(4, "aten::mm", 41, 45)
+    memset = _event(5, "Memset (Device)", 50, 53, DeviceType.CUDA)
+    mul = _event(6, "void at::native::vectorized_elementwise_kernel<4, Mul>", 60, 70, DeviceType.CUDA)
+    gemm = _event(7, "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n", 70, 90, DeviceType.CUDA)
+    mirror = _event(8, "Optimizer.step#AdamW.step", 30, 70, DeviceType.CUDA)  # not flagged on old torch
+    for op, kernel in ((zero, memset), (foreach, mul), (mm, gemm), (step, mirror)):
+        op.append_kernel(kernel.name, 0, kernel.time_range.elapsed_us())
+    events = _old_torch(step, zero, foreach, mm, memset, mul, gemm, mirror)
     assert profile_step.kernel_times(events, on_device=True) == [
         ("Memset (Device)", 3, "fill_int32"),
         ("void at::native::vectorized_elementwise_kernel<4, Mul>", 10, "optimizer"),
         ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n", 20, "gemm"),
     ]
+
+
+def test_older_torch_counts_each_device_event_once():
+    """On the H200 (torch 2.11) the optimizer's multi_tensor_apply kernels were counted ~16 times
+    each from the ops' kernel lists: a kernel also listed under a parent op, under an unlinked runtime
+    or CUPTI overhead record sharing the op's correlation id, or as a legacy self-entry. Only the
+    device events count, once each, and the real op (not the runtime record) classifies them."""
+    adam = ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>")
+    step = _event(1, "Optimizer.step#AdamW.step", 0, 100, is_user_annotation=True)
+    sync = _event(2, "cudaStreamSynchronize", 1, 2)  # unlinked runtime call, its CUPTI id colliding
+    fused = _event(3, "aten::_fused_adamw_", 10, 40)
+    fused.set_cpu_parent(step)
+    overhead = _event(3, "Activity Buffer Request", 12, 13)  # inherits the op's correlation id
+    overhead.set_cpu_parent(fused)
+    fill = _event(4, "aten::fill_", 41, 42)
+    kernels = [_event(10 + i, adam, 50 + 10 * i, 57 + 10 * i, DeviceType.CUDA) for i in range(3)]
+    memset = _event(20, "Memset (Device)", 90, 92, DeviceType.CUDA)
+    for op in (sync, fused, overhead, step):
+        for k in kernels:
+            op.append_kernel(k.name, 0, k.time_range.elapsed_us())
+    fill.append_kernel("aten::fill_", 0, 5.0)  # is_legacy: the op's own CUDA time, not a device event
+    fill.append_kernel(memset.name, 0, memset.time_range.elapsed_us())
+    fill.append_kernel(memset.name, 0, memset.time_range.elapsed_us())  # listed twice
+    events = _old_torch(step, sync, fused, overhead, fill, *kernels, memset)
+    out = profile_step.kernel_times(events, on_device=True)
+    assert out == [(adam, 7, "optimizer")] * 3 + [("Memset (Device)", 2, "fill")]
+    device = [e for e in events if e.device_type == DeviceType.CUDA]
+    assert sum(us for _, us, _ in out) == sum(e.time_range.elapsed_us() for e in device) == 23
+    row = profile_step.breakdown(out, steps=1, step_ms=1.0)
+    cats = {c["category"]: c for c in row["categories"]}
+    assert cats["optimizer"]["kernels_per_step"] == 3 and cats["optimizer"]["ms_per_step"] == pytest.approx(0.021)
+    assert row["kernel_ms_per_step"] == pytest.approx(0.023)
+    # the launching op is the innermost real one: not the runtime record, not the range around it
+    ops = profile_step._launching_ops(events, lambda e: e.is_user_annotation)
+    assert ops[(adam, 7)] is fused
 
 
 def test_breakdown_per_step_shares_and_headline():
