@@ -27,9 +27,33 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .cache import WeightCache
+
 __all__ = ["grouped_mm", "grouped_swiglu_down"]
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+# precision.expert_weight_copies: caches of the bf16 weight copies, by id (an op argument must be a
+# plain value); a cache holds a copy from its first use until invalidate() (after the optimizer step).
+_CACHES: list[WeightCache] = []
+NO_CACHE = -1
+
+
+def register_cache() -> int:
+    """A new weight cache's id, to pass to grouped_mm / grouped_swiglu_down."""
+    _CACHES.append(WeightCache())
+    return len(_CACHES) - 1
+
+
+def cache(cache_id: int) -> WeightCache:
+    return _CACHES[cache_id]
+
+
+def _weight(w: Tensor, dt: torch.dtype, cache_id: int) -> Tensor:
+    """w in dt: a cast, or (a cache given, w not in dt already) the step's cached cast."""
+    if cache_id == NO_CACHE or w.dtype == dt:
+        return w.to(dt)
+    return _CACHES[cache_id].get(w, str(dt), lambda t: t.to(dt))
 
 
 def _gmm(x_RI: Tensor, w_EOI: Tensor, offsets_E: Tensor) -> Tensor:
@@ -37,10 +61,10 @@ def _gmm(x_RI: Tensor, w_EOI: Tensor, offsets_E: Tensor) -> Tensor:
 
 
 def _grads(grad_RO: Tensor, x_RI: Tensor, w_EOI: Tensor, offsets_E: Tensor, dtype: torch.dtype,
-           need_x: bool, need_w: bool) -> tuple[Tensor | None, Tensor | None]:
+           need_x: bool, need_w: bool, cache_id: int = NO_CACHE) -> tuple[Tensor | None, Tensor | None]:
     """dgrad [R, I] = grad @ w[e] per group; wgrad [E, O, I] = grad^T @ x per group (in w's dtype)."""
     grad_RO = grad_RO.to(dtype)
-    grad_x = torch._grouped_mm(grad_RO, w_EOI.to(dtype), offs=offsets_E) if need_x else None
+    grad_x = torch._grouped_mm(grad_RO, _weight(w_EOI, dtype, cache_id), offs=offsets_E) if need_x else None
     grad_w = torch._grouped_mm(grad_RO.t(), x_RI.to(dtype), offs=offsets_E).to(w_EOI.dtype) if need_w else None
     return grad_x, grad_w
 
@@ -49,37 +73,38 @@ def _grads(grad_RO: Tensor, x_RI: Tensor, w_EOI: Tensor, offsets_E: Tensor, dtyp
 
 
 @torch.library.custom_op("moetron::grouped_mm", mutates_args=())
-def _grouped_mm_op(x: Tensor, w: Tensor, offsets: Tensor, dtype: str) -> Tensor:
+def _grouped_mm_op(x: Tensor, w: Tensor, offsets: Tensor, dtype: str, cache_id: int) -> Tensor:
     dt = _DTYPES[dtype]
-    return _gmm(x.to(dt), w.to(dt), offsets)
+    return _gmm(x.to(dt), _weight(w, dt, cache_id), offsets)
 
 
 @_grouped_mm_op.register_fake
-def _(x, w, offsets, dtype):
+def _(x, w, offsets, dtype, cache_id):
     return x.new_empty(x.shape[0], w.shape[1], dtype=_DTYPES[dtype])
 
 
 @torch.library.custom_op("moetron::grouped_mm_backward", mutates_args=())
-def _grouped_mm_backward_op(grad: Tensor, x: Tensor, w: Tensor, offsets: Tensor, dtype: str) -> tuple[Tensor, Tensor]:
-    grad_x, grad_w = _grads(grad, x, w, offsets, _DTYPES[dtype], True, True)
+def _grouped_mm_backward_op(grad: Tensor, x: Tensor, w: Tensor, offsets: Tensor, dtype: str,
+                            cache_id: int) -> tuple[Tensor, Tensor]:
+    grad_x, grad_w = _grads(grad, x, w, offsets, _DTYPES[dtype], True, True, cache_id)
     return grad_x.to(x.dtype), grad_w
 
 
 @_grouped_mm_backward_op.register_fake
-def _(grad, x, w, offsets, dtype):
+def _(grad, x, w, offsets, dtype, cache_id):
     return torch.empty_like(x), torch.empty_like(w)
 
 
 def _grouped_mm_setup(ctx, inputs, output):
-    x, w, offsets, dtype = inputs
+    x, w, offsets, dtype, cache_id = inputs
     ctx.save_for_backward(x, w, offsets)
-    ctx.dtype = dtype
+    ctx.dtype, ctx.cache_id = dtype, cache_id
 
 
 def _grouped_mm_backward(ctx, grad):
     x, w, offsets = ctx.saved_tensors
-    grad_x, grad_w = _grouped_mm_backward_op(grad, x, w, offsets, ctx.dtype)
-    return grad_x, grad_w, None, None
+    grad_x, grad_w = _grouped_mm_backward_op(grad, x, w, offsets, ctx.dtype, ctx.cache_id)
+    return grad_x, grad_w, None, None, None
 
 
 _grouped_mm_op.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
@@ -89,12 +114,14 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def grouped_mm(x_RI: Tensor, w_EOI: Tensor, offsets_E: Tensor, dtype: torch.dtype) -> Tensor:
+def grouped_mm(x_RI: Tensor, w_EOI: Tensor, offsets_E: Tensor, dtype: torch.dtype, cache_id: int | None = None) -> Tensor:
     """x_RI [R, I] (rows of group e in [offsets_E[e-1], offsets_E[e]), inclusive cumsum int32) times
     w_EOI[e]^T ([E, O, I], any float dtype, e.g. the fp32 master weight) -> [R, O] in ``dtype``, the
     GEMM run in ``dtype``. Differentiable in x and w (w's gradient in w's dtype); saves x and w
-    themselves, never a cast copy. Rows past offsets_E[-1] are unspecified."""
-    return _grouped_mm_op(x_RI.to(dtype), w_EOI, offsets_E.to(torch.int32), _dtype_name(dtype))
+    themselves, never a cast copy (with ``cache_id`` from register_cache(): the cast is made once per
+    step and kept in that cache until it is invalidated). Rows past offsets_E[-1] are unspecified."""
+    return _grouped_mm_op(x_RI.to(dtype), w_EOI, offsets_E.to(torch.int32), _dtype_name(dtype),
+                          NO_CACHE if cache_id is None else cache_id)
 
 
 # ---- grouped_swiglu_down -----------------------------------------------------------------------
@@ -108,49 +135,53 @@ def _swiglu(h_R2F: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("moetron::grouped_swiglu_down", mutates_args=())
-def _swiglu_down_op(h: Tensor, w: Tensor, offsets: Tensor, dtype: str) -> Tensor:
+def _swiglu_down_op(h: Tensor, w: Tensor, offsets: Tensor, dtype: str, cache_id: int) -> Tensor:
     dt = _DTYPES[dtype]
-    return _gmm(_swiglu(h.to(dt)), w.to(dt), offsets)
+    return _gmm(_swiglu(h.to(dt)), _weight(w, dt, cache_id), offsets)
 
 
 @_swiglu_down_op.register_fake
-def _(h, w, offsets, dtype):
+def _(h, w, offsets, dtype, cache_id):
     return h.new_empty(h.shape[0], w.shape[1], dtype=_DTYPES[dtype])
 
 
 @torch.library.custom_op("moetron::grouped_swiglu_down_backward", mutates_args=())
-def _swiglu_down_backward_op(grad: Tensor, h: Tensor, w: Tensor, offsets: Tensor, dtype: str) -> tuple[Tensor, Tensor]:
+def _swiglu_down_backward_op(grad: Tensor, h: Tensor, w: Tensor, offsets: Tensor, dtype: str,
+                             cache_id: int) -> tuple[Tensor, Tensor]:
     dt = _DTYPES[dtype]
     gate_RF, up_RF = h.to(dt).chunk(2, dim=-1)
     silu_RF = F.silu(gate_RF)  # the product again, op for op as swiglu() computes it
-    grad_act, grad_w = _grads(grad, silu_RF * up_RF, w, offsets, dt, True, True)
+    grad_act, grad_w = _grads(grad, silu_RF * up_RF, w, offsets, dt, True, True, cache_id)
     # swiglu's backward as autograd runs it (mul, then silu's own backward kernel): same bits.
     grad_gate = torch.ops.aten.silu_backward(grad_act * up_RF, gate_RF)
     return torch.cat([grad_gate, grad_act * silu_RF], dim=-1).to(h.dtype), grad_w
 
 
 @_swiglu_down_backward_op.register_fake
-def _(grad, h, w, offsets, dtype):
+def _(grad, h, w, offsets, dtype, cache_id):
     return torch.empty_like(h), torch.empty_like(w)
 
 
 def _swiglu_down_setup(ctx, inputs, output):
-    h, w, offsets, dtype = inputs
+    h, w, offsets, dtype, cache_id = inputs
     ctx.save_for_backward(h, w, offsets)
-    ctx.dtype = dtype
+    ctx.dtype, ctx.cache_id = dtype, cache_id
 
 
 def _swiglu_down_backward(ctx, grad):
     h, w, offsets = ctx.saved_tensors
-    grad_h, grad_w = _swiglu_down_backward_op(grad, h, w, offsets, ctx.dtype)
-    return grad_h, grad_w, None, None
+    grad_h, grad_w = _swiglu_down_backward_op(grad, h, w, offsets, ctx.dtype, ctx.cache_id)
+    return grad_h, grad_w, None, None, None
 
 
 _swiglu_down_op.register_autograd(_swiglu_down_backward, setup_context=_swiglu_down_setup)
 
 
-def grouped_swiglu_down(h_R2F: Tensor, w_EDF: Tensor, offsets_E: Tensor, dtype: torch.dtype) -> Tensor:
+def grouped_swiglu_down(h_R2F: Tensor, w_EDF: Tensor, offsets_E: Tensor, dtype: torch.dtype,
+                        cache_id: int | None = None) -> Tensor:
     """The SwiGLU experts' down projection with the activation inside: h_R2F [R, 2F] (gate columns,
     then up) -> silu(gate) * up [R, F] -> times w_EDF[e]^T per group -> [R, D] in ``dtype``.
-    Differentiable in h and w; saves h and w, not the [R, F] product (recomputed in backward)."""
-    return _swiglu_down_op(h_R2F.to(dtype), w_EDF, offsets_E.to(torch.int32), _dtype_name(dtype))
+    Differentiable in h and w; saves h and w, not the [R, F] product (recomputed in backward);
+    ``cache_id`` as in grouped_mm."""
+    return _swiglu_down_op(h_R2F.to(dtype), w_EDF, offsets_E.to(torch.int32), _dtype_name(dtype),
+                           NO_CACHE if cache_id is None else cache_id)

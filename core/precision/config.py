@@ -65,6 +65,12 @@ class PrecisionConfig(Config):
     """Which modules' GEMMs use a low-precision recipe: ``experts`` (the routed experts' grouped
     GEMMs), ``attention`` (q/k/v/o projections), ``mlp`` (dense SwiGLUs, the MoE layer's shared
     expert included). The LM head and the router always stay in bf16."""
+    expert_weight_copies: bool = False
+    """bf16 recipe: keep each expert weight's bf16 copy from its first use in a step until the
+    optimizer step (one cast per step, none in backward or in later micro-batches), for 2 bytes per
+    expert parameter held through the step. Off: the expert GEMMs cast in forward and again in
+    backward and hold no copy (core/precision/bf16_grouped.py). Ignored when the weights arrive in
+    bf16 already (FSDP2's bf16 all-gather)."""
 
     def validate(self) -> None:
         super().validate()
@@ -109,7 +115,9 @@ class PrecisionConfig(Config):
         if recipe == PrecisionRecipe.fp32:
             return PrecisionPolicy(device_type, None, gemm_backend("torch"))
         if recipe == PrecisionRecipe.bf16:
-            return PrecisionPolicy(device_type, torch.bfloat16, gemm_backend("torch"))
+            from .gemm import TorchGemm
+
+            return PrecisionPolicy(device_type, torch.bfloat16, TorchGemm(cache_expert_weights=self.expert_weight_copies))
         backend = self.resolved_backend(device_type, verbose=verbose)
         if recipe == PrecisionRecipe.mxfp8 and backend == PrecisionBackend.native and GemmModule.experts in self.modules:
             raise ConfigError("precision.recipe=mxfp8 with backend=native: the native MX grouped GEMM for the "

@@ -76,11 +76,19 @@ class TorchGemm(GemmBackend):
 
     name = "torch"
 
+    def __init__(self, cache_expert_weights: bool = False):
+        # precision.expert_weight_copies: the grouped GEMMs' bf16 weight copies, made once per step.
+        self.weight_cache = bf16_grouped.register_cache() if cache_expert_weights else None
+
+    def after_optimizer_step(self) -> None:
+        if self.weight_cache is not None:
+            bf16_grouped.cache(self.weight_cache).invalidate()
+
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.linear(x, w)
 
     def grouped_mm(self, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-        return bf16_grouped.grouped_mm(x_RI, w_EOI, offsets_E, compute_dtype(x_RI))
+        return bf16_grouped.grouped_mm(x_RI, w_EOI, offsets_E, compute_dtype(x_RI), self.weight_cache)
 
     def grouped_swiglu_down(self, h_R2F, w_EDF, offsets_E, act):
         # The fused op recomputes the product in backward; it knows only the plain SwiGLU (a
@@ -89,7 +97,7 @@ class TorchGemm(GemmBackend):
 
         if getattr(act, "__wrapped__", act) is not swiglu:
             return super().grouped_swiglu_down(h_R2F, w_EDF, offsets_E, act)
-        return bf16_grouped.grouped_swiglu_down(h_R2F, w_EDF, offsets_E, compute_dtype(h_R2F))
+        return bf16_grouped.grouped_swiglu_down(h_R2F, w_EDF, offsets_E, compute_dtype(h_R2F), self.weight_cache)
 
 
 GEMM_BACKENDS: Registry[type[GemmBackend]] = Registry("GEMM backend")

@@ -143,3 +143,49 @@ def test_experts_grouped_mm_backend_matches_loop_under_autocast():
         outs.append((y, xx.grad, m.w_gate_up.grad, m.w_down.grad))
     for a, b in zip(*outs):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_weight_cache_casts_once_per_step_and_gives_the_same_results():
+    """precision.expert_weight_copies: one bf16 copy per weight per step (fwd and bwd reuse it), the
+    same values as casting each time, a new copy after the optimizer step's invalidate()."""
+    from moetron.core.precision import bf16_grouped
+
+    cid = bf16_grouped.register_cache()
+    cache = bf16_grouped.cache(cid)
+    x, w, offsets = _case(4)
+    outs = []
+    for use in (None, cid):
+        xx, ww = x.detach().requires_grad_(True), w.detach().clone().requires_grad_(True)
+        y = grouped_mm(xx, ww, offsets, torch.bfloat16, use)
+        y.float().square().sum().backward()
+        outs.append((y, xx.grad, ww.grad))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    assert (cache.misses, cache.hits) == (1, 1)  # forward made it, backward reused it
+    with torch.no_grad():
+        ww.add_(1.0)  # an optimizer step (in place)...
+    cache.invalidate()  # ...and the trainer's after_optimizer_step
+    y2 = grouped_mm(x, ww, offsets, torch.bfloat16, cid)
+    assert cache.misses == 2 and torch.equal(y2, grouped_mm(x, ww, offsets, torch.bfloat16))
+
+
+def test_trainer_with_weight_copies_equals_without():
+    """Three bf16 steps of a tiny MoE on the grouped-GEMM experts: the same losses with the
+    once-per-step copies as without (the trainer invalidates them after each optimizer step; a
+    stale copy would change the second step's loss)."""
+    from step_builder import RandomTokens, build_trainer  # tools/ (tests/conftest.py puts it on the path)
+
+    from moetron.core.memory import MemoryConfig
+    from moetron.core.precision import PrecisionConfig
+    from moetron.models import ModelConfig
+
+    losses = []
+    for copies in (False, True):
+        cfg = ModelConfig.preset("tiny-moe")
+        cfg.apply_overrides(["n_layers=2", "moe.experts_backend=grouped_mm"])
+        data = RandomTokens(cfg.vocab_size, 2, 32, torch.device("cpu"))
+        trainer = build_trainer(cfg, MemoryConfig(), data, torch.device("cpu"), seq_len=32,
+                                precision=PrecisionConfig(recipe="bf16", expert_weight_copies=copies))
+        losses.append([trainer.train_step(data.next_batch())[0].item() for _ in range(3)])
+    assert losses[0] == losses[1]
+    assert losses[0][2] != losses[0][0]  # the weights did change between steps
