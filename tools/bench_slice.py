@@ -15,7 +15,9 @@ bf16 as FSDP2 hands them over, bf16 autocast; no optimizer step.
 
 Model FLOPs are the project's count (ModelConfig.block_flops_per_token: 6 x active params +
 attention) for the slice's blocks and tokens; TFLOP/s per GPU and peak memory are printed as a table
-and written as JSON. ``--tiny`` shrinks every width for a CPU run (tests).
+and written as JSON, each row beside the planner's prediction for the same slice (tools/plan.py
+plan_slice, bf16 on ``--gpu``, default h200: step ms, TFLOP/s, peak GiB and their errors, planned /
+measured - 1). ``--tiny`` shrinks every width for a CPU run (tests).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from moetron.models import ModelConfig
 from moetron.models.transformer import Block
 
 from cli import run_cli, split_variant, write_report  # tools/cli.py
+from plan import GPUS, plan_slice, slice_layers  # tools/plan.py
 
 
 class ArrivingRows(TokenDispatcher):
@@ -86,15 +89,8 @@ def slice_config(args) -> tuple[ModelConfig, int]:
         cfg.d_model, cfg.vocab_size = 64, 256
         cfg.attention.n_heads, cfg.attention.n_kv_heads, cfg.attention.head_dim = 4, 2, 16
         cfg.moe.expert_hidden, cfg.moe.shared_expert_hidden = 32, None
-    if cfg.moe is None:
-        raise ConfigError(f"--preset {args.preset} is dense: the slice benchmark needs an MoE model")
-    E = cfg.moe.num_experts
-    if E % args.ep:
-        raise ConfigError(f"--ep {args.ep} must divide the {E} experts of {args.preset}")
-    per_stage = -(-cfg.n_layers // args.pp)
-    if args.layers > per_stage:
-        raise ConfigError(f"--layers {args.layers} exceeds one stage's {per_stage} blocks ({cfg.n_layers} layers / pp {args.pp})")
-    return cfg, E // args.ep
+    _, local = slice_layers(cfg, args.ep, args.pp, args.layers, args.preset)  # the planner's checks and blocks
+    return cfg, local
 
 
 class Stage(nn.Module):
@@ -116,7 +112,7 @@ def measure(cfg: ModelConfig, local: int, memory: MemoryConfig, args, device: to
     spec = MoESpec.from_config(cfg.moe)
     spec = MoESpec(router=spec.router, dispatcher=lambda E: dispatcher,
                    experts=lambda E, d, F, backend, dev: GroupedExperts(local, d, F, backend, dev))
-    moe_layers = [i for i in range(cfg.n_layers) if cfg.is_moe_layer(i)][:args.layers]
+    moe_layers, _ = slice_layers(cfg, args.ep, args.pp, args.layers, args.preset)
     torch.manual_seed(0)
     blocks = {}
     for i in moe_layers:
@@ -160,6 +156,20 @@ def measure(cfg: ModelConfig, local: int, memory: MemoryConfig, args, device: to
     }
 
 
+def planned(cfg: ModelConfig, memory: MemoryConfig, args, row: dict) -> dict:
+    """The planner's figures for the slice just measured (tools/plan.py plan_slice: bf16, ``--gpu``)
+    and the errors planned / measured - 1 (None where nothing was measured: peak memory off CUDA)."""
+    p = plan_slice(copy.deepcopy(cfg), row["layers"], ep=args.ep, seq_len=args.seq_len, micro_batch=args.micro_batch,
+                   memory=memory, compiled=args.compile, gpu=args.gpu)
+
+    def error(planned_value, measured):
+        return planned_value / measured - 1 if measured else None
+    return {"planned_step_s": p["step_s"], "planned_tflops_per_gpu": p["tflops_per_gpu"],
+            "planned_peak_mem_gib": p["peak_gib"], "planned_peak_at": p["peak_at"], "planned_parts_s": p["parts_s"],
+            "step_error": error(p["step_s"], row["step_s"]), "tflops_error": error(p["tflops_per_gpu"], row["tflops_per_gpu"]),
+            "peak_error": error(p["peak_gib"], row["peak_mem_gib"])}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -176,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true", help="torch.compile each block")
     parser.add_argument("--tiny", action="store_true", help="small widths, for a CPU run")
     parser.add_argument("--variant", action="append", default=[], help="NAME:memory.key=value[,...]")
+    parser.add_argument("--gpu", default="h200", choices=tuple(GPUS),
+                        help="the GPU the planned columns are for (tools/plan.py's table)")
     parser.add_argument("--json", default="runs/bench/bench_slice.json")
     args = parser.parse_args(argv)
     cfg, local = slice_config(args)
@@ -188,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"variant overrides are --memory.* fields, got {bad}")
         memory.apply_overrides([o[len("--memory."):] for o in ovr])
         memory.validate()
-        rows.append({"variant": name, "overrides": ovr, **measure(copy.deepcopy(cfg), local, memory, args, device)})
+        row = {"variant": name, "overrides": ovr, **measure(copy.deepcopy(cfg), local, memory, args, device)}
+        rows.append({**row, **planned(cfg, memory, args, row)})
         if device.type == "cuda":
             torch.cuda.empty_cache()
     env = {**run_environment(device, 1, "tools/bench_slice.py", argv), "preset": args.preset, "ep": args.ep,
@@ -196,10 +209,17 @@ def main(argv: list[str] | None = None) -> int:
            "compile": args.compile}
     print(f"{env['device']} | torch {env['torch']} | {args.preset} slice: {len(rows[0]['layers'])} MoE blocks, "
           f"{local} local experts, {rows[0]['tokens']} tokens ({rows[0]['rows']} expert rows, {args.load})")
-    print(f"{'variant':<12} {'step ms':>9} {'TFLOP/s':>9} {'mem GiB':>8}")
+    print(f"planned: tools/plan.py --slice for {args.gpu}, bf16; err = planned / measured - 1")
+    print(f"{'variant':<12} {'step ms':>9} {'TFLOP/s':>9} {'mem GiB':>8} | {'plan ms':>9} {'err':>7} {'plan TF/s':>9} "
+          f"{'err':>7} {'plan GiB':>8} {'err':>7}")
+
+    def err(x):
+        return f"{100 * x:+6.1f}%" if x is not None else "-"
     for r in rows:
         mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "-"
-        print(f"{r['variant']:<12} {1e3 * r['step_s']:>9.1f} {r['tflops_per_gpu']:>9.1f} {mem:>8}")
+        print(f"{r['variant']:<12} {1e3 * r['step_s']:>9.1f} {r['tflops_per_gpu']:>9.1f} {mem:>8} | "
+              f"{1e3 * r['planned_step_s']:>9.1f} {err(r['step_error']):>7} {r['planned_tflops_per_gpu']:>9.1f} "
+              f"{err(r['tflops_error']):>7} {r['planned_peak_mem_gib']:>8.1f} {err(r['peak_error']):>7}")
     write_report(args.json, env, rows)
     return 0
 

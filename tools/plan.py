@@ -14,6 +14,12 @@ switches are read from the same config fields pretrain takes: --model.fused_loss
         --seq-len 8192 --global-batch 8192 --micro-batch 1 --precision.recipe=mxfp8 --memory.recompute=full
     python tools/plan.py --preset moe-1t --gpu h200 --num-gpus 512 --seq-len 8192 --global-batch 8192 --search
     python tools/plan.py --validate runs/bench/bench_train.json runs/bench/bench_memory.json
+    python tools/plan.py --slice --layers 2 --preset moe-1t --parallel.ep=8 --parallel.pp=8 --seq-len 8192 \
+        --gpu h200 --eager --memory.recompute=full
+
+--slice: what tools/bench_slice.py measures (one rank's --layers MoE blocks with E/ep local
+experts, one micro-batch, bf16 weights and grads, forward + backward; no all-to-all, optimizer or
+bubble), planned from the same model: see plan_slice.
 
 --validate FILE.json ...: for every row of tools/bench_train.py / tools/bench_memory.py reports (the
 preset, the command's base overrides and the row's overrides, on --gpu h200 --num-gpus 1), the
@@ -249,7 +255,8 @@ def reference_activation_bytes(cfg: ModelConfig, layer: int) -> float:
     return total
 
 
-def activation_terms(cfg: ModelConfig, layer: int, sw: Switches = Switches()) -> dict[str, tuple[str, float]]:
+def activation_terms(cfg: ModelConfig, layer: int, sw: Switches = Switches(),
+                     bf16_params: bool = False) -> dict[str, tuple[str, float]]:
     """Saved-for-backward bytes per token of one block, by term: {name: (module it belongs to for
     selective recompute, bytes)}.
 
@@ -266,6 +273,10 @@ def activation_terms(cfg: ModelConfig, layer: int, sw: Switches = Switches()) ->
     qkv input, q and k before their norms, the o-proj input, one more [T, D]), q, k, v, out for SDPA,
     x_RD, h, y_RD, one fp32 [T, D] for the norms and 0.5 D + 4 E bytes of router state; a dense
     SwiGLU (not measured) keeps its input, gate|up and the product.
+
+    ``bf16_params`` (tools/bench_slice.py's blocks: bf16 weights and a bf16 stream, no autocast
+    casts): eager, q, k and v save the one bf16 norm output (autocast casts an fp32 input once per
+    linear); the rest is the same count.
     """
     D = cfg.d_model
     att = cfg.attention
@@ -276,7 +287,7 @@ def activation_terms(cfg: ModelConfig, layer: int, sw: Switches = Switches()) ->
     moe = cfg.moe if cfg.is_moe_layer(layer) else None
     if not sw.compiled:
         terms["attn_norm"] = ("norm", 8.0 * D)
-        terms["qkv_inputs"] = ("attention", 3 * g_att * D)
+        terms["qkv_inputs"] = ("attention", (1 if bf16_params and not sw.low("attention") else 3) * g_att * D)
         if att.qk_norm:
             terms["qk_norm"] = ("norm", 8.0 * (A + G))
         terms["sdpa_qkv_out"] = ("attention", 2.0 * (A + 2 * G) + 2.0 * A)
@@ -325,12 +336,14 @@ def activation_terms(cfg: ModelConfig, layer: int, sw: Switches = Switches()) ->
     return terms
 
 
-def block_activation_bytes(cfg: ModelConfig, layer: int, memory: MemoryConfig, sw: Switches = Switches()) -> float:
+def block_activation_bytes(cfg: ModelConfig, layer: int, memory: MemoryConfig, sw: Switches = Switches(),
+                           bf16_params: bool = False) -> float:
     """Saved bytes per token of block ``layer`` under the recompute policy: the block input (fp32
-    residual) alone for a fully recomputed block; the named modules' terms dropped for selective."""
+    residual; bf16 under ``bf16_params``) alone for a fully recomputed block; the named modules'
+    terms dropped for selective."""
     if memory.recompute == Recompute.full and layer % memory.recompute_every == 0:
-        return 4.0 * cfg.d_model
-    terms = activation_terms(cfg, layer, sw)
+        return (2.0 if bf16_params else 4.0) * cfg.d_model
+    terms = activation_terms(cfg, layer, sw, bf16_params)
     if memory.recompute == Recompute.selective:
         dropped = set(memory.recompute_modules)
         return sum(b for mod, b in terms.values() if mod not in dropped)
@@ -436,10 +449,96 @@ def block_backward_transient(cfg: ModelConfig, layer: int, sw: Switches, tokens:
     grads [R, F] x4, the [R, 2F] cat) and, for the bf16 experts, the gate|up weight recast to bf16."""
     if cfg.is_moe_layer(layer):
         moe = cfg.moe
-        R, F = tokens * moe.router.top_k, moe.expert_hidden
-        recast = 0.0 if sw.low("experts") else 2.0 * (moe.num_experts / ep) * 2 * F * cfg.d_model
-        return 2.0 * R * (cfg.d_model + 6 * F) + recast
-    return 2.0 * tokens * (cfg.d_model + 6 * cfg.mlp_hidden)
+        recast = 0.0 if sw.low("experts") else 2.0 * (moe.num_experts / ep) * 2 * moe.expert_hidden * cfg.d_model
+        return _swiglu_backward_rows(cfg, layer, tokens) + recast
+    return _swiglu_backward_rows(cfg, layer, tokens)
+
+
+def _swiglu_backward_rows(cfg: ModelConfig, layer: int, tokens: int) -> float:
+    """The row tensors of a SwiGLU down projection's backward (bf16): the incoming grad [R, D] and
+    silu, grad_act, grad_gate, grad_act * silu [R, F] and their [R, 2F] cat (R = T*K expert rows)."""
+    if cfg.is_moe_layer(layer):
+        R, F = tokens * cfg.moe.router.top_k, cfg.moe.expert_hidden
+    else:
+        R, F = tokens, cfg.mlp_hidden
+    return 2.0 * R * (cfg.d_model + 6 * F)
+
+
+def _expert_params(cfg: ModelConfig, layer: int) -> int:
+    """The routed experts' parameters of block ``layer`` (all E of them; 0 for a dense block)."""
+    if not cfg.is_moe_layer(layer):
+        return 0
+    return cfg.moe.num_params(cfg.d_model) - cfg.moe.num_experts * cfg.d_model - 3 * cfg.d_model * cfg.moe.shared_width()
+
+
+def gemm_rate(gpu: GPU, sw: Switches, module: str, grouped: bool) -> float:
+    """FLOP/s of a module's GEMMs: fp8 peak x fp8 efficiency for a native low-precision recipe,
+    else the bf16 rate (emulated backends run bf16 GEMMs)."""
+    if sw.recipe != "bf16" and sw.backend == "native" and sw.low(module):
+        return gpu.fp8_tflops * 1e12 * (EFF_FP8_EXPERT if grouped else EFF_FP8_GEMM)
+    return gpu.bf16_tflops * 1e12 * (EFF_EXPERT if grouped else EFF_GEMM)
+
+
+def stage_time(cfg: ModelConfig, layers: list[int], *, sw: Switches, memory: MemoryConfig, gpu: GPU, seq_len: int,
+               tokens: int, ep: int, compiled: bool, microbatches: int = 1, last: bool = False,
+               all_to_all: bool = True, fp32_master: bool = True) -> tuple[float, dict]:
+    """Seconds for one micro-batch of ``tokens`` forward + backward through blocks ``layers`` (with
+    E/ep local experts fed T*K rows), and its parts. ``last``: the stage holds the LM head and loss.
+    ``all_to_all``: the EP dispatch / combine is run (exposed); ``fp32_master``: the bf16 experts recast
+    fp32 master weights in backward (False where the weights are bf16 already, as tools/bench_slice.py
+    holds them). ``microbatches`` spreads an eager run's weight-cache quantization over the step."""
+    mem, T_mb, m = memory, tokens, microbatches
+    bf16_flops = gpu.bf16_tflops * 1e12
+    width = cfg.attention.n_heads * cfg.attention.head_width(cfg.d_model)
+    modules = ("attention", "mlp", "experts")
+    attn_f = sum(12.0 * width * min(seq_len, cfg.window_of(i) or seq_len) for i in layers)
+    block_f = sum(cfg.block_flops_per_token(i, seq_len) for i in layers)  # one path for FLOPs
+    by_module = {k: 6.0 * sum(_linear_params(cfg, i)[k] for i in layers) for k in modules}
+    by_module["experts"] = sum(6.0 * cfg.moe.router.top_k * 3 * cfg.d_model * cfg.moe.expert_hidden
+                               for i in layers if cfg.is_moe_layer(i))
+    other_f = block_f - attn_f - sum(by_module.values())  # router and anything else: bf16
+    if last:
+        other_f += cfg.flops_per_token(seq_len) - sum(cfg.block_flops_per_token(i, seq_len) for i in range(cfg.n_layers))
+    recomputed = [i for i in layers if mem.recompute == Recompute.full and i % mem.recompute_every == 0]
+    share = len(recomputed) / max(1, len(layers))
+    extra = 1 + share * RECOMPUTE_FORWARD["compiled" if compiled else "eager"]
+    t_gemm = T_mb * extra * (other_f / (bf16_flops * EFF_GEMM)
+                             + by_module["attention"] / gemm_rate(gpu, sw, "attention", False)
+                             + by_module["mlp"] / gemm_rate(gpu, sw, "mlp", False)
+                             + by_module["experts"] / gemm_rate(gpu, sw, "experts", True))
+    t_attn = T_mb * attn_f / (bf16_flops * EFF_ATTN) * extra
+    ref_bytes = sum(reference_activation_bytes(cfg, i) for i in layers)
+    traffic = HBM_TRAFFIC["compiled" if compiled else "eager"] * ref_bytes * T_mb * extra
+    # [code] the bf16 experts recast their fp32 weights in backward (read 4 + write 2 B per
+    # element) and recompute the SwiGLU product (read gate|up, write silu and product: ~10 B x F per row).
+    recast = 0.0
+    if cfg.moe is not None and not sw.low("experts"):
+        for i in layers:
+            if cfg.is_moe_layer(i):
+                recast += (6.0 * _expert_params(cfg, i) / ep if fp32_master else 0.0) + \
+                    10.0 * cfg.moe.expert_hidden * cfg.moe.router.top_k * T_mb
+    # [code bytes, assumed rates] quantization passes over every low-precision GEMM's operands.
+    quant = 0.0
+    if sw.recipe != "bf16":
+        qb, wb = QUANT_BYTES[sw.backend], WEIGHT_QUANT_BYTES[sw.backend]
+        for i in layers:
+            el, wl = _gemm_elements(cfg, i), _linear_params(cfg, i)
+            for k in modules:
+                if sw.low(k):
+                    quant += qb * el[k] * T_mb * extra
+                    weights = wl[k] / (ep if k == "experts" else 1)
+                    quant += wb * weights * ((2 * extra) if compiled else 1 / m)  # the cache: once per step
+    t_hbm = traffic / (gpu.hbm_tbps * 1e12)
+    t_extra = (recast + quant) / (gpu.hbm_tbps * 1e12)
+    t_a2a = 0.0
+    if all_to_all and cfg.moe is not None and ep > 1:
+        K = cfg.moe.router.top_k
+        rows_out = T_mb * (ep - 1) if K >= ep else T_mb * K * (ep - 1) / ep  # all_gather vs synced
+        n_moe = sum(1 for i in layers if cfg.is_moe_layer(i))
+        passes = 4 + (2 * share if share else 0)  # dispatch + combine, fwd and bwd (+ recompute)
+        t_a2a = n_moe * passes * rows_out * cfg.d_model * 2.0 / _group_bw(gpu, ep, 1)
+    return t_gemm + t_attn + t_hbm + t_extra + t_a2a, {"gemm": t_gemm, "attention": t_attn, "hbm": t_hbm,
+                                                     "recast_quant": t_extra, "ep_a2a": t_a2a}
 
 
 def plan(p: Plan) -> dict:
@@ -475,8 +574,7 @@ def plan(p: Plan) -> dict:
     modules = ("attention", "mlp", "experts")
 
     def expert_params(layer: int) -> int:
-        return cfg.moe.num_params(cfg.d_model) - cfg.moe.num_experts * cfg.d_model - \
-            3 * cfg.d_model * cfg.moe.shared_width() if cfg.is_moe_layer(layer) else 0
+        return _expert_params(cfg, layer)
 
     state_b = 8.0 if sw.state_dtype == "fp32" else 4.0
     rows = []
@@ -561,65 +659,8 @@ def plan(p: Plan) -> dict:
     tokens_step = p.global_batch * p.seq_len
     flops_step = fpt * tokens_step
     bf16_flops = gpu.bf16_tflops * 1e12
-    width = cfg.attention.n_heads * cfg.attention.head_width(cfg.d_model)
-    native_fp8 = sw.recipe != "bf16" and sw.backend == "native"
-
-    def rate(module: str, grouped: bool) -> float:
-        """FLOP/s of a module's GEMMs: fp8 peak x fp8 efficiency for a native low-precision recipe,
-        else the bf16 rate (emulated backends run bf16 GEMMs)."""
-        if native_fp8 and sw.low(module):
-            return gpu.fp8_tflops * 1e12 * (EFF_FP8_EXPERT if grouped else EFF_FP8_GEMM)
-        return bf16_flops * (EFF_EXPERT if grouped else EFF_GEMM)
-
-    def stage_time(layers: list[int], last: bool) -> tuple[float, dict]:
-        """Seconds for one micro-batch's forward + backward on a stage, and its parts."""
-        attn_f = sum(12.0 * width * min(p.seq_len, cfg.window_of(i) or p.seq_len) for i in layers)
-        block_f = sum(cfg.block_flops_per_token(i, p.seq_len) for i in layers)  # one path for FLOPs
-        by_module = {k: 6.0 * sum(_linear_params(cfg, i)[k] for i in layers) for k in modules}
-        by_module["experts"] = sum(6.0 * cfg.moe.router.top_k * 3 * cfg.d_model * cfg.moe.expert_hidden
-                                   for i in layers if cfg.is_moe_layer(i))
-        other_f = block_f - attn_f - sum(by_module.values())  # router and anything else: bf16
-        if last:
-            other_f += fpt - sum(cfg.block_flops_per_token(i, p.seq_len) for i in range(cfg.n_layers))
-        recomputed = [i for i in layers if mem.recompute == Recompute.full and i % mem.recompute_every == 0]
-        share = len(recomputed) / max(1, len(layers))
-        extra = 1 + share * RECOMPUTE_FORWARD["compiled" if p.compiled else "eager"]
-        t_gemm = T_mb * extra * (other_f / (bf16_flops * EFF_GEMM) + by_module["attention"] / rate("attention", False)
-                                 + by_module["mlp"] / rate("mlp", False) + by_module["experts"] / rate("experts", True))
-        t_attn = T_mb * attn_f / (bf16_flops * EFF_ATTN) * extra
-        ref_bytes = sum(reference_activation_bytes(cfg, i) for i in layers)
-        traffic = HBM_TRAFFIC["compiled" if p.compiled else "eager"] * ref_bytes * T_mb * extra
-        # [code] the bf16 experts recast their fp32 weights in backward (read 4 + write 2 B per
-        # element) and recompute the SwiGLU product (read gate|up, write silu and product: ~10 B x F per row).
-        recast = 0.0
-        if cfg.moe is not None and not sw.low("experts"):
-            for i in layers:
-                if cfg.is_moe_layer(i):
-                    recast += 6.0 * expert_params(i) / ep + 10.0 * cfg.moe.expert_hidden * cfg.moe.router.top_k * T_mb
-        # [code bytes, assumed rates] quantization passes over every low-precision GEMM's operands.
-        quant = 0.0
-        if sw.recipe != "bf16":
-            qb, wb = QUANT_BYTES[sw.backend], WEIGHT_QUANT_BYTES[sw.backend]
-            for i in layers:
-                el, wl = _gemm_elements(cfg, i), _linear_params(cfg, i)
-                for k in modules:
-                    if sw.low(k):
-                        quant += qb * el[k] * T_mb * extra
-                        weights = wl[k] / (ep if k == "experts" else 1)
-                        quant += wb * weights * ((2 * extra) if p.compiled else 1 / m)  # the cache: once per step
-        t_hbm = traffic / (gpu.hbm_tbps * 1e12)
-        t_extra = (recast + quant) / (gpu.hbm_tbps * 1e12)
-        t_a2a = 0.0
-        if cfg.moe is not None and ep > 1:
-            K = cfg.moe.router.top_k
-            rows_out = T_mb * (ep - 1) if K >= ep else T_mb * K * (ep - 1) / ep  # all_gather vs synced
-            n_moe = sum(1 for i in layers if cfg.is_moe_layer(i))
-            passes = 4 + (2 * share if share else 0)  # dispatch + combine, fwd and bwd (+ recompute)
-            t_a2a = n_moe * passes * rows_out * cfg.d_model * 2.0 / _group_bw(gpu, ep, 1)
-        return t_gemm + t_attn + t_hbm + t_extra + t_a2a, {"gemm": t_gemm, "attention": t_attn, "hbm": t_hbm,
-                                                         "recast_quant": t_extra, "ep_a2a": t_a2a}
-
-    times = [stage_time(layers, s == par.pp - 1) for s, layers in enumerate(stages)]
+    times = [stage_time(cfg, layers, sw=sw, memory=mem, gpu=gpu, seq_len=p.seq_len, tokens=T_mb, ep=ep,
+                        compiled=p.compiled, microbatches=m, last=s == par.pp - 1) for s, layers in enumerate(stages)]
     t_mb, parts = max(times, key=lambda t: t[0])
     t_compute = m * t_mb
     t_pp_send = 0.0
@@ -705,6 +746,105 @@ def plan(p: Plan) -> dict:
                         f"{HOST_GBPS:.0f} GB/s" if sw.offload else ""),
         "fits": fits, "tightest": tightest,
     }
+
+
+# ---- one rank's slice (tools/bench_slice.py) ------------------------------------------------------
+
+SLICE_FREED = ("shared_mlp", "shared_swiglu", "expert_out")
+"""The top block's terms already freed when its experts' backward runs: the shared expert and the
+combine (which keeps y_RD) ran after the experts in forward, so their backward nodes ran first."""
+
+
+def slice_layers(cfg: ModelConfig, ep: int, pp: int, layers: int, name: str = "the model") -> tuple[list[int], int]:
+    """The blocks and local experts of one rank's slice as tools/bench_slice.py runs it: the first
+    ``layers`` MoE blocks (one pipeline stage holds ceil(n_layers / pp)) and E/ep local experts.
+    ConfigError for a dense model, an ep that does not divide E, more blocks than a stage holds."""
+    if cfg.moe is None:
+        raise ConfigError(f"--preset {name} is dense: the slice benchmark needs an MoE model")
+    E = cfg.moe.num_experts
+    if ep < 1 or E % ep:
+        raise ConfigError(f"--ep {ep} must divide the {E} experts of {name}")
+    if pp < 1:
+        raise ConfigError(f"--pp must be positive, got {pp}")
+    per_stage = -(-cfg.n_layers // pp)
+    if layers < 1 or layers > per_stage:
+        raise ConfigError(f"--layers {layers} exceeds one stage's {per_stage} blocks ({cfg.n_layers} layers / pp {pp})"
+                          if layers > per_stage else f"--layers must be positive, got {layers}")
+    moe_layers = [i for i in range(cfg.n_layers) if cfg.is_moe_layer(i)][:layers]
+    return moe_layers, E // ep
+
+
+def slice_params(cfg: ModelConfig, layers: list[int], ep: int) -> int:
+    """Parameters the slice's blocks hold: each block's attention, norms, router and shared expert,
+    and E/ep of its routed experts."""
+    return sum(cfg.num_block_params(i) - _expert_params(cfg, i) + _expert_params(cfg, i) // ep for i in layers)
+
+
+def plan_slice(cfg: ModelConfig, layers: list[int], *, ep: int, seq_len: int, micro_batch: int = 1,
+               memory: MemoryConfig | None = None, compiled: bool = True, gpu: str = "h200") -> dict:
+    """What tools/bench_slice.py measures, planned: one micro-batch of ``micro_batch`` x ``seq_len``
+    tokens forward + backward through blocks ``layers`` with E/ep local experts fed T*K rows, bf16.
+
+    Memory [code], as bench_slice holds it: the blocks' parameters in bf16 (as FSDP2 hands them
+    over) and their bf16 gradients (every parameter requires grad; bench_slice never zeroes them, so
+    they are held through each measured step and a new gradient is accumulated into them); the input
+    x, its gradient, the output y and dy [T, D] bf16; the saved activations (activation_terms with
+    bf16 parameters, under the recompute policy); the peak is inside the experts' backward of the
+    stage's last block (the first backward): every other block's activations, that block's less
+    SLICE_FREED (a fully recomputed block rebuilt, likewise), the SwiGLU-down backward's row tensors
+    and the fresh bf16 w_down gradient before it is accumulated. No weight copies (bf16 already),
+    no optimizer state, no communication buffers, no loss.
+
+    Time: stage_time for these blocks (no all-to-all: bench_slice does not run it; no weight recast:
+    bf16 weights), no optimizer, no pipeline bubble. FLOPs: ModelConfig.block_flops_per_token, the
+    count bench_slice uses."""
+    mem = memory or MemoryConfig()
+    cfg.validate()
+    mem.validate()
+    if gpu not in GPUS:
+        raise ConfigError(f"--gpu {gpu!r} is not in the table: choose one of {', '.join(GPUS)}")
+    if cfg.moe is None or not layers or not all(cfg.is_moe_layer(i) for i in layers):
+        raise ConfigError(f"a slice is MoE blocks: {layers} are not all MoE layers of {cfg.describe()}")
+    sw = Switches(compiled=compiled)  # bf16, as bench_slice runs
+    T = micro_batch * seq_len
+    D, F, L = cfg.d_model, cfg.moe.expert_hidden, cfg.moe.num_experts // ep
+    n_params = slice_params(cfg, layers, ep)
+    weights, grads = 2.0 * n_params, 2.0 * n_params
+    io = 4 * 2.0 * T * D  # x, x.grad, y, dy
+    acts = sum(block_activation_bytes(cfg, i, mem, sw, bf16_params=True) for i in layers) * T
+    top = layers[-1]
+    terms = activation_terms(cfg, top, sw, bf16_params=True)
+    top_held = sum(b for k, (_, b) in terms.items() if k not in SLICE_FREED) * T
+    top_saved = block_activation_bytes(cfg, top, mem, sw, bf16_params=True) * T
+    recomputed = mem.recompute == Recompute.full and top % mem.recompute_every == 0
+    # the top block's saved activations as its experts' backward runs: rebuilt when recomputed (its
+    # kept input stays), else what the shared expert's and the combine's backward left
+    held = acts - top_saved + top_held + (top_saved if recomputed else 0.0)
+    transient = _swiglu_backward_rows(cfg, top, T) + 2.0 * L * D * F
+    peak = weights + grads + io + held + transient
+    t, parts = stage_time(cfg, layers, sw=sw, memory=mem, gpu=GPUS[gpu], seq_len=seq_len, tokens=T, ep=ep,
+                          compiled=compiled, all_to_all=False, fp32_master=False)
+    flops = sum(cfg.block_flops_per_token(i, seq_len) for i in layers) * T
+    return {"gpu": gpu, "layers": list(layers), "local_experts": L, "tokens": T, "rows": T * cfg.moe.router.top_k,
+            "compiled": compiled, "recompute": str(mem.recompute), "recompute_every": mem.recompute_every,
+            "params": n_params, "weights_gib": weights / GiB, "grads_gib": grads / GiB, "io_gib": io / GiB,
+            "activations_gib": acts / GiB, "held_at_peak_gib": held / GiB, "backward_transient_gib": transient / GiB,
+            "peak_gib": peak / GiB, "peak_at": f"block {top}'s experts' backward (SwiGLU-down)",
+            "flops": flops, "step_s": t, "parts_s": parts, "tflops_per_gpu": flops / t / 1e12,
+            "mfu_bf16": flops / t / (GPUS[gpu].bf16_tflops * 1e12)}
+
+
+def print_slice(r: dict, cfg: ModelConfig) -> None:
+    print(f"slice of {cfg.describe()} | {r['gpu']} | bf16 | {'compiled' if r['compiled'] else 'eager'} | "
+          f"recompute {r['recompute']} | blocks {r['layers']}, {r['local_experts']} local experts, "
+          f"{r['tokens']} tokens ({r['rows']} expert rows)")
+    print(f"memory, GiB: weights {r['weights_gib']:.2f} (bf16, {r['params'] / 1e9:.3f}B params) + grads "
+          f"{r['grads_gib']:.2f} (bf16) + x/dx/y/dy {r['io_gib']:.2f} + activations held {r['held_at_peak_gib']:.2f} "
+          f"(all saved {r['activations_gib']:.2f}) + backward transient {r['backward_transient_gib']:.2f} "
+          f"= peak {r['peak_gib']:.2f} (at {r['peak_at']})")
+    print(f"step {1e3 * r['step_s']:.1f} ms (" + ", ".join(f"{k} {1e3 * v:.1f}" for k, v in r["parts_s"].items())
+          + f") | {r['tflops_per_gpu']:.1f} TFLOP/s/GPU | MFU(bf16) {100 * r['mfu_bf16']:.1f}% | "
+          "no all-to-all, no optimizer, no bubble")
 
 
 def search(base: Plan, top: int = 10) -> list[dict]:
@@ -816,6 +956,10 @@ def parse(argv: list[str]) -> tuple[Plan, argparse.Namespace]:
     parser.add_argument("--gpu", default="h200", choices=tuple(GPUS))
     parser.add_argument("--num-gpus", type=int, default=1)
     parser.add_argument("--search", action="store_true", help="list the fastest layouts that fit")
+    parser.add_argument("--slice", action="store_true",
+                        help="plan tools/bench_slice.py's slice: --layers MoE blocks of one stage under "
+                             "--parallel.ep / --parallel.pp, one micro-batch (--micro-batch, default 1) on one GPU")
+    parser.add_argument("--layers", type=int, default=2, help="--slice: MoE blocks of the stage (bench_slice's --layers)")
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--validate", nargs="+", default=None, metavar="FILE.json",
                         help="planned vs measured for every row of bench_train / bench_memory reports")
@@ -946,6 +1090,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.validate:
         rows = validate(args.validate)
         print_validation(rows)
+    elif args.slice:
+        layers, _ = slice_layers(p.model, p.parallel.ep, p.parallel.pp, args.layers, args.preset or "the model")
+        rows = [plan_slice(p.model, layers, ep=p.parallel.ep, seq_len=p.seq_len, micro_batch=p.micro_batch or 1,
+                           memory=p.memory, compiled=p.compiled, gpu=p.gpu)]
+        print_slice(rows[0], p.model)
     elif args.search:
         rows = search(p, args.top)
         print(f"fastest layouts that fit {p.num_gpus} x {p.gpu}, {p.model.describe()}, seq {p.seq_len} x "

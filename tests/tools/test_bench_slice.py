@@ -8,9 +8,10 @@ import torch
 
 import bench_slice
 from moetron.core.config import ConfigError
+from moetron.core.memory import MemoryConfig
 
 
-def test_tiny_slice_runs_and_reports(tmp_path):
+def test_tiny_slice_runs_and_reports(tmp_path, capsys):
     out = tmp_path / "slice.json"
     bench_slice.main(["--tiny", "--seq-len", "32", "--steps", "1", "--warmup", "0", "--load", "skewed",
                       "--json", str(out), "--variant", "none:memory.recompute=none",
@@ -23,6 +24,28 @@ def test_tiny_slice_runs_and_reports(tmp_path):
     assert sum(counts) == 128 and counts == sorted(counts, reverse=True) and counts[0] > counts[-1]
     assert r["layers"] == [2, 3]  # the first MoE blocks (0 and 1 are dense)
     assert all(x["tflops_per_gpu"] > 0 for x in rows)
+    # the planner's figures for the same slice beside each measured row (tools/plan.py plan_slice)
+    import plan as planner
+
+    cfg, _ = bench_slice.slice_config(bench_slice_args())
+    for x, recompute in zip(rows, ("none", "full")):
+        p = planner.plan_slice(cfg, x["layers"], ep=8, seq_len=32, memory=MemoryConfig(recompute=recompute),
+                               compiled=False, gpu="h200")
+        assert x["planned_step_s"] == p["step_s"] and x["planned_peak_mem_gib"] == p["peak_gib"]
+        assert x["planned_tflops_per_gpu"] == p["tflops_per_gpu"]
+        assert x["step_error"] == pytest.approx(p["step_s"] / x["step_s"] - 1)
+        assert x["tflops_error"] == pytest.approx(p["tflops_per_gpu"] / x["tflops_per_gpu"] - 1)
+        assert x["peak_error"] is None  # no peak measured off CUDA
+    assert rows[1]["planned_step_s"] > rows[0]["planned_step_s"]  # full recompute plans slower
+    text = capsys.readouterr().out
+    assert "plan ms" in text and "plan TF/s" in text and "plan GiB" in text and "tools/plan.py --slice" in text
+
+
+def bench_slice_args(**kw):
+    """bench_slice's parsed defaults for a --tiny run (its slice_config reads preset, tiny, ep, pp, layers)."""
+    import argparse
+
+    return argparse.Namespace(**{"preset": "moe-1t", "tiny": True, "ep": 8, "pp": 8, "layers": 2, **kw})
 
 
 def test_arriving_rows_dispatch_combines_every_slot_once():

@@ -211,3 +211,80 @@ def test_validate_rebuilds_each_rows_config_and_scores_it(tmp_path, capsys):
     assert not eager["compiled"] and eager["peak_met"] and not eager["step_met"]  # bench_memory: peak_bytes, eager
     text = capsys.readouterr().out
     assert "met / met" in text and "missed / met" in text and "1 of 3 rows meet both targets" in text
+
+
+# ---- --slice: what tools/bench_slice.py runs ------------------------------------------------------
+
+def _moe_1t_slice(compiled: bool, recompute: str = "none"):
+    cfg = ModelConfig.moe_1t()
+    layers, local = planner.slice_layers(cfg, ep=8, pp=8, layers=2, name="moe-1t")
+    r = planner.plan_slice(cfg, layers, ep=8, seq_len=8192, memory=MemoryConfig(recompute=recompute),
+                           compiled=compiled, gpu="h200")
+    return cfg, layers, local, r
+
+
+def test_slice_params_are_the_blocks_bench_slice_builds_on_meta():
+    import torch
+
+    from moetron.core.moe import MoESpec
+    from moetron.core.moe.experts import GroupedExperts
+    from moetron.models.transformer import Block
+
+    cfg, layers, local, r = _moe_1t_slice(compiled=True)
+    assert layers == [2, 3] and local == 128 // 8  # the first two MoE blocks (0 and 1 are dense), E / ep
+    # counted from the config: attention (q, k, v, o, qk-norms), two block norms, the router over all E,
+    # the shared expert, and E/ep routed SwiGLU experts at full width
+    D, att, moe = cfg.d_model, cfg.attention, cfg.moe
+    per_block = (att.num_params(D) + 2 * D + moe.num_experts * D + 3 * D * moe.shared_width()
+                 + local * 3 * D * moe.expert_hidden)
+    assert r["params"] == 2 * per_block
+    spec = MoESpec.from_config(moe)
+    spec = MoESpec(router=spec.router, dispatcher=spec.dispatcher,
+                   experts=lambda E, d, F, backend, dev: GroupedExperts(local, d, F, backend, dev))
+    built = sum(p.numel() for i in layers for p in Block(cfg, i, device=torch.device("meta"), moe_spec=spec).parameters())
+    assert built == r["params"]
+    # bf16 weights and bf16 grads (bench_slice's parameters all require grad and are never zeroed)
+    assert r["weights_gib"] * GiB == 2 * r["params"] and r["grads_gib"] * GiB == 2 * r["params"]
+    assert r["io_gib"] * GiB == 4 * 2 * 8192 * D  # x, x.grad, y, dy
+    assert r["flops"] == sum(cfg.block_flops_per_token(i, 8192) for i in layers) * 8192  # bench_slice's count
+    assert r["tflops_per_gpu"] == pytest.approx(r["flops"] / r["step_s"] / 1e12)
+    assert r["parts_s"]["ep_a2a"] == 0.0 and r["rows"] == 8192 * moe.router.top_k
+    assert r["peak_gib"] == pytest.approx(r["weights_gib"] + r["grads_gib"] + r["io_gib"] + r["held_at_peak_gib"]
+                                          + r["backward_transient_gib"])
+
+
+def test_slice_pinned_figures_and_ordering():
+    """The planner's figures for the three rows measured on one H200 (docs/performance.md,
+    2026-12-01: eager none 202.0 ms / 32.8 GiB, eager full 266.3 / 27.3, compiled none 174.2 / 30.7)."""
+    eager = _moe_1t_slice(compiled=False)[3]
+    full = _moe_1t_slice(compiled=False, recompute="full")[3]
+    compiled = _moe_1t_slice(compiled=True)[3]
+    pinned = {"eager": (eager, 231.0, 33.98), "full": (full, 307.6, 29.45), "compiled": (compiled, 201.4, 31.28)}
+    for name, (r, ms, gib) in pinned.items():
+        assert 1e3 * r["step_s"] == pytest.approx(ms, abs=0.1), name
+        assert r["peak_gib"] == pytest.approx(gib, abs=0.01), name
+    for r, measured_ms, measured_gib in ((eager, 202.0, 32.8), (full, 266.3, 27.3), (compiled, 174.2, 30.7)):
+        assert abs(r["peak_gib"] / measured_gib - 1) <= planner.PEAK_TARGET
+        assert abs(r["step_s"] * 1e3 / measured_ms - 1) <= planner.STEP_TARGET
+    assert full["step_s"] > eager["step_s"] > compiled["step_s"]
+    assert full["tflops_per_gpu"] < eager["tflops_per_gpu"] < compiled["tflops_per_gpu"]
+    assert eager["peak_gib"] > compiled["peak_gib"] > full["peak_gib"]
+    assert full["activations_gib"] * GiB == 2 * 2 * 8192 * ModelConfig.moe_1t().d_model  # bf16 block inputs only
+    assert eager["weights_gib"] == full["weights_gib"] == compiled["weights_gib"]
+
+
+def test_slice_cli_and_bad_slices(tmp_path, capsys):
+    out = tmp_path / "slice.json"
+    assert planner.main(["--slice", "--layers", "2", "--preset", "moe-1t", "--parallel.ep=8", "--parallel.pp=8",
+                         "--seq-len", "8192", "--gpu", "h200", "--eager", "--memory.recompute=full",
+                         "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["layers"] == [2, 3] and row["recompute"] == "full" and not row["compiled"]
+    assert row["peak_gib"] == pytest.approx(_moe_1t_slice(compiled=False, recompute="full")[3]["peak_gib"])
+    assert "no all-to-all, no optimizer, no bubble" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="must divide the 128 experts"):
+        planner.main(["--slice", "--preset", "moe-1t", "--parallel.ep=3", "--json", ""])
+    with pytest.raises(ConfigError, match="exceeds one stage"):
+        planner.main(["--slice", "--preset", "moe-1t", "--parallel.pp=8", "--layers", "9", "--json", ""])
+    with pytest.raises(ConfigError, match="is dense"):
+        planner.main(["--slice", "--preset", "tiny", "--json", ""])
