@@ -107,6 +107,8 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                 raise ValueError(f"PrecisionAwareAdamW keeps the parameters as master weights: they must be "
                                  f"fp32 or fp64, got {p.dtype}")
         self.compute_copies = dict(compute_copies or {})
+        # The gradient-clipping coefficient of the coming step (defer_grad_scale), or None.
+        self._grad_scale: torch.Tensor | None = None
         known = {id(p) for p in params}
         for p, copy in self.compute_copies.items():
             if id(p) not in known:
@@ -133,17 +135,30 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                 if key in state and state[key].dtype != self.state_dtype:
                     state[key] = state[key].to(self.state_dtype)
 
+    def defer_grad_scale(self, scale: torch.Tensor) -> None:
+        """Multiply the gradients by ``scale`` (a 0-dim fp32 tensor on their device: the clipping
+        coefficient) inside the coming step() instead of in a pass of their own: the Triton kernel
+        reads it on the device and leaves the gradients unscaled; the foreach path multiplies them
+        in place first, as clipping would. The same parameters and moments bit for bit either way.
+        zero_grad() forgets it."""
+        self._grad_scale = scale
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._grad_scale = None
+        super().zero_grad(set_to_none=set_to_none)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        scale, self._grad_scale = self._grad_scale, None
         for group in self.param_groups:
-            self._step_group(group)
+            self._step_group(group, scale)
         return loss
 
-    def _step_group(self, group: dict[str, Any]) -> None:
+    def _step_group(self, group: dict[str, Any], grad_scale: torch.Tensor | None = None) -> None:
         hyper = dict(lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
                      weight_decay=group["weight_decay"])
         buckets: dict[tuple[torch.device, torch.dtype], list[_Row]] = {}
@@ -165,10 +180,13 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                 rest = []
                 for row in rows:
                     if all(t is None or t.is_contiguous() for t in (*row[:4], row.copy)):
-                        adamw_update_(*row[:4], step=row.step.item(), out_bf16=row.copy, **hyper)
+                        adamw_update_(*row[:4], step=row.step.item(), out_bf16=row.copy,
+                                      grad_scale=None if grad_scale is None else grad_scale.to(device), **hyper)
                     else:
                         rest.append(row)
                 rows = rest
+            if grad_scale is not None and rows:
+                torch._foreach_mul_([row.grad for row in rows], grad_scale.to(device, rows[0].grad.dtype))
             self._foreach_step(rows, hyper)
 
     def _takes_triton(self, device: torch.device, dtype: torch.dtype) -> bool:

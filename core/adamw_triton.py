@@ -71,14 +71,16 @@ def _store_state(ptr, offs, x, mask, IS_BF16: tl.constexpr):
 
 
 @triton.jit
-def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, n, decay, lerp_weight, beta2, one_minus_beta2,
+def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, scale_ptr, n, decay, lerp_weight, beta2, one_minus_beta2,
                   bc2_sqrt, eps, neg_step_size,
                   GRAD_BF16: tl.constexpr, STATE_BF16: tl.constexpr, LERP_SMALL: tl.constexpr,
-                  WRITE_OUT: tl.constexpr, BLOCK: tl.constexpr):
+                  WRITE_OUT: tl.constexpr, GRAD_SCALE: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     p = tl.load(p_ptr + offs, mask=mask, other=0.0)
     g = _load_fp32(g_ptr, offs, mask, GRAD_BF16)
+    if GRAD_SCALE:  # the clip coefficient, as torch._foreach_mul_(grads, coef) would apply it
+        g = g * tl.load(scale_ptr)
     m = _load_fp32(m_ptr, offs, mask, STATE_BF16)
     v = _load_fp32(v_ptr, offs, mask, STATE_BF16)
     p = p * decay
@@ -105,13 +107,17 @@ def _fp32(x: float) -> float:
 
 def adamw_update_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
                   step: float, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                  out_bf16: torch.Tensor | None = None, block: int | None = None) -> None:
+                  out_bf16: torch.Tensor | None = None, grad_scale: torch.Tensor | None = None,
+                  block: int | None = None) -> None:
     """One AdamW step of one tensor, in place, in one kernel launch.
 
     ``p`` fp32 [N...]; ``grad`` fp32 or bf16, ``exp_avg`` / ``exp_avg_sq`` fp32 or bf16 (the same
     dtype), all of p's shape, contiguous, on p's device; ``step``: the step count after this step's
     increment (1 on the first); ``out_bf16``: None, or a contiguous bf16 tensor of p's shape that
-    receives the updated p rounded to nearest. No host sync: every scalar is a host float."""
+    receives the updated p rounded to nearest; ``grad_scale``: None, or a 0-dim fp32 tensor on p's
+    device multiplying the gradient first (the gradient-clipping coefficient, read on the device:
+    the same fp32 product torch._foreach_mul_ forms, without the pass over the gradients). No host
+    sync: every other scalar is a host float."""
     if p.dtype != torch.float32:
         raise TypeError(f"adamw_update_ takes fp32 parameters, got {p.dtype}")
     if exp_avg.dtype != exp_avg_sq.dtype or exp_avg.dtype not in (torch.float32, torch.bfloat16):
@@ -123,6 +129,9 @@ def adamw_update_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, ex
         raise TypeError(f"out_bf16 must be bf16, got {out_bf16.dtype}")
     if any(t.shape != p.shape or t.device != p.device or not t.is_contiguous() for t in tensors):
         raise ValueError("adamw_update_ needs contiguous tensors of the parameter's shape on its device")
+    if grad_scale is not None and (grad_scale.dtype != torch.float32 or grad_scale.numel() != 1
+                                   or grad_scale.device != p.device):
+        raise ValueError("grad_scale must be a one-element fp32 tensor on the parameter's device")
     n = p.numel()
     if n == 0:
         return
@@ -132,10 +141,12 @@ def adamw_update_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, ex
     block = block or BLOCK
     grid = (triton.cdiv(n, block),)
     _adamw_kernel[grid](
-        p, grad, exp_avg, exp_avg_sq, p if out_bf16 is None else out_bf16, n,
+        p, grad, exp_avg, exp_avg_sq, p if out_bf16 is None else out_bf16,
+        p if grad_scale is None else grad_scale, n,
         _fp32(1 - lr * weight_decay), lerp_weight, _fp32(beta2), _fp32(1 - beta2),
         _fp32(bias_correction2**0.5), _fp32(eps), _fp32((lr / bias_correction1) * -1),
         GRAD_BF16=grad.dtype == torch.bfloat16, STATE_BF16=exp_avg.dtype == torch.bfloat16,
-        LERP_SMALL=abs(lerp_weight) < 0.5, WRITE_OUT=out_bf16 is not None, BLOCK=block,
+        LERP_SMALL=abs(lerp_weight) < 0.5, WRITE_OUT=out_bf16 is not None,
+        GRAD_SCALE=grad_scale is not None, BLOCK=block,
         num_warps=4 if block <= 2048 else 8, enable_fp_fusion=False,
     )

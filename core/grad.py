@@ -35,11 +35,15 @@ def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 @torch.no_grad()
 def clip_grad_norm_(
-    parameters: Iterable[torch.Tensor], max_norm: float, extra_groups: Iterable[dist.ProcessGroup | None] = ()
+    parameters: Iterable[torch.Tensor], max_norm: float, extra_groups: Iterable[dist.ProcessGroup | None] = (),
+    defer_to: Any = None,
 ) -> torch.Tensor:
     """Scale gradients so their global L2 norm is at most max_norm; returns the norm before clipping
     (a 0-dim fp32 tensor on the gradients' device; no host sync). ``max_norm=inf`` only measures:
-    the gradients are not touched."""
+    the gradients are not touched. ``defer_to``: an optimizer with ``defer_grad_scale(coef)``
+    (core.adamw.PrecisionAwareAdamW) applies the coefficient inside its next step instead of a
+    multiply pass over every gradient here (the same update; its Triton kernel leaves the gradients
+    unscaled)."""
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros(())
@@ -66,5 +70,8 @@ def clip_grad_norm_(
     norm = total.sqrt()
     if math.isfinite(max_norm):  # an infinite bound scales by 1: skip the pass over every gradient
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_(locals_, coef.to(locals_[0].dtype))
+        if defer_to is not None:
+            defer_to.defer_grad_scale(coef.to(torch.float32))
+        else:
+            torch._foreach_mul_(locals_, coef.to(locals_[0].dtype))
     return norm

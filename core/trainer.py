@@ -270,7 +270,9 @@ class Trainer:
         # Without clipping the norm is still measured (logged, and checked for NaN/inf): an
         # infinite max_norm measures without touching the gradients.
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
-        grad_norm = clip_grad_norm_(self.params, max_norm, self.grad_norm_groups)
+        # An optimizer that can fold the clip coefficient into its step saves a pass over the gradients.
+        defer = self.optimizer if hasattr(self.optimizer, "defer_grad_scale") else None
+        grad_norm = clip_grad_norm_(self.params, max_norm, self.grad_norm_groups, defer_to=defer)
         bad = ~(torch.isfinite(loss_sum) & torch.isfinite(grad_norm))
         if self.cfg.on_nonfinite == NonFinite.skip and self._any_rank(bad):
             self.skipped_steps += 1

@@ -24,8 +24,6 @@ sync.
 """
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -34,8 +32,8 @@ from torch import nn
 from moetron.core.adamw import PrecisionAwareAdamW
 from moetron.core.config import ConfigError
 from moetron.core.optim import OptimizerConfig
+from tests.interpreted import run_interpreted
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SIZES = [1, 1000, 3 * 1024 + 7]  # below, around and past whole BLOCKs
 
 
@@ -176,12 +174,7 @@ def check_interpreted() -> None:
 
 
 def test_triton_adamw_interpreted():
-    pytest.importorskip("triton")
-    code = (f"import sys; sys.path.insert(0, {ROOT!r}); from tests.core.test_adamw_triton import check_interpreted; "
-            f"check_interpreted()")
-    proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"),
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_interpreted("tests.core.test_adamw_triton", "check_interpreted()")
 
 
 def test_impl_choices_and_errors(monkeypatch):

@@ -5,14 +5,11 @@ output), outer-major scales, 128x128 weights and their transpose; bf16 and fp32 
 dynamic range, zero and tiny blocks, inf and NaN. Under TRITON_INTERPRET=1 on the CPU, and on the GPU."""
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from tests.interpreted import run_interpreted
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _same(got, want, what):
@@ -82,12 +79,7 @@ def test_padded_source_rows_is_pad_groups():
 
 
 def test_interpreted_matches_reference():
-    pytest.importorskip("triton")
-    code = (f"import sys; sys.path.insert(0, {ROOT!r}); "
-            f"from tests.core.test_blockwise_triton import check_blockwise_triton; check_blockwise_triton('cpu')")
-    proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"),
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_interpreted("tests.core.test_blockwise_triton", "check_blockwise_triton('cpu')", timeout=300)
 
 
 @pytest.mark.gpu

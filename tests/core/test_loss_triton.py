@@ -11,14 +11,12 @@ gradient written in place in bf16 and fp32.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.interpreted import run_interpreted
 
 
 def _case(device, dtype, T=70, D=48, V=5000, seed=0):
@@ -86,12 +84,7 @@ def check_interpreted() -> None:
 
 
 def test_ce_kernel_interpreted():
-    pytest.importorskip("triton")
-    code = (f"import sys; sys.path.insert(0, {ROOT!r}); from tests.core.test_loss_triton import check_interpreted; "
-            f"check_interpreted()")
-    proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"),
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_interpreted("tests.core.test_loss_triton", "check_interpreted()")
 
 
 @pytest.mark.gpu

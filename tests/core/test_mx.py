@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from moetron.core.precision.mx import E8M0_NAN, dequantize_mx, quantize_mx
+from tests.interpreted import run_interpreted
 
 E4M3_VALUES = sorted({float(v) for v in torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
                       if math.isfinite(float(v))})
@@ -136,16 +137,7 @@ def _triton_vs_reference(device: str) -> None:
 
 
 def test_triton_interpreted_matches_reference():
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton")
-    code = ("import sys; sys.path.insert(0, %r); from tests.core.test_mx import _triton_vs_reference; "
-            "_triton_vs_reference('cpu')") % os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_interpreted("tests.core.test_mx", "_triton_vs_reference('cpu')", timeout=300)
 
 
 @pytest.mark.gpu
@@ -192,16 +184,7 @@ def _triton_qdq_vs_reference(device: str) -> None:
 
 
 def test_triton_qdq_interpreted_matches_reference():
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton")
-    code = ("import sys; sys.path.insert(0, %r); from tests.core.test_mx import _triton_qdq_vs_reference; "
-            "_triton_qdq_vs_reference('cpu')") % os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_interpreted("tests.core.test_mx", "_triton_qdq_vs_reference('cpu')", timeout=300)
 
 
 @pytest.mark.gpu

@@ -4,16 +4,13 @@ independently quantized and dequantized operands (1x128 / 128x128 tiles, per exp
 emulation's tolerance (tests/core/test_precision_emulated.py: 2^-7 of the products' magnitude).
 The kernels run under TRITON_INTERPRET=1 on the CPU, and on the GPU."""
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from tests.core.test_precision_emulated import FORMATS, check_grouped, close, wide
+from tests.interpreted import run_interpreted
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def check_fp8(device: str, dense_modes=("triton",), quant: str = "auto") -> None:
@@ -49,12 +46,7 @@ def check_fp8(device: str, dense_modes=("triton",), quant: str = "auto") -> None
 @pytest.mark.parametrize("quant", ["torch", "triton"])
 def test_triton_fp8_interpreted_matches_float64(quant):
     """The GEMM kernels with the torch quantization and with the fused quantization kernels."""
-    pytest.importorskip("triton")
-    code = (f"import sys; sys.path.insert(0, {ROOT!r}); from tests.core.test_precision_fp8 import check_fp8; "
-            f"check_fp8('cpu', quant={quant!r})")
-    proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"),
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_interpreted("tests.core.test_precision_fp8", f"check_fp8('cpu', quant={quant!r})")
 
 
 @pytest.mark.gpu
