@@ -104,7 +104,8 @@ class Stage(nn.Module):
         return h
 
 
-def measure(cfg: ModelConfig, local: int, memory: MemoryConfig, args, device: torch.device) -> dict:
+def measure(cfg: ModelConfig, local: int, memory: MemoryConfig, recipe: PrecisionConfig, args,
+            device: torch.device) -> dict:
     T = args.micro_batch * args.seq_len
     K = cfg.moe.router.top_k
     counts = local_counts(T * K, local, args.load)
@@ -120,7 +121,7 @@ def measure(cfg: ModelConfig, local: int, memory: MemoryConfig, args, device: to
         block.mlp.init_weights(cfg.init_std)
         blocks[str(i)] = block
     stage = Stage(blocks).to(torch.bfloat16)
-    precision = PrecisionConfig(recipe="bf16" if device.type == "cuda" else "fp32").build(device)
+    precision = recipe.build(device)
     precision.apply(stage)
     memory.apply(stage)
     if args.compile:
@@ -156,11 +157,12 @@ def measure(cfg: ModelConfig, local: int, memory: MemoryConfig, args, device: to
     }
 
 
-def planned(cfg: ModelConfig, memory: MemoryConfig, args, row: dict) -> dict:
-    """The planner's figures for the slice just measured (tools/plan.py plan_slice: bf16, ``--gpu``)
+def planned(cfg: ModelConfig, memory: MemoryConfig, recipe: PrecisionConfig, args, row: dict) -> dict:
+    """The planner's figures for the slice just measured (tools/plan.py plan_slice, ``--gpu``)
     and the errors planned / measured - 1 (None where nothing was measured: peak memory off CUDA)."""
     p = plan_slice(copy.deepcopy(cfg), row["layers"], ep=args.ep, seq_len=args.seq_len, micro_batch=args.micro_batch,
-                   memory=memory, compiled=args.compile, gpu=args.gpu)
+                   memory=memory, compiled=args.compile, gpu=args.gpu,
+                   precision=recipe if recipe.recipe not in ("auto", "fp32") else None)
 
     def error(planned_value, measured):
         return planned_value / measured - 1 if measured else None
@@ -185,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--compile", action="store_true", help="torch.compile each block")
     parser.add_argument("--tiny", action="store_true", help="small widths, for a CPU run")
-    parser.add_argument("--variant", action="append", default=[], help="NAME:memory.key=value[,...]")
+    parser.add_argument("--variant", action="append", default=[],
+                        help="NAME:memory.key=value[,precision.key=value...] (e.g. fp8:precision.recipe=fp8_blockwise)")
     parser.add_argument("--gpu", default="h200", choices=tuple(GPUS),
                         help="the GPU the planned columns are for (tools/plan.py's table)")
     parser.add_argument("--json", default="runs/bench/bench_slice.json")
@@ -195,13 +198,17 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name, ovr in [split_variant(v) for v in args.variant] or [("base", [])]:
         memory = MemoryConfig()
-        bad = [o for o in ovr if not o.startswith("--memory.")]
+        recipe = PrecisionConfig(recipe="bf16" if device.type == "cuda" else "fp32")
+        bad = [o for o in ovr if not o.startswith(("--memory.", "--precision."))]
         if bad:
-            raise ConfigError(f"variant overrides are --memory.* fields, got {bad}")
-        memory.apply_overrides([o[len("--memory."):] for o in ovr])
+            raise ConfigError(f"variant overrides are --memory.* and --precision.* fields, got {bad}")
+        memory.apply_overrides([o[len("--memory."):] for o in ovr if o.startswith("--memory.")])
+        recipe.apply_overrides([o[len("--precision."):] for o in ovr if o.startswith("--precision.")])
         memory.validate()
-        row = {"variant": name, "overrides": ovr, **measure(copy.deepcopy(cfg), local, memory, args, device)}
-        rows.append({**row, **planned(cfg, memory, args, row)})
+        recipe.validate()
+        row = {"variant": name, "overrides": ovr, "recipe": str(recipe.resolved_recipe(device.type)),
+               **measure(copy.deepcopy(cfg), local, memory, recipe, args, device)}
+        rows.append({**row, **planned(cfg, memory, recipe, args, row)})
         if device.type == "cuda":
             torch.cuda.empty_cache()
     env = {**run_environment(device, 1, "tools/bench_slice.py", argv), "preset": args.preset, "ep": args.ep,
@@ -209,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
            "compile": args.compile}
     print(f"{env['device']} | torch {env['torch']} | {args.preset} slice: {len(rows[0]['layers'])} MoE blocks, "
           f"{local} local experts, {rows[0]['tokens']} tokens ({rows[0]['rows']} expert rows, {args.load})")
-    print(f"planned: tools/plan.py --slice for {args.gpu}, bf16; err = planned / measured - 1")
+    print(f"planned: tools/plan.py --slice for {args.gpu}, each row's recipe; err = planned / measured - 1")
     print(f"{'variant':<12} {'step ms':>9} {'TFLOP/s':>9} {'mem GiB':>8} | {'plan ms':>9} {'err':>7} {'plan TF/s':>9} "
           f"{'err':>7} {'plan GiB':>8} {'err':>7}")
 

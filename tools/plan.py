@@ -129,9 +129,10 @@ EFF_EXPERT = 0.47
 EFF_FP8_GEMM = 1080 / 1979
 """Dense fp8 blockwise GEMMs (F.scaled_mm BlockWise1x128 / 128x128): 1000-1160 TFLOP/s measured on
 the H200 (this session's fp8 GEMM measurement), 1080 of the 1979 fp8 peak. Used for every native fp8 recipe."""
-EFF_FP8_EXPERT = EFF_EXPERT * EFF_FP8_GEMM / EFF_GEMM
-"""Grouped fp8 expert GEMMs (the Triton kernel, not measured yet): assumed to keep the bf16 grouped
-GEMM's share of the dense rate (0.47 / 0.81), i.e. about 630 TFLOP/s on the H200."""
+EFF_FP8_EXPERT = 441 / 1979
+"""Grouped fp8 expert GEMMs (core/precision/fp8_triton.py): 441 TFLOP/s fwd+bwd measured on the
+H200 at bench_gemm_fp8's wider olmo3-moe-3.2b shape (322 at the olmoe shape), activation
+quantization included (so the planner's separate quantization term counts it a second time)."""
 EFF_ATTN = 0.70
 """Attention scores as counted (12 x width x context, no causal halving): flash kernels do half of it
 at about 35% of peak. Assumed, not measured."""
@@ -781,9 +782,11 @@ def slice_params(cfg: ModelConfig, layers: list[int], ep: int) -> int:
 
 
 def plan_slice(cfg: ModelConfig, layers: list[int], *, ep: int, seq_len: int, micro_batch: int = 1,
-               memory: MemoryConfig | None = None, compiled: bool = True, gpu: str = "h200") -> dict:
+               memory: MemoryConfig | None = None, compiled: bool = True, gpu: str = "h200",
+               precision: PrecisionConfig | None = None) -> dict:
     """What tools/bench_slice.py measures, planned: one micro-batch of ``micro_batch`` x ``seq_len``
-    tokens forward + backward through blocks ``layers`` with E/ep local experts fed T*K rows, bf16.
+    tokens forward + backward through blocks ``layers`` with E/ep local experts fed T*K rows, bf16
+    (or ``precision``'s recipe: its saved GEMM inputs and quantization passes, as for a training step).
 
     Memory [code], as bench_slice holds it: the blocks' parameters in bf16 (as FSDP2 hands them
     over) and their bf16 gradients (every parameter requires grad; bench_slice never zeroes them, so
@@ -805,7 +808,9 @@ def plan_slice(cfg: ModelConfig, layers: list[int], *, ep: int, seq_len: int, mi
         raise ConfigError(f"--gpu {gpu!r} is not in the table: choose one of {', '.join(GPUS)}")
     if cfg.moe is None or not layers or not all(cfg.is_moe_layer(i) for i in layers):
         raise ConfigError(f"a slice is MoE blocks: {layers} are not all MoE layers of {cfg.describe()}")
-    sw = Switches(compiled=compiled)  # bf16, as bench_slice runs
+    # bf16 by default, as bench_slice runs; a low-precision recipe resolved for the GPU as pretrain would
+    sw = (Switches(compiled=compiled) if precision is None else
+          switches(cfg, ParallelConfig(), precision, OptimizerConfig(), GPUS[gpu], compiled))
     T = micro_batch * seq_len
     D, F, L = cfg.d_model, cfg.moe.expert_hidden, cfg.moe.num_experts // ep
     n_params = slice_params(cfg, layers, ep)
@@ -825,7 +830,8 @@ def plan_slice(cfg: ModelConfig, layers: list[int], *, ep: int, seq_len: int, mi
     t, parts = stage_time(cfg, layers, sw=sw, memory=mem, gpu=GPUS[gpu], seq_len=seq_len, tokens=T, ep=ep,
                           compiled=compiled, all_to_all=False, fp32_master=False)
     flops = sum(cfg.block_flops_per_token(i, seq_len) for i in layers) * T
-    return {"gpu": gpu, "layers": list(layers), "local_experts": L, "tokens": T, "rows": T * cfg.moe.router.top_k,
+    return {"gpu": gpu, "recipe": sw.recipe, "layers": list(layers), "local_experts": L, "tokens": T,
+            "rows": T * cfg.moe.router.top_k,
             "compiled": compiled, "recompute": str(mem.recompute), "recompute_every": mem.recompute_every,
             "params": n_params, "weights_gib": weights / GiB, "grads_gib": grads / GiB, "io_gib": io / GiB,
             "activations_gib": acts / GiB, "held_at_peak_gib": held / GiB, "backward_transient_gib": transient / GiB,
@@ -835,7 +841,7 @@ def plan_slice(cfg: ModelConfig, layers: list[int], *, ep: int, seq_len: int, mi
 
 
 def print_slice(r: dict, cfg: ModelConfig) -> None:
-    print(f"slice of {cfg.describe()} | {r['gpu']} | bf16 | {'compiled' if r['compiled'] else 'eager'} | "
+    print(f"slice of {cfg.describe()} | {r['gpu']} | {r['recipe']} | {'compiled' if r['compiled'] else 'eager'} | "
           f"recompute {r['recompute']} | blocks {r['layers']}, {r['local_experts']} local experts, "
           f"{r['tokens']} tokens ({r['rows']} expert rows)")
     print(f"memory, GiB: weights {r['weights_gib']:.2f} (bf16, {r['params'] / 1e9:.3f}B params) + grads "
@@ -1093,7 +1099,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.slice:
         layers, _ = slice_layers(p.model, p.parallel.ep, p.parallel.pp, args.layers, args.preset or "the model")
         rows = [plan_slice(p.model, layers, ep=p.parallel.ep, seq_len=p.seq_len, micro_batch=p.micro_batch or 1,
-                           memory=p.memory, compiled=p.compiled, gpu=p.gpu)]
+                           memory=p.memory, compiled=p.compiled, gpu=p.gpu, precision=p.precision)]
         print_slice(rows[0], p.model)
     elif args.search:
         rows = search(p, args.top)

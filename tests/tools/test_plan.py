@@ -150,7 +150,10 @@ def test_precision_recipes_resolve_per_gpu_and_change_the_step():
     assert emu["microbatch_parts_s"]["gemm"] == pytest.approx(bf16["microbatch_parts_s"]["gemm"])  # bf16 GEMMs
     assert emu["stages"][0]["activations_gib"] < bf16["stages"][0]["activations_gib"]
     fp8 = planner.plan(_olmoe8(precision=PrecisionConfig(recipe="fp8_blockwise")))
-    assert fp8["precision_backend"] == "native" and fp8["microbatch_parts_s"]["gemm"] < bf16["microbatch_parts_s"]["gemm"]
+    # Native fp8 GEMMs at their own measured rates: dense faster than bf16, the grouped Triton kernel
+    # (441 TFLOP/s measured) slower than bf16's grouped GEMM today, so the sum moves but not far.
+    assert fp8["precision_backend"] == "native"
+    assert fp8["microbatch_parts_s"]["gemm"] != pytest.approx(bf16["microbatch_parts_s"]["gemm"], rel=1e-3)
     with pytest.raises(ConfigError, match="SM100"):
         planner.plan(_olmoe8(precision=PrecisionConfig(recipe="mxfp8", backend="native")))
     assert planner.plan(_olmoe8(precision=PrecisionConfig(recipe="mxfp8"), gpu="b300"))["precision_backend"] == "native"
