@@ -192,6 +192,9 @@ class Switches:
     low_modules: frozenset = frozenset()
     """Modules whose GEMMs run the low-precision recipe (precision.modules): experts, attention, mlp."""
     state_dtype: str = "fp32"
+    expert_weight_copies: bool = False
+    """precision.expert_weight_copies: the bf16 experts keep one bf16 copy of each weight through
+    the step (held memory, no recast in backward)."""
     optimizer_kernel: str = "triton"
     """The optimizer step's kernel on GPUs: triton (optimizer.impl auto or triton) or torch (impl=torch)."""
     offload: bool = False
@@ -230,6 +233,7 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
                     recipe=str(recipe), backend=str(backend) if recipe in LOW_PRECISION else "native",
                     low_modules=frozenset(str(m) for m in precision.modules) if recipe in LOW_PRECISION else frozenset(),
                     state_dtype=str(optimizer.state_dtype),
+                    expert_weight_copies=bool(precision.expert_weight_copies) and recipe == PrecisionRecipe.bf16,
                     optimizer_kernel="torch" if str(optimizer.impl) == "torch" or optimizer.fused is not None else "triton",
                     offload=parallel.fsdp_offload)
 
@@ -450,7 +454,8 @@ def block_backward_transient(cfg: ModelConfig, layer: int, sw: Switches, tokens:
     grads [R, F] x4, the [R, 2F] cat) and, for the bf16 experts, the gate|up weight recast to bf16."""
     if cfg.is_moe_layer(layer):
         moe = cfg.moe
-        recast = 0.0 if sw.low("experts") else 2.0 * (moe.num_experts / ep) * 2 * moe.expert_hidden * cfg.d_model
+        fresh = not (sw.low("experts") or sw.expert_weight_copies)  # a copy made now, not one held
+        recast = 2.0 * (moe.num_experts / ep) * 2 * moe.expert_hidden * cfg.d_model if fresh else 0.0
         return _swiglu_backward_rows(cfg, layer, tokens) + recast
     return _swiglu_backward_rows(cfg, layer, tokens)
 
@@ -516,7 +521,7 @@ def stage_time(cfg: ModelConfig, layers: list[int], *, sw: Switches, memory: Mem
     if cfg.moe is not None and not sw.low("experts"):
         for i in layers:
             if cfg.is_moe_layer(i):
-                recast += (6.0 * _expert_params(cfg, i) / ep if fp32_master else 0.0) + \
+                recast += (6.0 * _expert_params(cfg, i) / ep if fp32_master and not sw.expert_weight_copies else 0.0) + \
                     10.0 * cfg.moe.expert_hidden * cfg.moe.router.top_k * T_mb
     # [code bytes, assumed rates] quantization passes over every low-precision GEMM's operands.
     quant = 0.0
@@ -604,6 +609,8 @@ def plan(p: Plan) -> dict:
         linear["experts"] /= ep
         head = cfg.vocab_size * cfg.d_model if last and not sw.fused_loss else 0
         cache = sum(sw.weight_cache(k) * linear[k] for k in modules)
+        if sw.expert_weight_copies and not fsdp:  # [code] 2 B per local expert parameter, held through the step
+            cache += 2.0 * linear["experts"]
         # FSDP2: two gathered blocks in bf16 (reshard after forward); under pp the stage stays gathered
         # for the step and its unsharded fp32 grads accumulate over the micro-batches (torchtitan's
         # choice for pipelines: no per-micro-batch all-gather / reduce-scatter).
