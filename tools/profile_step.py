@@ -52,7 +52,7 @@ RULES: list[tuple[str, str]] = [
              r"^aten::(?:mm|addmm|bmm|baddbmm|addbmm|matmul|linear|dot)$|^triton_tem_fused_\w*mm"),
     ("cast_copy", _INDUCTOR_COPY),
     ("norm", r"rms_norm|layer_norm|RowwiseMoments|rsqrt"),
-    ("fused_pointwise", r"^triton_(?:poi|red|per)_"),
+    ("fused_pointwise", r"^triton_(?:poi|red|per)_|^_swiglu_(?:fwd|bwd)_kernel$"),
     ("fill_int32", r"FillFunctor<int>"),
     ("fill", r"fill|FillFunctor|zero_|zeros|Memset|memset"),
     ("cast_copy", r"copy|^aten::to$|contiguous|clone|transpose|cast_transpose|\bcast_|Memcpy|memcpy|CatArray|"

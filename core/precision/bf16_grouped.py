@@ -23,6 +23,8 @@ experts), F expert hidden, D model dim.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -134,21 +136,40 @@ def _swiglu(h_R2F: Tensor) -> Tensor:
     return swiglu(gate_RF, up_RF)
 
 
+def _triton_swiglu(h: Tensor, wanted: bool) -> bool:
+    """precision.triton_swiglu: the one-pass Triton SwiGLU on CUDA (and on the CPU under TRITON_INTERPRET=1)."""
+    return wanted and h.dtype == torch.bfloat16 and (h.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
 @torch.library.custom_op("moetron::grouped_swiglu_down", mutates_args=())
-def _swiglu_down_op(h: Tensor, w: Tensor, offsets: Tensor, dtype: str, cache_id: int) -> Tensor:
+def _swiglu_down_op(h: Tensor, w: Tensor, offsets: Tensor, dtype: str, cache_id: int, triton_swiglu: bool) -> Tensor:
     dt = _DTYPES[dtype]
-    return _gmm(_swiglu(h.to(dt)), _weight(w, dt, cache_id), offsets)
+    h = h.to(dt)
+    if _triton_swiglu(h, triton_swiglu):
+        from .swiglu_triton import swiglu_forward
+
+        act = swiglu_forward(h.contiguous())
+    else:
+        act = _swiglu(h)
+    return _gmm(act, _weight(w, dt, cache_id), offsets)
 
 
 @_swiglu_down_op.register_fake
-def _(h, w, offsets, dtype, cache_id):
+def _(h, w, offsets, dtype, cache_id, triton_swiglu):
     return h.new_empty(h.shape[0], w.shape[1], dtype=_DTYPES[dtype])
 
 
 @torch.library.custom_op("moetron::grouped_swiglu_down_backward", mutates_args=())
 def _swiglu_down_backward_op(grad: Tensor, h: Tensor, w: Tensor, offsets: Tensor, dtype: str,
-                             cache_id: int) -> tuple[Tensor, Tensor]:
+                             cache_id: int, triton_swiglu: bool) -> tuple[Tensor, Tensor]:
     dt = _DTYPES[dtype]
+    if _triton_swiglu(h, triton_swiglu):
+        from .swiglu_triton import swiglu_backward
+
+        grad_act, _ = _grads(grad, None, w, offsets, dt, True, False, cache_id)  # dgrad first: the kernel needs it
+        act, grad_h = swiglu_backward(h.to(dt).contiguous(), grad_act.contiguous())
+        _, grad_w = _grads(grad, act, w, offsets, dt, False, True, cache_id)
+        return grad_h.to(h.dtype), grad_w
     gate_RF, up_RF = h.to(dt).chunk(2, dim=-1)
     silu_RF = F.silu(gate_RF)  # the product again, op for op as swiglu() computes it
     grad_act, grad_w = _grads(grad, silu_RF * up_RF, w, offsets, dt, True, True, cache_id)
@@ -158,30 +179,31 @@ def _swiglu_down_backward_op(grad: Tensor, h: Tensor, w: Tensor, offsets: Tensor
 
 
 @_swiglu_down_backward_op.register_fake
-def _(grad, h, w, offsets, dtype, cache_id):
+def _(grad, h, w, offsets, dtype, cache_id, triton_swiglu):
     return torch.empty_like(h), torch.empty_like(w)
 
 
 def _swiglu_down_setup(ctx, inputs, output):
-    h, w, offsets, dtype, cache_id = inputs
+    h, w, offsets, dtype, cache_id, triton_swiglu = inputs
     ctx.save_for_backward(h, w, offsets)
-    ctx.dtype, ctx.cache_id = dtype, cache_id
+    ctx.dtype, ctx.cache_id, ctx.triton_swiglu = dtype, cache_id, triton_swiglu
 
 
 def _swiglu_down_backward(ctx, grad):
     h, w, offsets = ctx.saved_tensors
-    grad_h, grad_w = _swiglu_down_backward_op(grad, h, w, offsets, ctx.dtype, ctx.cache_id)
-    return grad_h, grad_w, None, None, None
+    grad_h, grad_w = _swiglu_down_backward_op(grad, h, w, offsets, ctx.dtype, ctx.cache_id, ctx.triton_swiglu)
+    return grad_h, grad_w, None, None, None, None
 
 
 _swiglu_down_op.register_autograd(_swiglu_down_backward, setup_context=_swiglu_down_setup)
 
 
 def grouped_swiglu_down(h_R2F: Tensor, w_EDF: Tensor, offsets_E: Tensor, dtype: torch.dtype,
-                        cache_id: int | None = None) -> Tensor:
+                        cache_id: int | None = None, triton_swiglu: bool = False) -> Tensor:
     """The SwiGLU experts' down projection with the activation inside: h_R2F [R, 2F] (gate columns,
     then up) -> silu(gate) * up [R, F] -> times w_EDF[e]^T per group -> [R, D] in ``dtype``.
     Differentiable in h and w; saves h and w, not the [R, F] product (recomputed in backward);
-    ``cache_id`` as in grouped_mm."""
+    ``cache_id`` as in grouped_mm; ``triton_swiglu``: the activation and its backward in one Triton
+    pass each (core/precision/swiglu_triton.py) on CUDA tensors."""
     return _swiglu_down_op(h_R2F.to(dtype), w_EDF, offsets_E.to(torch.int32), _dtype_name(dtype),
-                           NO_CACHE if cache_id is None else cache_id)
+                           NO_CACHE if cache_id is None else cache_id, bool(triton_swiglu))

@@ -71,6 +71,10 @@ class PrecisionConfig(Config):
     expert parameter held through the step. Off: the expert GEMMs cast in forward and again in
     backward and hold no copy (core/precision/bf16_grouped.py). Ignored when the weights arrive in
     bf16 already (FSDP2's bf16 all-gather)."""
+    triton_swiglu: bool = False
+    """bf16 recipe: the routed experts' SwiGLU (silu(gate) * up) and its backward in one Triton pass
+    each on CUDA (core/precision/swiglu_triton.py) instead of seven torch elementwise passes; the same
+    roundings, equal to the torch path within a stated tolerance. Off until measured on a GPU."""
 
     def validate(self) -> None:
         super().validate()
@@ -117,7 +121,8 @@ class PrecisionConfig(Config):
         if recipe == PrecisionRecipe.bf16:
             from .gemm import TorchGemm
 
-            return PrecisionPolicy(device_type, torch.bfloat16, TorchGemm(cache_expert_weights=self.expert_weight_copies))
+            return PrecisionPolicy(device_type, torch.bfloat16, TorchGemm(cache_expert_weights=self.expert_weight_copies,
+                                                                          triton_swiglu=self.triton_swiglu))
         backend = self.resolved_backend(device_type, verbose=verbose)
         if recipe == PrecisionRecipe.mxfp8 and backend == PrecisionBackend.native and GemmModule.experts in self.modules:
             raise ConfigError("precision.recipe=mxfp8 with backend=native: the native MX grouped GEMM for the "

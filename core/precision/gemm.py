@@ -76,9 +76,10 @@ class TorchGemm(GemmBackend):
 
     name = "torch"
 
-    def __init__(self, cache_expert_weights: bool = False):
+    def __init__(self, cache_expert_weights: bool = False, triton_swiglu: bool = False):
         # precision.expert_weight_copies: the grouped GEMMs' bf16 weight copies, made once per step.
         self.weight_cache = bf16_grouped.register_cache() if cache_expert_weights else None
+        self.triton_swiglu = triton_swiglu  # precision.triton_swiglu
 
     def after_optimizer_step(self) -> None:
         if self.weight_cache is not None:
@@ -97,7 +98,8 @@ class TorchGemm(GemmBackend):
 
         if getattr(act, "__wrapped__", act) is not swiglu:
             return super().grouped_swiglu_down(h_R2F, w_EDF, offsets_E, act)
-        return bf16_grouped.grouped_swiglu_down(h_R2F, w_EDF, offsets_E, compute_dtype(h_R2F), self.weight_cache)
+        return bf16_grouped.grouped_swiglu_down(h_R2F, w_EDF, offsets_E, compute_dtype(h_R2F), self.weight_cache,
+                                                self.triton_swiglu)
 
 
 GEMM_BACKENDS: Registry[type[GemmBackend]] = Registry("GEMM backend")

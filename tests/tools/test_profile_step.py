@@ -96,6 +96,7 @@ TRITON_KERNEL_CATEGORIES = {
     "core/precision/fp8_triton.py": "gemm",
     "core/precision/blockwise_triton.py": "cast_copy",  # quantization
     "core/precision/mx_triton.py": "cast_copy",  # quantization
+    "core/precision/swiglu_triton.py": "fused_pointwise",  # the experts' SwiGLU, one pass each way
 }
 
 

@@ -1,0 +1,94 @@
+"""The routed experts' SwiGLU in one Triton pass each way, for core.precision.bf16_grouped's
+grouped_swiglu_down (``precision.triton_swiglu``).
+
+The torch composition runs, per MoE layer, silu then a multiply in forward, and in backward silu
+again, the product again, two multiplies, silu's backward and a concatenation: seven passes over
+[rows, F] tensors (on one H200, about 20 ms of a 231 ms OLMoE-8L step: tools/profile_step.py).
+Here the forward is one pass (read gate and up, write the product) and the backward one pass (read
+gate, up and the product's gradient; write the product for the weight gradient and the gradient of
+[gate | up] in place of the concatenation). Every intermediate is rounded to the compute dtype where
+the torch ops round it (silu's output, the product, each multiply), so results match the torch path
+up to the exp/sigmoid implementation (tests/core/test_swiglu_triton.py states the tolerance).
+
+Legend: R rows, F expert hidden; h_R2F = [gate | up].
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["swiglu_backward", "swiglu_forward"]
+
+BLOCK_F = 1024
+
+
+@triton.jit
+def _bf16(x):
+    """fp32 x rounded to the nearest bf16 (ties to even), as fp32: by its bits, so the interpreter
+    rounds as the GPU's conversion does (its own cast truncates)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _store_bf16(ptrs, x, mask):
+    """Store fp32 x, already a bf16 value (_bf16), as bf16 by its top 16 bits."""
+    tl.store(ptrs, (x.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+
+
+@triton.jit
+def _swiglu_fwd_kernel(h_ptr, act_ptr, F, h_stride, act_stride, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < F
+    g = tl.load(h_ptr + row * h_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(h_ptr + row * h_stride + F + cols, mask=mask, other=0.0).to(tl.float32)
+    s = _bf16(g / (1.0 + tl.exp(-g)))  # F.silu's output, in bf16
+    _store_bf16(act_ptr + row * act_stride + cols, _bf16(s * u), mask)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(h_ptr, grad_act_ptr, act_ptr, grad_h_ptr, F, h_stride, ga_stride, act_stride,
+                       gh_stride, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < F
+    g = tl.load(h_ptr + row * h_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(h_ptr + row * h_stride + F + cols, mask=mask, other=0.0).to(tl.float32)
+    ga = tl.load(grad_act_ptr + row * ga_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    sig = 1.0 / (1.0 + tl.exp(-g))
+    s = _bf16(g / (1.0 + tl.exp(-g)))
+    _store_bf16(act_ptr + row * act_stride + cols, _bf16(s * u), mask)
+    grad_s = _bf16(ga * u)  # the multiply's gradient toward silu's output
+    grad_g = _bf16(grad_s * sig * (1.0 + g * (1.0 - sig)))  # silu's backward
+    _store_bf16(grad_h_ptr + row * gh_stride + cols, grad_g, mask)
+    _store_bf16(grad_h_ptr + row * gh_stride + F + cols, _bf16(ga * s), mask)
+
+
+def _grid(R: int, F: int) -> tuple[int, int]:
+    return (R, triton.cdiv(F, BLOCK_F))
+
+
+def swiglu_forward(h_R2F: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of h_R2F [R, 2F] (bf16, rows contiguous) -> [R, F] bf16."""
+    R, F2 = h_R2F.shape
+    F = F2 // 2
+    act_RF = torch.empty(R, F, dtype=h_R2F.dtype, device=h_R2F.device)
+    if R and F:
+        _swiglu_fwd_kernel[_grid(R, F)](h_R2F, act_RF, F, h_R2F.stride(0), act_RF.stride(0), BLOCK=BLOCK_F)
+    return act_RF
+
+
+def swiglu_backward(h_R2F: torch.Tensor, grad_act_RF: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the product silu(gate) * up [R, F], the gradient of h [R, 2F]) from h_R2F [R, 2F] and the
+    product's gradient grad_act_RF [R, F] (bf16, rows contiguous)."""
+    R, F2 = h_R2F.shape
+    F = F2 // 2
+    act_RF = torch.empty(R, F, dtype=h_R2F.dtype, device=h_R2F.device)
+    grad_h = torch.empty_like(h_R2F)
+    if R and F:
+        _swiglu_bwd_kernel[_grid(R, F)](h_R2F, grad_act_RF, act_RF, grad_h, F, h_R2F.stride(0),
+                                        grad_act_RF.stride(0), act_RF.stride(0), grad_h.stride(0), BLOCK=BLOCK_F)
+    return act_RF, grad_h
