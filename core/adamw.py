@@ -106,16 +106,26 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             if not p.is_floating_point() or torch.finfo(p.dtype).bits < 32 or p.is_complex():
                 raise ValueError(f"PrecisionAwareAdamW keeps the parameters as master weights: they must be "
                                  f"fp32 or fp64, got {p.dtype}")
-        self.compute_copies = dict(compute_copies or {})
         # The gradient-clipping coefficient of the coming step (defer_grad_scale), or None.
         self._grad_scale: torch.Tensor | None = None
-        known = {id(p) for p in params}
-        for p, copy in self.compute_copies.items():
+        self.compute_copies: dict[torch.Tensor, torch.Tensor] = {}
+        self._copy_hooks: list = []
+        self.add_compute_copies(compute_copies or {})
+
+    def add_compute_copies(self, copies: dict[torch.Tensor, torch.Tensor], on_written=None) -> None:
+        """More {parameter: bf16 copy} pairs to overwrite after every step; ``on_written``: called
+        after each step with the list of (parameter, copy) pairs just written (a cache that serves
+        the copies re-validates them there)."""
+        known = {id(p) for group in self.param_groups for p in group["params"]}
+        for p, copy in copies.items():
             if id(p) not in known:
                 raise ValueError("compute_copies has a key that is not one of the optimizer's parameters")
             if copy.dtype != torch.bfloat16 or copy.shape != p.shape or copy.device != p.device:
                 raise ValueError(f"a compute copy must be bf16 of its parameter's shape {tuple(p.shape)} on "
                                  f"{p.device}, got {copy.dtype} {tuple(copy.shape)} on {copy.device}")
+        self.compute_copies.update(copies)
+        if on_written is not None:
+            self._copy_hooks.append((on_written, list(copies)))
 
     def _init_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         state = self.state[p]
@@ -156,6 +166,8 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         scale, self._grad_scale = self._grad_scale, None
         for group in self.param_groups:
             self._step_group(group, scale)
+        for hook, params in self._copy_hooks:
+            hook([(p, self.compute_copies[p]) for p in params if p.grad is not None])
         return loss
 
     def _step_group(self, group: dict[str, Any], grad_scale: torch.Tensor | None = None) -> None:
@@ -182,6 +194,9 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                     if all(t is None or t.is_contiguous() for t in (*row[:4], row.copy)):
                         adamw_update_(*row[:4], step=row.step.item(), out_bf16=row.copy,
                                       grad_scale=None if grad_scale is None else grad_scale.to(device), **hyper)
+                        # The kernel wrote through pointers: tell autograd's version counters, as
+                        # torch's in-place optimizers do (caches keyed on _version see the change).
+                        torch.autograd.graph.increment_version([row.param, *(() if row.copy is None else (row.copy,))])
                     else:
                         rest.append(row)
                 rows = rest

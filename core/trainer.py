@@ -185,6 +185,7 @@ class Trainer:
         self.on_step_end = on_step_end
         self.step = 0
         self.precision = precision or PrecisionPolicy.full(device.type)
+        self.precision.attach_optimizer(optimizer, self.model_parts)  # e.g. bf16 weight copies the step writes
         self.grad_sync = grad_sync
         self.peak = peak_tflops(device, cfg.peak_tflops)
         self.log = MetricsLog(os.path.join(cfg.run_dir, "metrics.jsonl") if is_main() and cfg.run_dir else None)

@@ -233,7 +233,7 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
                     recipe=str(recipe), backend=str(backend) if recipe in LOW_PRECISION else "native",
                     low_modules=frozenset(str(m) for m in precision.modules) if recipe in LOW_PRECISION else frozenset(),
                     state_dtype=str(optimizer.state_dtype),
-                    expert_weight_copies=bool(precision.expert_weight_copies) and recipe == PrecisionRecipe.bf16,
+                    expert_weight_copies=str(precision.expert_weight_copies) != "none" and recipe == PrecisionRecipe.bf16,
                     optimizer_kernel="torch" if str(optimizer.impl) == "torch" or optimizer.fused is not None else "triton",
                     offload=parallel.fsdp_offload)
 

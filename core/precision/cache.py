@@ -24,9 +24,25 @@ __all__ = ["WeightCache"]
 class WeightCache:
     def __init__(self) -> None:
         self._entries: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # Values someone else keeps current (the optimizer's bf16 copies): valid while the weight's
+        # _version is the one they were pinned at; invalidate() leaves them.
+        self._pinned: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.generation = 0
         self.hits = 0
         self.misses = 0
+
+    @staticmethod
+    def _key(w: torch.Tensor, tag: str) -> tuple:
+        return (tag, tuple(w.shape), w.stride(), w.storage_offset(), w.dtype)
+
+    def pin(self, w: torch.Tensor, tag: str, value: Any) -> None:
+        """Serve ``value`` for ``w`` (and the same view of it) under ``tag`` while w is not written
+        again (its _version is unchanged); the owner of ``value`` re-pins it after each rewrite."""
+        owner = w if w._base is None else w._base
+        slots = self._pinned.get(owner)
+        if slots is None:
+            slots = self._pinned[owner] = {}
+        slots[self._key(w, tag)] = (w._version, value)
 
     def invalidate(self) -> None:
         """Forget every entry (after the optimizer step: the weights changed)."""
@@ -38,7 +54,13 @@ class WeightCache:
         if torch.compiler.is_compiling():  # a traced graph cannot keep Python state: quantize
             return make(w)
         owner = w if w._base is None else w._base
-        key = (tag, tuple(w.shape), w.stride(), w.storage_offset(), w.dtype)
+        key = self._key(w, tag)
+        pinned = self._pinned.get(owner)
+        if pinned is not None:
+            hit = pinned.get(key)
+            if hit is not None and hit[0] == w._version:
+                self.hits += 1
+                return hit[1]
         stamp = (w._version, self.generation)
         slots = self._entries.get(owner)
         if slots is None:

@@ -31,6 +31,25 @@ class PrecisionRecipe(StrEnum):
     core.precision.fp8_gemm), emulated elsewhere. Not MXFP8."""
 
 
+class WeightCopies(StrEnum):
+    none = "none"
+    """The expert GEMMs cast the fp32 master weights to bf16 in forward and again in backward; no copy held."""
+    step = "step"
+    """Each expert weight's bf16 copy is made at its first use in a step and held until the
+    optimizer step (one cast per step)."""
+    optimizer = "optimizer"
+    """Persistent bf16 copies written by the optimizer step itself in the same pass as the update
+    (core.adamw.PrecisionAwareAdamW's compute_copies: optimizer.impl=auto on CUDA, or triton); no
+    cast at all."""
+
+    @classmethod
+    def _missing_(cls, value):
+        # The switch was first a bool (true = step): old commands and reports keep their meaning.
+        if isinstance(value, bool) or str(value).lower() in ("true", "false"):
+            return cls.step if value is True or str(value).lower() == "true" else cls.none
+        return None
+
+
 class PrecisionBackend(StrEnum):
     auto = "auto"
     """native where the GPU has the recipe's GEMMs, else emulated (with a note at start-up)."""
@@ -65,12 +84,12 @@ class PrecisionConfig(Config):
     """Which modules' GEMMs use a low-precision recipe: ``experts`` (the routed experts' grouped
     GEMMs), ``attention`` (q/k/v/o projections), ``mlp`` (dense SwiGLUs, the MoE layer's shared
     expert included). The LM head and the router always stay in bf16."""
-    expert_weight_copies: bool = False
-    """bf16 recipe: keep each expert weight's bf16 copy from its first use in a step until the
-    optimizer step (one cast per step, none in backward or in later micro-batches), for 2 bytes per
-    expert parameter held through the step. Off: the expert GEMMs cast in forward and again in
-    backward and hold no copy (core/precision/bf16_grouped.py). Ignored when the weights arrive in
-    bf16 already (FSDP2's bf16 all-gather)."""
+    expert_weight_copies: WeightCopies = WeightCopies.none
+    """bf16 recipe: bf16 copies of the routed experts' weights, 2 bytes per expert parameter held
+    (see WeightCopies: none, made once per step, or written by the optimizer step itself), instead
+    of casting the fp32 master weights in forward and again in backward
+    (core/precision/bf16_grouped.py). Ignored when the weights arrive in bf16 already (FSDP2's bf16
+    all-gather)."""
     triton_swiglu: bool = False
     """bf16 recipe: the routed experts' SwiGLU (silu(gate) * up) and its backward in one Triton pass
     each on CUDA (core/precision/swiglu_triton.py) instead of seven torch elementwise passes; the same
@@ -121,8 +140,10 @@ class PrecisionConfig(Config):
         if recipe == PrecisionRecipe.bf16:
             from .gemm import TorchGemm
 
-            return PrecisionPolicy(device_type, torch.bfloat16, TorchGemm(cache_expert_weights=self.expert_weight_copies,
-                                                                          triton_swiglu=self.triton_swiglu))
+            gemm = TorchGemm(cache_expert_weights=self.expert_weight_copies != WeightCopies.none,
+                             optimizer_copies=self.expert_weight_copies == WeightCopies.optimizer,
+                             triton_swiglu=self.triton_swiglu)
+            return PrecisionPolicy(device_type, torch.bfloat16, gemm)
         backend = self.resolved_backend(device_type, verbose=verbose)
         if recipe == PrecisionRecipe.mxfp8 and backend == PrecisionBackend.native and GemmModule.experts in self.modules:
             raise ConfigError("precision.recipe=mxfp8 with backend=native: the native MX grouped GEMM for the "

@@ -45,6 +45,10 @@ class GemmBackend:
     label: ClassVar[str] = ""
     """How results of this backend are reported (e.g. "mxfp8 (emulated ...)"); "" for plain torch."""
 
+    def attach_optimizer(self, optimizer, parts) -> None:
+        """Called once by the trainer with its optimizer and model parts (a backend that wants the
+        optimizer to keep something current registers it here). Nothing to do by default."""
+
     def after_optimizer_step(self) -> None:
         """Called once the weights changed (PrecisionPolicy.after_optimizer_step): a backend that
         keeps quantized weights drops them here. Nothing to do by default."""
@@ -76,10 +80,41 @@ class TorchGemm(GemmBackend):
 
     name = "torch"
 
-    def __init__(self, cache_expert_weights: bool = False, triton_swiglu: bool = False):
-        # precision.expert_weight_copies: the grouped GEMMs' bf16 weight copies, made once per step.
-        self.weight_cache = bf16_grouped.register_cache() if cache_expert_weights else None
+    def __init__(self, cache_expert_weights: bool = False, optimizer_copies: bool = False, triton_swiglu: bool = False):
+        # precision.expert_weight_copies: the grouped GEMMs' bf16 weight copies, made once per step
+        # (step) or written by the optimizer and pinned in the cache (optimizer).
+        self.weight_cache = bf16_grouped.register_cache() if cache_expert_weights or optimizer_copies else None
+        self.optimizer_copies = optimizer_copies
         self.triton_swiglu = triton_swiglu  # precision.triton_swiglu
+
+    def attach_optimizer(self, optimizer, parts) -> None:
+        if not self.optimizer_copies:
+            return
+        from ..config import ConfigError
+        from ..moe.experts import GroupedExperts
+
+        if not hasattr(optimizer, "add_compute_copies"):
+            raise ConfigError(
+                "precision.expert_weight_copies=optimizer needs an optimizer that writes bf16 copies in its "
+                f"step (core.adamw.PrecisionAwareAdamW), but this run's is {type(optimizer).__name__}: use "
+                "optimizer.impl=triton (or auto on a GPU), or expert_weight_copies=step")
+        weights = [w for part in parts for m in part.modules() if isinstance(m, GroupedExperts)
+                   for w in (m.w_gate_up, m.w_down)]
+        # FSDP2 / expert parallel hand the GEMMs other tensors than these parameters (bf16 gathers,
+        # local shards): copies of the parameters would never be read there.
+        if any(type(w) is not torch.nn.Parameter or w.dtype != torch.float32 for w in weights):
+            raise ConfigError("precision.expert_weight_copies=optimizer is for unsharded fp32 expert weights "
+                              "(one GPU, no FSDP2 / expert parallel); use expert_weight_copies=step there")
+        copies = {w: w.detach().to(torch.bfloat16) for w in weights}
+        optimizer.add_compute_copies(copies, on_written=self._pin)
+        self._pin(list(copies.items()))
+
+    def _pin(self, pairs) -> None:
+        """(parameter, its bf16 copy) pairs the optimizer just wrote: serve the copies until the
+        parameters are written again."""
+        cache = bf16_grouped.cache(self.weight_cache)
+        for w, copy in pairs:
+            cache.pin(w, str(torch.bfloat16), copy)
 
     def after_optimizer_step(self) -> None:
         if self.weight_cache is not None:

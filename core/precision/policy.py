@@ -102,6 +102,11 @@ class PrecisionPolicy:
 
         visit(model, None)
 
+    def attach_optimizer(self, optimizer, parts: list[nn.Module]) -> None:
+        """Let the GEMM backend register what the optimizer should keep current (called once by the
+        trainer; precision.expert_weight_copies=optimizer)."""
+        self.gemm.attach_optimizer(optimizer, parts)
+
     def after_optimizer_step(self, model: nn.Module | list[nn.Module] | None = None) -> None:
         """Tell the GEMM backends the weights changed (call after every optimizer step): backends
         that keep weights quantized once per step drop them. ``model`` (or its parts): also every

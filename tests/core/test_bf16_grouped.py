@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from moetron.core.layers.mlp import swiglu
+from moetron.models import ModelConfig
 from moetron.core.precision.bf16_grouped import grouped_mm, grouped_swiglu_down
 
 pytestmark = pytest.mark.skipif(
@@ -170,22 +171,46 @@ def test_weight_cache_casts_once_per_step_and_gives_the_same_results():
 
 
 def test_trainer_with_weight_copies_equals_without():
-    """Three bf16 steps of a tiny MoE on the grouped-GEMM experts: the same losses with the
-    once-per-step copies as without (the trainer invalidates them after each optimizer step; a
-    stale copy would change the second step's loss)."""
+    """Three bf16 steps of a tiny MoE on the grouped-GEMM experts: the same losses with no copies,
+    copies made once per step, and copies the optimizer writes (the trainer invalidates / re-pins
+    them after each optimizer step; a stale copy would change the second step's loss). With the
+    optimizer's copies no expert weight is ever cast."""
     from step_builder import RandomTokens, build_trainer  # tools/ (tests/conftest.py puts it on the path)
 
     from moetron.core.memory import MemoryConfig
+    from moetron.core.optim import OptimizerConfig
     from moetron.core.precision import PrecisionConfig
-    from moetron.models import ModelConfig
+    from moetron.core.precision import bf16_grouped
 
-    losses = []
-    for copies in (False, True):
+    losses, misses = {}, {}
+    for copies in ("none", "step", "optimizer"):
         cfg = ModelConfig.preset("tiny-moe")
         cfg.apply_overrides(["n_layers=2", "moe.experts_backend=grouped_mm"])
         data = RandomTokens(cfg.vocab_size, 2, 32, torch.device("cpu"))
+        # PrecisionAwareAdamW (its foreach path on the CPU) for every mode, so the losses compare.
         trainer = build_trainer(cfg, MemoryConfig(), data, torch.device("cpu"), seq_len=32,
-                                precision=PrecisionConfig(recipe="bf16", expert_weight_copies=copies))
-        losses.append([trainer.train_step(data.next_batch())[0].item() for _ in range(3)])
-    assert losses[0] == losses[1]
-    assert losses[0][2] != losses[0][0]  # the weights did change between steps
+                                precision=PrecisionConfig(recipe="bf16", expert_weight_copies=copies),
+                                optimizer=OptimizerConfig(state_dtype="bf16", impl="torch"))
+        losses[copies] = [trainer.train_step(data.next_batch())[0].item() for _ in range(3)]
+        cache_id = trainer.precision.gemm.weight_cache
+        misses[copies] = None if cache_id is None else bf16_grouped.cache(cache_id).misses
+    assert losses["none"] == losses["step"] == losses["optimizer"]
+    assert losses["none"][2] != losses["none"][0]  # the weights did change between steps
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    assert moe_layers >= 1 and misses["step"] == 3 * moe_layers * 2  # each MoE layer's 2 weights, once a step
+    assert misses["optimizer"] == 0  # every use served by the optimizer's copies
+
+
+def test_optimizer_copies_need_an_optimizer_that_writes_them():
+    from step_builder import RandomTokens, build_trainer
+
+    from moetron.core.config import ConfigError
+    from moetron.core.memory import MemoryConfig
+    from moetron.core.precision import PrecisionConfig
+
+    cfg = ModelConfig.preset("tiny-moe")
+    cfg.apply_overrides(["n_layers=1", "moe.experts_backend=grouped_mm"])
+    data = RandomTokens(cfg.vocab_size, 2, 32, torch.device("cpu"))
+    with pytest.raises(ConfigError, match="expert_weight_copies=optimizer needs an optimizer"):
+        build_trainer(cfg, MemoryConfig(), data, torch.device("cpu"), seq_len=32,
+                      precision=PrecisionConfig(recipe="bf16", expert_weight_copies="optimizer"))
