@@ -305,7 +305,8 @@ def activation_terms(cfg: ModelConfig, layer: int, sw: Switches = Switches(),
             terms["expert_hidden"] = ("experts", K * 4.0 * F)  # gate|up output of the grouped GEMM
             if sw.low("experts"):  # composed SwiGLU: silu(gate) and the product (w_down's input)
                 terms["expert_swiglu"] = ("swiglu", K * (2.0 * F + g_exp * F))
-            terms["expert_out"] = ("experts", 2.0 * K * D)  # y_RD for the combine's weight gradient
+            if not moe.weights_before_down:  # the weights applied before the down projection: no y_RD kept
+                terms["expert_out"] = ("experts", 2.0 * K * D)  # y_RD for the combine's weight gradient
             if moe.shared_width():
                 S = moe.shared_width()
                 terms["shared_mlp"] = ("mlp", 4.0 * S + g_mlp * D)
@@ -329,7 +330,8 @@ def activation_terms(cfg: ModelConfig, layer: int, sw: Switches = Switches(),
         terms["expert_hidden"] = ("experts", K * 4.0 * F)
         if sw.low("experts"):
             terms["expert_swiglu"] = ("swiglu", K * g_exp * F)
-        terms["expert_out"] = ("experts", 2.0 * K * D)
+        if not moe.weights_before_down:
+            terms["expert_out"] = ("experts", 2.0 * K * D)
         if moe.shared_width():
             S = moe.shared_width()
             terms["shared_mlp"] = ("mlp", g_mlp * D + 4.0 * S)

@@ -50,10 +50,16 @@ class TokenDispatcher:
         capacity: slots each expert may take (None: dropless) -> this rank's experts' rows."""
         raise NotImplementedError
 
-    def combine(self, y_RD: torch.Tensor, topk_weights_TK: torch.Tensor, result: DispatchResult) -> torch.Tensor:
+    def combine(self, y_RD: torch.Tensor, topk_weights_TK: torch.Tensor | None, result: DispatchResult) -> torch.Tensor:
         """y_RD [R, D] the experts' outputs for result.x_RD, topk_weights_TK [T, K] -> [T, D]:
-        each token's weighted sum over its kept slots, in token order."""
+        each token's weighted sum over its kept slots, in token order (None: the unweighted sum)."""
         raise NotImplementedError
+
+    def row_weights(self, topk_weights_TK: torch.Tensor, result: DispatchResult) -> torch.Tensor:
+        """topk_weights_TK [T, K] -> [R]: each slot's weight at its row of result.x_RD (0 for rows no
+        slot fills), differentiable (model.moe.weights_before_down)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot place the combine weights on its rows: "
+                                  f"model.moe.weights_before_down needs the local dispatcher (no expert parallel)")
 
 
 class LocalDispatcher(TokenDispatcher):
@@ -69,3 +75,11 @@ class LocalDispatcher(TokenDispatcher):
 
     def combine(self, y_RD, topk_weights_TK, result):
         return combine_rows(y_RD, result.state.dest_row_TK, topk_weights_TK)
+
+    def row_weights(self, topk_weights_TK, result):
+        dest_TK = result.state.dest_row_TK.long()
+        R = result.x_RD.shape[0]
+        # Dropped slots (-1) write into a spare row past the end, cut off after: no host sync.
+        index = torch.where(dest_TK >= 0, dest_TK, R).flatten()
+        w_R = topk_weights_TK.new_zeros(R + 1).scatter(0, index, topk_weights_TK.flatten())
+        return w_R[:R]

@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..layers.mlp import swiglu
-from ..precision.gemm import DEFAULT_GEMM, GemmBackend, compute_dtype
+from ..precision.gemm import DEFAULT_GEMM, GemmBackend, compute_dtype, scale_rows
 from .config import ExpertsBackend
 
 
@@ -57,17 +57,17 @@ def _auto_grouped_mm(gemm: GemmBackend, x_RI, w_EOI, offsets_E):
     return (_fused_grouped_mm if x_RI.is_cuda else loop_grouped_mm)(gemm, x_RI, w_EOI, offsets_E)
 
 
-def _loop_swiglu_down(gemm: GemmBackend, h_R2F, w_EDF, offsets_E, act):
+def _loop_swiglu_down(gemm: GemmBackend, h_R2F, w_EDF, offsets_E, act, row_scale_R=None):
     gate_RF, up_RF = h_R2F.chunk(2, dim=-1)
-    return loop_grouped_mm(gemm, act(gate_RF, up_RF), w_EDF, offsets_E)
+    return loop_grouped_mm(gemm, scale_rows(act(gate_RF, up_RF), row_scale_R), w_EDF, offsets_E)
 
 
-def _fused_swiglu_down(gemm: GemmBackend, h_R2F, w_EDF, offsets_E, act):
-    return gemm.grouped_swiglu_down(h_R2F, w_EDF, offsets_E, act)
+def _fused_swiglu_down(gemm: GemmBackend, h_R2F, w_EDF, offsets_E, act, row_scale_R=None):
+    return gemm.grouped_swiglu_down(h_R2F, w_EDF, offsets_E, act, row_scale_R)
 
 
-def _auto_swiglu_down(gemm: GemmBackend, h_R2F, w_EDF, offsets_E, act):
-    return (_fused_swiglu_down if h_R2F.is_cuda else _loop_swiglu_down)(gemm, h_R2F, w_EDF, offsets_E, act)
+def _auto_swiglu_down(gemm: GemmBackend, h_R2F, w_EDF, offsets_E, act, row_scale_R=None):
+    return (_fused_swiglu_down if h_R2F.is_cuda else _loop_swiglu_down)(gemm, h_R2F, w_EDF, offsets_E, act, row_scale_R)
 
 
 # Per backend: (the gate/up grouped GEMM, the activation + down grouped GEMM).
@@ -99,9 +99,10 @@ class GroupedExperts(nn.Module):
         self.w_gate_up = nn.Parameter(torch.empty(num_experts, 2 * hidden, d_model, device=device))
         self.w_down = nn.Parameter(torch.empty(num_experts, d_model, hidden, device=device))
 
-    def forward(self, x_RD: torch.Tensor, offsets_L: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_RD: torch.Tensor, offsets_L: torch.Tensor, row_scale_R: torch.Tensor | None = None) -> torch.Tensor:
         """x_RD [R, D] expert-sorted rows, offsets_L int [E]: rows of expert e (the e-th held
-        here) are [offsets_L[e-1], offsets_L[e]) (inclusive cumsum) -> [R, D].
+        here) are [offsets_L[e-1], offsets_L[e]) (inclusive cumsum) -> [R, D]; ``row_scale_R``
+        [R] (optional): each row's SwiGLU output scaled by it before the down projection.
 
         Rows past offsets_L[-1] (capacity padding) are left unspecified; nobody reads them.
         """
@@ -110,4 +111,4 @@ class GroupedExperts(nn.Module):
         w_down_EDF = _local(self.w_down, self.grad_scale)
         h_R2F = self._grouped_mm(self.gemm, x_RD, w_gate_up_E2FD, offsets_L)
         # The activation goes into the down projection's call: a backend may fuse the two.
-        return self._swiglu_down(self.gemm, h_R2F, w_down_EDF, offsets_L, self.act)
+        return self._swiglu_down(self.gemm, h_R2F, w_down_EDF, offsets_L, self.act, row_scale_R)

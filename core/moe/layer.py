@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..layers.mlp import SwiGLU
+from ..config import ConfigError
 from ..precision.gemm import compute_dtype
 from .config import MoEConfig
 from .aux_loss import attach_aux_loss, current_aux_loss_scale
@@ -76,6 +77,10 @@ class MoELayer(nn.Module):
 
     def set_dispatcher(self, dispatcher: TokenDispatcher) -> None:
         """Swap in another dispatcher (expert parallel); its local experts must match the weights."""
+        if self.cfg.weights_before_down and type(dispatcher).row_weights is TokenDispatcher.row_weights:
+            raise ConfigError(f"model.moe.weights_before_down needs a dispatcher that places the combine weights on "
+                              f"its rows, and {type(dispatcher).__name__} does not (expert parallel): set "
+                              f"model.moe.weights_before_down=false, or parallel.ep=1")
         self.dispatcher = dispatcher
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
@@ -101,8 +106,13 @@ class MoELayer(nn.Module):
                 # On the [T, K] combine weights, whose gradient every backward computes: an
                 # identity on a small tensor rather than on the [T, D] output.
                 weights_TK = attach_aux_loss(weights_TK, sum(aux), scale)
-        y_RD = self.experts(dispatched.x_RD, dispatched.offsets_L)
-        out_TD = self.dispatcher.combine(y_RD, weights_TK, dispatched)
+        if self.cfg.weights_before_down:
+            # The weights scale each row before the down projection; the combine sums plain rows.
+            y_RD = self.experts(dispatched.x_RD, dispatched.offsets_L, self.dispatcher.row_weights(weights_TK, dispatched))
+            out_TD = self.dispatcher.combine(y_RD, None, dispatched)
+        else:
+            y_RD = self.experts(dispatched.x_RD, dispatched.offsets_L)
+            out_TD = self.dispatcher.combine(y_RD, weights_TK, dispatched)
         if self.shared is not None:
             out_TD = out_TD + self.shared(x_TD)
         return out_TD.view(B, S, D)

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from .cache import WeightCache
 
-__all__ = ["grouped_mm", "grouped_swiglu_down"]
+__all__ = ["grouped_mm", "grouped_swiglu_down", "scale_rows"]
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -56,6 +56,14 @@ def _weight(w: Tensor, dt: torch.dtype, cache_id: int) -> Tensor:
     if cache_id == NO_CACHE or w.dtype == dt:
         return w.to(dt)
     return _CACHES[cache_id].get(w, str(dt), lambda t: t.to(dt))
+
+
+def scale_rows(a_RF: Tensor, row_scale_R: Tensor | None) -> Tensor:
+    """a_RF [R, F] times row_scale_R [R] per row, in fp32 (or wider) rounded to a's dtype (None: a itself)."""
+    if row_scale_R is None:
+        return a_RF
+    acc = torch.promote_types(a_RF.dtype, torch.float32)
+    return (a_RF.to(acc) * row_scale_R.to(acc)[:, None]).to(a_RF.dtype)
 
 
 def _gmm(x_RI: Tensor, w_EOI: Tensor, offsets_E: Tensor) -> Tensor:
@@ -142,7 +150,8 @@ def _triton_swiglu(h: Tensor, wanted: bool) -> bool:
 
 
 @torch.library.custom_op("moetron::grouped_swiglu_down", mutates_args=())
-def _swiglu_down_op(h: Tensor, w: Tensor, offsets: Tensor, dtype: str, cache_id: int, triton_swiglu: bool) -> Tensor:
+def _swiglu_down_op(h: Tensor, w: Tensor, offsets: Tensor, scale: Tensor | None, dtype: str, cache_id: int,
+                    triton_swiglu: bool) -> Tensor:
     dt = _DTYPES[dtype]
     h = h.to(dt)
     if _triton_swiglu(h, triton_swiglu):
@@ -151,59 +160,73 @@ def _swiglu_down_op(h: Tensor, w: Tensor, offsets: Tensor, dtype: str, cache_id:
         act = swiglu_forward(h.contiguous())
     else:
         act = _swiglu(h)
-    return _gmm(act, _weight(w, dt, cache_id), offsets)
+    return _gmm(scale_rows(act, scale), _weight(w, dt, cache_id), offsets)
 
 
 @_swiglu_down_op.register_fake
-def _(h, w, offsets, dtype, cache_id, triton_swiglu):
+def _(h, w, offsets, scale, dtype, cache_id, triton_swiglu):
     return h.new_empty(h.shape[0], w.shape[1], dtype=_DTYPES[dtype])
 
 
 @torch.library.custom_op("moetron::grouped_swiglu_down_backward", mutates_args=())
-def _swiglu_down_backward_op(grad: Tensor, h: Tensor, w: Tensor, offsets: Tensor, dtype: str,
-                             cache_id: int, triton_swiglu: bool) -> tuple[Tensor, Tensor]:
+def _swiglu_down_backward_op(grad: Tensor, h: Tensor, w: Tensor, offsets: Tensor, scale: Tensor | None, dtype: str,
+                             cache_id: int, triton_swiglu: bool) -> tuple[Tensor, Tensor, Tensor]:
     dt = _DTYPES[dtype]
-    if _triton_swiglu(h, triton_swiglu):
+    no_scale = h.new_empty(0, dtype=torch.float32)
+    grad_act, _ = _grads(grad, None, w, offsets, dt, True, False, cache_id)  # dgrad [R, F] (of the scaled product)
+    if scale is None and _triton_swiglu(h, triton_swiglu):
         from .swiglu_triton import swiglu_backward
 
-        grad_act, _ = _grads(grad, None, w, offsets, dt, True, False, cache_id)  # dgrad first: the kernel needs it
         act, grad_h = swiglu_backward(h.to(dt).contiguous(), grad_act.contiguous())
         _, grad_w = _grads(grad, act, w, offsets, dt, False, True, cache_id)
-        return grad_h.to(h.dtype), grad_w
+        return grad_h.to(h.dtype), grad_w, no_scale
     gate_RF, up_RF = h.to(dt).chunk(2, dim=-1)
     silu_RF = F.silu(gate_RF)  # the product again, op for op as swiglu() computes it
-    grad_act, grad_w = _grads(grad, silu_RF * up_RF, w, offsets, dt, True, True, cache_id)
+    act_RF = silu_RF * up_RF
+    grad_scale = no_scale
+    if scale is not None:  # d/dscale_r = <grad of the scaled row, the unscaled row>, in fp32
+        acc = torch.promote_types(grad_act.dtype, torch.float32)
+        grad_scale = (grad_act.to(acc) * act_RF.to(acc)).sum(dim=-1)
+        act_RF, grad_act = scale_rows(act_RF, scale), scale_rows(grad_act, scale)
+    _, grad_w = _grads(grad, act_RF, w, offsets, dt, False, True, cache_id)
     # swiglu's backward as autograd runs it (mul, then silu's own backward kernel): same bits.
     grad_gate = torch.ops.aten.silu_backward(grad_act * up_RF, gate_RF)
-    return torch.cat([grad_gate, grad_act * silu_RF], dim=-1).to(h.dtype), grad_w
+    return torch.cat([grad_gate, grad_act * silu_RF], dim=-1).to(h.dtype), grad_w, grad_scale
 
 
 @_swiglu_down_backward_op.register_fake
-def _(grad, h, w, offsets, dtype, cache_id, triton_swiglu):
-    return torch.empty_like(h), torch.empty_like(w)
+def _(grad, h, w, offsets, scale, dtype, cache_id, triton_swiglu):
+    grad_scale = (scale.new_empty(scale.shape, dtype=torch.promote_types(_DTYPES[dtype], torch.float32))
+                  if scale is not None else h.new_empty(0, dtype=torch.float32))
+    return torch.empty_like(h), torch.empty_like(w), grad_scale
 
 
 def _swiglu_down_setup(ctx, inputs, output):
-    h, w, offsets, dtype, cache_id, triton_swiglu = inputs
-    ctx.save_for_backward(h, w, offsets)
+    h, w, offsets, scale, dtype, cache_id, triton_swiglu = inputs
+    ctx.save_for_backward(h, w, offsets, scale)
     ctx.dtype, ctx.cache_id, ctx.triton_swiglu = dtype, cache_id, triton_swiglu
 
 
 def _swiglu_down_backward(ctx, grad):
-    h, w, offsets = ctx.saved_tensors
-    grad_h, grad_w = _swiglu_down_backward_op(grad, h, w, offsets, ctx.dtype, ctx.cache_id, ctx.triton_swiglu)
-    return grad_h, grad_w, None, None, None, None
+    h, w, offsets, scale = ctx.saved_tensors
+    grad_h, grad_w, grad_scale = _swiglu_down_backward_op(grad, h, w, offsets, scale, ctx.dtype, ctx.cache_id,
+                                                          ctx.triton_swiglu)
+    grad_scale = grad_scale.to(scale.dtype) if scale is not None else None
+    return grad_h, grad_w, None, grad_scale, None, None, None
 
 
 _swiglu_down_op.register_autograd(_swiglu_down_backward, setup_context=_swiglu_down_setup)
 
 
 def grouped_swiglu_down(h_R2F: Tensor, w_EDF: Tensor, offsets_E: Tensor, dtype: torch.dtype,
-                        cache_id: int | None = None, triton_swiglu: bool = False) -> Tensor:
+                        cache_id: int | None = None, triton_swiglu: bool = False,
+                        row_scale_R: Tensor | None = None) -> Tensor:
     """The SwiGLU experts' down projection with the activation inside: h_R2F [R, 2F] (gate columns,
     then up) -> silu(gate) * up [R, F] -> times w_EDF[e]^T per group -> [R, D] in ``dtype``.
     Differentiable in h and w; saves h and w, not the [R, F] product (recomputed in backward);
     ``cache_id`` as in grouped_mm; ``triton_swiglu``: the activation and its backward in one Triton
-    pass each (core/precision/swiglu_triton.py) on CUDA tensors."""
-    return _swiglu_down_op(h_R2F.to(dtype), w_EDF, offsets_E.to(torch.int32), _dtype_name(dtype),
+    pass each (core/precision/swiglu_triton.py) on CUDA tensors; ``row_scale_R`` [R]: each row's
+    product scaled by it (in fp32, rounded to ``dtype``) before the GEMM, differentiable in it too
+    (model.moe.weights_before_down)."""
+    return _swiglu_down_op(h_R2F.to(dtype), w_EDF, offsets_E.to(torch.int32), row_scale_R, _dtype_name(dtype),
                            NO_CACHE if cache_id is None else cache_id, bool(triton_swiglu))

@@ -24,8 +24,10 @@ import torch.nn.functional as F
 
 from ..registry import Registry
 from . import bf16_grouped
+from .bf16_grouped import scale_rows
 
-__all__ = ["GEMM_BACKENDS", "GemmBackend", "TorchGemm", "compute_dtype", "gemm_backend", "register_gemm_backend"]
+__all__ = ["GEMM_BACKENDS", "GemmBackend", "TorchGemm", "compute_dtype", "gemm_backend", "register_gemm_backend",
+           "scale_rows"]
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -60,12 +62,14 @@ class GemmBackend:
         raise NotImplementedError
 
     def grouped_swiglu_down(self, h_R2F: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor,
-                            act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                            act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                            row_scale_R: torch.Tensor | None = None) -> torch.Tensor:
         """The SwiGLU experts' down projection: ``act(gate, up)`` on h_R2F [R, 2F] (gate columns,
-        then up), then ``grouped_mm`` with w_EDF [E, D, F] -> [R, D]. A backend may fuse the two
-        (saving less for backward); this default composes them."""
+        then up), each row scaled by ``row_scale_R`` [R] if given, then ``grouped_mm`` with w_EDF
+        [E, D, F] -> [R, D]. A backend may fuse these (saving less for backward); this default
+        composes them."""
         gate_RF, up_RF = h_R2F.chunk(2, dim=-1)
-        return self.grouped_mm(act(gate_RF, up_RF), w_EDF, offsets_E)
+        return self.grouped_mm(scale_rows(act(gate_RF, up_RF), row_scale_R), w_EDF, offsets_E)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -126,15 +130,15 @@ class TorchGemm(GemmBackend):
     def grouped_mm(self, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
         return bf16_grouped.grouped_mm(x_RI, w_EOI, offsets_E, compute_dtype(x_RI), self.weight_cache)
 
-    def grouped_swiglu_down(self, h_R2F, w_EDF, offsets_E, act):
+    def grouped_swiglu_down(self, h_R2F, w_EDF, offsets_E, act, row_scale_R=None):
         # The fused op recomputes the product in backward; it knows only the plain SwiGLU (a
         # recompute twin of it computes the same, so it fuses too).
         from ..layers.mlp import swiglu  # (layers import this module)
 
         if getattr(act, "__wrapped__", act) is not swiglu:
-            return super().grouped_swiglu_down(h_R2F, w_EDF, offsets_E, act)
+            return super().grouped_swiglu_down(h_R2F, w_EDF, offsets_E, act, row_scale_R)
         return bf16_grouped.grouped_swiglu_down(h_R2F, w_EDF, offsets_E, compute_dtype(h_R2F), self.weight_cache,
-                                                self.triton_swiglu)
+                                                self.triton_swiglu, row_scale_R)
 
 
 GEMM_BACKENDS: Registry[type[GemmBackend]] = Registry("GEMM backend")

@@ -214,3 +214,44 @@ def test_optimizer_copies_need_an_optimizer_that_writes_them():
     with pytest.raises(ConfigError, match="expert_weight_copies=optimizer needs an optimizer"):
         build_trainer(cfg, MemoryConfig(), data, torch.device("cpu"), seq_len=32,
                       precision=PrecisionConfig(recipe="bf16", expert_weight_copies="optimizer"))
+
+
+def test_weights_before_down_keeps_no_expert_output_rows():
+    """model.moe.weights_before_down on the fused bf16 path: output and gradients as close to the
+    float64 truth (the same layer in float64 on the loop path) as weighting in the combine is, and
+    one [rows, D] tensor fewer saved for backward (the expert outputs the combine kept for its
+    weights' gradient)."""
+    import copy
+
+    from moetron.core.moe import MoELayer
+    from moetron.core.moe.config import MoEConfig, RouterConfig
+
+    D_, T_ = 32, 48
+    torch.manual_seed(1)
+    x0 = torch.randn(1, T_, D_)
+
+    def run(before, backend, dtype, autocast):
+        cfg = MoEConfig(num_experts=4, expert_hidden=16, router=RouterConfig(top_k=2, lb_loss_weight=0.0),
+                        experts_backend=backend, weights_before_down=before)
+        cfg.validate_for(2)
+        torch.manual_seed(0)
+        layer = MoELayer(D_, cfg)
+        layer.init_weights(0.2)
+        layer = layer.to(dtype)
+        x = x0.detach().to(dtype).clone().requires_grad_(True)  # a fresh leaf each run
+        ledger = _Saved()
+        with torch.autograd.graph.saved_tensors_hooks(ledger.pack, lambda t: t):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                y = layer(x)
+        y.double().square().sum().backward()
+        rows = sum(1 for s, dt in ledger.tensors if s == (T_ * 2, D_) and dt == torch.bfloat16)
+        return [t.double() for t in (y, x.grad, layer.router.weight.grad, layer.experts.w_down.grad)], rows
+
+    truth, _ = run(False, "loop", torch.float64, False)
+    errors, rows = {}, {}
+    for before in (False, True):
+        got, rows[before] = run(before, "grouped_mm", torch.float32, True)
+        errors[before] = [float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, truth)]
+    for e_before, e_combine in zip(errors[True], errors[False]):
+        assert e_before <= 2 * e_combine + 2**-8, (errors[True], errors[False])
+    assert rows[True] == rows[False] - 1 and rows[False] >= 2

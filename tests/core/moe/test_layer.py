@@ -66,9 +66,10 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("before_down", [False, True], ids=["weights-in-combine", "weights-before-down"])
 @pytest.mark.parametrize("case", CASES, ids=[str(i) for i in range(len(CASES))])
-def test_layer_matches_naive_loop(case):
-    layer = make_layer(**case)
+def test_layer_matches_naive_loop(case, before_down):
+    layer = make_layer(**case, weights_before_down=before_down)
     x = torch.randn(2, 9, D, dtype=torch.float64, requires_grad=True)
     out = layer(x)
     capacity = layer.cfg.capacity(18)
@@ -253,3 +254,16 @@ def test_aux_loss_attach_compiles_without_graph_breaks():
         out.sum().backward()
         assert logged.item() == 9 * scale
         torch.testing.assert_close(w.grad, torch.full((3,), 6.0 * scale))
+
+
+def test_weights_before_down_refuses_a_dispatcher_that_cannot_place_them():
+    from moetron.core.config import ConfigError
+    from moetron.core.moe.dispatcher import TokenDispatcher
+
+    class RowsElsewhere(TokenDispatcher):  # like the expert-parallel all-to-all dispatchers
+        num_local_experts = E
+
+    layer = make_layer(weights_before_down=True)
+    with pytest.raises(ConfigError, match="weights_before_down=false, or parallel.ep=1"):
+        layer.set_dispatcher(RowsElsewhere())
+    make_layer().set_dispatcher(RowsElsewhere())  # without the switch any dispatcher goes
