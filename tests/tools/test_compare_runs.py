@@ -1,0 +1,56 @@
+"""tools/compare_runs.py: relative final losses against a reference run from hand-written
+metrics.jsonl files (values chosen so the expected differences are exact), the tolerance verdict,
+the plot, and the errors."""
+
+import json
+import math
+
+import pytest
+
+import compare_runs
+from moetron.core.config import ConfigError
+
+
+def _run(tmp_path, name, losses, evals=None):
+    d = tmp_path / name
+    d.mkdir()
+    with open(d / "metrics.jsonl", "w") as f:
+        for step, loss in losses:
+            f.write(json.dumps({"step": step, "loss": loss}) + "\n")
+        for step, loss in (evals or []):
+            f.write(json.dumps({"step": step, "eval_loss": loss}) + "\n")
+        f.write('{"step": 9')  # a torn last line (a killed run) is skipped
+    return str(d)
+
+
+def test_relative_losses_and_verdict(tmp_path, capsys):
+    ref = _run(tmp_path, "bf16", [(10, 5.0), (20, 4.0), (30, 2.0)], [(30, 2.5)])
+    close = _run(tmp_path, "fp8", [(10, 5.1), (20, 4.02), (30, 2.01)], [(30, 2.5125)])
+    far = _run(tmp_path, "mx", [(10, 5.0), (20, 4.4), (30, 2.2), (40, 1.0)], [(30, 2.6)])  # step 40: not shared
+    rows = {r["run"]: r for r in compare_runs.compare([ref, close, far], last=2)}
+    assert rows[ref]["reference"] and rows[ref]["train_vs_reference"] == 0
+    # mean of the last two shared steps: (4.02 + 2.01) / 2 vs (4 + 2) / 2 -> +0.5%
+    assert rows[close]["train_vs_reference"] == pytest.approx(0.005)
+    assert rows[close]["eval_vs_reference"] == pytest.approx(0.005) and rows[close]["within_tolerance"]
+    assert rows[far]["train_vs_reference"] == pytest.approx(0.1) and not rows[far]["within_tolerance"]
+    assert rows[far]["final_step"] == 30 and rows[far]["compared_steps"] == 3
+    out = tmp_path / "cmp.json"
+    assert compare_runs.main([ref, close, far, "--last", "2", "--json", str(out), "--out", str(tmp_path / "c.png")]) == 0
+    assert (tmp_path / "c.png").stat().st_size > 0
+    text = capsys.readouterr().out
+    assert "NO" in text and "(reference)" in text
+    assert len(json.loads(out.read_text())["rows"]) == 3
+
+
+def test_no_held_out_and_errors(tmp_path):
+    a = _run(tmp_path, "a", [(1, 3.0)])
+    b = _run(tmp_path, "b", [(1, 3.02)])
+    rows = compare_runs.compare([a, b])
+    assert math.isnan(rows[1]["eval_vs_reference"]) and rows[1]["within_tolerance"]
+    with pytest.raises(ConfigError, match="at least two"):
+        compare_runs.compare([a])
+    c = _run(tmp_path, "c", [(2, 3.0)])
+    with pytest.raises(ConfigError, match="share no logged train step"):
+        compare_runs.compare([a, c])
+    with pytest.raises(ConfigError, match="does not exist"):
+        compare_runs.compare([a, str(tmp_path / "missing")])

@@ -1,0 +1,116 @@
+#!/usr/bin/env python
+"""Compare runs' loss curves against a reference run: the convergence check of a switch or a
+precision recipe (e.g. bf16 vs fp8_blockwise vs mxfp8 on the same data and seed).
+
+    python tools/compare_runs.py runs/bf16 runs/fp8 runs/mxfp8 --tolerance 0.01 \
+        --out docs/images/recipes_loss.png
+
+For each run: the final train loss (mean over the last ``--last`` logged steps, so one noisy step
+does not decide), the last held-out loss, and both relative to the reference (the first run unless
+--reference names one); a run is within tolerance when both |relative differences| are at most
+--tolerance. Prints a table, writes JSON (--json) and, with --out, one plot of every run's train
+and held-out curves (matplotlib). Runs must share the logged steps they are compared at (the same
+trainer.log_every and steps); the comparison uses the steps every run logged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+from moetron.core.config import ConfigError
+
+from cli import run_cli, write_report  # tools/cli.py
+from plot import read_metrics, require_matplotlib  # tools/plot.py
+
+
+def summarize(rows: list[dict], steps: set[int], last: int) -> dict:
+    """The run's final train loss (mean over its last ``last`` logged steps among ``steps``) and last held-out loss."""
+    train = [(r["step"], r["loss"]) for r in rows if r.get("loss") is not None and r["step"] in steps]
+    held = [(r["step"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None]
+    tail = [v for _, v in sorted(train)[-last:]]
+    return {"final_step": max(s for s, _ in train) if train else None,
+            "train_loss": sum(tail) / len(tail) if tail else math.nan,
+            "eval_loss": sorted(held)[-1][1] if held else math.nan,
+            "eval_step": sorted(held)[-1][0] if held else None}
+
+
+def compare(run_dirs: list[str], reference: str | None = None, tolerance: float = 0.01, last: int = 10) -> list[dict]:
+    """One row per run: its summary, relative differences to the reference run and the verdict."""
+    if len(run_dirs) < 2:
+        raise ConfigError("compare_runs needs at least two run directories (the first is the reference unless "
+                          "--reference names one)")
+    if last < 1:
+        raise ConfigError(f"--last must be >= 1, got {last}")
+    reference = reference or run_dirs[0]
+    if reference not in run_dirs:
+        run_dirs = [reference, *run_dirs]
+    metrics = {d: read_metrics(d) for d in run_dirs}
+    common = set.intersection(*({r["step"] for r in rows if r.get("loss") is not None} for rows in metrics.values()))
+    if not common:
+        raise ConfigError("the runs share no logged train step: run them with the same trainer.steps and "
+                          "trainer.log_every")
+    summaries = {d: summarize(metrics[d], common, last) for d in run_dirs}
+    ref = summaries[reference]
+    out = []
+    for d in run_dirs:
+        s = summaries[d]
+        rel_train = s["train_loss"] / ref["train_loss"] - 1
+        rel_eval = (s["eval_loss"] / ref["eval_loss"] - 1) if not math.isnan(ref["eval_loss"]) else math.nan
+        within = abs(rel_train) <= tolerance and (math.isnan(rel_eval) or abs(rel_eval) <= tolerance)
+        out.append({"run": d, "reference": d == reference, **s, "train_vs_reference": rel_train,
+                    "eval_vs_reference": rel_eval, "within_tolerance": within, "tolerance": tolerance,
+                    "compared_steps": len(common)})
+    return out
+
+
+def plot(run_dirs: list[str], path: str) -> str:
+    plt = require_matplotlib()
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    for i, d in enumerate(run_dirs):
+        rows = read_metrics(d)
+        train = [(r["step"], r["loss"]) for r in rows if r.get("loss") is not None]
+        held = [(r["step"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None]
+        name = os.path.basename(os.path.normpath(d))
+        ax.plot(*zip(*train), color=f"C{i}", label=f"{name} train", linewidth=1)
+        if held:
+            ax.plot(*zip(*held), color=f"C{i}", marker="o", markersize=3, linestyle="--", label=f"{name} held-out")
+    ax.set(xlabel="step", ylabel="loss", title="loss by run")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close("all")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
+    parser.add_argument("runs", nargs="+", help="run directories (each holds metrics.jsonl)")
+    parser.add_argument("--reference", help="the run the others are measured against (default: the first)")
+    parser.add_argument("--tolerance", type=float, default=0.01, help="relative loss difference allowed (0.01 = 1%%)")
+    parser.add_argument("--last", type=int, default=10, help="logged steps averaged for the final train loss")
+    parser.add_argument("--out", help="a PNG of every run's curves (needs matplotlib)")
+    parser.add_argument("--json", default="runs/bench/compare_runs.json")
+    args = parser.parse_args(argv)
+    rows = compare(args.runs, args.reference, args.tolerance, args.last)
+    print(f"{'run':<40} {'step':>6} {'train':>8} {'vs ref':>8} {'held-out':>9} {'vs ref':>8}  within {100 * args.tolerance:g}%")
+    for r in rows:
+        def pct(x):
+            return "-" if math.isnan(x) else f"{100 * x:+.2f}%"
+        print(f"{r['run'][-40:]:<40} {r['final_step']:>6} {r['train_loss']:>8.4f} {pct(r['train_vs_reference']):>8} "
+              f"{r['eval_loss']:>9.4f} {pct(r['eval_vs_reference']):>8}  "
+              f"{'(reference)' if r['reference'] else ('yes' if r['within_tolerance'] else 'NO')}")
+    if args.out:
+        print(f"wrote {plot([r['run'] for r in rows], args.out)}")
+    write_report(args.json, {"tool": "tools/compare_runs.py", "argv": argv}, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)
