@@ -146,9 +146,12 @@ class PrecisionConfig(Config):
             return PrecisionPolicy(device_type, torch.bfloat16, gemm)
         backend = self.resolved_backend(device_type, verbose=verbose)
         if recipe == PrecisionRecipe.mxfp8 and backend == PrecisionBackend.native and GemmModule.experts in self.modules:
-            raise ConfigError("precision.recipe=mxfp8 with backend=native: the native MX grouped GEMM for the "
-                              "experts is not built; use --precision.backend=emulated, or "
-                              "--precision.modules=[attention,mlp] (experts then stay bf16)")
+            major = _capability_major(device_type)
+            if major is not None and major != 10:  # torch's MXFP8 grouped kernel: compute capability 10.x only
+                raise ConfigError(f"precision.recipe=mxfp8 with backend=native: torch's MXFP8 grouped GEMM for the "
+                                  f"experts runs on SM100 / SM103 (compute capability 10.x), and this GPU is "
+                                  f"SM{major}x: use --precision.backend=emulated, or "
+                                  f"--precision.modules=[attention,mlp] (experts then stay bf16)")
         gemm = low_precision_gemm(recipe, backend, self.mx_scale)
         return PrecisionPolicy(device_type, torch.bfloat16, gemm, modules=frozenset(GemmModule(m) for m in self.modules))
 
