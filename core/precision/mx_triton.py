@@ -162,7 +162,8 @@ def _mx_quantize_kernel(
         tl.store(data_ptr + p2.to(tl.int64) * s_dp + c * s_dc, q.to(tl.float8e4nv), mask=mask)
         if ALONG_C:
             b = pid_c * (TC // 32) + i % (TC // 32)
-            tl.store(scale_ptr + p.to(tl.int64) * s_sp + b * s_sc, code.to(tl.uint8), mask=p < P)
+            # A last tile past the row's end must not write its empty blocks' codes into the next row.
+            tl.store(scale_ptr + p.to(tl.int64) * s_sp + b * s_sc, code.to(tl.uint8), mask=(p < P) & (b * 32 < C))
         else:
             cc = pid_c * TC + tl.arange(0, TC)
             tl.store(scale_ptr + pid_p.to(tl.int64) * s_sp + cc * s_sc, code.to(tl.uint8), mask=cc < C)
@@ -174,7 +175,8 @@ def _mx_dequantize_kernel(data_ptr, scale_ptr, out_ptr, P, C, s_dp, s_dc, s_sp, 
     pid_p, pid_c = tl.program_id(0), tl.program_id(1)
     p, c, i = _tile(pid_p, pid_c, ALONG_C, TP, TC)
     if ALONG_C:
-        code = tl.load(scale_ptr + p.to(tl.int64) * s_sp + (pid_c * (TC // 32) + i % (TC // 32)) * s_sc, mask=p < P, other=0)
+        b = pid_c * (TC // 32) + i % (TC // 32)
+        code = tl.load(scale_ptr + p.to(tl.int64) * s_sp + b * s_sc, mask=(p < P) & (b * 32 < C), other=0)
         code2 = code.to(tl.int32)[:, None]
     else:
         code = tl.load(scale_ptr + pid_p.to(tl.int64) * s_sp + c * s_sc, mask=c < C, other=0)
