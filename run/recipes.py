@@ -104,7 +104,7 @@ def moe_1t() -> PretrainConfig:
 def moe_2_4t() -> PretrainConfig:
     """moe-1t with 256 routed experts and EP 32: 2.38T total, 58.4B active, on 512 GPUs.
 
-    Everything else as moe-1t, bf16 included (MXFP8 is not built)."""
+    Everything else as moe-1t, bf16 included (the native MXFP8 GEMMs need Blackwell and have not run)."""
     return _ultra("moe-2.4t", num_experts=256, ep=32)
 
 

@@ -51,8 +51,9 @@ from: [code] counted from the code's definition, [measured] fitted to or read of
 - precision: bf16 is the measured path; mxfp8 / fp8_blockwise emulated run bf16 GEMMs after
   dequantizing (GEMMs at the bf16 rate plus quantize-dequantize passes) and save GEMM inputs as
   fp8 + scales (1 + 1/32 B per element) [code]; fp8_blockwise native runs dense GEMMs at the H200's
-  measured ~1000-1160 TFLOP/s (1080 of the fp8 peak) and grouped experts at an assumed rate (its
-  Triton kernel is not measured yet); mxfp8 native (SM100+) is modelled, not built.
+  measured ~1000-1160 TFLOP/s (1080 of the fp8 peak) and grouped experts at the Triton kernel's
+  measured 441 TFLOP/s; mxfp8 native (SM100+) is built but has never run (no Blackwell here): modelled
+  at the fp8 rates [assumed].
 - the fused loss vs the plain one: memory from the code; their time is not told apart (the same
   GEMM FLOPs, about the same elementwise bytes per logit) [assumed].
 """
@@ -728,9 +729,9 @@ def plan(p: Plan) -> dict:
     elif sw.backend == "emulated":
         note = "emulated: bf16 GEMMs, quantization passes assumed"
     elif sw.recipe == "fp8_blockwise":
-        note = "native: dense fp8 GEMMs measured, grouped experts and quantization assumed"
+        note = "native: dense and grouped fp8 GEMMs at measured rates, quantization assumed"
     else:
-        note = "native mxfp8: modelled, not built"
+        note = "native mxfp8: built, never run (no Blackwell): modelled at assumed rates"
     return {
         "model": cfg.describe(), "gpu": p.gpu, "num_gpus": p.num_gpus, "precision": sw.recipe,
         "precision_backend": sw.backend, "precision_modules": sorted(sw.low_modules), "precision_note": note,
