@@ -1,0 +1,112 @@
+"""The planner's hardware table and efficiency constants: what tools/plan.py assumes a GPU does,
+each with its source (a datasheet, a measurement in docs/performance.md, or an assumption)."""
+
+from __future__ import annotations
+
+__all__ = ['GiB', 'GPU', 'GPUS', 'GPUS_PER_NODE', 'RESERVED_GIB', 'EFF_GEMM', 'EFF_EXPERT', 'EFF_FP8_GEMM', 'EFF_FP8_EXPERT', 'EFF_MX_EXPERT', 'EFF_ATTN', 'EFF_COMM', 'EFF_PCIE', 'HOST_GBPS', 'HBM_TRAFFIC', 'OPTIMIZER_BYTES', 'RECOMPUTE_FORWARD', 'HOST_OPTIMIZER_BYTES', 'QUANT_BYTES', 'WEIGHT_QUANT_BYTES', 'FP8_SAVED', 'LOW_PRECISION']
+
+import dataclasses
+
+from moetron.core.precision import PrecisionRecipe
+
+GiB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class GPU:
+    hbm_gib: float
+    """Memory the device reports (about the datasheet's GB)."""
+    hbm_tbps: float
+    """HBM bandwidth, TB/s."""
+    bf16_tflops: float
+    """Dense (no sparsity) bf16 tensor-core TFLOP/s."""
+    fp8_tflops: float
+    """Dense fp8 tensor-core TFLOP/s."""
+    nvlink_gbps: float
+    """NVLink GB/s per GPU, one direction."""
+    internode_gbps: float
+    """Scale-out network GB/s per GPU, one direction (one NIC per GPU)."""
+    sm: int = 9
+    """Compute capability major (9 Hopper, 10 Blackwell): which precision recipes run natively."""
+    pcie_gbps: float = 64.0
+    """Host link GB/s per GPU, one direction (PCIe Gen5 x16: 64; Gen6 x16: 128)."""
+
+
+# Sources: NVIDIA datasheets; the datasheets quote sparse tensor FLOP/s, halved here to dense.
+GPUS: dict[str, GPU] = {
+    # H100 SXM5 datasheet: 80 GB HBM3 (nvidia-smi 81,559 MiB = 79.6 GiB), 3.35 TB/s, bf16 1,979 /
+    # fp8 3,958 TFLOP/s sparse, NVLink 900 GB/s (bidirectional); DGX H100: ConnectX-7 400 Gb/s per GPU;
+    # PCIe Gen5 x16 host link.
+    "h100": GPU(79.6, 3.35, 989.0, 1979.0, 450.0, 50.0, sm=9, pcie_gbps=64.0),
+    # H200 SXM datasheet: 141 GB HBM3e (nvidia-smi 143,771 MiB = 140.4 GiB, docs/performance.md),
+    # 4.8 TB/s, bf16 1,979 / fp8 3,958 sparse, NVLink 900 GB/s; ConnectX-7 400 Gb/s per GPU; PCIe Gen5 x16.
+    "h200": GPU(140.4, 4.8, 989.0, 1979.0, 450.0, 50.0, sm=9, pcie_gbps=64.0),
+    # HGX B200 datasheet (8 GPUs): 1,440 GB HBM3e, 64 TB/s, BF16 36 PF / FP8 72 PF sparse, NVLink 5
+    # 1.8 TB/s per GPU (bidirectional); DGX B200: ConnectX-7 400 Gb/s per GPU; PCIe Gen5 x16.
+    "b200": GPU(180.0, 8.0, 2250.0, 4500.0, 900.0, 50.0, sm=10, pcie_gbps=64.0),
+    # HGX B300 datasheet (8 GPUs): 2.3 TB HBM3e (288 GB each), 64 TB/s, BF16 36 PF / FP8 72 PF
+    # sparse, NVLink 5 1.8 TB/s per GPU; ConnectX-8 SuperNIC 800 Gb/s per GPU; PCIe Gen6 x16.
+    "b300": GPU(288.0, 8.0, 2250.0, 4500.0, 900.0, 100.0, sm=10, pcie_gbps=128.0),
+}
+GPUS_PER_NODE = 8
+RESERVED_GIB = 3.0
+"""Not for tensors: CUDA context, NCCL buffers, allocator fragmentation (a rank 'fits' below HBM - this)."""
+
+# ---- efficiency constants (docs/performance.md "planner vs measurement" says which rows fixed them) --
+EFF_GEMM = 800 / 989
+"""Dense linears: a plain bf16 GEMM measures about 800 TFLOP/s on the H200 (docs/performance.md)."""
+EFF_EXPERT = 0.47
+"""Routed-expert grouped GEMMs: 463-472 TFLOP/s of 989 (tools/bench_moe.py rows, both shapes)."""
+EFF_FP8_GEMM = 1080 / 1979
+"""Dense fp8 blockwise GEMMs (F.scaled_mm BlockWise1x128 / 128x128): 1000-1160 TFLOP/s measured on
+the H200 (this session's fp8 GEMM measurement), 1080 of the 1979 fp8 peak. Used for every native fp8 recipe."""
+EFF_FP8_EXPERT = 441 / 1979
+"""Grouped fp8 expert GEMMs of fp8_blockwise (core/precision/fp8_triton.py): 441 TFLOP/s fwd+bwd
+measured on the H200 at bench_gemm_fp8's wider olmo3-moe-3.2b shape (322 at the olmoe shape),
+activation quantization included (so the planner's separate quantization term counts it a second
+time)."""
+EFF_MX_EXPERT = EFF_EXPERT * EFF_FP8_GEMM / EFF_GEMM
+"""Grouped MXFP8 expert GEMMs of native mxfp8 (torch's F.scaled_grouped_mm on SM100+, never run
+here): assumed to keep the bf16 grouped GEMM's share of the dense rate (0.47 / 0.81)."""
+EFF_ATTN = 0.70
+"""Attention scores as counted (12 x width x context, no causal halving): flash kernels do half of it
+at about 35% of peak. Assumed, not measured."""
+EFF_COMM = 0.73
+"""Achieved / link bandwidth of NCCL collectives at large sizes: 330 of 450 GB/s (2 x H200, docs)."""
+EFF_PCIE = 0.8
+"""Achieved / link bandwidth of pinned host<->device copies (about 51 of 64 GB/s on PCIe Gen5). Assumed."""
+HOST_GBPS = 50.0
+"""Host memory bandwidth the CPU optimizer step achieves (torch's AdamW on CPU tensors). Assumed."""
+HBM_TRAFFIC = {"eager": 18.0, "compiled": 7.5}
+"""Elementwise HBM bytes moved per step / reference saved-activation bytes (reference_activation_bytes:
+the eager count of the code these were fitted on): fitted to the two OLMoE-8L recompute=none rows
+(compiled and eager) before this session's memory switches; every other row is a check."""
+OPTIMIZER_BYTES = {("fp32", "triton"): 32.0, ("bf16", "triton"): 24.0,
+                   ("fp32", "torch"): 32.0 * 1.2, ("bf16", "torch"): 112.0}
+"""HBM bytes per local parameter per optimizer step, counted from the code, by (state_dtype, kernel):
+the Triton AdamW (optimizer.impl auto on GPUs, core/adamw_triton.py: reads p, g, m, v, writes p, m, v:
+28 fp32, 20 bf16; measured at 1.03x that floor on one H200) + the grad-norm pass (4); torch's fused
+AdamW (impl=torch, fp32: the same 28 + 4, measured at 1.24x its floor, hence x 1.2); core/adamw.py's
+foreach ops (impl=torch, bf16: upcast m and v to fp32, decay, lerp, mul, addcmul, write back, sqrt,
+div, add, addcdiv: 108) + 4."""
+RECOMPUTE_FORWARD = {"eager": 1.0 / 3.0, "compiled": 0.65}
+"""Extra step time of a fully recomputed block, as a share of its forward + backward: eager = the
+one extra forward (1/3, counted); compiled = 0.65, fitted to the OLMoE-8L compiled full-recompute row
+of 2026-12-01 (compiled blocks recompute slower than they first ran; not understood); the every-2nd
+and olmoe3 rows check it."""
+HOST_OPTIMIZER_BYTES = {"fp32": 88.0, "bf16": 112.0}
+"""Host bytes per parameter of the CPU optimizer step under fsdp_offload (torch's AdamW on CPU runs
+op by op: no fused kernel): counted from its ops as above."""
+QUANT_BYTES = {"emulated": 32.0, "native": 24.0}
+"""HBM bytes per element of a low-precision GEMM's input plus output, per training step of a token:
+the forward quantizes x along its reduction dim and again along the tokens (saved), the backward dy
+along O and along the tokens, and the emulated backend dequantizes each into bf16. Unfused torch
+ops with fp32 intermediates (no fused quantize kernels yet): assumed, not measured."""
+WEIGHT_QUANT_BYTES = {"emulated": 16.0, "native": 7.0}
+"""HBM bytes per low-precision weight element per quantization (emulated mxfp8: two bf16 dequantized
+orientations; native: fp8 w and w^T): once per step in eager (the weight cache), twice per
+micro-batch compiled (the cache is bypassed inside a traced graph). Assumed."""
+FP8_SAVED = 1 + 1 / 32
+"""Bytes per element of a GEMM input saved as fp8: MXFP8 (an E8M0 per 32) and 1x128 blockwise (an
+fp32 per 128) both come to 1 + 1/32."""
+LOW_PRECISION = (PrecisionRecipe.mxfp8, PrecisionRecipe.fp8_blockwise)
