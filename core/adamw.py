@@ -196,7 +196,8 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                                       grad_scale=None if grad_scale is None else grad_scale.to(device), **hyper)
                         # The kernel wrote through pointers: tell autograd's version counters, as
                         # torch's in-place optimizers do (caches keyed on _version see the change).
-                        torch.autograd.graph.increment_version([row.param, *(() if row.copy is None else (row.copy,))])
+                        for written in (row.param,) if row.copy is None else (row.param, row.copy):
+                            torch.autograd.graph.increment_version(written)  # one tensor: every torch >= 2.1
                     else:
                         rest.append(row)
                 rows = rest
