@@ -114,21 +114,30 @@ class RotaryEmbedding(nn.Module):
         self.scaling = scaling
         self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    def tables(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [S, Dh] fp32, computed (no cache)."""
+        if self.scaling is None:
+            inv_freq_F = rope_inv_freq(self.head_dim, self.theta, device)
+        else:
+            inv_freq_F = yarn_inv_freq(self.head_dim, self.theta, self.scaling, device)
+        pos_S = torch.arange(seq_len, dtype=torch.float32, device=device)
+        angles_SF = torch.outer(pos_S, inv_freq_F)
+        angles_SD = torch.cat([angles_SF, angles_SF], dim=-1)
+        cos_SD, sin_SD = angles_SD.cos(), angles_SD.sin()
+        if self.scaling is not None:
+            scale = self.scaling.resolved_attention_factor()
+            cos_SD, sin_SD = cos_SD * scale, sin_SD * scale
+        return cos_SD, sin_SD
+
     def forward(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if torch.compiler.is_compiling():
+            # A compiled graph computes the small tables itself: writing the cache from inside it is
+            # a side effect that torch.compile refuses under activation checkpointing (the whole
+            # block then ran eagerly with memory.recompute=full).
+            return self.tables(seq_len, device)
         key = (seq_len, str(device))
         if key not in self._cache:
-            if self.scaling is None:
-                inv_freq_F = rope_inv_freq(self.head_dim, self.theta, device)
-            else:
-                inv_freq_F = yarn_inv_freq(self.head_dim, self.theta, self.scaling, device)
-            pos_S = torch.arange(seq_len, dtype=torch.float32, device=device)
-            angles_SF = torch.outer(pos_S, inv_freq_F)
-            angles_SD = torch.cat([angles_SF, angles_SF], dim=-1)
-            cos_SD, sin_SD = angles_SD.cos(), angles_SD.sin()
-            if self.scaling is not None:
-                scale = self.scaling.resolved_attention_factor()
-                cos_SD, sin_SD = cos_SD * scale, sin_SD * scale
-            self._cache = {key: (cos_SD, sin_SD)}
+            self._cache = {key: self.tables(seq_len, device)}
         return self._cache[key]
 
 

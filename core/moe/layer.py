@@ -133,16 +133,19 @@ class MoELayer(nn.Module):
 
     @torch.no_grad()
     def _record(self, routing, tokens_per_expert_E, kept_per_expert_E, aux: list[torch.Tensor], scale: float) -> None:
+        # In place (add_), never `buffer += x`: that rebinds the attribute through Module.__setattr__,
+        # a side effect torch.compile refuses inside activation checkpointing (the whole block then
+        # ran eagerly under memory.recompute=full).
         counts_E = tokens_per_expert_E.float()
-        self.step_tokens_E += counts_E
-        self.log_tokens_E += counts_E
-        self.log_dropped += (tokens_per_expert_E - kept_per_expert_E).sum()
+        self.step_tokens_E.add_(counts_E)
+        self.log_tokens_E.add_(counts_E)
+        self.log_dropped.add_((tokens_per_expert_E - kept_per_expert_E).sum())
         # entr(p) = -p log p, 0 at p = 0: one elementwise pass over [T, E].
-        self.log_entropy_sum += torch.special.entr(routing.probs_TE).sum()
-        self.log_token_count += routing.probs_TE.shape[0]
+        self.log_entropy_sum.add_(torch.special.entr(routing.probs_TE).sum())
+        self.log_token_count.add_(routing.probs_TE.shape[0])
         if aux:
             # Weighted as the loss trains them: summed over a step's micro-batches, the step's mean.
-            self.log_aux += torch.stack(aux).detach().float() * scale
+            self.log_aux.add_(torch.stack(aux).detach().float() * scale)
 
     # ---- after each optimizer step ----------------------------------------------------------
     @torch.no_grad()

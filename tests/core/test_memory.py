@@ -84,3 +84,31 @@ def test_parameter_names_unchanged():
 def test_bad_recompute_settings(kw, match):
     with pytest.raises(ConfigError, match=match):
         MemoryConfig(**kw).validate()
+
+
+@pytest.mark.parametrize("overrides", [["recompute=full"], ["recompute=selective", "recompute_modules=[norm,swiglu,router]"]],
+                         ids=["full", "selective"])
+def test_recomputed_block_compiles_as_one_graph(overrides):
+    """A recomputed MoE block compiles without graph breaks (fullgraph=True raises on one): the
+    RoPE table cache and the MoE load statistics used to write module state inside the checkpointed
+    region, which torch.compile refuses there, so compiled full recompute ran the block eagerly."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    cfg = ModelConfig.preset("tiny-moe")
+    cfg.apply_overrides(["n_layers=2", "moe.experts_backend=grouped_mm"])
+    model = cfg.build(device=torch.device("cpu"))
+    memory = MemoryConfig()
+    memory.apply_overrides(overrides)
+    memory.apply(model)
+    block = model.blocks["1"]
+    assert block.is_moe
+    block.train()
+    block.compile(backend="aot_eager", fullgraph=True)
+    x = torch.randn(2, 32, cfg.d_model, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = block(x)
+    y.float().sum().backward()
+    tokens = block.mlp.step_tokens_E.sum().item()
+    assert tokens == 2 * 32 * cfg.moe.router.top_k  # statistics counted once, not replayed
+    torch._dynamo.reset()
