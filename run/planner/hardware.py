@@ -89,11 +89,11 @@ the Triton AdamW (optimizer.impl auto on GPUs, core/adamw_triton.py: reads p, g,
 AdamW (impl=torch, fp32: the same 28 + 4, measured at 1.24x its floor, hence x 1.2); core/adamw.py's
 foreach ops (impl=torch, bf16: upcast m and v to fp32, decay, lerp, mul, addcmul, write back, sqrt,
 div, add, addcdiv: 108) + 4."""
-RECOMPUTE_FORWARD = {"eager": 1.0 / 3.0, "compiled": 0.65}
-"""Extra step time of a fully recomputed block, as a share of its forward + backward: eager = the
-one extra forward (1/3, counted); compiled = 0.65, fitted to the OLMoE-8L compiled full-recompute row
-of 2026-12-01 (compiled blocks recompute slower than they first ran; not understood); the every-2nd
-and olmoe3 rows check it."""
+RECOMPUTE_FORWARD = {"eager": 1.0 / 3.0, "compiled": 1.0 / 3.0}
+"""Extra step time of a fully recomputed block, as a share of its forward + backward: the one extra
+forward (1/3, counted), eager and compiled. (Until 2026-12-01 compiled full recompute graph-broke
+and ran the block eagerly, so that day's 'compiled' full / every-2nd rows are eager rows; a 0.65
+fitted to them is gone with the fix. Not yet re-measured.)"""
 HOST_OPTIMIZER_BYTES = {"fp32": 88.0, "bf16": 112.0}
 """Host bytes per parameter of the CPU optimizer step under fsdp_offload (torch's AdamW on CPU runs
 op by op: no fused kernel): counted from its ops as above."""
