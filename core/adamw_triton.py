@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_round import round_to_bf16
+
 __all__ = ["BLOCK", "adamw_update_"]
 
 BLOCK = 1024
@@ -41,15 +43,6 @@ sweeps it). 4 warps up to 2048 (8 or 16 fp32 per thread: 16-byte loads), 8 above
 def _bf16_bits_to_fp32(bits):
     """Exact widening of bf16 bit patterns (uint16) to fp32."""
     return (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _fp32_to_bf16(x):
-    """Round to nearest even, NaN kept (c10's round_to_nearest_even), as bf16."""
-    bits = x.to(tl.uint32, bitcast=True)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    rounded = tl.where(x != x, 0x7FC0, rounded)
-    return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -65,7 +58,7 @@ def _load_fp32(ptr, offs, mask, IS_BF16: tl.constexpr):
 @triton.jit
 def _store_state(ptr, offs, x, mask, IS_BF16: tl.constexpr):
     if IS_BF16:
-        tl.store(ptr + offs, _fp32_to_bf16(x), mask=mask)
+        tl.store(ptr + offs, round_to_bf16(x), mask=mask)
     else:
         tl.store(ptr + offs, x, mask=mask)
 
@@ -96,7 +89,7 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, scale_ptr, n, decay, lerp
     _store_state(m_ptr, offs, m, mask, STATE_BF16)
     _store_state(v_ptr, offs, v, mask, STATE_BF16)
     if WRITE_OUT:
-        tl.store(out_ptr + offs, _fp32_to_bf16(p), mask=mask)
+        tl.store(out_ptr + offs, round_to_bf16(p), mask=mask)
 
 
 def _fp32(x: float) -> float:

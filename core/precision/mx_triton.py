@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..triton_round import round_to_bf16
+
 from .mx import E4M3_MAX, MX_BLOCK, SCALE_MODES
 
 __all__ = ["dequantize_mx_triton", "exp2_int", "mx_exponent", "mx_qdq_triton", "quantize_mx_triton",
@@ -92,9 +94,7 @@ def store_rounded(ptrs, v, mask, OUT_BF16: tl.constexpr):
     """Store fp32 v, as bf16 rounded to nearest even by its bits when OUT_BF16 (subnormals kept: the
     interpreter's conversion flushes them), else as the pointers' dtype."""
     if OUT_BF16:
-        bits = v.to(tl.int32, bitcast=True)
-        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16)
-        tl.store(ptrs, rounded.to(tl.bfloat16, bitcast=True), mask=mask)
+        tl.store(ptrs, round_to_bf16(v), mask=mask)
     else:
         tl.store(ptrs, v.to(ptrs.dtype.element_ty), mask=mask)
 

@@ -19,23 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ..triton_round import bf16_value, round_to_bf16
+
 __all__ = ["swiglu_backward", "swiglu_forward"]
 
 BLOCK_F = 1024
-
-
-@triton.jit
-def _bf16(x):
-    """fp32 x rounded to the nearest bf16 (ties to even), as fp32: by its bits, so the interpreter
-    rounds as the GPU's conversion does (its own cast truncates)."""
-    bits = x.to(tl.uint32, bitcast=True)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _store_bf16(ptrs, x, mask):
-    """Store fp32 x, already a bf16 value (_bf16), as bf16 by its top 16 bits."""
-    tl.store(ptrs, (x.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
 
 
 @triton.jit
@@ -45,8 +33,8 @@ def _swiglu_fwd_kernel(h_ptr, act_ptr, F, h_stride, act_stride, BLOCK: tl.conste
     mask = cols < F
     g = tl.load(h_ptr + row * h_stride + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(h_ptr + row * h_stride + F + cols, mask=mask, other=0.0).to(tl.float32)
-    s = _bf16(g / (1.0 + tl.exp(-g)))  # F.silu's output, in bf16
-    _store_bf16(act_ptr + row * act_stride + cols, _bf16(s * u), mask)
+    s = bf16_value(g / (1.0 + tl.exp(-g)))  # F.silu's output, in bf16
+    tl.store(act_ptr + row * act_stride + cols, round_to_bf16(s * u), mask=mask)
 
 
 @triton.jit
@@ -59,12 +47,12 @@ def _swiglu_bwd_kernel(h_ptr, grad_act_ptr, act_ptr, grad_h_ptr, F, h_stride, ga
     u = tl.load(h_ptr + row * h_stride + F + cols, mask=mask, other=0.0).to(tl.float32)
     ga = tl.load(grad_act_ptr + row * ga_stride + cols, mask=mask, other=0.0).to(tl.float32)
     sig = 1.0 / (1.0 + tl.exp(-g))
-    s = _bf16(g / (1.0 + tl.exp(-g)))
-    _store_bf16(act_ptr + row * act_stride + cols, _bf16(s * u), mask)
-    grad_s = _bf16(ga * u)  # the multiply's gradient toward silu's output
-    grad_g = _bf16(grad_s * sig * (1.0 + g * (1.0 - sig)))  # silu's backward
-    _store_bf16(grad_h_ptr + row * gh_stride + cols, grad_g, mask)
-    _store_bf16(grad_h_ptr + row * gh_stride + F + cols, _bf16(ga * s), mask)
+    s = bf16_value(g / (1.0 + tl.exp(-g)))
+    tl.store(act_ptr + row * act_stride + cols, round_to_bf16(s * u), mask=mask)
+    grad_s = bf16_value(ga * u)  # the multiply's gradient toward silu's output
+    grad_g = bf16_value(grad_s * sig * (1.0 + g * (1.0 - sig)))  # silu's backward
+    tl.store(grad_h_ptr + row * gh_stride + cols, round_to_bf16(grad_g), mask=mask)
+    tl.store(grad_h_ptr + row * gh_stride + F + cols, round_to_bf16(ga * s), mask=mask)
 
 
 def _grid(R: int, F: int) -> tuple[int, int]:

@@ -53,17 +53,18 @@ def test_zero_grad_forgets_a_deferred_scale():
     assert opt._grad_scale is None
 
 
-def check_kernel_interpreted() -> None:
+def check_kernel(device: str) -> None:
+    """The kernel's grad_scale against clipping's multiply followed by the kernel without it: the
+    same parameters and moments bit for bit, the gradient left unscaled."""
     from moetron.core.adamw_triton import adamw_update_
 
     torch.manual_seed(0)
     for state in (torch.float32, torch.bfloat16):
-        p = torch.randn(3079)
-        g = torch.randn(3079)
-        m, v = torch.zeros(3079, dtype=state), torch.zeros(3079, dtype=state)
-        scale = torch.tensor(0.37, dtype=torch.float32)
-        a = [t.clone() for t in (p, g, m, v)]
-        b = [t.clone() for t in (p, g, m, v)]
+        p, g = torch.randn(100_003, device=device), torch.randn(100_003, device=device)
+        m = torch.zeros(100_003, device=device, dtype=state)
+        v = torch.zeros_like(m)
+        scale = torch.tensor(0.37, dtype=torch.float32, device=device)
+        a, b = [t.clone() for t in (p, g, m, v)], [t.clone() for t in (p, g, m, v)]
         kw = dict(step=1.0, lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
         adamw_update_(*a, grad_scale=scale, **kw)
         torch._foreach_mul_([b[1]], scale)
@@ -74,27 +75,11 @@ def check_kernel_interpreted() -> None:
 
 
 def test_kernel_grad_scale_interpreted():
-    run_interpreted("tests.core.test_clip_deferred", "check_kernel_interpreted()")
+    run_interpreted("tests.core.test_clip_deferred", "check_kernel('cpu')")
 
 
 @pytest.mark.gpu
 def test_deferred_clip_on_gpu_equals_clip_then_kernel():
-    """The Triton kernel's grad_scale on the GPU: the same parameters and moments as clipping's
-    multiply followed by the kernel without it."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from moetron.core.adamw_triton import adamw_update_
-
-    torch.manual_seed(0)
-    for state in (torch.float32, torch.bfloat16):
-        p, g = torch.randn(100_003, device="cuda"), torch.randn(100_003, device="cuda")
-        m = torch.zeros(100_003, device="cuda", dtype=state)
-        v = torch.zeros_like(m)
-        scale = torch.tensor(0.37, device="cuda")
-        a, b = [t.clone() for t in (p, g, m, v)], [t.clone() for t in (p, g, m, v)]
-        kw = dict(step=1.0, lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
-        adamw_update_(*a, grad_scale=scale, **kw)
-        torch._foreach_mul_([b[1]], scale)
-        adamw_update_(*b, **kw)
-        for x, y in zip(a[0:1] + a[2:], b[0:1] + b[2:]):
-            assert torch.equal(x, y), state
+    check_kernel("cuda")
