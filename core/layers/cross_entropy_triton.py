@@ -2,8 +2,9 @@
 place, the logits' gradient (softmax - onehot, weighted), on the compute-dtype logits.
 
 The torch path of core.layers.loss._chunked casts each chunk's bf16 logits to fp32 and walks them
-about eight times (max, subtract, exp, sum, scale, scatter, cast); on one H200 that was 25 ms of a
-248 ms OLMoE-8L step (tools/profile_step.py). Here each row is read twice (an online max/sum pass,
+about eight times (max, subtract, exp, sum, scale, scatter, cast); on one H200, OLMoE-8L's step
+lost about 12.7 ms when this kernel replaced them (docs/performance.md, 2026-12-01: an estimate
+from the end-to-end step, the optimizer's share taken out). Here each row is read twice (an online max/sum pass,
 then the gradient pass) and written once, in its own dtype, with fp32 arithmetic: the fp32 chunk
 never exists.
 
