@@ -29,7 +29,6 @@ import argparse
 import os
 import re
 import sys
-import time
 
 import torch
 
@@ -53,27 +52,6 @@ def parse(argv):
     p.add_argument("--profile", action="store_true", help="kernel time per phase (quantize / GEMM / other)")
     p.add_argument("--top", type=int, default=6, help="--profile: top kernels shown per row")
     return p.parse_args(argv)
-
-
-def timed(fn, device, warmup: int, iters: int) -> float:
-    """Median milliseconds of fn()."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
 
 
 # ---- correctness -------------------------------------------------------------------------------
@@ -173,7 +151,9 @@ def bench_gemm(gemm, fn_kind, x, w, offsets, dy, device, iters, requantize: bool
         y = gemm.grouped_mm(x, w, offsets) if fn_kind == "grouped" else gemm.linear(x, w)
         y.backward(dy)
 
-    return timed(step, device, warmup=min(3, iters), iters=iters)
+    from cli import median_ms  # tools/cli.py (main put tools/ on the path)
+
+    return median_ms(step, device, warmup=min(3, iters), iters=iters)
 
 
 def grouped_rows(shapes, tokens, device, iters):

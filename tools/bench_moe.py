@@ -33,7 +33,7 @@ from moetron.core.metrics import run_environment
 from moetron.core.moe import MoEConfig, MoELayer, RouterConfig
 from moetron.core.moe.kernels.ops import combine_rows, route, scatter_rows
 
-from cli import write_report  # tools/cli.py
+from cli import median_ms, write_report  # tools/cli.py
 
 SHAPES = {
     # name: (D, E, K, F, shared experts)
@@ -44,18 +44,7 @@ SHAPES = {
 
 def bench(fn, warmup: int = 5, iters: int = 20) -> float:
     """Median milliseconds of fn() over iters runs, timed with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return float(np.median(times))
+    return median_ms(fn, "cuda", warmup, iters)
 
 
 def gpu_busy_ms(fn, iters: int = 10) -> float:

@@ -46,3 +46,32 @@ def write_report(path: str, env: dict, rows: list[dict]) -> None:
     with open(path, "w") as f:
         json.dump({"env": env, "rows": rows}, f, indent=1)
     print(f"wrote {path}")
+
+
+def median_ms(fn: Callable[[], object], device, warmup: int = 5, iters: int = 20) -> float:
+    """Median milliseconds of one fn() call over ``iters`` calls after ``warmup``: CUDA events on a
+    GPU (each call waited for), the wall clock elsewhere. The benchmarks' one per-call timer."""
+    import time
+
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return times[len(times) // 2] if len(times) % 2 else 0.5 * (times[len(times) // 2 - 1] + times[len(times) // 2])
