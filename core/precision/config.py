@@ -140,9 +140,7 @@ class PrecisionConfig(Config):
         if recipe == PrecisionRecipe.bf16:
             from .gemm import TorchGemm
 
-            gemm = TorchGemm(cache_expert_weights=self.expert_weight_copies != WeightCopies.none,
-                             optimizer_copies=self.expert_weight_copies == WeightCopies.optimizer,
-                             triton_swiglu=self.triton_swiglu)
+            gemm = TorchGemm(weight_copies=self.expert_weight_copies, triton_swiglu=self.triton_swiglu)
             return PrecisionPolicy(device_type, torch.bfloat16, gemm)
         backend = self.resolved_backend(device_type, verbose=verbose)
         if recipe == PrecisionRecipe.mxfp8 and backend == PrecisionBackend.native and GemmModule.experts in self.modules:

@@ -84,11 +84,11 @@ class TorchGemm(GemmBackend):
 
     name = "torch"
 
-    def __init__(self, cache_expert_weights: bool = False, optimizer_copies: bool = False, triton_swiglu: bool = False):
-        # precision.expert_weight_copies: the grouped GEMMs' bf16 weight copies, made once per step
-        # (step) or written by the optimizer and pinned in the cache (optimizer).
-        self.weight_cache = bf16_grouped.register_cache() if cache_expert_weights or optimizer_copies else None
-        self.optimizer_copies = optimizer_copies
+    def __init__(self, weight_copies: str = "none", triton_swiglu: bool = False):
+        # precision.expert_weight_copies: the grouped GEMMs' bf16 weight copies, none, made once per
+        # step ("step") or written by the optimizer and pinned in the cache ("optimizer").
+        self.weight_cache = None if str(weight_copies) == "none" else bf16_grouped.register_cache()
+        self.optimizer_copies = str(weight_copies) == "optimizer"
         self.triton_swiglu = triton_swiglu  # precision.triton_swiglu
 
     def attach_optimizer(self, optimizer, parts) -> None:
