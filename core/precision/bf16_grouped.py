@@ -144,9 +144,13 @@ def _swiglu(h_R2F: Tensor) -> Tensor:
     return swiglu(gate_RF, up_RF)
 
 
+# Read once: TRITON_INTERPRET must be set before triton is imported anyway (not per GEMM call).
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def _triton_swiglu(h: Tensor, wanted: bool) -> bool:
     """precision.triton_swiglu: the one-pass Triton SwiGLU on CUDA (and on the CPU under TRITON_INTERPRET=1)."""
-    return wanted and h.dtype == torch.bfloat16 and (h.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+    return wanted and h.dtype == torch.bfloat16 and (h.is_cuda or _INTERPRETED)
 
 
 @torch.library.custom_op("moetron::grouped_swiglu_down", mutates_args=())
