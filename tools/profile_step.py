@@ -12,7 +12,8 @@ The profiler skips --wait steps (compilation happens there), runs --warmup steps
 and memcpys (their device time); on the CPU they are the CPU ops (their self time), so the tool runs
 anywhere. A category's share is of the summed kernel time (streams that overlap count twice);
 "busy" is that sum over the step's wall time. The headline is the share of kernel time that is
-neither GEMM nor attention. Overrides are --model.*, --memory.* and (with --real-text) --data.*.
+neither GEMM nor attention. Overrides are --model.*, --memory.*, --optimizer.*, --precision.* (e.g.
+--optimizer.state_dtype=bf16 --precision.expert_weight_copies=optimizer) and (with --real-text) --data.*.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from torch.autograd import DeviceType
 
 from moetron.core.memory import MemoryConfig
 from moetron.core.metrics import run_environment
+from moetron.core.optim import OptimizerConfig
+from moetron.core.precision import PrecisionConfig
 from moetron.models import ModelConfig
 
 from cli import run_cli, write_report  # tools/cli.py
@@ -246,17 +249,22 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parser.parse_known_args(argv)
     if args.active < 1 or args.wait < 0 or args.warmup < 0:
         parser.error("--active must be >= 1, --wait and --warmup >= 0")
-    sections = split_overrides(overrides, ("model", "memory", "data"))
+    sections = split_overrides(overrides, ("model", "memory", "optimizer", "precision", "data"))
     model_cfg = ModelConfig.preset(args.preset)
     model_cfg.apply_overrides(sections["model"])
     memory = MemoryConfig()
     memory.apply_overrides(sections["memory"])
+    optim_cfg = OptimizerConfig()
+    optim_cfg.apply_overrides(sections["optimizer"])
+    precision = PrecisionConfig(recipe=args.precision)
+    precision.apply_overrides(sections["precision"])
     model_cfg.validate()
     memory.validate()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     data = token_stream(model_cfg, args.batch, args.seq_len, device, args.real_text, sections["data"])
     trainer = build_trainer(model_cfg, memory, data, device, seq_len=args.seq_len,
-                            precision=args.precision, compile=args.compile, micro_batch=args.micro_batch)
+                            precision=precision, compile=args.compile, micro_batch=args.micro_batch,
+                            optimizer=optim_cfg)
     events = profile(trainer, data, device, args.wait, args.warmup, args.active, args.trace)
     steps = [e for e in events if e.device_type == DeviceType.CPU and e.name.startswith("ProfilerStep")]
     step_ms = sum(e.time_range.elapsed_us() for e in steps) / 1e3 / max(len(steps), 1)
