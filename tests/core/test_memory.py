@@ -112,3 +112,42 @@ def test_recomputed_block_compiles_as_one_graph(overrides):
     tokens = block.mlp.step_tokens_E.sum().item()
     assert tokens == 2 * 32 * cfg.moe.router.top_k  # statistics counted once, not replayed
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("prefilled", [True, False], ids=["prefilled", "cold"])
+def test_compiled_block_reads_prefilled_rope_tables(prefilled):
+    """The model's forward fills each block's RoPE cache before running its (compiled) blocks; a
+    compiled, recomputed block then reads the tables instead of computing cos/sin in its graph,
+    where inductor fused them into the RoPE and norm kernels per element of q and k. A compiled
+    block called on its own (nothing filled) computes them itself. Outputs equal the eager model's."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    cfg = ModelConfig.preset("tiny-moe")
+    cfg.apply_overrides(["n_layers=2", "moe.experts_backend=grouped_mm"])
+    model = cfg.build(device=torch.device("cpu"))
+    memory = MemoryConfig()
+    memory.apply_overrides(["recompute=full"])
+    memory.apply(model)
+    reference = copy.deepcopy(model)
+    graph_ops: list[str] = []
+
+    def recording_backend(gm, example_inputs):
+        for sub in gm.modules():  # the checkpointed region is a subgraph of its own
+            if isinstance(sub, torch.fx.GraphModule):
+                graph_ops.extend(str(node.target) for node in sub.graph.nodes
+                                 if node.op in ("call_function", "call_method"))
+        return gm.forward
+
+    for block in model.blocks.values():
+        block.compile(backend=recording_backend, fullgraph=True)
+    if prefilled:
+        ids = torch.randint(0, cfg.vocab_size, (2, 32))
+        torch.testing.assert_close(model(ids), reference(ids), rtol=0, atol=0)
+    else:
+        x = torch.randn(2, 32, cfg.d_model)
+        torch.testing.assert_close(model.blocks["1"](x), reference.blocks["1"](x), rtol=0, atol=0)
+    assert graph_ops
+    computes_tables = any(op.endswith(("cos", "sin")) for op in graph_ops)
+    assert computes_tables is not prefilled
+    torch._dynamo.reset()
