@@ -109,13 +109,17 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         # The gradient-clipping coefficient of the coming step (defer_grad_scale), or None.
         self._grad_scale: torch.Tensor | None = None
         self.compute_copies: dict[torch.Tensor, torch.Tensor] = {}
+        self._grad_copies: dict[int, torch.Tensor] = {}  # id(parameter) -> the copy holding its gradient
         self._copy_hooks: list = []
         self.add_compute_copies(compute_copies or {})
 
-    def add_compute_copies(self, copies: dict[torch.Tensor, torch.Tensor], on_written=None) -> None:
+    def add_compute_copies(self, copies: dict[torch.Tensor, torch.Tensor], on_written=None, grads: bool = False) -> None:
         """More {parameter: bf16 copy} pairs to overwrite after every step; ``on_written``: called
         after each step with the list of (parameter, copy) pairs just written (a cache that serves
-        the copies re-validates them there)."""
+        the copies re-validates them there). ``grads``: the copies are leaves the model computes
+        with in the parameters' place, so the backward leaves the gradient on the copy (bf16) and
+        none on the parameter; the step reads it as the parameter's gradient and zero_grad clears
+        it (see gradient_holders)."""
         known = {id(p) for group in self.param_groups for p in group["params"]}
         for p, copy in copies.items():
             if id(p) not in known:
@@ -124,6 +128,8 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                 raise ValueError(f"a compute copy must be bf16 of its parameter's shape {tuple(p.shape)} on "
                                  f"{p.device}, got {copy.dtype} {tuple(copy.shape)} on {copy.device}")
         self.compute_copies.update(copies)
+        if grads:
+            self._grad_copies.update((id(p), copy) for p, copy in copies.items())
         if on_written is not None:
             self._copy_hooks.append((on_written, list(copies)))
 
@@ -153,9 +159,24 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         zero_grad() forgets it."""
         self._grad_scale = scale
 
+    def gradient_holders(self) -> list[torch.Tensor]:
+        """The tensors whose ``.grad`` holds some parameters' gradients in their place (the copies
+        added with ``grads=True``): gradient clipping and norms take them beside the parameters."""
+        return list(self._grad_copies.values())
+
+    def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
+        copy = self._grad_copies.get(id(p))
+        return p.grad if copy is None else copy.grad
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._grad_scale = None
         super().zero_grad(set_to_none=set_to_none)
+        for copy in self._grad_copies.values():
+            if copy.grad is not None:
+                if set_to_none:
+                    copy.grad = None
+                else:
+                    copy.grad.zero_()
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -167,7 +188,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             self._step_group(group, scale)
         for hook, params in self._copy_hooks:
-            hook([(p, self.compute_copies[p]) for p in params if p.grad is not None])
+            hook([(p, self.compute_copies[p]) for p in params if self._grad(p) is not None])
         return loss
 
     def _step_group(self, group: dict[str, Any], grad_scale: torch.Tensor | None = None) -> None:
@@ -175,14 +196,15 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                      weight_decay=group["weight_decay"])
         buckets: dict[tuple[torch.device, torch.dtype], list[_Row]] = {}
         for p in group["params"]:
-            if p.grad is None:
+            grad = self._grad(p)
+            if grad is None:
                 continue
-            if p.grad.is_sparse:
+            if grad.is_sparse:
                 raise RuntimeError("PrecisionAwareAdamW does not support sparse gradients")
             state = self._init_state(p)
             state["step"] += 1
             copy = self.compute_copies.get(p)
-            row = _Row(_local(p), _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
+            row = _Row(_local(p), _local(grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
                        state["step"], None if copy is None else _local(copy))
             buckets.setdefault((row.param.device, row.param.dtype), []).append(row)
         for (device, dtype), rows in buckets.items():
@@ -201,6 +223,11 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                     else:
                         rest.append(row)
                 rows = rest
+            # A bf16 gradient held on a copy (grads=True) goes through the foreach path upcast (exact),
+            # before any clip scaling, so the update is the one an fp32 gradient of the same value gets.
+            held = {id(copy) for copy in self._grad_copies.values()}
+            rows = [row._replace(grad=row.grad.to(row.param.dtype))
+                    if id(row.copy) in held and row.grad.dtype != row.param.dtype else row for row in rows]
             if grad_scale is not None and rows:
                 torch._foreach_mul_([row.grad for row in rows], grad_scale.to(device, rows[0].grad.dtype))
             self._foreach_step(rows, hyper)

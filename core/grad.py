@@ -22,15 +22,19 @@ except ImportError:  # pragma: no cover - torch < 2.5
 
 def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
     """sum(t**2) over all ``tensors`` in fp32 or wider: one fused foreach norm per dtype, not a
-    few kernels and a full-size temporary per tensor."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    sums = [
-        torch.stack(torch._foreach_norm(ts, 2, dtype=torch.promote_types(dtype, torch.float32))).square().sum()
-        for dtype, ts in by_dtype.items()
-    ]
-    return sum(sums[1:], sums[0])
+    few kernels and a full-size temporary per tensor. The per-tensor norms are summed in the order
+    of ``tensors`` whatever their dtypes, so a gradient held in bf16 instead of fp32 (the same
+    values) gives the same total bit for bit."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    acc = torch.promote_types(tensors[0].dtype, torch.float32)
+    norms: list[torch.Tensor | None] = [None] * len(tensors)
+    for dtype, idx in by_dtype.items():
+        for i, n in zip(idx, torch._foreach_norm([tensors[i] for i in idx], 2,
+                                                 dtype=torch.promote_types(dtype, torch.float32))):
+            norms[i] = n.to(acc) if len(by_dtype) > 1 else n
+    return torch.stack(norms).square().sum()
 
 
 @torch.no_grad()

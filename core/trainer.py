@@ -186,6 +186,10 @@ class Trainer:
         self.step = 0
         self.precision = precision or PrecisionPolicy.full(device.type)
         self.precision.attach_optimizer(optimizer, self.model_parts)  # e.g. bf16 weight copies the step writes
+        # What holds the gradients: the parameters, and tensors computing in some parameters' place
+        # whose .grad is theirs (precision.expert_grads_bf16: the optimizer's bf16 expert copies).
+        self._grad_holders = list(getattr(optimizer, "gradient_holders", list)())
+        self.grad_tensors = self.params + self._grad_holders
         self.grad_sync = grad_sync
         self.peak = peak_tflops(device, cfg.peak_tflops)
         self.log = MetricsLog(os.path.join(cfg.run_dir, "metrics.jsonl") if is_main() and cfg.run_dir else None)
@@ -239,6 +243,11 @@ class Trainer:
         if self.step_fn is not None:
             return self._optimizer_step(self.step_fn(batch.to(self.device, non_blocking=True)))
         micro = self._micro_batches(batch.to(self.device, non_blocking=True))
+        if len(micro) > 1 and self._grad_holders:
+            raise ConfigError(f"precision.expert_grads_bf16=true keeps the experts' gradients in bf16, and this step "
+                              f"accumulates {len(micro)} micro-batches, which would sum them in bf16: use one "
+                              f"micro-batch per step (trainer.micro_batch_size = the batch) or "
+                              f"--precision.expert_grads_bf16=false")
         total_tokens = batch.shape[0] * (batch.shape[1] - 1)
         loss_sum = torch.zeros((), device=self.device)
         for i, mb in enumerate(micro):
@@ -273,7 +282,7 @@ class Trainer:
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
         # An optimizer that can fold the clip coefficient into its step saves a pass over the gradients.
         defer = self.optimizer if hasattr(self.optimizer, "defer_grad_scale") else None
-        grad_norm = clip_grad_norm_(self.params, max_norm, self.grad_norm_groups, defer_to=defer)
+        grad_norm = clip_grad_norm_(self.grad_tensors, max_norm, self.grad_norm_groups, defer_to=defer)
         bad = ~(torch.isfinite(loss_sum) & torch.isfinite(grad_norm))
         if self.cfg.on_nonfinite == NonFinite.skip and self._any_rank(bad):
             self.skipped_steps += 1

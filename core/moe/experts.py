@@ -98,6 +98,10 @@ class GroupedExperts(nn.Module):
         self.grad_scale = 1.0
         self.w_gate_up = nn.Parameter(torch.empty(num_experts, 2 * hidden, d_model, device=device))
         self.w_down = nn.Parameter(torch.empty(num_experts, d_model, hidden, device=device))
+        # precision.expert_grads_bf16: the optimizer's bf16 copies of (w_gate_up, w_down), leaves that
+        # the GEMMs use and differentiate in their place (their .grad is the masters' gradient;
+        # core/precision/gemm.py TorchGemm.attach_optimizer sets them). None: the parameters.
+        self.weight_copies: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x_RD: torch.Tensor, offsets_L: torch.Tensor, row_scale_R: torch.Tensor | None = None) -> torch.Tensor:
         """x_RD [R, D] expert-sorted rows, offsets_L int [E]: rows of expert e (the e-th held
@@ -107,8 +111,11 @@ class GroupedExperts(nn.Module):
         Rows past offsets_L[-1] (capacity padding) are left unspecified; nobody reads them.
         """
         x_RD = x_RD.to(compute_dtype(x_RD))
-        w_gate_up_E2FD = _local(self.w_gate_up, self.grad_scale)
-        w_down_EDF = _local(self.w_down, self.grad_scale)
+        if self.weight_copies is not None:  # one unsharded GPU only: no DTensor, grad_scale 1
+            w_gate_up_E2FD, w_down_EDF = self.weight_copies
+        else:
+            w_gate_up_E2FD = _local(self.w_gate_up, self.grad_scale)
+            w_down_EDF = _local(self.w_down, self.grad_scale)
         h_R2F = self._grouped_mm(self.gemm, x_RD, w_gate_up_E2FD, offsets_L)
         # The activation goes into the down projection's call: a backend may fuse the two.
         return self._swiglu_down(self.gemm, h_R2F, w_down_EDF, offsets_L, self.act, row_scale_R)

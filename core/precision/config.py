@@ -90,6 +90,14 @@ class PrecisionConfig(Config):
     of casting the fp32 master weights in forward and again in backward
     (core/precision/bf16_grouped.py). Ignored when the weights arrive in bf16 already (FSDP2's bf16
     all-gather)."""
+    expert_grads_bf16: bool = False
+    """bf16 recipe with ``expert_weight_copies=optimizer``: the routed experts' weight gradients are
+    the grouped GEMMs' bf16 outputs, kept on the optimizer's bf16 copies (the copies are the tensors
+    the GEMMs differentiate) and read by the optimizer as the fp32 master weights' gradients: 2
+    bytes per expert parameter instead of 4 and no bf16 -> fp32 cast pass over them after backward.
+    With one micro-batch per step the update is bit-identical to fp32 gradients (the GEMM rounds its
+    output to bf16 either way); gradient accumulation over micro-batches would sum in bf16, so it
+    is refused (core/trainer.py)."""
     triton_swiglu: bool = True
     """bf16 recipe: the routed experts' SwiGLU (silu(gate) * up) and its backward in one Triton pass
     each on CUDA (core/precision/swiglu_triton.py) instead of seven torch elementwise passes; the same
@@ -101,6 +109,10 @@ class PrecisionConfig(Config):
         super().validate()
         if self.mx_scale not in ("rceil", "floor"):
             raise ConfigError(f"precision.mx_scale: {self.mx_scale!r} is not one of 'rceil', 'floor'")
+        if self.expert_grads_bf16 and WeightCopies(self.expert_weight_copies) != WeightCopies.optimizer:
+            raise ConfigError("precision.expert_grads_bf16=true keeps the experts' gradients on the optimizer's bf16 "
+                              "weight copies: it needs --precision.expert_weight_copies=optimizer, got "
+                              f"{self.expert_weight_copies}")
 
     def resolved_recipe(self, device_type: str) -> PrecisionRecipe:
         if self.recipe == PrecisionRecipe.auto:
@@ -142,7 +154,8 @@ class PrecisionConfig(Config):
         if recipe == PrecisionRecipe.bf16:
             from .gemm import TorchGemm
 
-            gemm = TorchGemm(weight_copies=self.expert_weight_copies, triton_swiglu=self.triton_swiglu)
+            gemm = TorchGemm(weight_copies=self.expert_weight_copies, triton_swiglu=self.triton_swiglu,
+                             grads_on_copies=self.expert_grads_bf16)
             return PrecisionPolicy(device_type, torch.bfloat16, gemm)
         backend = self.resolved_backend(device_type, verbose=verbose)
         if recipe == PrecisionRecipe.mxfp8 and backend == PrecisionBackend.native and GemmModule.experts in self.modules:

@@ -84,11 +84,15 @@ class TorchGemm(GemmBackend):
 
     name = "torch"
 
-    def __init__(self, weight_copies: str = "none", triton_swiglu: bool = False):
+    def __init__(self, weight_copies: str = "none", triton_swiglu: bool = False, grads_on_copies: bool = False):
         # precision.expert_weight_copies: the grouped GEMMs' bf16 weight copies, none, made once per
         # step ("step") or written by the optimizer and pinned in the cache ("optimizer").
-        self.weight_cache = None if str(weight_copies) == "none" else bf16_grouped.register_cache()
         self.optimizer_copies = str(weight_copies) == "optimizer"
+        # precision.expert_grads_bf16: the optimizer's copies are handed to the GEMMs themselves (no
+        # cache) and receive the gradients.
+        self.grads_on_copies = grads_on_copies and self.optimizer_copies
+        self.weight_cache = (None if str(weight_copies) == "none" or self.grads_on_copies
+                             else bf16_grouped.register_cache())
         self.triton_swiglu = triton_swiglu  # precision.triton_swiglu
 
     def attach_optimizer(self, optimizer, parts) -> None:
@@ -102,14 +106,20 @@ class TorchGemm(GemmBackend):
                 "precision.expert_weight_copies=optimizer needs an optimizer that writes bf16 copies in its "
                 f"step (core.adamw.PrecisionAwareAdamW), but this run's is {type(optimizer).__name__}: use "
                 "optimizer.impl=triton (or auto on a GPU), or expert_weight_copies=step")
-        weights = [w for part in parts for m in part.modules() if isinstance(m, GroupedExperts)
-                   for w in (m.w_gate_up, m.w_down)]
+        experts = [m for part in parts for m in part.modules() if isinstance(m, GroupedExperts)]
+        weights = [w for m in experts for w in (m.w_gate_up, m.w_down)]
         # FSDP2 / expert parallel hand the GEMMs other tensors than these parameters (bf16 gathers,
         # local shards): copies of the parameters would never be read there.
         if any(type(w) is not torch.nn.Parameter or w.dtype != torch.float32 for w in weights):
             raise ConfigError("precision.expert_weight_copies=optimizer is for unsharded fp32 expert weights "
                               "(one GPU, no FSDP2 / expert parallel); use expert_weight_copies=step there")
         copies = {w: w.detach().to(torch.bfloat16) for w in weights}
+        if self.grads_on_copies:
+            # The copies are leaves the GEMMs differentiate: their .grad (bf16) is the masters' gradient.
+            for m in experts:
+                m.weight_copies = (copies[m.w_gate_up].requires_grad_(True), copies[m.w_down].requires_grad_(True))
+            optimizer.add_compute_copies(copies, grads=True)
+            return
         optimizer.add_compute_copies(copies, on_written=self._pin)
         self._pin(list(copies.items()))
 

@@ -255,3 +255,71 @@ def test_weights_before_down_keeps_no_expert_output_rows():
     for e_before, e_combine in zip(errors[True], errors[False]):
         assert e_before <= 2 * e_combine + 2**-8, (errors[True], errors[False])
     assert rows[True] == rows[False] - 1 and rows[False] >= 2
+
+
+def _copies_trainer(grads_bf16: bool, micro_batch=None):
+    from step_builder import RandomTokens, build_trainer
+
+    from moetron.core.memory import MemoryConfig
+    from moetron.core.optim import OptimizerConfig
+    from moetron.core.precision import PrecisionConfig
+
+    cfg = ModelConfig.preset("tiny-moe")
+    cfg.apply_overrides(["n_layers=2", "moe.experts_backend=grouped_mm"])
+    data = RandomTokens(cfg.vocab_size, 2, 32, torch.device("cpu"))
+    trainer = build_trainer(cfg, MemoryConfig(), data, torch.device("cpu"), seq_len=32, micro_batch=micro_batch,
+                            precision=PrecisionConfig(recipe="bf16", expert_weight_copies="optimizer",
+                                                      expert_grads_bf16=grads_bf16),
+                            optimizer=OptimizerConfig(state_dtype="bf16", impl="torch"))
+    return trainer, data
+
+
+def test_expert_grads_bf16_give_the_fp32_gradient_updates_bit_for_bit():
+    """precision.expert_grads_bf16: the experts' gradients stay on the optimizer's bf16 copies (the
+    expert parameters get none). Unclipped, three steps give the same losses and parameters bit for
+    bit as fp32 gradients: the grouped GEMM rounds its weight gradient to bf16 either way, so holding
+    it in bf16 loses nothing with one micro-batch. The gradient norm agrees to fp32 rounding (a bf16
+    tensor's norm is reduced in another order); so, clipped, the updates agree to a few ulps."""
+    from moetron.core.moe.experts import GroupedExperts
+
+    runs = {}
+    for clip in (0.0, 0.05):  # 0.05: below the tiny model's norm, so the clip coefficient matters
+        for grads_bf16 in (False, True):
+            trainer, data = _copies_trainer(grads_bf16)
+            trainer.cfg.grad_clip = clip
+            history = [tuple(t.item() for t in trainer.train_step(data.next_batch())) for _ in range(3)]
+            runs[clip, grads_bf16] = (history, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()})
+    (h32, p32), (h16, p16) = runs[0.0, False], runs[0.0, True]
+    assert [h[0] for h in h32] == [h[0] for h in h16] and h32[2][0] != h32[0][0]
+    assert p32.keys() == p16.keys() and all(torch.equal(p32[k], p16[k]) for k in p32)
+    for (_, n32), (_, n16) in zip(h32, h16):
+        assert n16 == pytest.approx(n32, rel=1e-6)
+    (c32, q32), (c16, q16) = runs[0.05, False], runs[0.05, True]
+    assert all(h[1] > 0.05 for h in c32)  # clipped every step
+    assert [h[0] for h in c16] == pytest.approx([h[0] for h in c32], rel=1e-5)
+    # The clip coefficients differ in their last bits, and from the second step on so does everything
+    # downstream; some elements' bf16 Adam moments round the other way: at most about an update apart.
+    assert max(float((q16[k] - q32[k]).abs().max()) for k in q32) <= 1e-3
+    assert any(not torch.equal(q32[k], p32[k]) for k in q32)  # the clip did change the updates
+    # Where the gradients went: bf16 on the copies, nothing on the expert parameters.
+    holders = trainer.optimizer.gradient_holders()
+    experts = [m for m in trainer.model.modules() if isinstance(m, GroupedExperts)]
+    assert len(holders) == 2 * len(experts) >= 2
+    batch = data.next_batch()
+    with trainer.precision.autocast():
+        trainer.model(batch[:, :-1], batch[:, 1:]).backward()
+    assert all(m.w_gate_up.grad is None and m.w_down.grad is None for m in experts)
+    assert all(h.grad is not None and h.grad.dtype == torch.bfloat16 for h in holders)
+    trainer.optimizer.zero_grad()
+    assert all(h.grad is None for h in holders)
+
+
+def test_expert_grads_bf16_refuses_what_it_cannot_serve():
+    from moetron.core.config import ConfigError
+    from moetron.core.precision import PrecisionConfig
+
+    with pytest.raises(ConfigError, match="needs --precision.expert_weight_copies=optimizer"):
+        PrecisionConfig(recipe="bf16", expert_weight_copies="step", expert_grads_bf16=True).validate()
+    trainer, data = _copies_trainer(True, micro_batch=1)
+    with pytest.raises(ConfigError, match="accumulates 2 micro-batches"):
+        trainer.train_step(data.next_batch())
