@@ -54,7 +54,9 @@ def print_slice(r: dict, cfg: ModelConfig) -> None:
           f"recompute {r['recompute']} | blocks {r['layers']}, {r['local_experts']} local experts, "
           f"{r['tokens']} tokens ({r['rows']} expert rows)")
     print(f"memory, GiB: weights {r['weights_gib']:.2f} (bf16, {r['params'] / 1e9:.3f}B params) + grads "
-          f"{r['grads_gib']:.2f} (bf16) + x/dx/y/dy {r['io_gib']:.2f} + activations held {r['held_at_peak_gib']:.2f} "
+          f"{r['grads_gib']:.2f} (bf16) + x/dx/y/dy {r['io_gib']:.2f}"
+          + (f" + weight cache {r['weight_cache_gib']:.2f}" if r["weight_cache_gib"] else "")
+          + f" + activations held {r['held_at_peak_gib']:.2f} "
           f"(all saved {r['activations_gib']:.2f}) + backward transient {r['backward_transient_gib']:.2f} "
           f"= peak {r['peak_gib']:.2f} (at {r['peak_at']})")
     print(f"step {1e3 * r['step_s']:.1f} ms (" + ", ".join(f"{k} {1e3 * v:.1f}" for k, v in r["parts_s"].items())

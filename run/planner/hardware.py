@@ -3,7 +3,7 @@ each with its source (a datasheet, a measurement in docs/performance.md, or an a
 
 from __future__ import annotations
 
-__all__ = ['GiB', 'GPU', 'GPUS', 'GPUS_PER_NODE', 'RESERVED_GIB', 'EFF_GEMM', 'EFF_EXPERT', 'EFF_FP8_GEMM', 'EFF_FP8_EXPERT', 'EFF_MX_EXPERT', 'EFF_ATTN', 'EFF_COMM', 'EFF_PCIE', 'HOST_GBPS', 'HBM_TRAFFIC', 'OPTIMIZER_BYTES', 'RECOMPUTE_FORWARD', 'HOST_OPTIMIZER_BYTES', 'QUANT_BYTES', 'WEIGHT_QUANT_BYTES', 'FP8_SAVED', 'LOW_PRECISION']
+__all__ = ['GiB', 'GPU', 'GPUS', 'GPUS_PER_NODE', 'RESERVED_GIB', 'EFF_GEMM', 'EFF_EXPERT', 'EFF_FP8_GEMM', 'EFF_FP8_EXPERT', 'EFF_MX_EXPERT', 'EFF_ATTN', 'EFF_COMM', 'EFF_PCIE', 'HOST_GBPS', 'HBM_TRAFFIC', 'OPTIMIZER_BYTES', 'RECOMPUTE_FORWARD', 'HOST_OPTIMIZER_BYTES', 'QUANT_BYTES', 'WEIGHT_QUANT_BYTES', 'FP8_SAVED', 'FP8_WEIGHT_CACHED', 'FP8_WGRAD_BYTES', 'LOW_PRECISION']
 
 import dataclasses
 
@@ -109,4 +109,12 @@ micro-batch compiled (the cache is bypassed inside a traced graph). Assumed."""
 FP8_SAVED = 1 + 1 / 32
 """Bytes per element of a GEMM input saved as fp8: MXFP8 (an E8M0 per 32) and 1x128 blockwise (an
 fp32 per 128) both come to 1 + 1/32."""
+FP8_WEIGHT_CACHED = 2 + 4 / 128**2
+"""Bytes per weight element of fp8_blockwise's native weight quantization (core/precision/fp8_gemm.py
+_weights: e4m3 w and e4m3 w^T, one fp32 scale per 128 x 128 tile), what its WeightCache holds
+through an eager step and what a compiled step makes again in each forward and backward."""
+FP8_WGRAD_BYTES = 4 + 2
+"""Bytes per expert weight element of fp8_blockwise's native wgrad as it finishes
+(core/precision/fp8_triton.py fp8_grouped_mm_k writes fp32 [E, O, I], then ``.to`` the weight's
+bf16): both are alive at once; the bf16 grouped GEMM writes the bf16 gradient directly (2)."""
 LOW_PRECISION = (PrecisionRecipe.mxfp8, PrecisionRecipe.fp8_blockwise)

@@ -27,7 +27,8 @@ from: [code] counted from the code's definition, [measured] fitted to or read of
   dequantizing (GEMMs at the bf16 rate plus quantize-dequantize passes) and save GEMM inputs as
   fp8 + scales (1 + 1/32 B per element) [code]; fp8_blockwise native runs dense GEMMs at the H200's
   measured ~1000-1160 TFLOP/s (1080 of the fp8 peak) and grouped experts at the Triton kernel's
-  measured 441 TFLOP/s; mxfp8 native (SM100+) is built but has never run (no Blackwell here): modelled
+  measured 441 TFLOP/s (its grouped wgrad writes fp32 then casts: 6 B per expert weight element at
+  the slice's gate|up wgrad peak, its weight cache e4m3 w and w^T + scales [code], docs/planner.md); mxfp8 native (SM100+) is built but has never run (no Blackwell here): modelled
   at the fp8 rates [assumed].
 - the fused loss vs the plain one: memory from the code; their time is not told apart (the same
   GEMM FLOPs, about the same elementwise bytes per logit) [assumed].
@@ -35,7 +36,7 @@ from: [code] counted from the code's definition, [measured] fitted to or read of
 
 from __future__ import annotations
 
-__all__ = ['Plan', 'SLICE_FREED', 'Switches', 'activation_terms', 'block_activation_bytes', 'block_backward_transient', 'gemm_rate', 'loss_memory', 'plan', 'plan_slice', 'reference_activation_bytes', 'search', 'slice_layers', 'slice_params', 'stage_time', 'switches']
+__all__ = ['Plan', 'SLICE_FREED', 'SLICE_FREED_AT_GATE_UP', 'Switches', 'activation_terms', 'block_activation_bytes', 'block_backward_transient', 'gate_up_wgrad_transient', 'gemm_rate', 'loss_memory', 'plan', 'plan_slice', 'reference_activation_bytes', 'search', 'slice_layers', 'slice_params', 'stage_time', 'switches']
 
 import dataclasses
 import itertools
@@ -45,6 +46,8 @@ from moetron.core.layers.loss import default_chunk_tokens
 from moetron.core.memory import MemoryConfig, Recompute
 from moetron.core.optim import OptimizerConfig
 from moetron.core.precision import PrecisionConfig, PrecisionRecipe
+from moetron.core.precision.blockwise import FP8_BLOCK
+from moetron.core.precision.grouping import padded_rows
 from moetron.models import ModelConfig
 from moetron.parallel.config import ParallelConfig
 from moetron.parallel.pipeline.runtime import n_microbatches
@@ -53,7 +56,7 @@ from .hardware import (
     GiB, GPU, GPUS, GPUS_PER_NODE, RESERVED_GIB, EFF_GEMM,
     EFF_EXPERT, EFF_FP8_GEMM, EFF_FP8_EXPERT, EFF_MX_EXPERT, EFF_ATTN, EFF_COMM, EFF_PCIE,
     HOST_GBPS, HBM_TRAFFIC, OPTIMIZER_BYTES, RECOMPUTE_FORWARD, HOST_OPTIMIZER_BYTES, QUANT_BYTES,
-    WEIGHT_QUANT_BYTES, FP8_SAVED, LOW_PRECISION,
+    WEIGHT_QUANT_BYTES, FP8_SAVED, FP8_WEIGHT_CACHED, FP8_WGRAD_BYTES, LOW_PRECISION,
 )
 
 
@@ -94,7 +97,18 @@ class Switches:
             return 0.0
         if self.backend == "emulated":
             return 4.0 if self.recipe == "mxfp8" else 2.0
-        return 2.0
+        return FP8_WEIGHT_CACHED if self.recipe == "fp8_blockwise" else 2.0
+
+    @property
+    def fp8_blockwise_experts(self) -> bool:
+        """The routed experts run fp8_blockwise's native grouped GEMMs (core/precision/fp8_gemm.py)."""
+        return self.low("experts") and self.recipe == "fp8_blockwise" and self.backend == "native"
+
+    def expert_wgrad(self) -> float:
+        """Bytes per expert weight element the grouped wgrad holds as it finishes, bf16 weights:
+        native fp8_blockwise's fp32 kernel output and its bf16 cast (FP8_WGRAD_BYTES), else the
+        bf16 gradient the GEMM writes."""
+        return FP8_WGRAD_BYTES if self.fp8_blockwise_experts else 2.0
 
 
 def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig, optimizer: OptimizerConfig,
@@ -646,6 +660,33 @@ SLICE_FREED = ("shared_mlp", "shared_swiglu", "expert_out")
 combine (which keeps y_RD) ran after the experts in forward, so their backward nodes ran first."""
 
 
+SLICE_FREED_AT_GATE_UP = SLICE_FREED + ("expert_hidden", "expert_swiglu")
+"""The top block's terms freed when its experts' gate|up wgrad runs: SLICE_FREED, h (the SwiGLU
+backward's input) and the product (the down projection's saved input)."""
+
+
+def gate_up_wgrad_transient(cfg: ModelConfig, layer: int, sw: Switches, tokens: int, local: int) -> dict[str, float]:
+    """What the experts' gate|up backward of block ``layer`` holds beyond the saved activations as
+    its wgrad finishes, bf16 weights (tools/bench_slice.py), by term [code, fp8_blockwise native:
+    _Fp8GroupedMM.backward]: the incoming gradient dh [R, 2F] quantized along the tokens (the wgrad
+    operand, FP8_SAVED), the dgrad's output dx [R, D] bf16 (computed first), the wgrad's output
+    (sw.expert_wgrad per element of the ``local`` experts' [2F, D]); compiled, the gradients the
+    block's backward made before (the down projection's and the shared expert's: a compiled backward
+    returns all its gradients at its end; the weights quantized again for the dgrad are freed after
+    it); eager, dh itself and its 1x128 rows instead (the backward's arguments and locals, alive to
+    its return; the weights come from the cache). R = T*K rows; the token operand has P =
+    padded_rows(R, local, 128) (the static bound of each expert's rows padded to 128s)."""
+    moe = cfg.moe
+    R, D, F, S = tokens * moe.router.top_k, cfg.d_model, moe.expert_hidden, moe.shared_width()
+    P = padded_rows(R, local, FP8_BLOCK)
+    out = {"dh_tokens": FP8_SAVED * P * 2 * F, "dx": 2.0 * R * D, "wgrad": sw.expert_wgrad() * local * 2 * F * D}
+    if sw.compiled:
+        out["block_grads"] = 2.0 * (local * D * F + 3 * D * S)
+    else:
+        out["dh_and_rows"] = (2.0 + FP8_SAVED) * R * 2 * F
+    return out
+
+
 def slice_layers(cfg: ModelConfig, ep: int, pp: int, layers: int, name: str = "the model") -> tuple[list[int], int]:
     """The blocks and local experts of one rank's slice as tools/bench_slice.py runs it: the first
     ``layers`` MoE blocks (one pipeline stage holds ceil(n_layers / pp)) and E/ep local experts.
@@ -685,8 +726,10 @@ def plan_slice(cfg: ModelConfig, layers: list[int], *, ep: int, seq_len: int, mi
     bf16 parameters, under the recompute policy); the peak is inside the experts' backward of the
     stage's last block (the first backward): every other block's activations, that block's less
     SLICE_FREED (a fully recomputed block rebuilt, likewise), the SwiGLU-down backward's row tensors
-    and the fresh bf16 w_down gradient before it is accumulated. No weight copies (bf16 already),
-    no optimizer state, no communication buffers, no loss.
+    and the fresh bf16 w_down gradient before it is accumulated; under native fp8_blockwise experts
+    the larger of that and the gate|up wgrad (gate_up_wgrad_transient: its fp32 output and bf16 cast).
+    No weight copies (bf16 already) but an eager low-precision run's weight cache (Switches.weight_cache,
+    never invalidated: bench_slice steps no optimizer), no optimizer state, no communication buffers, no loss.
 
     Time: stage_time for these blocks (no all-to-all: bench_slice does not run it; no weight recast:
     bf16 weights), no optimizer, no pipeline bubble. FLOPs: ModelConfig.block_flops_per_token, the
@@ -715,8 +758,21 @@ def plan_slice(cfg: ModelConfig, layers: list[int], *, ep: int, seq_len: int, mi
     # the top block's saved activations as its experts' backward runs: rebuilt when recomputed (its
     # kept input stays), else what the shared expert's and the combine's backward left
     held = acts - top_saved + top_held + (top_saved if recomputed else 0.0)
-    transient = _swiglu_backward_rows(cfg, top, T) + 2.0 * L * D * F
-    peak = weights + grads + io + held + transient
+    # an eager low-precision run's weight cache: bench_slice never steps an optimizer, so it holds
+    # every quantized weight of the slice from the first forward on
+    linear = {k: sum(_linear_params(cfg, i)[k] for i in layers) for k in ("attention", "mlp", "experts")}
+    linear["experts"] //= ep
+    cache = sum(sw.weight_cache(k) * n for k, n in linear.items())
+    candidates = {f"block {top}'s experts' backward (SwiGLU-down)":
+                  (held, _swiglu_backward_rows(cfg, top, T) + 2.0 * L * D * F)}
+    if sw.fp8_blockwise_experts:  # its wgrad's fp32 output: the gate|up one is the larger
+        top_at_gate_up = sum(b for k, (_, b) in terms.items() if k not in SLICE_FREED_AT_GATE_UP) * T
+        held_gate_up = acts - top_saved + (top_saved if recomputed else top_at_gate_up)
+        candidates[f"block {top}'s experts' gate|up wgrad (fp32 output)"] = \
+            (held_gate_up, sum(gate_up_wgrad_transient(cfg, top, sw, T, L).values()))
+    where = max(candidates, key=lambda k: sum(candidates[k]))
+    held, transient = candidates[where]
+    peak = weights + grads + io + cache + held + transient
     t, parts = stage_time(cfg, layers, sw=sw, memory=mem, gpu=GPUS[gpu], seq_len=seq_len, tokens=T, ep=ep,
                           compiled=compiled, all_to_all=False, fp32_master=False)
     flops = sum(cfg.block_flops_per_token(i, seq_len) for i in layers) * T
@@ -724,8 +780,9 @@ def plan_slice(cfg: ModelConfig, layers: list[int], *, ep: int, seq_len: int, mi
             "rows": T * cfg.moe.router.top_k,
             "compiled": compiled, "recompute": str(mem.recompute), "recompute_every": mem.recompute_every,
             "params": n_params, "weights_gib": weights / GiB, "grads_gib": grads / GiB, "io_gib": io / GiB,
-            "activations_gib": acts / GiB, "held_at_peak_gib": held / GiB, "backward_transient_gib": transient / GiB,
-            "peak_gib": peak / GiB, "peak_at": f"block {top}'s experts' backward (SwiGLU-down)",
+            "weight_cache_gib": cache / GiB, "activations_gib": acts / GiB, "held_at_peak_gib": held / GiB,
+            "backward_transient_gib": transient / GiB, "peak_gib": peak / GiB, "peak_at": where,
+            "peak_candidates_gib": {k: (weights + grads + io + cache + sum(v)) / GiB for k, v in candidates.items()},
             "flops": flops, "step_s": t, "parts_s": parts, "tflops_per_gpu": flops / t / 1e12,
             "mfu_bf16": flops / t / (GPUS[gpu].bf16_tflops * 1e12)}
 
