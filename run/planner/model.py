@@ -78,6 +78,10 @@ class Switches:
     expert_weight_copies: bool = False
     """precision.expert_weight_copies: the bf16 experts keep one bf16 copy of each weight through
     the step (held memory, no recast in backward)."""
+    expert_grads_bf16: bool = False
+    """precision.expert_grads_bf16: the experts' gradients held in bf16 on the optimizer's copies
+    (2 B per local expert parameter instead of 4; no bf16 -> fp32 cast of the grouped GEMMs' weight
+    gradients, read 2 + written 4 B per element; the optimizer reads 2 B less for each)."""
     optimizer_kernel: str = "triton"
     """The optimizer step's kernel on GPUs: triton (optimizer.impl auto or triton) or torch (impl=torch)."""
     offload: bool = False
@@ -122,12 +126,16 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
         raise ConfigError("the planner models bf16 compute and its low-precision recipes: precision.recipe=fp32 "
                           "is for CPU tests; use bf16, mxfp8 or fp8_blockwise")
     backend = precision.resolved_backend("cuda", capability_major=gpu.sm)
+    if precision.expert_grads_bf16 and (parallel.dp_shard > 1 or parallel.ep > 1 or parallel.pp > 1):
+        raise ConfigError("precision.expert_grads_bf16 (with expert_weight_copies=optimizer) is for one unsharded "
+                          "GPU: no FSDP2, expert or pipeline parallelism; drop it for this layout")
     return Switches(compiled=compiled, fused_loss=model.fused_loss,
                     loss_chunk_tokens=model.loss_chunk_tokens or default_chunk_tokens(model.vocab_size),
                     recipe=str(recipe), backend=str(backend) if recipe in LOW_PRECISION else "native",
                     low_modules=frozenset(str(m) for m in precision.modules) if recipe in LOW_PRECISION else frozenset(),
                     state_dtype=str(optimizer.state_dtype),
                     expert_weight_copies=str(precision.expert_weight_copies) != "none" and recipe == PrecisionRecipe.bf16,
+                    expert_grads_bf16=bool(precision.expert_grads_bf16) and recipe == PrecisionRecipe.bf16,
                     optimizer_kernel="torch" if str(optimizer.impl) == "torch" or optimizer.fused is not None else "triton",
                     offload=parallel.fsdp_offload)
 
@@ -526,6 +534,8 @@ def plan(p: Plan) -> dict:
         pp_buf = 2 * 4.0 * T_mb * cfg.d_model if par.pp > 1 else 0.0
         comm = ep_buf + rs_buf + pp_buf
         params_b, grads_b, optim_b = 4.0 * local, 4.0 * local, state_b * local
+        if sw.expert_grads_bf16 and not fsdp:  # [code] 2 B per local expert gradient (one GPU, unsharded)
+            grads_b -= 2.0 * linear["experts"]
         host_b = 0.0
         if sw.offload:  # CPUOffloadPolicy: shards, their grads and the optimizer state in host memory
             host_b = params_b + grads_b + optim_b
@@ -544,6 +554,8 @@ def plan(p: Plan) -> dict:
         grad_block = 0.0 if sw.offload or keep_gathered else 4.0 * (block_max / par.dp_shard if fsdp else block_max)
         head_grad = 4.0 * cfg.vocab_size * cfg.d_model if last and not fsdp and not sw.offload else 0.0
         top = layers[-1]
+        if sw.expert_grads_bf16 and grad_block:
+            grad_block -= 2.0 * _expert_params(cfg, top) / ep  # that block's expert gradients in bf16
         candidates["last block's backward"] = base + acts + head_grad + grad_block + recompute_one + \
             block_backward_transient(cfg, top, sw, T_mb, ep)
         candidates["end of backward"] = base - held_grads + grads_b + recompute_one
@@ -600,8 +612,15 @@ def plan(p: Plan) -> dict:
         t_opt = HOST_OPTIMIZER_BYTES[sw.state_dtype] * tl / (HOST_GBPS * 1e9)
     else:
         t_opt = OPTIMIZER_BYTES[(sw.state_dtype, sw.optimizer_kernel)] * tl / (gpu.hbm_tbps * 1e12)
+    t_grad_cast = 0.0  # [code] saved by expert_grads_bf16: a negative time
+    if sw.expert_grads_bf16 and cfg.moe is not None and not sw.offload:
+        # each expert gradient: 2 B less read by the optimizer, and no cast pass after the wgrad GEMM
+        # (read 2 + write 4 B per element; inside the fitted elementwise traffic otherwise).
+        expert_local = sum(_expert_params(cfg, i) for i in range(cfg.n_layers) if cfg.is_moe_layer(i)) / par.ep / par.pp
+        t_opt -= 2.0 * expert_local / (gpu.hbm_tbps * 1e12)
+        t_grad_cast = -6.0 * expert_local / (gpu.hbm_tbps * 1e12)
     exposed_fsdp = max(0.0, t_fsdp - t_compute)
-    step = t_pipe + exposed_fsdp + t_ar + t_opt + t_offload
+    step = t_pipe + exposed_fsdp + t_ar + t_opt + t_offload + t_grad_cast
     a2a_bytes = 0.0
     if cfg.moe is not None and ep > 1:
         K = cfg.moe.router.top_k
