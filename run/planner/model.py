@@ -78,6 +78,9 @@ class Switches:
     expert_weight_copies: bool = False
     """precision.expert_weight_copies: the bf16 experts keep one bf16 copy of each weight through
     the step (held memory, no recast in backward)."""
+    triton_swiglu: bool = True
+    """precision.triton_swiglu: the bf16 experts' SwiGLU backward in one Triton pass (silu(gate) and
+    the product's gradient made in it: two [R, F] row tensors fewer at the backward's peak)."""
     expert_grads_bf16: bool = False
     """precision.expert_grads_bf16: the experts' gradients held in bf16 on the optimizer's copies
     (2 B per local expert parameter instead of 4; no bf16 -> fp32 cast of the grouped GEMMs' weight
@@ -136,6 +139,9 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
                     state_dtype=str(optimizer.state_dtype),
                     expert_weight_copies=str(precision.expert_weight_copies) != "none" and recipe == PrecisionRecipe.bf16,
                     expert_grads_bf16=bool(precision.expert_grads_bf16) and recipe == PrecisionRecipe.bf16,
+                    # the fused backward serves the unscaled SwiGLU only (weights_before_down scales it)
+                    triton_swiglu=bool(precision.triton_swiglu) and recipe == PrecisionRecipe.bf16
+                    and not (model.moe is not None and model.moe.weights_before_down),
                     optimizer_kernel="torch" if str(optimizer.impl) == "torch" or optimizer.fused is not None else "triton",
                     offload=parallel.fsdp_offload)
 
@@ -360,7 +366,10 @@ def block_backward_transient(cfg: ModelConfig, layer: int, sw: Switches, tokens:
         moe = cfg.moe
         fresh = not (sw.low("experts") or sw.expert_weight_copies)  # a copy made now, not one held
         recast = 2.0 * (moe.num_experts / ep) * 2 * moe.expert_hidden * cfg.d_model if fresh else 0.0
-        return _swiglu_backward_rows(cfg, layer, tokens) + recast
+        rows = _swiglu_backward_rows(cfg, layer, tokens)
+        if sw.triton_swiglu and not sw.low("experts"):  # [code] no separate silu / grad_gate rows
+            rows -= 2.0 * 2 * tokens * moe.router.top_k * moe.expert_hidden
+        return rows + recast
     return _swiglu_backward_rows(cfg, layer, tokens)
 
 
