@@ -164,8 +164,12 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         added with ``grads=True``): gradient clipping and norms take them beside the parameters."""
         return list(self._grad_copies.values())
 
+    def gradient_holder(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The tensor whose ``.grad`` is ``p``'s gradient when that is not ``p`` itself, else None."""
+        return self._grad_copies.get(id(p))
+
     def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
-        copy = self._grad_copies.get(id(p))
+        copy = self.gradient_holder(p)
         return p.grad if copy is None else copy.grad
 
     def zero_grad(self, set_to_none: bool = True) -> None:

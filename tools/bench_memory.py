@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Where a training step's memory goes: a breakdown per variant, measured in one process.
 
-For each --variant (a set of --model.* / --memory.* / --optimizer.* overrides, as in
+For each --variant (a set of --model.* / --memory.* / --optimizer.* / --precision.* overrides, as in
 tools/bench_train.py) it builds the same step as the benchmarks (tools/step_builder.py), trains a
 few warm-up steps, then measures one more step with saved-tensor hooks and the CUDA allocator:
 
@@ -34,13 +34,13 @@ from torch import nn
 
 from moetron.core.memory import MemoryConfig
 from moetron.core.optim import OptimizerConfig
+from moetron.core.precision import PrecisionConfig
 from moetron.models import ModelConfig
 
 from cli import run_cli, split_variant, write_report  # tools/cli.py
-from step_builder import add_step_arguments, build_trainer, split_overrides, token_stream  # tools/step_builder.py
+from step_builder import add_step_arguments, build_trainer, step_configs, token_stream  # tools/step_builder.py
 
 GIB = 2**30
-SECTIONS = ("model", "memory", "optimizer")
 
 
 class SavedTensorLedger:
@@ -111,21 +111,23 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
                    if isinstance(v, torch.Tensor) and v.numel() > 1)
 
 
-def measure(model_cfg: ModelConfig, memory: MemoryConfig, optimizer: OptimizerConfig, args,
-            device: torch.device) -> dict:
+def measure(model_cfg: ModelConfig, memory: MemoryConfig, optimizer: OptimizerConfig, precision: PrecisionConfig,
+            args, device: torch.device, data_overrides: list[str] = ()) -> dict:
     cuda = device.type == "cuda"
     gc.collect()  # the previous variant's step (reference cycles) must be gone before the baseline
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated()
-    data = token_stream(model_cfg, args.batch, args.seq_len, device, args.real_text)
-    trainer = build_trainer(model_cfg, memory, data, device, seq_len=args.seq_len, precision=args.precision,
+    data = token_stream(model_cfg, args.batch, args.seq_len, device, args.real_text, data_overrides)
+    trainer = build_trainer(model_cfg, memory, data, device, seq_len=args.seq_len, precision=precision,
                             compile=args.compile, micro_batch=args.micro_batch, optimizer=optimizer)
     model = trainer.model
     params = list(model.parameters())
     param_bytes = _nbytes(params)
-    grad_bytes = _nbytes(p for p in params if p.requires_grad)  # as many as the params, in their dtype
+    # As many as the params, in their dtype, or in their holder's (precision.expert_grads_bf16: bf16 copies).
+    holder = getattr(trainer.optimizer, "gradient_holder", lambda p: None)
+    grad_bytes = _nbytes(holder(p) if holder(p) is not None else p for p in params if p.requires_grad)
     for _ in range(args.warmup):
         trainer.train_step(data.next_batch())
     state_bytes = optimizer_state_bytes(trainer.optimizer)
@@ -229,25 +231,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.warmup < 1:
         parser.error("--warmup must be >= 1: the optimizer state exists only after a first step")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    base_overrides = split_overrides(overrides, SECTIONS)
+    model_cfg = step_configs(args.preset, args.precision, overrides, args.real_text).model  # bad input fails here
     rows = []
-    model_cfg = None
     for name, variant in [split_variant(v) for v in args.variant] or [("base", [])]:
-        ovr = split_overrides(overrides + variant, SECTIONS)
-        model_cfg = ModelConfig.preset(args.preset)
-        model_cfg.apply_overrides(ovr["model"])
-        model_cfg.validate()
-        memory = MemoryConfig()
-        memory.apply_overrides(ovr["memory"])
-        memory.validate()
-        optimizer = OptimizerConfig()
-        optimizer.apply_overrides(ovr["optimizer"])
-        optimizer.validate()
-        rows.append({"variant": name, "overrides": variant, **measure(model_cfg, memory, optimizer, args, device)})
+        model_cfg, memory, optimizer, precision, data_ovr = step_configs(args.preset, args.precision,
+                                                                         overrides + variant, args.real_text)
+        rows.append({"variant": name, "overrides": variant,
+                     **measure(model_cfg, memory, optimizer, precision, args, device, data_ovr)})
     from moetron.core.metrics import run_environment
 
     env = {**run_environment(device, 1, "tools/bench_memory.py", argv), "preset": args.preset,
-           "seq_len": args.seq_len, "batch": args.batch, "compile": args.compile, "base_overrides": base_overrides}
+           "seq_len": args.seq_len, "batch": args.batch, "compile": args.compile, "base_overrides": overrides}
     print(f"{env['device']} | torch {env['torch']} | {args.preset} {model_cfg.describe()} | "
           f"seq {args.seq_len} x {args.batch}{' | compiled' if args.compile else ''}")
     print_report(rows, model_cfg.n_layers)

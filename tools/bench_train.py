@@ -14,7 +14,7 @@ measured on and off side by side.
         --variant fused:model.fused_loss=true --variant plain:model.fused_loss=false
 
 Overrides (on the command line and in variants) are --model.*, --memory.*, --optimizer.* and
---precision.* fields (e.g. --variant fp32:optimizer.state_dtype=fp32 --variant
+--precision.* fields (and --data.* with --real-text) (e.g. --variant fp32:optimizer.state_dtype=fp32 --variant
 bf16:optimizer.state_dtype=bf16, --variant fp8:precision.recipe=fp8_blockwise).
 
 Random token ids by default (near-uniform routing); --real-text trains on the embedded corpus, so
@@ -24,7 +24,6 @@ MoE routing depends on the data. The step is built by tools/step_builder.py.
 from __future__ import annotations
 
 import argparse
-import copy
 import gc
 import sys
 import time
@@ -32,7 +31,6 @@ import traceback
 
 import torch
 
-from moetron.core.config import Config, ConfigError
 from moetron.core.metrics import mfu, model_tflops_per_device, peak_tflops, run_environment
 from moetron.core.memory import MemoryConfig
 from moetron.core.optim import OptimizerConfig
@@ -40,12 +38,12 @@ from moetron.core.precision import PrecisionConfig
 from moetron.models import ModelConfig
 
 from cli import run_cli, split_variant, write_report  # tools/cli.py
-from step_builder import add_step_arguments, build_trainer, token_stream  # tools/step_builder.py
+from step_builder import add_step_arguments, build_trainer, step_configs, token_stream  # tools/step_builder.py
 
 
 def measure(model_cfg: ModelConfig, memory: MemoryConfig, optim_cfg: OptimizerConfig, precision: PrecisionConfig,
-            args, device: torch.device) -> dict:
-    data = token_stream(model_cfg, args.batch, args.seq_len, device, args.real_text)
+            args, device: torch.device, data_overrides: list[str] = ()) -> dict:
+    data = token_stream(model_cfg, args.batch, args.seq_len, device, args.real_text, data_overrides)
     # The model's own loss from the labels (model.fused_loss picks fused or plain).
     trainer = build_trainer(model_cfg, memory, data, device, seq_len=args.seq_len, precision=precision,
                             compile=args.compile, micro_batch=args.micro_batch, optimizer=optim_cfg)
@@ -74,18 +72,6 @@ def measure(model_cfg: ModelConfig, memory: MemoryConfig, optim_cfg: OptimizerCo
     }
 
 
-def _apply(configs: dict[str, Config], overrides: list[str]) -> None:
-    """--<section>.* overrides onto the configs by section name (model, memory, optimizer,
-    precision); anything else is an error."""
-    prefixes = tuple(f"--{name}." for name in configs)
-    bad = [o for o in overrides if not o.startswith(prefixes)]
-    if bad:
-        raise ConfigError(f"unrecognized arguments {bad}: overrides are {', '.join(p + '*' for p in prefixes)} fields")
-    for name, cfg in configs.items():
-        prefix = f"--{name}."
-        cfg.apply_overrides([o[len(prefix):] for o in overrides if o.startswith(prefix)])
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -98,23 +84,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="NAME:key=value[,key=value...] overrides measured as one row")
     parser.add_argument("--json", default="runs/bench/bench_train.json")
     args, overrides = parser.parse_known_args(argv)
-    base = ModelConfig.preset(args.preset)
-    base_memory, base_optim, base_precision = MemoryConfig(), OptimizerConfig(), PrecisionConfig(recipe=args.precision)
-    _apply({"model": base, "memory": base_memory, "optimizer": base_optim, "precision": base_precision}, overrides)
+    base = step_configs(args.preset, args.precision, overrides, args.real_text)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     variants = [split_variant(v) for v in args.variant] or [("base", [])]
     env = {**run_environment(device, 1, "tools/bench_train.py", argv),
            "preset": args.preset, "seq_len": args.seq_len, "batch": args.batch, "compile": args.compile,
-           "real_text": args.real_text, "model": base.to_dict()}
+           "real_text": args.real_text, "model": base.model.to_dict()}
     rows = []
     for name, ovr in variants:
-        cfg, memory, optim, precision = (copy.deepcopy(c) for c in (base, base_memory, base_optim, base_precision))
-        _apply({"model": cfg, "memory": memory, "optimizer": optim, "precision": precision}, ovr)
-        cfg.validate()
-        memory.validate()
-        optim.validate()
+        cfg, memory, optim, precision, data_ovr = step_configs(args.preset, args.precision, overrides + ovr, args.real_text)
         try:
-            row = {"variant": name, "overrides": ovr, **measure(cfg, memory, optim, precision, args, device)}
+            row = {"variant": name, "overrides": ovr, **measure(cfg, memory, optim, precision, args, device, data_ovr)}
         except Exception as e:  # noqa: BLE001 - a variant that fails is a row saying why; the others still run
             traceback.print_exc()
             row = {"variant": name, "overrides": ovr, "error": f"{type(e).__name__}: {e}"[:500]}
@@ -123,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         torch._dynamo.reset()  # this variant's compiled graphs
         gc.collect()
         torch.cuda.empty_cache() if device.type == "cuda" else None
-    print(f"{env['device']} | torch {env['torch']} | {args.preset} {base.describe()} | seq {args.seq_len} x {args.batch}")
+    print(f"{env['device']} | torch {env['torch']} | {args.preset} {base.model.describe()} | seq {args.seq_len} x {args.batch}")
     print(f"{'variant':<12} {'step ms':>9} {'tok/s':>10} {'TFLOP/s':>9} {'MFU':>7} {'mem GiB':>8}")
     for r in rows:
         if "error" in r:

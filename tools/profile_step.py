@@ -27,14 +27,10 @@ from typing import Iterable
 import torch
 from torch.autograd import DeviceType
 
-from moetron.core.memory import MemoryConfig
 from moetron.core.metrics import run_environment
-from moetron.core.optim import OptimizerConfig
-from moetron.core.precision import PrecisionConfig
-from moetron.models import ModelConfig
 
 from cli import run_cli, write_report  # tools/cli.py
-from step_builder import add_step_arguments, build_trainer, split_overrides, token_stream
+from step_builder import add_step_arguments, build_trainer, step_configs, token_stream
 
 # Inductor names a generated kernel triton_{poi,red,per,tem}_fused_<aten ops>_<n>; one made of
 # layout ops and casts only is a copy (the per-use fp32 -> bf16 cast-and-transpose of the weights).
@@ -249,19 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parser.parse_known_args(argv)
     if args.active < 1 or args.wait < 0 or args.warmup < 0:
         parser.error("--active must be >= 1, --wait and --warmup >= 0")
-    sections = split_overrides(overrides, ("model", "memory", "optimizer", "precision", "data"))
-    model_cfg = ModelConfig.preset(args.preset)
-    model_cfg.apply_overrides(sections["model"])
-    memory = MemoryConfig()
-    memory.apply_overrides(sections["memory"])
-    optim_cfg = OptimizerConfig()
-    optim_cfg.apply_overrides(sections["optimizer"])
-    precision = PrecisionConfig(recipe=args.precision)
-    precision.apply_overrides(sections["precision"])
-    model_cfg.validate()
-    memory.validate()
+    model_cfg, memory, optim_cfg, precision, data_overrides = step_configs(args.preset, args.precision, overrides,
+                                                                           args.real_text)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    data = token_stream(model_cfg, args.batch, args.seq_len, device, args.real_text, sections["data"])
+    data = token_stream(model_cfg, args.batch, args.seq_len, device, args.real_text, data_overrides)
     trainer = build_trainer(model_cfg, memory, data, device, seq_len=args.seq_len,
                             precision=precision, compile=args.compile, micro_batch=args.micro_batch,
                             optimizer=optim_cfg)

@@ -9,7 +9,7 @@ tools/cli.py).
 from __future__ import annotations
 
 import argparse
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -72,14 +72,42 @@ def split_overrides(overrides: list[str], sections: tuple[str, ...]) -> dict[str
     return out
 
 
+STEP_SECTIONS = ("model", "memory", "optimizer", "precision")
+"""The config sections a benchmarked step takes overrides for (--<section>.<field>=value)."""
+
+
+class StepConfigs(NamedTuple):
+    model: ModelConfig
+    memory: MemoryConfig
+    optimizer: OptimizerConfig
+    precision: PrecisionConfig
+    data: list[str]
+    """--data.* overrides (for token_stream with real text)."""
+
+
+def step_configs(preset: str, precision: str, overrides: list[str], real_text: bool = False) -> StepConfigs:
+    """The configs of a benchmarked step: ``preset``'s model, the default memory, optimizer and
+    precision (recipe ``precision``) configs, each with its section's ``overrides``
+    (``['--model.n_layers=2', '--optimizer.state_dtype=bf16', ...]``; another section is a
+    ConfigError), validated; --data.* ones only with ``real_text``. One path for tools/bench_train.py,
+    bench_memory.py and profile_step.py."""
+    sections = split_overrides(overrides, STEP_SECTIONS + ("data",))
+    if sections["data"] and not real_text:
+        raise ConfigError(f"{['--data.' + o for o in sections['data']]} only apply with --real-text")
+    model, memory, optimizer = ModelConfig.preset(preset), MemoryConfig(), OptimizerConfig()
+    precision_cfg = PrecisionConfig(recipe=precision)
+    for name, cfg in zip(STEP_SECTIONS, (model, memory, optimizer, precision_cfg)):
+        cfg.apply_overrides(sections[name])
+        cfg.validate()
+    return StepConfigs(model, memory, optimizer, precision_cfg, sections["data"])
+
+
 def token_stream(model_cfg: ModelConfig, batch: int, seq_len: int, device: torch.device, real_text: bool = False,
                  data_overrides: list[str] = ()) -> TokenStream:
     """Random ids over the whole vocabulary, or (``real_text``) the embedded corpus cut into
     ``batch`` sequences of ``seq_len`` (built on first use; its tokenizer's vocabulary is the
     model's or 4096, whichever is smaller, unless ``data_overrides`` say otherwise)."""
-    if not real_text:
-        if data_overrides:
-            raise ConfigError(f"{['--data.' + o for o in data_overrides]} only apply with --real-text")
+    if not real_text:  # (step_configs refuses --data.* overrides without real text)
         return RandomTokens(model_cfg.vocab_size, batch, seq_len, device)
     data = DataConfig(seq_len=seq_len, global_batch_size=batch,
                       corpus_vocab_size=min(model_cfg.vocab_size, DataConfig.corpus_vocab_size))
