@@ -4,6 +4,9 @@ independently quantized and dequantized operands (1x128 / 128x128 tiles, per exp
 emulation's tolerance (tests/core/test_precision_emulated.py: 2^-7 of the products' magnitude).
 The kernels run under TRITON_INTERPRET=1 on the CPU, and on the GPU."""
 
+import os
+import subprocess
+import tempfile
 
 import pytest
 import torch
@@ -47,6 +50,161 @@ def check_fp8(device: str, dense_modes=("triton",), quant: str = "auto") -> None
 def test_triton_fp8_interpreted_matches_float64(quant):
     """The GEMM kernels with the torch quantization and with the fused quantization kernels."""
     run_interpreted("tests.core.test_precision_fp8", f"check_fp8('cpu', quant={quant!r})")
+
+
+def _ref_err(out, a, b) -> float:
+    """Max over elements of |out - a @ b| / (|a| @ |b|), in float64."""
+    a, b = a.double(), b.double()
+    return ((out.double() - a @ b).abs() / (a.abs() @ b.abs()).clamp_min(1e-300)).max().item()
+
+
+def check_pipelined(device: str, configs=None) -> None:
+    """GroupedKernel.pipelined under each interpreted config (BN 128 / 256, pointer / TMA loads), for
+    B laid out K-contiguous (TMA-able) and N-contiguous (pointer loads only): the same outputs as the
+    masked kernels and float64 on the dequantized operands, up to fp32 summation order. Rows: ragged
+    experts, empty ones (one last), 10 rows past the end, group ends off the 32-row tiles; N 384 is
+    not a multiple of BN 256. ``configs``: default the interpreted ones."""
+    from moetron.core.precision import fp8_triton as ft
+    from moetron.core.precision.blockwise import (dequantize_1x128, dequantize_128x128, quantize_1x128,
+                                                  quantize_128x128)
+
+    K, R, tol = 256, 150, 1e-5
+    offsets = torch.tensor([40, 40, 101, 140, 140], dtype=torch.int32, device=device)
+    for N in (256, 384):
+        x, w = wide(R, K, seed=1).to(device), wide(5, N, K, seed=2).to(device)  # w [E, N, K]: a forward's [E, O, I]
+        a_q, a_s = quantize_1x128(x, -1)
+        w_q, w_s = quantize_128x128(w)
+        a_d, w_d = dequantize_1x128(a_q, a_s, -1).cpu(), dequantize_128x128(w_q, w_s).cpu()
+        layouts = {"K-contiguous": (w_q.transpose(1, 2), w_s.transpose(1, 2)),
+                   "N-contiguous": (w_q.transpose(1, 2).contiguous(), w_s.transpose(1, 2).contiguous())}
+        masked = ft.fp8_grouped_mm_rows(a_q, a_s, *layouts["K-contiguous"], offsets, torch.float32,
+                                        kernel=ft.GroupedKernel.masked).cpu()
+        for config in configs or ft.pipelined_configs(interpret=True):
+            ft.use_pipelined_configs([config])
+            for layout, (b, sb) in layouts.items():
+                out = ft.fp8_grouped_mm_rows(a_q, a_s, b, sb, offsets, torch.float32,
+                                             kernel=ft.GroupedKernel.pipelined).cpu()
+                what = f"rows N {N} {ft.config_name(config)} {layout}"
+                start = 0
+                for e, end in enumerate(offsets.tolist()):
+                    if end > start:
+                        err = _ref_err(out[start:end], a_d[start:end], w_d[e].T)
+                        assert err <= tol, f"{what}: expert {e} error {err:.2e} against float64"
+                        assert torch.allclose(out[start:end], masked[start:end], rtol=1e-5, atol=1e-6), what
+                    start = end
+        fp32, bf16 = (ft.fp8_grouped_mm_rows(a_q, a_s, *layouts["K-contiguous"], offsets, dtype, kernel="pipelined")
+                      for dtype in (torch.float32, torch.bfloat16))
+        # the interpreter's bf16 store may round differently from torch's cast: within one bf16 step
+        assert bf16.dtype == torch.bfloat16 and torch.allclose(bf16[:140].float(), fp32[:140], rtol=2 ** -7, atol=0)
+    # wgrad: out[e] = A[:, rows of e] @ Bt[:, rows of e]^T over padded 128-row groups, one empty
+    M, N, P = 256, 384, 384
+    padded = torch.tensor([128, 128, 384], dtype=torch.int32, device=device)
+    dyt, xt = wide(M, P, seed=3).to(device), wide(N, P, seed=4).to(device)
+    a_q, a_s = quantize_1x128(dyt, -1)
+    b_q, b_s = quantize_1x128(xt, -1)
+    a_d, b_d = dequantize_1x128(a_q, a_s, -1).cpu(), dequantize_1x128(b_q, b_s, -1).cpu()
+    masked = ft.fp8_grouped_mm_k(a_q, a_s, b_q, b_s, padded, kernel=ft.GroupedKernel.masked).cpu()
+    layouts = {"P-contiguous": (a_q, b_q), "M-contiguous": (a_q.t().contiguous().t(), b_q)}
+    for config in configs or ft.pipelined_configs(interpret=True):
+        ft.use_pipelined_configs([config])
+        for layout, (a, b) in layouts.items():
+            out = ft.fp8_grouped_mm_k(a, a_s, b, b_s, padded, kernel=ft.GroupedKernel.pipelined).cpu()
+            what = f"wgrad {ft.config_name(config)} {layout}"
+            assert torch.equal(out[1], torch.zeros(M, N)), f"{what}: the empty expert"
+            for e, (s, t) in enumerate(((0, 128), (128, 384))):
+                err = _ref_err(out[2 * e], a_d[:, s:t], b_d[:, s:t].T)
+                assert err <= tol, f"{what}: expert {2 * e} error {err:.2e} against float64"
+            assert torch.allclose(out, masked, rtol=1e-5, atol=1e-6), what
+
+
+def test_pipelined_interpreted_matches_masked_and_float64():
+    run_interpreted("tests.core.test_precision_fp8", "check_pipelined('cpu')")
+
+
+def _compile_sm90(kernel, config, values: dict, constexprs: dict):
+    """triton.compile of an autotuned kernel's jit function for SM90 with ``config``, the arguments
+    specialized as a launch would (pointers and ints divisible by 16 marked so, ints equal to 1 made
+    constexpr): no GPU needed."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = kernel.fn
+    signature, attrs, constants = {}, {}, {**constexprs, **config.kwargs}
+    for i, name in enumerate(fn.arg_names):
+        value = values.get(name)
+        if name in constants:
+            signature[name] = "constexpr"
+        elif isinstance(value, str):  # "*fp8e4nv", "tensordesc<...>"
+            signature[name] = value
+            if value.startswith("*"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif value == 1:
+            signature[name], constants[name] = "constexpr", 1
+        else:
+            signature[name] = "i32"
+            if value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
+
+
+CUOBJDUMP = ""
+
+
+def _gpu_configs():
+    triton = pytest.importorskip("triton")
+    global CUOBJDUMP
+    CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    from moetron.core.precision.fp8_triton import pipelined_configs
+
+    return pipelined_configs()
+
+
+@pytest.mark.parametrize("index", range(14))
+def test_pipelined_configs_compile_for_sm90(index):
+    """Every GPU config of both pipelined kernels (the k kernel's list is shorter) compiles for Hopper (OLMoE's forward and wgrad
+    shapes), its operand loads pipelined (cp.async or TMA, several stages of shared memory), with
+    no register spills to local memory."""
+    from moetron.core.precision import fp8_triton as ft
+
+    configs = _gpu_configs()
+    assert len(configs) == 14  # the parametrize range
+    config = configs[index]
+    bm, bn = config.kwargs["BM"], config.kwargs["BN"]
+    desc = lambda rows: f"tensordesc<fp8e4nv[{rows}, 128]>"  # noqa: E731
+    ptrs = dict(a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", sa_ptr="*fp32", sb_ptr="*fp32", off_ptr="*i32",
+                a_desc=desc(bm), b_desc=desc(bn))
+    R, K, N, E, P = 131072, 2048, 2048, 64, 131072 + 64 * 128
+    rows = dict(ptrs, c_ptr="*bf16", E=E, R=R, N=N, K=K, s_am=K, s_ak=1, s_sam=K // 128, s_sak=1, s_be=N * K, s_bk=1,
+                s_bn=K, s_sbe=N * K // 128 ** 2, s_sbk=1, s_sbn=K // 128, s_cm=N, s_cn=1)
+    k = dict(ptrs, c_ptr="*fp32", M=N, N=K, s_am=P, s_ak=1, s_sam=P // 128, s_sak=1, s_bn=P, s_bk=1, s_sbn=P // 128,
+             s_sbk=1, s_ce=N * K, s_cm=K, s_cn=1)
+    kernels = [(ft._fp8_grouped_gemm_rows_pipelined_kernel, rows, dict(BK=128, EP=64, TMA_OK=1))]
+    if config in ft.pipelined_configs(wgrad=True):
+        kernels.append((ft._fp8_grouped_gemm_k_pipelined_kernel, k, dict(BK=128, TMA_OK=1)))
+    for kernel, values, constexprs in kernels:
+        compiled = _compile_sm90(kernel, config, values, constexprs)
+        ptx = compiled.asm["ptx"]
+        what = f"{kernel.fn.__name__} {ft.config_name(config)}"
+        assert "wgmma.mma_async" in ptx, what
+        loads = "cp.async.bulk.tensor" if config.kwargs["TMA"] else "cp.async.cg"
+        assert loads in ptx, f"{what}: operand loads not pipelined"
+        assert compiled.metadata.shared >= min(config.num_stages, 2) * (bm + bn) * 128, f"{what}: one stage of smem"
+        if os.path.exists(CUOBJDUMP):  # ptxas's register allocation: no spills to local memory
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(compiled.asm["cubin"])
+                f.flush()
+                usage = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True).stdout
+            assert "LOCAL:0" in usage and "STACK:0" in usage, f"{what}: spills ({usage.strip()[-200:]})"
+
+
+@pytest.mark.gpu
+def test_pipelined_on_gpu_matches_float64():
+    from moetron.core.precision.fp8_triton import pipelined_configs
+
+    check_pipelined("cuda", pipelined_configs())  # the k kernel: only those of pipelined_configs(wgrad=True)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,25 @@
+"""tools/bench_fp8_variants.py --tiny on the CPU (Triton interpreted): every (GEMM, pass) row has the
+three timings, the pipelined kernel's config and its agreement with the masked kernel."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_tiny_run_compares_the_kernels(tmp_path):
+    out = tmp_path / "variants.json"
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_fp8_variants.py"), "--tiny",
+                           "--gemms", "gate_up,down", "--json", str(out)],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["gemm"], r["pass"]) for r in rows} == {(g, p) for g in ("gate_up", "down")
+                                                      for p in ("fwd", "dgrad", "wgrad")}
+    for r in rows:
+        assert r["ok"] and r["rel_diff"] <= 2 ** -7
+        assert all(r[f"{k}_ms"] > 0 for k in ("bf16", "masked", "pipelined")) and r["config"].startswith("BM")
+    assert "MISMATCH" not in proc.stdout

@@ -1,0 +1,150 @@
+#!/usr/bin/env python
+"""The FP8 blockwise grouped GEMM kernels against each other (core/precision/fp8_triton.py's
+GroupedKernel: masked, the first kernels; pipelined, the variant) and against bf16, one GEMM at a
+time: forward (x [R, I] -> [R, O]), dgrad (dy [R, O] -> [R, I]) and wgrad ([E, O, I]) of each
+expert GEMM picked (default gate|up: I = D, O = 2F) at tools/bench_gemm_fp8.py's layer shapes
+(uniform routing, R = tokens x top-k rows), 2 x R x I x O FLOPs each.
+
+Per (shape, GEMM, pass): bf16 ``torch._grouped_mm``, the masked kernel and the pipelined kernel, each
+after its autotuning (first call, not timed); the config the pipelined kernel's autotuner chose and
+its runners-up; the pipelined output against the masked one (max |difference| over max |masked|;
+exit 1 past 2^-7, one bf16 step). Operands are quantized once, outside the timing. Each row is
+printed as it is measured and the JSON rewritten after each shape, so a run cut short keeps what it
+finished.
+
+    python tools/bench_fp8_variants.py --json runs/bench/fp8_variants.json
+    python tools/bench_fp8_variants.py --gemms gate_up,down --iters 20     # both expert GEMMs
+    python tools/bench_fp8_variants.py --tiny       # tiny shapes; on the CPU under TRITON_INTERPRET=1
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+TOL = 2.0 ** -7
+GEMMS = {"gate_up": lambda D, F: (D, 2 * F), "down": lambda D, F: (F, D)}  # -> (I, O)
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (runs on the CPU, Triton interpreted)")
+    p.add_argument("--tokens", type=int, default=16384, help="tokens per GPU")
+    p.add_argument("--shapes", default="", help="comma-separated names of bench_gemm_fp8.SHAPES (default all)")
+    p.add_argument("--gemms", default="gate_up", help="comma-separated: gate_up, down")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--json", default="", help="write the results here")
+    return p.parse_args(argv)
+
+
+def operands(R: int, I: int, O: int, E: int, offsets_E: torch.Tensor, device) -> dict:
+    """bf16 x [R, I], w [E, O, I], dy [R, O] and their fp8 forms as fp8_gemm.py lays them out: x, dy
+    1x128 along the row; w 128x128 (w and its transpose, each K-contiguous for its GEMM); dy^T and
+    x^T [*, P] over each expert's rows padded to 128s, 1x128 along P (the wgrad operands)."""
+    from moetron.core.precision.blockwise import quantize_128x128, quantize_1x128
+    from moetron.core.precision.grouping import pad_groups
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(R, I, generator=g).to(device, torch.bfloat16)
+    w = (torch.randn(E, O, I, generator=g) * I ** -0.5).to(device)
+    dy = torch.randn(R, O, generator=g).to(device, torch.bfloat16)
+    w_q, w_s = quantize_128x128(w)  # [E, O, I], [E, O / 128, I / 128]
+    x_P, padded_offsets_E = pad_groups(x, offsets_E, 128)
+    dy_P, _ = pad_groups(dy, offsets_E, 128)
+    return dict(x=x, w=w.bfloat16(), dy=dy, x_q=quantize_1x128(x, -1), dy_q=quantize_1x128(dy, -1),
+                w_q=w_q, wt_q=w_q.transpose(1, 2).contiguous(), w_s=w_s,
+                dyt_q=quantize_1x128(dy_P.t().contiguous(), -1), xt_q=quantize_1x128(x_P.t().contiguous(), -1),
+                padded_offsets_E=padded_offsets_E)
+
+
+def passes(ops: dict, offsets_E: torch.Tensor) -> dict:
+    """pass -> (bf16 call, fp8 call taking the kernel)."""
+    from moetron.core.precision import fp8_triton as ft
+    from moetron.core.precision.grouping import grouped_mm_2d2d, grouped_mm_2d3d
+
+    x_q, dy_q, w_q, wt_q, w_s = ops["x_q"], ops["dy_q"], ops["w_q"], ops["wt_q"], ops["w_s"]
+    return {
+        "fwd": (lambda: grouped_mm_2d3d(ops["x"], ops["w"].transpose(1, 2), offsets_E),
+                lambda k: ft.fp8_grouped_mm_rows(*x_q, w_q.transpose(1, 2), w_s.transpose(1, 2), offsets_E, kernel=k)),
+        "dgrad": (lambda: grouped_mm_2d3d(ops["dy"], ops["w"], offsets_E),
+                  lambda k: ft.fp8_grouped_mm_rows(*dy_q, wt_q.transpose(1, 2), w_s, offsets_E, kernel=k)),
+        "wgrad": (lambda: grouped_mm_2d2d(ops["dy"].t(), ops["x"], offsets_E),
+                  lambda k: ft.fp8_grouped_mm_k(*ops["dyt_q"], *ops["xt_q"], ops["padded_offsets_E"], kernel=k)),
+    }
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    if args.tiny and not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+    elif not torch.cuda.is_available():
+        print("bench_fp8_variants: needs a GPU (or --tiny, which runs on the CPU)", file=sys.stderr)
+        return 2
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_gemm_fp8 import SHAPES, TINY_SHAPES, uniform_offsets
+    from cli import median_ms, write_report  # tools/cli.py
+
+    from moetron.core.metrics import run_environment
+    from moetron.core.precision import fp8_triton as ft
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    shapes = TINY_SHAPES if args.tiny else {k: v for k, v in SHAPES.items()
+                                            if not args.shapes or k in args.shapes.split(",")}
+    tokens, iters = (64, 1) if args.tiny else (args.tokens, args.iters)
+    env = run_environment(device, 1, "tools/bench_fp8_variants.py", sys.argv[1:] if argv is None else argv)
+    dev = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreted: timings meaningless)"
+    print(f"{dev} | torch {torch.__version__} | one GEMM per row, operands quantized beforehand", flush=True)
+    print(f"{'shape':<15} {'gemm':<8} {'pass':<6} {'bf16':>13} {'masked':>13} {'pipelined':>13} {'x masked':>8} "
+          f"{'x bf16':>7} {'rel diff':>9}  pipelined config (runners-up ms)", flush=True)
+    rows, ok, t0 = [], True, time.perf_counter()
+    for name, s in shapes.items():
+        D, E, K, F = s["d_model"], s["num_experts"], s["top_k"], s["hidden"]
+        offsets_E = uniform_offsets(tokens, E, K, device)
+        R = tokens * K
+        for gemm in args.gemms.split(","):
+            I, O = GEMMS[gemm](D, F)
+            ops = operands(R, I, O, E, offsets_E, device)
+            for kind, (bf16, fp8) in passes(ops, offsets_E).items():
+                flops = 2 * R * I * O
+                row = {"kind": "gemm", "shape": name, "gemm": gemm, "pass": kind, "rows": R, "I": I, "O": O}
+                ms = {"bf16": median_ms(bf16, device, warmup=2, iters=iters)}
+                out = {}
+                for k in ft.GroupedKernel:
+                    tune_start = time.perf_counter()
+                    out[k] = fp8(k)  # autotunes on the first call of each (N, K)
+                    row[f"{k}_first_call_s"] = time.perf_counter() - tune_start
+                    if k == ft.GroupedKernel.pipelined:
+                        row["config"], timings = ft.last_tuning(wgrad=kind == "wgrad")
+                        row["config_ms"] = dict(sorted(timings.items(), key=lambda kv: kv[1]))
+                    ms[k] = median_ms(lambda: fp8(k), device, warmup=2, iters=iters)
+                masked, pipelined = out[ft.GroupedKernel.masked].float(), out[ft.GroupedKernel.pipelined].float()
+                used = slice(0, int(offsets_E[-1])) if kind != "wgrad" else slice(None)
+                row["rel_diff"] = ((pipelined[used] - masked[used]).abs().max()
+                                   / masked[used].abs().max().clamp_min(1e-30)).item()
+                row["ok"] = row["rel_diff"] <= TOL
+                ok &= row["ok"]
+                for k, v in ms.items():
+                    row[f"{k}_ms"], row[f"{k}_tflops"] = v, flops / v / 1e9
+                row["vs_masked"] = ms["masked"] / ms["pipelined"]
+                row["vs_bf16"] = ms["bf16"] / ms["pipelined"]
+                rows.append(row)
+                cell = lambda k: f"{ms[k]:6.3f}/{flops / ms[k] / 1e9:6.1f}"  # noqa: E731
+                others = ", ".join(f"{c} {t:.3f}" for c, t in list(row["config_ms"].items())[1:4])
+                print(f"{name:<15} {gemm:<8} {kind:<6} {cell('bf16'):>13} {cell('masked'):>13} {cell('pipelined'):>13} "
+                      f"{row['vs_masked']:>8.2f} {row['vs_bf16']:>7.2f} {row['rel_diff']:>9.1e}  {row['config']}"
+                      + (f" ({others})" if others else "") + ("" if row["ok"] else "  MISMATCH"), flush=True)
+            del ops
+        write_report(args.json, env, rows)  # after each shape: a run cut short keeps the shapes it finished
+    print(f"(cells: ms / TFLOP/s; x masked, x bf16: the pipelined kernel's speed-up; {time.perf_counter() - t0:.0f} s)")
+    if not ok:
+        print("bench_fp8_variants: the pipelined kernel does not match the masked one (see MISMATCH)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
