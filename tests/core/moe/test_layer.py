@@ -182,13 +182,21 @@ def test_load_stats_match_routing():
 
 
 def test_expert_bias_moves_load_toward_balance():
-    """A skewed stream (inputs leaning toward expert 0's router row) gets balanced by the bias."""
+    """A skewed stream (inputs leaning toward expert 0's router row) gets balanced by the bias.
+
+    The router is set by hand, so the skew comes from the construction, not from a seed's draws:
+    nn.init.trunc_normal_ samples differently in torch 2.11 (inverse CDF) and 2.13 (rejection), and
+    with random rows about half of all seeds missed one bound or the other on either version."""
     torch.manual_seed(0)
     cfg = MoEConfig(num_experts=8, expert_hidden=8,
                     router=RouterConfig(top_k=2, expert_bias=True, bias_update_rate=1e-3, lb_loss_weight=0.0))
     layer = MoELayer(D, cfg)
     layer.init_weights(0.5)
-    skew = layer.router.weight.detach()[0].clone()
+    with torch.no_grad():
+        layer.router.weight.copy_(torch.eye(8, D))  # expert e's logit is input coordinate e
+    # Expert 0's logit ~ N(2, 1), the others' N(0, 1): it takes ~3.4x the mean load (before ~2.4 over
+    # seeds and torch versions), and 400 steps of 1e-3 bring it under 0.11.
+    skew = 2.0 * layer.router.weight.detach()[0].clone()
 
     def violation(steps=20):
         """max/mean - 1 of the load over `steps` batches, the bias held fixed."""
