@@ -159,6 +159,17 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         zero_grad() forgets it."""
         self._grad_scale = scale
 
+    @torch.no_grad()
+    def refresh_compute_copies(self) -> None:
+        """Rewrite every compute copy from its parameter and tell the copies' users (the
+        ``on_written`` hooks): for parameters set outside step(), as a checkpoint load does, after
+        which a copy would otherwise hold the weights it was made from."""
+        pairs = list(self.compute_copies.items())
+        if pairs:
+            torch._foreach_copy_([_local(c) for _, c in pairs], [_local(p) for p, _ in pairs])
+        for hook, params in self._copy_hooks:
+            hook([(p, self.compute_copies[p]) for p in params])
+
     def gradient_holders(self) -> list[torch.Tensor]:
         """The tensors whose ``.grad`` holds some parameters' gradients in their place (the copies
         added with ``grads=True``): gradient clipping and norms take them beside the parameters."""
@@ -169,8 +180,11 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         return self._grad_copies.get(id(p))
 
     def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
+        # The holder's gradient when the backward left one there, else the parameter's own (set
+        # by hand, e.g. the zero gradients torch.distributed.checkpoint steps with to create the
+        # optimizer state it loads into).
         copy = self.gradient_holder(p)
-        return p.grad if copy is None else copy.grad
+        return copy.grad if copy is not None and copy.grad is not None else p.grad
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._grad_scale = None

@@ -214,6 +214,11 @@ class Trainer:
 
     def load(self, path: str) -> None:
         meta = self.checkpointer.load(path, self._ckpt_model(), self.optimizer, self._extra_state())
+        # Compute copies of the weights (precision.expert_weight_copies=optimizer) still hold the
+        # weights before the load: rewrite them from the loaded ones.
+        refresh = getattr(self.optimizer, "refresh_compute_copies", None)
+        if refresh is not None:
+            refresh()
         self.step = int(meta["step"])
         # The steps after the checkpoint are trained again: their old log rows go, the earlier
         # load records are kept (both files then read as one uninterrupted run).

@@ -323,3 +323,22 @@ def test_expert_grads_bf16_refuses_what_it_cannot_serve():
     trainer, data = _copies_trainer(True, micro_batch=1)
     with pytest.raises(ConfigError, match="accumulates 2 micro-batches"):
         trainer.train_step(data.next_batch())
+
+
+@pytest.mark.parametrize("grads_bf16", [False, True], ids=["copies", "copies+bf16_grads"])
+def test_resume_rewrites_the_optimizer_copies(tmp_path, grads_bf16):
+    """After Trainer.load the optimizer's bf16 expert copies hold the loaded weights, not the ones
+    they were made from: a resumed trainer's next step equals the uninterrupted trainer's."""
+    from moetron.core.checkpoint import CheckpointConfig, Checkpointer
+
+    first, data = _copies_trainer(grads_bf16)
+    first.checkpointer = Checkpointer(CheckpointConfig(dir=str(tmp_path / "ckpt")))
+    for _ in range(2):
+        first.train_step(data.next_batch())
+    first.step = 2
+    path = first.save()
+    resumed, _ = _copies_trainer(grads_bf16)  # fresh: its copies hold the initial weights
+    resumed.checkpointer = first.checkpointer
+    resumed.load(path)
+    batch = data.next_batch()
+    assert resumed.train_step(batch)[0].item() == first.train_step(batch)[0].item()
