@@ -6,10 +6,13 @@ import os
 import subprocess
 import sys
 
+from tests.interpreted import skip_unless_interpreter_works
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_tiny_run_compares_the_kernels(tmp_path):
+    skip_unless_interpreter_works()
     out = tmp_path / "variants.json"
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_fp8_variants.py"), "--tiny",
