@@ -79,12 +79,11 @@ def passes(ops: dict, offsets_E: torch.Tensor) -> dict:
 
 def main(argv=None) -> int:
     args = parse(argv)
-    if args.tiny and not torch.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
-    elif not torch.cuda.is_available():
-        print("bench_fp8_variants: needs a GPU (or --tiny, which runs on the CPU)", file=sys.stderr)
-        return 2
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from cli import gpu_or_interpreted  # tools/cli.py (imports no triton)
+
+    if not gpu_or_interpreted(args.tiny, "bench_fp8_variants"):
+        return 2
     from bench_gemm_fp8 import SHAPES, TINY_SHAPES, uniform_offsets
     from cli import median_ms, write_report  # tools/cli.py
 

@@ -232,7 +232,7 @@ def profile_rows(shapes, tokens, device, top: int) -> list[dict]:
 
 
 def print_profile(rows) -> None:
-    print(f"\nkernel time per fwd+bwd step of the first expert GEMM (x [R, D] -> [R, 2F]), weights cached")
+    print("\nkernel time per fwd+bwd step of the first expert GEMM (x [R, D] -> [R, 2F]), weights cached")
     print(f"{'shape':<17} {'backend':<16} {'total ms':>9} {'quantize':>9} {'gemm':>9} {'other':>9}")
     for r in rows:
         print(f"{r['shape']:<17} {r['backend']:<16} {r['ms']:>9.3f} {r['quantize_ms']:>9.3f} {r['gemm_ms']:>9.3f} "
@@ -262,12 +262,11 @@ def dense_rows(dense, device, iters):
 
 def main(argv=None) -> int:
     args = parse(argv)
-    if args.tiny and not torch.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
-    elif not torch.cuda.is_available():
-        print("bench_gemm_fp8: needs a GPU (or --tiny, which runs on the CPU)", file=sys.stderr)
-        return 2
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from cli import gpu_or_interpreted  # tools/cli.py (imports no triton)
+
+    if not gpu_or_interpreted(args.tiny, "bench_gemm_fp8"):
+        return 2
     from cli import write_report  # tools/cli.py
 
     from moetron.core.metrics import run_environment

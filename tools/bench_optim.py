@@ -117,12 +117,11 @@ def measure(opt, device: torch.device, steps: int, warmup: int) -> dict:
 
 def main(argv=None) -> int:
     args = parse(argv)
-    if args.tiny and not torch.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (moetron imports it lazily)
-    elif not torch.cuda.is_available():
-        print("bench_optim: needs a GPU (or --tiny, which runs on the CPU)", file=sys.stderr)
-        return 2
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from cli import gpu_or_interpreted  # tools/cli.py (imports no triton)
+
+    if not gpu_or_interpreted(args.tiny, "bench_optim"):
+        return 2
     from cli import write_report  # tools/cli.py
 
     from moetron.core.config import ConfigError
