@@ -28,12 +28,14 @@ def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
         by_dtype.setdefault(t.dtype, []).append(i)
-    acc = torch.promote_types(tensors[0].dtype, torch.float32)
+    acc = torch.float32
+    for dtype in by_dtype:
+        acc = torch.promote_types(acc, dtype)
     norms: list[torch.Tensor | None] = [None] * len(tensors)
     for dtype, idx in by_dtype.items():
         for i, n in zip(idx, torch._foreach_norm([tensors[i] for i in idx], 2,
                                                  dtype=torch.promote_types(dtype, torch.float32))):
-            norms[i] = n.to(acc) if len(by_dtype) > 1 else n
+            norms[i] = n.to(acc)  # a no-op unless fp64 and narrower gradients mix
     return torch.stack(norms).square().sum()
 
 
