@@ -160,6 +160,22 @@ def _row_tile(off_ptr, tile, E, BM: tl.constexpr, EP: tl.constexpr):
     return group, tl.where(group < E, row0, -1), tl.sum(tl.where(this, ends, 0), 0)
 
 
+@triton.jit
+def _load_kblock(a_desc, b_desc, a_ptrs, b_ptrs, a_row, b_row, k, s_ak, s_bk, BK: tl.constexpr, USE_TMA: tl.constexpr):
+    """One K-block of A [BM, BK] and B [BK, BN]: through the TMA descriptors (A's rows from a_row,
+    B stored transposed, its rows from b_row, K from k), or through the pointers, returned stepped
+    to the next K-block. The one load of both pipelined kernels."""
+    if USE_TMA:
+        a = a_desc.load([a_row, k])
+        b = b_desc.load([b_row, k]).T
+    else:
+        a = tl.load(a_ptrs)
+        b = tl.load(b_ptrs)
+        a_ptrs += BK * s_ak
+        b_ptrs += BK * s_bk
+    return a, b, a_ptrs, b_ptrs
+
+
 @triton.autotune(configs=pipelined_configs(_INTERPRET)[:1 if _INTERPRET else None], key=["N", "K", "TMA_OK"],
                  prune_configs_by={"early_config_prune": _prune_pipelined})
 @triton.jit
@@ -186,14 +202,9 @@ def _fp8_grouped_gemm_rows_pipelined_kernel(a_ptr, a_desc, sa_ptr, b_ptr, b_desc
     b_ptrs = b_ptr + group.to(tl.int64) * s_be + offs_k[:, None] * s_bk + cols[None, :] * s_bn
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for kb in range(0, K // BK):
-        if TMA and TMA_OK:  # a TMA config where descriptors cannot be made reads through pointers
-            a = a_desc.load([row0, kb * BK])
-            b = b_desc.load([group * N + pid_n * BN, kb * BK]).T
-        else:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-            a_ptrs += BK * s_ak
-            b_ptrs += BK * s_bk
+        # a TMA config where descriptors cannot be made reads through pointers
+        a, b, a_ptrs, b_ptrs = _load_kblock(a_desc, b_desc, a_ptrs, b_ptrs, row0, group * N + pid_n * BN, kb * BK,
+                                            s_ak, s_bk, BK, TMA and TMA_OK)
         sa = tl.load(sa_ptrs + kb * s_sak)
         if BN == BK:
             acc += tl.dot(a, b) * (sa * tl.load(sb_ptr + pid_n * s_sbn + kb * s_sbk))[:, None]
@@ -249,14 +260,8 @@ def _fp8_grouped_gemm_k_pipelined_kernel(a_ptr, a_desc, sa_ptr, b_ptr, b_desc, s
     b_ptrs = b_ptr + cols[None, :].to(tl.int64) * s_bn + (k0 + offs_k[:, None]) * s_bk
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for kb in range(start // BK, end // BK):
-        if TMA and TMA_OK:  # a TMA config where descriptors cannot be made reads through pointers
-            a = a_desc.load([pid_m * BM, kb * BK])
-            b = b_desc.load([pid_n * BN, kb * BK]).T
-        else:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-            a_ptrs += BK * s_ak
-            b_ptrs += BK * s_bk
+        a, b, a_ptrs, b_ptrs = _load_kblock(a_desc, b_desc, a_ptrs, b_ptrs, pid_m * BM, pid_n * BN, kb * BK,
+                                            s_ak, s_bk, BK, TMA and TMA_OK)
         sa = tl.load(sa_ptr + rows.to(tl.int64) * s_sam + kb * s_sak)
         sb = tl.load(sb_ptr + cols.to(tl.int64) * s_sbn + kb * s_sbk)
         acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
