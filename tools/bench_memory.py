@@ -127,7 +127,7 @@ def measure(model_cfg: ModelConfig, memory: MemoryConfig, optimizer: OptimizerCo
     param_bytes = _nbytes(params)
     # As many as the params, in their dtype, or in their holder's (precision.expert_grads_bf16: bf16 copies).
     holder = getattr(trainer.optimizer, "gradient_holder", lambda p: None)
-    grad_bytes = _nbytes(holder(p) if holder(p) is not None else p for p in params if p.requires_grad)
+    grad_bytes = _nbytes(h if (h := holder(p)) is not None else p for p in params if p.requires_grad)
     for _ in range(args.warmup):
         trainer.train_step(data.next_batch())
     state_bytes = optimizer_state_bytes(trainer.optimizer)

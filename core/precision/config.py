@@ -102,7 +102,7 @@ class PrecisionConfig(Config):
     """bf16 recipe: the routed experts' SwiGLU (silu(gate) * up) and its backward in one Triton pass
     each on CUDA (core/precision/swiglu_triton.py) instead of seven torch elementwise passes; the same
     roundings, equal to the torch path within a stated tolerance (tests/core/test_swiglu_triton.py).
-    On by default (measured on the H200: +3.2% tokens/s and -1.1 GiB on olmoe3-4l-8e, docs/performance.md);
+    On by default (measured on the H200: +3.2% tokens/s and -1.2 GiB on olmoe3-4l-8e, docs/performance.md);
     the CPU always takes the torch path; ``false`` forces it on CUDA too."""
 
     def validate(self) -> None:
