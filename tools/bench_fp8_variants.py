@@ -1,13 +1,14 @@
 #!/usr/bin/env python
 """The FP8 blockwise grouped GEMM kernels against each other (core/precision/fp8_triton.py's
-GroupedKernel: masked, the first kernels; pipelined, the variant) and against bf16, one GEMM at a
+GroupedKernel: masked, the first kernels; pipelined, the default), against the cuBLAS loop over
+experts (core/precision/fp8_cublas.py, on the GPU) and against bf16, one GEMM at a
 time: forward (x [R, I] -> [R, O]), dgrad (dy [R, O] -> [R, I]) and wgrad ([E, O, I]) of each
 expert GEMM picked (default gate|up: I = D, O = 2F) at tools/bench_gemm_fp8.py's layer shapes
 (uniform routing, R = tokens x top-k rows), 2 x R x I x O FLOPs each.
 
-Per (shape, GEMM, pass): bf16 ``torch._grouped_mm``, the masked kernel and the pipelined kernel, each
+Per (shape, GEMM, pass): bf16 ``torch._grouped_mm``, the masked, pipelined and cuBLAS-loop GEMMs, each
 after its autotuning (first call, not timed); the config the pipelined kernel's autotuner chose and
-its runners-up; the pipelined output against the masked one (max |difference| over max |masked|;
+its runners-up; the pipelined (and cuBLAS) output against the masked one (max |difference| over max |masked|;
 exit 1 past 2^-7, one bf16 step). Operands are quantized once, outside the timing. Each row is
 printed as it is measured and the JSON rewritten after each shape, so a run cut short keeps what it
 finished.
@@ -46,6 +47,7 @@ def operands(R: int, I: int, O: int, E: int, offsets_E: torch.Tensor, device) ->
     1x128 along the row; w 128x128 (w and its transpose, each K-contiguous for its GEMM); dy^T and
     x^T [*, P] over each expert's rows padded to 128s, 1x128 along P (the wgrad operands)."""
     from moetron.core.precision.blockwise import quantize_128x128, quantize_1x128
+    from moetron.core.precision.fp8_cublas import ROW_SLACK
     from moetron.core.precision.grouping import pad_groups
 
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -55,25 +57,32 @@ def operands(R: int, I: int, O: int, E: int, offsets_E: torch.Tensor, device) ->
     w_q, w_s = quantize_128x128(w)  # [E, O, I], [E, O / 128, I / 128]
     x_P, padded_offsets_E = pad_groups(x, offsets_E, 128)
     dy_P, _ = pad_groups(dy, offsets_E, 128)
+    slack = lambda t: quantize_1x128(torch.nn.functional.pad(t, (0, 0, 0, ROW_SLACK)), -1)  # noqa: E731
     return dict(x=x, w=w.bfloat16(), dy=dy, x_q=quantize_1x128(x, -1), dy_q=quantize_1x128(dy, -1),
+                x_q_slack=slack(x), dy_q_slack=slack(dy),
                 w_q=w_q, wt_q=w_q.transpose(1, 2).contiguous(), w_s=w_s,
                 dyt_q=quantize_1x128(dy_P.t().contiguous(), -1), xt_q=quantize_1x128(x_P.t().contiguous(), -1),
                 padded_offsets_E=padded_offsets_E)
 
 
 def passes(ops: dict, offsets_E: torch.Tensor) -> dict:
-    """pass -> (bf16 call, fp8 call taking the kernel)."""
+    """pass -> (bf16 call, fp8 call taking the kernel, the cuBLAS per-expert loop's call)."""
+    from moetron.core.precision import fp8_cublas  # noqa: F401  (registers torch.ops.moetron.fp8_cublas_*)
     from moetron.core.precision import fp8_triton as ft
     from moetron.core.precision.grouping import grouped_mm_2d2d, grouped_mm_2d3d
 
     x_q, dy_q, w_q, wt_q, w_s = ops["x_q"], ops["dy_q"], ops["w_q"], ops["wt_q"], ops["w_s"]
+    ops_ = torch.ops.moetron
     return {
         "fwd": (lambda: grouped_mm_2d3d(ops["x"], ops["w"].transpose(1, 2), offsets_E),
-                lambda k: ft.fp8_grouped_mm_rows(*x_q, w_q.transpose(1, 2), w_s.transpose(1, 2), offsets_E, kernel=k)),
+                lambda k: ft.fp8_grouped_mm_rows(*x_q, w_q.transpose(1, 2), w_s.transpose(1, 2), offsets_E, kernel=k),
+                lambda: ops_.fp8_cublas_rows(*ops["x_q_slack"], w_q, w_s, offsets_E)),
         "dgrad": (lambda: grouped_mm_2d3d(ops["dy"], ops["w"], offsets_E),
-                  lambda k: ft.fp8_grouped_mm_rows(*dy_q, wt_q.transpose(1, 2), w_s, offsets_E, kernel=k)),
+                  lambda k: ft.fp8_grouped_mm_rows(*dy_q, wt_q.transpose(1, 2), w_s, offsets_E, kernel=k),
+                  lambda: ops_.fp8_cublas_rows(*ops["dy_q_slack"], wt_q, w_s.transpose(1, 2), offsets_E)),
         "wgrad": (lambda: grouped_mm_2d2d(ops["dy"].t(), ops["x"], offsets_E),
-                  lambda k: ft.fp8_grouped_mm_k(*ops["dyt_q"], *ops["xt_q"], ops["padded_offsets_E"], kernel=k)),
+                  lambda k: ft.fp8_grouped_mm_k(*ops["dyt_q"], *ops["xt_q"], ops["padded_offsets_E"], kernel=k),
+                  lambda: ops_.fp8_cublas_k(*ops["dyt_q"], *ops["xt_q"], ops["padded_offsets_E"])),
     }
 
 
@@ -98,7 +107,7 @@ def main(argv=None) -> int:
     dev = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreted: timings meaningless)"
     print(f"{dev} | torch {torch.__version__} | one GEMM per row, operands quantized beforehand", flush=True)
     print(f"{'shape':<15} {'gemm':<8} {'pass':<6} {'bf16':>13} {'masked':>13} {'pipelined':>13} {'x masked':>8} "
-          f"{'x bf16':>7} {'rel diff':>9}  pipelined config (runners-up ms)", flush=True)
+          f"{'x bf16':>7} {'rel diff':>9} {'cublas loop':>13} {'x bf16':>6}  pipelined config (runners-up ms)", flush=True)
     rows, ok, t0 = [], True, time.perf_counter()
     for name, s in shapes.items():
         D, E, K, F = s["d_model"], s["num_experts"], s["top_k"], s["hidden"]
@@ -107,7 +116,7 @@ def main(argv=None) -> int:
         for gemm in args.gemms.split(","):
             I, O = GEMMS[gemm](D, F)
             ops = operands(R, I, O, E, offsets_E, device)
-            for kind, (bf16, fp8) in passes(ops, offsets_E).items():
+            for kind, (bf16, fp8, cublas) in passes(ops, offsets_E).items():
                 flops = 2 * R * I * O
                 row = {"kind": "gemm", "shape": name, "gemm": gemm, "pass": kind, "rows": R, "I": I, "O": O}
                 ms = {"bf16": median_ms(bf16, device, warmup=2, iters=iters)}
@@ -122,19 +131,26 @@ def main(argv=None) -> int:
                     ms[k] = median_ms(lambda: fp8(k), device, warmup=2, iters=iters)
                 masked, pipelined = out[ft.GroupedKernel.masked].float(), out[ft.GroupedKernel.pipelined].float()
                 used = slice(0, int(offsets_E[-1])) if kind != "wgrad" else slice(None)
-                row["rel_diff"] = ((pipelined[used] - masked[used]).abs().max()
-                                   / masked[used].abs().max().clamp_min(1e-30)).item()
-                row["ok"] = row["rel_diff"] <= TOL
+                rel = lambda t: ((t[used] - masked[used]).abs().max()  # noqa: E731
+                                 / masked[used].abs().max().clamp_min(1e-30)).item()
+                row["rel_diff"] = rel(pipelined)
+                if device.type == "cuda":  # cuBLAS's blockwise scaled_mm: SM90 only
+                    ms["cublas"] = median_ms(cublas, device, warmup=2, iters=iters)
+                    row["cublas_rel_diff"] = rel(cublas().float())
+                row["ok"] = max(row["rel_diff"], row.get("cublas_rel_diff", 0.0)) <= TOL
                 ok &= row["ok"]
                 for k, v in ms.items():
                     row[f"{k}_ms"], row[f"{k}_tflops"] = v, flops / v / 1e9
                 row["vs_masked"] = ms["masked"] / ms["pipelined"]
                 row["vs_bf16"] = ms["bf16"] / ms["pipelined"]
+                if "cublas" in ms:
+                    row["cublas_vs_bf16"] = ms["bf16"] / ms["cublas"]
                 rows.append(row)
                 cell = lambda k: f"{ms[k]:6.3f}/{flops / ms[k] / 1e9:6.1f}"  # noqa: E731
                 others = ", ".join(f"{c} {t:.3f}" for c, t in list(row["config_ms"].items())[1:4])
+                cub = f"{cell('cublas'):>13} {row['cublas_vs_bf16']:>6.2f}" if "cublas" in ms else f"{'-':>13} {'-':>6}"
                 print(f"{name:<15} {gemm:<8} {kind:<6} {cell('bf16'):>13} {cell('masked'):>13} {cell('pipelined'):>13} "
-                      f"{row['vs_masked']:>8.2f} {row['vs_bf16']:>7.2f} {row['rel_diff']:>9.1e}  {row['config']}"
+                      f"{row['vs_masked']:>8.2f} {row['vs_bf16']:>7.2f} {row['rel_diff']:>9.1e} {cub}  {row['config']}"
                       + (f" ({others})" if others else "") + ("" if row["ok"] else "  MISMATCH"), flush=True)
             del ops
         write_report(args.json, env, rows)  # after each shape: a run cut short keeps the shapes it finished

@@ -7,10 +7,12 @@ per precision backend, after a correctness check of the FP8 kernels on this devi
    of the same quantized-then-dequantized operands (1x128 / 128x128 tiles, per expert); each
    element's error over the sum of its products' magnitudes must be <= 2^-7.
 2. Grouped: both GEMMs of an MoE layer's experts (x [R, D] -> [R, 2F] and [R, F] -> [R, D], R =
-   tokens x top-k rows, uniform routing) at the two layer shapes of tools/bench_moe.py, fwd+bwd
+   tokens x top-k rows, uniform routing) at the two layer shapes of tools/bench_moe.py and at
+   olmoe3-4l-8e's (8 experts, the step benchmarks' shape), fwd+bwd
    (6 x R x I x O FLOPs per GEMM): bf16 torch._grouped_mm (bf16 weights), fp8_blockwise (Triton,
    fp32 master weights quantized once per step: ``cached``; and requantized every call), mxfp8
-   emulated (labelled so: exact MX operands through bf16 GEMMs).
+   emulated (labelled so: exact MX operands through bf16 GEMMs); on the GPU also fp8_blockwise
+   ``cublas`` (one cuBLAS blockwise GEMM per expert, core/precision/fp8_cublas.py).
 3. Dense: [T, I] x [I, O] linears at 16384 x 2048 x 2048 and 16384 x 4096 x 4096, fwd+bwd: bf16
    F.linear vs fp8_blockwise (F.scaled_mm, and the Triton kernel with one group).
 
@@ -35,6 +37,7 @@ import torch
 SHAPES = {  # tools/bench_moe.py's layer shapes: (D, E, K, F)
     "olmoe": dict(d_model=2048, num_experts=64, top_k=8, hidden=1024),
     "olmo3-moe-3.2b": dict(d_model=4096, num_experts=64, top_k=4, hidden=4096),
+    "olmo3-moe-8e": dict(d_model=4096, num_experts=8, top_k=4, hidden=4096),  # the step benchmarks' olmoe3-4l-8e
 }
 DENSE = [(16384, 2048, 2048), (16384, 4096, 4096)]
 TINY_SHAPES = {"tiny": dict(d_model=256, num_experts=4, top_k=2, hidden=128)}
@@ -139,6 +142,8 @@ def backends(device):
 
     out = {"bf16": (TorchGemm(), torch.bfloat16)}
     out["fp8_blockwise"] = (Fp8BlockwiseGemm("triton"), torch.float32)
+    if device.type == "cuda":  # one cuBLAS blockwise GEMM per expert (host sync; SM90 cuBLAS only)
+        out["fp8_blockwise cublas"] = (Fp8BlockwiseGemm("triton", experts="cublas"), torch.float32)
     out["mxfp8 emulated"] = (EmulatedGemm(MXFormat()), torch.float32)
     return out
 

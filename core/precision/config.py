@@ -11,7 +11,7 @@ from ..distributed import is_main
 from .gemm import gemm_backend
 from .policy import GemmModule, PrecisionPolicy
 
-__all__ = ["GemmModule", "PrecisionBackend", "PrecisionConfig", "PrecisionRecipe"]
+__all__ = ["Fp8Experts", "GemmModule", "PrecisionBackend", "PrecisionConfig", "PrecisionRecipe"]
 
 
 class PrecisionRecipe(StrEnum):
@@ -48,6 +48,16 @@ class WeightCopies(StrEnum):
         if isinstance(value, bool) or str(value).lower() in ("true", "false"):
             return cls.step if value is True or str(value).lower() == "true" else cls.none
         return None
+
+
+class Fp8Experts(StrEnum):
+    triton = "triton"
+    """core/precision/fp8_triton.py: grouped Triton kernels that find each row tile's expert from the
+    offsets on the device (no host sync, any number of experts)."""
+    cublas = "cublas"
+    """core/precision/fp8_cublas.py: torch's blockwise scaled_mm (cuBLAS) once per expert, the group
+    sizes read on the host (one sync per GEMM, about 55 us of CPU per expert): 1.3-1.7x the bf16
+    grouped GEMM with 8 experts of 8192 rows on the H200, CPU-bound with 64 small experts."""
 
 
 class PrecisionBackend(StrEnum):
@@ -104,6 +114,10 @@ class PrecisionConfig(Config):
     roundings, equal to the torch path within a stated tolerance (tests/core/test_swiglu_triton.py).
     On by default (measured on the H200: +3.2% tokens/s and -1.2 GiB on olmoe3-4l-8e, docs/performance.md);
     the CPU always takes the torch path; ``false`` forces it on CUDA too."""
+    fp8_experts: Fp8Experts = Fp8Experts.triton
+    """fp8_blockwise recipe, native backend: how the routed experts' grouped FP8 GEMMs run (see
+    Fp8Experts): the Triton kernels (no host sync) or one cuBLAS GEMM per expert (a host sync per
+    GEMM; faster where a layer has few experts with many rows each)."""
 
     def validate(self) -> None:
         super().validate()
@@ -165,11 +179,12 @@ class PrecisionConfig(Config):
                                   f"experts runs on SM100 / SM103 (compute capability 10.x), and this GPU is "
                                   f"SM{major}x: use --precision.backend=emulated, or "
                                   f"--precision.modules=[attention,mlp] (experts then stay bf16)")
-        gemm = low_precision_gemm(recipe, backend, self.mx_scale)
+        gemm = low_precision_gemm(recipe, backend, self.mx_scale, self.fp8_experts)
         return PrecisionPolicy(device_type, torch.bfloat16, gemm, modules=frozenset(GemmModule(m) for m in self.modules))
 
 
-def low_precision_gemm(recipe: PrecisionRecipe | str, backend: PrecisionBackend | str, mx_scale: str = "rceil"):
+def low_precision_gemm(recipe: PrecisionRecipe | str, backend: PrecisionBackend | str, mx_scale: str = "rceil",
+                       fp8_experts: Fp8Experts | str = Fp8Experts.triton):
     """The GemmBackend instance of a low-precision recipe and a resolved backend (native / emulated)."""
     recipe, backend = PrecisionRecipe(recipe), PrecisionBackend(backend)
     if backend == PrecisionBackend.emulated:
@@ -182,4 +197,4 @@ def low_precision_gemm(recipe: PrecisionRecipe | str, backend: PrecisionBackend 
         return NativeMXGemm(mx_scale)
     from .fp8_gemm import Fp8BlockwiseGemm
 
-    return Fp8BlockwiseGemm()
+    return Fp8BlockwiseGemm(experts=str(Fp8Experts(fp8_experts)))

@@ -5,7 +5,8 @@
   BlockWise128x128 (w) for the forward and the dgrad, BlockWise1x128 on both for the wgrad (a
   reduction over tokens); ``dense="triton"`` runs them through the grouped kernel with one group.
 - Grouped experts: the Triton kernels of core.precision.fp8_triton (torch has no blockwise grouped
-  GEMM for SM90); the wgrad's 128-token blocks never hold two experts' rows (pad_groups).
+  GEMM for SM90), or ``experts="cublas"``: one F.scaled_mm per expert (core.precision.fp8_cublas,
+  a host sync per GEMM); the wgrad's 128-token blocks never hold two experts' rows (pad_groups).
 
 Every operand is quantized along its GEMM's reduction dim; the layouts are the fast ones (the
 K-contiguous operand of every GEMM: w and w^T both kept, once per optimizer step; x saved for the
@@ -24,12 +25,14 @@ import torch.nn.functional as F
 
 from .blockwise import FP8_BLOCK, quantize_128x128, quantize_1x128
 from .cache import WeightCache
+from .fp8_cublas import ROW_SLACK, _m_fastest, _tile_scales
 from .gemm import GemmBackend
 from .grouping import gather_rows, padded_source_rows
 
 __all__ = ["Fp8BlockwiseGemm", "has_blockwise_scaled_mm"]
 
 QUANT = ("auto", "triton", "torch")
+EXPERTS = ("triton", "cublas")  # the grouped GEMMs: fp8_triton's kernels, or fp8_cublas's loop over experts
 
 
 def has_blockwise_scaled_mm() -> bool:
@@ -45,19 +48,6 @@ def _weights_torch(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     """w [..., O, I] -> (data [..., O, I], data^T [..., I, O] contiguous, scales [..., O/128, I/128])."""
     data, scale = quantize_128x128(w)
     return data, data.transpose(-2, -1).contiguous(), scale
-
-
-def _outer_major(s: torch.Tensor) -> torch.Tensor:
-    """A [M, B] scale tensor laid out M-fastest (stride (1, M)), as cuBLAS's 1x128 scales want."""
-    return s.t().contiguous().t()
-
-
-def _tile_scales(s_NB: torch.Tensor) -> torch.Tensor:
-    """128x128 scales of a GEMM's [N, K] operand, [N/128, K/128], as F.scaled_mm wants them for
-    BlockWise128x128: K blocks padded to a multiple of 4, then [L4, N/128] with stride (1, L4)."""
-    pad = -s_NB.shape[1] % 4
-    s = F.pad(s_NB, (0, pad)) if pad else s_NB
-    return s.contiguous().t()
 
 
 def _scaled_mm(a, sa, b, sb, recipe_b, out_dtype):
@@ -79,11 +69,11 @@ def _quantize(gemm: "Fp8BlockwiseGemm", x_RC: torch.Tensor, rows: bool, tokens: 
     if rows:
         pad = (rows_out if rows_out is not None else x_RC.shape[0]) - x_RC.shape[0]
         d, s = quantize_1x128(F.pad(x_RC, (0, 0, 0, pad)) if pad else x_RC, -1)
-        rq = (d, _outer_major(s) if outer else s)
+        rq = (d, _m_fastest(s) if outer else s)
     if tokens:
         x_P = gather_rows(x_RC, src_P) if src_P is not None else _pad_rows(x_RC, FP8_BLOCK)
         d, s = quantize_1x128(x_P.t().contiguous(), -1)
-        tq = (d, _outer_major(s) if outer else s)
+        tq = (d, _m_fastest(s) if outer else s)
     return rq, tq
 
 
@@ -155,12 +145,16 @@ class _Fp8GroupedMM(torch.autograd.Function):
     def forward(ctx, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor, gemm: "Fp8BlockwiseGemm"):
         from .fp8_triton import fp8_grouped_mm_rows
 
+        R = x_RI.shape[0]
+        cublas = gemm.experts == "cublas"
         w_q, wt_q, w_s = _weights(gemm, w_EOI)
         # the wgrad operand: each expert's rows padded to whole 128s, read through an index
-        src_P, padded_offsets_E = padded_source_rows(offsets_E, x_RI.shape[0], FP8_BLOCK)
-        (x_q, x_s), xt = _quantize(gemm, x_RI, True, True, src_P)
-        # B[e] = w[e]^T [I, O], K-contiguous; its tiles [E, I/128, O/128]
-        y_RO = fp8_grouped_mm_rows(x_q, x_s, w_q.transpose(1, 2), w_s.transpose(1, 2), offsets_E)
+        src_P, padded_offsets_E = padded_source_rows(offsets_E, R, FP8_BLOCK)
+        (x_q, x_s), xt = _quantize(gemm, x_RI, True, True, src_P, rows_out=R + ROW_SLACK if cublas else None)
+        if cublas:  # B[e] = w[e] [O, I] as the [N, K] operand; its tiles [E, O/128, I/128]
+            y_RO = torch.ops.moetron.fp8_cublas_rows(x_q, x_s, w_q, w_s, offsets_E)[:R]
+        else:  # B[e] = w[e]^T [I, O], K-contiguous; its tiles [E, I/128, O/128]
+            y_RO = fp8_grouped_mm_rows(x_q, x_s, w_q.transpose(1, 2), w_s.transpose(1, 2), offsets_E)
         ctx.save_for_backward(*xt, w_EOI, offsets_E, src_P, padded_offsets_E)
         ctx.gemm, ctx.x_dtype = gemm, x_RI.dtype
         return y_RO
@@ -170,32 +164,42 @@ class _Fp8GroupedMM(torch.autograd.Function):
         from .fp8_triton import fp8_grouped_mm_k, fp8_grouped_mm_rows
 
         xt_q, xt_s, w_EOI, offsets_E, src_P, padded_offsets_E = ctx.saved_tensors
-        gemm = ctx.gemm
+        gemm, R = ctx.gemm, dy_RO.shape[0]
+        cublas = gemm.experts == "cublas"
         dx = dw = None
-        dyq, dyt = _quantize(gemm, dy_RO, ctx.needs_input_grad[0], ctx.needs_input_grad[1], src_P)
+        dyq, dyt = _quantize(gemm, dy_RO, ctx.needs_input_grad[0], ctx.needs_input_grad[1], src_P,
+                             rows_out=R + ROW_SLACK if cublas else None)
         if ctx.needs_input_grad[0]:
             w_q, wt_q, w_s = _weights(gemm, w_EOI)
-            # B[e] = w[e] [O, I] read from w^T's storage (K = O contiguous); tiles [E, O/128, I/128]
-            dx = fp8_grouped_mm_rows(*dyq, wt_q.transpose(1, 2), w_s, offsets_E).to(ctx.x_dtype)
+            if cublas:  # B[e] = w[e]^T [I, O] as the [N, K] operand; its tiles [E, I/128, O/128]
+                dx = torch.ops.moetron.fp8_cublas_rows(*dyq, wt_q, w_s.transpose(1, 2), offsets_E)[:R]
+            else:  # B[e] = w[e] [O, I] read from w^T's storage (K = O contiguous); tiles [E, O/128, I/128]
+                dx = fp8_grouped_mm_rows(*dyq, wt_q.transpose(1, 2), w_s, offsets_E)
+            dx = dx.to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            dw = fp8_grouped_mm_k(*dyt, xt_q, xt_s, padded_offsets_E).to(w_EOI.dtype)
+            wgrad = torch.ops.moetron.fp8_cublas_k if cublas else fp8_grouped_mm_k
+            dw = wgrad(*dyt, xt_q, xt_s, padded_offsets_E).to(w_EOI.dtype)
         return dx, dw, None, None
 
 
 class Fp8BlockwiseGemm(GemmBackend):
     """FP8 blockwise on the GPU (see the module docstring). ``dense``: "scaled_mm" (cuBLAS through
     F.scaled_mm) or "triton" (the grouped kernel, one group). ``quant``: "auto" (the fused Triton
-    quantization kernels on CUDA, torch ops elsewhere), "triton" or "torch"."""
+    quantization kernels on CUDA, torch ops elsewhere), "triton" or "torch". ``experts``: the
+    grouped GEMMs through the Triton kernels ("triton", no host sync) or one cuBLAS GEMM per expert
+    ("cublas": core/precision/fp8_cublas.py, one host sync per GEMM; faster with few experts)."""
 
     name = "fp8_blockwise"
     label = "fp8_blockwise (1x128 / 128x128 FP8 GEMMs)"
 
-    def __init__(self, dense: str = "scaled_mm", quant: str = "auto") -> None:
+    def __init__(self, dense: str = "scaled_mm", quant: str = "auto", experts: str = "triton") -> None:
         if dense not in ("scaled_mm", "triton"):
             raise ValueError(f"dense must be 'scaled_mm' or 'triton', got {dense!r}")
         if quant not in QUANT:
             raise ValueError(f"quant must be one of {QUANT}, got {quant!r}")
-        self.dense, self.quant = dense, quant
+        if experts not in EXPERTS:
+            raise ValueError(f"experts must be one of {EXPERTS}, got {experts!r}")
+        self.dense, self.quant, self.experts = dense, quant, experts
         self.row_multiple = 4 if dense == "scaled_mm" else 1  # cuBLAS: the 1x128 scales' rows in 4s
         self.cache = WeightCache()
 
@@ -214,4 +218,4 @@ class Fp8BlockwiseGemm(GemmBackend):
         self.cache.invalidate()
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(dense={self.dense!r}, quant={self.quant!r})"
+        return f"{type(self).__name__}(dense={self.dense!r}, quant={self.quant!r}, experts={self.experts!r})"
