@@ -25,21 +25,19 @@ import triton
 import triton.language as tl
 
 from .blockwise import FP8_BLOCK
-from .mx_triton import as_loadable, exp2_int, load_fp32, mx_exponent, round_to_e4m3
+from .mx_triton import HW_CONVERT, as_loadable, exp2_int, load_fp32, mx_exponent, signed_e4m3
 
 __all__ = ["quantize_128x128_triton", "quantize_1x128_fused"]
 
 
 @triton.jit
-def _fp8_tile(x, amax, nan_count):
+def _fp8_tile(x, amax, nan_count, HW: tl.constexpr):
     """(the e4m3 tile of x given its blocks' amax broadcast to x's shape, the blocks' fp32 scales):
-    nothing but the one rounding; a NaN element becomes e4m3's NaN 0x7F, set by bits (the
-    interpreter's own conversion of NaN differs)."""
+    nothing but the one rounding (signed_e4m3: the GPU's conversion when HW); a NaN element becomes
+    e4m3's NaN 0x7F, set by bits (the interpreter's own conversion of NaN differs)."""
     finite = (nan_count == 0) & (amax < float("inf"))
     e = tl.where(finite, mx_exponent(amax, False), 0)
-    q = round_to_e4m3(tl.minimum(tl.maximum(x * exp2_int(-e), -448.0), 448.0))
-    sign = x.to(tl.int32, bitcast=True) & (-2147483648)
-    q = (tl.abs(q).to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    q = signed_e4m3(x, exp2_int(-e), HW)
     q8 = tl.where(x == x, q, 0.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     return tl.where(x == x, q8, 0x7F).to(tl.float8e4nv, bitcast=True), exp2_int(e)
 
@@ -49,6 +47,7 @@ def _fp8_quantize_1x128_kernel(
     x_ptr, src_ptr, rd_ptr, rs_ptr, td_ptr, ts_ptr, R, P, C, R_OUT,
     s_xr, s_xc, s_rdr, s_rdc, s_rsr, s_rsb, s_tdc, s_tdp, s_tsc, s_tsb,
     GATHER: tl.constexpr, ROWS: tl.constexpr, TOKENS: tl.constexpr, IN_BF16: tl.constexpr, BLOCK: tl.constexpr,
+    HW: tl.constexpr,
 ):
     pid_c, pid_p = tl.program_id(0), tl.program_id(1)
     p = pid_p * BLOCK + tl.arange(0, BLOCK)
@@ -65,20 +64,21 @@ def _fp8_quantize_1x128_kernel(
     nan = (x != x).to(tl.int32)
     if ROWS:
         amax = tl.max(tl.abs(x), axis=1)
-        q, scale = _fp8_tile(x, amax[:, None], tl.max(nan, axis=1)[:, None])
+        q, scale = _fp8_tile(x, amax[:, None], tl.max(nan, axis=1)[:, None], HW)
         src64 = src.to(tl.int64)
         tl.store(rd_ptr + src64[:, None] * s_rdr + c[None, :] * s_rdc, q, mask=row_out[:, None])
         tl.store(rs_ptr + src64 * s_rsr + pid_c * s_rsb, tl.max(scale, axis=1), mask=row_out)
     if TOKENS:
         amax = tl.max(tl.abs(x), axis=0)
-        q, scale = _fp8_tile(x, amax[None, :], tl.max(nan, axis=0)[None, :])
+        q, scale = _fp8_tile(x, amax[None, :], tl.max(nan, axis=0)[None, :], HW)
         qt = tl.trans(q)  # [C tile, P tile], written with P contiguous
         tl.store(td_ptr + c[:, None].to(tl.int64) * s_tdc + p[None, :] * s_tdp, qt, mask=(p < P)[None, :])
         tl.store(ts_ptr + c.to(tl.int64) * s_tsc + pid_p * s_tsb, tl.max(scale, axis=0))
 
 
 @triton.jit
-def _fp8_quantize_128x128_kernel(w_ptr, d_ptr, dt_ptr, s_ptr, O, I, IN_BF16: tl.constexpr, BLOCK: tl.constexpr):
+def _fp8_quantize_128x128_kernel(w_ptr, d_ptr, dt_ptr, s_ptr, O, I, IN_BF16: tl.constexpr, BLOCK: tl.constexpr,
+                                 HW: tl.constexpr):
     """w [G, O, I] contiguous; one program per 128 x 128 tile: d [G, O, I], dt [G, I, O], s [G, O/128, I/128]."""
     pid_i, pid_o, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o = pid_o * BLOCK + tl.arange(0, BLOCK)
@@ -87,7 +87,7 @@ def _fp8_quantize_128x128_kernel(w_ptr, d_ptr, dt_ptr, s_ptr, O, I, IN_BF16: tl.
     x = load_fp32(w_ptr + base + o[:, None] * I + i[None, :], (o < O)[:, None], IN_BF16)
     amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
     nan = tl.max(tl.max((x != x).to(tl.int32), axis=1), axis=0)
-    q, scale = _fp8_tile(x, amax, nan)
+    q, scale = _fp8_tile(x, amax, nan, HW)
     tl.store(d_ptr + base + o[:, None] * I + i[None, :], q)
     tl.store(dt_ptr + base + i[:, None] * O + o[None, :], tl.trans(q))
     tl.store(s_ptr + g.to(tl.int64) * (O // BLOCK) * (I // BLOCK) + pid_o * (I // BLOCK) + pid_i, scale)
@@ -135,7 +135,8 @@ def quantize_1x128_fused(x_RC: torch.Tensor, rows: bool = True, tokens: bool = T
         xk, src_rows_P if src_rows_P is not None else x_RC, rd, rs, td, ts, R, P, C, R_OUT,
         x_RC.stride(0), x_RC.stride(1), rd.stride(0), rd.stride(1), rs.stride(0), rs.stride(1),
         td.stride(0), td.stride(1), ts.stride(0), ts.stride(1),
-        GATHER=src_rows_P is not None, ROWS=rows, TOKENS=tokens, IN_BF16=in_bf16, BLOCK=FP8_BLOCK, num_warps=8,
+        GATHER=src_rows_P is not None, ROWS=rows, TOKENS=tokens, IN_BF16=in_bf16, BLOCK=FP8_BLOCK, HW=HW_CONVERT,
+        num_warps=8,
     )
     return rq, tq
 
@@ -155,5 +156,5 @@ def quantize_128x128_triton(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     if G:
         wk, in_bf16 = as_loadable(w3)
         _fp8_quantize_128x128_kernel[(I // FP8_BLOCK, O // FP8_BLOCK, G)](wk, d, dt, s, O, I, IN_BF16=in_bf16,
-                                                                          BLOCK=FP8_BLOCK, num_warps=8)
+                                                                          BLOCK=FP8_BLOCK, HW=HW_CONVERT, num_warps=8)
     return d.reshape(w.shape), dt.reshape(*lead, I, O), s.reshape(*lead, O // FP8_BLOCK, I // FP8_BLOCK)

@@ -10,14 +10,17 @@ x[src_rows[p]], or zeros where src_rows[p] < 0, which is grouping.pad_groups fus
 ``_mx_dequantize_kernel`` turns a payload back into bf16.
 
 Bits: the scale exponent comes from the bits of amax (floor) or of amax / 448 (rceil, exact ceil);
-scaling is by exact powers of two built from bits; the only rounding is to E4M3, done in fp32 by
-bit arithmetic (``round_to_e4m3``), so the interpreter agrees with the GPU. The jit helpers here
-(``round_to_e4m3``, ``mx_exponent``, ``exp2_int``, ``load_fp32``, ``store_rounded``) are shared with blockwise_triton.
+scaling is by exact powers of two built from bits; the only rounding is to E4M3, nearest even: on
+the GPU by its conversion instruction, under the interpreter by bit arithmetic (``round_to_e4m3``),
+the same values (``signed_e4m3``). The jit helpers here (``signed_e4m3``, ``round_to_e4m3``,
+``mx_exponent``, ``exp2_int``, ``load_fp32``, ``store_rounded``) are shared with blockwise_triton.
 
 Legend: P rows of the view, C its columns, R rows of the source (gathered views), B blocks.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -27,9 +30,11 @@ from ..triton_round import round_to_bf16
 
 from .mx import E4M3_MAX, MX_BLOCK, SCALE_MODES
 
-__all__ = ["dequantize_mx_triton", "exp2_int", "mx_exponent", "mx_qdq_triton", "quantize_mx_triton",
-           "as_loadable", "load_fp32", "round_to_e4m3", "store_rounded"]
+__all__ = ["HW_CONVERT", "dequantize_mx_triton", "exp2_int", "mx_exponent", "mx_qdq_triton", "quantize_mx_triton",
+           "as_loadable", "load_fp32", "round_to_e4m3", "signed_e4m3", "store_rounded"]
 
+# The GPU rounds to E4M3 with its conversion instruction; the interpreter by bits (signed_e4m3)
+HW_CONVERT = os.environ.get("TRITON_INTERPRET") != "1"
 _ROWS_TILE = (32, 128)   # axis -1: 32 rows x 4 blocks of 32
 _COLS_TILE = (32, 256)   # axis 0: one block of 32 rows x 256 columns
 
@@ -100,12 +105,18 @@ def store_rounded(ptrs, v, mask, OUT_BF16: tl.constexpr):
 
 
 @triton.jit
-def _signed_e4m3(x, inv):
-    """x * inv saturated to +-448 and rounded to E4M3 (fp32 values), the sign taken from x's bits
-    (negation may lower to 0 - q, which loses -0.0)."""
-    q = round_to_e4m3(tl.minimum(tl.maximum(x * inv, -448.0), 448.0))
-    sign = x.to(tl.int32, bitcast=True) & (-2147483648)
-    return (tl.abs(q).to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+def signed_e4m3(x, inv, HW: tl.constexpr):
+    """x * inv saturated to +-448 and rounded to E4M3, nearest even (fp32 values, x's sign, -0.0
+    kept). HW: by the GPU's conversion instruction (cvt.rn, a round trip through e4m3), else by
+    bits (round_to_e4m3; the sign from x's bits, as negation may lower to 0 - q and lose -0.0) for
+    the interpreter, whose own conversion rounds differently. The same values either way."""
+    y = tl.minimum(tl.maximum(x * inv, -448.0), 448.0)
+    if HW:
+        q = y.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.float32)
+    else:
+        sign = x.to(tl.int32, bitcast=True) & (-2147483648)
+        q = (tl.abs(round_to_e4m3(y)).to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    return q
 
 
 @triton.jit
@@ -128,6 +139,7 @@ def _mx_quantize_kernel(
     s_xp, s_xc, s_op, s_oc, s_dp, s_dc, s_sp, s_sc,
     ALONG_C: tl.constexpr, GATHER: tl.constexpr, WRITE_OUT: tl.constexpr, WRITE_PAYLOAD: tl.constexpr,
     FLOOR: tl.constexpr, IN_BF16: tl.constexpr, OUT_BF16: tl.constexpr, TP: tl.constexpr, TC: tl.constexpr,
+    HW: tl.constexpr,
 ):
     pid_p, pid_c = tl.program_id(0), tl.program_id(1)
     p, c, i = _tile(pid_p, pid_c, ALONG_C, TP, TC)
@@ -154,7 +166,7 @@ def _mx_quantize_kernel(
         e2, finite2 = e[:, None], finite[:, None]
     else:
         e2, finite2 = e[None, :], finite[None, :]
-    q = _signed_e4m3(x, exp2_int(-e2))
+    q = signed_e4m3(x, exp2_int(-e2), HW)
     if WRITE_OUT:
         deq = tl.where(finite2, q * exp2_int(e2), float("nan"))
         store_rounded(out_ptr + p2.to(tl.int64) * s_op + c * s_oc, deq, mask, OUT_BF16)
@@ -221,7 +233,8 @@ def _launch(x, axis, scale_mode, src_rows, out_dtype, payload):
         xk, src_rows if src_rows is not None else dummy, o, d, s, P, x.shape[0], C,
         x.stride(0), x.stride(1), o.stride(0), o.stride(1), d.stride(0), d.stride(1), s.stride(0), s.stride(1),
         ALONG_C=axis == 1, GATHER=src_rows is not None, WRITE_OUT=out is not None, WRITE_PAYLOAD=payload,
-        FLOOR=scale_mode == "floor", IN_BF16=in_bf16, OUT_BF16=out_dtype == torch.bfloat16, TP=TP, TC=TC, num_warps=4,
+        FLOOR=scale_mode == "floor", IN_BF16=in_bf16, OUT_BF16=out_dtype == torch.bfloat16, TP=TP, TC=TC,
+        HW=HW_CONVERT, num_warps=4,
     )
     return out, data, scale
 

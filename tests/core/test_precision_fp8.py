@@ -157,7 +157,9 @@ def _compile_sm90(kernel, config, values: dict, constexprs: dict):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = kernel.fn
+    from triton.runtime.jit import JITFunction
+
+    fn = kernel if isinstance(kernel, JITFunction) else kernel.fn  # a jit function, or an autotuned kernel's
     signature, attrs, constants = {}, {}, {**constexprs, **config.kwargs}
     for i, name in enumerate(fn.arg_names):
         value = values.get(name)
@@ -239,3 +241,29 @@ def test_pipelined_on_gpu_matches_float64():
 @pytest.mark.parametrize("experts", ["triton", "cublas"])
 def test_fp8_on_gpu_matches_float64(experts):
     check_fp8("cuda", dense_modes=("triton", "scaled_mm"), experts=experts)
+
+
+@pytest.mark.parametrize("kernel_name", ["_fp8_quantize_1x128_kernel", "_fp8_quantize_128x128_kernel"])
+def test_quantize_kernels_round_with_the_conversion_instruction_on_sm90(kernel_name):
+    """On the GPU the FP8 quantization rounds to E4M3 with cvt.rn.satfinite (mx_triton.signed_e4m3,
+    HW=True), not by the interpreter's bit arithmetic: the PTX for SM90 holds the conversion and
+    none of round_to_e4m3's constants (its bits agreeing with torch's is the GPU test of
+    tests/core/test_blockwise_triton.py)."""
+    import triton
+
+    from moetron.core.precision import blockwise_triton as bt
+
+    ptrs = {name: t for name, t in (("x_ptr", "*i16"), ("src_ptr", "*i32"), ("rd_ptr", "*fp8e4nv"),
+                                    ("rs_ptr", "*fp32"), ("td_ptr", "*fp8e4nv"), ("ts_ptr", "*fp32"),
+                                    ("w_ptr", "*i16"), ("d_ptr", "*fp8e4nv"), ("dt_ptr", "*fp8e4nv"),
+                                    ("s_ptr", "*fp32"))}
+    ints = dict(R=65536, P=65536 + 1024, C=4096, R_OUT=65536, s_xr=4096, s_xc=1, s_rdr=4096, s_rdc=1, s_rsr=32,
+                s_rsb=1, s_tdc=65536 + 1024, s_tdp=1, s_tsc=528, s_tsb=1, O=4096, I=4096)
+    constexprs = dict(BLOCK=128, IN_BF16=True, HW=True)
+    if kernel_name == "_fp8_quantize_1x128_kernel":
+        constexprs.update(GATHER=True, ROWS=True, TOKENS=True)
+    ptx = _compile_sm90(getattr(bt, kernel_name), triton.Config({}, num_warps=8, num_stages=1),
+                        {**ptrs, **ints}, constexprs).asm["ptx"]
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    # round_to_e4m3's subnormal rounding adds and subtracts 1.5 x 2^14 (0f46C00000 in PTX): HW=False has it
+    assert "0f46C00000" not in ptx
