@@ -25,9 +25,9 @@ import triton
 import triton.language as tl
 
 from .blockwise import FP8_BLOCK
-from .mx_triton import HW_CONVERT, as_loadable, exp2_int, load_fp32, mx_exponent, signed_e4m3
+from .mx_triton import HW_CONVERT, as_loadable, exp2_int, load_fp32, mx_exponent, signed_e4m3, widen_fp32
 
-__all__ = ["quantize_128x128_triton", "quantize_1x128_fused"]
+__all__ = ["quantize_128x128_triton", "quantize_1x128_fused", "use_quantize_configs"]
 
 
 @triton.jit
@@ -42,12 +42,22 @@ def _fp8_tile(x, amax, nan_count, HW: tl.constexpr):
     return tl.where(x == x, q8, 0x7F).to(tl.float8e4nv, bitcast=True), exp2_int(e)
 
 
+def _quantize_configs(interpret: bool) -> list[triton.Config]:
+    """Autotune candidates of the 1x128 kernel: where its tokens output's transpose happens (TRANS:
+    0 the e4m3 tile, 1 the loaded bits, before widening, 2 none: the tile loaded a second time
+    transposed) x 4 or 8 warps; the interpreter runs one (the tests pick each, use_quantize_configs)."""
+    if interpret:
+        return [triton.Config({"TRANS": 0}, num_warps=4)]
+    return [triton.Config({"TRANS": t}, num_warps=w) for t in (0, 1, 2) for w in (4, 8)]
+
+
+@triton.autotune(configs=_quantize_configs(not HW_CONVERT), key=["C", "P", "GATHER", "ROWS", "TOKENS"])
 @triton.jit
 def _fp8_quantize_1x128_kernel(
     x_ptr, src_ptr, rd_ptr, rs_ptr, td_ptr, ts_ptr, R, P, C, R_OUT,
     s_xr, s_xc, s_rdr, s_rdc, s_rsr, s_rsb, s_tdc, s_tdp, s_tsc, s_tsb,
     GATHER: tl.constexpr, ROWS: tl.constexpr, TOKENS: tl.constexpr, IN_BF16: tl.constexpr, BLOCK: tl.constexpr,
-    HW: tl.constexpr,
+    HW: tl.constexpr, TRANS: tl.constexpr,
 ):
     pid_c, pid_p = tl.program_id(0), tl.program_id(1)
     p = pid_p * BLOCK + tl.arange(0, BLOCK)
@@ -60,20 +70,36 @@ def _fp8_quantize_1x128_kernel(
         src = p
         valid = p < R
         row_out = p < R_OUT  # rows R..R_OUT: zero padding rows, quantized as zeros
-    x = load_fp32(x_ptr + src[:, None].to(tl.int64) * s_xr + c[None, :] * s_xc, valid[:, None], IN_BF16)
-    nan = (x != x).to(tl.int32)
+    bits = tl.load(x_ptr + src[:, None].to(tl.int64) * s_xr + c[None, :] * s_xc, mask=valid[:, None], other=0)
+    x = widen_fp32(bits, IN_BF16)
     if ROWS:
         amax = tl.max(tl.abs(x), axis=1)
-        q, scale = _fp8_tile(x, amax[:, None], tl.max(nan, axis=1)[:, None], HW)
+        q, scale = _fp8_tile(x, amax[:, None], tl.max((x != x).to(tl.int32), axis=1)[:, None], HW)
         src64 = src.to(tl.int64)
         tl.store(rd_ptr + src64[:, None] * s_rdr + c[None, :] * s_rdc, q, mask=row_out[:, None])
         tl.store(rs_ptr + src64 * s_rsr + pid_c * s_rsb, tl.max(scale, axis=1), mask=row_out)
     if TOKENS:
-        amax = tl.max(tl.abs(x), axis=0)
-        q, scale = _fp8_tile(x, amax[None, :], tl.max(nan, axis=0)[None, :], HW)
-        qt = tl.trans(q)  # [C tile, P tile], written with P contiguous
+        if TRANS == 0:  # quantize along the tile's columns, transpose the e4m3 tile
+            amax = tl.max(tl.abs(x), axis=0)
+            q, scale = _fp8_tile(x, amax[None, :], tl.max((x != x).to(tl.int32), axis=0)[None, :], HW)
+            qt, st = tl.trans(q), tl.max(scale, axis=0)  # [C tile, P tile], written with P contiguous
+        else:
+            if TRANS == 1:  # transpose the loaded bits (16 of a bf16 input), then quantize along rows
+                xt = widen_fp32(tl.trans(bits), IN_BF16)
+            else:  # load the tile again as [C tile, P tile] (from L1 / L2)
+                xt = load_fp32(x_ptr + src[None, :].to(tl.int64) * s_xr + c[:, None] * s_xc, valid[None, :], IN_BF16)
+            amax = tl.max(tl.abs(xt), axis=1)
+            qt, scale = _fp8_tile(xt, amax[:, None], tl.max((xt != xt).to(tl.int32), axis=1)[:, None], HW)
+            st = tl.max(scale, axis=1)
         tl.store(td_ptr + c[:, None].to(tl.int64) * s_tdc + p[None, :] * s_tdp, qt, mask=(p < P)[None, :])
-        tl.store(ts_ptr + c.to(tl.int64) * s_tsc + pid_p * s_tsb, tl.max(scale, axis=0))
+        tl.store(ts_ptr + c.to(tl.int64) * s_tsc + pid_p * s_tsb, st)
+
+
+def use_quantize_configs(configs: list[triton.Config]) -> None:
+    """Autotune the 1x128 kernel over ``configs`` from now on (the tests' one at a time); what was
+    tuned is forgotten."""
+    _fp8_quantize_1x128_kernel.configs = list(configs)
+    _fp8_quantize_1x128_kernel.cache.clear()
 
 
 @triton.jit
@@ -136,7 +162,6 @@ def quantize_1x128_fused(x_RC: torch.Tensor, rows: bool = True, tokens: bool = T
         x_RC.stride(0), x_RC.stride(1), rd.stride(0), rd.stride(1), rs.stride(0), rs.stride(1),
         td.stride(0), td.stride(1), ts.stride(0), ts.stride(1),
         GATHER=src_rows_P is not None, ROWS=rows, TOKENS=tokens, IN_BF16=in_bf16, BLOCK=FP8_BLOCK, HW=HW_CONVERT,
-        num_warps=8,
     )
     return rq, tq
 

@@ -31,7 +31,7 @@ from ..triton_round import round_to_bf16
 from .mx import E4M3_MAX, MX_BLOCK, SCALE_MODES
 
 __all__ = ["HW_CONVERT", "dequantize_mx_triton", "exp2_int", "mx_exponent", "mx_qdq_triton", "quantize_mx_triton",
-           "as_loadable", "load_fp32", "round_to_e4m3", "signed_e4m3", "store_rounded"]
+           "as_loadable", "load_fp32", "round_to_e4m3", "signed_e4m3", "store_rounded", "widen_fp32"]
 
 # The GPU rounds to E4M3 with its conversion instruction; the interpreter by bits (signed_e4m3)
 HW_CONVERT = os.environ.get("TRITON_INTERPRET") != "1"
@@ -78,15 +78,21 @@ def exp2_int(e):
 
 
 @triton.jit
-def load_fp32(ptrs, mask, IN_BF16: tl.constexpr):
-    """Load as fp32; IN_BF16: the pointers are a bf16 tensor's int16 view, widened by bits (exact,
-    subnormals kept: the interpreter's conversion flushes them)."""
+def widen_fp32(v, IN_BF16: tl.constexpr):
+    """Loaded values as fp32; IN_BF16: v holds a bf16 tensor's bits (its int16 view), widened by bits
+    (exact, subnormals kept: the interpreter's conversion flushes them)."""
     # one return after the if/else: Triton 3.6 type-checks the code after a constexpr-taken return
     if IN_BF16:
-        x = (tl.load(ptrs, mask=mask, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        x = (v.to(tl.int32) << 16).to(tl.float32, bitcast=True)
     else:
-        x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        x = v.to(tl.float32)
     return x
+
+
+@triton.jit
+def load_fp32(ptrs, mask, IN_BF16: tl.constexpr):
+    """Load as fp32 (widen_fp32); IN_BF16: the pointers are a bf16 tensor's int16 view."""
+    return widen_fp32(tl.load(ptrs, mask=mask, other=0), IN_BF16)
 
 
 def as_loadable(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
