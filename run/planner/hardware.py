@@ -60,11 +60,12 @@ EFF_EXPERT = 0.47
 EFF_FP8_GEMM = 1080 / 1979
 """Dense fp8 blockwise GEMMs (F.scaled_mm BlockWise1x128 / 128x128): 1000-1160 TFLOP/s measured on
 the H200 (this session's fp8 GEMM measurement), 1080 of the 1979 fp8 peak. Used for every native fp8 recipe."""
-EFF_FP8_EXPERT = 441 / 1979
-"""Grouped fp8 expert GEMMs of fp8_blockwise (core/precision/fp8_triton.py): 441 TFLOP/s fwd+bwd
-measured on the H200 at bench_gemm_fp8's wider olmo3-moe-3.2b shape (322 at the olmoe shape),
+EFF_FP8_EXPERT = 510 / 1979
+"""Grouped fp8 expert GEMMs of fp8_blockwise (core/precision/fp8_triton.py's pipelined kernels, the
+default since session 6): 510 TFLOP/s fwd+bwd measured on the H200 at bench_gemm_fp8's wider
+olmo3-moe-3.2b shape (386 at the olmoe shape; the masked kernels of session 4: 441 / 322),
 activation quantization included (so the planner's separate quantization term counts it a second
-time)."""
+time). ``precision.fp8_experts=cublas`` is not modelled (724 TFLOP/s with 8 experts, CPU-bound with 64)."""
 EFF_MX_EXPERT = EFF_EXPERT * EFF_FP8_GEMM / EFF_GEMM
 """Grouped MXFP8 expert GEMMs of native mxfp8 (torch's F.scaled_grouped_mm on SM100+, never run
 here): assumed to keep the bf16 grouped GEMM's share of the dense rate (0.47 / 0.81)."""

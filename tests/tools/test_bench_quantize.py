@@ -1,0 +1,23 @@
+"""tools/bench_quantize.py --tiny on the CPU (Triton interpreted): one row per shape with a timing
+per autotune config, the autotuned one and the config it chose."""
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.interpreted import skip_unless_interpreter_works
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_tiny_run_times_each_config(tmp_path):
+    skip_unless_interpreter_works()
+    out = tmp_path / "quantize.json"
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_quantize.py"), "--tiny", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["rows"], row["cols"]) == (256, 256) and row["copy_ms"] > 0
+    assert row["T0_w4_ms"] > 0 and row["autotuned_ms"] > 0 and row["chosen"] == "TRANS 0, 4 warps"
