@@ -5,7 +5,7 @@ Prints a table and writes JSON. Everything is computed from the configs (nothing
 parameters from ModelConfig.num_params / num_block_params, FLOPs from ModelConfig.flops_per_token,
 the layout from ParallelConfig.resolve (the same ConfigError as pretrain for a bad layout). The
 switches are read from the same config fields pretrain takes: --model.fused_loss,
---model.loss_chunk_tokens, --optimizer.state_dtype, --parallel.fsdp_offload, --precision.recipe /
+--model.loss_chunk_tokens, --optimizer.state_dtype, --parallel.fsdp_offload, --trainer.grad_sync, --precision.recipe /
 .backend / .modules (--precision NAME is short for --precision.recipe=NAME; fp8 = mxfp8), --memory.*.
 
     python tools/plan.py --preset olmoe-1b-7b --model.n_layers=8 --model.vocab_size=100352 \
@@ -80,7 +80,7 @@ def print_plan(r: dict) -> None:
           f"{' | fsdp_offload' if r['fsdp_offload'] else ''}")
     print(f"layout dp_replicate {lay['dp_replicate']} x dp_shard {lay['dp_shard']} (ep {lay['ep']} x efsdp "
           f"{lay['efsdp']}) x pp {lay['pp']} | seq {r['seq_len']} x {r['global_batch']} | micro-batch "
-          f"{r['micro_batch']} x {r['grad_accum']}")
+          f"{r['micro_batch']} x {r['grad_accum']}" + (" | grads reduced once per step" if r["grad_sync"] == "step" else ""))
     s = r["stages"][r["tight_stage"]]
     print(f"memory per rank (stage {s['stage']}, {s['layers']} blocks), GiB:")
     for key in ("params", "grads", "optimizer", "compute_copies", "activations", "loss", "comm_buffers", "peak"):
@@ -143,6 +143,8 @@ def parse(argv: list[str]) -> tuple[Plan, argparse.Namespace]:
     parser.add_argument("--compile", action="store_true", help="compiled blocks (the default)")
     parser.add_argument("--gpu", default="h200", choices=tuple(GPUS))
     parser.add_argument("--num-gpus", type=int, default=1)
+    parser.add_argument("--trainer.grad_sync", dest="grad_sync", default="micro_batch", choices=("micro_batch", "step"),
+                        help="when FSDP2 reduces gradients under accumulation (pretrain's trainer.grad_sync)")
     parser.add_argument("--search", action="store_true", help="list the fastest layouts that fit")
     parser.add_argument("--slice", action="store_true",
                         help="plan tools/bench_slice.py's slice: --layers MoE blocks of one stage under "
@@ -175,7 +177,7 @@ def parse(argv: list[str]) -> tuple[Plan, argparse.Namespace]:
     p = Plan(model=configs.model, parallel=configs.parallel, memory=configs.memory, seq_len=args.seq_len or seq,
              global_batch=args.global_batch or batch, micro_batch=args.micro_batch or micro,
              precision=configs.precision, optimizer=configs.optimizer, compiled=not args.eager, gpu=args.gpu,
-             num_gpus=args.num_gpus)
+             num_gpus=args.num_gpus, grad_sync=str(args.grad_sync))
     return p, args
 
 

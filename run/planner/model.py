@@ -313,6 +313,9 @@ class Plan:
     compiled: bool = True
     gpu: str = "h200"
     num_gpus: int = 1
+    grad_sync: str = "micro_batch"
+    """trainer.grad_sync: FSDP2 reduce-scatters every micro-batch's gradients (micro_batch), or only
+    the last one's (step: each rank accumulates its units' unsharded fp32 gradients meanwhile)."""
 
 
 def _stage_layers(n_layers: int, pp: int) -> list[list[int]]:
@@ -490,6 +493,10 @@ def plan(p: Plan) -> dict:
     ep, efsdp = par.ep, par.dp_shard // par.ep
     T_mb = micro * p.seq_len  # tokens per micro-batch per rank
     fsdp = p.num_gpus > 1 or "data" in par.strategies  # FSDP2 on every multi-rank layout, or asked for
+    if p.grad_sync not in ("micro_batch", "step"):
+        raise ConfigError(f"--trainer.grad_sync={p.grad_sync!r}: choose micro_batch or step")
+    # [code] trainer.grad_sync=step acts under FSDP2 with accumulation and no pipeline (core/trainer.py)
+    step_sync = p.grad_sync == "step" and fsdp and par.dp_shard > 1 and par.pp == 1 and m > 1 and not sw.offload
     stages = _stage_layers(cfg.n_layers, par.pp)
     modules = ("attention", "mlp", "experts")
 
@@ -551,8 +558,11 @@ def plan(p: Plan) -> dict:
             params_b = grads_b = optim_b = 0.0
         # Grads exist from the first micro-batch's backward on: the later micro-batches' forwards
         # run with them allocated (zero_grad(set_to_none) frees them only after the step).
-        held_grads = grads_b if m > 1 and not keep_gathered else 0.0
-        base = params_b + optim_b + held_grads + compute_copies + comm
+        held_grads = grads_b if m > 1 and not keep_gathered and not step_sync else 0.0
+        # grad_sync=step [code]: no reduce-scatter before the last micro-batch's backward, so every
+        # unit's unsharded fp32 gradient is held through the accumulation (the sharded ones come last)
+        unsharded = 4.0 * gathered if step_sync else 0.0
+        base = params_b + optim_b + held_grads + unsharded + compute_copies + comm
         # Peak candidates [code]: inside the loss (all activations saved), the last block's backward
         # (its grads being written, its transients, the loss' grad_W kept as the head's grad), the
         # end of backward (every grad, one recomputed block alive).
@@ -567,7 +577,7 @@ def plan(p: Plan) -> dict:
             grad_block -= 2.0 * _expert_params(cfg, top) / ep  # that block's expert gradients in bf16
         candidates["last block's backward"] = base + acts + head_grad + grad_block + recompute_one + \
             block_backward_transient(cfg, top, sw, T_mb, ep)
-        candidates["end of backward"] = base - held_grads + grads_b + recompute_one
+        candidates["end of backward"] = base - held_grads - unsharded + grads_b + recompute_one
         where = max(candidates, key=candidates.get)
         peak = candidates[where]
         rows.append({"stage": s, "layers": len(layers), "params_local": local, "params_gathered": gathered,
@@ -599,11 +609,12 @@ def plan(p: Plan) -> dict:
     tl = tight["params_local"]
     ag_bytes = rs_bytes = ar_bytes = 0.0
     t_fsdp = 0.0
-    times_ag, times_rs = (1, 1) if par.pp > 1 else (2 * m, m)
+    times_ag, times_rs = (1, 1) if par.pp > 1 else (2 * m, 1 if step_sync else m)
     if fsdp and par.dp_shard > 1:
         # bytes received per rank: the gathered stage less the local shard (dense over dp_shard,
         # experts over efsdp: the same share). Per micro-batch (gathered forward and again in backward,
-        # grads reduce-scattered each micro-batch: trainer.grad_sync=micro_batch), or once per step under pp.
+        # grads reduce-scattered each micro-batch: trainer.grad_sync=micro_batch, or once with
+        # grad_sync=step), or once per step under pp.
         moved = tight["params_gathered"] - tl
         ag_bytes = times_ag * 2.0 * moved
         rs_bytes = times_rs * 4.0 * moved
@@ -662,6 +673,7 @@ def plan(p: Plan) -> dict:
         "layout": {"dp_replicate": par.dp_replicate, "dp_shard": par.dp_shard, "ep": ep, "efsdp": efsdp,
                    "pp": par.pp, "pp_microbatches": m if par.pp > 1 else None},
         "seq_len": p.seq_len, "global_batch": p.global_batch, "micro_batch": micro, "grad_accum": m,
+        "grad_sync": "step" if step_sync else "micro_batch",
         "stages": rows, "tight_stage": tight["stage"], "peak_gib": tight["peak_gib"], "peak_at": tight["peak_at"],
         "usable_gib": usable, "host_gib": tight["host_gib"],
         "flops_per_token": fpt, "flops_per_step": flops_step,

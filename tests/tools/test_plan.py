@@ -112,6 +112,29 @@ def test_fsdp_offload_moves_params_grads_state_to_the_host_and_adds_copies():
         planner.plan(_plan(fsdp_offload=True))  # one rank, no FSDP2: pretrain's error
 
 
+def test_grad_sync_step_holds_unsharded_grads_and_reduces_once():
+    """trainer.grad_sync=step, 4 micro-batches over dp_shard=4: every rank holds its units' unsharded
+    fp32 gradients through the accumulation (4 B x the gathered parameters, in place of the sharded
+    4 B / 4 held meanwhile), reduce-scatters once instead of 4 times, all-gathers as often; one
+    micro-batch, or one rank, is unchanged."""
+    import dataclasses
+
+    n = ModelConfig.tiny_moe().num_params()
+    base = dataclasses.replace(_plan(num_gpus=4, dp_shard=4), micro_batch=1, global_batch=16)  # 4 per rank
+    per_mb = planner.plan(base)
+    step = planner.plan(dataclasses.replace(base, grad_sync="step"))
+    assert per_mb["grad_sync"] == "micro_batch" and step["grad_sync"] == "step" and step["grad_accum"] == 4
+    assert step["bytes_per_step"]["fsdp_reduce_scatter"] == pytest.approx(per_mb["bytes_per_step"]["fsdp_reduce_scatter"] / 4)
+    assert step["bytes_per_step"]["fsdp_all_gather"] == per_mb["bytes_per_step"]["fsdp_all_gather"]
+    held = step["stages"][0]["peak_candidates_gib"]["last block's backward"] - \
+        per_mb["stages"][0]["peak_candidates_gib"]["last block's backward"]
+    assert held * GiB == pytest.approx(4 * n - 4 * n / 4)
+    one_mb = dataclasses.replace(base, micro_batch=4)
+    assert planner.plan(dataclasses.replace(one_mb, grad_sync="step"))["peak_gib"] == planner.plan(one_mb)["peak_gib"]
+    with pytest.raises(ConfigError, match="grad_sync"):
+        planner.plan(dataclasses.replace(base, grad_sync="never"))
+
+
 def test_loss_terms_fused_vs_plain():
     T, D, V = 16384, 2048, 100352
     fused = planner.plan(_olmoe8())["stages"][0]
