@@ -3,7 +3,7 @@ each with its source (a datasheet, a measurement in docs/performance.md, or an a
 
 from __future__ import annotations
 
-__all__ = ['GiB', 'GPU', 'GPUS', 'GPUS_PER_NODE', 'RESERVED_GIB', 'EFF_GEMM', 'EFF_EXPERT', 'EFF_FP8_GEMM', 'EFF_FP8_EXPERT', 'EFF_MX_EXPERT', 'EFF_ATTN', 'EFF_COMM', 'EFF_PCIE', 'HOST_GBPS', 'HBM_TRAFFIC', 'OPTIMIZER_BYTES', 'RECOMPUTE_FORWARD', 'HOST_OPTIMIZER_BYTES', 'QUANT_BYTES', 'WEIGHT_QUANT_BYTES', 'FP8_SAVED', 'FP8_WEIGHT_CACHED', 'FP8_WGRAD_BYTES', 'LOW_PRECISION']
+__all__ = ['GiB', 'GPU', 'GPUS', 'GPUS_PER_NODE', 'RESERVED_GIB', 'EFF_GEMM', 'EFF_EXPERT', 'EFF_FP8_GEMM', 'EFF_FP8_EXPERT', 'EFF_FP8_CUBLAS_EXPERT', 'CUBLAS_CALL_S', 'EFF_MX_EXPERT', 'EFF_ATTN', 'EFF_COMM', 'EFF_PCIE', 'HOST_GBPS', 'HBM_TRAFFIC', 'OPTIMIZER_BYTES', 'RECOMPUTE_FORWARD', 'HOST_OPTIMIZER_BYTES', 'QUANT_BYTES', 'WEIGHT_QUANT_BYTES', 'FP8_SAVED', 'FP8_WEIGHT_CACHED', 'FP8_WGRAD_BYTES', 'LOW_PRECISION']
 
 import dataclasses
 
@@ -65,7 +65,16 @@ EFF_FP8_EXPERT = 510 / 1979
 default since session 6): 510 TFLOP/s fwd+bwd measured on the H200 at bench_gemm_fp8's wider
 olmo3-moe-3.2b shape (386 at the olmoe shape; the masked kernels of session 4: 441 / 322),
 activation quantization included (so the planner's separate quantization term counts it a second
-time). ``precision.fp8_experts=cublas`` is not modelled (724 TFLOP/s with 8 experts, CPU-bound with 64)."""
+time). ``precision.fp8_experts=cublas``: EFF_FP8_CUBLAS_EXPERT and CUBLAS_CALL_S."""
+EFF_FP8_CUBLAS_EXPERT = 724 / 1979
+"""Grouped fp8 expert GEMMs under ``precision.fp8_experts=cublas`` (core/precision/fp8_cublas.py,
+one cuBLAS blockwise GEMM per expert) while the GPU is the limit: 724 TFLOP/s fwd+bwd measured on
+the H200 with 8 experts of 8192 rows (bench_gemm_fp8's olmo3-moe-8e shape), quantization included
+like EFF_FP8_EXPERT."""
+CUBLAS_CALL_S = 55e-6
+"""CPU seconds per cuBLAS call of fp8_cublas.py's per-expert loop: 64 calls took 3.5 ms whatever
+their size (bench_fp8_variants' experiment at the olmoe shape, H200 machine), the floor of a layer's
+expert GEMMs when the experts are many and small."""
 EFF_MX_EXPERT = EFF_EXPERT * EFF_FP8_GEMM / EFF_GEMM
 """Grouped MXFP8 expert GEMMs of native mxfp8 (torch's F.scaled_grouped_mm on SM100+, never run
 here): assumed to keep the bf16 grouped GEMM's share of the dense rate (0.47 / 0.81)."""

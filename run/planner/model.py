@@ -54,7 +54,8 @@ from moetron.parallel.pipeline.runtime import n_microbatches
 from moetron.run.config import PretrainConfig, check_layout
 from .hardware import (
     GiB, GPU, GPUS, GPUS_PER_NODE, RESERVED_GIB, EFF_GEMM,
-    EFF_EXPERT, EFF_FP8_GEMM, EFF_FP8_EXPERT, EFF_MX_EXPERT, EFF_ATTN, EFF_COMM, EFF_PCIE,
+    EFF_EXPERT, EFF_FP8_GEMM, EFF_FP8_EXPERT, EFF_FP8_CUBLAS_EXPERT, CUBLAS_CALL_S, EFF_MX_EXPERT, EFF_ATTN, EFF_COMM,
+    EFF_PCIE,
     HOST_GBPS, HBM_TRAFFIC, OPTIMIZER_BYTES, RECOMPUTE_FORWARD, HOST_OPTIMIZER_BYTES, QUANT_BYTES,
     WEIGHT_QUANT_BYTES, FP8_SAVED, FP8_WEIGHT_CACHED, FP8_WGRAD_BYTES, LOW_PRECISION,
 )
@@ -85,6 +86,9 @@ class Switches:
     """precision.expert_grads_bf16: the experts' gradients held in bf16 on the optimizer's copies
     (2 B per local expert parameter instead of 4; no bf16 -> fp32 cast of the grouped GEMMs' weight
     gradients, read 2 + written 4 B per element; the optimizer reads 2 B less for each)."""
+    fp8_experts: str = "triton"
+    """precision.fp8_experts (native fp8_blockwise): the experts' GEMMs in the Triton kernels, or one
+    cuBLAS GEMM per local expert (cublas: the GPU's rate or the CPU's per-call cost, whichever is longer)."""
     optimizer_kernel: str = "triton"
     """The optimizer step's kernel on GPUs: triton (optimizer.impl auto or triton) or torch (impl=torch)."""
     offload: bool = False
@@ -142,6 +146,7 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
                     # the fused backward serves the unscaled SwiGLU only (weights_before_down scales it)
                     triton_swiglu=bool(precision.triton_swiglu) and recipe == PrecisionRecipe.bf16
                     and not (model.moe is not None and model.moe.weights_before_down),
+                    fp8_experts=str(precision.fp8_experts),
                     optimizer_kernel="torch" if str(optimizer.impl) == "torch" or optimizer.fused is not None else "triton",
                     offload=parallel.fsdp_offload)
 
@@ -425,10 +430,16 @@ def stage_time(cfg: ModelConfig, layers: list[int], *, sw: Switches, memory: Mem
     recomputed = [i for i in layers if mem.recompute == Recompute.full and i % mem.recompute_every == 0]
     share = len(recomputed) / max(1, len(layers))
     extra = 1 + share * RECOMPUTE_FORWARD["compiled" if compiled else "eager"]
+    t_experts = T_mb * extra * by_module["experts"] / gemm_rate(gpu, sw, "experts", True)
+    if sw.fp8_blockwise_experts and sw.fp8_experts == "cublas":
+        # [measured] one cuBLAS call per local expert for each of a layer's 6 GEMM passes (gate|up and
+        # down: forward, dgrad, wgrad), each ~55 us of CPU: the GPU waits where those add up to more
+        calls = sum(6 * cfg.moe.num_experts // ep for i in layers if cfg.is_moe_layer(i)) * extra
+        t_experts = max(T_mb * extra * by_module["experts"] / (gpu.fp8_tflops * 1e12 * EFF_FP8_CUBLAS_EXPERT),
+                        calls * CUBLAS_CALL_S)
     t_gemm = T_mb * extra * (other_f / (bf16_flops * EFF_GEMM)
                              + by_module["attention"] / gemm_rate(gpu, sw, "attention", False)
-                             + by_module["mlp"] / gemm_rate(gpu, sw, "mlp", False)
-                             + by_module["experts"] / gemm_rate(gpu, sw, "experts", True))
+                             + by_module["mlp"] / gemm_rate(gpu, sw, "mlp", False)) + t_experts
     t_attn = T_mb * attn_f / (bf16_flops * EFF_ATTN) * extra
     ref_bytes = sum(reference_activation_bytes(cfg, i) for i in layers)
     traffic = HBM_TRAFFIC["compiled" if compiled else "eager"] * ref_bytes * T_mb * extra
