@@ -123,6 +123,9 @@ class PrecisionConfig(Config):
         super().validate()
         if self.mx_scale not in ("rceil", "floor"):
             raise ConfigError(f"precision.mx_scale: {self.mx_scale!r} is not one of 'rceil', 'floor'")
+        if Fp8Experts(self.fp8_experts) == Fp8Experts.cublas and self.recipe != PrecisionRecipe.fp8_blockwise:
+            raise ConfigError(f"precision.fp8_experts=cublas runs fp8_blockwise's expert GEMMs through cuBLAS: it needs "
+                              f"--precision.recipe=fp8_blockwise, got {self.recipe}; drop it for this recipe")
         if self.expert_grads_bf16 and WeightCopies(self.expert_weight_copies) != WeightCopies.optimizer:
             raise ConfigError("precision.expert_grads_bf16=true keeps the experts' gradients on the optimizer's bf16 "
                               "weight copies: it needs --precision.expert_weight_copies=optimizer, got "
@@ -179,6 +182,9 @@ class PrecisionConfig(Config):
                                   f"experts runs on SM100 / SM103 (compute capability 10.x), and this GPU is "
                                   f"SM{major}x: use --precision.backend=emulated, or "
                                   f"--precision.modules=[attention,mlp] (experts then stay bf16)")
+        if Fp8Experts(self.fp8_experts) == Fp8Experts.cublas and backend != PrecisionBackend.native:
+            raise ConfigError("precision.fp8_experts=cublas needs the native fp8_blockwise backend (an SM90+ GPU), and "
+                              f"this run resolved precision.backend={backend}: drop fp8_experts, or run on a Hopper GPU")
         gemm = low_precision_gemm(recipe, backend, self.mx_scale, self.fp8_experts)
         return PrecisionPolicy(device_type, torch.bfloat16, gemm, modules=frozenset(GemmModule(m) for m in self.modules))
 

@@ -33,6 +33,15 @@ def test_backend_resolution_and_errors(capsys):
         cfg(recipe="mxfp8", modules=["expert"])
     with pytest.raises(ConfigError, match="mx_scale"):
         cfg(recipe="mxfp8", mx_scale="ceil").build("cpu")
+    with pytest.raises(ConfigError, match="fp8_experts=cublas.*needs --precision.recipe=fp8_blockwise"):
+        cfg(recipe="mxfp8", fp8_experts="cublas").validate()
+    with pytest.raises(ConfigError, match="fp8_experts=cublas needs the native.*backend=emulated"):
+        cfg(recipe="fp8_blockwise", fp8_experts="cublas").build("cpu")  # auto resolves emulated on the CPU
+    with pytest.raises(ConfigError, match="'cuBLAS' is not one of"):
+        cfg(recipe="fp8_blockwise", fp8_experts="cuBLAS")
+    from moetron.core.precision.config import low_precision_gemm
+
+    assert low_precision_gemm("fp8_blockwise", "native", fp8_experts="cublas").experts == "cublas"
 
 
 def tiny_moe():
