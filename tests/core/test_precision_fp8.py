@@ -269,3 +269,24 @@ def test_quantize_kernels_round_with_the_conversion_instruction_on_sm90(kernel_n
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
     # round_to_e4m3's subnormal rounding adds and subtracts 1.5 x 2^14 (0f46C00000 in PTX): HW=False has it
     assert "0f46C00000" not in ptx
+
+
+def test_cublas_ops_pass_torch_library_opcheck():
+    """The per-expert cuBLAS ops' fake implementations (what torch.compile traces) agree with the real
+    ones (the CPU stand-in) in shape, dtype and device, and they trace under AOT dispatch
+    (torch.library.opcheck; its test_schema compares the fp8 inputs with allclose, which the CPU lacks
+    for e4m3)."""
+    from moetron.core.precision.blockwise import quantize_128x128, quantize_1x128
+    from moetron.core.precision.fp8_cublas import ROW_SLACK
+    from moetron.core.precision.grouping import pad_groups
+
+    g = torch.Generator().manual_seed(0)
+    offsets = torch.tensor([40, 40, 101], dtype=torch.int32)
+    a_q, a_s = quantize_1x128(torch.randn(101 + ROW_SLACK, 256, generator=g), -1)
+    w_q, w_s = quantize_128x128(torch.randn(3, 128, 256, generator=g))
+    checks = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.moetron.fp8_cublas_rows, (a_q, a_s, w_q, w_s, offsets), test_utils=checks)
+    dy_P, padded = pad_groups(torch.randn(101, 128, generator=g), offsets, 128)
+    x_P, _ = pad_groups(torch.randn(101, 256, generator=g), offsets, 128)
+    dyt, xt = quantize_1x128(dy_P.t().contiguous(), -1), quantize_1x128(x_P.t().contiguous(), -1)
+    torch.library.opcheck(torch.ops.moetron.fp8_cublas_k, (*dyt, *xt, padded), test_utils=checks)
