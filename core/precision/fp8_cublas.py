@@ -5,16 +5,19 @@ core/precision/fp8_triton.py, chosen by ``precision.fp8_experts=cublas``:
 
 - It costs one host sync per GEMM (the group sizes) and one cuBLAS call per expert (about 55 us of
   CPU each on the H200 machine), so it pays where a layer has few experts with many rows each.
-  Measured there (tools/bench_fp8_variants.py --cublas, operands quantized beforehand): 8 experts
-  of 8192 rows x 4096 x 8192 run forward / dgrad / wgrad at 1.51x / 1.67x / 1.29x torch's bf16
-  grouped GEMM; 64 experts of 2048 rows x 2048 x 2048 are CPU-bound at 0.43x.
-- The same numerics as the Triton kernels: e4m3 operands, fp32 power-of-two scales per 128 of K
-  applied to fp32 partial sums (cuBLAS's two-level accumulation, no fast accumulation).
+  Measured there (docs/performance.md, session 6; operands quantized beforehand, as
+  tools/bench_fp8_variants.py's cublas column times them): 8 experts of 8192 rows x 4096 x 8192 run
+  forward / dgrad / wgrad at 1.51x / 1.67x / 1.29x torch's bf16 grouped GEMM; 64 experts of 2048
+  rows x 2048 x 2048 are CPU-bound at 0.43x.
+- The same quantized operands and scales as the Triton kernels (e4m3, fp32 powers of two per 128
+  of K applied to fp32 partial sums: cuBLAS's two-level accumulation, fast accumulation off); the
+  fp32 sums run in cuBLAS's order.
 
 Layouts (torch's checks): a GEMM's A [M, K] row-major with 1x128 scales [M, K / 128] laid out
 M-fastest (stride (1, M)); B [K, N] column-major, with 128x128 scales [ceil(K / 512) x 4, N / 128]
 K-blocks fastest, or 1x128 scales [N, K / 128] N-fastest. An expert's M is rounded up to a multiple
-of 4 (cuBLAS's 1x128 scale rows come in 4s): the padding rows are the next expert's (or the
+of 4 (cuBLAS refuses a blockwise GEMM with M = 61 or 10: CUBLAS_STATUS_NOT_SUPPORTED, measured on
+the H200 with torch 2.11): the padding rows are the next expert's (or the
 buffer's spare rows), their outputs overwritten by that expert's GEMM, which runs after it on the
 same stream; ``ROW_SLACK`` spare rows past the last expert make room.
 
