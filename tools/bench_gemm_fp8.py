@@ -11,8 +11,8 @@ per precision backend, after a correctness check of the FP8 kernels on this devi
    olmoe3-4l-8e's (8 experts, the step benchmarks' shape), fwd+bwd
    (6 x R x I x O FLOPs per GEMM): bf16 torch._grouped_mm (bf16 weights), fp8_blockwise (Triton,
    fp32 master weights quantized once per step: ``cached``; and requantized every call), mxfp8
-   emulated (labelled so: exact MX operands through bf16 GEMMs); on the GPU also fp8_blockwise
-   ``cublas`` (one cuBLAS blockwise GEMM per expert, core/precision/fp8_cublas.py).
+   emulated (labelled so: exact MX operands through bf16 GEMMs), fp8_blockwise ``cublas`` (one
+   cuBLAS blockwise GEMM per expert, core/precision/fp8_cublas.py; checked in step 1 too).
 3. Dense: [T, I] x [I, O] linears at 16384 x 2048 x 2048 and 16384 x 4096 x 4096, fwd+bwd: bf16
    F.linear vs fp8_blockwise (F.scaled_mm, and the Triton kernel with one group).
 
@@ -93,22 +93,24 @@ def check(device, tiny: bool) -> list[dict]:
     offsets = torch.tensor([*cuts, R - 20])  # 20 rows past the end
     x, w, dy = rnd(R, I), rnd(E, O, I), rnd(R, O).bfloat16().float()
     dy[R - 20:] = 0
-    xd, wd = x.to(device).requires_grad_(), w.to(device).requires_grad_()
-    y = Fp8BlockwiseGemm("triton").grouped_mm(xd, wd, offsets.to(device))
-    y.backward(dy.to(device))
-    y, dx, dw = y.float().cpu(), xd.grad.cpu(), wd.grad.cpu()
-    errs = {"fwd": 0.0, "dgrad": 0.0, "wgrad": 0.0}
-    start = 0
-    for e, end in enumerate(offsets.tolist()):
-        if end > start:
-            xe, dye = x[start:end], dy[start:end]
-            errs["fwd"] = max(errs["fwd"], _err(y[start:end], _qdq_1x128(xe, -1), _qdq_128x128(w[e]).T))
-            errs["dgrad"] = max(errs["dgrad"], _err(dx[start:end], _qdq_1x128(dye, -1), _qdq_128x128(w[e])))
-            errs["wgrad"] = max(errs["wgrad"], _err(dw[e], _qdq_1x128(dye, 0).T, _qdq_1x128(xe, 0)))
-        elif dw[e].abs().max() != 0:
-            errs["wgrad"] = float("inf")
-        start = end
-    rows += [{"check": f"grouped triton {k}", "error": v} for k, v in errs.items()]
+    for experts in ("triton", "cublas"):  # cublas: cuBLAS per expert on the GPU, its layout-checking stand-in here
+        # fresh leaves each time (on the CPU .to() would hand back x itself, its grad accumulating)
+        xd, wd = x.to(device, copy=True).requires_grad_(), w.to(device, copy=True).requires_grad_()
+        y = Fp8BlockwiseGemm("triton", experts=experts).grouped_mm(xd, wd, offsets.to(device))
+        y.backward(dy.to(device))
+        y, dx, dw = y.float().cpu(), xd.grad.cpu(), wd.grad.cpu()
+        errs = {"fwd": 0.0, "dgrad": 0.0, "wgrad": 0.0}
+        start = 0
+        for e, end in enumerate(offsets.tolist()):
+            if end > start:
+                xe, dye = x[start:end], dy[start:end]
+                errs["fwd"] = max(errs["fwd"], _err(y[start:end], _qdq_1x128(xe, -1), _qdq_128x128(w[e]).T))
+                errs["dgrad"] = max(errs["dgrad"], _err(dx[start:end], _qdq_1x128(dye, -1), _qdq_128x128(w[e])))
+                errs["wgrad"] = max(errs["wgrad"], _err(dw[e], _qdq_1x128(dye, 0).T, _qdq_1x128(xe, 0)))
+            elif dw[e].abs().max() != 0:
+                errs["wgrad"] = float("inf")
+            start = end
+        rows += [{"check": f"grouped {experts} {k}", "error": v} for k, v in errs.items()]
     dense_modes = ["triton"] + (["scaled_mm"] if device.type == "cuda" else [])
     T = R - 20  # not a whole number of 128 tokens
     x2, w2, dy2 = rnd(T, I), rnd(O, I), rnd(T, O).bfloat16().float()
@@ -142,8 +144,8 @@ def backends(device):
 
     out = {"bf16": (TorchGemm(), torch.bfloat16)}
     out["fp8_blockwise"] = (Fp8BlockwiseGemm("triton"), torch.float32)
-    if device.type == "cuda":  # one cuBLAS blockwise GEMM per expert (host sync; SM90 cuBLAS only)
-        out["fp8_blockwise cublas"] = (Fp8BlockwiseGemm("triton", experts="cublas"), torch.float32)
+    # one cuBLAS blockwise GEMM per expert (a host sync; on the CPU its layout-checking stand-in)
+    out["fp8_blockwise cublas"] = (Fp8BlockwiseGemm("triton", experts="cublas"), torch.float32)
     out["mxfp8 emulated"] = (EmulatedGemm(MXFormat()), torch.float32)
     return out
 
