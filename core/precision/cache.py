@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["WeightCache"]
+__all__ = ["WeightCache", "outside_graph"]
 
 
 class WeightCache:
@@ -74,3 +74,11 @@ class WeightCache:
             value = make(w.detach())
         slots[key] = (stamp, value)
         return value
+
+
+@torch.compiler.disable
+def outside_graph(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` run eagerly even where a compiled region calls it (a graph break there), so
+    a WeightCache inside ``fn`` is served (precision.quantize_weights_once). Autograd records it
+    as usual; its backward runs eagerly too."""
+    return fn(*args)

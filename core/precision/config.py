@@ -114,6 +114,14 @@ class PrecisionConfig(Config):
     roundings, equal to the torch path within a stated tolerance (tests/core/test_swiglu_triton.py).
     On by default (measured on the H200: +3.2% tokens/s and -1.2 GiB on olmoe3-4l-8e, docs/performance.md);
     the CPU always takes the torch path; ``false`` forces it on CUDA too."""
+    quantize_weights_once: bool = False
+    """Low-precision recipes under torch.compile: the routed experts' grouped GEMMs run outside the
+    compiled graph (a graph break at each; inside they are custom ops and Triton kernels anyway),
+    so the backend's WeightCache serves them: each expert weight is quantized once per optimizer
+    step and reused by the backward and every micro-batch, instead of at every use (a traced graph
+    cannot keep the cache: forward and backward of every micro-batch requantize). Eager runs cache
+    anyway. Off: not measured on a GPU yet; the planner counts the saving (its step's weight
+    quantization of the experts over micro-batches, and the cache held)."""
     fp8_experts: Fp8Experts = Fp8Experts.triton
     """fp8_blockwise recipe, native backend: how the routed experts' grouped FP8 GEMMs run (see
     Fp8Experts): the Triton kernels (no host sync) or one cuBLAS GEMM per expert (a host sync per
@@ -123,6 +131,10 @@ class PrecisionConfig(Config):
         super().validate()
         if self.mx_scale not in ("rceil", "floor"):
             raise ConfigError(f"precision.mx_scale: {self.mx_scale!r} is not one of 'rceil', 'floor'")
+        if self.quantize_weights_once and self.recipe not in _LOW_PRECISION:
+            raise ConfigError(f"precision.quantize_weights_once caches the low-precision recipes' quantized expert "
+                              f"weights: it needs --precision.recipe=mxfp8 or fp8_blockwise, got {self.recipe} (the bf16 "
+                              f"recipe's counterpart is precision.expert_weight_copies)")
         if Fp8Experts(self.fp8_experts) == Fp8Experts.cublas and self.recipe != PrecisionRecipe.fp8_blockwise:
             raise ConfigError(f"precision.fp8_experts=cublas runs fp8_blockwise's expert GEMMs through cuBLAS: it needs "
                               f"--precision.recipe=fp8_blockwise, got {self.recipe}; drop it for this recipe")
@@ -186,6 +198,7 @@ class PrecisionConfig(Config):
             raise ConfigError("precision.fp8_experts=cublas needs the native fp8_blockwise backend (an SM90+ GPU), and "
                               f"this run resolved precision.backend={backend}: drop fp8_experts, or run on a Hopper GPU")
         gemm = low_precision_gemm(recipe, backend, self.mx_scale, self.fp8_experts)
+        gemm.quantize_weights_once = bool(self.quantize_weights_once)
         return PrecisionPolicy(device_type, torch.bfloat16, gemm, modules=frozenset(GemmModule(m) for m in self.modules))
 
 

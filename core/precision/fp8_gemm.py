@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .blockwise import FP8_BLOCK, quantize_128x128, quantize_1x128
-from .cache import WeightCache
+from .cache import WeightCache, outside_graph
 from .fp8_cublas import ROW_SLACK, _m_fastest, _tile_scales
 from .gemm import GemmBackend
 from .grouping import gather_rows, padded_source_rows
@@ -212,6 +212,8 @@ class Fp8BlockwiseGemm(GemmBackend):
         return _Fp8Linear.apply(x_TI, w, self).reshape(*x.shape[:-1], w.shape[0])
 
     def grouped_mm(self, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+        if self.quantize_weights_once:  # eager inside compiled blocks: the WeightCache serves it
+            return outside_graph(_Fp8GroupedMM.apply, x_RI, w_EOI, offsets_E, self)
         return _Fp8GroupedMM.apply(x_RI, w_EOI, offsets_E, self)
 
     def after_optimizer_step(self) -> None:

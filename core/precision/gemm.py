@@ -46,6 +46,9 @@ class GemmBackend:
     name: ClassVar[str] = ""
     label: ClassVar[str] = ""
     """How results of this backend are reported (e.g. "mxfp8 (emulated ...)"); "" for plain torch."""
+    quantize_weights_once: bool = False
+    """precision.quantize_weights_once (the low-precision backends): run the grouped GEMM outside
+    any compiled graph (cache.outside_graph), so the backend's WeightCache serves it there too."""
 
     def attach_optimizer(self, optimizer, parts) -> None:
         """Called once by the trainer with its optimizer and model parts (a backend that wants the

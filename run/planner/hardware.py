@@ -118,7 +118,8 @@ ops with fp32 intermediates (no fused quantize kernels yet): assumed, not measur
 WEIGHT_QUANT_BYTES = {"emulated": 16.0, "native": 7.0}
 """HBM bytes per low-precision weight element per quantization (emulated mxfp8: two bf16 dequantized
 orientations; native: fp8 w and w^T): once per step in eager (the weight cache), twice per
-micro-batch compiled (the cache is bypassed inside a traced graph). Assumed."""
+micro-batch compiled (the cache is bypassed inside a traced graph), once per step again for the
+experts under precision.quantize_weights_once. Assumed."""
 FP8_SAVED = 1 + 1 / 32
 """Bytes per element of a GEMM input saved as fp8: MXFP8 (an E8M0 per 32) and 1x128 blockwise (an
 fp32 per 128) both come to 1 + 1/32."""

@@ -86,6 +86,9 @@ class Switches:
     """precision.expert_grads_bf16: the experts' gradients held in bf16 on the optimizer's copies
     (2 B per local expert parameter instead of 4; no bf16 -> fp32 cast of the grouped GEMMs' weight
     gradients, read 2 + written 4 B per element; the optimizer reads 2 B less for each)."""
+    quantize_weights_once: bool = False
+    """precision.quantize_weights_once: compiled, the experts' low-precision GEMMs run outside the
+    graph and their weights are quantized once per step (the WeightCache, held through the step)."""
     fp8_experts: str = "triton"
     """precision.fp8_experts (native fp8_blockwise): the experts' GEMMs in the Triton kernels, or one
     cuBLAS GEMM per local expert (cublas: the GPU's rate or the CPU's per-call cost, whichever is longer)."""
@@ -101,14 +104,20 @@ class Switches:
         return FP8_SAVED if self.low(module) else 2.0
 
     def weight_cache(self, module: str) -> float:
-        """Bytes per weight element the low-precision weight cache holds through an eager step
-        (core.precision.cache: bf16 dequantized copies along I and O for emulated mxfp8, one for
-        emulated blockwise; fp8 w and w^T native); 0 compiled (the cache is bypassed in a traced graph)."""
-        if not self.low(module) or self.compiled:
+        """Bytes per weight element the low-precision weight cache holds through a step where it
+        serves the module (caches_weights; core.precision.cache: bf16 dequantized copies along I and
+        O for emulated mxfp8, one for emulated blockwise; fp8 w and w^T native); 0 where a traced
+        graph quantizes instead."""
+        if not self.caches_weights(module):
             return 0.0
         if self.backend == "emulated":
             return 4.0 if self.recipe == "mxfp8" else 2.0
         return FP8_WEIGHT_CACHED if self.recipe == "fp8_blockwise" else 2.0
+
+    def caches_weights(self, module: str) -> bool:
+        """The module's low-precision weights come from the WeightCache, once per step: eager runs,
+        and the experts of a compiled run with quantize_weights_once."""
+        return self.low(module) and (not self.compiled or (module == "experts" and self.quantize_weights_once))
 
     @property
     def fp8_blockwise_experts(self) -> bool:
@@ -147,6 +156,7 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
                     triton_swiglu=bool(precision.triton_swiglu) and recipe == PrecisionRecipe.bf16
                     and not (model.moe is not None and model.moe.weights_before_down),
                     fp8_experts=str(precision.fp8_experts),
+                    quantize_weights_once=bool(precision.quantize_weights_once) and recipe in LOW_PRECISION,
                     optimizer_kernel="torch" if str(optimizer.impl) == "torch" or optimizer.fused is not None else "triton",
                     offload=parallel.fsdp_offload)
 
@@ -461,7 +471,8 @@ def stage_time(cfg: ModelConfig, layers: list[int], *, sw: Switches, memory: Mem
                 if sw.low(k):
                     quant += qb * el[k] * T_mb * extra
                     weights = wl[k] / (ep if k == "experts" else 1)
-                    quant += wb * weights * ((2 * extra) if compiled else 1 / m)  # the cache: once per step
+                    # the cache: once per step; a traced graph: forward and backward of every micro-batch
+                    quant += wb * weights * (1 / m if sw.caches_weights(k) else 2 * extra)
     t_hbm = traffic / (gpu.hbm_tbps * 1e12)
     t_extra = (recast + quant) / (gpu.hbm_tbps * 1e12)
     t_a2a = 0.0

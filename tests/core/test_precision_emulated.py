@@ -131,6 +131,36 @@ def test_activations_are_saved_as_fp8_payloads(grouped):
     y.sum().backward()
 
 
+def test_quantize_weights_once_serves_the_cache_inside_compiled_code():
+    """precision.quantize_weights_once: a compiled forward (torch.compile, aot_eager on the CPU) and
+    its backward, three micro-batches through the grouped GEMM, quantize each expert weight once per
+    step (forward and dgrad tags: 2 misses, then 4 hits) and give the eager results. Without it the
+    traced forward bypasses the cache (on the CPU the grouped GEMM's host loop breaks the graph
+    before the backward, whose dgrad lookups then still run: 1 miss, 2 hits; on a GPU,
+    torch._grouped_mm traces whole and neither pass looks the cache up)."""
+    torch._dynamo.reset()
+    gemm = EmulatedGemm(MXFormat(kernels="torch"))
+    gemm.quantize_weights_once = True
+    offsets = torch.tensor([20, 20, 64])
+    w = torch.nn.Parameter(wide(3, 64, 64, seed=7))
+    xs = [wide(64, 64, seed=s) for s in range(3)]
+
+    def loss(x):  # compiled like a block: the forward; backward runs from outside, as the trainer's
+        return gemm.grouped_mm(x, w, offsets).float().square().sum()
+
+    compiled = torch.compile(loss, backend="aot_eager")
+    for x in xs:
+        compiled(x.clone().requires_grad_()).backward()
+    got = w.grad.clone()
+    assert (gemm.cache.misses, gemm.cache.hits) == (2, 4)
+    w.grad = None
+    reference = EmulatedGemm(MXFormat(kernels="torch"))
+    for x in xs:
+        reference.grouped_mm(x.clone().requires_grad_(), w, offsets).float().square().sum().backward()  # eager
+    assert torch.equal(got, w.grad)
+    torch._dynamo.reset()
+
+
 def test_weights_are_quantized_once_per_step():
     gemm = EmulatedGemm(MXFormat())
     w = torch.nn.Parameter(torch.randn(64, 64))

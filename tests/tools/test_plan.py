@@ -376,3 +376,28 @@ def _olmoe3():
     model = ModelConfig.preset("olmo3-moe-8e")
     model.n_layers, model.vocab_size = 4, 100352
     return model
+
+
+def test_quantize_weights_once_quantizes_the_experts_once_and_holds_the_cache():
+    """precision.quantize_weights_once, compiled, one micro-batch: the experts' weight quantization
+    is counted once per step instead of in forward and backward, and the WeightCache holds their
+    quantized copies through the step (FP8_WEIGHT_CACHED bytes per element); dense modules and eager
+    runs are unchanged."""
+    from moetron.core.precision import PrecisionConfig
+    from moetron.run.planner import hardware as hw
+
+    def run(once, compiled=True):
+        precision = PrecisionConfig(recipe="fp8_blockwise", backend="native", quantize_weights_once=once)
+        return planner.plan(planner.Plan(model=_olmoe3(), parallel=ParallelConfig(), memory=MemoryConfig(),
+                                         seq_len=4096, global_batch=4, precision=precision, compiled=compiled))
+
+    off, on = run(False), run(True)
+    from moetron.run.planner.model import _expert_params
+
+    experts = sum(_expert_params(_olmoe3(), i) for i in range(4))
+    saved = hw.WEIGHT_QUANT_BYTES["native"] * experts / (hw.GPUS["h200"].hbm_tbps * 1e12)
+    quant = lambda r: r["microbatch_parts_s"]["recast_quant"]  # noqa: E731
+    assert quant(off) - quant(on) == pytest.approx(saved)
+    assert (on["stages"][0]["compute_copies_gib"] - off["stages"][0]["compute_copies_gib"]) * GiB == \
+        pytest.approx(hw.FP8_WEIGHT_CACHED * experts)
+    assert quant(run(False, compiled=False)) == quant(run(True, compiled=False))
