@@ -55,6 +55,13 @@ def _tile_scales(s_NB: torch.Tensor) -> torch.Tensor:
     return s.contiguous().t()
 
 
+def _tile_scales_all(s_ENB: torch.Tensor) -> torch.Tensor:
+    """_tile_scales of every expert's [N / 128, K / 128] at once: [E, N / 128, L4] contiguous, so
+    expert e's [L4, N / 128] with stride (1, L4) is the view ``[e].t()``."""
+    pad = -s_ENB.shape[-1] % 4
+    return (F.pad(s_ENB, (0, pad)) if pad else s_ENB).contiguous()
+
+
 def _check(cond: bool, what: str) -> None:
     if not cond:
         raise RuntimeError(f"fp8_cublas: {what} (the layout torch's blockwise scaled_mm checks)")
@@ -103,6 +110,7 @@ def fp8_cublas_rows(a_RK: torch.Tensor, sa_RB: torch.Tensor, b_ENK: torch.Tensor
     R, K = a_RK.shape
     E, N, _ = b_ENK.shape
     out = torch.empty(R, N, dtype=torch.bfloat16, device=a_RK.device)
+    sb_E = _tile_scales_all(sb_ENB)  # every expert's B scales laid out at once; views below
     start = 0
     for e, end in enumerate(offsets_E.tolist()):  # the one host sync
         if end > start:
@@ -110,7 +118,7 @@ def fp8_cublas_rows(a_RK: torch.Tensor, sa_RB: torch.Tensor, b_ENK: torch.Tensor
             if rows.stop > R:
                 raise ValueError(f"fp8_cublas_rows: A needs {ROW_SLACK} spare rows past the last expert's "
                                  f"({R} rows for offsets ending at {end})")
-            _mm(a_RK[rows], _m_fastest(sa_RB[rows]), b_ENK[e].t(), _tile_scales(sb_ENB[e]), True, out[rows])
+            _mm(a_RK[rows], _m_fastest(sa_RB[rows]), b_ENK[e].t(), sb_E[e].t(), True, out[rows])
         start = end
     return out
 
@@ -130,12 +138,14 @@ def fp8_cublas_k(a_MP: torch.Tensor, sa_MB: torch.Tensor, bt_NP: torch.Tensor, s
     N = bt_NP.shape[0]
     E = padded_offsets_E.numel()
     out = torch.empty(E, M, N, dtype=torch.float32, device=a_MP.device)
+    # both operands' scales transposed once ([P / 128, M], [P / 128, N] contiguous): an expert's
+    # blocks of them are then a slice of rows, its M-fastest [M, blocks] a view
+    sa_BM, sbt_BN = sa_MB.t().contiguous(), sbt_NB.t().contiguous()
     start = 0
     for e, end in enumerate(padded_offsets_E.tolist()):  # the one host sync
         if end > start:
             blocks = slice(start // FP8_BLOCK, end // FP8_BLOCK)
-            _mm(a_MP[:, start:end], _m_fastest(sa_MB[:, blocks]), bt_NP[:, start:end].t(),
-                _m_fastest(sbt_NB[:, blocks]), False, out[e])
+            _mm(a_MP[:, start:end], sa_BM[blocks].t(), bt_NP[:, start:end].t(), sbt_BN[blocks].t(), False, out[e])
         else:
             out[e].zero_()
         start = end
