@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from .blockwise import FP8_BLOCK, dequantize_128x128, dequantize_1x128, quantize_128x128, quantize_1x128
-from .cache import WeightCache, outside_graph
+from .cache import WeightCache
 from .gemm import GemmBackend
 from .grouping import gather_rows, grouped_mm_2d2d, grouped_mm_2d3d, padded_source_rows
 from .mx import MX_BLOCK, dequantize_mx, quantize_mx
@@ -218,9 +218,7 @@ class EmulatedGemm(GemmBackend):
         return _EmulatedLinear.apply(x_TI, w, self).reshape(*x.shape[:-1], w.shape[0])
 
     def grouped_mm(self, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-        if self.quantize_weights_once:  # eager inside compiled blocks: the WeightCache serves it
-            return outside_graph(_EmulatedGroupedMM.apply, x_RI, w_EOI, offsets_E, self)
-        return _EmulatedGroupedMM.apply(x_RI, w_EOI, offsets_E, self)
+        return self._grouped(_EmulatedGroupedMM, x_RI, w_EOI, offsets_E, self)
 
     def after_optimizer_step(self) -> None:
         self.cache.invalidate()

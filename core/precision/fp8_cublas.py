@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from .blockwise import FP8_BLOCK
 
-__all__ = ["ROW_SLACK", "fp8_cublas_k", "fp8_cublas_rows"]
+__all__ = ["ROW_SLACK", "fp8_cublas_k", "fp8_cublas_rows", "m_fastest", "tile_scales"]
 
 ROW_SLACK = 3  # rows past the last expert's: an expert's rows are read and written in 4s
 
@@ -42,24 +42,18 @@ def _round4(n: int) -> int:
     return -(-n // 4) * 4
 
 
-def _m_fastest(s_MB: torch.Tensor) -> torch.Tensor:
-    """A [M, B] scale tensor laid out M-fastest (stride (1, M)); no copy when it already is."""
+def m_fastest(s_MB: torch.Tensor) -> torch.Tensor:
+    """A [M, B] scale tensor laid out M-fastest (stride (1, M)), as scaled_mm wants 1x128 scales;
+    no copy when it already is."""
     return s_MB.t().contiguous().t()
 
 
-def _tile_scales(s_NB: torch.Tensor) -> torch.Tensor:
-    """128x128 scales of a GEMM's [N, K] operand, [N / 128, K / 128], as scaled_mm wants them:
-    K-blocks padded to a multiple of 4, then [L4, N / 128] with stride (1, L4)."""
-    pad = -s_NB.shape[1] % 4
-    s = F.pad(s_NB, (0, pad)) if pad else s_NB
-    return s.contiguous().t()
-
-
-def _tile_scales_all(s_ENB: torch.Tensor) -> torch.Tensor:
-    """_tile_scales of every expert's [N / 128, K / 128] at once: [E, N / 128, L4] contiguous, so
-    expert e's [L4, N / 128] with stride (1, L4) is the view ``[e].t()``."""
-    pad = -s_ENB.shape[-1] % 4
-    return (F.pad(s_ENB, (0, pad)) if pad else s_ENB).contiguous()
+def tile_scales(s_NB: torch.Tensor) -> torch.Tensor:
+    """128x128 scales of a GEMM's [N, K] operand, [..., N / 128, K / 128], as scaled_mm wants them:
+    K-blocks padded to a multiple of 4, then [..., L4, N / 128] with strides (1, L4) in the last two
+    dims; with leading (expert) dims, made in one copy and indexed per expert as views."""
+    pad = -s_NB.shape[-1] % 4
+    return (F.pad(s_NB, (0, pad)) if pad else s_NB).contiguous().transpose(-2, -1)
 
 
 def _check(cond: bool, what: str) -> None:
@@ -110,7 +104,7 @@ def fp8_cublas_rows(a_RK: torch.Tensor, sa_RB: torch.Tensor, b_ENK: torch.Tensor
     R, K = a_RK.shape
     E, N, _ = b_ENK.shape
     out = torch.empty(R, N, dtype=torch.bfloat16, device=a_RK.device)
-    sb_E = _tile_scales_all(sb_ENB)  # every expert's B scales laid out at once; views below
+    sb_E = tile_scales(sb_ENB)  # every expert's B scales laid out at once; views below
     start = 0
     for e, end in enumerate(offsets_E.tolist()):  # the one host sync
         if end > start:
@@ -118,7 +112,7 @@ def fp8_cublas_rows(a_RK: torch.Tensor, sa_RB: torch.Tensor, b_ENK: torch.Tensor
             if rows.stop > R:
                 raise ValueError(f"fp8_cublas_rows: A needs {ROW_SLACK} spare rows past the last expert's "
                                  f"({R} rows for offsets ending at {end})")
-            _mm(a_RK[rows], _m_fastest(sa_RB[rows]), b_ENK[e].t(), sb_E[e].t(), True, out[rows])
+            _mm(a_RK[rows], m_fastest(sa_RB[rows]), b_ENK[e].t(), sb_E[e], True, out[rows])
         start = end
     return out
 

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from .blockwise import FP8_BLOCK, quantize_128x128, quantize_1x128
-from .cache import WeightCache, outside_graph
-from .fp8_cublas import ROW_SLACK, _m_fastest, _tile_scales
+from .cache import WeightCache
+from .fp8_cublas import ROW_SLACK, m_fastest, tile_scales
 from .gemm import GemmBackend
 from .grouping import gather_rows, padded_source_rows
 
@@ -69,11 +69,11 @@ def _quantize(gemm: "Fp8BlockwiseGemm", x_RC: torch.Tensor, rows: bool, tokens: 
     if rows:
         pad = (rows_out if rows_out is not None else x_RC.shape[0]) - x_RC.shape[0]
         d, s = quantize_1x128(F.pad(x_RC, (0, 0, 0, pad)) if pad else x_RC, -1)
-        rq = (d, _m_fastest(s) if outer else s)
+        rq = (d, m_fastest(s) if outer else s)
     if tokens:
         x_P = gather_rows(x_RC, src_P) if src_P is not None else _pad_rows(x_RC, FP8_BLOCK)
         d, s = quantize_1x128(x_P.t().contiguous(), -1)
-        tq = (d, _m_fastest(s) if outer else s)
+        tq = (d, m_fastest(s) if outer else s)
     return rq, tq
 
 
@@ -96,7 +96,7 @@ class _Fp8Linear(torch.autograd.Function):
         w_q, wt_q, w_s = _weights(gemm, w_OI)
         (x_q, x_s), xt = _quantize(gemm, x_TI, True, True, rows_out=_rows_out(gemm, T))
         if gemm.dense == "scaled_mm":
-            y = _scaled_mm(x_q, x_s, w_q.t(), _tile_scales(w_s), F.ScalingType.BlockWise128x128, torch.bfloat16)
+            y = _scaled_mm(x_q, x_s, w_q.t(), tile_scales(w_s), F.ScalingType.BlockWise128x128, torch.bfloat16)
         else:
             from .fp8_triton import fp8_grouped_mm_rows
 
@@ -116,7 +116,7 @@ class _Fp8Linear(torch.autograd.Function):
             w_q, wt_q, w_s = _weights(gemm, w_OI)
             dy_q, dy_s = dyq
             if gemm.dense == "scaled_mm":
-                dx = _scaled_mm(dy_q, dy_s, wt_q.t(), _tile_scales(w_s.t()), F.ScalingType.BlockWise128x128,
+                dx = _scaled_mm(dy_q, dy_s, wt_q.t(), tile_scales(w_s.t()), F.ScalingType.BlockWise128x128,
                                 torch.bfloat16)
             else:
                 from .fp8_triton import fp8_grouped_mm_rows
@@ -212,9 +212,7 @@ class Fp8BlockwiseGemm(GemmBackend):
         return _Fp8Linear.apply(x_TI, w, self).reshape(*x.shape[:-1], w.shape[0])
 
     def grouped_mm(self, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-        if self.quantize_weights_once:  # eager inside compiled blocks: the WeightCache serves it
-            return outside_graph(_Fp8GroupedMM.apply, x_RI, w_EOI, offsets_E, self)
-        return _Fp8GroupedMM.apply(x_RI, w_EOI, offsets_E, self)
+        return self._grouped(_Fp8GroupedMM, x_RI, w_EOI, offsets_E, self)
 
     def after_optimizer_step(self) -> None:
         self.cache.invalidate()

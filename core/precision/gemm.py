@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from ..registry import Registry
 from . import bf16_grouped
+from .cache import outside_graph
 from .bf16_grouped import scale_rows
 
 __all__ = ["GEMM_BACKENDS", "GemmBackend", "TorchGemm", "compute_dtype", "gemm_backend", "register_gemm_backend",
@@ -49,6 +50,13 @@ class GemmBackend:
     quantize_weights_once: bool = False
     """precision.quantize_weights_once (the low-precision backends): run the grouped GEMM outside
     any compiled graph (cache.outside_graph), so the backend's WeightCache serves it there too."""
+
+    def _grouped(self, function: type[torch.autograd.Function], *args):
+        """``function.apply(*args)``: a low-precision backend's grouped GEMM, outside any compiled
+        graph when ``quantize_weights_once`` (the one place that switch acts)."""
+        if self.quantize_weights_once:
+            return outside_graph(function.apply, *args)
+        return function.apply(*args)
 
     def attach_optimizer(self, optimizer, parts) -> None:
         """Called once by the trainer with its optimizer and model parts (a backend that wants the

@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .cache import WeightCache, outside_graph
+from .cache import WeightCache
 from .emulated import MXFormat
 from .gemm import GemmBackend
 from .grouping import pad_groups, padded_source_rows
@@ -248,9 +248,7 @@ class NativeMXGemm(GemmBackend):
         return _NativeMXLinear.apply(x_TI, w, self).reshape(*x.shape[:-1], w.shape[0])
 
     def grouped_mm(self, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-        if self.quantize_weights_once:  # eager inside compiled blocks: the WeightCache serves it
-            return outside_graph(_NativeMXGroupedMM.apply, x_RI, w_EOI, offsets_E, self)
-        return _NativeMXGroupedMM.apply(x_RI, w_EOI, offsets_E, self)
+        return self._grouped(_NativeMXGroupedMM, x_RI, w_EOI, offsets_E, self)
 
     def after_optimizer_step(self) -> None:
         self.cache.invalidate()
