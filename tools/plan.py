@@ -40,6 +40,7 @@ from moetron.core.config import ConfigError
 from moetron.core.memory import MemoryConfig
 from moetron.core.optim import OptimizerConfig
 from moetron.core.precision import PrecisionConfig, PrecisionRecipe
+from moetron.core.trainer import GradSync
 from moetron.models import ModelConfig
 from moetron.parallel.config import ParallelConfig
 from moetron.run.planner.hardware import GPUS, GiB
@@ -143,7 +144,8 @@ def parse(argv: list[str]) -> tuple[Plan, argparse.Namespace]:
     parser.add_argument("--compile", action="store_true", help="compiled blocks (the default)")
     parser.add_argument("--gpu", default="h200", choices=tuple(GPUS))
     parser.add_argument("--num-gpus", type=int, default=1)
-    parser.add_argument("--trainer.grad_sync", dest="grad_sync", default="micro_batch", choices=("micro_batch", "step"),
+    parser.add_argument("--trainer.grad_sync", dest="grad_sync", default=str(GradSync.micro_batch),
+                        choices=[str(g) for g in GradSync],
                         help="when FSDP2 reduces gradients under accumulation (pretrain's trainer.grad_sync)")
     parser.add_argument("--search", action="store_true", help="list the fastest layouts that fit")
     parser.add_argument("--slice", action="store_true",
@@ -177,7 +179,7 @@ def parse(argv: list[str]) -> tuple[Plan, argparse.Namespace]:
     p = Plan(model=configs.model, parallel=configs.parallel, memory=configs.memory, seq_len=args.seq_len or seq,
              global_batch=args.global_batch or batch, micro_batch=args.micro_batch or micro,
              precision=configs.precision, optimizer=configs.optimizer, compiled=not args.eager, gpu=args.gpu,
-             num_gpus=args.num_gpus, grad_sync=str(args.grad_sync))
+             num_gpus=args.num_gpus, grad_sync=GradSync(args.grad_sync))
     return p, args
 
 

@@ -26,8 +26,9 @@ from: [code] counted from the code's definition, [measured] fitted to or read of
 - precision: bf16 is the measured path; mxfp8 / fp8_blockwise emulated run bf16 GEMMs after
   dequantizing (GEMMs at the bf16 rate plus quantize-dequantize passes) and save GEMM inputs as
   fp8 + scales (1 + 1/32 B per element) [code]; fp8_blockwise native runs dense GEMMs at the H200's
-  measured ~1000-1160 TFLOP/s (1080 of the fp8 peak) and grouped experts at the Triton kernel's
-  measured 441 TFLOP/s (its grouped wgrad writes fp32 then casts: 6 B per expert weight element at
+  measured ~1000-1160 TFLOP/s (1080 of the fp8 peak) and grouped experts at the Triton kernels'
+  measured 510 TFLOP/s, or with precision.fp8_experts=cublas at cuBLAS's 724 TFLOP/s or its 55 us
+  of CPU per call, whichever is longer (its grouped wgrad writes fp32 then casts: 6 B per expert weight element at
   the slice's gate|up wgrad peak, its weight cache e4m3 w and w^T + scales [code], docs/planner.md); mxfp8 native (SM100+) is built but has never run (no Blackwell here): modelled
   at the fp8 rates [assumed].
 - the fused loss vs the plain one: memory from the code; their time is not told apart (the same
@@ -36,7 +37,7 @@ from: [code] counted from the code's definition, [measured] fitted to or read of
 
 from __future__ import annotations
 
-__all__ = ['Plan', 'SLICE_FREED', 'SLICE_FREED_AT_GATE_UP', 'Switches', 'activation_terms', 'block_activation_bytes', 'block_backward_transient', 'gate_up_wgrad_transient', 'gemm_rate', 'loss_memory', 'plan', 'plan_slice', 'reference_activation_bytes', 'search', 'slice_layers', 'slice_params', 'stage_time', 'switches']
+__all__ = ['Plan', 'SLICE_FREED', 'SLICE_FREED_AT_GATE_UP', 'Switches', 'activation_terms', 'block_activation_bytes', 'block_backward_transient', 'gate_up_wgrad_transient', 'gemm_rate', 'stage_linear', 'loss_memory', 'plan', 'plan_slice', 'reference_activation_bytes', 'search', 'slice_layers', 'slice_params', 'stage_time', 'switches']
 
 import dataclasses
 import itertools
@@ -48,6 +49,7 @@ from moetron.core.optim import OptimizerConfig
 from moetron.core.precision import PrecisionConfig, PrecisionRecipe
 from moetron.core.precision.blockwise import FP8_BLOCK
 from moetron.core.precision.grouping import padded_rows
+from moetron.core.trainer import GradSync
 from moetron.models import ModelConfig
 from moetron.parallel.config import ParallelConfig
 from moetron.parallel.pipeline.runtime import n_microbatches
@@ -113,6 +115,11 @@ class Switches:
         if self.backend == "emulated":
             return 4.0 if self.recipe == "mxfp8" else 2.0
         return FP8_WEIGHT_CACHED if self.recipe == "fp8_blockwise" else 2.0
+
+    def cache_bytes(self, linear: dict[str, float]) -> float:
+        """What the weight cache holds through the step for a rank's GEMM weights ``linear`` by
+        module (stage_linear)."""
+        return sum(self.weight_cache(k) * n for k, n in linear.items())
 
     def caches_weights(self, module: str) -> bool:
         """The module's low-precision weights come from the WeightCache, once per step: eager runs,
@@ -280,6 +287,14 @@ def block_activation_bytes(cfg: ModelConfig, layer: int, memory: MemoryConfig, s
     return sum(b for _, b in terms.values())
 
 
+def stage_linear(cfg: ModelConfig, layers: list[int], ep: int) -> dict[str, float]:
+    """One rank's GEMM weights of blocks ``layers`` by precision module (_linear_params), the
+    routed experts' being its E/ep local ones."""
+    linear = {k: float(sum(_linear_params(cfg, i)[k] for i in layers)) for k in ("attention", "mlp", "experts")}
+    linear["experts"] /= ep
+    return linear
+
+
 def _linear_params(cfg: ModelConfig, layer: int) -> dict[str, int]:
     """A block's GEMM weights by precision module: attention (q, k, v, o), mlp (dense or shared
     SwiGLU), experts (routed)."""
@@ -328,7 +343,7 @@ class Plan:
     compiled: bool = True
     gpu: str = "h200"
     num_gpus: int = 1
-    grad_sync: str = "micro_batch"
+    grad_sync: GradSync | str = GradSync.micro_batch
     """trainer.grad_sync: FSDP2 reduce-scatters every micro-batch's gradients (micro_batch), or only
     the last one's (step: each rank accumulates its units' unsharded fp32 gradients meanwhile)."""
 
@@ -515,10 +530,13 @@ def plan(p: Plan) -> dict:
     ep, efsdp = par.ep, par.dp_shard // par.ep
     T_mb = micro * p.seq_len  # tokens per micro-batch per rank
     fsdp = p.num_gpus > 1 or "data" in par.strategies  # FSDP2 on every multi-rank layout, or asked for
-    if p.grad_sync not in ("micro_batch", "step"):
-        raise ConfigError(f"--trainer.grad_sync={p.grad_sync!r}: choose micro_batch or step")
+    try:
+        grad_sync = GradSync(p.grad_sync)
+    except ValueError:
+        raise ConfigError(f"--trainer.grad_sync={p.grad_sync!r} is not one of "
+                          f"{', '.join(str(g) for g in GradSync)}") from None
     # [code] trainer.grad_sync=step acts under FSDP2 with accumulation and no pipeline (core/trainer.py)
-    step_sync = p.grad_sync == "step" and fsdp and par.dp_shard > 1 and par.pp == 1 and m > 1 and not sw.offload
+    step_sync = grad_sync == GradSync.step and fsdp and par.dp_shard > 1 and par.pp == 1 and m > 1 and not sw.offload
     stages = _stage_layers(cfg.n_layers, par.pp)
     modules = ("attention", "mlp", "experts")
 
@@ -548,10 +566,9 @@ def plan(p: Plan) -> dict:
         # Weight copies the step holds [code]: bf16 casts of the dense linears (autograd keeps them;
         # the plain loss' head too), none of the bf16 experts (bf16_grouped saves the fp32 parameter),
         # and an eager run's low-precision weight cache (kept for the whole step).
-        linear = {k: sum(_linear_params(cfg, i)[k] for i in layers) for k in modules}
-        linear["experts"] /= ep
+        linear = stage_linear(cfg, layers, ep)
         head = cfg.vocab_size * cfg.d_model if last and not sw.fused_loss else 0
-        cache = sum(sw.weight_cache(k) * linear[k] for k in modules)
+        cache = sw.cache_bytes(linear)
         if sw.expert_weight_copies and not fsdp:  # [code] 2 B per local expert parameter, held through the step
             cache += 2.0 * linear["experts"]
         # FSDP2: two gathered blocks in bf16 (reshard after forward); under pp the stage stays gathered
@@ -695,7 +712,7 @@ def plan(p: Plan) -> dict:
         "layout": {"dp_replicate": par.dp_replicate, "dp_shard": par.dp_shard, "ep": ep, "efsdp": efsdp,
                    "pp": par.pp, "pp_microbatches": m if par.pp > 1 else None},
         "seq_len": p.seq_len, "global_batch": p.global_batch, "micro_batch": micro, "grad_accum": m,
-        "grad_sync": "step" if step_sync else "micro_batch",
+        "grad_sync": str(GradSync.step if step_sync else GradSync.micro_batch),
         "stages": rows, "tight_stage": tight["stage"], "peak_gib": tight["peak_gib"], "peak_at": tight["peak_at"],
         "usable_gib": usable, "host_gib": tight["host_gib"],
         "flops_per_token": fpt, "flops_per_step": flops_step,
@@ -822,9 +839,7 @@ def plan_slice(cfg: ModelConfig, layers: list[int], *, ep: int, seq_len: int, mi
     held = acts - top_saved + top_held + (top_saved if recomputed else 0.0)
     # an eager low-precision run's weight cache: bench_slice never steps an optimizer, so it holds
     # every quantized weight of the slice from the first forward on
-    linear = {k: sum(_linear_params(cfg, i)[k] for i in layers) for k in ("attention", "mlp", "experts")}
-    linear["experts"] //= ep
-    cache = sum(sw.weight_cache(k) * n for k, n in linear.items())
+    cache = sw.cache_bytes(stage_linear(cfg, layers, ep))
     candidates = {f"block {top}'s experts' backward (SwiGLU-down)":
                   (held, _swiglu_backward_rows(cfg, top, T) + 2.0 * L * D * F)}
     if sw.fp8_blockwise_experts:  # its wgrad's fp32 output: the gate|up one is the larger
