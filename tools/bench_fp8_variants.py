@@ -89,9 +89,10 @@ def passes(ops: dict, offsets_E: torch.Tensor) -> dict:
 def main(argv=None) -> int:
     args = parse(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from cli import gpu_or_interpreted  # tools/cli.py (imports no triton)
+    from cli import kernel_device  # tools/cli.py (imports no triton)
 
-    if not gpu_or_interpreted(args.tiny, "bench_fp8_variants"):
+    device = kernel_device(args.tiny, "bench_fp8_variants")
+    if device is None:
         return 2
     from bench_gemm_fp8 import SHAPES, TINY_SHAPES, uniform_offsets
     from cli import median_ms, write_report  # tools/cli.py
@@ -99,7 +100,6 @@ def main(argv=None) -> int:
     from moetron.core.metrics import run_environment
     from moetron.core.precision import fp8_triton as ft
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shapes = TINY_SHAPES if args.tiny else {k: v for k, v in SHAPES.items()
                                             if not args.shapes or k in args.shapes.split(",")}
     tokens, iters = (64, 1) if args.tiny else (args.tokens, args.iters)

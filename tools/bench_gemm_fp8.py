@@ -270,15 +270,15 @@ def dense_rows(dense, device, iters):
 def main(argv=None) -> int:
     args = parse(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from cli import gpu_or_interpreted  # tools/cli.py (imports no triton)
+    from cli import kernel_device  # tools/cli.py (imports no triton)
 
-    if not gpu_or_interpreted(args.tiny, "bench_gemm_fp8"):
+    device = kernel_device(args.tiny, "bench_gemm_fp8")
+    if device is None:
         return 2
     from cli import write_report  # tools/cli.py
 
     from moetron.core.metrics import run_environment
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     ok = True
     checks = [] if args.skip_check else check(device, args.tiny)
     for c in checks:

@@ -118,9 +118,10 @@ def measure(opt, device: torch.device, steps: int, warmup: int) -> dict:
 def main(argv=None) -> int:
     args = parse(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from cli import gpu_or_interpreted  # tools/cli.py (imports no triton)
+    from cli import kernel_device  # tools/cli.py (imports no triton)
 
-    if not gpu_or_interpreted(args.tiny, "bench_optim"):
+    device = kernel_device(args.tiny, "bench_optim")
+    if device is None:
         return 2
     from cli import write_report  # tools/cli.py
 
@@ -140,7 +141,6 @@ def main(argv=None) -> int:
     if args.steps <= 0 or args.warmup < 0:
         raise ConfigError("--steps must be positive and --warmup >= 0")
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shapes = param_shapes(args.tiny)
     numel = sum(torch.Size(s).numel() for _, s in shapes)
     gen = torch.Generator(device=device).manual_seed(0)

@@ -32,9 +32,10 @@ def parse(argv):
 def main(argv=None) -> int:
     args = parse(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from cli import gpu_or_interpreted  # tools/cli.py (imports no triton)
+    from cli import kernel_device  # tools/cli.py (imports no triton)
 
-    if not gpu_or_interpreted(args.tiny, "bench_quantize"):
+    device = kernel_device(args.tiny, "bench_quantize")
+    if device is None:
         return 2
     from cli import median_ms, write_report  # tools/cli.py
 
@@ -43,7 +44,6 @@ def main(argv=None) -> int:
     from moetron.core.precision.fp8_cublas import ROW_SLACK
     from moetron.core.precision.grouping import padded_source_rows
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     iters = 1 if args.tiny else args.iters
     candidates = bt._quantize_configs(device.type == "cpu")
     rows = []

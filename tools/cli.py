@@ -29,19 +29,19 @@ def run_cli(main: Callable[[], int], errors: tuple[type[Exception], ...] = USER_
         sys.exit(2)
 
 
-def gpu_or_interpreted(tiny: bool, tool: str) -> bool:
-    """Where a kernel benchmark runs: the GPU, or with ``--tiny`` and no GPU the CPU with the Triton
-    kernels interpreted (TRITON_INTERPRET=1 is set here, before anything imports triton: this
-    module does not). False, after saying so, when there is neither."""
+def kernel_device(tiny: bool, tool: str):
+    """The device a kernel benchmark runs on: the GPU, or with ``--tiny`` and no GPU the CPU with
+    the Triton kernels interpreted (TRITON_INTERPRET=1 is set here, before anything imports triton:
+    this module does not). None, after saying so, when there is neither."""
     import torch
 
     if torch.cuda.is_available():
-        return True
+        return torch.device("cuda")
     if tiny:
         os.environ["TRITON_INTERPRET"] = "1"
-        return True
+        return torch.device("cpu")
     print(f"{tool}: needs a GPU (or --tiny, which runs on the CPU)", file=sys.stderr)
-    return False
+    return None
 
 
 def split_variant(spec: str) -> tuple[str, list[str]]:
