@@ -56,8 +56,9 @@ class Fp8Experts(StrEnum):
     offsets on the device (no host sync, any number of experts)."""
     cublas = "cublas"
     """core/precision/fp8_cublas.py: torch's blockwise scaled_mm (cuBLAS) once per expert, the group
-    sizes read on the host (one sync per GEMM, about 55 us of CPU per expert): 1.3-1.7x the bf16
-    grouped GEMM with 8 experts of 8192 rows on the H200, CPU-bound with 64 small experts."""
+    sizes read on the host (one sync per GEMM, about 55 us of CPU per expert): 1.25-1.67x the bf16
+    grouped GEMM per pass (operands quantized beforehand) and 1.16x fwd+bwd with quantization, with
+    8 experts of 8192 rows on the H200; CPU-bound with 64 small experts (docs/performance.md)."""
 
 
 class PrecisionBackend(StrEnum):
