@@ -31,7 +31,7 @@ from torch import Tensor
 
 from .cache import WeightCache
 
-__all__ = ["grouped_mm", "grouped_swiglu_down", "scale_rows"]
+__all__ = ["grouped_grads", "grouped_mm", "grouped_swiglu_down", "scale_rows"]
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -70,9 +70,10 @@ def _gmm(x_RI: Tensor, w_EOI: Tensor, offsets_E: Tensor) -> Tensor:
     return torch._grouped_mm(x_RI, w_EOI.transpose(-2, -1), offs=offsets_E)
 
 
-def _grads(grad_RO: Tensor, x_RI: Tensor, w_EOI: Tensor, offsets_E: Tensor, dtype: torch.dtype,
-           need_x: bool, need_w: bool, cache_id: int = NO_CACHE) -> tuple[Tensor | None, Tensor | None]:
-    """dgrad [R, I] = grad @ w[e] per group; wgrad [E, O, I] = grad^T @ x per group (in w's dtype)."""
+def grouped_grads(grad_RO: Tensor, x_RI: Tensor, w_EOI: Tensor, offsets_E: Tensor, dtype: torch.dtype,
+                  need_x: bool, need_w: bool, cache_id: int = NO_CACHE) -> tuple[Tensor | None, Tensor | None]:
+    """dgrad [R, I] = grad @ w[e] per group; wgrad [E, O, I] = grad^T @ x per group (in w's dtype), the
+    GEMMs in ``dtype`` (offsets_E int32, inclusive cumsum)."""
     grad_RO = grad_RO.to(dtype)
     grad_x = torch._grouped_mm(grad_RO, _weight(w_EOI, dtype, cache_id), offs=offsets_E) if need_x else None
     grad_w = torch._grouped_mm(grad_RO.t(), x_RI.to(dtype), offs=offsets_E).to(w_EOI.dtype) if need_w else None
@@ -96,7 +97,7 @@ def _(x, w, offsets, dtype, cache_id):
 @torch.library.custom_op("moetron::grouped_mm_backward", mutates_args=())
 def _grouped_mm_backward_op(grad: Tensor, x: Tensor, w: Tensor, offsets: Tensor, dtype: str,
                             cache_id: int) -> tuple[Tensor, Tensor]:
-    grad_x, grad_w = _grads(grad, x, w, offsets, _DTYPES[dtype], True, True, cache_id)
+    grad_x, grad_w = grouped_grads(grad, x, w, offsets, _DTYPES[dtype], True, True, cache_id)
     return grad_x.to(x.dtype), grad_w
 
 
@@ -177,12 +178,12 @@ def _swiglu_down_backward_op(grad: Tensor, h: Tensor, w: Tensor, offsets: Tensor
                              cache_id: int, triton_swiglu: bool) -> tuple[Tensor, Tensor, Tensor]:
     dt = _DTYPES[dtype]
     no_scale = h.new_empty(0, dtype=torch.float32)
-    grad_act, _ = _grads(grad, None, w, offsets, dt, True, False, cache_id)  # dgrad [R, F] (of the scaled product)
+    grad_act, _ = grouped_grads(grad, None, w, offsets, dt, True, False, cache_id)  # dgrad [R, F] (of the scaled product)
     if scale is None and _triton_swiglu(h, triton_swiglu):
         from .swiglu_triton import swiglu_backward
 
         act, grad_h = swiglu_backward(h.to(dt).contiguous(), grad_act.contiguous())
-        _, grad_w = _grads(grad, act, w, offsets, dt, False, True, cache_id)
+        _, grad_w = grouped_grads(grad, act, w, offsets, dt, False, True, cache_id)
         return grad_h.to(h.dtype), grad_w, no_scale
     gate_RF, up_RF = h.to(dt).chunk(2, dim=-1)
     silu_RF = F.silu(gate_RF)  # the product again, op for op as swiglu() computes it
@@ -192,7 +193,7 @@ def _swiglu_down_backward_op(grad: Tensor, h: Tensor, w: Tensor, offsets: Tensor
         acc = torch.promote_types(grad_act.dtype, torch.float32)
         grad_scale = (grad_act.to(acc) * act_RF.to(acc)).sum(dim=-1)
         act_RF, grad_act = scale_rows(act_RF, scale), scale_rows(grad_act, scale)
-    _, grad_w = _grads(grad, act_RF, w, offsets, dt, False, True, cache_id)
+    _, grad_w = grouped_grads(grad, act_RF, w, offsets, dt, False, True, cache_id)
     # swiglu's backward as autograd runs it (mul, then silu's own backward kernel): same bits.
     grad_gate = torch.ops.aten.silu_backward(grad_act * up_RF, gate_RF)
     return torch.cat([grad_gate, grad_act * silu_RF], dim=-1).to(h.dtype), grad_w, grad_scale

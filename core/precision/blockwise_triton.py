@@ -11,8 +11,10 @@ torch reference's codes: one read of the operand, every output written from regi
   scales [..., O / 128, I / 128]), one read.
 
 Scales are 2^ceil(log2(amax / 448)) from the bits (mx_triton.mx_exponent, rceil), 1 for a block
-holding NaN or inf (the reference's choice); data = x / scale saturated to +-448, rounded to E4M3
-in fp32 by bits; a NaN element is e4m3's NaN (0x7F). Scale tensors may be given any strides (F.scaled_mm
+holding NaN or inf (the reference's choice); a block's amax, and whether it holds inf or NaN, is one
+integer max over |x|'s bits. data = x / scale saturated to +-448 and rounded to E4M3, nearest even:
+on the GPU by its one conversion instruction (cvt.rn.satfinite, which also saturates inf and keeps
+NaN), under the interpreter by bits; a NaN element is e4m3's NaN (0x7F). Scale tensors may be given any strides (F.scaled_mm
 wants the 1x128 scales outer-major: ``outer_major=True``).
 
 Legend: R rows, C columns, P padded rows (the tokens output), O / I a weight's dims.
@@ -25,21 +27,50 @@ import triton
 import triton.language as tl
 
 from .blockwise import FP8_BLOCK
-from .mx_triton import HW_CONVERT, as_loadable, exp2_int, load_fp32, mx_exponent, signed_e4m3, widen_fp32
+from .mx_triton import HW_CONVERT, as_loadable, exp2_int, mx_exponent, signed_e4m3, widen_fp32
 
 __all__ = ["quantize_128x128_triton", "quantize_1x128_fused", "use_quantize_configs"]
 
 
 @triton.jit
-def _fp8_tile(x, amax, nan_count, HW: tl.constexpr):
-    """(the e4m3 tile of x given its blocks' amax broadcast to x's shape, the blocks' fp32 scales):
-    nothing but the one rounding (signed_e4m3: the GPU's conversion when HW); a NaN element becomes
-    e4m3's NaN 0x7F, set by bits (the interpreter's own conversion of NaN differs)."""
-    finite = (nan_count == 0) & (amax < float("inf"))
+def _abs_bits(bits, IN_BF16: tl.constexpr):
+    """|x|'s bits as int32 from the loaded bits (a bf16's int16, else fp32 values), ordered as |x|
+    is, with inf above every finite value and NaN above inf: an integer max gives a block's amax
+    and whether it holds inf or NaN in one pass (no float compare, no NaN count)."""
+    if IN_BF16:
+        a = bits.to(tl.int32) & 0x7FFF
+    else:
+        a = bits.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    return a
+
+
+@triton.jit
+def _block_scales(amax_bits, IN_BF16: tl.constexpr):
+    """(1 / scale, scale), fp32, of blocks whose largest |x| has the bits amax_bits (_abs_bits):
+    2^ceil(log2(amax / 448)) (mx_exponent, rceil), 1 for a block holding inf or NaN."""
+    if IN_BF16:
+        amax = (amax_bits << 16).to(tl.float32, bitcast=True)
+        finite = amax_bits < 0x7F80
+    else:
+        amax = amax_bits.to(tl.float32, bitcast=True)
+        finite = amax_bits < 0x7F800000
     e = tl.where(finite, mx_exponent(amax, False), 0)
-    q = signed_e4m3(x, exp2_int(-e), HW)
-    q8 = tl.where(x == x, q, 0.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    return tl.where(x == x, q8, 0x7F).to(tl.float8e4nv, bitcast=True), exp2_int(e)
+    return exp2_int(-e), exp2_int(e)
+
+
+@triton.jit
+def _e4m3(x, inv, HW: tl.constexpr):
+    """x * inv as e4m3, nearest even, saturated to +-448, NaN to e4m3's NaN. HW: the GPU's one
+    conversion (cvt.rn.satfinite saturates inf and overflow and keeps NaN NaN: nothing around
+    it); else by bits (signed_e4m3, then NaN set by bits: the interpreter's own conversion of NaN
+    differs)."""
+    if HW:
+        q = (x * inv).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+    else:
+        r = signed_e4m3(x, inv, HW)
+        q8 = tl.where(x == x, r, 0.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        q = tl.where(x == x, q8, 0x7F).to(tl.float8e4nv, bitcast=True)
+    return q
 
 
 def _quantize_configs(interpret: bool) -> list[triton.Config]:
@@ -73,24 +104,23 @@ def _fp8_quantize_1x128_kernel(
     bits = tl.load(x_ptr + src[:, None].to(tl.int64) * s_xr + c[None, :] * s_xc, mask=valid[:, None], other=0)
     x = widen_fp32(bits, IN_BF16)
     if ROWS:
-        amax = tl.max(tl.abs(x), axis=1)
-        q, scale = _fp8_tile(x, amax[:, None], tl.max((x != x).to(tl.int32), axis=1)[:, None], HW)
+        inv, scale = _block_scales(tl.max(_abs_bits(bits, IN_BF16), axis=1), IN_BF16)
         src64 = src.to(tl.int64)
-        tl.store(rd_ptr + src64[:, None] * s_rdr + c[None, :] * s_rdc, q, mask=row_out[:, None])
-        tl.store(rs_ptr + src64 * s_rsr + pid_c * s_rsb, tl.max(scale, axis=1), mask=row_out)
+        tl.store(rd_ptr + src64[:, None] * s_rdr + c[None, :] * s_rdc, _e4m3(x, inv[:, None], HW),
+                 mask=row_out[:, None])
+        tl.store(rs_ptr + src64 * s_rsr + pid_c * s_rsb, scale, mask=row_out)
     if TOKENS:
         if TRANS == 0:  # quantize along the tile's columns, transpose the e4m3 tile
-            amax = tl.max(tl.abs(x), axis=0)
-            q, scale = _fp8_tile(x, amax[None, :], tl.max((x != x).to(tl.int32), axis=0)[None, :], HW)
-            qt, st = tl.trans(q), tl.max(scale, axis=0)  # [C tile, P tile], written with P contiguous
+            inv, st = _block_scales(tl.max(_abs_bits(bits, IN_BF16), axis=0), IN_BF16)
+            qt = tl.trans(_e4m3(x, inv[None, :], HW))  # [C tile, P tile], written with P contiguous
         else:
             if TRANS == 1:  # transpose the loaded bits (16 of a bf16 input), then quantize along rows
-                xt = widen_fp32(tl.trans(bits), IN_BF16)
+                bt = tl.trans(bits)
             else:  # load the tile again as [C tile, P tile] (from L1 / L2)
-                xt = load_fp32(x_ptr + src[None, :].to(tl.int64) * s_xr + c[:, None] * s_xc, valid[None, :], IN_BF16)
-            amax = tl.max(tl.abs(xt), axis=1)
-            qt, scale = _fp8_tile(xt, amax[:, None], tl.max((xt != xt).to(tl.int32), axis=1)[:, None], HW)
-            st = tl.max(scale, axis=1)
+                bt = tl.load(x_ptr + src[None, :].to(tl.int64) * s_xr + c[:, None] * s_xc, mask=valid[None, :],
+                             other=0)
+            inv, st = _block_scales(tl.max(_abs_bits(bt, IN_BF16), axis=1), IN_BF16)
+            qt = _e4m3(widen_fp32(bt, IN_BF16), inv[:, None], HW)
         tl.store(td_ptr + c[:, None].to(tl.int64) * s_tdc + p[None, :] * s_tdp, qt, mask=(p < P)[None, :])
         tl.store(ts_ptr + c.to(tl.int64) * s_tsc + pid_p * s_tsb, st)
 
@@ -110,10 +140,9 @@ def _fp8_quantize_128x128_kernel(w_ptr, d_ptr, dt_ptr, s_ptr, O, I, IN_BF16: tl.
     o = pid_o * BLOCK + tl.arange(0, BLOCK)
     i = pid_i * BLOCK + tl.arange(0, BLOCK)
     base = g.to(tl.int64) * O * I
-    x = load_fp32(w_ptr + base + o[:, None] * I + i[None, :], (o < O)[:, None], IN_BF16)
-    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-    nan = tl.max(tl.max((x != x).to(tl.int32), axis=1), axis=0)
-    q, scale = _fp8_tile(x, amax, nan, HW)
+    bits = tl.load(w_ptr + base + o[:, None] * I + i[None, :], mask=(o < O)[:, None], other=0)
+    inv, scale = _block_scales(tl.max(tl.max(_abs_bits(bits, IN_BF16), axis=1), axis=0), IN_BF16)
+    q = _e4m3(widen_fp32(bits, IN_BF16), inv, HW)
     tl.store(d_ptr + base + o[:, None] * I + i[None, :], q)
     tl.store(dt_ptr + base + i[:, None] * O + o[None, :], tl.trans(q))
     tl.store(s_ptr + g.to(tl.int64) * (O // BLOCK) * (I // BLOCK) + pid_o * (I // BLOCK) + pid_i, scale)

@@ -127,6 +127,12 @@ class PrecisionConfig(Config):
     """fp8_blockwise recipe, native backend: how the routed experts' grouped FP8 GEMMs run (see
     Fp8Experts): the Triton kernels (no host sync) or one cuBLAS GEMM per expert (a host sync per
     GEMM; faster where a layer has few experts with many rows each)."""
+    fp8_wgrad: bool = True
+    """fp8_blockwise recipe, native backend: the weight-gradient GEMMs (dense and grouped) in FP8
+    along the tokens (true), or in bf16 from the saved bf16 input and the bf16 output gradient
+    (false; fp32 accumulation, as the bf16 recipe's): no transposed token tiles to quantize, the
+    bf16 GEMM's speed for the wgrad, and x saved in bf16 (2 bytes per element instead of about 1).
+    The forward and the dgrad stay FP8 either way (core/precision/fp8_gemm.py)."""
 
     def validate(self) -> None:
         super().validate()
@@ -138,6 +144,9 @@ class PrecisionConfig(Config):
                               f"recipe's counterpart is precision.expert_weight_copies)")
         if Fp8Experts(self.fp8_experts) == Fp8Experts.cublas and self.recipe != PrecisionRecipe.fp8_blockwise:
             raise ConfigError(f"precision.fp8_experts=cublas runs fp8_blockwise's expert GEMMs through cuBLAS: it needs "
+                              f"--precision.recipe=fp8_blockwise, got {self.recipe}; drop it for this recipe")
+        if not self.fp8_wgrad and self.recipe != PrecisionRecipe.fp8_blockwise:
+            raise ConfigError(f"precision.fp8_wgrad=false runs fp8_blockwise's weight gradients in bf16: it needs "
                               f"--precision.recipe=fp8_blockwise, got {self.recipe}; drop it for this recipe")
         if self.expert_grads_bf16 and WeightCopies(self.expert_weight_copies) != WeightCopies.optimizer:
             raise ConfigError("precision.expert_grads_bf16=true keeps the experts' gradients on the optimizer's bf16 "
@@ -195,16 +204,19 @@ class PrecisionConfig(Config):
                                   f"experts runs on SM100 / SM103 (compute capability 10.x), and this GPU is "
                                   f"SM{major}x: use --precision.backend=emulated, or "
                                   f"--precision.modules=[attention,mlp] (experts then stay bf16)")
+        if not self.fp8_wgrad and backend != PrecisionBackend.native:
+            raise ConfigError("precision.fp8_wgrad=false is an option of the native fp8_blockwise GEMMs (an SM90+ GPU), "
+                              f"and this run resolved precision.backend={backend}: drop fp8_wgrad, or run on a Hopper GPU")
         if Fp8Experts(self.fp8_experts) == Fp8Experts.cublas and backend != PrecisionBackend.native:
             raise ConfigError("precision.fp8_experts=cublas needs the native fp8_blockwise backend (an SM90+ GPU), and "
                               f"this run resolved precision.backend={backend}: drop fp8_experts, or run on a Hopper GPU")
-        gemm = low_precision_gemm(recipe, backend, self.mx_scale, self.fp8_experts)
+        gemm = low_precision_gemm(recipe, backend, self.mx_scale, self.fp8_experts, self.fp8_wgrad)
         gemm.quantize_weights_once = bool(self.quantize_weights_once)
         return PrecisionPolicy(device_type, torch.bfloat16, gemm, modules=frozenset(GemmModule(m) for m in self.modules))
 
 
 def low_precision_gemm(recipe: PrecisionRecipe | str, backend: PrecisionBackend | str, mx_scale: str = "rceil",
-                       fp8_experts: Fp8Experts | str = Fp8Experts.triton):
+                       fp8_experts: Fp8Experts | str = Fp8Experts.triton, fp8_wgrad: bool = True):
     """The GemmBackend instance of a low-precision recipe and a resolved backend (native / emulated)."""
     recipe, backend = PrecisionRecipe(recipe), PrecisionBackend(backend)
     if backend == PrecisionBackend.emulated:
@@ -217,4 +229,4 @@ def low_precision_gemm(recipe: PrecisionRecipe | str, backend: PrecisionBackend 
         return NativeMXGemm(mx_scale)
     from .fp8_gemm import Fp8BlockwiseGemm
 
-    return Fp8BlockwiseGemm(experts=str(Fp8Experts(fp8_experts)))
+    return Fp8BlockwiseGemm(experts=str(Fp8Experts(fp8_experts)), wgrad="fp8" if fp8_wgrad else "bf16")

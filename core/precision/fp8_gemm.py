@@ -8,6 +8,12 @@
   GEMM for SM90), or ``experts="cublas"``: one F.scaled_mm per expert (core.precision.fp8_cublas,
   a host sync per GEMM); the wgrad's 128-token blocks never hold two experts' rows (pad_groups).
 
+``wgrad="bf16"`` (precision.fp8_wgrad=false) runs the weight-gradient GEMMs in bf16 instead, from
+the saved bf16 input and the bf16 output gradient (fp32 accumulation, as the bf16 recipe's): no
+operand is quantized along the tokens (the transposed token tiles are the quantization's slow
+output), the forward saves x in bf16 (2 bytes per element instead of 1 + 1/128), and the wgrad
+is the bf16 GEMM's speed, which beats the grouped FP8 wgrad where experts are small.
+
 Every operand is quantized along its GEMM's reduction dim; the layouts are the fast ones (the
 K-contiguous operand of every GEMM: w and w^T both kept, once per optimizer step; x saved for the
 wgrad as fp8 along the tokens, transposed). Quantization (``quant``): "triton" runs the fused
@@ -23,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import bf16_grouped
 from .blockwise import FP8_BLOCK, quantize_128x128, quantize_1x128
 from .cache import WeightCache
 from .fp8_cublas import ROW_SLACK, m_fastest, tile_scales
@@ -33,6 +40,7 @@ __all__ = ["Fp8BlockwiseGemm", "has_blockwise_scaled_mm"]
 
 QUANT = ("auto", "triton", "torch")
 EXPERTS = ("triton", "cublas")  # the grouped GEMMs: fp8_triton's kernels, or fp8_cublas's loop over experts
+WGRAD = ("fp8", "bf16")  # the weight-gradient GEMMs: FP8 along the tokens, or bf16 from the saved bf16 input
 
 
 def has_blockwise_scaled_mm() -> bool:
@@ -94,23 +102,23 @@ class _Fp8Linear(torch.autograd.Function):
     def forward(ctx, x_TI: torch.Tensor, w_OI: torch.Tensor, gemm: "Fp8BlockwiseGemm"):
         T = x_TI.shape[0]
         w_q, wt_q, w_s = _weights(gemm, w_OI)
-        (x_q, x_s), xt = _quantize(gemm, x_TI, True, True, rows_out=_rows_out(gemm, T))
+        (x_q, x_s), xt = _quantize(gemm, x_TI, True, gemm.fp8_wgrad, rows_out=_rows_out(gemm, T))
         if gemm.dense == "scaled_mm":
             y = _scaled_mm(x_q, x_s, w_q.t(), tile_scales(w_s), F.ScalingType.BlockWise128x128, torch.bfloat16)
         else:
             from .fp8_triton import fp8_grouped_mm_rows
 
             y = fp8_grouped_mm_rows(x_q, x_s, w_q.t()[None], w_s.t()[None], _rows(x_q))
-        ctx.save_for_backward(*xt, w_OI)
+        ctx.save_for_backward(*(xt if gemm.fp8_wgrad else (x_TI.to(torch.bfloat16),)), w_OI)
         ctx.gemm, ctx.x_dtype, ctx.tokens = gemm, x_TI.dtype, T
         return y[:T]
 
     @staticmethod
     def backward(ctx, dy_TO: torch.Tensor):
-        xt_q, xt_s, w_OI = ctx.saved_tensors
+        *x_saved, w_OI = ctx.saved_tensors
         gemm, T = ctx.gemm, ctx.tokens
         dx = dw = None
-        dyq, dyt = _quantize(gemm, dy_TO, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+        dyq, dyt = _quantize(gemm, dy_TO, ctx.needs_input_grad[0], ctx.needs_input_grad[1] and gemm.fp8_wgrad,
                              rows_out=_rows_out(gemm, T))
         if ctx.needs_input_grad[0]:
             w_q, wt_q, w_s = _weights(gemm, w_OI)
@@ -123,8 +131,10 @@ class _Fp8Linear(torch.autograd.Function):
 
                 dx = fp8_grouped_mm_rows(dy_q, dy_s, wt_q.t()[None], w_s[None], _rows(dy_q))
             dx = dx[:T].to(ctx.x_dtype)
-        if ctx.needs_input_grad[1]:
-            dyt_q, dyt_s = dyt
+        if ctx.needs_input_grad[1] and not gemm.fp8_wgrad:  # bf16, fp32 accumulation
+            dw = (dy_TO.to(torch.bfloat16).t() @ x_saved[0]).to(w_OI.dtype)
+        elif ctx.needs_input_grad[1]:
+            (dyt_q, dyt_s), (xt_q, xt_s) = dyt, x_saved
             if gemm.dense == "scaled_mm":
                 dw = _scaled_mm(dyt_q, dyt_s, xt_q.t(), xt_s, F.ScalingType.BlockWise1x128, torch.float32)
             else:
@@ -150,12 +160,14 @@ class _Fp8GroupedMM(torch.autograd.Function):
         w_q, wt_q, w_s = _weights(gemm, w_EOI)
         # the wgrad operand: each expert's rows padded to whole 128s, read through an index
         src_P, padded_offsets_E = padded_source_rows(offsets_E, R, FP8_BLOCK)
-        (x_q, x_s), xt = _quantize(gemm, x_RI, True, True, src_P, rows_out=R + ROW_SLACK if cublas else None)
+        (x_q, x_s), xt = _quantize(gemm, x_RI, True, gemm.fp8_wgrad, src_P,
+                                   rows_out=R + ROW_SLACK if cublas else None)
         if cublas:  # B[e] = w[e] [O, I] as the [N, K] operand; its tiles [E, O/128, I/128]
             y_RO = torch.ops.moetron.fp8_cublas_rows(x_q, x_s, w_q, w_s, offsets_E)[:R]
         else:  # B[e] = w[e]^T [I, O], K-contiguous; its tiles [E, I/128, O/128]
             y_RO = fp8_grouped_mm_rows(x_q, x_s, w_q.transpose(1, 2), w_s.transpose(1, 2), offsets_E)
-        ctx.save_for_backward(*xt, w_EOI, offsets_E, src_P, padded_offsets_E)
+        x_saved = xt if gemm.fp8_wgrad else (x_RI.to(torch.bfloat16),)
+        ctx.save_for_backward(*x_saved, w_EOI, offsets_E, src_P, padded_offsets_E)
         ctx.gemm, ctx.x_dtype = gemm, x_RI.dtype
         return y_RO
 
@@ -163,12 +175,12 @@ class _Fp8GroupedMM(torch.autograd.Function):
     def backward(ctx, dy_RO: torch.Tensor):
         from .fp8_triton import fp8_grouped_mm_k, fp8_grouped_mm_rows
 
-        xt_q, xt_s, w_EOI, offsets_E, src_P, padded_offsets_E = ctx.saved_tensors
+        *x_saved, w_EOI, offsets_E, src_P, padded_offsets_E = ctx.saved_tensors
         gemm, R = ctx.gemm, dy_RO.shape[0]
         cublas = gemm.experts == "cublas"
         dx = dw = None
-        dyq, dyt = _quantize(gemm, dy_RO, ctx.needs_input_grad[0], ctx.needs_input_grad[1], src_P,
-                             rows_out=R + ROW_SLACK if cublas else None)
+        dyq, dyt = _quantize(gemm, dy_RO, ctx.needs_input_grad[0], ctx.needs_input_grad[1] and gemm.fp8_wgrad,
+                             src_P, rows_out=R + ROW_SLACK if cublas else None)
         if ctx.needs_input_grad[0]:
             w_q, wt_q, w_s = _weights(gemm, w_EOI)
             if cublas:  # B[e] = w[e]^T [I, O] as the [N, K] operand; its tiles [E, I/128, O/128]
@@ -176,9 +188,12 @@ class _Fp8GroupedMM(torch.autograd.Function):
             else:  # B[e] = w[e] [O, I] read from w^T's storage (K = O contiguous); tiles [E, O/128, I/128]
                 dx = fp8_grouped_mm_rows(*dyq, wt_q.transpose(1, 2), w_s, offsets_E)
             dx = dx.to(ctx.x_dtype)
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and not gemm.fp8_wgrad:  # bf16, fp32 accumulation (the bf16 recipe's wgrad)
+            _, dw = bf16_grouped.grouped_grads(dy_RO, x_saved[0], w_EOI, offsets_E.to(torch.int32),
+                                               torch.bfloat16, False, True)
+        elif ctx.needs_input_grad[1]:
             wgrad = torch.ops.moetron.fp8_cublas_k if cublas else fp8_grouped_mm_k
-            dw = wgrad(*dyt, xt_q, xt_s, padded_offsets_E).to(w_EOI.dtype)
+            dw = wgrad(*dyt, *x_saved, padded_offsets_E).to(w_EOI.dtype)
         return dx, dw, None, None
 
 
@@ -187,19 +202,24 @@ class Fp8BlockwiseGemm(GemmBackend):
     F.scaled_mm) or "triton" (the grouped kernel, one group). ``quant``: "auto" (the fused Triton
     quantization kernels on CUDA, torch ops elsewhere), "triton" or "torch". ``experts``: the
     grouped GEMMs through the Triton kernels ("triton", no host sync) or one cuBLAS GEMM per expert
-    ("cublas": core/precision/fp8_cublas.py, one host sync per GEMM; faster with few experts)."""
+    ("cublas": core/precision/fp8_cublas.py, one host sync per GEMM; faster with few experts).
+    ``wgrad``: the weight gradients in FP8 ("fp8") or in bf16 ("bf16", see the module docstring)."""
 
     name = "fp8_blockwise"
     label = "fp8_blockwise (1x128 / 128x128 FP8 GEMMs)"
 
-    def __init__(self, dense: str = "scaled_mm", quant: str = "auto", experts: str = "triton") -> None:
+    def __init__(self, dense: str = "scaled_mm", quant: str = "auto", experts: str = "triton",
+                 wgrad: str = "fp8") -> None:
         if dense not in ("scaled_mm", "triton"):
             raise ValueError(f"dense must be 'scaled_mm' or 'triton', got {dense!r}")
         if quant not in QUANT:
             raise ValueError(f"quant must be one of {QUANT}, got {quant!r}")
         if experts not in EXPERTS:
             raise ValueError(f"experts must be one of {EXPERTS}, got {experts!r}")
+        if wgrad not in WGRAD:
+            raise ValueError(f"wgrad must be one of {WGRAD}, got {wgrad!r}")
         self.dense, self.quant, self.experts = dense, quant, experts
+        self.fp8_wgrad = wgrad == "fp8"
         self.row_multiple = 4 if dense == "scaled_mm" else 1  # cuBLAS: the 1x128 scales' rows in 4s
         self.cache = WeightCache()
 
@@ -218,4 +238,5 @@ class Fp8BlockwiseGemm(GemmBackend):
         self.cache.invalidate()
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(dense={self.dense!r}, quant={self.quant!r}, experts={self.experts!r})"
+        return (f"{type(self).__name__}(dense={self.dense!r}, quant={self.quant!r}, experts={self.experts!r}, "
+                f"wgrad={'fp8' if self.fp8_wgrad else 'bf16'!r})")

@@ -54,9 +54,14 @@ FORMATS = {
 }
 
 
+def rel_err(actual, a, b) -> float:
+    """The largest error of actual against the float64 product a @ b, elementwise over |a| @ |b|."""
+    return ((actual.double() - a @ b).abs() / (a.abs() @ b.abs()).clamp_min(1e-300)).max().item()
+
+
 def close(actual, a, b, what):
-    """actual against the float64 product a @ b, elementwise over |a| @ |b|."""
-    err = ((actual.double() - a @ b).abs() / (a.abs() @ b.abs()).clamp_min(1e-300)).max().item()
+    """actual against the float64 product a @ b, elementwise over |a| @ |b|, within TOL."""
+    err = rel_err(actual, a, b)
     assert err <= TOL, f"{what}: error {err:.3g} of the products' magnitude > {TOL:.3g}"
 
 
@@ -76,15 +81,17 @@ def test_linear_matches_float64_on_quantized_operands(fmt_name):
     close(w.grad, act(dy, 0).T, act(x, 0), "wgrad")
 
 
-def check_grouped(act, wq, x, w, offsets, y, dy):
-    """Per-expert loops: each expert's rows quantized on their own (padded to whole blocks alone)."""
+def check_grouped(act, wq, x, w, offsets, y, dy, wgrad_act=None):
+    """Per-expert loops: each expert's rows quantized on their own (padded to whole blocks alone).
+    ``wgrad_act``: the wgrad's operands (default ``act``)."""
+    wgrad_act = wgrad_act or act
     start = 0
     for e, end in enumerate(offsets.tolist()):
         xe, dye = x[start:end].detach(), dy[start:end]
         if end > start:
             close(y[start:end], act(xe, -1), wq(w[e].detach(), -1).T, f"forward, expert {e}")
             close(x.grad[start:end], act(dye, -1), wq(w[e].detach(), 0), f"dgrad, expert {e}")
-            close(w.grad[e], act(dye, 0).T, act(xe, 0), f"wgrad, expert {e}")
+            close(w.grad[e], wgrad_act(dye, 0).T, wgrad_act(xe, 0), f"wgrad, expert {e}")
         else:
             assert not w.grad[e].any()
         start = end

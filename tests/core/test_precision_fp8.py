@@ -11,41 +11,64 @@ import tempfile
 import pytest
 import torch
 
-from tests.core.test_precision_emulated import FORMATS, check_grouped, close, wide
+from tests.core.test_precision_emulated import FORMATS, TOL, check_grouped, close, rel_err, wide
 from tests.interpreted import run_interpreted
 
 
 
-def check_fp8(device: str, dense_modes=("triton",), quant: str = "auto", experts: str = "triton") -> None:
-    """``experts``: the grouped GEMMs' implementation (Fp8BlockwiseGemm's ``experts``)."""
+def _bf16(t, axis=None):
+    """The bf16 wgrad's operands: t rounded to bf16, float64."""
+    return t.bfloat16().double()
+
+
+def check_fp8(device: str, dense_modes=("triton",), quant: str = "auto", experts: str = "triton",
+              wgrad: str = "fp8") -> None:
+    """``experts``, ``wgrad``: Fp8BlockwiseGemm's. With wgrad="bf16" the weight gradients are checked
+    against the float64 product of the bf16-rounded operands, and the FP8 wgrad of the same inputs
+    is checked to miss that (so the check tells the two apart)."""
     from moetron.core.precision.fp8_gemm import Fp8BlockwiseGemm
 
     _, act, wq = FORMATS["fp8_blockwise"]
+    wgrad_act = _bf16 if wgrad == "bf16" else act
     E, I, O = 3, 256, 128
     # an empty expert, ragged sizes (100 and 10 rows: not whole 4s for cuBLAS), 10 rows past the end
     offsets = torch.tensor([40, 40, 140, 150], device=device)
-    gemm = Fp8BlockwiseGemm("triton", quant, experts)
-    x = wide(160, I, seed=1).to(device).requires_grad_()
-    w = wide(E + 1, O, I, seed=2).to(device).requires_grad_()
+    cpu = lambda t: t.detach().cpu()  # noqa: E731
+    x = wide(160, I, seed=1).to(device)
+    w = wide(E + 1, O, I, seed=2).to(device)
     dy = wide(160, O, seed=3).bfloat16().float().to(device)
     dy[150:] = 0
-    y = gemm.grouped_mm(x, w, offsets)
-    y.backward(dy)
-    cpu = lambda t: t.detach().cpu()  # noqa: E731
-    xc, wc, dyc = cpu(x), cpu(w), cpu(dy)
-    xc.grad, wc.grad = cpu(x.grad), cpu(w.grad)
-    check_grouped(act, wq, xc, wc, offsets.cpu(), cpu(y).float(), dyc)
+    grads = {}
+    for run in dict.fromkeys((wgrad, "fp8")):
+        gemm = Fp8BlockwiseGemm("triton", quant, experts, wgrad=run)
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = gemm.grouped_mm(xr, wr, offsets)
+        y.backward(dy)
+        grads[run] = cpu(wr.grad)
+        if run == wgrad:
+            xc, wc, dyc = cpu(xr), cpu(wr), cpu(dy)
+            xc.grad, wc.grad = cpu(xr.grad), cpu(wr.grad)
+            check_grouped(act, wq, xc, wc, offsets.cpu(), cpu(y).float(), dyc, wgrad_act)
+    if wgrad == "bf16":  # the FP8 wgrad is not within the tolerance of the bf16 one's reference
+        xc, dyc = cpu(x), cpu(dy)
+        assert max(rel_err(grads["fp8"][e], _bf16(dyc[a:b]).T, _bf16(xc[a:b]))
+                   for e, (a, b) in ((0, (0, 40)), (2, (40, 140)), (3, (140, 150)))) > 2 * TOL
     for dense in dense_modes:
-        gemm = Fp8BlockwiseGemm(dense, quant)
-        x2 = wide(200, I, seed=4).to(device).requires_grad_()  # not a whole number of 128 tokens
-        w2 = wide(O, I, seed=5).to(device).requires_grad_()
+        x2 = wide(200, I, seed=4).to(device)  # not a whole number of 128 tokens
+        w2 = wide(O, I, seed=5).to(device)
         dy2 = wide(200, O, seed=6).bfloat16().float().to(device)
-        y2 = gemm.linear(x2, w2)
-        y2.backward(dy2)
-        x2c, w2c, dy2c = cpu(x2), cpu(w2), cpu(dy2)
-        close(cpu(y2).float(), act(x2c, -1), wq(w2c, -1).T, f"{dense} forward")
-        close(cpu(x2.grad), act(dy2c, -1), wq(w2c, 0), f"{dense} dgrad")
-        close(cpu(w2.grad), act(dy2c, 0).T, act(x2c, 0), f"{dense} wgrad")
+        for run in dict.fromkeys((wgrad, "fp8")):
+            gemm = Fp8BlockwiseGemm(dense, quant, wgrad=run)
+            x2r, w2r = x2.clone().requires_grad_(), w2.clone().requires_grad_()
+            y2 = gemm.linear(x2r, w2r)
+            y2.backward(dy2)
+            x2c, w2c, dy2c = cpu(x2), cpu(w2), cpu(dy2)
+            if run == wgrad:
+                close(cpu(y2).float(), act(x2c, -1), wq(w2c, -1).T, f"{dense} forward")
+                close(cpu(x2r.grad), act(dy2c, -1), wq(w2c, 0), f"{dense} dgrad")
+                close(cpu(w2r.grad), wgrad_act(dy2c, 0).T, wgrad_act(x2c, 0), f"{dense} wgrad")
+            else:
+                assert rel_err(cpu(w2r.grad), _bf16(dy2c).T, _bf16(x2c)) > 2 * TOL, f"{dense}: fp8 wgrad"
 
 
 def test_cublas_experts_on_cpu_match_float64():
@@ -53,6 +76,12 @@ def test_cublas_experts_on_cpu_match_float64():
     that applies torch's blockwise scaled_mm layout checks (scale strides, rows in 4s), so this
     checks the per-expert slicing, the spare rows and the scale layouts of forward, dgrad and wgrad."""
     check_fp8("cpu", dense_modes=(), quant="torch", experts="cublas")
+
+
+def test_bf16_wgrad_on_cpu_matches_float64():
+    """wgrad="bf16" (precision.fp8_wgrad=false): forward and dgrad still FP8, the weight gradients
+    the bf16 GEMM's (per expert, through the cuBLAS experts' CPU stand-in)."""
+    check_fp8("cpu", dense_modes=(), quant="torch", experts="cublas", wgrad="bf16")
 
 
 def test_cublas_rows_refuses_a_without_spare_rows():
@@ -68,6 +97,11 @@ def test_cublas_rows_refuses_a_without_spare_rows():
 def test_triton_fp8_interpreted_matches_float64(quant):
     """The GEMM kernels with the torch quantization and with the fused quantization kernels."""
     run_interpreted("tests.core.test_precision_fp8", f"check_fp8('cpu', quant={quant!r})")
+
+
+def test_triton_fp8_bf16_wgrad_interpreted_matches_float64():
+    """wgrad="bf16" with the Triton experts and the Triton dense GEMM (fused quantization, rows only)."""
+    run_interpreted("tests.core.test_precision_fp8", "check_fp8('cpu', quant='triton', wgrad='bf16')")
 
 
 def _ref_err(out, a, b) -> float:
@@ -239,8 +273,9 @@ def test_pipelined_on_gpu_matches_float64():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("experts", ["triton", "cublas"])
-def test_fp8_on_gpu_matches_float64(experts):
-    check_fp8("cuda", dense_modes=("triton", "scaled_mm"), experts=experts)
+@pytest.mark.parametrize("wgrad", ["fp8", "bf16"])
+def test_fp8_on_gpu_matches_float64(experts, wgrad):
+    check_fp8("cuda", dense_modes=("triton", "scaled_mm"), experts=experts, wgrad=wgrad)
 
 
 @pytest.mark.parametrize("kernel_name, trans", [("_fp8_quantize_1x128_kernel", 0), ("_fp8_quantize_1x128_kernel", 1),
