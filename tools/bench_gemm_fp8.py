@@ -51,6 +51,11 @@ def parse(argv):
     p.add_argument("--tokens", type=int, default=16384, help="tokens per GPU for the grouped shapes")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--skip-check", action="store_true")
+    p.add_argument("--backends", nargs="*", default=[], help="only these backends (by label) beside bf16; "
+                   "e.g. 'fp8_blockwise' 'fp8_blockwise bf16-wgrad' 'fp8_blockwise cublas'")
+    p.add_argument("--shapes", nargs="*", default=[], help="only these grouped shapes (default all: "
+                   + ", ".join(SHAPES) + ")")
+    p.add_argument("--no-dense", action="store_true", help="skip the dense linears")
     p.add_argument("--json", default="", help="write the results here")
     p.add_argument("--profile", action="store_true", help="kernel time per phase (quantize / GEMM / other)")
     p.add_argument("--top", type=int, default=6, help="--profile: top kernels shown per row")
@@ -146,8 +151,16 @@ def backends(device):
     out["fp8_blockwise"] = (Fp8BlockwiseGemm("triton"), torch.float32)
     # one cuBLAS blockwise GEMM per expert (a host sync; on the CPU its layout-checking stand-in)
     out["fp8_blockwise cublas"] = (Fp8BlockwiseGemm("triton", experts="cublas"), torch.float32)
+    # precision.fp8_wgrad=false: forward and dgrad in FP8, the weight gradients in bf16
+    out["fp8_blockwise bf16-wgrad"] = (Fp8BlockwiseGemm("triton", wgrad="bf16"), torch.float32)
+    out["fp8_blockwise cublas bf16-wgrad"] = (Fp8BlockwiseGemm("triton", experts="cublas", wgrad="bf16"), torch.float32)
     out["mxfp8 emulated"] = (EmulatedGemm(MXFormat()), torch.float32)
     return out
+
+
+def wanted(label: str, only: list[str]) -> bool:
+    """--backends: bf16 (the baseline) always, else the backends named (all if none)."""
+    return label == "bf16" or not only or label in only
 
 
 def bench_gemm(gemm, fn_kind, x, w, offsets, dy, device, iters, requantize: bool) -> float:
@@ -163,13 +176,15 @@ def bench_gemm(gemm, fn_kind, x, w, offsets, dy, device, iters, requantize: bool
     return median_ms(step, device, warmup=min(3, iters), iters=iters)
 
 
-def grouped_rows(shapes, tokens, device, iters):
+def grouped_rows(shapes, tokens, device, iters, only=()):
     rows = []
     for name, s in shapes.items():
         D, E, K, F = s["d_model"], s["num_experts"], s["top_k"], s["hidden"]
         offsets = uniform_offsets(tokens, E, K, device)
         R = tokens * K
         for label, (gemm, wdtype) in backends(device).items():
+            if not wanted(label, only):
+                continue
             for requant in ((False, True) if label != "bf16" else (False,)):
                 ms, flops = 0.0, 0
                 for I, O in ((D, 2 * F), (F, D)):
@@ -197,7 +212,7 @@ def phase_of(name: str) -> str:
     return next(phase for phase, rule in PHASES if rule.search(name))
 
 
-def profile_rows(shapes, tokens, device, top: int) -> list[dict]:
+def profile_rows(shapes, tokens, device, top: int, only=()) -> list[dict]:
     """Kernel time per step of each grouped (shape, backend), split by phase (see PHASES)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -207,6 +222,8 @@ def profile_rows(shapes, tokens, device, top: int) -> list[dict]:
         offsets = uniform_offsets(tokens, E, K, device)
         R = tokens * K
         for label, (gemm, wdtype) in backends(device).items():
+            if not wanted(label, only):
+                continue
             x = torch.randn(R, D, device=device, dtype=torch.bfloat16, requires_grad=True)
             w = (torch.randn(E, 2 * F, D, device=device) * D ** -0.5).to(wdtype).requires_grad_()
             dy = torch.randn(R, 2 * F, device=device, dtype=torch.bfloat16)
@@ -248,7 +265,7 @@ def print_profile(rows) -> None:
             print(f"    {k['ms']:>8.3f} ms  {k['phase']:<8} {k['name']}")
 
 
-def dense_rows(dense, device, iters):
+def dense_rows(dense, device, iters, only=()):
     from moetron.core.precision import TorchGemm
     from moetron.core.precision.fp8_gemm import Fp8BlockwiseGemm
 
@@ -256,8 +273,11 @@ def dense_rows(dense, device, iters):
     modes = {"bf16": (TorchGemm(), torch.bfloat16), "fp8_blockwise triton": (Fp8BlockwiseGemm("triton"), torch.float32)}
     if device.type == "cuda":
         modes["fp8_blockwise scaled_mm"] = (Fp8BlockwiseGemm("scaled_mm"), torch.float32)
+        modes["fp8_blockwise scaled_mm bf16-wgrad"] = (Fp8BlockwiseGemm("scaled_mm", wgrad="bf16"), torch.float32)
     for T, I, O in dense:
         for label, (gemm, wdtype) in modes.items():
+            if not wanted(label, only):
+                continue
             x = torch.randn(T, I, device=device, dtype=torch.bfloat16, requires_grad=True)
             w = (torch.randn(O, I, device=device) * I ** -0.5).to(wdtype).requires_grad_()
             dy = torch.randn(T, O, device=device, dtype=torch.bfloat16)
@@ -269,6 +289,10 @@ def dense_rows(dense, device, iters):
 
 def main(argv=None) -> int:
     args = parse(argv)
+    unknown = sorted(set(args.shapes) - set(SHAPES))
+    if unknown:
+        print(f"bench_gemm_fp8: unknown --shapes {unknown}; choose from {list(SHAPES)}", file=sys.stderr)
+        return 2
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from cli import kernel_device  # tools/cli.py (imports no triton)
 
@@ -289,16 +313,19 @@ def main(argv=None) -> int:
     shapes, dense = (TINY_SHAPES, TINY_DENSE) if args.tiny else (SHAPES, DENSE)
     tokens = 64 if args.tiny else args.tokens
     iters = 1 if args.tiny else args.iters
-    rows = grouped_rows(shapes, tokens, device, iters) + dense_rows(dense, device, iters)
+    if args.shapes and not args.tiny:
+        shapes = {k: v for k, v in SHAPES.items() if k in args.shapes}
+    rows = (grouped_rows(shapes, tokens, device, iters, args.backends)
+            + ([] if args.no_dense else dense_rows(dense, device, iters, args.backends)))
     base = {(r["kind"], r["shape"]): r["tflops"] for r in rows if r["backend"] == "bf16"}
     dev = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreted: timings meaningless)"
     print(f"\n{dev} | torch {torch.__version__} | fwd+bwd | mxfp8 emulated = exact MX operands through bf16 GEMMs")
-    print(f"{'kind':<8} {'shape':<17} {'backend':<24} {'weights':<12} {'ms':>8} {'TFLOP/s':>8} {'x bf16':>7}")
+    print(f"{'kind':<8} {'shape':<17} {'backend':<32} {'weights':<12} {'ms':>8} {'TFLOP/s':>8} {'x bf16':>7}")
     for r in rows:
         r["vs_bf16"] = r["tflops"] / base[(r["kind"], r["shape"])]
-        print(f"{r['kind']:<8} {r['shape']:<17} {r['backend']:<24} {r['weights']:<12} {r['ms']:>8.3f} "
+        print(f"{r['kind']:<8} {r['shape']:<17} {r['backend']:<32} {r['weights']:<12} {r['ms']:>8.3f} "
               f"{r['tflops']:>8.1f} {r['vs_bf16']:>7.2f}")
-    prof = profile_rows(shapes, tokens, device, args.top) if args.profile else []
+    prof = profile_rows(shapes, tokens, device, args.top, args.backends) if args.profile else []
     if prof:
         print_profile(prof)
     env = run_environment(device, 1, "tools/bench_gemm_fp8.py", sys.argv[1:] if argv is None else argv)

@@ -2,7 +2,8 @@
 """The fused FP8 1x128 quantization kernel (core/precision/blockwise_triton.py quantize_1x128_fused:
 rows output, transposed tokens output through an 8-expert padding index, 3 spare rows as the
 cuBLAS experts want) under each of its autotune configs alone, then autotuned, beside a plain copy
-of the input: ms and TB/s of traffic (the bf16 read and two e4m3 writes).
+of the input: ms and TB/s of traffic (the bf16 read and two e4m3 writes); and the rows output alone
+(autotuned: what precision.fp8_wgrad=false quantizes; the bf16 read and one e4m3 write).
 
     python tools/bench_quantize.py --json runs/bench/quantize.json
     python tools/bench_quantize.py --tiny        # tiny shapes; on the CPU under TRITON_INTERPRET=1
@@ -48,7 +49,7 @@ def main(argv=None) -> int:
     candidates = bt._quantize_configs(device.type == "cpu")
     rows = []
     print(f"{'x':<16} {'copy ms':>8} " + " ".join(f"{'T%d w%d' % (c.kwargs['TRANS'], c.num_warps):>14}" for c in candidates)
-          + f" {'autotuned':>14}  chosen   (cells: ms / TB/s)")
+          + f" {'autotuned':>14} {'rows only':>14}  chosen   (cells: ms / TB/s)")
     for R, C in TINY_SHAPES if args.tiny else SHAPES:
         x = torch.randn(R, C, device=device).bfloat16()
         E = args.experts
@@ -71,9 +72,13 @@ def main(argv=None) -> int:
         best = bt._fp8_quantize_1x128_kernel.best_config
         row["chosen"] = f"TRANS {best.kwargs['TRANS']}, {best.num_warps} warps"
         row["autotuned_tb_s"] = traffic / row["autotuned_ms"] / 1e9
+        row["rows_only_ms"] = median_ms(lambda: bt.quantize_1x128_fused(x, True, False, src, R + ROW_SLACK), device,
+                                        warmup=2, iters=iters)
+        row["rows_only_tb_s"] = x.numel() * (2 + 1) / row["rows_only_ms"] / 1e9
         rows.append(row)
         print(f"{f'[{R}, {C}]':<16} {row['copy_ms']:>8.3f} " + " ".join(f"{c:>14}" for c in cells)
-              + f" {row['autotuned_ms']:>6.3f}/{row['autotuned_tb_s']:5.2f}  {row['chosen']}", flush=True)
+              + f" {row['autotuned_ms']:>6.3f}/{row['autotuned_tb_s']:5.2f}"
+              + f" {row['rows_only_ms']:>6.3f}/{row['rows_only_tb_s']:5.2f}  {row['chosen']}", flush=True)
     env = run_environment(device, 1, "tools/bench_quantize.py", sys.argv[1:] if argv is None else argv)
     write_report(args.json, env, rows)
     return 0

@@ -59,6 +59,17 @@ def _block_scales(amax_bits, IN_BF16: tl.constexpr):
 
 
 @triton.jit
+def _widen(bits, IN_BF16: tl.constexpr, HW: tl.constexpr):
+    """The loaded bits as fp32 values: HW, the GPU's bf16 -> fp32 conversion (exact); else by bits
+    (mx_triton.widen_fp32: the interpreter's conversion flushes subnormals)."""
+    if HW and IN_BF16:
+        x = bits.to(tl.bfloat16, bitcast=True).to(tl.float32)
+    else:
+        x = widen_fp32(bits, IN_BF16)
+    return x
+
+
+@triton.jit
 def _e4m3(x, inv, HW: tl.constexpr):
     """x * inv as e4m3, nearest even, saturated to +-448, NaN to e4m3's NaN. HW: the GPU's one
     conversion (cvt.rn.satfinite saturates inf and overflow and keeps NaN NaN: nothing around
@@ -102,7 +113,7 @@ def _fp8_quantize_1x128_kernel(
         valid = p < R
         row_out = p < R_OUT  # rows R..R_OUT: zero padding rows, quantized as zeros
     bits = tl.load(x_ptr + src[:, None].to(tl.int64) * s_xr + c[None, :] * s_xc, mask=valid[:, None], other=0)
-    x = widen_fp32(bits, IN_BF16)
+    x = _widen(bits, IN_BF16, HW)
     if ROWS:
         inv, scale = _block_scales(tl.max(_abs_bits(bits, IN_BF16), axis=1), IN_BF16)
         src64 = src.to(tl.int64)
@@ -120,7 +131,7 @@ def _fp8_quantize_1x128_kernel(
                 bt = tl.load(x_ptr + src[None, :].to(tl.int64) * s_xr + c[:, None] * s_xc, mask=valid[None, :],
                              other=0)
             inv, st = _block_scales(tl.max(_abs_bits(bt, IN_BF16), axis=1), IN_BF16)
-            qt = _e4m3(widen_fp32(bt, IN_BF16), inv[:, None], HW)
+            qt = _e4m3(_widen(bt, IN_BF16, HW), inv[:, None], HW)
         tl.store(td_ptr + c[:, None].to(tl.int64) * s_tdc + p[None, :] * s_tdp, qt, mask=(p < P)[None, :])
         tl.store(ts_ptr + c.to(tl.int64) * s_tsc + pid_p * s_tsb, st)
 
@@ -142,7 +153,7 @@ def _fp8_quantize_128x128_kernel(w_ptr, d_ptr, dt_ptr, s_ptr, O, I, IN_BF16: tl.
     base = g.to(tl.int64) * O * I
     bits = tl.load(w_ptr + base + o[:, None] * I + i[None, :], mask=(o < O)[:, None], other=0)
     inv, scale = _block_scales(tl.max(tl.max(_abs_bits(bits, IN_BF16), axis=1), axis=0), IN_BF16)
-    q = _e4m3(widen_fp32(bits, IN_BF16), inv, HW)
+    q = _e4m3(_widen(bits, IN_BF16, HW), inv, HW)
     tl.store(d_ptr + base + o[:, None] * I + i[None, :], q)
     tl.store(dt_ptr + base + i[:, None] * O + o[None, :], tl.trans(q))
     tl.store(s_ptr + g.to(tl.int64) * (O // BLOCK) * (I // BLOCK) + pid_o * (I // BLOCK) + pid_i, scale)

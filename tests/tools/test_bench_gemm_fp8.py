@@ -24,12 +24,15 @@ def test_tiny_run_checks_and_reports(tmp_path):
     grouped = {(r["backend"], r["weights"]) for r in rows if r["kind"] == "grouped"}
     assert grouped == {("bf16", "cached"), ("fp8_blockwise", "cached"), ("fp8_blockwise", "requantized"),
                        ("fp8_blockwise cublas", "cached"), ("fp8_blockwise cublas", "requantized"),
+                       ("fp8_blockwise bf16-wgrad", "cached"), ("fp8_blockwise bf16-wgrad", "requantized"),
+                       ("fp8_blockwise cublas bf16-wgrad", "cached"), ("fp8_blockwise cublas bf16-wgrad", "requantized"),
                        ("mxfp8 emulated", "cached"), ("mxfp8 emulated", "requantized")}
     assert {r["check"] for r in checks} >= {f"grouped {k} {p}" for k in ("triton", "cublas") for p in ("fwd", "dgrad", "wgrad")}
     assert {r["backend"] for r in rows if r["kind"] == "dense"} >= {"bf16", "fp8_blockwise triton"}
     assert "MISMATCH" not in proc.stdout
     prof = [r for r in rows if r["kind"] == "profile"]
-    assert {r["backend"] for r in prof} == {"bf16", "fp8_blockwise", "fp8_blockwise cublas", "mxfp8 emulated"}
+    assert {r["backend"] for r in prof} == {"bf16", "fp8_blockwise", "fp8_blockwise cublas", "fp8_blockwise bf16-wgrad",
+                                            "fp8_blockwise cublas bf16-wgrad", "mxfp8 emulated"}
     for r in prof:
         assert abs(r["quantize_ms"] + r["gemm_ms"] + r["other_ms"] - r["ms"]) < 1e-6 * max(1.0, r["ms"]) and r["top"]
 
@@ -44,3 +47,19 @@ def test_phases_name_the_kernels():
     assert bench_gemm_fp8.phase_of("void at::native::reduce_kernel<512, 1, ...>") == "quantize"
     assert bench_gemm_fp8.phase_of("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
     assert bench_gemm_fp8.phase_of("searchsorted_cuda_kernel") == "other"
+
+
+def test_backends_and_shapes_pick_rows(tmp_path):
+    """--backends keeps bf16 and the named backends only; --shapes refuses an unknown shape."""
+    skip_unless_interpreter_works()
+    out = tmp_path / "gemm.json"
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "bench_gemm_fp8.py"), "--tiny", "--skip-check", "--no-dense",
+           "--backends", "fp8_blockwise cublas bf16-wgrad", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["kind"], r["backend"]) for r in rows} == {("grouped", "bf16"), ("grouped", "fp8_blockwise cublas bf16-wgrad")}
+    bad = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_gemm_fp8.py"), "--shapes", "olmo"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert bad.returncode == 2 and "unknown --shapes ['olmo']" in bad.stderr
