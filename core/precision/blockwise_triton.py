@@ -84,6 +84,13 @@ def _e4m3(x, inv, HW: tl.constexpr):
     return q
 
 
+@triton.jit
+def _trans_e4m3(q):
+    """q^T, moved as bytes: tl.trans of the conversion's own e4m3 tile wrote wrong bytes on the H200
+    (Triton 3.6, the 128 x 128 kernel: measured); its bitcast to uint8 transposes right."""
+    return tl.trans(q.to(tl.uint8, bitcast=True)).to(tl.float8e4nv, bitcast=True)
+
+
 def _quantize_configs(interpret: bool) -> list[triton.Config]:
     """Autotune candidates of the 1x128 kernel: where its tokens output's transpose happens (TRANS:
     0 the e4m3 tile, 1 the loaded bits, before widening, 2 none: the tile loaded a second time
@@ -123,7 +130,7 @@ def _fp8_quantize_1x128_kernel(
     if TOKENS:
         if TRANS == 0:  # quantize along the tile's columns, transpose the e4m3 tile
             inv, st = _block_scales(tl.max(_abs_bits(bits, IN_BF16), axis=0), IN_BF16)
-            qt = tl.trans(_e4m3(x, inv[None, :], HW))  # [C tile, P tile], written with P contiguous
+            qt = _trans_e4m3(_e4m3(x, inv[None, :], HW))  # [C tile, P tile], written with P contiguous
         else:
             if TRANS == 1:  # transpose the loaded bits (16 of a bf16 input), then quantize along rows
                 bt = tl.trans(bits)
@@ -155,7 +162,7 @@ def _fp8_quantize_128x128_kernel(w_ptr, d_ptr, dt_ptr, s_ptr, O, I, IN_BF16: tl.
     inv, scale = _block_scales(tl.max(tl.max(_abs_bits(bits, IN_BF16), axis=1), axis=0), IN_BF16)
     q = _e4m3(_widen(bits, IN_BF16, HW), inv, HW)
     tl.store(d_ptr + base + o[:, None] * I + i[None, :], q)
-    tl.store(dt_ptr + base + i[:, None] * O + o[None, :], tl.trans(q))
+    tl.store(dt_ptr + base + i[:, None] * O + o[None, :], _trans_e4m3(q))
     tl.store(s_ptr + g.to(tl.int64) * (O // BLOCK) * (I // BLOCK) + pid_o * (I // BLOCK) + pid_i, scale)
 
 
