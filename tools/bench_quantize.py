@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     iters = 1 if args.tiny else args.iters
     candidates = bt._quantize_configs(device.type == "cpu")
     rows = []
-    print(f"{'x':<16} {'copy ms':>8} " + " ".join(f"{'T%d w%d' % (c.kwargs['TRANS'], c.num_warps):>14}" for c in candidates)
+    print(f"{'x':<16} {'copy ms':>8} " + " ".join(f"{'w%d' % c.num_warps:>14}" for c in candidates)
           + f" {'autotuned':>14} {'rows only':>14}  chosen   (cells: ms / TB/s)")
     for R, C in TINY_SHAPES if args.tiny else SHAPES:
         x = torch.randn(R, C, device=device).bfloat16()
@@ -64,13 +64,13 @@ def main(argv=None) -> int:
             for c in candidates:
                 bt.use_quantize_configs([c])
                 ms = median_ms(quantize, device, warmup=2, iters=iters)
-                row[f"T{c.kwargs['TRANS']}_w{c.num_warps}_ms"] = ms
+                row[f"w{c.num_warps}_ms"] = ms
                 cells.append(f"{ms:6.3f}/{traffic / ms / 1e9:5.2f}")
         finally:
             bt.use_quantize_configs(candidates)
         row["autotuned_ms"] = median_ms(quantize, device, warmup=2, iters=iters)
         best = bt._fp8_quantize_1x128_kernel.best_config
-        row["chosen"] = f"TRANS {best.kwargs['TRANS']}, {best.num_warps} warps"
+        row["chosen"] = f"{best.num_warps} warps"
         row["autotuned_tb_s"] = traffic / row["autotuned_ms"] / 1e9
         row["rows_only_ms"] = median_ms(lambda: bt.quantize_1x128_fused(x, True, False, src, R + ROW_SLACK), device,
                                         warmup=2, iters=iters)

@@ -1,14 +1,15 @@
 """Triton FP8 blockwise quantization (the GPU path of core.precision.blockwise), bit for bit the
-torch reference's codes: one read of the operand, every output written from registers.
+torch reference's codes: every output written from registers, no transposed copy made.
 
 - ``quantize_1x128_fused``: x [R, C] -> its 1x128 tiles along C ("rows": the forward's and the
   dgrad's A operand, [R, C] e4m3 + [R, C / 128] scales) and/or along the rows ("tokens": the wgrad's
   operand, written transposed, [C, P] e4m3 contiguous + [C, P / 128] scales: x^T is never made),
-  from one read of each 128 x 128 tile. The tokens output may be grouped: row p of the padded
+  from each 128 x 128 tile read twice (the second time transposed, from L1 / L2, for the tokens
+  output: no transpose in registers). The tokens output may be grouped: row p of the padded
   layout reads x[src_rows[p]], or zeros where src_rows[p] < 0 (grouping.padded_source_rows; the
   same bits as quantizing grouping.pad_groups' output). Rows output then go to the source rows.
 - ``quantize_128x128_triton``: a weight [..., O, I] -> (e4m3 w, e4m3 w^T [..., I, O] contiguous,
-  scales [..., O / 128, I / 128]), one read.
+  scales [..., O / 128, I / 128]), each tile read twice likewise.
 
 Scales are 2^ceil(log2(amax / 448)) from the bits (mx_triton.mx_exponent, rceil), 1 for a block
 holding NaN or inf (the reference's choice); a block's amax, and whether it holds inf or NaN, is one
@@ -84,20 +85,12 @@ def _e4m3(x, inv, HW: tl.constexpr):
     return q
 
 
-@triton.jit
-def _trans_e4m3(q):
-    """q^T, moved as bytes: tl.trans of the conversion's own e4m3 tile wrote wrong bytes on the H200
-    (Triton 3.6, the 128 x 128 kernel: measured); its bitcast to uint8 transposes right."""
-    return tl.trans(q.to(tl.uint8, bitcast=True)).to(tl.float8e4nv, bitcast=True)
-
-
 def _quantize_configs(interpret: bool) -> list[triton.Config]:
-    """Autotune candidates of the 1x128 kernel: where its tokens output's transpose happens (TRANS:
-    0 the e4m3 tile, 1 the loaded bits, before widening, 2 none: the tile loaded a second time
-    transposed) x 4 or 8 warps; the interpreter runs one (the tests pick each, use_quantize_configs)."""
+    """Autotune candidates of the 1x128 kernel: 4 or 8 warps; the interpreter runs one (the tests
+    pick each, use_quantize_configs)."""
     if interpret:
-        return [triton.Config({"TRANS": 0}, num_warps=4)]
-    return [triton.Config({"TRANS": t}, num_warps=w) for t in (0, 1, 2) for w in (4, 8)]
+        return [triton.Config({}, num_warps=4)]
+    return [triton.Config({}, num_warps=w) for w in (4, 8)]
 
 
 @triton.autotune(configs=_quantize_configs(not HW_CONVERT), key=["C", "P", "GATHER", "ROWS", "TOKENS"])
@@ -106,7 +99,7 @@ def _fp8_quantize_1x128_kernel(
     x_ptr, src_ptr, rd_ptr, rs_ptr, td_ptr, ts_ptr, R, P, C, R_OUT,
     s_xr, s_xc, s_rdr, s_rdc, s_rsr, s_rsb, s_tdc, s_tdp, s_tsc, s_tsb,
     GATHER: tl.constexpr, ROWS: tl.constexpr, TOKENS: tl.constexpr, IN_BF16: tl.constexpr, BLOCK: tl.constexpr,
-    HW: tl.constexpr, TRANS: tl.constexpr,
+    HW: tl.constexpr,
 ):
     pid_c, pid_p = tl.program_id(0), tl.program_id(1)
     p = pid_p * BLOCK + tl.arange(0, BLOCK)
@@ -128,17 +121,12 @@ def _fp8_quantize_1x128_kernel(
                  mask=row_out[:, None])
         tl.store(rs_ptr + src64 * s_rsr + pid_c * s_rsb, scale, mask=row_out)
     if TOKENS:
-        if TRANS == 0:  # quantize along the tile's columns, transpose the e4m3 tile
-            inv, st = _block_scales(tl.max(_abs_bits(bits, IN_BF16), axis=0), IN_BF16)
-            qt = _trans_e4m3(_e4m3(x, inv[None, :], HW))  # [C tile, P tile], written with P contiguous
-        else:
-            if TRANS == 1:  # transpose the loaded bits (16 of a bf16 input), then quantize along rows
-                bt = tl.trans(bits)
-            else:  # load the tile again as [C tile, P tile] (from L1 / L2)
-                bt = tl.load(x_ptr + src[None, :].to(tl.int64) * s_xr + c[:, None] * s_xc, mask=valid[None, :],
-                             other=0)
-            inv, st = _block_scales(tl.max(_abs_bits(bt, IN_BF16), axis=1), IN_BF16)
-            qt = _e4m3(_widen(bt, IN_BF16, HW), inv[:, None], HW)
+        # the tile loaded again as [C tile, P tile] (from L1 / L2) and quantized along its rows: no
+        # transpose in registers (with tl.trans of its e4m3 tile the 128 x 128 kernel's w^T came out
+        # wrong on the H200, Triton 3.6, this kernel's new code path; the old one's passed)
+        bt = tl.load(x_ptr + src[None, :].to(tl.int64) * s_xr + c[:, None] * s_xc, mask=valid[None, :], other=0)
+        inv, st = _block_scales(tl.max(_abs_bits(bt, IN_BF16), axis=1), IN_BF16)
+        qt = _e4m3(_widen(bt, IN_BF16, HW), inv[:, None], HW)
         tl.store(td_ptr + c[:, None].to(tl.int64) * s_tdc + p[None, :] * s_tdp, qt, mask=(p < P)[None, :])
         tl.store(ts_ptr + c.to(tl.int64) * s_tsc + pid_p * s_tsb, st)
 
@@ -160,9 +148,10 @@ def _fp8_quantize_128x128_kernel(w_ptr, d_ptr, dt_ptr, s_ptr, O, I, IN_BF16: tl.
     base = g.to(tl.int64) * O * I
     bits = tl.load(w_ptr + base + o[:, None] * I + i[None, :], mask=(o < O)[:, None], other=0)
     inv, scale = _block_scales(tl.max(tl.max(_abs_bits(bits, IN_BF16), axis=1), axis=0), IN_BF16)
-    q = _e4m3(_widen(bits, IN_BF16, HW), inv, HW)
-    tl.store(d_ptr + base + o[:, None] * I + i[None, :], q)
-    tl.store(dt_ptr + base + i[:, None] * O + o[None, :], _trans_e4m3(q))
+    tl.store(d_ptr + base + o[:, None] * I + i[None, :], _e4m3(_widen(bits, IN_BF16, HW), inv, HW))
+    # w^T from the tile loaded again transposed (as the 1x128 kernel's tokens output)
+    bt = tl.load(w_ptr + base + o[None, :] * I + i[:, None], mask=(o < O)[None, :], other=0)
+    tl.store(dt_ptr + base + i[:, None] * O + o[None, :], _e4m3(_widen(bt, IN_BF16, HW), inv, HW))
     tl.store(s_ptr + g.to(tl.int64) * (O // BLOCK) * (I // BLOCK) + pid_o * (I // BLOCK) + pid_i, scale)
 
 
@@ -215,7 +204,8 @@ def quantize_1x128_fused(x_RC: torch.Tensor, rows: bool = True, tokens: bool = T
 
 def quantize_128x128_triton(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """w [..., O, I] -> (data e4m3 [..., O, I], data^T [..., I, O] contiguous, scale fp32
-    [..., O / 128, I / 128]): quantize_128x128(w) and its transpose, one read."""
+    [..., O / 128, I / 128]): quantize_128x128(w) and its transpose, each tile read twice (the
+    second transposed, from L2)."""
     *lead, O, I = w.shape
     if O % FP8_BLOCK or I % FP8_BLOCK:
         raise ValueError(f"fp8 128x128 weight tiles must divide both dims of the weight {tuple(w.shape)}: "

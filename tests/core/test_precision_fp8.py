@@ -278,13 +278,12 @@ def test_fp8_on_gpu_matches_float64(experts, wgrad):
     check_fp8("cuda", dense_modes=("triton", "scaled_mm"), experts=experts, wgrad=wgrad)
 
 
-@pytest.mark.parametrize("kernel_name, trans", [("_fp8_quantize_1x128_kernel", 0), ("_fp8_quantize_1x128_kernel", 1),
-                                               ("_fp8_quantize_1x128_kernel", 2), ("_fp8_quantize_128x128_kernel", None)])
-def test_quantize_kernels_round_with_the_conversion_instruction_on_sm90(kernel_name, trans):
-    """On the GPU the FP8 quantization rounds to E4M3 with cvt.rn.satfinite (mx_triton.signed_e4m3,
+@pytest.mark.parametrize("kernel_name", ["_fp8_quantize_1x128_kernel", "_fp8_quantize_128x128_kernel"])
+def test_quantize_kernels_round_with_the_conversion_instruction_on_sm90(kernel_name):
+    """On the GPU the FP8 quantization rounds to E4M3 with cvt.rn.satfinite (blockwise_triton._e4m3,
     HW=True), not by the interpreter's bit arithmetic: the PTX for SM90 holds the conversion and
     none of round_to_e4m3's constants (its bits agreeing with torch's is the GPU test of
-    tests/core/test_blockwise_triton.py). Each TRANS variant of the 1x128 kernel compiles for SM90."""
+    tests/core/test_blockwise_triton.py). Both kernels compile for SM90."""
     import triton
 
     from moetron.core.precision import blockwise_triton as bt
@@ -298,7 +297,7 @@ def test_quantize_kernels_round_with_the_conversion_instruction_on_sm90(kernel_n
     constexprs = dict(BLOCK=128, IN_BF16=True, HW=True)
     if kernel_name == "_fp8_quantize_1x128_kernel":
         constexprs.update(GATHER=True, ROWS=True, TOKENS=True)
-    config = triton.Config({} if trans is None else {"TRANS": trans}, num_warps=8, num_stages=1)
+    config = triton.Config({}, num_warps=8, num_stages=1)
     ptx = _compile_sm90(getattr(bt, kernel_name), config,
                         {**ptrs, **ints}, constexprs).asm["ptx"]
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx

@@ -20,4 +20,4 @@ def test_tiny_run_times_each_config(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (row,) = json.loads(out.read_text())["rows"]
     assert (row["rows"], row["cols"]) == (256, 256) and row["copy_ms"] > 0
-    assert row["T0_w4_ms"] > 0 and row["autotuned_ms"] > 0 and row["chosen"] == "TRANS 0, 4 warps"
+    assert row["w4_ms"] > 0 and row["autotuned_ms"] > 0 and row["rows_only_ms"] > 0 and row["chosen"] == "4 warps"
