@@ -3,7 +3,7 @@ each with its source (a datasheet, a measurement in docs/performance.md, or an a
 
 from __future__ import annotations
 
-__all__ = ['GiB', 'GPU', 'GPUS', 'GPUS_PER_NODE', 'RESERVED_GIB', 'EFF_GEMM', 'EFF_EXPERT', 'EFF_FP8_GEMM', 'EFF_FP8_EXPERT', 'EFF_FP8_CUBLAS_EXPERT', 'CUBLAS_CALL_S', 'EFF_MX_EXPERT', 'EFF_ATTN', 'EFF_COMM', 'EFF_PCIE', 'HOST_GBPS', 'HBM_TRAFFIC', 'OPTIMIZER_BYTES', 'RECOMPUTE_FORWARD', 'HOST_OPTIMIZER_BYTES', 'QUANT_BYTES', 'WEIGHT_QUANT_BYTES', 'FP8_SAVED', 'FP8_WEIGHT_CACHED', 'FP8_WGRAD_BYTES', 'LOW_PRECISION']
+__all__ = ['GiB', 'GPU', 'GPUS', 'GPUS_PER_NODE', 'RESERVED_GIB', 'EFF_GEMM', 'EFF_EXPERT', 'EFF_FP8_GEMM', 'EFF_FP8_EXPERT', 'EFF_FP8_CUBLAS_EXPERT', 'CUBLAS_CALL_S', 'EFF_MX_EXPERT', 'EFF_ATTN', 'EFF_COMM', 'EFF_PCIE', 'HOST_GBPS', 'HBM_TRAFFIC', 'OPTIMIZER_BYTES', 'RECOMPUTE_FORWARD', 'HOST_OPTIMIZER_BYTES', 'QUANT_BYTES', 'QUANT_ROWS_BYTES', 'WEIGHT_QUANT_BYTES', 'FP8_SAVED', 'FP8_WEIGHT_CACHED', 'FP8_WGRAD_BYTES', 'LOW_PRECISION']
 
 import dataclasses
 
@@ -60,17 +60,18 @@ EFF_EXPERT = 0.47
 EFF_FP8_GEMM = 1080 / 1979
 """Dense fp8 blockwise GEMMs (F.scaled_mm BlockWise1x128 / 128x128): 1000-1160 TFLOP/s measured on
 the H200 (this session's fp8 GEMM measurement), 1080 of the 1979 fp8 peak. Used for every native fp8 recipe."""
-EFF_FP8_EXPERT = 510 / 1979
+EFF_FP8_EXPERT = 562 / 1979
 """Grouped fp8 expert GEMMs of fp8_blockwise (core/precision/fp8_triton.py's pipelined kernels, the
-default since session 6): 510 TFLOP/s fwd+bwd measured on the H200 at bench_gemm_fp8's wider
-olmo3-moe-3.2b shape (386 at the olmoe shape; the masked kernels of session 4: 441 / 322),
+default since session 6): 562 TFLOP/s fwd+bwd measured on the H200 at bench_gemm_fp8's wider
+olmo3-moe-3.2b shape with session 7's quantization kernels (467 at the olmoe shape, 587 at
+olmo3-moe-8e; session 6's quantization: 510 / 386; the masked kernels of session 4: 441 / 322),
 activation quantization included (so the planner's separate quantization term counts it a second
 time). ``precision.fp8_experts=cublas``: EFF_FP8_CUBLAS_EXPERT and CUBLAS_CALL_S."""
-EFF_FP8_CUBLAS_EXPERT = 724 / 1979
+EFF_FP8_CUBLAS_EXPERT = 803 / 1979
 """Grouped fp8 expert GEMMs under ``precision.fp8_experts=cublas`` (core/precision/fp8_cublas.py,
-one cuBLAS blockwise GEMM per expert) while the GPU is the limit: 724 TFLOP/s fwd+bwd measured on
-the H200 with 8 experts of 8192 rows (bench_gemm_fp8's olmo3-moe-8e shape), quantization included
-like EFF_FP8_EXPERT."""
+one cuBLAS blockwise GEMM per expert) while the GPU is the limit: 803 TFLOP/s fwd+bwd measured on
+the H200 with 8 experts of 8192 rows (bench_gemm_fp8's olmo3-moe-8e shape; 724 with session 6's
+quantization kernels), quantization included like EFF_FP8_EXPERT."""
 CUBLAS_CALL_S = 55e-6
 """CPU seconds per cuBLAS call of fp8_cublas.py's per-expert loop: 64 calls took 3.5 ms whatever
 their size (bench_fp8_variants' experiment at the olmoe shape, H200 machine), the floor of a layer's
@@ -110,11 +111,17 @@ fitted to them is gone with the fix. Not yet re-measured.)"""
 HOST_OPTIMIZER_BYTES = {"fp32": 88.0, "bf16": 112.0}
 """Host bytes per parameter of the CPU optimizer step under fsdp_offload (torch's AdamW on CPU runs
 op by op: no fused kernel): counted from its ops as above."""
-QUANT_BYTES = {"emulated": 32.0, "native": 24.0}
+QUANT_BYTES = {"emulated": 32.0, "native": 8.0}
 """HBM bytes per element of a low-precision GEMM's input plus output, per training step of a token:
 the forward quantizes x along its reduction dim and again along the tokens (saved), the backward dy
-along O and along the tokens, and the emulated backend dequantizes each into bf16. Unfused torch
-ops with fp32 intermediates (no fused quantize kernels yet): assumed, not measured."""
+along O and along the tokens, and the emulated backend dequantizes each into bf16. native: the fused
+1x128 kernel (core/precision/blockwise_triton.py) reads 2 and writes 1 + 1 B per element at
+2.3-2.4 TB/s on the H200 (tools/bench_quantize.py, session 7), the time of 8 B at the 4.8 TB/s
+datasheet rate (24 before: assumed for unfused ops). emulated: assumed, not measured."""
+QUANT_ROWS_BYTES = 4.5
+"""QUANT_BYTES of native fp8_blockwise under precision.fp8_wgrad=false: the rows output alone (read
+2, write 1 B per element) at 3.0-3.6 TB/s on the H200 (tools/bench_quantize.py, session 7), the
+time of 4.5 B at the 4.8 TB/s datasheet rate."""
 WEIGHT_QUANT_BYTES = {"emulated": 16.0, "native": 7.0}
 """HBM bytes per low-precision weight element per quantization (emulated mxfp8: two bf16 dequantized
 orientations; native: fp8 w and w^T): once per step in eager (the weight cache), twice per

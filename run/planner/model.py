@@ -59,7 +59,7 @@ from .hardware import (
     EFF_EXPERT, EFF_FP8_GEMM, EFF_FP8_EXPERT, EFF_FP8_CUBLAS_EXPERT, CUBLAS_CALL_S, EFF_MX_EXPERT, EFF_ATTN, EFF_COMM,
     EFF_PCIE,
     HOST_GBPS, HBM_TRAFFIC, OPTIMIZER_BYTES, RECOMPUTE_FORWARD, HOST_OPTIMIZER_BYTES, QUANT_BYTES,
-    WEIGHT_QUANT_BYTES, FP8_SAVED, FP8_WEIGHT_CACHED, FP8_WGRAD_BYTES, LOW_PRECISION,
+    WEIGHT_QUANT_BYTES, QUANT_ROWS_BYTES, FP8_SAVED, FP8_WEIGHT_CACHED, FP8_WGRAD_BYTES, LOW_PRECISION,
 )
 
 
@@ -94,6 +94,10 @@ class Switches:
     fp8_experts: str = "triton"
     """precision.fp8_experts (native fp8_blockwise): the experts' GEMMs in the Triton kernels, or one
     cuBLAS GEMM per local expert (cublas: the GPU's rate or the CPU's per-call cost, whichever is longer)."""
+    fp8_wgrad: bool = True
+    """precision.fp8_wgrad (native fp8_blockwise): the weight-gradient GEMMs in FP8; false: in bf16 at
+    the bf16 rates (a third of each low-precision GEMM's FLOPs), the input saved in bf16 and only its
+    rows quantized (QUANT_ROWS_BYTES)."""
     optimizer_kernel: str = "triton"
     """The optimizer step's kernel on GPUs: triton (optimizer.impl auto or triton) or torch (impl=torch)."""
     offload: bool = False
@@ -103,7 +107,11 @@ class Switches:
 
     def saved_input(self, module: str) -> float:
         """Bytes per element of a GEMM input saved for the wgrad: fp8 + scales or bf16."""
-        return FP8_SAVED if self.low(module) else 2.0
+        return FP8_SAVED if self.low(module) and not self.bf16_wgrad(module) else 2.0
+
+    def bf16_wgrad(self, module: str) -> bool:
+        """The module's low-precision GEMMs run their wgrad in bf16 (precision.fp8_wgrad=false)."""
+        return self.low(module) and self.recipe == "fp8_blockwise" and self.backend == "native" and not self.fp8_wgrad
 
     def weight_cache(self, module: str) -> float:
         """Bytes per weight element the low-precision weight cache holds through a step where it
@@ -162,7 +170,7 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
                     # the fused backward serves the unscaled SwiGLU only (weights_before_down scales it)
                     triton_swiglu=bool(precision.triton_swiglu) and recipe == PrecisionRecipe.bf16
                     and not (model.moe is not None and model.moe.weights_before_down),
-                    fp8_experts=str(precision.fp8_experts),
+                    fp8_experts=str(precision.fp8_experts), fp8_wgrad=bool(precision.fp8_wgrad),
                     quantize_weights_once=bool(precision.quantize_weights_once) and recipe in LOW_PRECISION,
                     optimizer_kernel="torch" if str(optimizer.impl) == "torch" or optimizer.fused is not None else "triton",
                     offload=parallel.fsdp_offload)
@@ -455,16 +463,24 @@ def stage_time(cfg: ModelConfig, layers: list[int], *, sw: Switches, memory: Mem
     recomputed = [i for i in layers if mem.recompute == Recompute.full and i % mem.recompute_every == 0]
     share = len(recomputed) / max(1, len(layers))
     extra = 1 + share * RECOMPUTE_FORWARD["compiled" if compiled else "eager"]
-    t_experts = T_mb * extra * by_module["experts"] / gemm_rate(gpu, sw, "experts", True)
+
+    def module_time(k: str, grouped: bool, rate: float) -> float:
+        """A module's GEMMs at ``rate``, their wgrad third at the bf16 rate under fp8_wgrad=false."""
+        flops = T_mb * extra * by_module[k]
+        if not sw.bf16_wgrad(k):
+            return flops / rate
+        return flops * 2 / 3 / rate + flops / 3 / (bf16_flops * (EFF_EXPERT if grouped else EFF_GEMM))
+
+    passes = 4 if sw.bf16_wgrad("experts") else 6  # the cuBLAS loop's passes per layer (gate|up, down)
+    t_experts = module_time("experts", True, gemm_rate(gpu, sw, "experts", True))
     if sw.fp8_blockwise_experts and sw.fp8_experts == "cublas":
-        # [measured] one cuBLAS call per local expert for each of a layer's 6 GEMM passes (gate|up and
+        # [measured] one cuBLAS call per local expert for each of a layer's fp8 GEMM passes (gate|up and
         # down: forward, dgrad, wgrad), each ~55 us of CPU: the GPU waits where those add up to more
-        calls = sum(6 * cfg.moe.num_experts // ep for i in layers if cfg.is_moe_layer(i)) * extra
-        t_experts = max(T_mb * extra * by_module["experts"] / (gpu.fp8_tflops * 1e12 * EFF_FP8_CUBLAS_EXPERT),
+        calls = sum(passes * cfg.moe.num_experts // ep for i in layers if cfg.is_moe_layer(i)) * extra
+        t_experts = max(module_time("experts", True, gpu.fp8_tflops * 1e12 * EFF_FP8_CUBLAS_EXPERT),
                         calls * CUBLAS_CALL_S)
-    t_gemm = T_mb * extra * (other_f / (bf16_flops * EFF_GEMM)
-                             + by_module["attention"] / gemm_rate(gpu, sw, "attention", False)
-                             + by_module["mlp"] / gemm_rate(gpu, sw, "mlp", False)) + t_experts
+    t_gemm = T_mb * extra * other_f / (bf16_flops * EFF_GEMM) + t_experts + sum(
+        module_time(k, False, gemm_rate(gpu, sw, k, False)) for k in ("attention", "mlp"))
     t_attn = T_mb * attn_f / (bf16_flops * EFF_ATTN) * extra
     ref_bytes = sum(reference_activation_bytes(cfg, i) for i in layers)
     traffic = HBM_TRAFFIC["compiled" if compiled else "eager"] * ref_bytes * T_mb * extra
@@ -484,7 +500,7 @@ def stage_time(cfg: ModelConfig, layers: list[int], *, sw: Switches, memory: Mem
             el, wl = _gemm_elements(cfg, i), _linear_params(cfg, i)
             for k in modules:
                 if sw.low(k):
-                    quant += qb * el[k] * T_mb * extra
+                    quant += (QUANT_ROWS_BYTES if sw.bf16_wgrad(k) else qb) * el[k] * T_mb * extra
                     weights = wl[k] / (ep if k == "experts" else 1)
                     # the cache: once per step; a traced graph: forward and backward of every micro-batch
                     quant += wb * weights * (1 / m if sw.caches_weights(k) else 2 * extra)

@@ -372,6 +372,39 @@ def test_fp8_cublas_experts_at_the_gpu_rate_or_the_cpu_floor():
     assert cub8["gemm"] - tri8["gemm"] == pytest.approx(floor - flops8 / (1979e12 * hw.EFF_FP8_EXPERT))
 
 
+def test_fp8_wgrad_false_moves_a_third_of_the_flops_to_bf16_and_saves_inputs_in_bf16():
+    """precision.fp8_wgrad=false: the wgrad third of every fp8 module's GEMM FLOPs runs at the bf16
+    rates, the cuBLAS loop makes 4 calls per expert and layer instead of 6, quantization counts the
+    rows output only, and the low-precision inputs are saved in bf16 (the forward's peak grows)."""
+    from moetron.core.precision import PrecisionConfig
+    from moetron.run.planner import hardware as hw
+
+    def run(wgrad, experts="triton", olmoe8=False):
+        precision = PrecisionConfig(recipe="fp8_blockwise", backend="native", fp8_wgrad=wgrad, fp8_experts=experts)
+        if olmoe8:
+            return planner.plan(_olmoe8(precision=precision))
+        return planner.plan(planner.Plan(model=_olmoe3(), parallel=ParallelConfig(), memory=MemoryConfig(),
+                                         seq_len=4096, global_batch=4, precision=precision))
+
+    fp8, bf16 = run(True), run(False)
+    moe = ModelConfig.preset("olmo3-moe-8e").moe
+    flops = 3 * 6.0 * 4 * 3 * 4096 * moe.expert_hidden * 16384 / 3  # the experts' wgrad third
+    expert_delta = flops / (989e12 * hw.EFF_EXPERT) - flops / (1979e12 * hw.EFF_FP8_EXPERT)
+    gemm = lambda r: r["microbatch_parts_s"]["gemm"]  # noqa: E731
+    assert gemm(bf16) - gemm(fp8) > expert_delta > 0  # + the dense modules' wgrad thirds
+    quant = lambda r: r["microbatch_parts_s"]["recast_quant"]  # noqa: E731
+    from moetron.run.planner.model import _gemm_elements
+
+    elements = sum(v for i in range(4) for v in _gemm_elements(_olmoe3(), i).values()) * 16384
+    assert quant(fp8) - quant(bf16) == pytest.approx(
+        (hw.QUANT_BYTES["native"] - hw.QUANT_ROWS_BYTES) * elements / (hw.GPUS["h200"].hbm_tbps * 1e12))
+    assert fp8["stages"][0]["peak_gib"] < bf16["stages"][0]["peak_gib"]
+    # OLMoE-8L's cuBLAS loop is CPU-bound: 4 fp8 passes per expert and layer instead of 6 save more
+    # than the bf16 wgrad costs (8 layers x 2 x 64 calls)
+    saved = 8 * 2 * 64 * hw.CUBLAS_CALL_S
+    assert gemm(run(True, "cublas", olmoe8=True)) - gemm(run(False, "cublas", olmoe8=True)) > saved / 2
+
+
 def _olmoe3():
     model = ModelConfig.preset("olmo3-moe-8e")
     model.n_layers, model.vocab_size = 4, 100352
