@@ -15,8 +15,8 @@ Scales are 2^ceil(log2(amax / 448)) from the bits (mx_triton.mx_exponent, rceil)
 holding NaN or inf (the reference's choice); a block's amax, and whether it holds inf or NaN, is one
 integer max over |x|'s bits. data = x / scale saturated to +-448 and rounded to E4M3, nearest even:
 on the GPU by its one conversion instruction (cvt.rn.satfinite, which also saturates inf and keeps
-NaN), under the interpreter by bits; a NaN element is e4m3's NaN (0x7F). Scale tensors may be given any strides (F.scaled_mm
-wants the 1x128 scales outer-major: ``outer_major=True``).
+NaN), under the interpreter by bits; a NaN element is e4m3's NaN (0x7F). Scale tensors may be
+given any strides (F.scaled_mm wants the 1x128 scales outer-major: ``outer_major=True``).
 
 Legend: R rows, C columns, P padded rows (the tokens output), O / I a weight's dims.
 """
