@@ -3,8 +3,10 @@
 
 Prints a table and writes JSON: tokens/s, model TFLOP/s per device (6 x active non-embedding
 params per token + attention, see docs/models.md), MFU against the device's dense bf16 peak,
-peak memory. Each --variant is a set of overrides measured in the same process, so a switch is
-measured on and off side by side.
+peak memory, and the loss of the first warm-up step and of the last timed step. Each --variant is a
+set of overrides measured in the same process, so a switch is measured on and off side by side;
+every variant trains the same seeded model on the same batches, so a variant whose last loss strays
+more than 2% from the first one's is named on stderr (a numerics bug must not pass as a timing).
 
     python tools/bench_train.py --preset olmo3-7b --model.n_layers=8 --seq-len 8192 --batch 2 \
         --variant sdpa:model.attention.backend=sdpa --variant flex:model.attention.backend=flex
@@ -47,15 +49,17 @@ def measure(model_cfg: ModelConfig, memory: MemoryConfig, optim_cfg: OptimizerCo
     # The model's own loss from the labels (model.fused_loss picks fused or plain).
     trainer = build_trainer(model_cfg, memory, data, device, seq_len=args.seq_len, precision=precision,
                             compile=args.compile, micro_batch=args.micro_batch, optimizer=optim_cfg)
-    for _ in range(args.warmup):
-        trainer.train_step(data.next_batch())
+    first = None
+    for i in range(args.warmup):
+        loss, _ = trainer.train_step(data.next_batch())
+        first = loss.item() if i == 0 else first  # (warm-up: the sync costs no timed step)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     for _ in range(args.steps):
         loss, _ = trainer.train_step(data.next_batch())
-    loss.item()
+    last = loss.item()
     if device.type == "cuda":
         torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / args.steps
@@ -69,7 +73,24 @@ def measure(model_cfg: ModelConfig, memory: MemoryConfig, optim_cfg: OptimizerCo
         "tflops_per_device": tflops,
         "mfu": None if peak is None else mfu(tflops, peak),
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+        "loss_first": first,
+        "loss_last": last,
     }
+
+
+LOSS_SPREAD = 0.02
+"""Variants train the same seeded model on the same batches: a last-step loss further than this
+(relative) from the first variant's is flagged, a numerics check the timings alone do not make."""
+
+
+def loss_outliers(rows: list[dict]) -> tuple[str | None, list[str]]:
+    """(the first measured variant, the variants whose last loss strays more than LOSS_SPREAD from its)."""
+    done = [r for r in rows if r.get("loss_last") is not None]
+    if not done:
+        return None, []
+    ref = done[0]
+    return ref["variant"], [r["variant"] for r in done[1:]
+                            if abs(r["loss_last"] - ref["loss_last"]) > LOSS_SPREAD * abs(ref["loss_last"])]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,15 +125,20 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         torch.cuda.empty_cache() if device.type == "cuda" else None
     print(f"{env['device']} | torch {env['torch']} | {args.preset} {base.model.describe()} | seq {args.seq_len} x {args.batch}")
-    print(f"{'variant':<12} {'step ms':>9} {'tok/s':>10} {'TFLOP/s':>9} {'MFU':>7} {'mem GiB':>8}")
+    print(f"{'variant':<12} {'step ms':>9} {'tok/s':>10} {'TFLOP/s':>9} {'MFU':>7} {'mem GiB':>8} {'loss first -> last':>20}")
     for r in rows:
         if "error" in r:
             print(f"{r['variant']:<12} {r['error'][:90]}")
             continue
         mfu_s = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "-"
+        losses = f"{r['loss_first']:.4f} -> {r['loss_last']:.4f}" if r["loss_first"] is not None else f"{r['loss_last']:.4f}"
         print(f"{r['variant']:<12} {1e3 * r['step_s']:>9.1f} {r['tokens_per_s']:>10,.0f} "
-              f"{r['tflops_per_device']:>9.1f} {mfu_s:>7} {mem:>8}")
+              f"{r['tflops_per_device']:>9.1f} {mfu_s:>7} {mem:>8} {losses:>20}")
+    ref, outliers = loss_outliers(rows)
+    for name in outliers:
+        print(f"bench_train: variant {name}'s last loss is more than {100 * LOSS_SPREAD:.0f}% from {ref}'s "
+              f"(same model, same batches): check its numerics before trusting its timing", file=sys.stderr)
     return 1 if any("error" in r for r in rows) else 0
 
 

@@ -48,3 +48,19 @@ def test_fused_loss_on_and_off_are_variants(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["variant"] for r in rows] == ["fused", "plain"]
     assert all(r["tokens_per_s"] > 0 for r in rows)
+
+
+def test_losses_are_recorded_and_a_diverging_variant_is_flagged(tmp_path, capsys):
+    """Variants train the same seeded model on the same batches: equal numerics give equal losses
+    (recompute changes no value), a variant whose training diverges (a learning rate of 10) is
+    named on stderr, so a numerics bug cannot pass as a timing."""
+    out = tmp_path / "bench.json"
+    bench_train.main(["--preset", "tiny", "--model.n_layers=1", "--seq-len", "16", "--batch", "2", "--steps", "3",
+                      "--warmup", "2", "--json", str(out), "--variant", "a:optimizer.lr=1e-3",
+                      "--variant", "same:optimizer.lr=1e-3,memory.recompute=full", "--variant", "wild:optimizer.lr=10"])
+    rows = json.loads(out.read_text())["rows"]
+    assert rows[0]["loss_first"] == rows[1]["loss_first"] == rows[2]["loss_first"]  # the same first step
+    assert rows[0]["loss_last"] == pytest.approx(rows[1]["loss_last"], rel=1e-5)
+    err = capsys.readouterr().err
+    assert "variant wild's last loss" in err and "variant same's" not in err
+    assert bench_train.loss_outliers([{"variant": "x", "error": "boom"}]) == (None, [])
