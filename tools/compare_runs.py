@@ -11,6 +11,12 @@ does not decide), the last held-out loss, and both relative to the reference (th
 --tolerance. Prints a table, writes JSON (--json) and, with --out, one plot of every run's train
 and held-out curves (matplotlib). Runs must share the logged steps they are compared at (the same
 trainer.log_every and steps); the comparison uses the steps every run logged.
+
+Seeds: ``--group NAME=DIR,DIR,...`` makes one row of several runs (e.g. the same recipe over seeds),
+its losses the means over its runs, with their spread ((max - min) / mean) beside them, so a recipe
+is compared with the reference by its mean over seeds, not one seed's draw:
+
+    python tools/compare_runs.py --group bf16=runs/bf16_s0,runs/bf16_s1 --group mxfp8=runs/mx_s0,runs/mx_s1
 """
 
 from __future__ import annotations
@@ -42,28 +48,72 @@ def compare(run_dirs: list[str], reference: str | None = None, tolerance: float 
     if len(run_dirs) < 2:
         raise ConfigError("compare_runs needs at least two run directories (the first is the reference unless "
                           "--reference names one)")
+    if reference is not None and reference not in run_dirs:
+        run_dirs = [reference, *run_dirs]
+    return compare_groups({d: [d] for d in run_dirs}, reference, tolerance, last)
+
+
+def compare_groups(groups: dict[str, list[str]], reference: str | None = None, tolerance: float = 0.01,
+                   last: int = 10) -> list[dict]:
+    """One row per group of runs (a group of one run: that run, named by its directory): the means
+    of its runs' summaries, their spread, relative differences to the reference group (the first
+    unless named) and the verdict."""
+    if len(groups) < 2:
+        raise ConfigError("compare_runs needs at least two runs or groups to compare (the first is the reference "
+                          "unless --reference names one)")
     if last < 1:
         raise ConfigError(f"--last must be >= 1, got {last}")
-    reference = reference or run_dirs[0]
-    if reference not in run_dirs:
-        run_dirs = [reference, *run_dirs]
-    metrics = {d: read_metrics(d) for d in run_dirs}
+    empty = [name for name, dirs in groups.items() if not dirs]
+    if empty:
+        raise ConfigError(f"group {empty[0]!r} names no run directory: give --group NAME=DIR[,DIR...]")
+    reference = reference or next(iter(groups))
+    if reference not in groups:
+        raise ConfigError(f"--reference {reference!r} is none of the runs or groups: {list(groups)}")
+    dirs = [d for group in groups.values() for d in group]
+    metrics = {d: read_metrics(d) for d in dirs}
     common = set.intersection(*({r["step"] for r in rows if r.get("loss") is not None} for rows in metrics.values()))
     if not common:
         raise ConfigError("the runs share no logged train step: run them with the same trainer.steps and "
                           "trainer.log_every")
-    summaries = {d: summarize(metrics[d], common, last) for d in run_dirs}
-    ref = summaries[reference]
+    summaries = {d: summarize(metrics[d], common, last) for d in dirs}
+
+    def mean(values):
+        return sum(values) / len(values)
+
+    def spread(values):
+        return (max(values) - min(values)) / abs(mean(values)) if len(values) > 1 else 0.0
+
+    merged = {}
+    for name, group in groups.items():
+        train = [summaries[d]["train_loss"] for d in group]
+        held = [summaries[d]["eval_loss"] for d in group]
+        merged[name] = {"runs": list(group), "final_step": summaries[group[0]]["final_step"],
+                        "train_loss": mean(train), "eval_loss": mean(held),
+                        "eval_step": summaries[group[0]]["eval_step"],
+                        "train_spread": spread(train), "eval_spread": spread(held)}
+    ref = merged[reference]
     out = []
-    for d in run_dirs:
-        s = summaries[d]
+    for name, s in merged.items():
         rel_train = s["train_loss"] / ref["train_loss"] - 1
         rel_eval = (s["eval_loss"] / ref["eval_loss"] - 1) if not math.isnan(ref["eval_loss"]) else math.nan
         within = abs(rel_train) <= tolerance and (math.isnan(rel_eval) or abs(rel_eval) <= tolerance)
-        out.append({"run": d, "reference": d == reference, **s, "train_vs_reference": rel_train,
+        out.append({"run": name, "reference": name == reference, **s, "train_vs_reference": rel_train,
                     "eval_vs_reference": rel_eval, "within_tolerance": within, "tolerance": tolerance,
                     "compared_steps": len(common)})
     return out
+
+
+def parse_groups(specs: list[str]) -> dict[str, list[str]]:
+    """--group NAME=DIR[,DIR...] specs -> {name: dirs} (ConfigError naming a malformed or repeated one)."""
+    groups: dict[str, list[str]] = {}
+    for spec in specs:
+        name, sep, dirs = spec.partition("=")
+        if not sep or not name:
+            raise ConfigError(f"--group {spec!r}: write NAME=DIR[,DIR...]")
+        if name in groups:
+            raise ConfigError(f"--group {name!r} is given twice")
+        groups[name] = [d for d in dirs.split(",") if d]
+    return groups
 
 
 def plot(run_dirs: list[str], path: str) -> str:
@@ -91,23 +141,34 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      allow_abbrev=False)
-    parser.add_argument("runs", nargs="+", help="run directories (each holds metrics.jsonl)")
-    parser.add_argument("--reference", help="the run the others are measured against (default: the first)")
+    parser.add_argument("runs", nargs="*", help="run directories (each holds metrics.jsonl)")
+    parser.add_argument("--group", action="append", default=[], metavar="NAME=DIR[,DIR...]",
+                        help="one row of several runs (e.g. seeds): their mean losses and spread")
+    parser.add_argument("--reference", help="the run or group the others are measured against (default: the first)")
     parser.add_argument("--tolerance", type=float, default=0.01, help="relative loss difference allowed (0.01 = 1%%)")
     parser.add_argument("--last", type=int, default=10, help="logged steps averaged for the final train loss")
     parser.add_argument("--out", help="a PNG of every run's curves (needs matplotlib)")
     parser.add_argument("--json", default="runs/bench/compare_runs.json")
     args = parser.parse_args(argv)
-    rows = compare(args.runs, args.reference, args.tolerance, args.last)
-    print(f"{'run':<40} {'step':>6} {'train':>8} {'vs ref':>8} {'held-out':>9} {'vs ref':>8}  within {100 * args.tolerance:g}%")
+    groups = {d: [d] for d in args.runs}
+    for name, dirs in parse_groups(args.group).items():
+        if name in groups:
+            raise ConfigError(f"--group {name!r} has the name of a run directory given too")
+        groups[name] = dirs
+    rows = compare_groups(groups, args.reference, args.tolerance, args.last)
+
+    def pct(x):
+        return "-" if math.isnan(x) else f"{100 * x:+.2f}%"
+
+    print(f"{'run':<40} {'runs':>4} {'step':>6} {'train':>8} {'spread':>7} {'vs ref':>8} {'held-out':>9} {'spread':>7} "
+          f"{'vs ref':>8}  within {100 * args.tolerance:g}%")
     for r in rows:
-        def pct(x):
-            return "-" if math.isnan(x) else f"{100 * x:+.2f}%"
-        print(f"{r['run'][-40:]:<40} {r['final_step']:>6} {r['train_loss']:>8.4f} {pct(r['train_vs_reference']):>8} "
-              f"{r['eval_loss']:>9.4f} {pct(r['eval_vs_reference']):>8}  "
+        print(f"{r['run'][-40:]:<40} {len(r['runs']):>4} {r['final_step']:>6} {r['train_loss']:>8.4f} "
+              f"{100 * r['train_spread']:>6.2f}% {pct(r['train_vs_reference']):>8} {r['eval_loss']:>9.4f} "
+              f"{100 * r['eval_spread']:>6.2f}% {pct(r['eval_vs_reference']):>8}  "
               f"{'(reference)' if r['reference'] else ('yes' if r['within_tolerance'] else 'NO')}")
     if args.out:
-        print(f"wrote {plot([r['run'] for r in rows], args.out)}")
+        print(f"wrote {plot([d for r in rows for d in r['runs']], args.out)}")
     write_report(args.json, {"tool": "tools/compare_runs.py", "argv": argv}, rows)
     return 0
 

@@ -54,3 +54,28 @@ def test_no_held_out_and_errors(tmp_path):
         compare_runs.compare([a, c])
     with pytest.raises(ConfigError, match="does not exist"):
         compare_runs.compare([a, str(tmp_path / "missing")])
+
+
+def test_groups_compare_means_over_seeds(tmp_path, capsys):
+    """--group: a row's losses are the means over its runs (seeds), their spread beside them; one
+    seed of a group may stray past the tolerance while the group's mean is within it."""
+    r0 = _run(tmp_path, "bf16_s0", [(10, 4.0)], [(10, 4.0)])
+    r1 = _run(tmp_path, "bf16_s1", [(10, 4.2)], [(10, 4.2)])
+    m0 = _run(tmp_path, "mx_s0", [(10, 3.98)], [(10, 4.0)])  # -2.9% from the bf16 mean on its own
+    m1 = _run(tmp_path, "mx_s1", [(10, 4.2)], [(10, 4.2)])
+    rows = {r["run"]: r for r in compare_runs.compare_groups({"bf16": [r0, r1], "mx": [m0, m1]}, last=1)}
+    assert rows["bf16"]["train_loss"] == pytest.approx(4.1) and rows["bf16"]["train_spread"] == pytest.approx(0.2 / 4.1)
+    assert rows["mx"]["train_vs_reference"] == pytest.approx(4.09 / 4.1 - 1) and rows["mx"]["within_tolerance"]
+    assert rows["mx"]["runs"] == [m0, m1] and rows["bf16"]["reference"]
+    single = {r["run"]: r for r in compare_runs.compare([r1, m0], last=1)}
+    assert not single[m0]["within_tolerance"]  # one seed against one seed: outside 1%
+    out = tmp_path / "g.json"
+    assert compare_runs.main(["--group", f"bf16={r0},{r1}", "--group", f"mx={m0},{m1}", "--last", "1",
+                              "--json", str(out)]) == 0
+    assert "mx" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="NAME=DIR"):
+        compare_runs.main(["--group", "bf16"])
+    with pytest.raises(ConfigError, match="given twice"):
+        compare_runs.main(["--group", f"a={r0}", "--group", f"a={r1}"])
+    with pytest.raises(ConfigError, match="none of the runs or groups"):
+        compare_runs.compare_groups({"a": [r0], "b": [r1]}, reference="c")
