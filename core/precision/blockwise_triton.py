@@ -28,26 +28,14 @@ import triton
 import triton.language as tl
 
 from .blockwise import FP8_BLOCK
-from .mx_triton import HW_CONVERT, as_loadable, exp2_int, mx_exponent, signed_e4m3, widen_fp32
+from .mx_triton import HW_CONVERT, abs_bits, as_loadable, exp2_int, mx_exponent, to_e4m3, widen
 
 __all__ = ["quantize_128x128_triton", "quantize_1x128_fused", "use_quantize_configs"]
 
 
 @triton.jit
-def _abs_bits(bits, IN_BF16: tl.constexpr):
-    """|x|'s bits as int32 from the loaded bits (a bf16's int16, else fp32 values), ordered as |x|
-    is, with inf above every finite value and NaN above inf: an integer max gives a block's amax
-    and whether it holds inf or NaN in one pass (no float compare, no NaN count)."""
-    if IN_BF16:
-        a = bits.to(tl.int32) & 0x7FFF
-    else:
-        a = bits.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    return a
-
-
-@triton.jit
 def _block_scales(amax_bits, IN_BF16: tl.constexpr):
-    """(1 / scale, scale), fp32, of blocks whose largest |x| has the bits amax_bits (_abs_bits):
+    """(1 / scale, scale), fp32, of blocks whose largest |x| has the bits amax_bits (mx_triton.abs_bits):
     2^ceil(log2(amax / 448)) (mx_exponent, rceil), 1 for a block holding inf or NaN."""
     if IN_BF16:
         amax = (amax_bits << 16).to(tl.float32, bitcast=True)
@@ -57,32 +45,6 @@ def _block_scales(amax_bits, IN_BF16: tl.constexpr):
         finite = amax_bits < 0x7F800000
     e = tl.where(finite, mx_exponent(amax, False), 0)
     return exp2_int(-e), exp2_int(e)
-
-
-@triton.jit
-def _widen(bits, IN_BF16: tl.constexpr, HW: tl.constexpr):
-    """The loaded bits as fp32 values: HW, the GPU's bf16 -> fp32 conversion (exact); else by bits
-    (mx_triton.widen_fp32: the interpreter's conversion flushes subnormals)."""
-    if HW and IN_BF16:
-        x = bits.to(tl.bfloat16, bitcast=True).to(tl.float32)
-    else:
-        x = widen_fp32(bits, IN_BF16)
-    return x
-
-
-@triton.jit
-def _e4m3(x, inv, HW: tl.constexpr):
-    """x * inv as e4m3, nearest even, saturated to +-448, NaN to e4m3's NaN. HW: the GPU's one
-    conversion (cvt.rn.satfinite saturates inf and overflow and keeps NaN NaN: nothing around
-    it); else by bits (signed_e4m3, then NaN set by bits: the interpreter's own conversion of NaN
-    differs)."""
-    if HW:
-        q = (x * inv).to(tl.float8e4nv, fp_downcast_rounding="rtne")
-    else:
-        r = signed_e4m3(x, inv, HW)
-        q8 = tl.where(x == x, r, 0.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        q = tl.where(x == x, q8, 0x7F).to(tl.float8e4nv, bitcast=True)
-    return q
 
 
 def _quantize_configs(interpret: bool) -> list[triton.Config]:
@@ -113,11 +75,11 @@ def _fp8_quantize_1x128_kernel(
         valid = p < R
         row_out = p < R_OUT  # rows R..R_OUT: zero padding rows, quantized as zeros
     bits = tl.load(x_ptr + src[:, None].to(tl.int64) * s_xr + c[None, :] * s_xc, mask=valid[:, None], other=0)
-    x = _widen(bits, IN_BF16, HW)
+    x = widen(bits, IN_BF16, HW)
     if ROWS:
-        inv, scale = _block_scales(tl.max(_abs_bits(bits, IN_BF16), axis=1), IN_BF16)
+        inv, scale = _block_scales(tl.max(abs_bits(bits, IN_BF16), axis=1), IN_BF16)
         src64 = src.to(tl.int64)
-        tl.store(rd_ptr + src64[:, None] * s_rdr + c[None, :] * s_rdc, _e4m3(x, inv[:, None], HW),
+        tl.store(rd_ptr + src64[:, None] * s_rdr + c[None, :] * s_rdc, to_e4m3(x, inv[:, None], HW),
                  mask=row_out[:, None])
         tl.store(rs_ptr + src64 * s_rsr + pid_c * s_rsb, scale, mask=row_out)
     if TOKENS:
@@ -125,8 +87,8 @@ def _fp8_quantize_1x128_kernel(
         # transpose in registers (with tl.trans of its e4m3 tile the 128 x 128 kernel's w^T came out
         # wrong on the H200, Triton 3.6, this kernel's new code path; the old one's passed)
         bt = tl.load(x_ptr + src[None, :].to(tl.int64) * s_xr + c[:, None] * s_xc, mask=valid[None, :], other=0)
-        inv, st = _block_scales(tl.max(_abs_bits(bt, IN_BF16), axis=1), IN_BF16)
-        qt = _e4m3(_widen(bt, IN_BF16, HW), inv[:, None], HW)
+        inv, st = _block_scales(tl.max(abs_bits(bt, IN_BF16), axis=1), IN_BF16)
+        qt = to_e4m3(widen(bt, IN_BF16, HW), inv[:, None], HW)
         tl.store(td_ptr + c[:, None].to(tl.int64) * s_tdc + p[None, :] * s_tdp, qt, mask=(p < P)[None, :])
         tl.store(ts_ptr + c.to(tl.int64) * s_tsc + pid_p * s_tsb, st)
 
@@ -147,11 +109,11 @@ def _fp8_quantize_128x128_kernel(w_ptr, d_ptr, dt_ptr, s_ptr, O, I, IN_BF16: tl.
     i = pid_i * BLOCK + tl.arange(0, BLOCK)
     base = g.to(tl.int64) * O * I
     bits = tl.load(w_ptr + base + o[:, None] * I + i[None, :], mask=(o < O)[:, None], other=0)
-    inv, scale = _block_scales(tl.max(tl.max(_abs_bits(bits, IN_BF16), axis=1), axis=0), IN_BF16)
-    tl.store(d_ptr + base + o[:, None] * I + i[None, :], _e4m3(_widen(bits, IN_BF16, HW), inv, HW))
+    inv, scale = _block_scales(tl.max(tl.max(abs_bits(bits, IN_BF16), axis=1), axis=0), IN_BF16)
+    tl.store(d_ptr + base + o[:, None] * I + i[None, :], to_e4m3(widen(bits, IN_BF16, HW), inv, HW))
     # w^T from the tile loaded again transposed (as the 1x128 kernel's tokens output)
     bt = tl.load(w_ptr + base + o[None, :] * I + i[:, None], mask=(o < O)[None, :], other=0)
-    tl.store(dt_ptr + base + i[:, None] * O + o[None, :], _e4m3(_widen(bt, IN_BF16, HW), inv, HW))
+    tl.store(dt_ptr + base + i[:, None] * O + o[None, :], to_e4m3(widen(bt, IN_BF16, HW), inv, HW))
     tl.store(s_ptr + g.to(tl.int64) * (O // BLOCK) * (I // BLOCK) + pid_o * (I // BLOCK) + pid_i, scale)
 
 

@@ -138,10 +138,6 @@ def _triton_vs_reference(device: str) -> None:
             assert torch.equal(got_d.view(torch.uint8)[finite], want_d.view(torch.uint8)[finite]), (mode, axis)
 
 
-def test_triton_interpreted_matches_reference():
-    run_interpreted("tests.core.test_mx", "_triton_vs_reference('cpu')", timeout=300)
-
-
 @pytest.mark.gpu
 def test_triton_on_gpu_matches_reference():
     _triton_vs_reference("cuda")
@@ -185,10 +181,51 @@ def _triton_qdq_vs_reference(device: str) -> None:
         same(mx_qdq_triton(x, 0, mode, src_rows=src), dequantize_mx(want_d, want_s, axis=0).bfloat16(), "gathered")
 
 
-def test_triton_qdq_interpreted_matches_reference():
-    run_interpreted("tests.core.test_mx", "_triton_qdq_vs_reference('cpu')", timeout=300)
+def _with_lean(lean: bool, check: str, *args) -> None:
+    """This module's ``check(*args)`` with mx_triton.LEAN set to ``lean`` (the MX kernel's two arithmetics)."""
+    from moetron.core.precision import mx_triton
+
+    saved, mx_triton.LEAN = mx_triton.LEAN, lean
+    try:
+        globals()[check](*args)
+    finally:
+        mx_triton.LEAN = saved
+
+
+@pytest.mark.parametrize("lean", [False, True])
+def test_triton_qdq_interpreted_matches_reference(lean):
+    run_interpreted("tests.core.test_mx", f"_with_lean({lean}, '_triton_qdq_vs_reference', 'cpu')", timeout=300)
+
+
+@pytest.mark.parametrize("lean", [False, True])
+def test_triton_interpreted_matches_reference(lean):
+    run_interpreted("tests.core.test_mx", f"_with_lean({lean}, '_triton_vs_reference', 'cpu')", timeout=300)
 
 
 @pytest.mark.gpu
-def test_triton_qdq_on_gpu_matches_reference():
-    _triton_qdq_vs_reference("cuda")
+@pytest.mark.parametrize("lean", [False, True])
+def test_triton_qdq_on_gpu_matches_reference(lean):
+    _with_lean(lean, "_triton_qdq_vs_reference", "cuda")
+
+
+@pytest.mark.gpu
+def test_triton_lean_on_gpu_matches_reference():
+    _with_lean(True, "_triton_vs_reference", "cuda")
+
+
+def test_lean_mx_kernel_rounds_with_the_conversion_instruction_on_sm90():
+    """mx_triton.LEAN on SM90: the E4M3 rounding is cvt.rn.satfinite, the bf16 output cvt.rn.bf16,
+    and none of the bit paths' constants (round_to_e4m3's 1.5 x 2^14) remain."""
+    import triton
+
+    from moetron.core.precision import mx_triton
+    from tests.core.test_precision_fp8 import _compile_sm90
+
+    ptrs = {"x_ptr": "*i16", "src_ptr": "*i32", "out_ptr": "*bf16", "data_ptr": "*fp8e4nv", "scale_ptr": "*u8"}
+    ints = dict(P=65536, R=65536, C=4096, s_xp=4096, s_xc=1, s_op=4096, s_oc=1, s_dp=4096, s_dc=1, s_sp=128, s_sc=1)
+    constexprs = dict(ALONG_C=True, GATHER=False, WRITE_OUT=True, WRITE_PAYLOAD=True, FLOOR=False, IN_BF16=True,
+                      OUT_BF16=True, TP=32, TC=128, HW=True, LEAN_MATH=True)
+    ptx = _compile_sm90(mx_triton._mx_quantize_kernel, triton.Config({}, num_warps=4, num_stages=1),
+                        {**ptrs, **ints}, constexprs).asm["ptx"]
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "cvt.rn.bf16" in ptx
+    assert "0f46C00000" not in ptx
