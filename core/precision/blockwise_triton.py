@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .blockwise import FP8_BLOCK
-from .mx_triton import HW_CONVERT, abs_bits, as_loadable, exp2_int, mx_exponent, to_e4m3, widen
+from .mx_triton import HW_CONVERT, abs_bits, amax_of_bits, as_loadable, exp2_int, mx_exponent, to_e4m3, widen
 
 __all__ = ["quantize_128x128_triton", "quantize_1x128_fused", "use_quantize_configs"]
 
@@ -37,12 +37,7 @@ __all__ = ["quantize_128x128_triton", "quantize_1x128_fused", "use_quantize_conf
 def _block_scales(amax_bits, IN_BF16: tl.constexpr):
     """(1 / scale, scale), fp32, of blocks whose largest |x| has the bits amax_bits (mx_triton.abs_bits):
     2^ceil(log2(amax / 448)) (mx_exponent, rceil), 1 for a block holding inf or NaN."""
-    if IN_BF16:
-        amax = (amax_bits << 16).to(tl.float32, bitcast=True)
-        finite = amax_bits < 0x7F80
-    else:
-        amax = amax_bits.to(tl.float32, bitcast=True)
-        finite = amax_bits < 0x7F800000
+    amax, finite = amax_of_bits(amax_bits, IN_BF16)
     e = tl.where(finite, mx_exponent(amax, False), 0)
     return exp2_int(-e), exp2_int(e)
 

@@ -30,7 +30,7 @@ from ..triton_round import round_to_bf16
 
 from .mx import E4M3_MAX, MX_BLOCK, SCALE_MODES
 
-__all__ = ["HW_CONVERT", "LEAN", "abs_bits", "dequantize_mx_triton", "exp2_int", "mx_exponent", "mx_qdq_triton",
+__all__ = ["HW_CONVERT", "LEAN", "abs_bits", "amax_of_bits", "dequantize_mx_triton", "exp2_int", "mx_exponent", "mx_qdq_triton",
            "quantize_mx_triton", "as_loadable", "load_fp32", "round_to_e4m3", "signed_e4m3", "store_rounded",
            "to_e4m3", "widen", "widen_fp32"]
 
@@ -148,6 +148,20 @@ def abs_bits(bits, IN_BF16: tl.constexpr):
 
 
 @triton.jit
+def amax_of_bits(amax_bits, IN_BF16: tl.constexpr):
+    """(amax fp32, finite) of blocks whose largest abs_bits is ``amax_bits``: finite is False for a
+    block holding inf or NaN."""
+    if IN_BF16:
+        amax_bits = amax_bits.to(tl.int32)
+        amax = (amax_bits << 16).to(tl.float32, bitcast=True)
+        finite = amax_bits < 0x7F80
+    else:
+        amax = amax_bits.to(tl.float32, bitcast=True)
+        finite = amax_bits < 0x7F800000
+    return amax, finite
+
+
+@triton.jit
 def widen(bits, IN_BF16: tl.constexpr, HW: tl.constexpr):
     """The loaded bits as fp32 values: HW, the GPU's bf16 -> fp32 conversion (exact); else by bits
     (widen_fp32: the interpreter's conversion flushes subnormals)."""
@@ -209,15 +223,9 @@ def _mx_quantize_kernel(
         bits = tl.load(x_ptr + src[:, None].to(tl.int64) * s_xp + c * s_xc, mask=mask & valid[:, None], other=0)
         x = widen(bits, IN_BF16, HW)
         if ALONG_C:
-            amax_bits = tl.max(abs_bits(bits, IN_BF16), axis=1)
+            amax, finite = amax_of_bits(tl.max(abs_bits(bits, IN_BF16), axis=1), IN_BF16)
         else:
-            amax_bits = tl.max(abs_bits(bits, IN_BF16), axis=0)
-        if IN_BF16:
-            amax = (amax_bits << 16).to(tl.float32, bitcast=True)
-            finite = amax_bits < 0x7F80
-        else:
-            amax = amax_bits.to(tl.float32, bitcast=True)
-            finite = amax_bits < 0x7F800000
+            amax, finite = amax_of_bits(tl.max(abs_bits(bits, IN_BF16), axis=0), IN_BF16)
     else:
         x = load_fp32(x_ptr + src[:, None].to(tl.int64) * s_xp + c * s_xc, mask & valid[:, None], IN_BF16)
         # max ignores NaN on the GPU: look for them apart
