@@ -12,7 +12,9 @@ per precision backend, after a correctness check of the FP8 kernels on this devi
    (6 x R x I x O FLOPs per GEMM): bf16 torch._grouped_mm (bf16 weights), fp8_blockwise (Triton,
    fp32 master weights quantized once per step: ``cached``; and requantized every call), mxfp8
    emulated (labelled so: exact MX operands through bf16 GEMMs), fp8_blockwise ``cublas`` (one
-   cuBLAS blockwise GEMM per expert, core/precision/fp8_cublas.py; checked in step 1 too).
+   cuBLAS blockwise GEMM per expert, core/precision/fp8_cublas.py; checked in step 1 too), and
+   both fp8 rows again with ``bf16-wgrad`` (precision.fp8_wgrad=false: the weight gradients in bf16).
+   ``--backends`` / ``--shapes`` / ``--no-dense`` pick rows (bf16, the baseline, always runs).
 3. Dense: [T, I] x [I, O] linears at 16384 x 2048 x 2048 and 16384 x 4096 x 4096, fwd+bwd: bf16
    F.linear vs fp8_blockwise (F.scaled_mm, and the Triton kernel with one group).
 

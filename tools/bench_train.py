@@ -52,7 +52,8 @@ def measure(model_cfg: ModelConfig, memory: MemoryConfig, optim_cfg: OptimizerCo
     first = None
     for i in range(args.warmup):
         loss, _ = trainer.train_step(data.next_batch())
-        first = loss.item() if i == 0 else first  # (warm-up: the sync costs no timed step)
+        if i == 0:
+            first = loss.item()  # a warm-up step: the sync costs no timed step
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()

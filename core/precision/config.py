@@ -57,8 +57,9 @@ class Fp8Experts(StrEnum):
     cublas = "cublas"
     """core/precision/fp8_cublas.py: torch's blockwise scaled_mm (cuBLAS) once per expert, the group
     sizes read on the host (one sync per GEMM, about 55 us of CPU per expert): 1.25-1.67x the bf16
-    grouped GEMM per pass (operands quantized beforehand) and 1.16x fwd+bwd with quantization, with
-    8 experts of 8192 rows on the H200; CPU-bound with 64 small experts (docs/performance.md)."""
+    grouped GEMM per pass (operands quantized beforehand, session 6) and 1.27x fwd+bwd with
+    quantization (session 7), with 8 experts of 8192 rows on the H200; CPU-bound with 64 small
+    experts (docs/performance.md)."""
 
 
 class PrecisionBackend(StrEnum):
@@ -121,8 +122,9 @@ class PrecisionConfig(Config):
     so the backend's WeightCache serves them: each expert weight is quantized once per optimizer
     step and reused by the backward and every micro-batch, instead of at every use (a traced graph
     cannot keep the cache: forward and backward of every micro-batch requantize). Eager runs cache
-    anyway. Off: not measured on a GPU yet; the planner counts the saving (its step's weight
-    quantization of the experts over micro-batches, and the cache held)."""
+    anyway. Measured on the H200 (olmoe3-4l-8e, cuBLAS experts, one micro-batch): +1.8% tokens/s,
+    +2.3 GiB (docs/performance.md, session 7). Off by default: it pays most with many micro-batches
+    per step; the planner counts the saving and the cache held."""
     fp8_experts: Fp8Experts = Fp8Experts.triton
     """fp8_blockwise recipe, native backend: how the routed experts' grouped FP8 GEMMs run (see
     Fp8Experts): the Triton kernels (no host sync) or one cuBLAS GEMM per expert (a host sync per

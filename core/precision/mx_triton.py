@@ -30,19 +30,18 @@ from ..triton_round import round_to_bf16
 
 from .mx import E4M3_MAX, MX_BLOCK, SCALE_MODES
 
-__all__ = ["HW_CONVERT", "LEAN", "abs_bits", "amax_of_bits", "dequantize_mx_triton", "exp2_int", "mx_exponent", "mx_qdq_triton",
-           "quantize_mx_triton", "as_loadable", "load_fp32", "round_to_e4m3", "signed_e4m3", "store_rounded",
-           "to_e4m3", "widen", "widen_fp32"]
+__all__ = ["HW_CONVERT", "LEAN", "abs_bits", "amax_of_bits", "as_loadable", "dequantize_mx_triton", "exp2_int",
+           "load_fp32", "mx_exponent", "mx_qdq_triton", "quantize_mx_triton", "round_to_e4m3", "signed_e4m3",
+           "store_rounded", "to_e4m3", "widen", "widen_fp32"]
 
 # The GPU rounds to E4M3 with its conversion instruction; the interpreter by bits (signed_e4m3)
 HW_CONVERT = os.environ.get("TRITON_INTERPRET") != "1"
 LEAN = os.environ.get("MOETRON_MX_LEAN", "0") == "1"
-"""The MX quantize kernel's arithmetic (``MOETRON_MX_LEAN=1`` at import, default off): True, the FP8
-blockwise kernels' (session 7: a block's amax
-and inf / NaN from one integer max over |x|'s bits, the E4M3 rounding by the one conversion
-instruction, the bf16 output by the GPU's conversion, nearest even as torch's cast), which took
-those kernels from 1.3 to 2.3 TB/s on the H200; False, the float max with a NaN count, the clamp and
-round trip, the bf16 rounding by bits. The same bits either way (interpreter-tested; SM90 PTX:
+"""The MX quantize kernel's arithmetic (``MOETRON_MX_LEAN=1`` at import, default off). True: the FP8
+blockwise kernels' (session 7): a block's amax and inf / NaN from one integer max over |x|'s bits,
+the E4M3 rounding by the one conversion instruction, the bf16 output by the GPU's conversion
+(nearest even, as torch's cast); it took those kernels from 1.3 to 2.3 TB/s on the H200. False: the
+float max with a NaN count, the clamp and round trip, the bf16 rounding by bits. The same bits either way (interpreter-tested; SM90 PTX:
 about 40% fewer instructions). Off: the lean path has not run on a GPU yet (its GPU tests in
 tests/core/test_mx.py, then the mxfp8 emulated benchmarks with and without the variable, decide)."""
 _ROWS_TILE = (32, 128)   # axis -1: 32 rows x 4 blocks of 32
@@ -299,7 +298,7 @@ def _check(x: torch.Tensor, axis: int, block: int, scale_mode: str, rows: int) -
     return axis
 
 
-def _launch(x, axis, scale_mode, src_rows, out_dtype, payload, lean: bool | None = None):
+def _launch(x, axis, scale_mode, src_rows, out_dtype, payload):
     P = x.shape[0] if src_rows is None else src_rows.numel()
     C = x.shape[1]
     axis = _check(x, axis, MX_BLOCK, scale_mode, P)
@@ -319,7 +318,7 @@ def _launch(x, axis, scale_mode, src_rows, out_dtype, payload, lean: bool | None
         x.stride(0), x.stride(1), o.stride(0), o.stride(1), d.stride(0), d.stride(1), s.stride(0), s.stride(1),
         ALONG_C=axis == 1, GATHER=src_rows is not None, WRITE_OUT=out is not None, WRITE_PAYLOAD=payload,
         FLOOR=scale_mode == "floor", IN_BF16=in_bf16, OUT_BF16=out_dtype == torch.bfloat16, TP=TP, TC=TC,
-        HW=HW_CONVERT, LEAN_MATH=LEAN if lean is None else lean, num_warps=4,
+        HW=HW_CONVERT, LEAN_MATH=LEAN, num_warps=4,
     )
     return out, data, scale
 

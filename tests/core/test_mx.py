@@ -228,4 +228,4 @@ def test_lean_mx_kernel_rounds_with_the_conversion_instruction_on_sm90():
     ptx = _compile_sm90(mx_triton._mx_quantize_kernel, triton.Config({}, num_warps=4, num_stages=1),
                         {**ptrs, **ints}, constexprs).asm["ptx"]
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "cvt.rn.bf16" in ptx
-    assert "0f46C00000" not in ptx
+    assert "0f46C00000" not in ptx and "min.f32" not in ptx  # no bit rounding, no clamp before the conversion
