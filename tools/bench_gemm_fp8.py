@@ -13,7 +13,8 @@ per precision backend, after a correctness check of the FP8 kernels on this devi
    fp32 master weights quantized once per step: ``cached``; and requantized every call), mxfp8
    emulated (labelled so: exact MX operands through bf16 GEMMs), fp8_blockwise ``cublas`` (one
    cuBLAS blockwise GEMM per expert, core/precision/fp8_cublas.py; checked in step 1 too), and
-   both fp8 rows again with ``bf16-wgrad`` (precision.fp8_wgrad=false: the weight gradients in bf16).
+   both fp8 rows again with ``bf16-wgrad`` (precision.fp8_wgrad=false: the weight gradients in bf16),
+   and ``bf16 cublas`` (precision.bf16_experts=cublas: one cuBLAS bf16 GEMM per expert).
    ``--backends`` / ``--shapes`` / ``--no-dense`` pick rows (bf16, the baseline, always runs).
 3. Dense: [T, I] x [I, O] linears at 16384 x 2048 x 2048 and 16384 x 4096 x 4096, fwd+bwd: bf16
    F.linear vs fp8_blockwise (F.scaled_mm, and the Triton kernel with one group).
@@ -150,6 +151,8 @@ def backends(device):
     from moetron.core.precision.fp8_gemm import Fp8BlockwiseGemm
 
     out = {"bf16": (TorchGemm(), torch.bfloat16)}
+    # precision.bf16_experts=cublas: one cuBLAS bf16 GEMM per expert (host group sizes)
+    out["bf16 cublas"] = (TorchGemm(per_expert=True), torch.bfloat16)
     out["fp8_blockwise"] = (Fp8BlockwiseGemm("triton"), torch.float32)
     # one cuBLAS blockwise GEMM per expert (a host sync; on the CPU its layout-checking stand-in)
     out["fp8_blockwise cublas"] = (Fp8BlockwiseGemm("triton", experts="cublas"), torch.float32)

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .cache import WeightCache
+from .grouping import grouped_mm_2d2d, grouped_mm_2d3d
 
 __all__ = ["grouped_grads", "grouped_mm", "grouped_swiglu_down", "scale_rows"]
 
@@ -66,17 +67,28 @@ def scale_rows(a_RF: Tensor, row_scale_R: Tensor | None) -> Tensor:
     return (a_RF.to(acc) * row_scale_R.to(acc)[:, None]).to(a_RF.dtype)
 
 
-def _gmm(x_RI: Tensor, w_EOI: Tensor, offsets_E: Tensor) -> Tensor:
+def _gmm(x_RI: Tensor, w_EOI: Tensor, offsets_E: Tensor, per_expert: bool = False) -> Tensor:
+    if per_expert:
+        return grouped_mm_2d3d(x_RI, w_EOI.transpose(-2, -1), offsets_E, per_expert=True)
     return torch._grouped_mm(x_RI, w_EOI.transpose(-2, -1), offs=offsets_E)
 
 
 def grouped_grads(grad_RO: Tensor, x_RI: Tensor, w_EOI: Tensor, offsets_E: Tensor, dtype: torch.dtype,
-                  need_x: bool, need_w: bool, cache_id: int = NO_CACHE) -> tuple[Tensor | None, Tensor | None]:
+                  need_x: bool, need_w: bool, cache_id: int = NO_CACHE,
+                  per_expert: bool = False) -> tuple[Tensor | None, Tensor | None]:
     """dgrad [R, I] = grad @ w[e] per group; wgrad [E, O, I] = grad^T @ x per group (in w's dtype), the
-    GEMMs in ``dtype`` (offsets_E int32, inclusive cumsum)."""
+    GEMMs in ``dtype`` (offsets_E int32, inclusive cumsum); ``per_expert``: one cuBLAS GEMM per group
+    (grouping.grouped_mm_2d3d / 2d2d) instead of torch._grouped_mm."""
     grad_RO = grad_RO.to(dtype)
-    grad_x = torch._grouped_mm(grad_RO, _weight(w_EOI, dtype, cache_id), offs=offsets_E) if need_x else None
-    grad_w = torch._grouped_mm(grad_RO.t(), x_RI.to(dtype), offs=offsets_E).to(w_EOI.dtype) if need_w else None
+    grad_x = grad_w = None
+    if need_x:
+        w = _weight(w_EOI, dtype, cache_id)
+        grad_x = (grouped_mm_2d3d(grad_RO, w, offsets_E, per_expert=True) if per_expert
+                  else torch._grouped_mm(grad_RO, w, offs=offsets_E))
+    if need_w:
+        x = x_RI.to(dtype)
+        grad_w = (grouped_mm_2d2d(grad_RO.t(), x, offsets_E, per_expert=True) if per_expert
+                  else torch._grouped_mm(grad_RO.t(), x, offs=offsets_E)).to(w_EOI.dtype)
     return grad_x, grad_w
 
 
@@ -84,38 +96,38 @@ def grouped_grads(grad_RO: Tensor, x_RI: Tensor, w_EOI: Tensor, offsets_E: Tenso
 
 
 @torch.library.custom_op("moetron::grouped_mm", mutates_args=())
-def _grouped_mm_op(x: Tensor, w: Tensor, offsets: Tensor, dtype: str, cache_id: int) -> Tensor:
+def _grouped_mm_op(x: Tensor, w: Tensor, offsets: Tensor, dtype: str, cache_id: int, per_expert: bool) -> Tensor:
     dt = _DTYPES[dtype]
-    return _gmm(x.to(dt), _weight(w, dt, cache_id), offsets)
+    return _gmm(x.to(dt), _weight(w, dt, cache_id), offsets, per_expert)
 
 
 @_grouped_mm_op.register_fake
-def _(x, w, offsets, dtype, cache_id):
+def _(x, w, offsets, dtype, cache_id, per_expert):
     return x.new_empty(x.shape[0], w.shape[1], dtype=_DTYPES[dtype])
 
 
 @torch.library.custom_op("moetron::grouped_mm_backward", mutates_args=())
 def _grouped_mm_backward_op(grad: Tensor, x: Tensor, w: Tensor, offsets: Tensor, dtype: str,
-                            cache_id: int) -> tuple[Tensor, Tensor]:
-    grad_x, grad_w = grouped_grads(grad, x, w, offsets, _DTYPES[dtype], True, True, cache_id)
+                            cache_id: int, per_expert: bool) -> tuple[Tensor, Tensor]:
+    grad_x, grad_w = grouped_grads(grad, x, w, offsets, _DTYPES[dtype], True, True, cache_id, per_expert)
     return grad_x.to(x.dtype), grad_w
 
 
 @_grouped_mm_backward_op.register_fake
-def _(grad, x, w, offsets, dtype, cache_id):
+def _(grad, x, w, offsets, dtype, cache_id, per_expert):
     return torch.empty_like(x), torch.empty_like(w)
 
 
 def _grouped_mm_setup(ctx, inputs, output):
-    x, w, offsets, dtype, cache_id = inputs
+    x, w, offsets, dtype, cache_id, per_expert = inputs
     ctx.save_for_backward(x, w, offsets)
-    ctx.dtype, ctx.cache_id = dtype, cache_id
+    ctx.dtype, ctx.cache_id, ctx.per_expert = dtype, cache_id, per_expert
 
 
 def _grouped_mm_backward(ctx, grad):
     x, w, offsets = ctx.saved_tensors
-    grad_x, grad_w = _grouped_mm_backward_op(grad, x, w, offsets, ctx.dtype, ctx.cache_id)
-    return grad_x, grad_w, None, None, None
+    grad_x, grad_w = _grouped_mm_backward_op(grad, x, w, offsets, ctx.dtype, ctx.cache_id, ctx.per_expert)
+    return grad_x, grad_w, None, None, None, None
 
 
 _grouped_mm_op.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
@@ -125,14 +137,17 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def grouped_mm(x_RI: Tensor, w_EOI: Tensor, offsets_E: Tensor, dtype: torch.dtype, cache_id: int | None = None) -> Tensor:
+def grouped_mm(x_RI: Tensor, w_EOI: Tensor, offsets_E: Tensor, dtype: torch.dtype, cache_id: int | None = None,
+               per_expert: bool = False) -> Tensor:
     """x_RI [R, I] (rows of group e in [offsets_E[e-1], offsets_E[e]), inclusive cumsum int32) times
     w_EOI[e]^T ([E, O, I], any float dtype, e.g. the fp32 master weight) -> [R, O] in ``dtype``, the
     GEMM run in ``dtype``. Differentiable in x and w (w's gradient in w's dtype); saves x and w
     themselves, never a cast copy (with ``cache_id`` from register_cache(): the cast is made once per
-    step and kept in that cache until it is invalidated). Rows past offsets_E[-1] are unspecified."""
+    step and kept in that cache until it is invalidated). ``per_expert`` (precision.bf16_experts=cublas):
+    one cuBLAS GEMM per group, forward and backward, the group sizes read on the host (a sync per op),
+    instead of torch._grouped_mm. Rows past offsets_E[-1] are unspecified."""
     return _grouped_mm_op(x_RI.to(dtype), w_EOI, offsets_E.to(torch.int32), _dtype_name(dtype),
-                          NO_CACHE if cache_id is None else cache_id)
+                          NO_CACHE if cache_id is None else cache_id, bool(per_expert))
 
 
 # ---- grouped_swiglu_down -----------------------------------------------------------------------
@@ -156,7 +171,7 @@ def _triton_swiglu(h: Tensor, wanted: bool) -> bool:
 
 @torch.library.custom_op("moetron::grouped_swiglu_down", mutates_args=())
 def _swiglu_down_op(h: Tensor, w: Tensor, offsets: Tensor, scale: Tensor | None, dtype: str, cache_id: int,
-                    triton_swiglu: bool) -> Tensor:
+                    triton_swiglu: bool, per_expert: bool) -> Tensor:
     dt = _DTYPES[dtype]
     h = h.to(dt)
     if _triton_swiglu(h, triton_swiglu):
@@ -165,25 +180,25 @@ def _swiglu_down_op(h: Tensor, w: Tensor, offsets: Tensor, scale: Tensor | None,
         act = swiglu_forward(h.contiguous())
     else:
         act = _swiglu(h)
-    return _gmm(scale_rows(act, scale), _weight(w, dt, cache_id), offsets)
+    return _gmm(scale_rows(act, scale), _weight(w, dt, cache_id), offsets, per_expert)
 
 
 @_swiglu_down_op.register_fake
-def _(h, w, offsets, scale, dtype, cache_id, triton_swiglu):
+def _(h, w, offsets, scale, dtype, cache_id, triton_swiglu, per_expert):
     return h.new_empty(h.shape[0], w.shape[1], dtype=_DTYPES[dtype])
 
 
 @torch.library.custom_op("moetron::grouped_swiglu_down_backward", mutates_args=())
 def _swiglu_down_backward_op(grad: Tensor, h: Tensor, w: Tensor, offsets: Tensor, scale: Tensor | None, dtype: str,
-                             cache_id: int, triton_swiglu: bool) -> tuple[Tensor, Tensor, Tensor]:
+                             cache_id: int, triton_swiglu: bool, per_expert: bool) -> tuple[Tensor, Tensor, Tensor]:
     dt = _DTYPES[dtype]
     no_scale = h.new_empty(0, dtype=torch.float32)
-    grad_act, _ = grouped_grads(grad, None, w, offsets, dt, True, False, cache_id)  # dgrad [R, F] (of the scaled product)
+    grad_act, _ = grouped_grads(grad, None, w, offsets, dt, True, False, cache_id, per_expert)  # dgrad [R, F] (of the scaled product)
     if scale is None and _triton_swiglu(h, triton_swiglu):
         from .swiglu_triton import swiglu_backward
 
         act, grad_h = swiglu_backward(h.to(dt).contiguous(), grad_act.contiguous())
-        _, grad_w = grouped_grads(grad, act, w, offsets, dt, False, True, cache_id)
+        _, grad_w = grouped_grads(grad, act, w, offsets, dt, False, True, cache_id, per_expert)
         return grad_h.to(h.dtype), grad_w, no_scale
     gate_RF, up_RF = h.to(dt).chunk(2, dim=-1)
     silu_RF = F.silu(gate_RF)  # the product again, op for op as swiglu() computes it
@@ -193,31 +208,31 @@ def _swiglu_down_backward_op(grad: Tensor, h: Tensor, w: Tensor, offsets: Tensor
         acc = torch.promote_types(grad_act.dtype, torch.float32)
         grad_scale = (grad_act.to(acc) * act_RF.to(acc)).sum(dim=-1)
         act_RF, grad_act = scale_rows(act_RF, scale), scale_rows(grad_act, scale)
-    _, grad_w = grouped_grads(grad, act_RF, w, offsets, dt, False, True, cache_id)
+    _, grad_w = grouped_grads(grad, act_RF, w, offsets, dt, False, True, cache_id, per_expert)
     # swiglu's backward as autograd runs it (mul, then silu's own backward kernel): same bits.
     grad_gate = torch.ops.aten.silu_backward(grad_act * up_RF, gate_RF)
     return torch.cat([grad_gate, grad_act * silu_RF], dim=-1).to(h.dtype), grad_w, grad_scale
 
 
 @_swiglu_down_backward_op.register_fake
-def _(grad, h, w, offsets, scale, dtype, cache_id, triton_swiglu):
+def _(grad, h, w, offsets, scale, dtype, cache_id, triton_swiglu, per_expert):
     grad_scale = (scale.new_empty(scale.shape, dtype=torch.promote_types(_DTYPES[dtype], torch.float32))
                   if scale is not None else h.new_empty(0, dtype=torch.float32))
     return torch.empty_like(h), torch.empty_like(w), grad_scale
 
 
 def _swiglu_down_setup(ctx, inputs, output):
-    h, w, offsets, scale, dtype, cache_id, triton_swiglu = inputs
+    h, w, offsets, scale, dtype, cache_id, triton_swiglu, per_expert = inputs
     ctx.save_for_backward(h, w, offsets, scale)
-    ctx.dtype, ctx.cache_id, ctx.triton_swiglu = dtype, cache_id, triton_swiglu
+    ctx.dtype, ctx.cache_id, ctx.triton_swiglu, ctx.per_expert = dtype, cache_id, triton_swiglu, per_expert
 
 
 def _swiglu_down_backward(ctx, grad):
     h, w, offsets, scale = ctx.saved_tensors
     grad_h, grad_w, grad_scale = _swiglu_down_backward_op(grad, h, w, offsets, scale, ctx.dtype, ctx.cache_id,
-                                                          ctx.triton_swiglu)
+                                                          ctx.triton_swiglu, ctx.per_expert)
     grad_scale = grad_scale.to(scale.dtype) if scale is not None else None
-    return grad_h, grad_w, None, grad_scale, None, None, None
+    return grad_h, grad_w, None, grad_scale, None, None, None, None
 
 
 _swiglu_down_op.register_autograd(_swiglu_down_backward, setup_context=_swiglu_down_setup)
@@ -225,13 +240,13 @@ _swiglu_down_op.register_autograd(_swiglu_down_backward, setup_context=_swiglu_d
 
 def grouped_swiglu_down(h_R2F: Tensor, w_EDF: Tensor, offsets_E: Tensor, dtype: torch.dtype,
                         cache_id: int | None = None, triton_swiglu: bool = False,
-                        row_scale_R: Tensor | None = None) -> Tensor:
+                        row_scale_R: Tensor | None = None, per_expert: bool = False) -> Tensor:
     """The SwiGLU experts' down projection with the activation inside: h_R2F [R, 2F] (gate columns,
     then up) -> silu(gate) * up [R, F] -> times w_EDF[e]^T per group -> [R, D] in ``dtype``.
     Differentiable in h and w; saves h and w, not the [R, F] product (recomputed in backward);
     ``cache_id`` as in grouped_mm; ``triton_swiglu``: the activation and its backward in one Triton
     pass each (core/precision/swiglu_triton.py) on CUDA tensors; ``row_scale_R`` [R]: each row's
     product scaled by it (in fp32, rounded to ``dtype``) before the GEMM, differentiable in it too
-    (model.moe.weights_before_down)."""
+    (model.moe.weights_before_down); ``per_expert`` as in grouped_mm."""
     return _swiglu_down_op(h_R2F.to(dtype), w_EDF, offsets_E.to(torch.int32), row_scale_R, _dtype_name(dtype),
-                           NO_CACHE if cache_id is None else cache_id, bool(triton_swiglu))
+                           NO_CACHE if cache_id is None else cache_id, bool(triton_swiglu), bool(per_expert))

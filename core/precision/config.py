@@ -11,7 +11,7 @@ from ..distributed import is_main
 from .gemm import gemm_backend
 from .policy import GemmModule, PrecisionPolicy
 
-__all__ = ["Fp8Experts", "GemmModule", "PrecisionBackend", "PrecisionConfig", "PrecisionRecipe"]
+__all__ = ["Bf16Experts", "Fp8Experts", "GemmModule", "PrecisionBackend", "PrecisionConfig", "PrecisionRecipe"]
 
 
 class PrecisionRecipe(StrEnum):
@@ -60,6 +60,16 @@ class Fp8Experts(StrEnum):
     grouped GEMM per pass (operands quantized beforehand, session 6) and 1.27x fwd+bwd with
     quantization (session 7), with 8 experts of 8192 rows on the H200; CPU-bound with 64 small
     experts (docs/performance.md)."""
+
+
+class Bf16Experts(StrEnum):
+    grouped_mm = "grouped_mm"
+    """torch._grouped_mm: every local expert's GEMM in one kernel, the offsets on the device (no host sync)."""
+    cublas = "cublas"
+    """One cuBLAS GEMM (torch.mm) per local expert, written in place into the grouped output, the
+    group sizes read on the host (one sync per grouped op: forward, and backward's dgrad + wgrad):
+    cuBLAS's dense kernels instead of the grouped one, for layers with few experts and many rows
+    each; with many small experts the per-call CPU cost is the limit (core/precision/grouping.py)."""
 
 
 class PrecisionBackend(StrEnum):
@@ -125,6 +135,10 @@ class PrecisionConfig(Config):
     anyway. Measured on the H200 (olmoe3-4l-8e, cuBLAS experts, one micro-batch): +1.8% tokens/s,
     +2.3 GiB (docs/performance.md, session 7). Off by default: it pays most with many micro-batches
     per step; the planner counts the saving and the cache held."""
+    bf16_experts: Bf16Experts = Bf16Experts.grouped_mm
+    """bf16 recipe: how the routed experts' grouped bf16 GEMMs run (see Bf16Experts): torch's grouped
+    kernel (no host sync) or one cuBLAS GEMM per expert (a host sync per grouped op). Same
+    operands and dtypes; the fp32 sums in each kernel's own order."""
     fp8_experts: Fp8Experts = Fp8Experts.triton
     """fp8_blockwise recipe, native backend: how the routed experts' grouped FP8 GEMMs run (see
     Fp8Experts): the Triton kernels (no host sync) or one cuBLAS GEMM per expert (a host sync per
@@ -148,6 +162,10 @@ class PrecisionConfig(Config):
         if Fp8Experts(self.fp8_experts) == Fp8Experts.cublas and self.recipe != PrecisionRecipe.fp8_blockwise:
             raise ConfigError(f"precision.fp8_experts=cublas runs fp8_blockwise's expert GEMMs through cuBLAS: it needs "
                               f"--precision.recipe=fp8_blockwise, got {self.recipe}; drop it for this recipe")
+        if Bf16Experts(self.bf16_experts) == Bf16Experts.cublas and self.recipe in _LOW_PRECISION:
+            raise ConfigError(f"precision.bf16_experts=cublas runs the bf16 recipe's expert GEMMs one cuBLAS GEMM per "
+                              f"expert: it needs --precision.recipe=bf16 (or auto), got {self.recipe}; for "
+                              f"fp8_blockwise use --precision.fp8_experts=cublas")
         if not self.fp8_wgrad and self.recipe != PrecisionRecipe.fp8_blockwise:
             raise ConfigError(f"precision.fp8_wgrad=false runs fp8_blockwise's weight gradients in bf16: it needs "
                               f"--precision.recipe=fp8_blockwise, got {self.recipe}; drop it for this recipe")
@@ -197,7 +215,8 @@ class PrecisionConfig(Config):
             from .gemm import TorchGemm
 
             gemm = TorchGemm(weight_copies=self.expert_weight_copies, triton_swiglu=self.triton_swiglu,
-                             grads_on_copies=self.expert_grads_bf16)
+                             grads_on_copies=self.expert_grads_bf16,
+                             per_expert=Bf16Experts(self.bf16_experts) == Bf16Experts.cublas)
             return PrecisionPolicy(device_type, torch.bfloat16, gemm)
         backend = self.resolved_backend(device_type, verbose=verbose)
         if recipe == PrecisionRecipe.mxfp8 and backend == PrecisionBackend.native and GemmModule.experts in self.modules:

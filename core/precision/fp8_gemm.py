@@ -191,7 +191,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
             dx = dx.to(ctx.x_dtype)
         if ctx.needs_input_grad[1] and not gemm.fp8_wgrad:  # bf16, fp32 accumulation (the bf16 recipe's wgrad)
             _, dw = bf16_grouped.grouped_grads(dy_RO, x_saved[0], w_EOI, offsets_E.to(torch.int32),
-                                               torch.bfloat16, False, True)
+                                               torch.bfloat16, False, True, per_expert=cublas)
         elif ctx.needs_input_grad[1]:
             wgrad = torch.ops.moetron.fp8_cublas_k if cublas else fp8_grouped_mm_k
             dw = wgrad(*dyt, *x_saved, padded_offsets_E).to(w_EOI.dtype)

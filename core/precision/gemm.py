@@ -91,11 +91,12 @@ class TorchGemm(GemmBackend):
     fp32 without it. Dense: F.linear (autocast casts). Grouped: torch._grouped_mm in the compute
     dtype (it takes no autocast itself) through core.precision.bf16_grouped's ops, which cast the
     master weight inside and save it rather than a copy, and fuse the SwiGLU into the down
-    projection."""
+    projection; ``per_expert``: one cuBLAS GEMM per expert instead (precision.bf16_experts=cublas)."""
 
     name = "torch"
 
-    def __init__(self, weight_copies: str = "none", triton_swiglu: bool = False, grads_on_copies: bool = False):
+    def __init__(self, weight_copies: str = "none", triton_swiglu: bool = False, grads_on_copies: bool = False,
+                 per_expert: bool = False):
         # precision.expert_weight_copies: the grouped GEMMs' bf16 weight copies, none, made once per
         # step ("step") or written by the optimizer and pinned in the cache ("optimizer").
         self.optimizer_copies = str(weight_copies) == "optimizer"
@@ -105,6 +106,7 @@ class TorchGemm(GemmBackend):
         self.weight_cache = (None if str(weight_copies) == "none" or self.grads_on_copies
                              else bf16_grouped.register_cache())
         self.triton_swiglu = triton_swiglu  # precision.triton_swiglu
+        self.per_expert = bool(per_expert)  # precision.bf16_experts=cublas: one cuBLAS GEMM per expert
 
     def attach_optimizer(self, optimizer, parts) -> None:
         if not self.optimizer_copies:
@@ -149,7 +151,8 @@ class TorchGemm(GemmBackend):
         return F.linear(x, w)
 
     def grouped_mm(self, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-        return bf16_grouped.grouped_mm(x_RI, w_EOI, offsets_E, compute_dtype(x_RI), self.weight_cache)
+        return bf16_grouped.grouped_mm(x_RI, w_EOI, offsets_E, compute_dtype(x_RI), self.weight_cache,
+                                       self.per_expert)
 
     def grouped_swiglu_down(self, h_R2F, w_EDF, offsets_E, act, row_scale_R=None):
         # The fused op recomputes the product in backward; it knows only the plain SwiGLU (a
@@ -159,7 +162,7 @@ class TorchGemm(GemmBackend):
         if getattr(act, "__wrapped__", act) is not swiglu:
             return super().grouped_swiglu_down(h_R2F, w_EDF, offsets_E, act, row_scale_R)
         return bf16_grouped.grouped_swiglu_down(h_R2F, w_EDF, offsets_E, compute_dtype(h_R2F), self.weight_cache,
-                                                self.triton_swiglu, row_scale_R)
+                                                self.triton_swiglu, row_scale_R, self.per_expert)
 
 
 GEMM_BACKENDS: Registry[type[GemmBackend]] = Registry("GEMM backend")

@@ -1,5 +1,6 @@
 """Expert groups for low-precision grouped GEMMs: padding each group's rows to a multiple of a
-quantization block (on the device, no host sync), and bf16 grouped GEMMs that run anywhere.
+quantization block (on the device, no host sync), and bf16 grouped GEMMs that run anywhere (one
+kernel, or one GEMM per group).
 
 A weight-gradient GEMM reduces over tokens, so its operands are quantized in blocks along the
 rows; a block must not hold rows of two experts. ``pad_groups`` moves each group to a start that
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["gather_rows", "grouped_mm_2d2d", "grouped_mm_2d3d", "pad_groups", "padded_rows", "padded_source_rows"]
+__all__ = ["gather_rows", "grouped_mm_2d2d", "grouped_mm_2d3d", "host_ends", "pad_groups", "padded_rows", "padded_source_rows"]
 
 
 def padded_rows(rows: int, groups: int, multiple: int) -> int:
@@ -55,31 +56,46 @@ def gather_rows(x_RC: torch.Tensor, src_P: torch.Tensor) -> torch.Tensor:
     return torch.where((src_P >= 0)[:, None], rows, torch.zeros((), dtype=x_RC.dtype, device=x_RC.device))
 
 
-def grouped_mm_2d3d(a_RK: torch.Tensor, b_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+def host_ends(offsets_E: torch.Tensor) -> list[int]:
+    """The groups' ends (the inclusive cumsum) on the host: the one device -> host sync of a
+    per-expert loop."""
+    return offsets_E.tolist()
+
+
+def grouped_mm_2d3d(a_RK: torch.Tensor, b_EKN: torch.Tensor, offsets_E: torch.Tensor,
+                    per_expert: bool = False) -> torch.Tensor:
     """out[rows of e] = a[rows of e] @ b[e] -> [R, N] in a's dtype (fp32 accumulation).
-    torch._grouped_mm on CUDA; a loop over the groups on the CPU (host offsets: the reference path).
-    Rows past offsets_E[-1] are unspecified (zero on the CPU)."""
-    if a_RK.is_cuda:
+    torch._grouped_mm on CUDA (one kernel, no sync); with ``per_expert`` (precision.bf16_experts=cublas),
+    and always on the CPU, one ``torch.mm`` per group written in place into the output (cuBLAS on
+    CUDA; the group sizes read on the host: a sync). Rows past offsets_E[-1] are zero on the loop
+    (unspecified on the one kernel). Not differentiable: the callers are autograd Functions and
+    custom ops."""
+    if a_RK.is_cuda and not per_expert:
         return torch._grouped_mm(a_RK, b_EKN, offs=offsets_E.to(torch.int32))
-    out_RN = a_RK.new_zeros(a_RK.shape[0], b_EKN.shape[-1])
+    out_RN = a_RK.new_empty(a_RK.shape[0], b_EKN.shape[-1])
     start = 0
-    for e, end in enumerate(offsets_E.tolist()):
+    for e, end in enumerate(host_ends(offsets_E)):
         if end > start:
-            out_RN[start:end] = a_RK[start:end] @ b_EKN[e]
+            torch.mm(a_RK[start:end], b_EKN[e], out=out_RN[start:end])
         start = end
+    out_RN[start:].zero_()
     return out_RN
 
 
-def grouped_mm_2d2d(a_MR: torch.Tensor, b_RN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+def grouped_mm_2d2d(a_MR: torch.Tensor, b_RN: torch.Tensor, offsets_E: torch.Tensor,
+                    per_expert: bool = False) -> torch.Tensor:
     """out[e] = a[:, rows of e] @ b[rows of e] -> [E, M, N] (the weight gradient: a reduction over each
-    group's rows; an empty group gives zeros). torch._grouped_mm on CUDA, a loop on the CPU."""
-    if a_MR.is_cuda:
+    group's rows; an empty group gives zeros). torch._grouped_mm on CUDA; with ``per_expert``, and
+    always on the CPU, one ``torch.mm`` per group into its slice of the output (as grouped_mm_2d3d)."""
+    if a_MR.is_cuda and not per_expert:
         return torch._grouped_mm(a_MR, b_RN, offs=offsets_E.to(torch.int32))
     E = offsets_E.numel()
-    out_EMN = a_MR.new_zeros(E, a_MR.shape[0], b_RN.shape[1])
+    out_EMN = a_MR.new_empty(E, a_MR.shape[0], b_RN.shape[1])
     start = 0
-    for e, end in enumerate(offsets_E.tolist()):
+    for e, end in enumerate(host_ends(offsets_E)):
         if end > start:
-            out_EMN[e] = a_MR[:, start:end] @ b_RN[start:end]
+            torch.mm(a_MR[:, start:end], b_RN[start:end], out=out_EMN[e])
+        else:
+            out_EMN[e].zero_()
         start = end
     return out_EMN

@@ -342,3 +342,78 @@ def test_resume_rewrites_the_optimizer_copies(tmp_path, grads_bf16):
     resumed.load(path)
     batch = data.next_batch()
     assert resumed.train_step(batch)[0].item() == first.train_step(batch)[0].item()
+
+
+def test_per_expert_cublas_path_matches_float64_and_the_grouped_kernel():
+    """precision.bf16_experts=cublas: one torch.mm per group (written into the output in place),
+    forward and backward of both expert ops, rows past the last group (capacity padding) and an
+    empty group included, against a float64 loop and against torch._grouped_mm's path."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(R, I, generator=g).to(torch.bfloat16).requires_grad_(True)
+    w_up = torch.randn(E, 2 * O, I, generator=g).div(8).requires_grad_(True)
+    w_down = torch.randn(E, I, O, generator=g).div(8).requires_grad_(True)
+    scale = torch.rand(R, generator=g).requires_grad_(True)
+    offsets = torch.cumsum(torch.tensor([20, 0, 40, 30]), 0).to(torch.int32)  # 6 rows past the end
+    used = int(offsets[-1])
+    gy = torch.randn(used, I, generator=g).to(torch.bfloat16)
+
+    def run(per_expert):
+        h = grouped_mm(x, w_up, offsets, torch.bfloat16, per_expert=per_expert)
+        y = grouped_swiglu_down(h, w_down, offsets, torch.bfloat16, row_scale_R=scale, per_expert=per_expert)
+        grads = torch.autograd.grad(y[:used], (x, w_up, w_down, scale), gy)
+        return (h, y, *grads)
+
+    h, y, gx, gw_up, gw_down, gscale = run(True)
+    assert y.dtype == torch.bfloat16 and gw_up.dtype == torch.float32
+    assert h[used:].abs().max() == 0 and y[used:].abs().max() == 0  # the loop zeroes the padding rows
+    assert gx[used:].abs().max() == 0 and gw_up[1].abs().max() == 0 and gw_down[1].abs().max() == 0
+
+    # float64 on the same bf16-rounded operands
+    x64 = x.detach().double().requires_grad_(True)
+    wu64 = w_up.detach().bfloat16().double().requires_grad_(True)
+    wd64 = w_down.detach().bfloat16().double().requires_grad_(True)
+    s64 = scale.detach().double().requires_grad_(True)
+    h64 = _loop(x64, wu64, offsets)
+    gate, up = h64.chunk(2, dim=-1)
+    y64 = _loop(torch.nn.functional.silu(gate) * up * s64[:used, None], wd64, offsets)
+    ref = torch.autograd.grad(y64, (x64, wu64, wd64, s64), gy.double())
+    torch.testing.assert_close(h[:used].double(), h64, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(y[:used].double(), y64, rtol=3e-2, atol=3e-2)
+    for name, got, want in zip(("dx", "dw_up", "dw_down", "dscale"), (gx, gw_up, gw_down, gscale), ref):
+        # bf16 intermediates (h, the product, their gradients) against exact ones: a relative norm
+        err = ((got[: want.shape[0]].double() - want).norm() / want.norm()).item()
+        assert err < 1e-2, (name, err)
+
+    # against the grouped kernel's path: the same bf16 GEMMs per group, fp32 sums in its own order
+    for got, want in zip((h, y, gx, gw_up, gw_down, gscale), run(False)):
+        n = used if got.shape[0] == R else got.shape[0]
+        torch.testing.assert_close(got[:n].float(), want[:n].float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_per_expert_cublas_on_gpu_matches_the_grouped_kernel():
+    """On the GPU: cuBLAS per expert against torch._grouped_mm (CUTLASS), both expert ops, fwd + bwd,
+    ragged groups (an empty one, sizes not multiples of 8 or 16) and padding rows past the end."""
+    g = torch.Generator().manual_seed(7)
+    R_, D, F_, E_ = 4096, 512, 384, 6
+    sizes = torch.tensor([1000, 0, 7, 1501, 1, 1480])  # 4 rows past the end
+    offsets = torch.cumsum(sizes, 0).to("cuda", torch.int32)
+    used = int(sizes.sum())
+    x = torch.randn(R_, D, generator=g).to("cuda", torch.bfloat16).requires_grad_(True)
+    w_up = (torch.randn(E_, 2 * F_, D, generator=g) * D ** -0.5).cuda().requires_grad_(True)
+    w_down = (torch.randn(E_, D, F_, generator=g) * F_ ** -0.5).cuda().requires_grad_(True)
+    gy = torch.randn(used, D, generator=g).to("cuda", torch.bfloat16)
+    out = {}
+    for per_expert in (False, True):
+        h = grouped_mm(x, w_up, offsets, torch.bfloat16, per_expert=per_expert)
+        y = grouped_swiglu_down(h, w_down, offsets, torch.bfloat16, triton_swiglu=True, per_expert=per_expert)
+        out[per_expert] = (h[:used], y[:used], *torch.autograd.grad(y[:used], (x, w_up, w_down), gy))
+    for name, a, b in zip(("h", "y", "dx", "dw_up", "dw_down"), out[True], out[False]):
+        a, b = a.float(), b.float()
+        if name == "dx":
+            assert a[used:].abs().max() == 0
+            a, b = a[:used], b[:used]
+        err = ((a - b).norm() / b.norm()).item()
+        assert err < 5e-3, (name, err)  # bf16 outputs, fp32 sums in two orders
+    assert out[True][3][1].abs().max() == 0 and out[True][4][1].abs().max() == 0  # the empty expert

@@ -50,6 +50,12 @@ def test_backend_resolution_and_errors(capsys):
     with pytest.raises(ConfigError, match="fp8_wgrad=false is an option of the native.*backend=emulated"):
         cfg(recipe="fp8_blockwise", fp8_wgrad=False).build("cpu")
     assert not low_precision_gemm("fp8_blockwise", "native", fp8_wgrad=False).fp8_wgrad
+    with pytest.raises(ConfigError, match="bf16_experts=cublas.*needs --precision.recipe=bf16.*fp8_experts=cublas"):
+        cfg(recipe="fp8_blockwise", bf16_experts="cublas").validate()
+    with pytest.raises(ConfigError, match="'per_expert' is not one of 'grouped_mm', 'cublas'"):
+        cfg(bf16_experts="per_expert")
+    assert cfg(recipe="bf16", bf16_experts="cublas").build("cuda", verbose=False).gemm.per_expert
+    assert not cfg(recipe="bf16").build("cuda", verbose=False).gemm.per_expert
     assert low_precision_gemm("fp8_blockwise", "native").fp8_wgrad
 
 
