@@ -78,7 +78,8 @@ def grouped_grads(grad_RO: Tensor, x_RI: Tensor, w_EOI: Tensor, offsets_E: Tenso
                   per_expert: bool = False) -> tuple[Tensor | None, Tensor | None]:
     """dgrad [R, I] = grad @ w[e] per group; wgrad [E, O, I] = grad^T @ x per group (in w's dtype), the
     GEMMs in ``dtype`` (offsets_E int32, inclusive cumsum); ``per_expert``: one cuBLAS GEMM per group
-    (grouping.grouped_mm_2d3d / 2d2d) instead of torch._grouped_mm."""
+    (grouping.grouped_mm_2d3d / 2d2d) instead of torch._grouped_mm, its wgrad written in w's dtype
+    straight from the fp32 sums (no bf16 rounding and cast pass for fp32 master weights)."""
     grad_RO = grad_RO.to(dtype)
     grad_x = grad_w = None
     if need_x:
@@ -87,8 +88,8 @@ def grouped_grads(grad_RO: Tensor, x_RI: Tensor, w_EOI: Tensor, offsets_E: Tenso
                   else torch._grouped_mm(grad_RO, w, offs=offsets_E))
     if need_w:
         x = x_RI.to(dtype)
-        grad_w = (grouped_mm_2d2d(grad_RO.t(), x, offsets_E, per_expert=True) if per_expert
-                  else torch._grouped_mm(grad_RO.t(), x, offs=offsets_E)).to(w_EOI.dtype)
+        grad_w = (grouped_mm_2d2d(grad_RO.t(), x, offsets_E, per_expert=True, out_dtype=w_EOI.dtype) if per_expert
+                  else torch._grouped_mm(grad_RO.t(), x, offs=offsets_E).to(w_EOI.dtype))
     return grad_x, grad_w
 
 

@@ -136,9 +136,13 @@ class PrecisionConfig(Config):
     +2.3 GiB (docs/performance.md, session 7). Off by default: it pays most with many micro-batches
     per step; the planner counts the saving and the cache held."""
     bf16_experts: Bf16Experts = Bf16Experts.grouped_mm
-    """bf16 recipe: how the routed experts' grouped bf16 GEMMs run (see Bf16Experts): torch's grouped
-    kernel (no host sync) or one cuBLAS GEMM per expert (a host sync per grouped op). Same
-    operands and dtypes; the fp32 sums in each kernel's own order."""
+    """How the routed experts' grouped bf16 GEMMs run (see Bf16Experts), in the bf16 recipe and in the
+    emulated backends (whose GEMMs take the dequantized operands in bf16): torch's grouped kernel (no
+    host sync) or one cuBLAS GEMM per expert (a host sync per grouped op; under torch.compile the
+    emulated backends' grouped GEMMs then run outside the graph, a graph break at each). The same
+    operands; the fp32 sums in each kernel's own order; cuBLAS writes the weight gradients in the
+    weight's dtype from the fp32 sums (no bf16 rounding, no cast pass). The native low-precision backends refuse it
+    (fp8_blockwise has ``fp8_experts=cublas``)."""
     fp8_experts: Fp8Experts = Fp8Experts.triton
     """fp8_blockwise recipe, native backend: how the routed experts' grouped FP8 GEMMs run (see
     Fp8Experts): the Triton kernels (no host sync) or one cuBLAS GEMM per expert (a host sync per
@@ -162,10 +166,6 @@ class PrecisionConfig(Config):
         if Fp8Experts(self.fp8_experts) == Fp8Experts.cublas and self.recipe != PrecisionRecipe.fp8_blockwise:
             raise ConfigError(f"precision.fp8_experts=cublas runs fp8_blockwise's expert GEMMs through cuBLAS: it needs "
                               f"--precision.recipe=fp8_blockwise, got {self.recipe}; drop it for this recipe")
-        if Bf16Experts(self.bf16_experts) == Bf16Experts.cublas and self.recipe in _LOW_PRECISION:
-            raise ConfigError(f"precision.bf16_experts=cublas runs the bf16 recipe's expert GEMMs one cuBLAS GEMM per "
-                              f"expert: it needs --precision.recipe=bf16 (or auto), got {self.recipe}; for "
-                              f"fp8_blockwise use --precision.fp8_experts=cublas")
         if not self.fp8_wgrad and self.recipe != PrecisionRecipe.fp8_blockwise:
             raise ConfigError(f"precision.fp8_wgrad=false runs fp8_blockwise's weight gradients in bf16: it needs "
                               f"--precision.recipe=fp8_blockwise, got {self.recipe}; drop it for this recipe")
@@ -229,11 +229,18 @@ class PrecisionConfig(Config):
         if not self.fp8_wgrad and backend != PrecisionBackend.native:
             raise ConfigError("precision.fp8_wgrad=false is an option of the native fp8_blockwise GEMMs (an SM90+ GPU), "
                               f"and this run resolved precision.backend={backend}: drop fp8_wgrad, or run on a Hopper GPU")
+        per_expert = Bf16Experts(self.bf16_experts) == Bf16Experts.cublas
+        if per_expert and backend == PrecisionBackend.native:
+            raise ConfigError(f"precision.bf16_experts=cublas runs bf16 expert GEMMs one cuBLAS GEMM per expert (the bf16 "
+                              f"recipe, and the emulated backends' dequantized operands), and this run's {recipe} "
+                              f"resolved precision.backend=native: use --precision.fp8_experts=cublas for fp8_blockwise, "
+                              f"or --precision.backend=emulated")
         if Fp8Experts(self.fp8_experts) == Fp8Experts.cublas and backend != PrecisionBackend.native:
             raise ConfigError("precision.fp8_experts=cublas needs the native fp8_blockwise backend (an SM90+ GPU), and "
                               f"this run resolved precision.backend={backend}: drop fp8_experts, or run on a Hopper GPU")
         gemm = low_precision_gemm(recipe, backend, self.mx_scale, self.fp8_experts, self.fp8_wgrad)
         gemm.quantize_weights_once = bool(self.quantize_weights_once)
+        gemm.per_expert = per_expert
         return PrecisionPolicy(device_type, torch.bfloat16, gemm, modules=frozenset(GemmModule(m) for m in self.modules))
 
 

@@ -1,6 +1,7 @@
 """Emulated low-precision GEMMs: every GEMM's operands quantized exactly (MXFP8, or FP8 blockwise),
 dequantized to bf16 (lossless: an E4M3 value times a power of two is a bf16 value), and run through
-the bf16 GEMM (F.linear / torch._grouped_mm; loops on the CPU). The dot products are those of the
+the bf16 GEMM (F.linear / torch._grouped_mm, or one cuBLAS GEMM per expert with
+precision.bf16_experts=cublas; loops on the CPU). The dot products are those of the
 hardware's scaled GEMMs up to fp32 summation order; the speed is not (on Hopper there is no MX
 GEMM): results of these backends are labelled "emulated".
 
@@ -178,7 +179,8 @@ class _EmulatedGroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor, gemm: "EmulatedGemm"):
         fmt = gemm.format
-        y_RO = grouped_mm_2d3d(fmt.qdq(x_RI, -1), _weight(gemm, w_EOI, -1).transpose(-2, -1), offsets_E)
+        y_RO = grouped_mm_2d3d(fmt.qdq(x_RI, -1), _weight(gemm, w_EOI, -1).transpose(-2, -1), offsets_E,
+                               gemm.per_expert)
         # the wgrad operand: each expert's rows padded to whole blocks (pad_groups, read through an index)
         src_P, padded_offsets_E = padded_source_rows(offsets_E, x_RI.shape[0], fmt.block)
         ctx.save_for_backward(*fmt.quantize(x_RI, 0, src_P), w_EOI, offsets_E, src_P, padded_offsets_E)
@@ -192,11 +194,13 @@ class _EmulatedGroupedMM(torch.autograd.Function):
         fmt = gemm.format
         dx_RI = dw_EOI = None
         if ctx.needs_input_grad[0]:
-            dx_RI = grouped_mm_2d3d(fmt.qdq(dy_RO, -1), _weight(gemm, w_EOI, -2), offsets_E).to(ctx.x_dtype)
+            dx_RI = grouped_mm_2d3d(fmt.qdq(dy_RO, -1), _weight(gemm, w_EOI, -2), offsets_E,
+                                    gemm.per_expert).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             x_hat_PI = fmt.dequantize(tuple(x_payload), 0, _BF16)
             dy_hat_PO = fmt.qdq(dy_RO, 0, src_P)
-            dw_EOI = grouped_mm_2d2d(dy_hat_PO.t(), x_hat_PI, padded_offsets_E).to(w_EOI.dtype)
+            dw_EOI = grouped_mm_2d2d(dy_hat_PO.t(), x_hat_PI, padded_offsets_E, gemm.per_expert,
+                                     w_EOI.dtype if gemm.per_expert else None).to(w_EOI.dtype)
         return dx_RI, dw_EOI, None, None
 
 

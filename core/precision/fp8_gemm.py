@@ -65,11 +65,12 @@ def _scaled_mm(a, sa, b, sb, recipe_b, out_dtype):
 
 
 def _quantize(gemm: "Fp8BlockwiseGemm", x_RC: torch.Tensor, rows: bool, tokens: bool,
-              src_P: torch.Tensor | None = None, rows_out: int | None = None):
+              src_P: torch.Tensor | None = None, rows_out: int | None = None, dense: bool = False):
     """x's 1x128 operands: (rows, tokens), each (data, scale) or None (blockwise_triton's
     quantize_1x128_fused, whose reference this is: rows = quantize_1x128(x padded to rows_out, -1);
-    tokens = quantize_1x128(x_P^T) with x_P = x[src_P] or x padded to whole 128s, data [C, P])."""
-    outer = gemm.dense == "scaled_mm" and src_P is None  # cuBLAS's scale layout, for the dense GEMMs
+    tokens = quantize_1x128(x_P^T) with x_P = x[src_P] or x padded to whole 128s, data [C, P]).
+    ``dense``: the operands of a dense linear (cuBLAS's scale layout under dense="scaled_mm")."""
+    outer = gemm.dense == "scaled_mm" and dense  # cuBLAS's scale layout, for the dense GEMMs
     if gemm.uses_triton(x_RC):
         from .blockwise_triton import quantize_1x128_fused
 
@@ -103,7 +104,7 @@ class _Fp8Linear(torch.autograd.Function):
     def forward(ctx, x_TI: torch.Tensor, w_OI: torch.Tensor, gemm: "Fp8BlockwiseGemm"):
         T = x_TI.shape[0]
         w_q, wt_q, w_s = _weights(gemm, w_OI)
-        (x_q, x_s), xt = _quantize(gemm, x_TI, True, gemm.fp8_wgrad, rows_out=_rows_out(gemm, T))
+        (x_q, x_s), xt = _quantize(gemm, x_TI, True, gemm.fp8_wgrad, rows_out=_rows_out(gemm, T), dense=True)
         if gemm.dense == "scaled_mm":
             y = _scaled_mm(x_q, x_s, w_q.t(), tile_scales(w_s), F.ScalingType.BlockWise128x128, torch.bfloat16)
         else:
@@ -120,7 +121,7 @@ class _Fp8Linear(torch.autograd.Function):
         gemm, T = ctx.gemm, ctx.tokens
         dx = dw = None
         dyq, dyt = _quantize(gemm, dy_TO, ctx.needs_input_grad[0], ctx.needs_input_grad[1] and gemm.fp8_wgrad,
-                             rows_out=_rows_out(gemm, T))
+                             rows_out=_rows_out(gemm, T), dense=True)
         if ctx.needs_input_grad[0]:
             w_q, wt_q, w_s = _weights(gemm, w_OI)
             dy_q, dy_s = dyq
@@ -159,8 +160,10 @@ class _Fp8GroupedMM(torch.autograd.Function):
         R = x_RI.shape[0]
         cublas = gemm.experts == "cublas"
         w_q, wt_q, w_s = _weights(gemm, w_EOI)
-        # the wgrad operand: each expert's rows padded to whole 128s, read through an index
-        src_P, padded_offsets_E = padded_source_rows(offsets_E, R, FP8_BLOCK)
+        # the FP8 wgrad's operands: each expert's rows padded to whole 128s, read through an index
+        # (a bf16 wgrad reads the rows as they are: no index)
+        src_P, padded_offsets_E = (padded_source_rows(offsets_E, R, FP8_BLOCK) if gemm.fp8_wgrad
+                                   else (None, None))
         (x_q, x_s), xt = _quantize(gemm, x_RI, True, gemm.fp8_wgrad, src_P,
                                    rows_out=R + ROW_SLACK if cublas else None)
         if cublas:  # B[e] = w[e] [O, I] as the [N, K] operand; its tiles [E, O/128, I/128]

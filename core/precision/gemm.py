@@ -50,11 +50,15 @@ class GemmBackend:
     quantize_weights_once: bool = False
     """precision.quantize_weights_once (the low-precision backends): run the grouped GEMM outside
     any compiled graph (cache.outside_graph), so the backend's WeightCache serves it there too."""
+    per_expert: bool = False
+    """precision.bf16_experts=cublas (the bf16 recipe, the emulated backends): the grouped bf16 GEMMs
+    as one cuBLAS GEMM per expert, the group sizes read on the host (core/precision/grouping.py)."""
 
     def _grouped(self, function: type[torch.autograd.Function], *args):
         """``function.apply(*args)``: a low-precision backend's grouped GEMM, outside any compiled
-        graph when ``quantize_weights_once`` (the one place that switch acts)."""
-        if self.quantize_weights_once:
+        graph when ``quantize_weights_once`` or ``per_expert`` (its host sync is no graph op; the
+        one place those switches leave the graph)."""
+        if self.quantize_weights_once or self.per_expert:
             return outside_graph(function.apply, *args)
         return function.apply(*args)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["gather_rows", "grouped_mm_2d2d", "grouped_mm_2d3d", "host_ends", "pad_groups", "padded_rows", "padded_source_rows"]
+__all__ = ["gather_rows", "grouped_mm_2d2d", "grouped_mm_2d3d", "host_sizes", "pad_groups", "padded_rows", "padded_source_rows"]
 
 
 def padded_rows(rows: int, groups: int, multiple: int) -> int:
@@ -56,10 +56,11 @@ def gather_rows(x_RC: torch.Tensor, src_P: torch.Tensor) -> torch.Tensor:
     return torch.where((src_P >= 0)[:, None], rows, torch.zeros((), dtype=x_RC.dtype, device=x_RC.device))
 
 
-def host_ends(offsets_E: torch.Tensor) -> list[int]:
-    """The groups' ends (the inclusive cumsum) on the host: the one device -> host sync of a
-    per-expert loop."""
-    return offsets_E.tolist()
+def host_sizes(offsets_E: torch.Tensor, rows: int) -> list[int]:
+    """Each group's rows, then the rows past the last group, on the host: the one device -> host sync
+    of a per-group loop (offsets_E the inclusive cumsum, rows the tensor's row count)."""
+    ends = offsets_E.tolist()
+    return [end - start for start, end in zip([0] + ends[:-1], ends)] + [rows - ends[-1]]
 
 
 def grouped_mm_2d3d(a_RK: torch.Tensor, b_EKN: torch.Tensor, offsets_E: torch.Tensor,
@@ -67,35 +68,45 @@ def grouped_mm_2d3d(a_RK: torch.Tensor, b_EKN: torch.Tensor, offsets_E: torch.Te
     """out[rows of e] = a[rows of e] @ b[e] -> [R, N] in a's dtype (fp32 accumulation).
     torch._grouped_mm on CUDA (one kernel, no sync); with ``per_expert`` (precision.bf16_experts=cublas),
     and always on the CPU, one ``torch.mm`` per group written in place into the output (cuBLAS on
-    CUDA; the group sizes read on the host: a sync). Rows past offsets_E[-1] are zero on the loop
-    (unspecified on the one kernel). Not differentiable: the callers are autograd Functions and
-    custom ops."""
+    CUDA; the group sizes read on the host: a sync; the views made by one split each, which halves
+    the loop's CPU cost per group). Rows past offsets_E[-1] are zero on the loop (unspecified on the
+    one kernel). Not differentiable: the callers are autograd Functions and custom ops."""
     if a_RK.is_cuda and not per_expert:
         return torch._grouped_mm(a_RK, b_EKN, offs=offsets_E.to(torch.int32))
+    sizes = host_sizes(offsets_E, a_RK.shape[0])
     out_RN = a_RK.new_empty(a_RK.shape[0], b_EKN.shape[-1])
-    start = 0
-    for e, end in enumerate(host_ends(offsets_E)):
-        if end > start:
-            torch.mm(a_RK[start:end], b_EKN[e], out=out_RN[start:end])
-        start = end
-    out_RN[start:].zero_()
+    a_parts, out_parts = a_RK.split(sizes), out_RN.split(sizes)
+    for e, (n, b_KN) in enumerate(zip(sizes, b_EKN.unbind(0))):
+        if n:
+            torch.mm(a_parts[e], b_KN, out=out_parts[e])
+    out_parts[-1].zero_()
     return out_RN
 
 
 def grouped_mm_2d2d(a_MR: torch.Tensor, b_RN: torch.Tensor, offsets_E: torch.Tensor,
-                    per_expert: bool = False) -> torch.Tensor:
+                    per_expert: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """out[e] = a[:, rows of e] @ b[rows of e] -> [E, M, N] (the weight gradient: a reduction over each
     group's rows; an empty group gives zeros). torch._grouped_mm on CUDA; with ``per_expert``, and
-    always on the CPU, one ``torch.mm`` per group into its slice of the output (as grouped_mm_2d3d)."""
+    always on the CPU, one ``torch.mm`` per group into its slice of the output (as grouped_mm_2d3d).
+    ``out_dtype`` (the loop only; e.g. fp32 for bf16 operands): each group's GEMM writes its fp32
+    sums in that dtype instead of rounding them to a's (cuBLAS's bf16 GEMM with an fp32 output on
+    CUDA; the operands widened first on the CPU: exact products, the same sums), so no cast pass
+    follows; the one kernel ignores it (its output is cast by the caller)."""
     if a_MR.is_cuda and not per_expert:
         return torch._grouped_mm(a_MR, b_RN, offs=offsets_E.to(torch.int32))
-    E = offsets_E.numel()
-    out_EMN = a_MR.new_empty(E, a_MR.shape[0], b_RN.shape[1])
-    start = 0
-    for e, end in enumerate(host_ends(offsets_E)):
-        if end > start:
-            torch.mm(a_MR[:, start:end], b_RN[start:end], out=out_EMN[e])
+    sizes = host_sizes(offsets_E, b_RN.shape[0])
+    dt = out_dtype or a_MR.dtype
+    widen = dt != a_MR.dtype
+    out_EMN = a_MR.new_empty(len(sizes) - 1, a_MR.shape[0], b_RN.shape[1], dtype=dt)
+    a_parts, b_parts = a_MR.split(sizes, dim=1), b_RN.split(sizes)
+    for e, out_MN in enumerate(out_EMN.unbind(0)):
+        a_Mn, b_nN = a_parts[e], b_parts[e]
+        if not sizes[e]:
+            out_MN.zero_()
+        elif not widen:
+            torch.mm(a_Mn, b_nN, out=out_MN)
+        elif a_MR.is_cuda:
+            torch.mm(a_Mn, b_nN, out_dtype=dt, out=out_MN)
         else:
-            out_EMN[e].zero_()
-        start = end
+            torch.mm(a_Mn.to(dt), b_nN.to(dt), out=out_MN)
     return out_EMN

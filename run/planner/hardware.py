@@ -3,7 +3,7 @@ each with its source (a datasheet, a measurement in docs/performance.md, or an a
 
 from __future__ import annotations
 
-__all__ = ['GiB', 'GPU', 'GPUS', 'GPUS_PER_NODE', 'RESERVED_GIB', 'EFF_GEMM', 'EFF_EXPERT', 'EFF_FP8_GEMM', 'EFF_FP8_EXPERT', 'EFF_FP8_CUBLAS_EXPERT', 'CUBLAS_CALL_S', 'EFF_MX_EXPERT', 'EFF_ATTN', 'EFF_COMM', 'EFF_PCIE', 'HOST_GBPS', 'HBM_TRAFFIC', 'OPTIMIZER_BYTES', 'RECOMPUTE_FORWARD', 'HOST_OPTIMIZER_BYTES', 'QUANT_BYTES', 'QUANT_ROWS_BYTES', 'WEIGHT_QUANT_BYTES', 'FP8_SAVED', 'FP8_WEIGHT_CACHED', 'FP8_WGRAD_BYTES', 'LOW_PRECISION']
+__all__ = ['GiB', 'GPU', 'GPUS', 'GPUS_PER_NODE', 'RESERVED_GIB', 'EFF_GEMM', 'EFF_EXPERT', 'EFF_FP8_GEMM', 'EFF_FP8_EXPERT', 'EFF_FP8_CUBLAS_EXPERT', 'CUBLAS_CALL_S', 'EFF_CUBLAS_EXPERT', 'BF16_CUBLAS_CALL_S', 'EFF_MX_EXPERT', 'EFF_ATTN', 'EFF_COMM', 'EFF_PCIE', 'HOST_GBPS', 'HBM_TRAFFIC', 'OPTIMIZER_BYTES', 'RECOMPUTE_FORWARD', 'HOST_OPTIMIZER_BYTES', 'QUANT_BYTES', 'QUANT_ROWS_BYTES', 'WEIGHT_QUANT_BYTES', 'FP8_SAVED', 'FP8_WEIGHT_CACHED', 'FP8_WGRAD_BYTES', 'LOW_PRECISION']
 
 import dataclasses
 
@@ -76,6 +76,16 @@ CUBLAS_CALL_S = 55e-6
 """CPU seconds per cuBLAS call of fp8_cublas.py's per-expert loop: 64 calls took 3.5 ms whatever
 their size (bench_fp8_variants' experiment at the olmoe shape, H200 machine), the floor of a layer's
 expert GEMMs when the experts are many and small."""
+EFF_CUBLAS_EXPERT = EFF_EXPERT * 736 / 633
+"""Grouped bf16 expert GEMMs under ``precision.bf16_experts=cublas`` (one cuBLAS GEMM per local
+expert, core/precision/grouping.py) while the GPU is the limit. Assumed, not yet measured: the
+grouped rate times cuBLAS's dense lead over torch's grouped kernel at a like shape (bench_gemm_fp8,
+session 6: a dense 16384 x 4096 x 4096 linear fwd+bwd at 736 TFLOP/s, 8 experts of 8192 rows x
+4096 x 4096 grouped at 633)."""
+BF16_CUBLAS_CALL_S = 20e-6
+"""CPU seconds per torch.mm call of the bf16 per-expert loop (a slice, the out= GEMM's launch).
+Assumed, not yet measured: the blockwise scaled_mm's measured 55 us (CUBLAS_CALL_S) includes its
+layout checks and scale views, which a plain mm does not have."""
 EFF_MX_EXPERT = EFF_EXPERT * EFF_FP8_GEMM / EFF_GEMM
 """Grouped MXFP8 expert GEMMs of native mxfp8 (torch's F.scaled_grouped_mm on SM100+, never run
 here): assumed to keep the bf16 grouped GEMM's share of the dense rate (0.47 / 0.81)."""

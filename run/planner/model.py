@@ -56,7 +56,8 @@ from moetron.parallel.pipeline.runtime import n_microbatches
 from moetron.run.config import PretrainConfig, check_layout
 from .hardware import (
     GiB, GPU, GPUS, GPUS_PER_NODE, RESERVED_GIB, EFF_GEMM,
-    EFF_EXPERT, EFF_FP8_GEMM, EFF_FP8_EXPERT, EFF_FP8_CUBLAS_EXPERT, CUBLAS_CALL_S, EFF_MX_EXPERT, EFF_ATTN, EFF_COMM,
+    EFF_EXPERT, EFF_FP8_GEMM, EFF_FP8_EXPERT, EFF_FP8_CUBLAS_EXPERT, CUBLAS_CALL_S, EFF_CUBLAS_EXPERT,
+    BF16_CUBLAS_CALL_S, EFF_MX_EXPERT, EFF_ATTN, EFF_COMM,
     EFF_PCIE,
     HOST_GBPS, HBM_TRAFFIC, OPTIMIZER_BYTES, RECOMPUTE_FORWARD, HOST_OPTIMIZER_BYTES, QUANT_BYTES,
     WEIGHT_QUANT_BYTES, QUANT_ROWS_BYTES, FP8_SAVED, FP8_WEIGHT_CACHED, FP8_WGRAD_BYTES, LOW_PRECISION,
@@ -91,6 +92,10 @@ class Switches:
     quantize_weights_once: bool = False
     """precision.quantize_weights_once: compiled, the experts' low-precision GEMMs run outside the
     graph and their weights are quantized once per step (the WeightCache, held through the step)."""
+    bf16_experts: str = "grouped_mm"
+    """precision.bf16_experts (the bf16 recipe and the emulated backends' bf16 GEMMs): torch's grouped
+    kernel, or one cuBLAS GEMM per local expert (cublas: EFF_CUBLAS_EXPERT or the CPU's per-call
+    cost, BF16_CUBLAS_CALL_S, whichever is longer)."""
     fp8_experts: str = "triton"
     """precision.fp8_experts (native fp8_blockwise): the experts' GEMMs in the Triton kernels, or one
     cuBLAS GEMM per local expert (cublas: the GPU's rate or the CPU's per-call cost, whichever is longer)."""
@@ -170,6 +175,7 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
                     # the fused backward serves the unscaled SwiGLU only (weights_before_down scales it)
                     triton_swiglu=bool(precision.triton_swiglu) and recipe == PrecisionRecipe.bf16
                     and not (model.moe is not None and model.moe.weights_before_down),
+                    bf16_experts=str(precision.bf16_experts),
                     fp8_experts=str(precision.fp8_experts), fp8_wgrad=bool(precision.fp8_wgrad),
                     quantize_weights_once=bool(precision.quantize_weights_once) and recipe in LOW_PRECISION,
                     optimizer_kernel="torch" if str(optimizer.impl) == "torch" or optimizer.fused is not None else "triton",
@@ -479,6 +485,10 @@ def stage_time(cfg: ModelConfig, layers: list[int], *, sw: Switches, memory: Mem
         calls = sum(passes * cfg.moe.num_experts // ep for i in layers if cfg.is_moe_layer(i)) * extra
         t_experts = max(module_time("experts", True, gpu.fp8_tflops * 1e12 * EFF_FP8_CUBLAS_EXPERT),
                         calls * CUBLAS_CALL_S)
+    elif sw.bf16_experts == "cublas" and not (sw.low("experts") and sw.backend == "native"):
+        # [assumed] one torch.mm per local expert for each of the 6 bf16 GEMM passes of a layer
+        calls = sum(6 * cfg.moe.num_experts // ep for i in layers if cfg.is_moe_layer(i)) * extra
+        t_experts = max(module_time("experts", True, bf16_flops * EFF_CUBLAS_EXPERT), calls * BF16_CUBLAS_CALL_S)
     t_gemm = T_mb * extra * other_f / (bf16_flops * EFF_GEMM) + t_experts + sum(
         module_time(k, False, gemm_rate(gpu, sw, k, False)) for k in ("attention", "mlp"))
     t_attn = T_mb * attn_f / (bf16_flops * EFF_ATTN) * extra
@@ -693,6 +703,10 @@ def plan(p: Plan) -> dict:
         # (read 2 + write 4 B per element; inside the fitted elementwise traffic otherwise).
         expert_local = sum(_expert_params(cfg, i) for i in range(cfg.n_layers) if cfg.is_moe_layer(i)) / par.ep / par.pp
         t_opt -= 2.0 * expert_local / (gpu.hbm_tbps * 1e12)
+        t_grad_cast = -6.0 * expert_local / (gpu.hbm_tbps * 1e12)
+    elif sw.bf16_experts == "cublas" and cfg.moe is not None and not sw.low("experts"):
+        # [code] cuBLAS writes the fp32 weight gradients straight from its sums: no cast pass
+        expert_local = sum(_expert_params(cfg, i) for i in range(cfg.n_layers) if cfg.is_moe_layer(i)) / par.ep / par.pp
         t_grad_cast = -6.0 * expert_local / (gpu.hbm_tbps * 1e12)
     exposed_fsdp = max(0.0, t_fsdp - t_compute)
     step = t_pipe + exposed_fsdp + t_ar + t_opt + t_offload + t_grad_cast

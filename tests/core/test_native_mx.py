@@ -188,10 +188,16 @@ class FakeScaledGroupedMM:
 
 
 def close(actual, expected, a, b, what):
-    """actual against expected (the emulation), elementwise over the products' magnitudes |a| @ |b|."""
-    err = ((actual.double() - expected.double()).abs() / (a.abs() @ b.abs()).clamp_min(1e-300)).max().item()
+    """actual against expected (the emulation), elementwise over the products' magnitudes |a| @ |b|,
+    or within one bf16 ulp of expected: both are bf16 roundings of sums taken in two orders (float64
+    here, the CPU's fp32 GEMM there), which may straddle a rounding boundary (measured: 0.6% of the
+    magnitude, one ulp, on one of 15,360 elements of an AMD EPYC machine's CPU GEMM)."""
+    diff = (actual.double() - expected.double()).abs()
+    _, exp = torch.frexp(expected.double())
+    ulp = torch.ldexp(torch.ones_like(diff), exp - 8)  # bf16: 8 significant bits
+    err = (diff / (a.abs() @ b.abs()).clamp_min(1e-300)).where(diff > ulp, torch.zeros_like(diff)).max().item()
     same = (actual == expected).double().mean().item()
-    print(f"{what}: max error {err:.3g} of the products' magnitude, {same:.2%} bit-equal")
+    print(f"{what}: max error {err:.3g} of the products' magnitude beyond one ulp, {same:.2%} bit-equal")
     assert err <= 2.0 ** -8, f"{what}: {err:.3g}"
 
 

@@ -138,16 +138,18 @@ def test_activations_are_saved_as_fp8_payloads(grouped):
     y.sum().backward()
 
 
-def test_quantize_weights_once_serves_the_cache_inside_compiled_code():
+@pytest.mark.parametrize("switch", ["quantize_weights_once", "per_expert"])
+def test_quantize_weights_once_serves_the_cache_inside_compiled_code(switch):
     """precision.quantize_weights_once: a compiled forward (torch.compile, aot_eager on the CPU) and
     its backward, three micro-batches through the grouped GEMM, quantize each expert weight once per
     step (forward and dgrad tags: 2 misses, then 4 hits) and give the eager results. Without it the
     traced forward bypasses the cache (on the CPU the grouped GEMM's host loop breaks the graph
     before the backward, whose dgrad lookups then still run: 1 miss, 2 hits; on a GPU,
-    torch._grouped_mm traces whole and neither pass looks the cache up)."""
+    torch._grouped_mm traces whole and neither pass looks the cache up). precision.bf16_experts=cublas
+    (``per_expert``: a host sync per GEMM) leaves the graph the same way, so it gets the same."""
     torch._dynamo.reset()
     gemm = EmulatedGemm(MXFormat(kernels="torch"))
-    gemm.quantize_weights_once = True
+    setattr(gemm, switch, True)
     offsets = torch.tensor([20, 20, 64])
     w = torch.nn.Parameter(wide(3, 64, 64, seed=7))
     xs = [wide(64, 64, seed=s) for s in range(3)]
@@ -162,6 +164,7 @@ def test_quantize_weights_once_serves_the_cache_inside_compiled_code():
     assert (gemm.cache.misses, gemm.cache.hits) == (2, 4)
     w.grad = None
     reference = EmulatedGemm(MXFormat(kernels="torch"))
+    reference.per_expert = gemm.per_expert  # (its wgrad in fp32 straight from the sums)
     for x in xs:
         reference.grouped_mm(x.clone().requires_grad_(), w, offsets).float().square().sum().backward()  # eager
     assert torch.equal(got, w.grad)

@@ -78,10 +78,17 @@ def test_cublas_experts_on_cpu_match_float64():
     check_fp8("cpu", dense_modes=(), quant="torch", experts="cublas")
 
 
-def test_bf16_wgrad_on_cpu_matches_float64():
+def test_bf16_wgrad_on_cpu_matches_float64(monkeypatch):
     """wgrad="bf16" (precision.fp8_wgrad=false): forward and dgrad still FP8, the weight gradients
-    the bf16 GEMM's (per expert, through the cuBLAS experts' CPU stand-in)."""
+    the bf16 GEMM's (per expert, through the cuBLAS experts' CPU stand-in); nothing builds the FP8
+    wgrad's padded-rows index."""
+    import moetron.core.precision.fp8_gemm as fp8_gemm
+
+    built = []
+    index = fp8_gemm.padded_source_rows
+    monkeypatch.setattr(fp8_gemm, "padded_source_rows", lambda *a: built.append(a) or index(*a))
     check_fp8("cpu", dense_modes=(), quant="torch", experts="cublas", wgrad="bf16")
+    assert len(built) == 1  # check_fp8's second, FP8-wgrad run only
 
 
 def test_cublas_rows_refuses_a_without_spare_rows():

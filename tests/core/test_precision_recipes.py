@@ -50,13 +50,23 @@ def test_backend_resolution_and_errors(capsys):
     with pytest.raises(ConfigError, match="fp8_wgrad=false is an option of the native.*backend=emulated"):
         cfg(recipe="fp8_blockwise", fp8_wgrad=False).build("cpu")
     assert not low_precision_gemm("fp8_blockwise", "native", fp8_wgrad=False).fp8_wgrad
-    with pytest.raises(ConfigError, match="bf16_experts=cublas.*needs --precision.recipe=bf16.*fp8_experts=cublas"):
-        cfg(recipe="fp8_blockwise", bf16_experts="cublas").validate()
+    # the emulated backends' bf16 GEMMs take it (and then leave the compiled graph); the native ones refuse it
+    assert cfg(recipe="mxfp8", backend="emulated", bf16_experts="cublas").build("cpu", verbose=False).gemm.per_expert
+    assert not cfg(recipe="mxfp8", backend="emulated").build("cpu", verbose=False).gemm.per_expert
     with pytest.raises(ConfigError, match="'per_expert' is not one of 'grouped_mm', 'cublas'"):
         cfg(bf16_experts="per_expert")
     assert cfg(recipe="bf16", bf16_experts="cublas").build("cuda", verbose=False).gemm.per_expert
     assert not cfg(recipe="bf16").build("cuda", verbose=False).gemm.per_expert
     assert low_precision_gemm("fp8_blockwise", "native").fp8_wgrad
+
+
+def test_bf16_experts_cublas_refused_by_the_native_backends(monkeypatch):
+    import moetron.core.precision.config as config
+
+    monkeypatch.setattr(config, "_capability_major", lambda device_type: 9)  # as on a Hopper GPU
+    with pytest.raises(ConfigError, match="bf16_experts=cublas.*resolved precision.backend=native.*fp8_experts=cublas"):
+        cfg(recipe="fp8_blockwise", bf16_experts="cublas").build("cuda", verbose=False)
+    assert cfg(recipe="fp8_blockwise", fp8_experts="cublas").build("cuda", verbose=False).gemm.experts == "cublas"
 
 
 def tiny_moe():
