@@ -1,4 +1,4 @@
-"""The planner's fp8_blockwise memory terms (run/planner/model.py) against what the native code holds:
+"""The planner's fp8_blockwise memory terms (run/planner/memory.py) against what the native code holds:
 its weight cache, its saved wgrad operands and its grouped wgrad's output, counted on the CPU (the
 Triton kernels under TRITON_INTERPRET=1), and the moe-1t slice figures they give against the H200's."""
 

@@ -393,7 +393,7 @@ def test_fp8_wgrad_false_moves_a_third_of_the_flops_to_bf16_and_saves_inputs_in_
     gemm = lambda r: r["microbatch_parts_s"]["gemm"]  # noqa: E731
     assert gemm(bf16) - gemm(fp8) > expert_delta > 0  # + the dense modules' wgrad thirds
     quant = lambda r: r["microbatch_parts_s"]["recast_quant"]  # noqa: E731
-    from moetron.run.planner.model import _gemm_elements
+    from moetron.run.planner.timing import _gemm_elements
 
     elements = sum(v for i in range(4) for v in _gemm_elements(_olmoe3(), i).values()) * 16384
     assert quant(fp8) - quant(bf16) == pytest.approx(

@@ -1,0 +1,230 @@
+"""The planner's memory terms, per block and per rank [code, and the measured compiled breakdown]:
+the saved activations of a block (activation_terms, under the recompute policy
+block_activation_bytes), a rank's GEMM weights by precision module (stage_linear), what the loss
+holds (loss_memory), what a block's backward allocates beyond its gradients
+(block_backward_transient), and for one rank's slice the terms freed at its peak and the experts'
+gate|up wgrad transient. model.py adds them up to a rank's peak."""
+
+from __future__ import annotations
+
+__all__ = ['SLICE_FREED', 'SLICE_FREED_AT_GATE_UP', 'activation_terms', 'block_activation_bytes',
+           'block_backward_transient', 'gate_up_wgrad_transient', 'loss_memory', 'stage_linear']
+
+from moetron.core.memory import MemoryConfig, Recompute
+from moetron.core.precision.blockwise import FP8_BLOCK
+from moetron.core.precision.grouping import padded_rows
+from moetron.models import ModelConfig
+from .hardware import FP8_SAVED
+from .switches import Switches
+
+
+def activation_terms(cfg: ModelConfig, layer: int, sw: Switches = Switches(),
+                     bf16_params: bool = False) -> dict[str, tuple[str, float]]:
+    """Saved-for-backward bytes per token of one block, by term: {name: (module it belongs to for
+    selective recompute, bytes)}.
+
+    Eager, counted from the code: the residual stream is fp32; RMSNorm keeps its fp32 input and
+    normalized output; each linear keeps its input as its GEMM saves it (bf16, or fp8 + scales under a
+    low-precision recipe; q, k, v separately); rope multiplies by constant tables (nothing per token);
+    SDPA keeps q, k, v, out; the MoE layer keeps x_TD, the T*K dispatched rows x_RD, the gate|up
+    output h and the expert outputs y_RD (the combine's weight gradient); the bf16 experts' fused
+    SwiGLU-down op recomputes the product (core/precision/bf16_grouped.py), a low-precision backend
+    composes it (silu(gate) and the product, fp8, kept); a dense SwiGLU keeps gate, up, silu, product.
+
+    Compiled, from the measured OLMoE-8L breakdown (tools/bench_memory.py, 143 KiB/token/block once
+    the expert weight copies and the product were gone), generalized by shape: [T, *] bf16 x5 (the
+    qkv input, q and k before their norms, the o-proj input, one more [T, D]), q, k, v, out for SDPA,
+    x_RD, h, y_RD, one fp32 [T, D] for the norms and 0.5 D + 4 E bytes of router state; a dense
+    SwiGLU (not measured) keeps its input, gate|up and the product.
+
+    ``bf16_params`` (tools/bench_slice.py's blocks: bf16 weights and a bf16 stream, no autocast
+    casts): eager, q, k and v save the one bf16 norm output (autocast casts an fp32 input once per
+    linear); the rest is the same count.
+    """
+    D = cfg.d_model
+    att = cfg.attention
+    A = att.n_heads * att.head_width(D)
+    G = att.kv_heads() * att.head_width(D)
+    g_att, g_mlp, g_exp = sw.saved_input("attention"), sw.saved_input("mlp"), sw.saved_input("experts")
+    terms: dict[str, tuple[str, float]] = {}
+    moe = cfg.moe if cfg.is_moe_layer(layer) else None
+    if not sw.compiled:
+        terms["attn_norm"] = ("norm", 8.0 * D)
+        terms["qkv_inputs"] = ("attention", (1 if bf16_params and not sw.low("attention") else 3) * g_att * D)
+        if att.qk_norm:
+            terms["qk_norm"] = ("norm", 8.0 * (A + G))
+        terms["sdpa_qkv_out"] = ("attention", 2.0 * (A + 2 * G) + 2.0 * A)
+        terms["o_proj_input"] = ("attention", g_att * A)
+        terms["mlp_norm"] = ("norm", 8.0 * D)
+        if moe is not None:
+            K, F, E = moe.router.top_k, moe.expert_hidden, moe.num_experts
+            terms["router"] = ("router", 4.0 * D + 4.0 * E)  # fp32 input + softmax probs
+            terms["dispatch_rows"] = ("experts", 2.0 * D + g_exp * K * D)  # x_TD bf16 + x_RD (T*K rows)
+            terms["expert_hidden"] = ("experts", K * 4.0 * F)  # gate|up output of the grouped GEMM
+            if sw.low("experts"):  # composed SwiGLU: silu(gate) and the product (w_down's input)
+                terms["expert_swiglu"] = ("swiglu", K * (2.0 * F + g_exp * F))
+            if not moe.weights_before_down:  # the weights applied before the down projection: no y_RD kept
+                terms["expert_out"] = ("experts", 2.0 * K * D)  # y_RD for the combine's weight gradient
+            if moe.shared_width():
+                S = moe.shared_width()
+                terms["shared_mlp"] = ("mlp", 4.0 * S + g_mlp * D)
+                terms["shared_swiglu"] = ("swiglu", 2.0 * S + g_mlp * S)
+        else:
+            H = cfg.mlp_hidden
+            terms["mlp"] = ("mlp", 2 * g_mlp * D + 4.0 * H)
+            terms["mlp_swiglu"] = ("swiglu", 2.0 * H + g_mlp * H)
+        return terms
+    terms["norms"] = ("norm", 4.0 * D)
+    terms["qkv_input"] = ("attention", g_att * D)
+    if att.qk_norm:
+        terms["qk_norm"] = ("norm", 2.0 * (A + G))
+    terms["attn_other"] = ("attention", 2.0 * D)
+    terms["sdpa_qkv_out"] = ("attention", 2.0 * (2 * A + 2 * G))
+    terms["o_proj_input"] = ("attention", g_att * A)
+    if moe is not None:
+        K, F, E = moe.router.top_k, moe.expert_hidden, moe.num_experts
+        terms["router"] = ("router", 0.5 * D + 4.0 * E)
+        terms["dispatch_rows"] = ("experts", g_exp * K * D)
+        terms["expert_hidden"] = ("experts", K * 4.0 * F)
+        if sw.low("experts"):
+            terms["expert_swiglu"] = ("swiglu", K * g_exp * F)
+        if not moe.weights_before_down:
+            terms["expert_out"] = ("experts", 2.0 * K * D)
+        if moe.shared_width():
+            S = moe.shared_width()
+            terms["shared_mlp"] = ("mlp", g_mlp * D + 4.0 * S)
+            terms["shared_swiglu"] = ("swiglu", g_mlp * S)
+    else:
+        H = cfg.mlp_hidden
+        terms["mlp"] = ("mlp", g_mlp * D + 4.0 * H)
+        terms["mlp_swiglu"] = ("swiglu", g_mlp * H)
+    return terms
+
+
+def block_activation_bytes(cfg: ModelConfig, layer: int, memory: MemoryConfig, sw: Switches = Switches(),
+                           bf16_params: bool = False) -> float:
+    """Saved bytes per token of block ``layer`` under the recompute policy: the block input (fp32
+    residual; bf16 under ``bf16_params``) alone for a fully recomputed block; the named modules'
+    terms dropped for selective."""
+    if memory.recompute == Recompute.full and layer % memory.recompute_every == 0:
+        return (2.0 if bf16_params else 4.0) * cfg.d_model
+    terms = activation_terms(cfg, layer, sw, bf16_params)
+    if memory.recompute == Recompute.selective:
+        dropped = set(memory.recompute_modules)
+        return sum(b for mod, b in terms.values() if mod not in dropped)
+    return sum(b for _, b in terms.values())
+
+
+def stage_linear(cfg: ModelConfig, layers: list[int], ep: int) -> dict[str, float]:
+    """One rank's GEMM weights of blocks ``layers`` by precision module (_linear_params), the
+    routed experts' being its E/ep local ones."""
+    linear = {k: float(sum(_linear_params(cfg, i)[k] for i in layers)) for k in ("attention", "mlp", "experts")}
+    linear["experts"] /= ep
+    return linear
+
+
+def _linear_params(cfg: ModelConfig, layer: int) -> dict[str, int]:
+    """A block's GEMM weights by precision module: attention (q, k, v, o), mlp (dense or shared
+    SwiGLU), experts (routed)."""
+    D = cfg.d_model
+    att = cfg.attention
+    A, G = att.n_heads * att.head_width(D), att.kv_heads() * att.head_width(D)
+    out = {"attention": D * (2 * A + 2 * G), "mlp": 0, "experts": 0}
+    if cfg.is_moe_layer(layer):
+        moe = cfg.moe
+        out["experts"] = moe.num_experts * 3 * D * moe.expert_hidden
+        out["mlp"] = 3 * D * moe.shared_width()
+    else:
+        out["mlp"] = 3 * D * cfg.mlp_hidden
+    return out
+
+
+def loss_memory(cfg: ModelConfig, sw: Switches, tokens: int) -> dict[str, float]:
+    """Bytes the LM head's loss holds for a micro-batch of ``tokens`` [code]:
+    ``saved`` (kept from its forward until its backward), ``peak`` (all it holds at its own peak,
+    saved included) and ``where`` that peak is.
+
+    fused (core/layers/loss.py): grad_h [T, D] (h's dtype: the fp32 residual) and the fp32 grad_W
+    [V, D] are kept; its forward's last chunk also holds the bf16 weight and hidden casts and one
+    chunk's logits (bf16, then fp32 turned into dlogits in place, then bf16: 6 B x C x V at once);
+    its backward holds both kept gradients and their scaled copies. plain: the fp32 log-softmax
+    [T, V] and the head's bf16 input are kept; inside its backward the nll gradient, the log-softmax
+    gradient (fp32) and the bf16 logits' gradient join them: 10 B per logit, which is what the
+    OLMoE-8L measurement holds at its peak (15.37 GiB at 16384 x 100352) [measured]."""
+    T, D, V = tokens, cfg.d_model, cfg.vocab_size
+    norm = 4.0 * T * D  # the final RMSNorm's fp32 input
+    if sw.fused_loss:
+        saved = norm + 4.0 * T * D + 4.0 * V * D
+        C = min(sw.loss_chunk_tokens, T)
+        in_forward = saved + 2.0 * V * D + 2.0 * T * D + 6.0 * C * V
+        in_backward = saved + 4.0 * T * D + 4.0 * V * D
+        where = "loss forward (last chunk)" if in_forward >= in_backward else "loss backward"
+        return {"saved": saved, "peak": max(in_forward, in_backward), "where": where}
+    saved = norm + 2.0 * T * D + 4.0 * T * V
+    return {"saved": saved, "peak": saved + 10.0 * T * V, "where": "loss backward (plain: [T, V] gradients)"}
+
+
+def block_backward_transient(cfg: ModelConfig, layer: int, sw: Switches, tokens: int, ep: int) -> float:
+    """Bytes a block's backward allocates beyond its gradients while its activations are still
+    held [code]: the gradient rows of the largest SwiGLU GEMM (grad [R, D], silu / product / their
+    grads [R, F] x4, the [R, 2F] cat) and, for the bf16 experts, the gate|up weight recast to bf16."""
+    if cfg.is_moe_layer(layer):
+        moe = cfg.moe
+        fresh = not (sw.low("experts") or sw.expert_weight_copies)  # a copy made now, not one held
+        recast = 2.0 * (moe.num_experts / ep) * 2 * moe.expert_hidden * cfg.d_model if fresh else 0.0
+        rows = _swiglu_backward_rows(cfg, layer, tokens)
+        if sw.triton_swiglu and not sw.low("experts"):  # [code] no separate silu / grad_gate rows
+            rows -= 2.0 * 2 * tokens * moe.router.top_k * moe.expert_hidden
+        return rows + recast
+    return _swiglu_backward_rows(cfg, layer, tokens)
+
+
+def _swiglu_backward_rows(cfg: ModelConfig, layer: int, tokens: int) -> float:
+    """The row tensors of a SwiGLU down projection's backward (bf16): the incoming grad [R, D] and
+    silu, grad_act, grad_gate, grad_act * silu [R, F] and their [R, 2F] cat (R = T*K expert rows)."""
+    if cfg.is_moe_layer(layer):
+        R, F = tokens * cfg.moe.router.top_k, cfg.moe.expert_hidden
+    else:
+        R, F = tokens, cfg.mlp_hidden
+    return 2.0 * R * (cfg.d_model + 6 * F)
+
+
+def _expert_params(cfg: ModelConfig, layer: int) -> int:
+    """The routed experts' parameters of block ``layer`` (all E of them; 0 for a dense block)."""
+    if not cfg.is_moe_layer(layer):
+        return 0
+    return cfg.moe.num_params(cfg.d_model) - cfg.moe.num_experts * cfg.d_model - 3 * cfg.d_model * cfg.moe.shared_width()
+
+
+# ---- one rank's slice (tools/bench_slice.py) ------------------------------------------------------
+
+SLICE_FREED = ("shared_mlp", "shared_swiglu", "expert_out")
+"""The top block's terms already freed when its experts' backward runs: the shared expert and the
+combine (which keeps y_RD) ran after the experts in forward, so their backward nodes ran first."""
+
+
+SLICE_FREED_AT_GATE_UP = SLICE_FREED + ("expert_hidden", "expert_swiglu")
+"""The top block's terms freed when its experts' gate|up wgrad runs: SLICE_FREED, h (the SwiGLU
+backward's input) and the product (the down projection's saved input)."""
+
+
+def gate_up_wgrad_transient(cfg: ModelConfig, layer: int, sw: Switches, tokens: int, local: int) -> dict[str, float]:
+    """What the experts' gate|up backward of block ``layer`` holds beyond the saved activations as
+    its wgrad finishes, bf16 weights (tools/bench_slice.py), by term [code, fp8_blockwise native:
+    _Fp8GroupedMM.backward]: the incoming gradient dh [R, 2F] quantized along the tokens (the wgrad
+    operand, FP8_SAVED), the dgrad's output dx [R, D] bf16 (computed first), the wgrad's output
+    (sw.expert_wgrad per element of the ``local`` experts' [2F, D]); compiled, the gradients the
+    block's backward made before (the down projection's and the shared expert's: a compiled backward
+    returns all its gradients at its end; the weights quantized again for the dgrad are freed after
+    it); eager, dh itself and its 1x128 rows instead (the backward's arguments and locals, alive to
+    its return; the weights come from the cache). R = T*K rows; the token operand has P =
+    padded_rows(R, local, 128) (the static bound of each expert's rows padded to 128s)."""
+    moe = cfg.moe
+    R, D, F, S = tokens * moe.router.top_k, cfg.d_model, moe.expert_hidden, moe.shared_width()
+    P = padded_rows(R, local, FP8_BLOCK)
+    out = {"dh_tokens": FP8_SAVED * P * 2 * F, "dx": 2.0 * R * D, "wgrad": sw.expert_wgrad() * local * 2 * F * D}
+    if sw.compiled:
+        out["block_grads"] = 2.0 * (local * D * F + 3 * D * S)
+    else:
+        out["dh_and_rows"] = (2.0 + FP8_SAVED) * R * 2 * F
+    return out

@@ -1,0 +1,135 @@
+"""The planner's switches: what of a run's configs the model counts (the recipe and its backend, the
+fused loss, the expert GEMMs' kernels, the optimizer's state and kernel, offload), as Switches, and
+switches(), which resolves them from the configs for a GPU as pretrain would."""
+
+from __future__ import annotations
+
+__all__ = ['Switches', 'switches']
+
+import dataclasses
+
+from moetron.core.config import ConfigError
+from moetron.core.layers.loss import default_chunk_tokens
+from moetron.core.optim import OptimizerConfig
+from moetron.core.precision import PrecisionConfig, PrecisionRecipe
+from moetron.models import ModelConfig
+from moetron.parallel.config import ParallelConfig
+from .hardware import GPU, FP8_SAVED, FP8_WEIGHT_CACHED, FP8_WGRAD_BYTES, LOW_PRECISION
+
+
+@dataclasses.dataclass(frozen=True)
+class Switches:
+    """A step's switches as the planner models them, resolved from the run's configs (see switches())."""
+
+    compiled: bool = True
+    fused_loss: bool = True
+    """model.fused_loss: the chunked LM-head loss (core/layers/loss.py), else full logits."""
+    loss_chunk_tokens: int = 2560
+    recipe: str = "bf16"
+    """bf16, mxfp8 or fp8_blockwise (precision.recipe resolved for a GPU)."""
+    backend: str = "native"
+    """native or emulated (precision.backend resolved for the GPU; bf16 is native)."""
+    low_modules: frozenset = frozenset()
+    """Modules whose GEMMs run the low-precision recipe (precision.modules): experts, attention, mlp."""
+    state_dtype: str = "fp32"
+    expert_weight_copies: bool = False
+    """precision.expert_weight_copies: the bf16 experts keep one bf16 copy of each weight through
+    the step (held memory, no recast in backward)."""
+    triton_swiglu: bool = True
+    """precision.triton_swiglu: the bf16 experts' SwiGLU backward in one Triton pass (silu(gate) and
+    the product's gradient made in it: two [R, F] row tensors fewer at the backward's peak)."""
+    expert_grads_bf16: bool = False
+    """precision.expert_grads_bf16: the experts' gradients held in bf16 on the optimizer's copies
+    (2 B per local expert parameter instead of 4; no bf16 -> fp32 cast of the grouped GEMMs' weight
+    gradients, read 2 + written 4 B per element; the optimizer reads 2 B less for each)."""
+    quantize_weights_once: bool = False
+    """precision.quantize_weights_once: compiled, the experts' low-precision GEMMs run outside the
+    graph and their weights are quantized once per step (the WeightCache, held through the step)."""
+    bf16_experts: str = "grouped_mm"
+    """precision.bf16_experts (the bf16 recipe and the emulated backends' bf16 GEMMs): torch's grouped
+    kernel, or one cuBLAS GEMM per local expert (cublas: EFF_CUBLAS_EXPERT or the CPU's per-call
+    cost, BF16_CUBLAS_CALL_S, whichever is longer)."""
+    fp8_experts: str = "triton"
+    """precision.fp8_experts (native fp8_blockwise): the experts' GEMMs in the Triton kernels, or one
+    cuBLAS GEMM per local expert (cublas: the GPU's rate or the CPU's per-call cost, whichever is longer)."""
+    fp8_wgrad: bool = True
+    """precision.fp8_wgrad (native fp8_blockwise): the weight-gradient GEMMs in FP8; false: in bf16 at
+    the bf16 rates (a third of each low-precision GEMM's FLOPs), the input saved in bf16 and only its
+    rows quantized (QUANT_ROWS_BYTES)."""
+    optimizer_kernel: str = "triton"
+    """The optimizer step's kernel on GPUs: triton (optimizer.impl auto or triton) or torch (impl=torch)."""
+    offload: bool = False
+
+    def low(self, module: str) -> bool:
+        return self.recipe != "bf16" and module in self.low_modules
+
+    def saved_input(self, module: str) -> float:
+        """Bytes per element of a GEMM input saved for the wgrad: fp8 + scales or bf16."""
+        return FP8_SAVED if self.low(module) and not self.bf16_wgrad(module) else 2.0
+
+    def bf16_wgrad(self, module: str) -> bool:
+        """The module's low-precision GEMMs run their wgrad in bf16 (precision.fp8_wgrad=false)."""
+        return self.low(module) and self.recipe == "fp8_blockwise" and self.backend == "native" and not self.fp8_wgrad
+
+    def weight_cache(self, module: str) -> float:
+        """Bytes per weight element the low-precision weight cache holds through a step where it
+        serves the module (caches_weights; core.precision.cache: bf16 dequantized copies along I and
+        O for emulated mxfp8, one for emulated blockwise; fp8 w and w^T native); 0 where a traced
+        graph quantizes instead."""
+        if not self.caches_weights(module):
+            return 0.0
+        if self.backend == "emulated":
+            return 4.0 if self.recipe == "mxfp8" else 2.0
+        return FP8_WEIGHT_CACHED if self.recipe == "fp8_blockwise" else 2.0
+
+    def cache_bytes(self, linear: dict[str, float]) -> float:
+        """What the weight cache holds through the step for a rank's GEMM weights ``linear`` by
+        module (stage_linear)."""
+        return sum(self.weight_cache(k) * n for k, n in linear.items())
+
+    def caches_weights(self, module: str) -> bool:
+        """The module's low-precision weights come from the WeightCache, once per step: eager runs,
+        and the experts of a compiled run with quantize_weights_once."""
+        return self.low(module) and (not self.compiled or (module == "experts" and self.quantize_weights_once))
+
+    @property
+    def fp8_blockwise_experts(self) -> bool:
+        """The routed experts run fp8_blockwise's native grouped GEMMs (core/precision/fp8_gemm.py)."""
+        return self.low("experts") and self.recipe == "fp8_blockwise" and self.backend == "native"
+
+    def expert_wgrad(self) -> float:
+        """Bytes per expert weight element the grouped wgrad holds as it finishes, bf16 weights:
+        native fp8_blockwise's fp32 kernel output and its bf16 cast (FP8_WGRAD_BYTES), else the
+        bf16 gradient the GEMM writes."""
+        return FP8_WGRAD_BYTES if self.fp8_blockwise_experts else 2.0
+
+
+def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig, optimizer: OptimizerConfig,
+             gpu: GPU, compiled: bool) -> Switches:
+    """The Switches of a run on ``gpu`` (ConfigError where pretrain would refuse: a native recipe the
+    GPU lacks, bf16 state with fused AdamW, ...)."""
+    precision.validate()
+    optimizer.validate()
+    recipe = precision.resolved_recipe("cuda")
+    if recipe == PrecisionRecipe.fp32:
+        raise ConfigError("the planner models bf16 compute and its low-precision recipes: precision.recipe=fp32 "
+                          "is for CPU tests; use bf16, mxfp8 or fp8_blockwise")
+    backend = precision.resolved_backend("cuda", capability_major=gpu.sm)
+    if precision.expert_grads_bf16 and (parallel.dp_shard > 1 or parallel.ep > 1 or parallel.pp > 1):
+        raise ConfigError("precision.expert_grads_bf16 (with expert_weight_copies=optimizer) is for one unsharded "
+                          "GPU: no FSDP2, expert or pipeline parallelism; drop it for this layout")
+    return Switches(compiled=compiled, fused_loss=model.fused_loss,
+                    loss_chunk_tokens=model.loss_chunk_tokens or default_chunk_tokens(model.vocab_size),
+                    recipe=str(recipe), backend=str(backend) if recipe in LOW_PRECISION else "native",
+                    low_modules=frozenset(str(m) for m in precision.modules) if recipe in LOW_PRECISION else frozenset(),
+                    state_dtype=str(optimizer.state_dtype),
+                    expert_weight_copies=str(precision.expert_weight_copies) != "none" and recipe == PrecisionRecipe.bf16,
+                    expert_grads_bf16=bool(precision.expert_grads_bf16) and recipe == PrecisionRecipe.bf16,
+                    # the fused backward serves the unscaled SwiGLU only (weights_before_down scales it)
+                    triton_swiglu=bool(precision.triton_swiglu) and recipe == PrecisionRecipe.bf16
+                    and not (model.moe is not None and model.moe.weights_before_down),
+                    bf16_experts=str(precision.bf16_experts),
+                    fp8_experts=str(precision.fp8_experts), fp8_wgrad=bool(precision.fp8_wgrad),
+                    quantize_weights_once=bool(precision.quantize_weights_once) and recipe in LOW_PRECISION,
+                    optimizer_kernel="torch" if str(optimizer.impl) == "torch" or optimizer.fused is not None else "triton",
+                    offload=parallel.fsdp_offload)

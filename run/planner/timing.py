@@ -1,0 +1,155 @@
+"""The planner's step-time model: the GEMM rates (gemm_rate), a collective's bandwidth over a mesh
+group, and the seconds of one micro-batch forward + backward through a stage's blocks and their
+parts (stage_time: GEMMs, attention, elementwise HBM traffic from reference_activation_bytes, the
+experts' recast and the quantization passes, the EP all-to-all). model.py adds the step's other
+terms (optimizer, offload copies, FSDP and DP communication, pipeline sends and bubble)."""
+
+from __future__ import annotations
+
+__all__ = ['gemm_rate', 'reference_activation_bytes', 'stage_time']
+
+from moetron.core.memory import MemoryConfig, Recompute
+from moetron.models import ModelConfig
+from .hardware import (
+    GPU, GPUS_PER_NODE, EFF_GEMM, EFF_EXPERT, EFF_FP8_GEMM, EFF_FP8_EXPERT, EFF_FP8_CUBLAS_EXPERT,
+    CUBLAS_CALL_S, EFF_CUBLAS_EXPERT, BF16_CUBLAS_CALL_S, EFF_MX_EXPERT, EFF_ATTN, EFF_COMM, HBM_TRAFFIC,
+    RECOMPUTE_FORWARD, QUANT_BYTES, WEIGHT_QUANT_BYTES, QUANT_ROWS_BYTES,
+)
+from .memory import _expert_params, _linear_params
+from .switches import Switches
+
+
+def reference_activation_bytes(cfg: ModelConfig, layer: int) -> float:
+    """Saved bytes per token of a block as the eager count stood when HBM_TRAFFIC was fitted (bf16,
+    the SwiGLU product and silu kept, rope counted): the basis of the elementwise-traffic estimate,
+    which measures work done, not what is kept."""
+    D = cfg.d_model
+    att = cfg.attention
+    A, G = att.n_heads * att.head_width(D), att.kv_heads() * att.head_width(D)
+    total = 8.0 * D + 6.0 * D + (8.0 * (A + G) if att.qk_norm else 0.0) + 4.0 * (A + G) + 2.0 * (A + 2 * G) + 4.0 * A
+    total += 8.0 * D
+    if cfg.is_moe_layer(layer):
+        moe = cfg.moe
+        K, F, E = moe.router.top_k, moe.expert_hidden, moe.num_experts
+        total += 4.0 * D + 4.0 * E + 2.0 * D + 2.0 * K * D + 4.0 * K * F + 4.0 * K * F + 2.0 * K * D
+        S = moe.shared_width()
+        if S:
+            total += 4.0 * S + 2.0 * D + 4.0 * S
+    else:
+        H = cfg.mlp_hidden
+        total += 4.0 * D + 4.0 * H + 4.0 * H
+    return total
+
+
+def _gemm_elements(cfg: ModelConfig, layer: int) -> dict[str, float]:
+    """Per token, by precision module: elements of every GEMM's input plus output (the quantized operands)."""
+    D = cfg.d_model
+    att = cfg.attention
+    A, G = att.n_heads * att.head_width(D), att.kv_heads() * att.head_width(D)
+    out = {"attention": 3 * D + A + 2 * G + A + D, "mlp": 0.0, "experts": 0.0}
+    if cfg.is_moe_layer(layer):
+        moe = cfg.moe
+        K, F, S = moe.router.top_k, moe.expert_hidden, moe.shared_width()
+        out["experts"] = K * (D + 2 * F + F + D)
+        out["mlp"] = (2 * D + 2 * S + S + D) if S else 0.0
+    else:
+        H = cfg.mlp_hidden
+        out["mlp"] = 2 * D + 2 * H + H + D
+    return out
+
+
+def _group_bw(gpu: GPU, size: int, stride: int) -> float:
+    """Bytes/s of a collective over a mesh group of ``size`` ranks ``stride`` apart (ranks fill
+    nodes of 8 in mesh order: ep innermost, then efsdp, dp_replicate, pp outermost)."""
+    inside = size * stride <= GPUS_PER_NODE
+    return (gpu.nvlink_gbps if inside else gpu.internode_gbps) * 1e9 * EFF_COMM
+
+
+def gemm_rate(gpu: GPU, sw: Switches, module: str, grouped: bool) -> float:
+    """FLOP/s of a module's GEMMs: fp8 peak x fp8 efficiency for a native low-precision recipe,
+    else the bf16 rate (emulated backends run bf16 GEMMs)."""
+    if sw.recipe != "bf16" and sw.backend == "native" and sw.low(module):
+        grouped_eff = EFF_MX_EXPERT if sw.recipe == "mxfp8" else EFF_FP8_EXPERT
+        return gpu.fp8_tflops * 1e12 * (grouped_eff if grouped else EFF_FP8_GEMM)
+    return gpu.bf16_tflops * 1e12 * (EFF_EXPERT if grouped else EFF_GEMM)
+
+
+def stage_time(cfg: ModelConfig, layers: list[int], *, sw: Switches, memory: MemoryConfig, gpu: GPU, seq_len: int,
+               tokens: int, ep: int, compiled: bool, microbatches: int = 1, last: bool = False,
+               all_to_all: bool = True, fp32_master: bool = True) -> tuple[float, dict]:
+    """Seconds for one micro-batch of ``tokens`` forward + backward through blocks ``layers`` (with
+    E/ep local experts fed T*K rows), and its parts. ``last``: the stage holds the LM head and loss.
+    ``all_to_all``: the EP dispatch / combine is run (exposed); ``fp32_master``: the bf16 experts recast
+    fp32 master weights in backward (False where the weights are bf16 already, as tools/bench_slice.py
+    holds them). ``microbatches`` spreads an eager run's weight-cache quantization over the step."""
+    mem, T_mb, m = memory, tokens, microbatches
+    bf16_flops = gpu.bf16_tflops * 1e12
+    width = cfg.attention.n_heads * cfg.attention.head_width(cfg.d_model)
+    modules = ("attention", "mlp", "experts")
+    attn_f = sum(12.0 * width * min(seq_len, cfg.window_of(i) or seq_len) for i in layers)
+    block_f = sum(cfg.block_flops_per_token(i, seq_len) for i in layers)  # one path for FLOPs
+    by_module = {k: 6.0 * sum(_linear_params(cfg, i)[k] for i in layers) for k in modules}
+    by_module["experts"] = sum(6.0 * cfg.moe.router.top_k * 3 * cfg.d_model * cfg.moe.expert_hidden
+                               for i in layers if cfg.is_moe_layer(i))
+    other_f = block_f - attn_f - sum(by_module.values())  # router and anything else: bf16
+    if last:
+        other_f += cfg.flops_per_token(seq_len) - sum(cfg.block_flops_per_token(i, seq_len) for i in range(cfg.n_layers))
+    recomputed = [i for i in layers if mem.recompute == Recompute.full and i % mem.recompute_every == 0]
+    share = len(recomputed) / max(1, len(layers))
+    extra = 1 + share * RECOMPUTE_FORWARD["compiled" if compiled else "eager"]
+
+    def module_time(k: str, grouped: bool, rate: float) -> float:
+        """A module's GEMMs at ``rate``, their wgrad third at the bf16 rate under fp8_wgrad=false."""
+        flops = T_mb * extra * by_module[k]
+        if not sw.bf16_wgrad(k):
+            return flops / rate
+        return flops * 2 / 3 / rate + flops / 3 / (bf16_flops * (EFF_EXPERT if grouped else EFF_GEMM))
+
+    passes = 4 if sw.bf16_wgrad("experts") else 6  # the cuBLAS loop's passes per layer (gate|up, down)
+    t_experts = module_time("experts", True, gemm_rate(gpu, sw, "experts", True))
+    if sw.fp8_blockwise_experts and sw.fp8_experts == "cublas":
+        # [measured] one cuBLAS call per local expert for each of a layer's fp8 GEMM passes (gate|up and
+        # down: forward, dgrad, wgrad), each ~55 us of CPU: the GPU waits where those add up to more
+        calls = sum(passes * cfg.moe.num_experts // ep for i in layers if cfg.is_moe_layer(i)) * extra
+        t_experts = max(module_time("experts", True, gpu.fp8_tflops * 1e12 * EFF_FP8_CUBLAS_EXPERT),
+                        calls * CUBLAS_CALL_S)
+    elif sw.bf16_experts == "cublas" and not (sw.low("experts") and sw.backend == "native"):
+        # [assumed] one torch.mm per local expert for each of the 6 bf16 GEMM passes of a layer
+        calls = sum(6 * cfg.moe.num_experts // ep for i in layers if cfg.is_moe_layer(i)) * extra
+        t_experts = max(module_time("experts", True, bf16_flops * EFF_CUBLAS_EXPERT), calls * BF16_CUBLAS_CALL_S)
+    t_gemm = T_mb * extra * other_f / (bf16_flops * EFF_GEMM) + t_experts + sum(
+        module_time(k, False, gemm_rate(gpu, sw, k, False)) for k in ("attention", "mlp"))
+    t_attn = T_mb * attn_f / (bf16_flops * EFF_ATTN) * extra
+    ref_bytes = sum(reference_activation_bytes(cfg, i) for i in layers)
+    traffic = HBM_TRAFFIC["compiled" if compiled else "eager"] * ref_bytes * T_mb * extra
+    # [code] the bf16 experts recast their fp32 weights in backward (read 4 + write 2 B per
+    # element) and recompute the SwiGLU product (read gate|up, write silu and product: ~10 B x F per row).
+    recast = 0.0
+    if cfg.moe is not None and not sw.low("experts"):
+        for i in layers:
+            if cfg.is_moe_layer(i):
+                recast += (6.0 * _expert_params(cfg, i) / ep if fp32_master and not sw.expert_weight_copies else 0.0) + \
+                    10.0 * cfg.moe.expert_hidden * cfg.moe.router.top_k * T_mb
+    # [code bytes, assumed rates] quantization passes over every low-precision GEMM's operands.
+    quant = 0.0
+    if sw.recipe != "bf16":
+        qb, wb = QUANT_BYTES[sw.backend], WEIGHT_QUANT_BYTES[sw.backend]
+        for i in layers:
+            el, wl = _gemm_elements(cfg, i), _linear_params(cfg, i)
+            for k in modules:
+                if sw.low(k):
+                    quant += (QUANT_ROWS_BYTES if sw.bf16_wgrad(k) else qb) * el[k] * T_mb * extra
+                    weights = wl[k] / (ep if k == "experts" else 1)
+                    # the cache: once per step; a traced graph: forward and backward of every micro-batch
+                    quant += wb * weights * (1 / m if sw.caches_weights(k) else 2 * extra)
+    t_hbm = traffic / (gpu.hbm_tbps * 1e12)
+    t_extra = (recast + quant) / (gpu.hbm_tbps * 1e12)
+    t_a2a = 0.0
+    if all_to_all and cfg.moe is not None and ep > 1:
+        K = cfg.moe.router.top_k
+        rows_out = T_mb * (ep - 1) if K >= ep else T_mb * K * (ep - 1) / ep  # all_gather vs synced
+        n_moe = sum(1 for i in layers if cfg.is_moe_layer(i))
+        passes = 4 + (2 * share if share else 0)  # dispatch + combine, fwd and bwd (+ recompute)
+        t_a2a = n_moe * passes * rows_out * cfg.d_model * 2.0 / _group_bw(gpu, ep, 1)
+    return t_gemm + t_attn + t_hbm + t_extra + t_a2a, {"gemm": t_gemm, "attention": t_attn, "hbm": t_hbm,
+                                                     "recast_quant": t_extra, "ep_a2a": t_a2a}
