@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .cache import WeightCache
-from .grouping import grouped_mm_2d2d, grouped_mm_2d3d
+from .grouping import grouped_mm_2d2d, grouped_mm_2d3d, host_ends
 
 __all__ = ["grouped_grads", "grouped_mm", "grouped_swiglu_down", "scale_rows"]
 
@@ -73,14 +73,17 @@ def _gmm(x_RI: Tensor, w_EOI: Tensor, offsets_E: Tensor, per_expert: bool = Fals
     return torch._grouped_mm(x_RI, w_EOI.transpose(-2, -1), offs=offsets_E)
 
 
-def grouped_grads(grad_RO: Tensor, x_RI: Tensor, w_EOI: Tensor, offsets_E: Tensor, dtype: torch.dtype,
+def grouped_grads(grad_RO: Tensor, x_RI: Tensor, w_EOI: Tensor, offsets_E: Tensor | list[int], dtype: torch.dtype,
                   need_x: bool, need_w: bool, cache_id: int = NO_CACHE,
                   per_expert: bool = False) -> tuple[Tensor | None, Tensor | None]:
     """dgrad [R, I] = grad @ w[e] per group; wgrad [E, O, I] = grad^T @ x per group (in w's dtype), the
     GEMMs in ``dtype`` (offsets_E int32, inclusive cumsum); ``per_expert``: one cuBLAS GEMM per group
     (grouping.grouped_mm_2d3d / 2d2d) instead of torch._grouped_mm, its wgrad written in w's dtype
-    straight from the fp32 sums (no bf16 rounding and cast pass for fp32 master weights)."""
+    straight from the fp32 sums (no bf16 rounding and cast pass for fp32 master weights); the group
+    sizes read to the host once for both (or passed in as a host list: grouping.host_ends)."""
     grad_RO = grad_RO.to(dtype)
+    if per_expert:
+        offsets_E = host_ends(offsets_E)
     grad_x = grad_w = None
     if need_x:
         w = _weight(w_EOI, dtype, cache_id)
@@ -194,6 +197,8 @@ def _swiglu_down_backward_op(grad: Tensor, h: Tensor, w: Tensor, offsets: Tensor
                              cache_id: int, triton_swiglu: bool, per_expert: bool) -> tuple[Tensor, Tensor, Tensor]:
     dt = _DTYPES[dtype]
     no_scale = h.new_empty(0, dtype=torch.float32)
+    if per_expert:  # one host sync for the dgrad and the wgrad
+        offsets = host_ends(offsets)
     grad_act, _ = grouped_grads(grad, None, w, offsets, dt, True, False, cache_id, per_expert)  # dgrad [R, F] (of the scaled product)
     if scale is None and _triton_swiglu(h, triton_swiglu):
         from .swiglu_triton import swiglu_backward

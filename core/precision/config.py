@@ -209,6 +209,7 @@ class PrecisionConfig(Config):
         self.validate()
         device_type = torch.device(device).type
         recipe = self.resolved_recipe(device_type)
+        per_expert = Bf16Experts(self.bf16_experts) == Bf16Experts.cublas
         if recipe == PrecisionRecipe.fp32:
             return PrecisionPolicy(device_type, None, gemm_backend("torch"))
         if recipe == PrecisionRecipe.bf16:
@@ -216,7 +217,7 @@ class PrecisionConfig(Config):
 
             gemm = TorchGemm(weight_copies=self.expert_weight_copies, triton_swiglu=self.triton_swiglu,
                              grads_on_copies=self.expert_grads_bf16,
-                             per_expert=Bf16Experts(self.bf16_experts) == Bf16Experts.cublas)
+                             per_expert=per_expert)
             return PrecisionPolicy(device_type, torch.bfloat16, gemm)
         backend = self.resolved_backend(device_type, verbose=verbose)
         if recipe == PrecisionRecipe.mxfp8 and backend == PrecisionBackend.native and GemmModule.experts in self.modules:
@@ -229,7 +230,6 @@ class PrecisionConfig(Config):
         if not self.fp8_wgrad and backend != PrecisionBackend.native:
             raise ConfigError("precision.fp8_wgrad=false is an option of the native fp8_blockwise GEMMs (an SM90+ GPU), "
                               f"and this run resolved precision.backend={backend}: drop fp8_wgrad, or run on a Hopper GPU")
-        per_expert = Bf16Experts(self.bf16_experts) == Bf16Experts.cublas
         if per_expert and backend == PrecisionBackend.native:
             raise ConfigError(f"precision.bf16_experts=cublas runs bf16 expert GEMMs one cuBLAS GEMM per expert (the bf16 "
                               f"recipe, and the emulated backends' dequantized operands), and this run's {recipe} "

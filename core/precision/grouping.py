@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["gather_rows", "grouped_mm_2d2d", "grouped_mm_2d3d", "host_sizes", "pad_groups", "padded_rows", "padded_source_rows"]
+__all__ = ["gather_rows", "grouped_mm_2d2d", "grouped_mm_2d3d", "host_ends", "host_sizes", "pad_groups", "padded_rows", "padded_source_rows"]
 
 
 def padded_rows(rows: int, groups: int, multiple: int) -> int:
@@ -56,20 +56,30 @@ def gather_rows(x_RC: torch.Tensor, src_P: torch.Tensor) -> torch.Tensor:
     return torch.where((src_P >= 0)[:, None], rows, torch.zeros((), dtype=x_RC.dtype, device=x_RC.device))
 
 
-def host_sizes(offsets_E: torch.Tensor, rows: int) -> list[int]:
-    """Each group's rows, then the rows past the last group, on the host: the one device -> host sync
-    of a per-group loop (offsets_E the inclusive cumsum, rows the tensor's row count)."""
-    ends = offsets_E.tolist()
+Offsets = torch.Tensor | list[int]
+"""A per-group loop's groups: the inclusive cumsum on the device, or already read to the host (a
+caller with several loops over the same groups reads it once: host_ends)."""
+
+
+def host_ends(offsets_E: Offsets) -> list[int]:
+    """The inclusive cumsum on the host: the one device -> host sync of per-group loops (none when
+    it is a list already)."""
+    return offsets_E if isinstance(offsets_E, list) else offsets_E.tolist()
+
+
+def host_sizes(offsets_E: Offsets, rows: int) -> list[int]:
+    """Each group's rows, then the rows past the last group (rows: the tensor's row count)."""
+    ends = host_ends(offsets_E)
     return [end - start for start, end in zip([0] + ends[:-1], ends)] + [rows - ends[-1]]
 
 
-def grouped_mm_2d3d(a_RK: torch.Tensor, b_EKN: torch.Tensor, offsets_E: torch.Tensor,
+def grouped_mm_2d3d(a_RK: torch.Tensor, b_EKN: torch.Tensor, offsets_E: Offsets,
                     per_expert: bool = False) -> torch.Tensor:
     """out[rows of e] = a[rows of e] @ b[e] -> [R, N] in a's dtype (fp32 accumulation).
     torch._grouped_mm on CUDA (one kernel, no sync); with ``per_expert`` (precision.bf16_experts=cublas),
     and always on the CPU, one ``torch.mm`` per group written in place into the output (cuBLAS on
-    CUDA; the group sizes read on the host: a sync; the views made by one split each, which halves
-    the loop's CPU cost per group). Rows past offsets_E[-1] are zero on the loop (unspecified on the
+    CUDA; the group sizes read on the host: a sync, unless offsets_E is a host list already; the
+    views made by one split each). Rows past offsets_E[-1] are zero on the loop (unspecified on the
     one kernel). Not differentiable: the callers are autograd Functions and custom ops."""
     if a_RK.is_cuda and not per_expert:
         return torch._grouped_mm(a_RK, b_EKN, offs=offsets_E.to(torch.int32))
@@ -83,7 +93,7 @@ def grouped_mm_2d3d(a_RK: torch.Tensor, b_EKN: torch.Tensor, offsets_E: torch.Te
     return out_RN
 
 
-def grouped_mm_2d2d(a_MR: torch.Tensor, b_RN: torch.Tensor, offsets_E: torch.Tensor,
+def grouped_mm_2d2d(a_MR: torch.Tensor, b_RN: torch.Tensor, offsets_E: Offsets,
                     per_expert: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """out[e] = a[:, rows of e] @ b[rows of e] -> [E, M, N] (the weight gradient: a reduction over each
     group's rows; an empty group gives zeros). torch._grouped_mm on CUDA; with ``per_expert``, and

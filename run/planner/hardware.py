@@ -79,9 +79,9 @@ expert GEMMs when the experts are many and small."""
 EFF_CUBLAS_EXPERT = EFF_EXPERT * 736 / 633
 """Grouped bf16 expert GEMMs under ``precision.bf16_experts=cublas`` (one cuBLAS GEMM per local
 expert, core/precision/grouping.py) while the GPU is the limit. Assumed, not yet measured: the
-grouped rate times cuBLAS's dense lead over torch's grouped kernel at a like shape (bench_gemm_fp8,
-session 6: a dense 16384 x 4096 x 4096 linear fwd+bwd at 736 TFLOP/s, 8 experts of 8192 rows x
-4096 x 4096 grouped at 633)."""
+grouped rate times cuBLAS's dense lead over torch's grouped kernel at a like shape (bench_gemm_fp8
+on the H200: a dense 16384 x 4096 x 4096 linear fwd+bwd at 736 TFLOP/s in session 6, 8 experts of
+8192 rows x 4096 x 4096 grouped at 633 in session 7; docs/performance.md)."""
 BF16_CUBLAS_CALL_S = 20e-6
 """CPU seconds per torch.mm call of the bf16 per-expert loop (a slice, the out= GEMM's launch).
 Assumed, not yet measured: the blockwise scaled_mm's measured 55 us (CUBLAS_CALL_S) includes its

@@ -265,17 +265,16 @@ def plan(p: Plan) -> dict:
         t_opt = HOST_OPTIMIZER_BYTES[sw.state_dtype] * tl / (HOST_GBPS * 1e9)
     else:
         t_opt = OPTIMIZER_BYTES[(sw.state_dtype, sw.optimizer_kernel)] * tl / (gpu.hbm_tbps * 1e12)
-    t_grad_cast = 0.0  # [code] saved by expert_grads_bf16: a negative time
-    if sw.expert_grads_bf16 and cfg.moe is not None and not sw.offload:
-        # each expert gradient: 2 B less read by the optimizer, and no cast pass after the wgrad GEMM
-        # (read 2 + write 4 B per element; inside the fitted elementwise traffic otherwise).
-        expert_local = sum(_expert_params(cfg, i) for i in range(cfg.n_layers) if cfg.is_moe_layer(i)) / par.ep / par.pp
-        t_opt -= 2.0 * expert_local / (gpu.hbm_tbps * 1e12)
-        t_grad_cast = -6.0 * expert_local / (gpu.hbm_tbps * 1e12)
-    elif sw.bf16_experts == "cublas" and cfg.moe is not None and not sw.low("experts"):
-        # [code] cuBLAS writes the fp32 weight gradients straight from its sums: no cast pass
+    t_grad_cast = 0.0  # [code] saved by expert_grads_bf16 or bf16_experts=cublas: a negative time
+    grads_bf16 = sw.expert_grads_bf16 and not sw.offload
+    if cfg.moe is not None and (grads_bf16 or sw.cublas_bf16_experts):
+        # no cast pass after the wgrad GEMM (read 2 + write 4 B per element; inside the fitted
+        # elementwise traffic otherwise): the gradients stay bf16 (expert_grads_bf16), or cuBLAS writes
+        # them in fp32 from its sums (bf16_experts=cublas); bf16 ones are also 2 B less for the optimizer
         expert_local = sum(_expert_params(cfg, i) for i in range(cfg.n_layers) if cfg.is_moe_layer(i)) / par.ep / par.pp
         t_grad_cast = -6.0 * expert_local / (gpu.hbm_tbps * 1e12)
+        if grads_bf16:
+            t_opt -= 2.0 * expert_local / (gpu.hbm_tbps * 1e12)
     exposed_fsdp = max(0.0, t_fsdp - t_compute)
     step = t_pipe + exposed_fsdp + t_ar + t_opt + t_offload + t_grad_cast
     a2a_bytes = 0.0

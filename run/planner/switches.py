@@ -93,6 +93,12 @@ class Switches:
         return self.low(module) and (not self.compiled or (module == "experts" and self.quantize_weights_once))
 
     @property
+    def cublas_bf16_experts(self) -> bool:
+        """precision.bf16_experts=cublas takes effect: the experts' GEMMs are bf16 ones (the bf16 recipe,
+        or an emulated backend's), one cuBLAS GEMM per local expert."""
+        return self.bf16_experts == "cublas" and not (self.low("experts") and self.backend == "native")
+
+    @property
     def fp8_blockwise_experts(self) -> bool:
         """The routed experts run fp8_blockwise's native grouped GEMMs (core/precision/fp8_gemm.py)."""
         return self.low("experts") and self.recipe == "fp8_blockwise" and self.backend == "native"

@@ -113,7 +113,7 @@ def stage_time(cfg: ModelConfig, layers: list[int], *, sw: Switches, memory: Mem
         calls = sum(passes * cfg.moe.num_experts // ep for i in layers if cfg.is_moe_layer(i)) * extra
         t_experts = max(module_time("experts", True, gpu.fp8_tflops * 1e12 * EFF_FP8_CUBLAS_EXPERT),
                         calls * CUBLAS_CALL_S)
-    elif sw.bf16_experts == "cublas" and not (sw.low("experts") and sw.backend == "native"):
+    elif sw.cublas_bf16_experts:
         # [assumed] one torch.mm per local expert for each of the 6 bf16 GEMM passes of a layer
         calls = sum(6 * cfg.moe.num_experts // ep for i in layers if cfg.is_moe_layer(i)) * extra
         t_experts = max(module_time("experts", True, bf16_flops * EFF_CUBLAS_EXPERT), calls * BF16_CUBLAS_CALL_S)

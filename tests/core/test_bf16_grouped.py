@@ -363,7 +363,21 @@ def test_per_expert_cublas_path_matches_float64_and_the_grouped_kernel():
         grads = torch.autograd.grad(y[:used], (x, w_up, w_down, scale), gy)
         return (h, y, *grads)
 
-    h, y, gx, gw_up, gw_down, gscale = run(True)
+    import moetron.core.precision.bf16_grouped as bf16_grouped
+    import moetron.core.precision.grouping as grouping
+
+    reads = []
+    host_ends = grouping.host_ends
+
+    def counted(offsets_E):
+        reads.append(isinstance(offsets_E, torch.Tensor))
+        return host_ends(offsets_E)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(grouping, "host_ends", counted)
+        mp.setattr(bf16_grouped, "host_ends", counted)
+        h, y, gx, gw_up, gw_down, gscale = run(True)
+    assert sum(reads) == 4  # device -> host reads: each op's forward, and its backward's dgrad + wgrad once
     assert y.dtype == torch.bfloat16 and gw_up.dtype == torch.float32
     assert h[used:].abs().max() == 0 and y[used:].abs().max() == 0  # the loop zeroes the padding rows
     assert gx[used:].abs().max() == 0 and gw_up[1].abs().max() == 0 and gw_down[1].abs().max() == 0
