@@ -3,7 +3,7 @@ each with its source (a datasheet, a measurement in docs/performance.md, or an a
 
 from __future__ import annotations
 
-__all__ = ['GiB', 'GPU', 'GPUS', 'GPUS_PER_NODE', 'RESERVED_GIB', 'EFF_GEMM', 'EFF_EXPERT', 'EFF_FP8_GEMM', 'EFF_FP8_EXPERT', 'EFF_FP8_CUBLAS_EXPERT', 'CUBLAS_CALL_S', 'EFF_CUBLAS_EXPERT', 'BF16_CUBLAS_CALL_S', 'EFF_MX_EXPERT', 'EFF_ATTN', 'EFF_COMM', 'EFF_PCIE', 'HOST_GBPS', 'HBM_TRAFFIC', 'OPTIMIZER_BYTES', 'RECOMPUTE_FORWARD', 'HOST_OPTIMIZER_BYTES', 'QUANT_BYTES', 'QUANT_ROWS_BYTES', 'WEIGHT_QUANT_BYTES', 'FP8_SAVED', 'FP8_WEIGHT_CACHED', 'FP8_WGRAD_BYTES', 'LOW_PRECISION']
+__all__ = ['GiB', 'GPU', 'GPUS', 'GPUS_PER_NODE', 'RESERVED_GIB', 'EFF_GEMM', 'EFF_EXPERT', 'EFF_FP8_GEMM', 'EFF_FP8_EXPERT', 'EFF_FP8_CUBLAS_EXPERT', 'CUBLAS_CALL_S', 'BF16_CUBLAS_MEASURED', 'BF16_CUBLAS_CALL_S', 'EFF_MX_EXPERT', 'EFF_ATTN', 'EFF_COMM', 'EFF_PCIE', 'HOST_GBPS', 'HBM_TRAFFIC', 'OPTIMIZER_BYTES', 'RECOMPUTE_FORWARD', 'HOST_OPTIMIZER_BYTES', 'QUANT_BYTES', 'QUANT_ROWS_BYTES', 'WEIGHT_QUANT_BYTES', 'FP8_SAVED', 'FP8_WEIGHT_CACHED', 'FP8_WGRAD_BYTES', 'LOW_PRECISION']
 
 import dataclasses
 
@@ -76,16 +76,30 @@ CUBLAS_CALL_S = 55e-6
 """CPU seconds per cuBLAS call of fp8_cublas.py's per-expert loop: 64 calls took 3.5 ms whatever
 their size (bench_fp8_variants' experiment at the olmoe shape, H200 machine), the floor of a layer's
 expert GEMMs when the experts are many and small."""
-EFF_CUBLAS_EXPERT = EFF_EXPERT * 736 / 633
-"""Grouped bf16 expert GEMMs under ``precision.bf16_experts=cublas`` (one cuBLAS GEMM per local
-expert, core/precision/grouping.py) while the GPU is the limit. Assumed, not yet measured: the
-grouped rate times cuBLAS's dense lead over torch's grouped kernel at a like shape (bench_gemm_fp8
-on the H200: a dense 16384 x 4096 x 4096 linear fwd+bwd at 736 TFLOP/s in session 6, 8 experts of
-8192 rows x 4096 x 4096 grouped at 633 in session 7; docs/performance.md)."""
-BF16_CUBLAS_CALL_S = 20e-6
-"""CPU seconds per torch.mm call of the bf16 per-expert loop (a slice, the out= GEMM's launch).
-Assumed, not yet measured: the blockwise scaled_mm's measured 55 us (CUBLAS_CALL_S) includes its
-layout checks and scale views, which a plain mm does not have."""
+BF16_CUBLAS_MEASURED = {  # shape: (rows per expert, d_model, expert_hidden, ms grouped, ms cuBLAS)
+    "olmoe": (2048, 2048, 1024, 7.570, 11.057),
+    "olmo3-moe-3.2b": (1024, 4096, 4096, 33.496, 32.951),
+    "olmo3-moe-8e": (8192, 4096, 4096, 31.371, 29.906),
+}
+"""``precision.bf16_experts=cublas`` (one torch.mm per local expert, core/precision/grouping.py) against
+torch._grouped_mm, both GEMMs of a layer fwd+bwd, eager, measured on the H200 (session 9, torch 2.11:
+``tools/bench_gemm_fp8.py --skip-check --iters 10 --shapes olmoe olmo3-moe-3.2b olmo3-moe-8e --no-dense
+--backends 'bf16 cublas'``, docs/bench/session9/call1_gemm.json): 0.68x, 1.02x, 1.05x the grouped rate.
+The planner runs the experts at EFF_EXPERT x that ratio (timing.cublas_bf16_speedup: linear in the log
+of a local expert's rows x d_model x expert_hidden between these shapes, the end ratio outside). The
+ratio follows the GEMM's size, not the rows alone: olmoe's 2048-row experts lose, olmo3-moe-3.2b's
+1024-row ones do not. olmoe's row may be the CPU's limit rather than the GPU's (its 384 calls, each
+with its group sizes read on the host, took 28.8 us apiece)."""
+BF16_CUBLAS_CALL_S = 115e-6
+"""Seconds per torch.mm call of the bf16 per-expert loop in a compiled step, the floor of the experts'
+time (6 calls per local expert per MoE layer). Fitted to OLMoE-8L (64 experts, 8 layers: 3072 calls
+per step) on the H200, session 9 (tools/bench_train.py, docs/bench/session9/call1_s1.json): b16c
+453.5 ms against b16 184.7 ms, so the calls take 453.5 - 184.7 + 85.2 ms (the planned grouped
+expert GEMMs they replace) = 354 ms, 115 us each. That is CPU time the host syncs expose (the group
+sizes are read 4 times per MoE layer, draining the GPU's queue, so the CPU no longer runs ahead of
+the GPU), not only the mm's launch: the same loop took at most 28.8 us per call in the eager GEMM
+benchmark. olmoe3-4l-8e (8 experts, docs/bench/session9/call1_s2.json: 304.0 ms against 303.3) stays
+GPU-bound under it. Measured on compiled steps only; eager steps use the same figure."""
 EFF_MX_EXPERT = EFF_EXPERT * EFF_FP8_GEMM / EFF_GEMM
 """Grouped MXFP8 expert GEMMs of native mxfp8 (torch's F.scaled_grouped_mm on SM100+, never run
 here): assumed to keep the bf16 grouped GEMM's share of the dense rate (0.47 / 0.81)."""

@@ -47,8 +47,8 @@ class Switches:
     graph and their weights are quantized once per step (the WeightCache, held through the step)."""
     bf16_experts: str = "grouped_mm"
     """precision.bf16_experts (the bf16 recipe and the emulated backends' bf16 GEMMs): torch's grouped
-    kernel, or one cuBLAS GEMM per local expert (cublas: EFF_CUBLAS_EXPERT or the CPU's per-call
-    cost, BF16_CUBLAS_CALL_S, whichever is longer)."""
+    kernel, or one cuBLAS GEMM per local expert (cublas: the grouped rate x the measured ratio of
+    BF16_CUBLAS_MEASURED, or the CPU's per-call cost, BF16_CUBLAS_CALL_S, whichever is longer)."""
     fp8_experts: str = "triton"
     """precision.fp8_experts (native fp8_blockwise): the experts' GEMMs in the Triton kernels, or one
     cuBLAS GEMM per local expert (cublas: the GPU's rate or the CPU's per-call cost, whichever is longer)."""

@@ -6,13 +6,15 @@ terms (optimizer, offload copies, FSDP and DP communication, pipeline sends and 
 
 from __future__ import annotations
 
-__all__ = ['gemm_rate', 'reference_activation_bytes', 'stage_time']
+__all__ = ['cublas_bf16_speedup', 'gemm_rate', 'reference_activation_bytes', 'stage_time']
+
+import math
 
 from moetron.core.memory import MemoryConfig, Recompute
 from moetron.models import ModelConfig
 from .hardware import (
     GPU, GPUS_PER_NODE, EFF_GEMM, EFF_EXPERT, EFF_FP8_GEMM, EFF_FP8_EXPERT, EFF_FP8_CUBLAS_EXPERT,
-    CUBLAS_CALL_S, EFF_CUBLAS_EXPERT, BF16_CUBLAS_CALL_S, EFF_MX_EXPERT, EFF_ATTN, EFF_COMM, HBM_TRAFFIC,
+    CUBLAS_CALL_S, BF16_CUBLAS_MEASURED, BF16_CUBLAS_CALL_S, EFF_MX_EXPERT, EFF_ATTN, EFF_COMM, HBM_TRAFFIC,
     RECOMPUTE_FORWARD, QUANT_BYTES, WEIGHT_QUANT_BYTES, QUANT_ROWS_BYTES,
 )
 from .memory import _expert_params, _linear_params
@@ -74,6 +76,20 @@ def gemm_rate(gpu: GPU, sw: Switches, module: str, grouped: bool) -> float:
     return gpu.bf16_tflops * 1e12 * (EFF_EXPERT if grouped else EFF_GEMM)
 
 
+def cublas_bf16_speedup(rows: float, d_model: int, hidden: int) -> float:
+    """cuBLAS per-expert GEMMs' rate over torch._grouped_mm's (precision.bf16_experts=cublas) for
+    local experts of ``rows`` rows x ``d_model`` x ``hidden``: BF16_CUBLAS_MEASURED's ratios, linear in
+    log(rows x d_model x hidden) between the measured shapes, the nearest end's ratio outside them."""
+    points = sorted((r * d * f, grouped / cublas) for r, d, f, grouped, cublas in BF16_CUBLAS_MEASURED.values())
+    size = rows * d_model * hidden
+    if size <= points[0][0]:
+        return points[0][1]
+    for (s0, r0), (s1, r1) in zip(points, points[1:]):
+        if size <= s1:
+            return r0 + (r1 - r0) * math.log(size / s0) / math.log(s1 / s0)
+    return points[-1][1]
+
+
 def stage_time(cfg: ModelConfig, layers: list[int], *, sw: Switches, memory: MemoryConfig, gpu: GPU, seq_len: int,
                tokens: int, ep: int, compiled: bool, microbatches: int = 1, last: bool = False,
                all_to_all: bool = True, fp32_master: bool = True) -> tuple[float, dict]:
@@ -114,9 +130,14 @@ def stage_time(cfg: ModelConfig, layers: list[int], *, sw: Switches, memory: Mem
         t_experts = max(module_time("experts", True, gpu.fp8_tflops * 1e12 * EFF_FP8_CUBLAS_EXPERT),
                         calls * CUBLAS_CALL_S)
     elif sw.cublas_bf16_experts:
-        # [assumed] one torch.mm per local expert for each of the 6 bf16 GEMM passes of a layer
-        calls = sum(6 * cfg.moe.num_experts // ep for i in layers if cfg.is_moe_layer(i)) * extra
-        t_experts = max(module_time("experts", True, bf16_flops * EFF_CUBLAS_EXPERT), calls * BF16_CUBLAS_CALL_S)
+        # [measured, session 9] one torch.mm per local expert for each of the 6 bf16 GEMM passes of a
+        # layer: the grouped rate x cuBLAS's measured ratio at this GEMM size, or the CPU time per call
+        # the host syncs expose, whichever is longer
+        moe = cfg.moe
+        rows = tokens * moe.router.top_k * ep / moe.num_experts  # per local expert
+        calls = sum(6 * moe.num_experts // ep for i in layers if cfg.is_moe_layer(i)) * extra
+        rate = bf16_flops * EFF_EXPERT * cublas_bf16_speedup(rows, cfg.d_model, moe.expert_hidden)
+        t_experts = max(module_time("experts", True, rate), calls * BF16_CUBLAS_CALL_S)
     t_gemm = T_mb * extra * other_f / (bf16_flops * EFF_GEMM) + t_experts + sum(
         module_time(k, False, gemm_rate(gpu, sw, k, False)) for k in ("attention", "mlp"))
     t_attn = T_mb * attn_f / (bf16_flops * EFF_ATTN) * extra

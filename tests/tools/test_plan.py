@@ -372,6 +372,45 @@ def test_fp8_cublas_experts_at_the_gpu_rate_or_the_cpu_floor():
     assert cub8["gemm"] - tri8["gemm"] == pytest.approx(floor - flops8 / (1979e12 * hw.EFF_FP8_EXPERT))
 
 
+def test_bf16_cublas_experts_measured_ratio_or_the_cpu_floor():
+    """precision.bf16_experts=cublas, fitted to session 9's H200 runs: olmoe3-4l-8e's 8 experts of 8192
+    rows run at the grouped rate x the measured 1.05 (GPU-bound), a step about as long as the grouped
+    kernel's (measured 304.0 against 303.3 ms); OLMoE-8L's 64 experts x 6 calls x 8 layers are bound by
+    the CPU time per call, well over twice as slow (measured 453.5 against 184.7 ms)."""
+    from moetron.core.optim import OptimizerConfig
+    from moetron.core.precision import PrecisionConfig
+    from moetron.run.planner import hardware as hw
+    from moetron.run.planner.timing import cublas_bf16_speedup
+
+    def run(plan_fn, experts):  # bench_train's b16 / b16c switches
+        precision = PrecisionConfig(recipe="bf16", expert_weight_copies="optimizer", expert_grads_bf16=True,
+                                    bf16_experts=experts)
+        return planner.plan(plan_fn(precision=precision, optimizer=OptimizerConfig(state_dtype="bf16")))
+
+    olmoe3 = lambda **kw: planner.Plan(model=_olmoe3(), parallel=ParallelConfig(), memory=MemoryConfig(),  # noqa: E731
+                                      seq_len=4096, global_batch=4, **kw)
+    gemm = lambda r: r["microbatch_parts_s"]["gemm"]  # noqa: E731
+    grouped, cublas = run(olmoe3, "grouped_mm"), run(olmoe3, "cublas")
+    moe = ModelConfig.preset("olmo3-moe-8e").moe
+    flops = 3 * 6.0 * 4 * 3 * 4096 * moe.expert_hidden * 16384  # 3 MoE layers, top-4, fwd + bwd
+    speedup = 31.371 / 29.906  # call1_gemm.json, olmo3-moe-8e
+    assert cublas_bf16_speedup(8192, 4096, moe.expert_hidden) == pytest.approx(speedup)
+    assert gemm(grouped) - gemm(cublas) == pytest.approx(flops / (989e12 * hw.EFF_EXPERT) * (1 - 1 / speedup))
+    assert 0.97 < cublas["step_s"] / grouped["step_s"] < 1.0
+    grouped8, cublas8 = run(_olmoe8, "grouped_mm"), run(_olmoe8, "cublas")
+    floor = 8 * 6 * 64 * hw.BF16_CUBLAS_CALL_S
+    flops8 = 8 * 6.0 * 8 * 3 * 2048 * 1024 * 16384
+    assert flops8 / (989e12 * hw.EFF_EXPERT * cublas_bf16_speedup(2048, 2048, 1024)) < floor
+    assert gemm(cublas8) - gemm(grouped8) == pytest.approx(floor - flops8 / (989e12 * hw.EFF_EXPERT))
+    assert 2.2 < cublas8["step_s"] / grouped8["step_s"] < 2.7  # measured 2.46x
+    # the ratio grows with the GEMM's size, not its rows: 2048-row olmoe experts lose, 1024-row olmo3-moe-3.2b ones do not
+    assert cublas_bf16_speedup(2048, 2048, 1024) == pytest.approx(7.570 / 11.057)
+    assert cublas_bf16_speedup(1024, 4096, 4096) == pytest.approx(33.496 / 32.951)
+    assert cublas_bf16_speedup(1024, 4096, 4096) < cublas_bf16_speedup(4096, 4096, 4096) < speedup
+    assert cublas_bf16_speedup(64, 2048, 1024) == cublas_bf16_speedup(2048, 2048, 1024)
+    assert cublas_bf16_speedup(65536, 4096, 4096) == cublas_bf16_speedup(8192, 4096, 4096)
+
+
 def test_fp8_wgrad_false_moves_a_third_of_the_flops_to_bf16_and_saves_inputs_in_bf16():
     """precision.fp8_wgrad=false: the wgrad third of every fp8 module's GEMM FLOPs runs at the bf16
     rates, the cuBLAS loop makes 4 calls per expert and layer instead of 6, quantization counts the
