@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import uuid
 import warnings
@@ -289,6 +290,7 @@ class Checkpointer:
         final = os.path.join(root, name)
         nonce = self._broadcast(uuid.uuid4().hex[:12])
         tmp = os.path.join(root, f".{name}.tmp-{nonce}")
+        estimated = self.estimate_bytes(model, optimizer)  # for the message of a save the disk cannot hold
         # Each stage's outcome is agreed over ranks (that is also the barrier between stages): a full
         # disk on one rank fails the save on all, removes the partial save and keeps older checkpoints.
         failure = None
@@ -296,7 +298,7 @@ class Checkpointer:
             os.makedirs(tmp, exist_ok=True)
         except OSError as e:
             failure = e
-        self._save_stage_done(step, root, tmp, failure)
+        self._save_stage_done(step, root, tmp, failure, estimated)
 
         model = as_one_module(model)
         state = self._state(model, optimizer, extra)
@@ -314,7 +316,7 @@ class Checkpointer:
                 write_durable(os.path.join(tmp, META), meta_bytes)
         except (Exception, dcp.api.CheckpointException) as e:  # DCP wraps the OSError of a failed write
             failure = e
-        self._save_stage_done(step, root, tmp, failure)  # every rank's files exist before they are hashed
+        self._save_stage_done(step, root, tmp, failure, estimated)  # every rank's files exist before they are hashed
 
         names = sorted(n for n in os.listdir(tmp) if n != MANIFEST)
         files = self._hash_files(tmp, names)
@@ -325,35 +327,44 @@ class Checkpointer:
                 publish_dir(tmp, final, nonce)
             except OSError as e:
                 failure = e
-        self._save_stage_done(step, root, tmp, failure)
+        self._save_stage_done(step, root, tmp, failure, estimated)
         if self.rank == 0:
             self._prune(root)
         self._barrier()
         return final
 
-    def _save_stage_done(self, step: int, root: str, tmp: str, failure: BaseException | None) -> None:
-        """Agree on a save stage over ranks; if any rank failed, remove ``tmp`` and raise on every rank:
-        a CheckpointError naming the OS error ("no space left on device ...") and the path, or, for a
-        failure that is not the file system's, the original exception."""
+    def _save_stage_done(self, step: int, root: str, tmp: str, failure: BaseException | None,
+                         estimated_bytes: int) -> None:
+        """Agree on a save stage over ranks; if any rank failed, remove ``tmp`` and raise on every rank.
+
+        A failed write (an OSError, or the RuntimeError torch's zip writer raises on a short write, as
+        on a full disk) raises a CheckpointError naming the failure, ``root``, its free space now, the
+        checkpoint's size (``estimated_bytes``, rank 0's) and what to do, chained from this rank's
+        original exception; any other failure (a bug rather than the disk) is raised as it was."""
         cause = None if failure is None else dcp_cause(failure)
+        written = None if cause is None else _failed_write(cause, tmp)
         mine = None
         if cause is not None:
-            mine = (f"{_os_reason(cause)} ({cause.filename or tmp})" if isinstance(cause, OSError)
-                    else f"{type(cause).__name__}: {cause}")
+            mine = written or f"{type(cause).__name__}: {cause}"
         problems = [p for p in self._all_gather(mine) if p]
         if not problems:
             return
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        if cause is not None and not isinstance(cause, OSError):
+        # Measured once the partial save is gone: the room a retry has. The broadcast is also the
+        # barrier that keeps other ranks from looking at ``root`` before the removal.
+        free, estimated_bytes = self._broadcast((_free_bytes(root) if self.rank == 0 else None, estimated_bytes))
+        if cause is not None and written is None:
             raise failure  # a bug rather than the disk: as raised (the partial save is removed)
         complete = self._complete(root, warn=False) if os.path.isdir(root) else []
         kept = f"the previous checkpoint {complete[-1][1]} is kept" if complete else "no earlier checkpoint exists"
+        room = "an unknown amount of space" if free is None else _gib(free)
         raise CheckpointError(
-            f"saving checkpoint step {step} to {root} failed: {problems[0]}; the partial save {tmp} was removed "
-            f"and {kept}; free space there (or point --checkpoint.dir at a writable file system with room) "
-            "and resume"
-        )
+            f"saving checkpoint step {step} to {root} failed: {problems[0]}; {root} now has {room} free and one "
+            f"checkpoint of this run takes about {_gib(estimated_bytes)} (parameters + optimizer state); the "
+            f"partial save {tmp} was removed and {kept}; free space there, set --checkpoint.dir to a file "
+            f"system with room{_keep_last_advice(self.cfg.keep_last)}, then resume"
+        ) from cause
 
     def _state(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict[str, Any]) -> dict[str, Any]:
         """The DCP state dict: ``model``, ``optim`` (if any) and ``extra/<name>``."""
@@ -611,6 +622,42 @@ def _invalid(path: str, problem: str) -> CheckpointError:
 def _os_reason(e: OSError) -> str:
     """'no space left on device', 'permission denied' ...: the OS's words for ``e``."""
     return (e.strerror or os.strerror(e.errno) if e.errno else str(e)).lower()
+
+
+# torch's zip writer (torch.save, and DCP's tensor entries) reports a short write, the way a full disk
+# shows up there, as "[enforce fail at inline_container.cc:NNN] . unexpected pos 704 vs 598" or
+# "PytorchStreamWriter failed writing file ...": a RuntimeError, not an OSError.
+_TORCH_WRITER_FAILED = re.compile(r"inline_container\.cc|PytorchStreamWriter")
+
+
+def _failed_write(e: BaseException, tmp: str) -> str | None:
+    """What went wrong, in words, when ``e`` (raised while writing the save dir ``tmp``) is a failed
+    write: an OSError or torch's zip-writer RuntimeError; None for anything else."""
+    if isinstance(e, OSError):
+        return f"{_os_reason(e)} ({e.filename or tmp})"
+    if isinstance(e, RuntimeError) and not isinstance(e, CheckpointError) and _TORCH_WRITER_FAILED.search(str(e)):
+        first = str(e).strip().splitlines()[0]
+        return f"a write under {tmp} came up short (torch: {first}), as when the disk is full"
+    return None
+
+
+def _free_bytes(path: str) -> int | None:
+    """Free bytes on ``path``'s file system, None if it cannot be asked."""
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def _keep_last_advice(keep_last: int) -> str:
+    """The ``--checkpoint.keep_last`` part of a full disk's fix: a save needs room for one checkpoint
+    more than are kept (older ones are pruned only after it is complete)."""
+    if keep_last == 0:
+        return ", or set --checkpoint.keep_last=N (now 0: every checkpoint is kept)"
+    if keep_last == 1:
+        return ""  # one kept plus the one being saved: the least there is
+    return (f", or lower --checkpoint.keep_last (now {keep_last}: a save needs room for {keep_last + 1} "
+            "checkpoints)")
 
 
 def _gib(n: int) -> str:

@@ -15,13 +15,18 @@ __all__ = ["publish_dir", "staged_dir"]
 
 def publish_dir(tmp: str, final: str, nonce: str) -> None:
     """Rename the finished ``tmp`` dir to ``final`` atomically; an existing ``final`` is moved aside
-    first and deleted only once the new one holds the name."""
+    first and deleted only once the new one holds the name (if the rename fails, it is moved back)."""
     root = os.path.dirname(final)
     old = None
     if os.path.exists(final):
         old = os.path.join(root, f".{os.path.basename(final)}.old-{nonce}")
         os.rename(final, old)
-    os.rename(tmp, final)
+    try:
+        os.rename(tmp, final)
+    except BaseException:
+        if old is not None:
+            os.rename(old, final)  # else the next prune would delete it as a leftover
+        raise
     fsync_path(root, directory=True)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)

@@ -1,30 +1,36 @@
 """A full disk or an unwritable checkpoint dir: found when the run starts (Checkpointer.check_writable),
-and a save that fails anyway removes its partial dir, keeps the previous checkpoint and raises one
-CheckpointError naming the OS error and the path."""
+and a save that fails anyway (an OSError, or torch's zip writer failing on a short write) removes its
+partial dir, keeps the previous checkpoints loadable and raises one CheckpointError naming the failure,
+the directory, its free space, the checkpoint's size and the fix."""
 
 from __future__ import annotations
 
 import errno
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections import namedtuple
 
 import pytest
 import torch
+import torch.distributed.checkpoint.filesystem as dcp_filesystem
 from torch import nn
 
 import moetron.core.checkpoint.checkpointer as checkpointer_module
 from moetron.core.checkpoint import STALE_DIR_RE, CheckpointConfig, CheckpointError, Checkpointer
+from tests.distributed import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+# What torch.save's zip writer raised inside DCP when a shared disk filled up mid-save on the GPU machine.
+SHORT_WRITE = "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
 
 
-def build():
+def build(hidden: int = 16):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    model = nn.Sequential(nn.Linear(8, hidden), nn.ReLU(), nn.Linear(hidden, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     return model, opt
 
@@ -83,6 +89,166 @@ def test_save_failure_that_is_not_the_disk_is_raised_as_is(tmp_path, monkeypatch
     with pytest.raises(ValueError, match="a bug"):
         cp.save(1, model, opt, {}, {})
     assert leftovers(tmp_path / "ckpt") == []
+
+
+def snapshot(model, opt) -> dict:
+    """Copies of everything a resume restores from model and optimizer."""
+    return {"model": {k: v.clone() for k, v in model.state_dict().items()},
+            "optim": {i: {k: v.clone() for k, v in s.items()} for i, s in opt.state_dict()["state"].items()}}
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    assert a["model"].keys() == b["model"].keys() and a["optim"].keys() == b["optim"].keys()
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    for i in a["optim"]:
+        assert a["optim"][i].keys() == b["optim"][i].keys()
+        for k in a["optim"][i]:
+            assert torch.equal(a["optim"][i][k], b["optim"][i][k]), (i, k)
+
+
+def two_checkpoints(root, hidden: int = 16):
+    """Save steps 1 and 2 under ``root``; return the checkpointer, model, optimizer, the paths of both
+    and the state saved in step 2 (the model has trained one step more since)."""
+    model, opt = build(hidden)
+    step(model, opt)
+    cp = Checkpointer(CheckpointConfig(dir=str(root)))  # keep_last=2
+    first = cp.save(1, model, opt, {"position": 10}, {})
+    step(model, opt)
+    second = cp.save(2, model, opt, {"position": 20}, {})
+    saved = snapshot(model, opt)
+    step(model, opt)
+    return cp, model, opt, first, second, saved
+
+
+def assert_resumes_from(cp, path, saved, hidden: int = 16) -> None:
+    """``path`` is the newest complete checkpoint and loads back to ``saved``."""
+    assert cp.latest() == path and cp.resolve(True) == path
+    model, opt = build(hidden)
+    extra = {"position": 0}
+    assert cp.load(cp.resolve(True), model, opt, extra)["step"] == 2
+    assert extra["position"] == 20
+    assert_same_state(snapshot(model, opt), saved)
+
+
+@pytest.mark.parametrize("error", ["enospc", "torch short write"])
+def test_write_failing_partway_through_a_save(tmp_path, monkeypatch, error):
+    """The disk fills while DCP writes the shard: the first entry is written, the next write fails."""
+    root = tmp_path / "ckpt"
+    cp, model, opt, first, second, saved = two_checkpoints(root)
+    if error == "enospc":
+        raised: Exception = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "shard")
+    else:
+        raised = RuntimeError(SHORT_WRITE)
+    real_write_item = dcp_filesystem._write_item
+    partial: list[tuple[str, int]] = []
+
+    def write_item(transforms, stream, *args, **kwargs):
+        if partial:
+            raise raised
+        result = real_write_item(transforms, stream, *args, **kwargs)
+        partial.append((stream.name, stream.tell()))
+        return result
+
+    monkeypatch.setattr(dcp_filesystem, "_write_item", write_item)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(checkpointer_module.shutil, "disk_usage", lambda p: usage(8 << 30, 7 << 30, 5 << 28))
+    with pytest.raises(CheckpointError) as info:
+        cp.save(3, model, opt, {"position": 30}, {})
+    monkeypatch.undo()
+    shard, written = partial[0]
+    assert ".step_00000003.tmp-" in shard and written > 0  # the save was partway through its shard
+
+    message = str(info.value)
+    assert info.value.__cause__ is raised  # chained from the write that failed, not DCP's wrapper
+    assert message.count(str(root)) >= 2 and "step 3" in message, message
+    assert "no space left on device" in message if error == "enospc" else "unexpected pos 704 vs 598" in message
+    size = f"takes about {Checkpointer.estimate_bytes(model, opt) / 2**30:.2f} GiB"
+    assert f"{root} now has 1.25 GiB free" in message and size in message, message
+    assert "free space there" in message and "--checkpoint.dir" in message, message
+    assert "--checkpoint.keep_last (now 2" in message, message
+    assert f"the previous checkpoint {second} is kept" in message, message
+    assert "Traceback" not in message and "\n" not in message  # one line for tools/cli.py's run_cli
+
+    assert sorted(os.listdir(root)) == ["step_00000001", "step_00000002"]  # the partial dir is gone
+    assert_resumes_from(cp, second, saved)
+    assert cp.verify(first)["step"] == 1  # the older kept checkpoint is untouched too
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_FSIZE / SIGXFSZ as on Linux")
+def test_real_short_write_fails_the_save_cleanly(tmp_path):
+    """No fake: a file size limit makes the kernel cut the shard's write short (EFBIG), which torch's zip
+    writer reports as the RuntimeError seen on the full disk ("unexpected pos ...")."""
+    import resource
+
+    root = tmp_path / "ckpt"
+    cp, model, opt, first, second, saved = two_checkpoints(root, hidden=256)
+    sizes = {f: os.path.getsize(os.path.join(second, f)) for f in os.listdir(second)}
+    shard = max(sizes, key=sizes.get)
+    assert shard.endswith(".distcp")  # the tensors' file, which torch's zip writer writes
+    limit = (sizes[shard] + max(v for f, v in sizes.items() if f != shard)) // 2  # only the shard is too big
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel kills the process
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        with pytest.raises(CheckpointError) as info:
+            cp.save(3, model, opt, {"position": 30}, {})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+    message = str(info.value)
+    assert type(info.value.__cause__) is RuntimeError and "inline_container.cc" in message, message
+    assert "saving checkpoint step 3" in message and "GiB free" in message and "--checkpoint.dir" in message
+    assert sorted(os.listdir(root)) == ["step_00000001", "step_00000002"]
+    assert_resumes_from(cp, second, saved, hidden=256)
+
+
+def test_failed_publish_keeps_the_checkpoint_it_would_replace(tmp_path, monkeypatch):
+    """Saving a step that already has a checkpoint moves the old one aside first: if the final rename
+    fails, the old one is put back, not left as a hidden leftover the next prune deletes."""
+    root = tmp_path / "ckpt"
+    cp, model, opt, first, second, saved = two_checkpoints(root)
+    real_rename = os.rename
+
+    def rename(src, dst, *args, **kwargs):
+        if ".tmp-" in os.path.basename(src):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), src)
+        return real_rename(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rename", rename)
+    kept = r"no space left on device.*the previous checkpoint .*step_00000002 is kept"
+    with pytest.raises(CheckpointError, match=kept):
+        cp.save(2, model, opt, {"position": 99}, {})  # the model has trained on since step 2 was saved
+    monkeypatch.undo()
+    assert sorted(os.listdir(root)) == ["step_00000001", "step_00000002"]
+    assert_resumes_from(cp, second, saved)
+
+
+def _short_write_on_rank_1(rank: int, world_size: int, root: str) -> None:
+    model, opt = build()
+    step(model, opt)  # same seed, same data: the replicas are identical
+    cp = Checkpointer(CheckpointConfig(dir=root))
+    kept = cp.save(1, model, opt, {}, {})
+    saved = snapshot(model, opt)
+    step(model, opt)
+    if rank == 1:
+        def write_data(self, *args, **kwargs):
+            raise RuntimeError(SHORT_WRITE)
+
+        dcp_filesystem.FileSystemWriter.write_data = write_data
+    with pytest.raises(CheckpointError) as info:
+        cp.save(2, model, opt, {}, {})
+    message = str(info.value)
+    assert "unexpected pos 704 vs 598" in message and "GiB free" in message and kept in message, message
+    assert type(info.value.__cause__) is RuntimeError  # DCP hands rank 1's failure to every rank
+    assert sorted(os.listdir(root)) == ["step_00000001"]
+    model2, opt2 = build()
+    cp.load(cp.latest(), model2, opt2, {})
+    assert_same_state(snapshot(model2, opt2), saved)
+
+
+def test_write_failing_on_one_rank_fails_the_save_on_every_rank(tmp_path):
+    run_distributed(_short_write_on_rank_1, 2, str(tmp_path / "ckpt"))
 
 
 def test_check_writable_passes_and_leaves_nothing(tmp_path):
