@@ -31,6 +31,8 @@ Legend: T tokens, R expert-sorted rows, P padded rows, E experts, I / O input / 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -50,6 +52,25 @@ def mx_qdq(x: torch.Tensor, axis: int, scale_mode: str, dtype: torch.dtype = _BF
     """x quantized to MX along ``axis`` and dequantized, in ``dtype`` (exact for bf16 and fp32)."""
     data, scale = quantize_mx(x, MX_BLOCK, axis, scale_mode)
     return dequantize_mx(data, scale, MX_BLOCK, axis).to(dtype)
+
+
+FUSED = os.environ.get("MOETRON_MX_FUSED", "1") != "0"
+"""mxfp8 on the GPU: an operand's two quantizations (its rows for one GEMM, its columns for the
+wgrad) from one read (``MOETRON_MX_FUSED=0`` at import: two passes; the same bits)."""
+
+
+def rows_and_cols(fmt: "MXFormat | BlockwiseFormat", x: torch.Tensor, src_rows: torch.Tensor | None,
+                  cols_payload: bool) -> tuple[torch.Tensor, ...]:
+    """Both quantizations of a 2-D GEMM operand x [R, C]: ``(rows, *cols)``, rows = fmt.qdq(x, -1)
+    (bf16, for the GEMM that reduces over C) and cols along axis 0 of x[src_rows] (the padded wgrad
+    operand; without src_rows, x with zero rows to a multiple of fmt.block): its payload
+    (``cols_payload``, saved for the backward) or its bf16 qdq. Two passes (the formats' own
+    ``rows_and_cols`` fuse them where a kernel does)."""
+    rows = fmt.qdq(x, -1)
+    xv = _pad_rows(x, fmt.block) if src_rows is None else x
+    if cols_payload:
+        return (rows, *fmt.quantize(xv, 0, src_rows))
+    return rows, fmt.qdq(xv, 0, src_rows)
 
 
 def _gathered(x: torch.Tensor, src_rows: torch.Tensor | None) -> torch.Tensor:
@@ -91,6 +112,16 @@ class MXFormat:
             return mx_qdq_triton(x, axis, self.scale_mode, _BF16, src_rows=src_rows)
         return mx_qdq(_gathered(x, src_rows), axis, self.scale_mode)
 
+    def rows_and_cols(self, x: torch.Tensor, src_rows: torch.Tensor | None, ends: torch.Tensor | None,
+                      cols_payload: bool):
+        """rows_and_cols (below), from one read of x on the GPU (mx_triton.mx_rows_and_cols_triton:
+        the lean arithmetic; ``MOETRON_MX_FUSED=0`` or ``MOETRON_MX_LEAN=0`` runs the two passes)."""
+        from . import mx_triton
+
+        if self._triton(x) and mx_triton.LEAN and FUSED:
+            return mx_triton.mx_rows_and_cols_triton(x, src_rows, ends, self.scale_mode, cols_payload)
+        return rows_and_cols(self, x, src_rows, cols_payload)
+
     def dequantize(self, payload: tuple[torch.Tensor, ...], axis: int, dtype: torch.dtype = torch.float32):
         if self._triton(payload[0]):
             from .mx_triton import dequantize_mx_triton
@@ -127,6 +158,10 @@ class BlockwiseFormat:
     def qdq(self, x: torch.Tensor, axis: int, src_rows: torch.Tensor | None = None) -> torch.Tensor:
         return dequantize_1x128(*self.quantize(x, axis, src_rows), axis).to(_BF16)
 
+    def rows_and_cols(self, x: torch.Tensor, src_rows: torch.Tensor | None, ends: torch.Tensor | None,
+                      cols_payload: bool):
+        return rows_and_cols(self, x, src_rows, cols_payload)
+
     def dequantize(self, payload: tuple[torch.Tensor, ...], axis: int, dtype: torch.dtype = torch.float32):
         return dequantize_1x128(*payload, axis).to(dtype)
 
@@ -154,9 +189,10 @@ class _EmulatedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TI: torch.Tensor, w_OI: torch.Tensor, gemm: "EmulatedGemm"):
         fmt = gemm.format
-        y_TO = F.linear(fmt.qdq(x_TI, -1), _weight(gemm, w_OI, -1))
-        # the wgrad operand, saved quantized (tokens padded to whole blocks)
-        ctx.save_for_backward(*fmt.quantize(_pad_rows(x_TI, fmt.block), 0), w_OI)
+        # the GEMM's operand and the wgrad's, saved quantized (tokens padded to whole blocks)
+        x_hat_TI, *x_payload = fmt.rows_and_cols(x_TI, None, None, True)
+        y_TO = F.linear(x_hat_TI, _weight(gemm, w_OI, -1))
+        ctx.save_for_backward(*x_payload, w_OI)
         ctx.gemm, ctx.x_dtype = gemm, x_TI.dtype
         return y_TO
 
@@ -166,10 +202,15 @@ class _EmulatedLinear(torch.autograd.Function):
         gemm = ctx.gemm
         fmt = gemm.format
         dx_TI = dw_OI = None
+        dy_hat_TO = dy_hat_PO = None
+        if ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
+            dy_hat_TO, dy_hat_PO = fmt.rows_and_cols(dy_TO, None, None, False)
         if ctx.needs_input_grad[0]:
-            dx_TI = (fmt.qdq(dy_TO, -1) @ _weight(gemm, w_OI, -2)).to(ctx.x_dtype)
+            dy_hat_TO = fmt.qdq(dy_TO, -1) if dy_hat_TO is None else dy_hat_TO
+            dx_TI = (dy_hat_TO @ _weight(gemm, w_OI, -2)).to(ctx.x_dtype)
+            del dy_hat_TO
         if ctx.needs_input_grad[1]:
-            dy_hat_PO = fmt.qdq(_pad_rows(dy_TO, fmt.block), 0)
+            dy_hat_PO = fmt.qdq(_pad_rows(dy_TO, fmt.block), 0) if dy_hat_PO is None else dy_hat_PO
             x_hat_PI = fmt.dequantize(tuple(x_payload), 0, _BF16)
             dw_OI = (dy_hat_PO.t() @ x_hat_PI).to(w_OI.dtype)
         return dx_TI, dw_OI, None
@@ -179,11 +220,11 @@ class _EmulatedGroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor, gemm: "EmulatedGemm"):
         fmt = gemm.format
-        y_RO = grouped_mm_2d3d(fmt.qdq(x_RI, -1), _weight(gemm, w_EOI, -1).transpose(-2, -1), offsets_E,
-                               gemm.per_expert)
         # the wgrad operand: each expert's rows padded to whole blocks (pad_groups, read through an index)
         src_P, padded_offsets_E = padded_source_rows(offsets_E, x_RI.shape[0], fmt.block)
-        ctx.save_for_backward(*fmt.quantize(x_RI, 0, src_P), w_EOI, offsets_E, src_P, padded_offsets_E)
+        x_hat_RI, *x_payload = fmt.rows_and_cols(x_RI, src_P, offsets_E, True)
+        y_RO = grouped_mm_2d3d(x_hat_RI, _weight(gemm, w_EOI, -1).transpose(-2, -1), offsets_E, gemm.per_expert)
+        ctx.save_for_backward(*x_payload, w_EOI, offsets_E, src_P, padded_offsets_E)
         ctx.gemm, ctx.x_dtype = gemm, x_RI.dtype
         return y_RO
 
@@ -193,12 +234,16 @@ class _EmulatedGroupedMM(torch.autograd.Function):
         gemm = ctx.gemm
         fmt = gemm.format
         dx_RI = dw_EOI = None
+        dy_hat_RO = dy_hat_PO = None
+        if ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
+            dy_hat_RO, dy_hat_PO = fmt.rows_and_cols(dy_RO, src_P, offsets_E, False)
         if ctx.needs_input_grad[0]:
-            dx_RI = grouped_mm_2d3d(fmt.qdq(dy_RO, -1), _weight(gemm, w_EOI, -2), offsets_E,
-                                    gemm.per_expert).to(ctx.x_dtype)
+            dy_hat_RO = fmt.qdq(dy_RO, -1) if dy_hat_RO is None else dy_hat_RO
+            dx_RI = grouped_mm_2d3d(dy_hat_RO, _weight(gemm, w_EOI, -2), offsets_E, gemm.per_expert).to(ctx.x_dtype)
+            del dy_hat_RO
         if ctx.needs_input_grad[1]:
             x_hat_PI = fmt.dequantize(tuple(x_payload), 0, _BF16)
-            dy_hat_PO = fmt.qdq(dy_RO, 0, src_P)
+            dy_hat_PO = fmt.qdq(dy_RO, 0, src_P) if dy_hat_PO is None else dy_hat_PO
             dw_EOI = grouped_mm_2d2d(dy_hat_PO.t(), x_hat_PI, padded_offsets_E, gemm.per_expert,
                                      w_EOI.dtype if gemm.per_expert else None).to(w_EOI.dtype)
         return dx_RI, dw_EOI, None, None

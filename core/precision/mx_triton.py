@@ -7,7 +7,10 @@ one read, one write, nothing in between). Blocks of 32 run along C (``axis=-1``,
 along P (``axis=0``, each column's: the wgrad operand along the tokens, read in [32, 256] tiles so
 the loads stay coalesced, no transposed copy). The rows of the view may be gathered: row p reads
 x[src_rows[p]], or zeros where src_rows[p] < 0, which is grouping.pad_groups fused into the load.
-``_mx_dequantize_kernel`` turns a payload back into bf16.
+``_mx_rows_and_cols_kernel`` gives a GEMM operand both of its quantizations from one read (its
+rows, the bf16 operand of the forward or dgrad; its gathered columns, the wgrad's payload or bf16
+operand), in [32, 128] tiles that hold whole blocks both ways. ``_mx_dequantize_kernel`` turns a
+payload back into bf16.
 
 Bits: the scale exponent comes from the bits of amax (floor) or of amax / 448 (rceil, exact ceil);
 scaling is by exact powers of two built from bits; the only rounding is to E4M3, nearest even: on
@@ -31,7 +34,7 @@ from ..triton_round import round_to_bf16
 from .mx import E4M3_MAX, MX_BLOCK, SCALE_MODES
 
 __all__ = ["HW_CONVERT", "LEAN", "abs_bits", "amax_of_bits", "as_loadable", "dequantize_mx_triton", "exp2_int",
-           "load_fp32", "mx_exponent", "mx_qdq_triton", "quantize_mx_triton", "round_to_e4m3", "signed_e4m3",
+           "load_fp32", "mx_exponent", "mx_qdq_triton", "mx_rows_and_cols_triton", "quantize_mx_triton", "round_to_e4m3", "signed_e4m3",
            "store_rounded", "to_e4m3", "widen", "widen_fp32"]
 
 # The GPU rounds to E4M3 with its conversion instruction; the interpreter by bits (signed_e4m3)
@@ -202,6 +205,18 @@ def _tile(pid_p, pid_c, ALONG_C: tl.constexpr, TP: tl.constexpr, TC: tl.constexp
 
 
 @triton.jit
+def _view_rows(src_ptr, p, P, R, GATHER: tl.constexpr):
+    """(source row, valid) of view rows p: x[src[p]] (GATHER; zeros where src[p] < 0), else x[p] (zeros past R)."""
+    if GATHER:
+        src = tl.load(src_ptr + p, mask=p < P, other=-1)
+        valid = src >= 0
+    else:
+        src = p
+        valid = p < R
+    return src, valid
+
+
+@triton.jit
 def _mx_quantize_kernel(
     x_ptr, src_ptr, out_ptr, data_ptr, scale_ptr, P, R, C,
     s_xp, s_xc, s_op, s_oc, s_dp, s_dc, s_sp, s_sc,
@@ -212,12 +227,7 @@ def _mx_quantize_kernel(
     pid_p, pid_c = tl.program_id(0), tl.program_id(1)
     p, c, i = _tile(pid_p, pid_c, ALONG_C, TP, TC)
     p2 = p[:, None]
-    if GATHER:
-        src = tl.load(src_ptr + p, mask=p < P, other=-1)
-        valid = src >= 0
-    else:
-        src = p
-        valid = p < R
+    src, valid = _view_rows(src_ptr, p, P, R, GATHER)
     mask = (p2 < P) & (c < C)
     if LEAN_MATH:
         bits = tl.load(x_ptr + src[:, None].to(tl.int64) * s_xp + c * s_xc, mask=mask & valid[:, None], other=0)
@@ -264,6 +274,78 @@ def _mx_quantize_kernel(
         else:
             cc = pid_c * TC + tl.arange(0, TC)
             tl.store(scale_ptr + pid_p.to(tl.int64) * s_sp + cc * s_sc, code.to(tl.uint8), mask=cc < C)
+
+
+@triton.jit
+def _lean_block_scale(amax_bits, FLOOR: tl.constexpr, IN_BF16: tl.constexpr):
+    """(exponent, E8M0 code, finite) of blocks whose largest abs_bits is ``amax_bits`` (the lean
+    arithmetic: a NaN-scale block's exponent is 0, its data unspecified)."""
+    amax, finite = amax_of_bits(amax_bits, IN_BF16)
+    e = mx_exponent(amax, FLOOR)
+    code = tl.where(finite, e + 127, 255)
+    return tl.where(finite, e, 0), code, finite
+
+
+@triton.jit
+def _lean_qdq(x, e, finite, HW: tl.constexpr):
+    """(e4m3 data, dequantized fp32) of fp32 x in blocks of exponent e (broadcast to x)."""
+    q8 = to_e4m3(x, exp2_int(-e), HW)
+    return q8, tl.where(finite, q8.to(tl.float32) * exp2_int(e), float("nan"))
+
+
+@triton.jit
+def _store_bf16(ptrs, v, mask, HW: tl.constexpr):
+    """fp32 v stored as bf16, nearest even (the GPU's conversion; by bits under the interpreter)."""
+    if HW:
+        tl.store(ptrs, v.to(tl.bfloat16), mask=mask)
+    else:
+        store_rounded(ptrs, v, mask, True)
+
+
+@triton.jit
+def _mx_rows_and_cols_kernel(
+    x_ptr, src_ptr, end_ptr, rows_ptr, cols_ptr, data_ptr, scale_ptr, P, R, C,
+    s_xp, s_xc, s_rp, s_rc, s_cp, s_cc, s_dp, s_dc, s_sp, s_sc,
+    TAIL: tl.constexpr, GATHER: tl.constexpr, COLS_PAYLOAD: tl.constexpr, FLOOR: tl.constexpr,
+    IN_BF16: tl.constexpr, HW: tl.constexpr, TC: tl.constexpr,
+):
+    """One [32, TC] tile of x read once, quantized both ways (the lean arithmetic): along C (blocks
+    of 32 in each row) to the bf16 rows output at the source rows, and along the 32 rows (one block
+    per column) to the columns output at the view's rows: e4m3 + E8M0 (COLS_PAYLOAD) or bf16.
+    GATHER: view row p is x[src[p]] (zeros where src[p] < 0). TAIL: the program covers source rows
+    32 * pid .. and writes only the rows output of rows from ends[-1] on (rows past the last group,
+    which no view row reads); programs whose rows all lie before it return at once."""
+    pid_p, pid_c = tl.program_id(0), tl.program_id(1)
+    NB: tl.constexpr = TC // 32
+    c = pid_c * TC + tl.arange(0, TC)[None, :]
+    p = pid_p * 32 + tl.arange(0, 32)
+    if TAIL:
+        end = tl.load(end_ptr).to(tl.int32)
+        if pid_p * 32 + 32 <= end:
+            return
+        src = p
+        valid = (p >= end) & (p < R)
+    else:
+        src, valid = _view_rows(src_ptr, p, P, R, GATHER)
+    cmask = c < C
+    bits = tl.load(x_ptr + src[:, None].to(tl.int64) * s_xp + c * s_xc, mask=valid[:, None] & cmask, other=0)
+    x = widen(bits, IN_BF16, HW)
+    a = abs_bits(bits, IN_BF16)
+    e_r, _, fin_r = _lean_block_scale(tl.max(tl.reshape(a, (32, NB, 32)), axis=2), FLOOR, IN_BF16)
+    e_r = tl.reshape(tl.broadcast_to(e_r[:, :, None], (32, NB, 32)), (32, TC))
+    fin_r = tl.reshape(tl.broadcast_to(fin_r[:, :, None], (32, NB, 32)), (32, TC))
+    _, deq_r = _lean_qdq(x, e_r, fin_r, HW)
+    _store_bf16(rows_ptr + src[:, None].to(tl.int64) * s_rp + c * s_rc, deq_r, valid[:, None] & cmask, HW)
+    if not TAIL:
+        e_c, code_c, fin_c = _lean_block_scale(tl.max(a, axis=0), FLOOR, IN_BF16)
+        q8, deq_c = _lean_qdq(x, e_c[None, :], fin_c[None, :], HW)
+        pmask = (p[:, None] < P) & cmask
+        if COLS_PAYLOAD:
+            tl.store(data_ptr + p[:, None].to(tl.int64) * s_dp + c * s_dc, q8, mask=pmask)
+            cc = pid_c * TC + tl.arange(0, TC)
+            tl.store(scale_ptr + pid_p.to(tl.int64) * s_sp + cc * s_sc, code_c.to(tl.uint8), mask=cc < C)
+        else:
+            _store_bf16(cols_ptr + p[:, None].to(tl.int64) * s_cp + c * s_cc, deq_c, pmask, HW)
 
 
 @triton.jit
@@ -340,6 +422,47 @@ def mx_qdq_triton(x: torch.Tensor, axis: int = -1, scale_mode: str = "rceil", ou
     (``src_rows`` as quantize_mx_triton's). With ``payload`` -> (out, data, scale), else out."""
     out, data, scale = _launch(x, axis, scale_mode, src_rows, out_dtype, payload)
     return (out, data, scale) if payload else out
+
+
+def mx_rows_and_cols_triton(x: torch.Tensor, src_rows: torch.Tensor | None = None, ends: torch.Tensor | None = None,
+                            scale_mode: str = "rceil", cols_payload: bool = True):
+    """Both quantizations a GEMM's operand needs, from one read of the 2-D x [R, C]:
+    ``(rows, *cols)`` with rows = mx_qdq_triton(x, -1) (bf16 [R, C]) and cols, of the view
+    x[src_rows] (x itself without ``src_rows``; rows padded with zeros to a multiple of 32), along
+    axis 0: ``(data, scale)`` = quantize_mx_triton (``cols_payload``) or its bf16 quantize-dequantize.
+    With ``src_rows`` (grouping.padded_source_rows), ``ends`` is the groups' inclusive cumsum on the
+    device: rows from ends[-1] on belong to no group, and a second, mostly empty launch quantizes
+    them for ``rows`` (no host sync). The same bits as the separate calls (the lean arithmetic)."""
+    R, C = x.shape
+    P = src_rows.numel() if src_rows is not None else -(-R // MX_BLOCK) * MX_BLOCK
+    _check(x, -1, MX_BLOCK, scale_mode, R)
+    _check(x, 0, MX_BLOCK, scale_mode, P)
+    if src_rows is not None and ends is None:
+        raise ValueError("mx_rows_and_cols_triton: src_rows needs ends (the groups' inclusive cumsum)")
+    dev = x.device
+    rows = torch.empty(R, C, dtype=torch.bfloat16, device=dev)
+    if cols_payload:
+        data = torch.empty(P, C, dtype=torch.float8_e4m3fn, device=dev)
+        scale = torch.empty(P // MX_BLOCK, C, dtype=torch.uint8, device=dev)
+        cols = data
+    else:
+        cols = torch.empty(P, C, dtype=torch.bfloat16, device=dev)
+        data = scale = cols  # pointers the kernel never touches
+    xk, in_bf16 = as_loadable(x)
+    src = src_rows if src_rows is not None else rows
+    end = ends[-1:] if ends is not None else rows
+    TC = _COLS_TILE[1] // 2
+    strides = (x.stride(0), x.stride(1), rows.stride(0), rows.stride(1), cols.stride(0), cols.stride(1),
+               data.stride(0), data.stride(1), scale.stride(0), scale.stride(1))
+    common = dict(COLS_PAYLOAD=cols_payload, FLOOR=scale_mode == "floor", IN_BF16=in_bf16, HW=HW_CONVERT, TC=TC,
+                  num_warps=4)
+    if P and C:
+        _mx_rows_and_cols_kernel[(P // MX_BLOCK, triton.cdiv(C, TC))](
+            xk, src, end, rows, cols, data, scale, P, R, C, *strides, TAIL=False, GATHER=src_rows is not None, **common)
+    if src_rows is not None and R and C:
+        _mx_rows_and_cols_kernel[(triton.cdiv(R, MX_BLOCK), triton.cdiv(C, TC))](
+            xk, src, end, rows, cols, data, scale, P, R, C, *strides, TAIL=True, GATHER=False, **common)
+    return (rows, data, scale) if cols_payload else (rows, cols)
 
 
 def dequantize_mx_triton(data: torch.Tensor, scale: torch.Tensor, block: int = MX_BLOCK, axis: int = -1,

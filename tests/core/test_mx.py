@@ -229,3 +229,55 @@ def test_lean_mx_kernel_rounds_with_the_conversion_instruction_on_sm90():
                         {**ptrs, **ints}, constexprs).asm["ptx"]
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "cvt.rn.bf16" in ptx
     assert "0f46C00000" not in ptx and "min.f32" not in ptx  # no bit rounding, no clamp before the conversion
+
+
+def _rows_and_cols_vs_reference(device: str) -> None:
+    """mx_rows_and_cols_triton (one read, both quantizations) against the reference's two, bit for
+    bit: the rows (every row, those past the last group included), and the columns of the padded,
+    gathered view as payload and as bf16; bf16 and fp32 inputs, both modes; the dense (ungathered)
+    case with rows that are not a whole block."""
+    from moetron.core.precision.grouping import pad_groups, padded_source_rows
+    from moetron.core.precision.mx_triton import mx_rows_and_cols_triton
+
+    x = _wide_range((96, 288), 7, lo=-130, hi=120)  # 288 columns: the last 128-column tile part-filled
+    x[0, :32] = 0.0
+    x[2, 5], x[3, 40], x[60, 7] = math.nan, math.inf, -math.inf
+    x[4, 32:64] = torch.tensor([449.0, 1.0625, 1.1875, 2 ** -10, 3 * 2 ** -10, -0.0, 2 ** -9, 448.0] * 4)
+    x = x.to(device)
+
+    def bits(t):
+        return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.uint8)
+
+    def same(got, want, what):
+        assert got.dtype == want.dtype and got.shape == want.shape, what
+        assert torch.equal(got.isnan(), want.isnan()), what
+        assert torch.equal(bits(got)[~got.isnan()], bits(want)[~want.isnan()]), what
+
+    def qdq(t, axis, mode):
+        return dequantize_mx(*quantize_mx(t, axis=axis, scale_mode=mode), axis=axis).bfloat16()
+
+    offsets = torch.tensor([10, 10, 50, 90], device=device)  # an empty group; rows 90.. in no group
+    src, _ = padded_source_rows(offsets, x.shape[0], 32)
+    for mode in ("floor", "rceil"):
+        for xx in (x, x.bfloat16()):
+            padded, _ = pad_groups(xx, offsets, 32)
+            for view, s, ends in ((padded, src, offsets), (torch.cat([xx[:90], xx.new_zeros(6, 288)]), None, None)):
+                src_x = xx if s is not None else xx[:90]
+                rows, data, scale = mx_rows_and_cols_triton(src_x, s, ends, mode, cols_payload=True)
+                same(rows, qdq(src_x, -1, mode), (mode, xx.dtype, s is None, "rows"))
+                want_d, want_s = quantize_mx(view, axis=0, scale_mode=mode)
+                assert torch.equal(scale, want_s), (mode, xx.dtype, s is None, "scale")
+                finite = (want_s != E8M0_NAN).repeat_interleave(32, dim=0)
+                assert torch.equal(bits(data)[finite], bits(want_d)[finite]), (mode, xx.dtype, s is None, "data")
+                rows2, cols = mx_rows_and_cols_triton(src_x, s, ends, mode, cols_payload=False)
+                same(rows2, rows, "rows again")
+                same(cols, qdq(view, 0, mode), (mode, xx.dtype, s is None, "cols"))
+
+
+def test_rows_and_cols_interpreted_matches_reference():
+    run_interpreted("tests.core.test_mx", "_rows_and_cols_vs_reference('cpu')", timeout=600)
+
+
+@pytest.mark.gpu
+def test_rows_and_cols_on_gpu_matches_reference():
+    _rows_and_cols_vs_reference("cuda")
