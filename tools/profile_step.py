@@ -57,7 +57,7 @@ RULES: list[tuple[str, str]] = [
     ("cast_copy", r"copy|^aten::to$|contiguous|clone|transpose|cast_transpose|\bcast_|Memcpy|memcpy|CatArray|"
                   r"^aten::cat$|"
                   # moetron's quantization kernels (core/precision/blockwise_triton.py, mx_triton.py)
-                  r"^_(?:fp8|mx)_(?:de)?quantize\w*_kernel$"),
+                  r"^_(?:fp8|mx)_(?:(?:de)?quantize\w*|rows_and_cols)_kernel$"),
     ("elementwise", r"elementwise_kernel|reduce_kernel|^aten::(?:add|sub|rsub|mul|div|neg|exp|log|pow|mean|sum|"
                     r"where|silu|sigmoid|gelu|tanh|softmax|_softmax|clamp|abs|sqrt|maximum|minimum|eq|ne|lt|gt|"
                     r"ge|le)(?:_backward(?:_data)?)?_?$"),
