@@ -25,6 +25,9 @@ bubble), planned from the same model: see plan_slice.
 preset, the command's base overrides and the row's overrides, on --gpu h200 --num-gpus 1), the
 measured against the planned peak and step time (targets: peak within 10%, step within 20%).
 
+mxfp8 emulated is planned with the fused rows-and-columns quantization unless MOETRON_MX_FUSED=0 is
+set, as for a run (or recorded in a report's env_vars): `MOETRON_MX_FUSED=0 python tools/plan.py ...`.
+
 The model and its sources: moetron/run/planner/ (model.py says where each term comes from).
 """
 
@@ -219,9 +222,12 @@ def bench_plan(env: dict, row: dict) -> Plan:
     configs = Configs(model=ModelConfig.preset(args.preset),
                       precision=PrecisionConfig(recipe=PrecisionRecipe(PRECISION_FLAG.get(args.precision, args.precision))))
     configs.apply([o for o in overrides if o.startswith("--")] + list(row.get("overrides", [])))
+    # MOETRON_MX_FUSED where the report recorded it (its env_vars), else as this process has it
+    fused = env.get("env_vars", {}).get("MOETRON_MX_FUSED")
     return Plan(model=configs.model, parallel=configs.parallel, memory=configs.memory, seq_len=args.seq_len,
                 global_batch=args.batch, micro_batch=args.micro_batch, precision=configs.precision,
-                optimizer=configs.optimizer, compiled=args.compile, gpu="h200", num_gpus=1)
+                optimizer=configs.optimizer, compiled=args.compile, gpu="h200", num_gpus=1,
+                mx_fused=None if fused is None else fused != "0")
 
 
 def _error(planned: float, measured: float | None) -> float | None:

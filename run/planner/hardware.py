@@ -3,7 +3,7 @@ each with its source (a datasheet, a measurement in docs/performance.md, or an a
 
 from __future__ import annotations
 
-__all__ = ['GiB', 'GPU', 'GPUS', 'GPUS_PER_NODE', 'RESERVED_GIB', 'EFF_GEMM', 'EFF_EXPERT', 'EFF_FP8_GEMM', 'EFF_FP8_EXPERT', 'EFF_FP8_CUBLAS_EXPERT', 'CUBLAS_CALL_S', 'BF16_CUBLAS_MEASURED', 'BF16_CUBLAS_CALL_S', 'EFF_MX_EXPERT', 'EFF_ATTN', 'EFF_COMM', 'EFF_PCIE', 'HOST_GBPS', 'HBM_TRAFFIC', 'OPTIMIZER_BYTES', 'RECOMPUTE_FORWARD', 'HOST_OPTIMIZER_BYTES', 'QUANT_BYTES', 'QUANT_ROWS_BYTES', 'WEIGHT_QUANT_BYTES', 'FP8_SAVED', 'FP8_WEIGHT_CACHED', 'FP8_WGRAD_BYTES', 'LOW_PRECISION']
+__all__ = ['GiB', 'GPU', 'GPUS', 'GPUS_PER_NODE', 'RESERVED_GIB', 'EFF_GEMM', 'EFF_EXPERT', 'EFF_FP8_GEMM', 'EFF_FP8_EXPERT', 'EFF_FP8_CUBLAS_EXPERT', 'CUBLAS_CALL_S', 'BF16_CUBLAS_MEASURED', 'BF16_CUBLAS_CALL_S', 'EFF_MX_EXPERT', 'EFF_ATTN', 'EFF_COMM', 'EFF_PCIE', 'HOST_GBPS', 'HBM_TRAFFIC', 'OPTIMIZER_BYTES', 'RECOMPUTE_FORWARD', 'HOST_OPTIMIZER_BYTES', 'QUANT_BYTES', 'QUANT_ROWS_BYTES', 'WEIGHT_QUANT_BYTES', 'MX_EMULATED_BYTES', 'EFF_MX_QUANT', 'EFF_MX_FUSED', 'FP8_SAVED', 'FP8_WEIGHT_CACHED', 'FP8_WGRAD_BYTES', 'LOW_PRECISION']
 
 import dataclasses
 
@@ -136,21 +136,49 @@ HOST_OPTIMIZER_BYTES = {"fp32": 88.0, "bf16": 112.0}
 """Host bytes per parameter of the CPU optimizer step under fsdp_offload (torch's AdamW on CPU runs
 op by op: no fused kernel): counted from its ops as above."""
 QUANT_BYTES = {"emulated": 32.0, "native": 8.0}
-"""HBM bytes per element of a low-precision GEMM's input plus output, per training step of a token:
-the forward quantizes x along its reduction dim and again along the tokens (saved), the backward dy
-along O and along the tokens, and the emulated backend dequantizes each into bf16. native: the fused
-1x128 kernel (core/precision/blockwise_triton.py) reads 2 and writes 1 + 1 B per element at
-2.3-2.4 TB/s on the H200 (tools/bench_quantize.py, session 7), the time of 8 B at the 4.8 TB/s
-datasheet rate (24 before: assumed for unfused ops). emulated: assumed, not measured."""
+"""HBM bytes per element of a low-precision GEMM's input plus output, per training step of a token,
+at the datasheet HBM rate: the forward quantizes x along its reduction dim and again along the
+tokens (saved), the backward dy along O and along the tokens. native: the fused 1x128 kernel
+(core/precision/blockwise_triton.py) reads 2 and writes 1 + 1 B per element at 2.3-2.4 TB/s on the
+H200 (tools/bench_quantize.py, session 7), the time of 8 B at the 4.8 TB/s datasheet rate (24
+before: assumed for unfused ops). emulated: fp8_blockwise emulated (torch ops, each dequantized
+into bf16), assumed, not measured; mxfp8 emulated has its own count (MX_EMULATED_BYTES)."""
 QUANT_ROWS_BYTES = 4.5
 """QUANT_BYTES of native fp8_blockwise under precision.fp8_wgrad=false: the rows output alone (read
 2, write 1 B per element) at 3.0-3.6 TB/s on the H200 (tools/bench_quantize.py, session 7), the
 time of 4.5 B at the 4.8 TB/s datasheet rate."""
 WEIGHT_QUANT_BYTES = {"emulated": 16.0, "native": 7.0}
-"""HBM bytes per low-precision weight element per quantization (emulated mxfp8: two bf16 dequantized
-orientations; native: fp8 w and w^T): once per step in eager (the weight cache), twice per
-micro-batch compiled (the cache is bypassed inside a traced graph), once per step again for the
-experts under precision.quantize_weights_once. Assumed."""
+"""HBM bytes per low-precision weight element per quantization at the datasheet HBM rate
+(fp8_blockwise emulated: its bf16 dequantized copy; native: fp8 w and w^T): once per step in eager
+(the weight cache), twice per micro-batch compiled (the cache is bypassed inside a traced graph),
+once per step again for the experts under precision.quantize_weights_once. Assumed. mxfp8 emulated:
+MX_EMULATED_BYTES["weight"]."""
+MX_EMULATED_BYTES = {
+    "input_fused": 2 + 2 + 1 + 1 / 32, "input_two_pass": 2 + 2 + 2 + 1 + 1 / 32, "input_dequant": 1 + 1 / 32 + 2,
+    "grad_fused": 2 + 2 + 2, "grad_two_pass": 2 + 2 + 2 + 2, "weight": 4 + 2,
+}
+"""HBM bytes per element that mxfp8 emulated's quantization kernels move (core/precision/emulated.py,
+mx_triton.py) [code]. A GEMM's input x, forward: its bf16 rows for the GEMM and its columns' e4m3 +
+E8M0 payload (saved for the wgrad): read 2, write 2 + 1 + 1/32 from one read (input_fused,
+mx_rows_and_cols_triton, the default) or two (input_two_pass, MOETRON_MX_FUSED=0); backward: the
+payload back to bf16 (input_dequant, _mx_dequantize_kernel). Its output gradient dy, backward: bf16
+rows for the dgrad and bf16 columns for the wgrad (grad_fused / grad_two_pass). A weight: each
+orientation (along I for the forward, along O for the dgrad) read from the fp32 master and written
+in bf16, a pass of its own (weight): two per micro-batch compiled (three for a recomputed block),
+two per step from the eager WeightCache. The grouped wgrad's padding rows (P - R, under 1% at 64
+experts of 2048 rows) are not counted."""
+EFF_MX_QUANT = 3.18 / 4.8
+"""Achieved / datasheet HBM bandwidth of mxfp8 emulated's separate passes (_mx_quantize_kernel with
+the lean arithmetic, _mx_dequantize_kernel): the weights' quantization, the payload's dequantize,
+and the activations' two passes under MOETRON_MX_FUSED=0. Measured on the H200 (session 9, call 6,
+docs/bench/session9/call6_prof_s1_mx.json: OLMoE-8L compiled, lean, two passes): 36.0 ms of quantize
+(288 calls) and 3.77 ms of dequantize (48) per step for the 113.4 + 13.0 GB that MX_EMULATED_BYTES
+counts, 3.18 TB/s (3.15 and 3.43 apart). Not the step rows: they are checks (docs/planner.md)."""
+EFF_MX_FUSED = 3.86 / 4.8
+"""The same for mx_rows_and_cols_triton (an input's or a gradient's two quantizations from one read,
+the default): fitted to session 9's call 7 pair on the H200 (one machine, OLMoE-8L compiled, lean):
+docs/bench/session9/call7_s1.json's fused 218.7 ms against call7_s1u.json's two passes 227.8, so
+the activations' passes, 73.2 GB in 23.0 ms at EFF_MX_QUANT, take 13.9 ms as 53.8 GB: 3.86 TB/s."""
 FP8_SAVED = 1 + 1 / 32
 """Bytes per element of a GEMM input saved as fp8: MXFP8 (an E8M0 per 32) and 1x128 blockwise (an
 fp32 per 128) both come to 1 + 1/32."""

@@ -22,15 +22,18 @@ from: [code] counted from the code's definition, [measured] fitted to or read of
   end of backward (every grad, one recomputed block).
 - step time = GEMM FLOPs / (peak x GEMM efficiency) + attention FLOPs / (peak x attention
   efficiency) + elementwise HBM traffic [measured fit] + quantization passes and the bf16 experts'
-  backward recast [code bytes, assumed unfused rates] + optimizer (HBM, or host under offload) +
+  backward recast [code bytes, assumed unfused rates; mxfp8 emulated's at its kernels' measured
+  rates] + optimizer (HBM, or host under offload) +
   host<->device copies under offload [assumed PCIe rate] + exposed communication, the whole
   stretched by the 1F1B bubble (p-1)/(m+p-1). FSDP all-gathers / reduce-scatters are assumed to
   overlap compute (only the excess is exposed); EP all-to-alls, pipeline sends, offload copies and
   the CPU optimizer step are not.
 - precision: bf16 is the measured path; mxfp8 / fp8_blockwise emulated run bf16 GEMMs after
   dequantizing (GEMMs at the bf16 rate plus quantize-dequantize passes) and save GEMM inputs as
-  fp8 + scales (1 + 1/32 B per element) [code]; fp8_blockwise native runs dense GEMMs at the H200's
-  measured ~1000-1160 TFLOP/s (1080 of the fp8 peak) and grouped experts at the Triton kernels'
+  fp8 + scales (1 + 1/32 B per element) [code]; mxfp8 emulated's passes are its kernels' bytes
+  [code] at their rates measured on the H200 (EFF_MX_QUANT, EFF_MX_FUSED; Switches.mx_fused,
+  MOETRON_MX_FUSED) [measured], fp8_blockwise emulated's assumed; fp8_blockwise native runs dense
+  GEMMs at the H200's measured ~1000-1160 TFLOP/s (1080 of the fp8 peak) and grouped experts at the Triton kernels'
   measured 510 TFLOP/s, or with precision.fp8_experts=cublas at cuBLAS's 724 TFLOP/s or its 55 us
   of CPU per call, whichever is longer (its grouped wgrad writes fp32 then casts: 6 B per expert weight element at
   the slice's gate|up wgrad peak, its weight cache e4m3 w and w^T + scales [code], docs/planner.md); mxfp8 native (SM100+) is built but has never run (no Blackwell here): modelled
@@ -82,6 +85,9 @@ class Plan:
     grad_sync: GradSync | str = GradSync.micro_batch
     """trainer.grad_sync: FSDP2 reduce-scatters every micro-batch's gradients (micro_batch), or only
     the last one's (step: each rank accumulates its units' unsharded fp32 gradients meanwhile)."""
+    mx_fused: bool | None = None
+    """mxfp8 emulated: the fused rows-and-columns quantization (MOETRON_MX_FUSED, read by
+    core/precision/emulated.py at import); None: as this process has it (on unless set to 0)."""
 
 
 def _stage_layers(n_layers: int, pp: int) -> list[list[int]]:
@@ -109,7 +115,7 @@ def plan(p: Plan) -> dict:
     if p.parallel.pp == 1:
         run.trainer.micro_batch_size = p.micro_batch
     par = check_layout(run, p.num_gpus)
-    sw = switches(cfg, par, p.precision, p.optimizer, gpu, p.compiled)
+    sw = switches(cfg, par, p.precision, p.optimizer, gpu, p.compiled, mx_fused=p.mx_fused)
     dp = par.dp_replicate * par.dp_shard
     local_batch = p.global_batch // dp
     if par.pp > 1:
@@ -295,6 +301,9 @@ def plan(p: Plan) -> dict:
     tightest = "HBM capacity" if not fits else max(time_share, key=time_share.get)
     if sw.recipe == "bf16":
         note = "measured path"
+    elif sw.mx_emulated:
+        note = ("emulated: bf16 GEMMs, MX quantization at measured rates ("
+                + ("fused rows and columns" if sw.mx_fused else "two passes, MOETRON_MX_FUSED=0") + ")")
     elif sw.backend == "emulated":
         note = "emulated: bf16 GEMMs, quantization passes assumed"
     elif sw.recipe == "fp8_blockwise":

@@ -11,7 +11,7 @@ import dataclasses
 from moetron.core.config import ConfigError
 from moetron.core.layers.loss import default_chunk_tokens
 from moetron.core.optim import OptimizerConfig
-from moetron.core.precision import PrecisionConfig, PrecisionRecipe
+from moetron.core.precision import PrecisionConfig, PrecisionRecipe, emulated
 from moetron.models import ModelConfig
 from moetron.parallel.config import ParallelConfig
 from .hardware import GPU, FP8_SAVED, FP8_WEIGHT_CACHED, FP8_WGRAD_BYTES, LOW_PRECISION
@@ -56,6 +56,9 @@ class Switches:
     """precision.fp8_wgrad (native fp8_blockwise): the weight-gradient GEMMs in FP8; false: in bf16 at
     the bf16 rates (a third of each low-precision GEMM's FLOPs), the input saved in bf16 and only its
     rows quantized (QUANT_ROWS_BYTES)."""
+    mx_fused: bool = True
+    """mxfp8 emulated: each GEMM input's and output gradient's two quantizations from one read
+    (core.precision.emulated.FUSED, MOETRON_MX_FUSED; False: two passes, MX_EMULATED_BYTES)."""
     optimizer_kernel: str = "triton"
     """The optimizer step's kernel on GPUs: triton (optimizer.impl auto or triton) or torch (impl=torch)."""
     offload: bool = False
@@ -103,6 +106,12 @@ class Switches:
         """The routed experts run fp8_blockwise's native grouped GEMMs (core/precision/fp8_gemm.py)."""
         return self.low("experts") and self.recipe == "fp8_blockwise" and self.backend == "native"
 
+    @property
+    def mx_emulated(self) -> bool:
+        """mxfp8 through the emulated backend: its quantization kernels' own bytes and measured rates
+        (MX_EMULATED_BYTES, EFF_MX_QUANT, EFF_MX_FUSED)."""
+        return self.recipe == "mxfp8" and self.backend == "emulated"
+
     def expert_wgrad(self) -> float:
         """Bytes per expert weight element the grouped wgrad holds as it finishes, bf16 weights:
         native fp8_blockwise's fp32 kernel output and its bf16 cast (FP8_WGRAD_BYTES), else the
@@ -111,9 +120,10 @@ class Switches:
 
 
 def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig, optimizer: OptimizerConfig,
-             gpu: GPU, compiled: bool) -> Switches:
+             gpu: GPU, compiled: bool, mx_fused: bool | None = None) -> Switches:
     """The Switches of a run on ``gpu`` (ConfigError where pretrain would refuse: a native recipe the
-    GPU lacks, bf16 state with fused AdamW, ...)."""
+    GPU lacks, bf16 state with fused AdamW, ...). ``mx_fused`` None: MOETRON_MX_FUSED as this
+    process read it (core.precision.emulated.FUSED), the setting a run started from it would get."""
     precision.validate()
     optimizer.validate()
     recipe = precision.resolved_recipe("cuda")
@@ -137,5 +147,6 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
                     bf16_experts=str(precision.bf16_experts),
                     fp8_experts=str(precision.fp8_experts), fp8_wgrad=bool(precision.fp8_wgrad),
                     quantize_weights_once=bool(precision.quantize_weights_once) and recipe in LOW_PRECISION,
+                    mx_fused=emulated.FUSED if mx_fused is None else bool(mx_fused),
                     optimizer_kernel="torch" if str(optimizer.impl) == "torch" or optimizer.fused is not None else "triton",
                     offload=parallel.fsdp_offload)

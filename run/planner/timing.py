@@ -6,7 +6,7 @@ terms (optimizer, offload copies, FSDP and DP communication, pipeline sends and 
 
 from __future__ import annotations
 
-__all__ = ['cublas_bf16_speedup', 'gemm_rate', 'reference_activation_bytes', 'stage_time']
+__all__ = ['cublas_bf16_speedup', 'gemm_rate', 'mx_emulated_quant_s', 'reference_activation_bytes', 'stage_time']
 
 import math
 
@@ -15,7 +15,8 @@ from moetron.models import ModelConfig
 from .hardware import (
     GPU, GPUS_PER_NODE, EFF_GEMM, EFF_EXPERT, EFF_FP8_GEMM, EFF_FP8_EXPERT, EFF_FP8_CUBLAS_EXPERT,
     CUBLAS_CALL_S, BF16_CUBLAS_MEASURED, BF16_CUBLAS_CALL_S, EFF_MX_EXPERT, EFF_ATTN, EFF_COMM, HBM_TRAFFIC,
-    RECOMPUTE_FORWARD, QUANT_BYTES, WEIGHT_QUANT_BYTES, QUANT_ROWS_BYTES,
+    RECOMPUTE_FORWARD, QUANT_BYTES, WEIGHT_QUANT_BYTES, QUANT_ROWS_BYTES, MX_EMULATED_BYTES, EFF_MX_QUANT,
+    EFF_MX_FUSED,
 )
 from .memory import _expert_params, _linear_params
 from .switches import Switches
@@ -43,21 +44,39 @@ def reference_activation_bytes(cfg: ModelConfig, layer: int) -> float:
     return total
 
 
-def _gemm_elements(cfg: ModelConfig, layer: int) -> dict[str, float]:
-    """Per token, by precision module: elements of every GEMM's input plus output (the quantized operands)."""
+def _gemm_operands(cfg: ModelConfig, layer: int) -> dict[str, tuple[float, float]]:
+    """Per token, by precision module: (elements of every GEMM's input, of its output), the quantized
+    operands: x, and the output's gradient dy in backward (q, k and v each quantize their x, and so
+    do a dense SwiGLU's gate and up; the experts' gate|up is one GEMM)."""
     D = cfg.d_model
     att = cfg.attention
     A, G = att.n_heads * att.head_width(D), att.kv_heads() * att.head_width(D)
-    out = {"attention": 3 * D + A + 2 * G + A + D, "mlp": 0.0, "experts": 0.0}
+    out = {"attention": (3 * D + A, A + 2 * G + D), "mlp": (0.0, 0.0), "experts": (0.0, 0.0)}
     if cfg.is_moe_layer(layer):
         moe = cfg.moe
         K, F, S = moe.router.top_k, moe.expert_hidden, moe.shared_width()
-        out["experts"] = K * (D + 2 * F + F + D)
-        out["mlp"] = (2 * D + 2 * S + S + D) if S else 0.0
+        out["experts"] = (K * (D + F), K * (2 * F + D))
+        out["mlp"] = (2 * D + S, 2 * S + D) if S else (0.0, 0.0)
     else:
         H = cfg.mlp_hidden
-        out["mlp"] = 2 * D + 2 * H + H + D
+        out["mlp"] = (2 * D + H, 2 * H + D)
     return out
+
+
+def mx_emulated_quant_s(gpu: GPU, sw: Switches, module: str, inputs: float, outputs: float, weights: float,
+                        recomputed: bool, microbatches: int) -> float:
+    """Seconds of mxfp8 emulated's quantization kernels for one micro-batch through a module's GEMMs
+    with ``inputs`` / ``outputs`` elements of x / y and ``weights`` weight elements [code bytes,
+    measured rates]: x's rows and columns in forward (again when the block is ``recomputed``), its
+    payload dequantized and dy's rows and columns in backward, each weight along I and along O
+    (compiled: in the graph, in forward and backward and a recomputed forward; eager and
+    quantize_weights_once: from the WeightCache, once per step of ``microbatches``)."""
+    b, hbm = MX_EMULATED_BYTES, gpu.hbm_tbps * 1e12
+    mode = "fused" if sw.mx_fused else "two_pass"
+    paired = b[f"input_{mode}"] * inputs * (2 if recomputed else 1) + b[f"grad_{mode}"] * outputs
+    orientations = 2 / microbatches if sw.caches_weights(module) else (3 if recomputed else 2)
+    separate = b["input_dequant"] * inputs + b["weight"] * weights * orientations
+    return paired / (hbm * (EFF_MX_FUSED if sw.mx_fused else EFF_MX_QUANT)) + separate / (hbm * EFF_MX_QUANT)
 
 
 def _group_bw(gpu: GPU, size: int, stride: int) -> float:
@@ -151,20 +170,26 @@ def stage_time(cfg: ModelConfig, layers: list[int], *, sw: Switches, memory: Mem
             if cfg.is_moe_layer(i):
                 recast += (6.0 * _expert_params(cfg, i) / ep if fp32_master and not sw.expert_weight_copies else 0.0) + \
                     10.0 * cfg.moe.expert_hidden * cfg.moe.router.top_k * T_mb
-    # [code bytes, assumed rates] quantization passes over every low-precision GEMM's operands.
-    quant = 0.0
+    # [code bytes, assumed rates] quantization passes over every low-precision GEMM's operands;
+    # mxfp8 emulated: its kernels' bytes at their measured rates (mx_emulated_quant_s)
+    quant = t_mx = 0.0
     if sw.recipe != "bf16":
         qb, wb = QUANT_BYTES[sw.backend], WEIGHT_QUANT_BYTES[sw.backend]
         for i in layers:
-            el, wl = _gemm_elements(cfg, i), _linear_params(cfg, i)
+            ops, wl = _gemm_operands(cfg, i), _linear_params(cfg, i)
             for k in modules:
-                if sw.low(k):
-                    quant += (QUANT_ROWS_BYTES if sw.bf16_wgrad(k) else qb) * el[k] * T_mb * extra
-                    weights = wl[k] / (ep if k == "experts" else 1)
-                    # the cache: once per step; a traced graph: forward and backward of every micro-batch
-                    quant += wb * weights * (1 / m if sw.caches_weights(k) else 2 * extra)
+                if not sw.low(k):
+                    continue
+                weights = wl[k] / (ep if k == "experts" else 1)
+                if sw.mx_emulated:
+                    t_mx += mx_emulated_quant_s(gpu, sw, k, ops[k][0] * T_mb, ops[k][1] * T_mb, weights,
+                                                i in recomputed, m)
+                    continue
+                quant += (QUANT_ROWS_BYTES if sw.bf16_wgrad(k) else qb) * sum(ops[k]) * T_mb * extra
+                # the cache: once per step; a traced graph: forward and backward of every micro-batch
+                quant += wb * weights * (1 / m if sw.caches_weights(k) else 2 * extra)
     t_hbm = traffic / (gpu.hbm_tbps * 1e12)
-    t_extra = (recast + quant) / (gpu.hbm_tbps * 1e12)
+    t_extra = (recast + quant) / (gpu.hbm_tbps * 1e12) + t_mx
     t_a2a = 0.0
     if all_to_all and cfg.moe is not None and ep > 1:
         K = cfg.moe.router.top_k
