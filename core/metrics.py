@@ -104,7 +104,7 @@ class MetricsLog:
 
 # Environment variables a benchmark's figures depend on (besides every NCCL_* one).
 BENCH_ENV_KEYS = ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "CUDA_DEVICE_MAX_CONNECTIONS",
-                  "OMP_NUM_THREADS")
+                  "OMP_NUM_THREADS", "MOETRON_MX_LEAN", "MOETRON_MX_FUSED")
 
 
 def gpu_topology() -> str | None:

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 import plan as planner  # tools/plan.py
 from moetron.core.config import ConfigError
@@ -515,3 +516,18 @@ def test_mxfp8_emulated_quantization_counted_from_its_kernels_fits_session9():
     row = {"overrides": ["--precision.recipe=mxfp8", "--precision.backend=emulated"]}
     assert planner.bench_plan({"preset": "tiny-moe", "env_vars": {"MOETRON_MX_FUSED": "0"}}, row).mx_fused is False
     assert planner.bench_plan({"preset": "tiny-moe"}, row).mx_fused is None
+
+
+def test_bench_reports_record_the_mx_kernel_switches(monkeypatch):
+    """The MX kernel switches are read at import, so a report keeps them (tools/plan.py --validate
+    plans a row as it ran); unrelated variables stay out."""
+    from moetron.core.metrics import run_environment
+
+    monkeypatch.setenv("MOETRON_MX_FUSED", "0")
+    monkeypatch.setenv("MOETRON_MX_LEAN", "1")
+    monkeypatch.setenv("MOETRON_SOMETHING_ELSE", "1")
+    env = run_environment(torch.device("cpu"), 1, "tools/bench_train.py", [])["env_vars"]
+    assert env["MOETRON_MX_FUSED"] == "0" and env["MOETRON_MX_LEAN"] == "1"
+    assert "MOETRON_SOMETHING_ELSE" not in env
+    row = {"overrides": ["--precision.recipe=mxfp8", "--precision.backend=emulated"]}
+    assert planner.bench_plan({"preset": "tiny-moe", "env_vars": env}, row).mx_fused is False
