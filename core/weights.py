@@ -12,6 +12,7 @@ model_only=True)`` and ``--checkpoint.init_from`` read it, and DCP reshards it f
 from __future__ import annotations
 
 import json
+import math
 import os
 import warnings
 from typing import Any, Callable, Iterable, Iterator
@@ -21,8 +22,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from .checkpoint import (
-    MANIFEST, META, CheckpointError, SafeFileSystemReader, dcp_cause, load_dcp, sha256_file, staged_dir,
-    write_durable, write_manifest,
+    MANIFEST, META, CheckpointError, SafeFileSystemReader, dcp_cause, failed_write, load_dcp, sha256_file,
+    staged_dir, write_durable, write_manifest,
 )
 
 __all__ = ["save_weights", "iter_weights", "read_weight_specs", "checkpoint_exists"]
@@ -65,10 +66,12 @@ def save_weights(
     ``produce(name)`` returns that tensor (called once per name, in DCP's order). ``metadata``
     (JSON-able; put the model config under "config": {"model": ...}) becomes meta.json. An existing
     checkpoint at ``path`` is an error unless ``overwrite``; then it is replaced only once the new
-    one is complete. Nothing is left at ``path`` if writing fails.
+    one is complete. Nothing is left at ``path`` if writing fails; a failed write (a full disk) is a
+    CheckpointError naming ``path``, the free space there, the checkpoint's size and the fix.
     """
     path = os.path.abspath(path)
-    with staged_dir(path, overwrite, checkpoint_exists) as tmp:
+    size = sum(math.prod(shape) * dtype.itemsize for shape, dtype in specs.values())
+    with staged_dir(path, overwrite, checkpoint_exists, "weights-only checkpoint", size) as tmp:
         meta = dict(metadata, world_size=1, torch_version=torch.__version__, weights_only=True)
         state = {f"model.{n}": torch.empty(shape, dtype=dtype, device="meta") for n, (shape, dtype) in specs.items()}
         try:
@@ -85,6 +88,8 @@ def save_weights(
             cause = dcp_cause(e)
             if isinstance(cause, CheckpointError):  # e.g. a source tensor refused by the safe reader
                 raise cause from None
+            if failed_write(cause, tmp, path) is not None:
+                raise  # the disk: staged_dir says so, with the room there and the fix
             raise CheckpointError(f"writing {path} failed: {cause}") from e
         write_durable(os.path.join(tmp, META), json.dumps(meta, indent=2, sort_keys=True).encode())
         files = {}

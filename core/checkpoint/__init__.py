@@ -28,8 +28,8 @@ model's pipeline parts), :mod:`.safe_load` (reading without running code) and :m
 
 from .checkpointer import CheckpointConfig, Checkpointer
 from .layout import (
-    MANIFEST, META, STALE_DIR_RE, STEP_DIR_RE, CheckpointError, dcp_cause, fsync_path, is_complete,
-    read_manifest, sha256_file, step_name, write_durable, write_manifest,
+    MANIFEST, META, STALE_DIR_RE, STEP_DIR_RE, CheckpointError, dcp_cause, failed_write, fsync_path,
+    is_complete, read_manifest, sha256_file, step_name, write_durable, write_manifest,
 )
 from .merge import as_one_module
 from .publish import publish_dir, staged_dir
@@ -47,6 +47,7 @@ __all__ = [
     "SafeLoadPlanner",
     "as_one_module",
     "dcp_cause",
+    "failed_write",
     "fsync_path",
     "is_complete",
     "load_dcp",

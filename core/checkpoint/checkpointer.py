@@ -9,7 +9,6 @@ import json
 import logging
 import os
 import random
-import re
 import shutil
 import uuid
 import warnings
@@ -37,7 +36,11 @@ from .layout import (
     STEP_DIR_RE,
     CheckpointError,
     dcp_cause,
+    failed_write,
+    free_bytes,
+    gib,
     is_complete,
+    os_reason,
     read_manifest,
     sha256_file,
     step_name,
@@ -244,13 +247,13 @@ class Checkpointer:
                 if os.path.exists(probe):
                     os.remove(probe)
         except OSError as e:
-            problem = (f"checkpoint dir {root} is not writable: {_os_reason(e)} ({e.filename or root}); set "
+            problem = (f"checkpoint dir {root} is not writable: {os_reason(e)} ({e.filename or root}); set "
                        "--checkpoint.dir to a directory this run can write")
         if problem is None and self.rank == 0:
             free = shutil.disk_usage(root).free
             if free < estimated_bytes:
-                problem = (f"checkpoint dir {root} has {_gib(free)} free but one checkpoint of this run takes about "
-                           f"{_gib(estimated_bytes)} (parameters + optimizer state): free space there or set "
+                problem = (f"checkpoint dir {root} has {gib(free)} free but one checkpoint of this run takes about "
+                           f"{gib(estimated_bytes)} (parameters + optimizer state): free space there or set "
                            "--checkpoint.dir to a file system with room")
         problems = [p for p in self._all_gather(problem) if p]  # also: every rank has probed
         if self.rank == 0:
@@ -342,7 +345,7 @@ class Checkpointer:
         checkpoint's size (``estimated_bytes``, rank 0's) and what to do, chained from this rank's
         original exception; any other failure (a bug rather than the disk) is raised as it was."""
         cause = None if failure is None else dcp_cause(failure)
-        written = None if cause is None else _failed_write(cause, tmp)
+        written = None if cause is None else failed_write(cause, tmp)
         mine = None
         if cause is not None:
             mine = written or f"{type(cause).__name__}: {cause}"
@@ -353,15 +356,15 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
         # Measured once the partial save is gone: the room a retry has. The broadcast is also the
         # barrier that keeps other ranks from looking at ``root`` before the removal.
-        free, estimated_bytes = self._broadcast((_free_bytes(root) if self.rank == 0 else None, estimated_bytes))
+        free, estimated_bytes = self._broadcast((free_bytes(root) if self.rank == 0 else None, estimated_bytes))
         if cause is not None and written is None:
             raise failure  # a bug rather than the disk: as raised (the partial save is removed)
         complete = self._complete(root, warn=False) if os.path.isdir(root) else []
         kept = f"the previous checkpoint {complete[-1][1]} is kept" if complete else "no earlier checkpoint exists"
-        room = "an unknown amount of space" if free is None else _gib(free)
+        room = "an unknown amount of space" if free is None else gib(free)
         raise CheckpointError(
             f"saving checkpoint step {step} to {root} failed: {problems[0]}; {root} now has {room} free and one "
-            f"checkpoint of this run takes about {_gib(estimated_bytes)} (parameters + optimizer state); the "
+            f"checkpoint of this run takes about {gib(estimated_bytes)} (parameters + optimizer state); the "
             f"partial save {tmp} was removed and {kept}; free space there, set --checkpoint.dir to a file "
             f"system with room{_keep_last_advice(self.cfg.keep_last)}, then resume"
         ) from cause
@@ -619,36 +622,6 @@ def _invalid(path: str, problem: str) -> CheckpointError:
     )
 
 
-def _os_reason(e: OSError) -> str:
-    """'no space left on device', 'permission denied' ...: the OS's words for ``e``."""
-    return (e.strerror or os.strerror(e.errno) if e.errno else str(e)).lower()
-
-
-# torch's zip writer (torch.save, and DCP's tensor entries) reports a short write, the way a full disk
-# shows up there, as "[enforce fail at inline_container.cc:NNN] . unexpected pos 704 vs 598" or
-# "PytorchStreamWriter failed writing file ...": a RuntimeError, not an OSError.
-_TORCH_WRITER_FAILED = re.compile(r"inline_container\.cc|PytorchStreamWriter")
-
-
-def _failed_write(e: BaseException, tmp: str) -> str | None:
-    """What went wrong, in words, when ``e`` (raised while writing the save dir ``tmp``) is a failed
-    write: an OSError or torch's zip-writer RuntimeError; None for anything else."""
-    if isinstance(e, OSError):
-        return f"{_os_reason(e)} ({e.filename or tmp})"
-    if isinstance(e, RuntimeError) and not isinstance(e, CheckpointError) and _TORCH_WRITER_FAILED.search(str(e)):
-        first = str(e).strip().splitlines()[0]
-        return f"a write under {tmp} came up short (torch: {first}), as when the disk is full"
-    return None
-
-
-def _free_bytes(path: str) -> int | None:
-    """Free bytes on ``path``'s file system, None if it cannot be asked."""
-    try:
-        return shutil.disk_usage(path).free
-    except OSError:
-        return None
-
-
 def _keep_last_advice(keep_last: int) -> str:
     """The ``--checkpoint.keep_last`` part of a full disk's fix: a save needs room for one checkpoint
     more than are kept (older ones are pruned only after it is complete)."""
@@ -658,10 +631,6 @@ def _keep_last_advice(keep_last: int) -> str:
         return ""  # one kept plus the one being saved: the least there is
     return (f", or lower --checkpoint.keep_last (now {keep_last}: a save needs room for {keep_last + 1} "
             "checkpoints)")
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
 
 
 def _few(items: list[str], n: int = 8) -> str:

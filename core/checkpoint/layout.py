@@ -3,7 +3,8 @@
 A checkpoint directory is named ``step_XXXXXXXX``; a save in progress (or one a crash interrupted)
 is a hidden ``.step_XXXXXXXX.tmp-<nonce>`` (or ``.old-<nonce>`` while being replaced or pruned).
 ``manifest.json`` lists every other file with its size and sha256 and is written last, so a
-directory with a manifest is complete.
+directory with a manifest is complete. A write that fails (a full disk, a file size limit) is told
+apart from a bug by :func:`failed_write`, which every writer of a checkpoint dir asks.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 from typing import Any
 
 __all__ = [
@@ -28,6 +30,10 @@ __all__ = [
     "is_complete",
     "read_manifest",
     "dcp_cause",
+    "failed_write",
+    "free_bytes",
+    "gib",
+    "os_reason",
 ]
 
 MANIFEST = "manifest.json"
@@ -53,6 +59,57 @@ def dcp_cause(e: BaseException) -> BaseException:
             if isinstance(cause, BaseException):
                 return dcp_cause(cause)
     return e
+
+
+def os_reason(e: OSError) -> str:
+    """'no space left on device', 'permission denied' ...: the OS's words for ``e``."""
+    return (e.strerror or os.strerror(e.errno) if e.errno else str(e)).lower()
+
+
+# torch's zip writer (torch.save, and DCP's tensor entries) reports a short write, the way a full disk
+# shows up there, as "[enforce fail at inline_container.cc:NNN] . unexpected pos 704 vs 598" or
+# "PytorchStreamWriter failed writing file ...": a RuntimeError, not an OSError.
+_TORCH_WRITER_FAILED = re.compile(r"inline_container\.cc|PytorchStreamWriter")
+
+
+def failed_write(e: BaseException, tmp: str, final: str | None = None) -> str | None:
+    """What went wrong, in words, when ``e`` (raised while writing the dir ``tmp``) is a failed write:
+    an OSError or torch's zip-writer RuntimeError; None for anything else (a bug rather than the disk).
+
+    With ``final`` (the path ``tmp`` is published as), the writer also reads other files (a source
+    checkpoint): an OSError naming a file other than ``tmp``, ``final``, what lies in them or a
+    directory above them is that read's failure, not the write's, and gives None."""
+    if isinstance(e, OSError):
+        if final is not None and isinstance(e.filename, (str, bytes, os.PathLike)) and \
+                not _on_the_way(os.fsdecode(e.filename), tmp, final):
+            return None
+        return f"{os_reason(e)} ({e.filename or tmp})"
+    if isinstance(e, RuntimeError) and not isinstance(e, CheckpointError) and _TORCH_WRITER_FAILED.search(str(e)):
+        first = str(e).strip().splitlines()[0]
+        return f"a write under {tmp} came up short (torch: {first}), as when the disk is full"
+    return None
+
+
+def _on_the_way(name: str, *written: str) -> bool:
+    """Whether the file ``name`` is one of the ``written`` paths, inside one, or a directory above one."""
+    name = os.path.abspath(name)
+    for path in map(os.path.abspath, written):
+        if os.path.commonpath([name, path]) in (name, path):
+            return True
+    return False
+
+
+def free_bytes(path: str) -> int | None:
+    """Free bytes on ``path``'s file system, None if it cannot be asked."""
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def gib(n: int) -> str:
+    """``n`` bytes as "1.25 GiB"."""
+    return f"{n / 2**30:.2f} GiB"
 
 
 def step_name(step: int) -> str:

@@ -8,7 +8,7 @@ import shutil
 import uuid
 from typing import Callable, Iterator
 
-from .layout import CheckpointError, fsync_path
+from .layout import CheckpointError, dcp_cause, failed_write, free_bytes, fsync_path, gib
 
 __all__ = ["publish_dir", "staged_dir"]
 
@@ -33,29 +33,47 @@ def publish_dir(tmp: str, final: str, nonce: str) -> None:
 
 
 @contextlib.contextmanager
-def staged_dir(path: str, overwrite: bool, holds_checkpoint: Callable[[str], bool]) -> Iterator[str]:
+def staged_dir(path: str, overwrite: bool, holds_checkpoint: Callable[[str], bool], what: str = "checkpoint",
+               size_bytes: int | None = None) -> Iterator[str]:
     """Write a single-process checkpoint directory atomically.
 
     Checks that ``path`` may be written (absent, an empty directory, or, with ``overwrite``, a
     checkpoint that ``holds_checkpoint(path)`` recognises), yields a fresh hidden tmp dir beside it,
     and publishes that dir as ``path`` when the block ends; if the block raises, the tmp dir is
-    removed and ``path`` is left as it was."""
+    removed and ``path`` is left as it was. A failed write (layout.failed_write: an OSError, as on a
+    full disk, or torch's zip writer's short write, also inside DCP's wrapper) raises one
+    CheckpointError chained from it that names the failure, ``what`` and ``path``, the free space
+    there now, ``size_bytes`` (about what the output takes, if given) and the fix; anything else is
+    raised as it was."""
     path = os.path.abspath(path)
     if os.path.exists(path) and not os.path.isdir(path):
         raise CheckpointError(f"{path} exists and is not a directory")
-    if holds_checkpoint(path):
+    replacing = holds_checkpoint(path)
+    if replacing:
         if not overwrite:
             raise CheckpointError(f"{path} already holds a checkpoint: pass --overwrite or choose another output")
     elif os.path.isdir(path) and os.listdir(path):
         raise CheckpointError(f"{path} is a non-empty directory that is not a checkpoint: choose another output")
     parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
     nonce = uuid.uuid4().hex[:12]
     tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{nonce}")
-    os.makedirs(tmp)
     try:
+        os.makedirs(parent, exist_ok=True)
+        os.makedirs(tmp)
         yield tmp
         publish_dir(tmp, path, nonce)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        cause = dcp_cause(e)
+        reason = failed_write(cause, tmp, path)
+        if reason is None:
+            raise  # a bug rather than the disk: as raised
+        room = free_bytes(parent)  # once the partial output is gone: the room a retry has
+        room = "an unknown amount of space" if room is None else gib(room)
+        size = "" if size_bytes is None else f" and the {what} takes about {gib(size_bytes)}"
+        kept = f"the {what} already at {path} is unchanged" if replacing else f"nothing was written to {path}"
+        raise CheckpointError(
+            f"writing the {what} {path} failed: {reason}; {parent} now has {room} free{size}; the partial "
+            f"output {tmp} was removed and {kept}; free space there or write to a file system with room, "
+            "then run again"
+        ) from cause

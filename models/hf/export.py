@@ -63,7 +63,9 @@ def export_hf(
     + ``model.safetensors.index.json``), cast to ``dtype`` if given; the size reads as
     core.config.parse_size does ("5GB" = 5 * 10^9, "2GiB" = 2^31), a bad one is a CheckpointError.
     Everything goes to a hidden temp dir renamed into place at the end: on any error nothing is
-    written. An ``out_dir`` that already holds a checkpoint is an error unless ``overwrite``.
+    written, and a failed write (a full disk) is a CheckpointError naming ``out_dir``, the free space
+    there, the export's size and the fix. An ``out_dir`` that already holds a checkpoint is an error
+    unless ``overwrite`` (and is kept if the export fails).
     ``progress(done_bytes, total_bytes)`` is called after each tensor (tools/convert_hf.py points
     it at data.progress.Progress.update).
     """
@@ -103,10 +105,10 @@ def export_hf(
     names = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
     out_dir = os.path.abspath(out_dir)
-    with staged_dir(out_dir, overwrite, _hf_checkpoint_exists) as tmp:
+    total = sum(math.prod(s) * out_dtype.itemsize for shard in shards for _, s in shard)
+    with staged_dir(out_dir, overwrite, _hf_checkpoint_exists, "Hugging Face checkpoint", total) as tmp:
         writer = _ShardWriter(tmp, names, shards, out_dtype)
         pieces_of = dict(plan)
-        total = sum(math.prod(s) * out_dtype.itemsize for shard in shards for _, s in shard)
         done = 0
         for native, tensor in iter_weights(native_ckpt_dir, [native for native, _ in plan]):
             tensor = tensor.to(out_dtype)

@@ -1,17 +1,22 @@
 """A full disk or an unwritable checkpoint dir: found when the run starts (Checkpointer.check_writable),
 and a save that fails anyway (an OSError, or torch's zip writer failing on a short write) removes its
 partial dir, keeps the previous checkpoints loadable and raises one CheckpointError naming the failure,
-the directory, its free space, the checkpoint's size and the fix."""
+the directory, its free space, the checkpoint's size and the fix. The same holds for the
+single-process writers of a checkpoint dir (core.checkpoint.staged_dir): a weights-only save
+(core.weights.save_weights) and a Hugging Face export (models.hf.export_hf)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import hashlib
 import os
 import shutil
 import signal
 import subprocess
 import sys
 from collections import namedtuple
+from typing import Iterator
 
 import pytest
 import torch
@@ -175,27 +180,37 @@ def test_write_failing_partway_through_a_save(tmp_path, monkeypatch, error):
     assert cp.verify(first)["step"] == 1  # the older kept checkpoint is untouched too
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_FSIZE / SIGXFSZ as on Linux")
+@contextlib.contextmanager
+def file_size_limit(limit: int) -> Iterator[None]:
+    """No fake disk: while it holds, the kernel cuts any write past ``limit`` bytes of a file short
+    (then fails it with EFBIG), as a disk that fills up does."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel kills the process
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+LINUX_ONLY = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_FSIZE / SIGXFSZ as on Linux")
+
+
+@LINUX_ONLY
 def test_real_short_write_fails_the_save_cleanly(tmp_path):
     """No fake: a file size limit makes the kernel cut the shard's write short (EFBIG), which torch's zip
     writer reports as the RuntimeError seen on the full disk ("unexpected pos ...")."""
-    import resource
-
     root = tmp_path / "ckpt"
     cp, model, opt, first, second, saved = two_checkpoints(root, hidden=256)
     sizes = {f: os.path.getsize(os.path.join(second, f)) for f in os.listdir(second)}
     shard = max(sizes, key=sizes.get)
     assert shard.endswith(".distcp")  # the tensors' file, which torch's zip writer writes
     limit = (sizes[shard] + max(v for f, v in sizes.items() if f != shard)) // 2  # only the shard is too big
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel kills the process
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
-    try:
-        with pytest.raises(CheckpointError) as info:
-            cp.save(3, model, opt, {"position": 30}, {})
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-        signal.signal(signal.SIGXFSZ, handler)
+    with file_size_limit(limit), pytest.raises(CheckpointError) as info:
+        cp.save(3, model, opt, {"position": 30}, {})
     message = str(info.value)
     assert type(info.value.__cause__) is RuntimeError and "inline_container.cc" in message, message
     assert "saving checkpoint step 3" in message and "GiB free" in message and "--checkpoint.dir" in message
@@ -321,3 +336,205 @@ def test_pretrain_unwritable_checkpoint_dir_fails_before_training(tmp_path):
     assert "Traceback" not in proc.stderr
     metrics = run_dir / "metrics.jsonl"
     assert not metrics.exists() or metrics.read_text().strip() == ""  # no step ran
+
+
+# ---- weights-only saves and HF exports (core.checkpoint.staged_dir) -------------------------
+
+
+def fake_free_space(monkeypatch) -> str:
+    """Every file system reports 1.25 GiB free; returns how the messages put it."""
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(8 << 30, 7 << 30, 5 << 28))
+    return "now has 1.25 GiB free"
+
+
+def file_hashes(path) -> dict[str, str]:
+    """{name: sha256} of the files in dir ``path``."""
+    return {n: hashlib.sha256((path / n).read_bytes()).hexdigest() for n in sorted(os.listdir(path))}
+
+
+def assert_one_clear_line(message: str, what: str, out, size_bytes: int) -> None:
+    """The message of a failed write to ``out``: what, where, the room there, the size and the fix."""
+    assert f"writing the {what} {out} failed: " in message, message
+    assert f"{out.parent} now has " in message and f"takes about {size_bytes / 2**30:.2f} GiB" in message, message
+    assert "partial output" in message and "was removed" in message, message
+    assert "free space there or write to a file system with room" in message, message
+    assert "Traceback" not in message and "\n" not in message  # one line for the tools' "error: ..."
+
+
+def weights(seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    return {"a.weight": torch.randn(64, 32), "b.weight": torch.randn(256, 64)}
+
+
+def save_weights_of(path, state, model_config: dict | None = None, **kwargs) -> str:
+    """``state`` as a weights-only checkpoint at ``path`` (save_weights' other arguments in ``kwargs``)."""
+    from moetron.core.weights import save_weights
+
+    specs = {n: (tuple(t.shape), t.dtype) for n, t in state.items()}
+    metadata = {"config": {} if model_config is None else {"model": model_config}}
+    return save_weights(str(path), specs, lambda n: state[n], metadata, **kwargs)
+
+
+def assert_holds(path, state) -> None:
+    from moetron.core.weights import iter_weights
+
+    read = dict(iter_weights(str(path)))
+    assert read.keys() == state.keys() and all(torch.equal(read[n], state[n]) for n in state)
+
+
+WEIGHTS_BYTES = (64 * 32 + 256 * 64) * 4
+
+
+@pytest.mark.parametrize("error", ["enospc", "torch short write", "enospc on meta.json"])
+def test_weights_only_save_failing_partway_keeps_the_earlier_checkpoint(tmp_path, monkeypatch, error):
+    """Replacing a weights-only checkpoint (--overwrite) on a disk that fills: one CheckpointError, the
+    partial output gone, the earlier checkpoint as it was."""
+    import moetron.core.weights as weights_module
+
+    out = tmp_path / "w"
+    save_weights_of(out, weights(0))
+    before = file_hashes(out)
+    real_write_item = dcp_filesystem._write_item
+    written: list[str] = []
+    raised: Exception = (RuntimeError(SHORT_WRITE) if error == "torch short write"
+                         else OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))  # a write names no file
+
+    def write_item(transforms, stream, *args, **kwargs):
+        if written:
+            raise raised
+        written.append(stream.name)
+        return real_write_item(transforms, stream, *args, **kwargs)
+
+    def write_durable(*args, **kwargs):
+        raise raised
+
+    if error == "enospc on meta.json":
+        monkeypatch.setattr(weights_module, "write_durable", write_durable)  # after DCP, outside its wrapper
+    else:
+        monkeypatch.setattr(dcp_filesystem, "_write_item", write_item)
+    free = fake_free_space(monkeypatch)
+    with pytest.raises(CheckpointError) as info:
+        save_weights_of(out, weights(1), overwrite=True)
+    monkeypatch.undo()
+
+    message = str(info.value)
+    assert info.value.__cause__ is raised  # chained from the write that failed, not DCP's wrapper
+    assert_one_clear_line(message, "weights-only checkpoint", out, WEIGHTS_BYTES)
+    assert free in message, message
+    assert "unexpected pos 704 vs 598" in message if error == "torch short write" else "no space left on device" in message
+    assert f"the weights-only checkpoint already at {out} is unchanged" in message, message
+    assert os.listdir(tmp_path) == ["w"]  # no partial .w.tmp-* dir
+    assert file_hashes(out) == before
+    assert_holds(out, weights(0))
+
+
+@LINUX_ONLY
+def test_real_short_write_fails_a_weights_only_save_cleanly(tmp_path):
+    """No fake: the larger tensor's file is cut short by the kernel; torch's zip writer inside DCP raises."""
+    out = tmp_path / "w"
+    save_weights_of(out, weights(0))
+    before = file_hashes(out)
+    sizes = sorted(os.path.getsize(out / n) for n in os.listdir(out))
+    with file_size_limit((sizes[-1] + sizes[-2]) // 2), pytest.raises(CheckpointError) as info:  # only the largest
+        save_weights_of(out, weights(1), overwrite=True)
+    message = str(info.value)
+    assert type(info.value.__cause__) is RuntimeError and "inline_container.cc" in message, message
+    assert_one_clear_line(message, "weights-only checkpoint", out, WEIGHTS_BYTES)
+    assert os.listdir(tmp_path) == ["w"] and file_hashes(out) == before
+    assert_holds(out, weights(0))
+
+
+def test_weights_only_save_to_a_new_output_says_nothing_was_written(tmp_path, monkeypatch):
+    import moetron.core.weights as weights_module
+
+    monkeypatch.setattr(weights_module, "write_manifest", _raise_enospc)
+    with pytest.raises(CheckpointError, match=f"nothing was written to {tmp_path / 'w'};"):
+        save_weights_of(tmp_path / "w", weights(0))
+    assert os.listdir(tmp_path) == []
+
+
+def native_checkpoint(path) -> str:
+    """A small native checkpoint to export: Olmo3-shaped, fp32."""
+    from moetron.models import ModelConfig
+
+    cfg = ModelConfig.tiny()
+    cfg.d_model, cfg.vocab_size, cfg.mlp_hidden, cfg.sliding_window = 64, 128, 96, 8
+    torch.manual_seed(0)
+    return save_weights_of(path, cfg.build().state_dict(), cfg.to_dict())
+
+
+def export_bytes(hf_dir) -> int:
+    """The tensor bytes of an fp32 export (what export_hf names as its size)."""
+    from moetron.models.hf import iter_hf_tensors
+
+    return sum(t.numel() * 4 for _, t in iter_hf_tensors(str(hf_dir)))
+
+
+@pytest.mark.parametrize("error", ["enospc", "torch short write"])
+def test_hf_export_failing_partway_keeps_the_earlier_export(tmp_path, monkeypatch, error):
+    """Re-exporting over an earlier export (--overwrite) on a disk that fills while the shard is written."""
+    import moetron.models.hf.export as export_module
+    from moetron.models.hf import export_hf
+
+    native = native_checkpoint(tmp_path / "native")
+    out = tmp_path / "hf"
+    export_hf(native, str(out), dtype=torch.bfloat16)
+    before = file_hashes(out)
+    real_write = export_module._ShardWriter.write
+    calls = []
+    raised: Exception = (RuntimeError(SHORT_WRITE) if error == "torch short write"
+                         else OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+
+    def write(self, hf_name, tensor):
+        if calls:
+            raise raised
+        calls.append(hf_name)
+        return real_write(self, hf_name, tensor)
+
+    monkeypatch.setattr(export_module._ShardWriter, "write", write)
+    free = fake_free_space(monkeypatch)
+    with pytest.raises(CheckpointError) as info:
+        export_hf(native, str(out), overwrite=True)  # fp32 this time
+    monkeypatch.undo()
+
+    message = str(info.value)
+    assert info.value.__cause__ is raised
+    assert_one_clear_line(message, "Hugging Face checkpoint", out, 2 * export_bytes(out))  # bf16 there, fp32 asked
+    assert free in message, message
+    assert "unexpected pos 704 vs 598" in message if error == "torch short write" else "no space left on device" in message
+    assert f"the Hugging Face checkpoint already at {out} is unchanged" in message, message
+    assert sorted(os.listdir(tmp_path)) == ["hf", "native"]
+    assert file_hashes(out) == before
+
+
+@LINUX_ONLY
+def test_real_short_write_fails_an_hf_export_cleanly(tmp_path):
+    """No fake: the kernel cuts model.safetensors short (EFBIG); the earlier export is kept."""
+    from moetron.models.hf import export_hf
+
+    native = native_checkpoint(tmp_path / "native")
+    out = tmp_path / "hf"
+    export_hf(native, str(out), dtype=torch.bfloat16)
+    before = file_hashes(out)
+    size = 2 * export_bytes(out)
+    with file_size_limit(size // 2), pytest.raises(CheckpointError) as info:
+        export_hf(native, str(out), overwrite=True)
+    message = str(info.value)
+    assert isinstance(info.value.__cause__, OSError) and "file too large" in message, message
+    assert_one_clear_line(message, "Hugging Face checkpoint", out, size)
+    assert f"the Hugging Face checkpoint already at {out} is unchanged" in message, message
+    assert sorted(os.listdir(tmp_path)) == ["hf", "native"] and file_hashes(out) == before
+
+
+def test_hf_export_failing_to_read_its_source_is_not_called_a_full_disk(tmp_path):
+    """An OSError naming a file of the checkpoint being read is not the output's disk: raised as it was."""
+    from moetron.models.hf import export_hf
+
+    native = native_checkpoint(tmp_path / "native")
+    victim = max(os.listdir(native), key=lambda n: os.path.getsize(os.path.join(native, n)))
+    os.remove(os.path.join(native, victim))
+    with pytest.raises(BaseException) as info:
+        export_hf(native, str(tmp_path / "hf"))
+    assert "free" not in str(info.value) and "write to a file system" not in str(info.value), info.value
+    assert sorted(os.listdir(tmp_path)) == ["native"]
