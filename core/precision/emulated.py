@@ -137,7 +137,24 @@ class MXFormat:
             return self.qdq(w2, -1 if axis % w.dim() == w.dim() - 1 else 0).reshape(w.shape)
         return mx_qdq(w, axis, self.scale_mode)
 
-    def weight_tag(self, axis: int) -> str:
+    def pairs_weights(self, w: torch.Tensor) -> bool:
+        """Whether weight_pair makes both of w's quantizations from one read (the fused kernel, on
+        the GPU; O a whole number of blocks)."""
+        from . import mx_triton
+
+        return (w.dim() >= 2 and w.shape[-2] % MX_BLOCK == 0 and self._triton(w.reshape(-1, w.shape[-1]))
+                and mx_triton.LEAN and FUSED)
+
+    def weight_pair(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weight(w, -1), weight(w, -2)) from one read of w (mx_rows_and_cols_triton on the 2-D view
+        [..., O] x I: its rows are blocks along I, its columns blocks along O, which never cross the
+        leading dims as O % 32 == 0)."""
+        from .mx_triton import mx_rows_and_cols_triton
+
+        rows, cols = mx_rows_and_cols_triton(w.reshape(-1, w.shape[-1]), None, None, self.scale_mode, cols_payload=False)
+        return rows.reshape(w.shape), cols.reshape(w.shape)
+
+    def weight_tag(self, axis: int | str) -> str:
         return f"mx_{self.scale_mode}_{axis}"
 
     def __repr__(self) -> str:
@@ -168,7 +185,10 @@ class BlockwiseFormat:
     def weight(self, w: torch.Tensor, axis: int) -> torch.Tensor:
         return dequantize_128x128(*quantize_128x128(w)).to(_BF16)
 
-    def weight_tag(self, axis: int) -> str:
+    def pairs_weights(self, w: torch.Tensor) -> bool:
+        return False  # one 128 x 128 tiling serves both GEMMs already
+
+    def weight_tag(self, axis: int | str) -> str:
         return "fp8_128x128"
 
     def __repr__(self) -> str:
@@ -181,7 +201,13 @@ def _pad_rows(x_TC: torch.Tensor, multiple: int) -> torch.Tensor:
 
 
 def _weight(gemm: "EmulatedGemm", w: torch.Tensor, axis: int) -> torch.Tensor:
+    """w quantized for the forward (axis -1) or the dgrad (-2), through the cache. Where the cache
+    serves (eager, or quantize_weights_once) and a kernel makes both from one read, one entry holds
+    both: the cache keeps both through the step either way, so it costs no memory."""
     fmt = gemm.format
+    if not torch.compiler.is_compiling() and fmt.pairs_weights(w):
+        forward, dgrad = gemm.cache.get(w, fmt.weight_tag("pair"), fmt.weight_pair)
+        return forward if axis == -1 else dgrad
     return gemm.cache.get(w, fmt.weight_tag(axis), lambda t: fmt.weight(t, axis))
 
 

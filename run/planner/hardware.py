@@ -155,7 +155,7 @@ once per step again for the experts under precision.quantize_weights_once. Assum
 MX_EMULATED_BYTES["weight"]."""
 MX_EMULATED_BYTES = {
     "input_fused": 2 + 2 + 1 + 1 / 32, "input_two_pass": 2 + 2 + 2 + 1 + 1 / 32, "input_dequant": 1 + 1 / 32 + 2,
-    "grad_fused": 2 + 2 + 2, "grad_two_pass": 2 + 2 + 2 + 2, "weight": 4 + 2,
+    "grad_fused": 2 + 2 + 2, "grad_two_pass": 2 + 2 + 2 + 2, "weight": 4 + 2, "weight_pair": 4 + 2 + 2,
 }
 """HBM bytes per element that mxfp8 emulated's quantization kernels move (core/precision/emulated.py,
 mx_triton.py) [code]. A GEMM's input x, forward: its bf16 rows for the GEMM and its columns' e4m3 +
@@ -165,7 +165,9 @@ payload back to bf16 (input_dequant, _mx_dequantize_kernel). Its output gradient
 rows for the dgrad and bf16 columns for the wgrad (grad_fused / grad_two_pass). A weight: each
 orientation (along I for the forward, along O for the dgrad) read from the fp32 master and written
 in bf16, a pass of its own (weight): two per micro-batch compiled (three for a recomputed block),
-two per step from the eager WeightCache. The grouped wgrad's padding rows (P - R, under 1% at 64
+two per step from the eager WeightCache, or, fused, one pass per step making both (weight_pair:
+emulated._weight's one cache entry for both orientations, where the cache serves: eager and
+quantize_weights_once; not run on a GPU yet, so the fused rate is the activations'). The grouped wgrad's padding rows (P - R, under 1% at 64
 experts of 2048 rows) are not counted."""
 EFF_MX_QUANT = 3.18 / 4.8
 """Achieved / datasheet HBM bandwidth of mxfp8 emulated's separate passes (_mx_quantize_kernel with

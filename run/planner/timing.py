@@ -70,12 +70,16 @@ def mx_emulated_quant_s(gpu: GPU, sw: Switches, module: str, inputs: float, outp
     measured rates]: x's rows and columns in forward (again when the block is ``recomputed``), its
     payload dequantized and dy's rows and columns in backward, each weight along I and along O
     (compiled: in the graph, in forward and backward and a recomputed forward; eager and
-    quantize_weights_once: from the WeightCache, once per step of ``microbatches``)."""
+    quantize_weights_once: from the WeightCache, once per step of ``microbatches``, both
+    orientations from one read when fused)."""
     b, hbm = MX_EMULATED_BYTES, gpu.hbm_tbps * 1e12
     mode = "fused" if sw.mx_fused else "two_pass"
     paired = b[f"input_{mode}"] * inputs * (2 if recomputed else 1) + b[f"grad_{mode}"] * outputs
-    orientations = 2 / microbatches if sw.caches_weights(module) else (3 if recomputed else 2)
-    separate = b["input_dequant"] * inputs + b["weight"] * weights * orientations
+    separate = b["input_dequant"] * inputs
+    if sw.caches_weights(module) and sw.mx_fused:  # one cache entry holds both orientations, one read
+        paired += b["weight_pair"] * weights / microbatches
+    else:
+        separate += b["weight"] * weights * (2 / microbatches if sw.caches_weights(module) else (3 if recomputed else 2))
     return paired / (hbm * (EFF_MX_FUSED if sw.mx_fused else EFF_MX_QUANT)) + separate / (hbm * EFF_MX_QUANT)
 
 

@@ -197,8 +197,9 @@ def test_weights_are_quantized_once_per_step():
 
 def _fused_kernels_match_torch(device: str) -> None:
     """mxfp8 emulated through the Triton kernels (the fused rows-and-columns quantization, one read
-    per operand) against the torch reference ops: the same outputs and gradients, bit for bit, for a
-    linear (tokens not a whole block) and a grouped GEMM (an empty expert, rows past the end)."""
+    per operand, the weights' two orientations included) against the torch reference ops: the same
+    outputs and gradients, bit for bit, for a linear (tokens not a whole block) and a grouped GEMM
+    (an empty expert, rows past the end)."""
     from moetron.core.precision import emulated
 
     assert emulated.FUSED
@@ -218,6 +219,8 @@ def _fused_kernels_match_torch(device: str) -> None:
             dyg[75:] = 0
             yg.backward(dyg)
             results.append([y, x.grad, w.grad, yg[:75], xg.grad[:75], wg.grad])
+            # the Triton path quantizes each weight's two orientations from one read: one entry each
+            assert gemm.cache.misses == (2 if kernels == "triton" else 4), (kernels, gemm.cache.misses)
         for got, want, what in zip(*results, ("y", "dx", "dw", "grouped y", "grouped dx", "grouped dw")):
             assert torch.equal(got, want), (mode, what)
 

@@ -512,6 +512,12 @@ def test_mxfp8_emulated_quantization_counted_from_its_kernels_fits_session9():
     olmoe3 = _olmoe3()
     assert run(olmoe3, False)["step_s"] == pytest.approx(0.3276, rel=0.05)
     assert run(olmoe3, False, once=True)["step_s"] == pytest.approx(run(olmoe3, False)["step_s"])
+    # fused, the weight cache (quantize_weights_once) makes both orientations of an expert weight
+    # from one fp32 read: 4 + 2 + 2 B at the fused rate instead of two passes of 4 + 2 at the other
+    moe_layers = sum(olmoe3.is_moe_layer(i) for i in range(olmoe3.n_layers))
+    we = moe_layers * olmoe3.moe.num_experts * 3 * olmoe3.d_model * olmoe3.moe.expert_hidden
+    saved = quant(run(olmoe3, True)) - quant(run(olmoe3, True, once=True))
+    assert saved == pytest.approx(12 * we / (hbm * hw.EFF_MX_QUANT) - 8 * we / (hbm * hw.EFF_MX_FUSED), rel=1e-6)
     # a report that recorded MOETRON_MX_FUSED is planned as it ran; without it, as this process has it
     row = {"overrides": ["--precision.recipe=mxfp8", "--precision.backend=emulated"]}
     assert planner.bench_plan({"preset": "tiny-moe", "env_vars": {"MOETRON_MX_FUSED": "0"}}, row).mx_fused is False
