@@ -24,7 +24,9 @@ each expert's rows to a whole block (core.precision.grouping.padded_source_rows:
 index, on the device), so no block of its wgrad operands holds two experts' rows.
 
 Kernels: on CUDA, MXFormat runs mx_triton's fused kernels (quantize-dequantize in one read and one
-write; the padded wgrad operands gathered inside the load); the torch ops elsewhere; same bits.
+write; the padded wgrad operands gathered inside the load; an operand's rows and its wgrad columns
+from one read, ``rows_and_cols``, and, where the weight cache serves, a weight's two orientations
+from one read, ``weight_pair``); the torch ops elsewhere; same bits.
 
 Legend: T tokens, R expert-sorted rows, P padded rows, E experts, I / O input / output dims.
 """
