@@ -10,14 +10,23 @@ per rank with NCCL (``backend="nccl"``: rank r uses cuda:r).
         run_distributed(_check, 2, str(tmp_path))
 
 A failure in any child re-raises in the caller with the child's traceback in the message.
+
+gloo ranks fork from a server that has imported torch's distributed, DTensor, checkpoint and dynamo
+modules once (spawn made every rank import them again: seconds of CPU per rank, most of a tiny
+test's time); each rank still gets what a spawned one had: the caller's environment, working
+directory, sys.path, stdout and stderr (so capfd and pytest's report see the ranks' output), intra-op
+thread count, and fresh random seeds. NCCL ranks are spawned (no CUDA state can cross a fork).
 """
 
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import os
 import socket
+import sys
 import time
+from multiprocessing import reduction
 from typing import Any, Callable
 
 import torch
@@ -25,6 +34,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 __all__ = ["run_distributed", "free_port"]
+
+# What the fork server imports once for every gloo rank (the bulk of a rank's start-up); moetron's own
+# modules are left to each rank, so they read the environment the caller set.
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp",
+            "torch.distributed.checkpoint", "torch.distributed.pipelining", "torch._dynamo"]
 
 
 def free_port() -> int:
@@ -34,7 +48,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank: int, fn: Callable[..., Any], world_size: int, port: int, args: tuple, backend: str) -> None:
+def _stdio_fds(out: Any, err: Any) -> tuple[int, int]:
+    return out.detach(), err.detach()
+
+
+class _CallerStdio:
+    """Pickles into the caller's fds 1 and 2, passed to the new process (as it starts, under any start method)."""
+
+    def __reduce__(self):
+        return _stdio_fds, (reduction.DupFd(1), reduction.DupFd(2))
+
+
+def _child(rank: int, fn: Callable[..., Any], world_size: int, port: int, args: tuple, backend: str,
+           caller: tuple[dict, str, list, tuple[int, int], int]) -> None:
+    env, cwd, path, (out_fd, err_fd), threads = caller  # what a spawned child has (a forked one has the server's)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(out_fd, 1)
+    os.dup2(err_fd, 2)
+    for fd in {out_fd, err_fd} - {1, 2}:
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.path[:] = path
+    torch.seed()  # a forked child would share the server's seeds
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    # The caller's intra-op threads: tests compare fp32 results of the ranks with the caller's own,
+    # and the thread count changes the order of a reduction.
+    torch.set_num_threads(threads)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     os.environ["RANK"] = str(rank)
@@ -61,7 +104,7 @@ def _child(rank: int, fn: Callable[..., Any], world_size: int, port: int, args: 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float | None = 120,
                     backend: str = "gloo") -> None:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes (gloo, or NCCL on GPUs).
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` new processes (gloo, or NCCL on GPUs).
 
     ``fn`` and ``args`` must be picklable (define ``fn`` at module level). Raises RuntimeError
     carrying the failing child's traceback; a child that hangs longer than ``timeout_s`` makes the
@@ -71,8 +114,12 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         raise RuntimeError(f"run_distributed: NCCL with {world_size} ranks needs {world_size} GPUs, "
                            f"{torch.cuda.device_count()} visible")
     port = free_port()
-    ctx = mp.start_processes(_child, args=(fn, world_size, port, args, backend), nprocs=world_size, join=False,
-                             start_method="spawn")
+    start_method = "spawn" if backend == "nccl" else "forkserver"
+    if start_method == "forkserver":
+        multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)  # read when it starts
+    caller = (dict(os.environ), os.getcwd(), list(sys.path), _CallerStdio(), torch.get_num_threads())
+    ctx = mp.start_processes(_child, args=(fn, world_size, port, args, backend, caller), nprocs=world_size,
+                             join=False, start_method=start_method)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
         while not ctx.join(timeout=0.5):
