@@ -102,7 +102,8 @@ def main(argv=None) -> int:
 
     shapes = TINY_SHAPES if args.tiny else {k: v for k, v in SHAPES.items()
                                             if not args.shapes or k in args.shapes.split(",")}
-    tokens, iters = (64, 1) if args.tiny else (args.tokens, args.iters)
+    # --tiny (interpreted, timings meaningless): one timed call, no warm-up beyond the first call
+    tokens, iters, warmup = (64, 1, 0) if args.tiny else (args.tokens, args.iters, 2)
     env = run_environment(device, 1, "tools/bench_fp8_variants.py", sys.argv[1:] if argv is None else argv)
     dev = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreted: timings meaningless)"
     print(f"{dev} | torch {torch.__version__} | one GEMM per row, operands quantized beforehand", flush=True)
@@ -119,7 +120,7 @@ def main(argv=None) -> int:
             for kind, (bf16, fp8, cublas) in passes(ops, offsets_E).items():
                 flops = 2 * R * I * O
                 row = {"kind": "gemm", "shape": name, "gemm": gemm, "pass": kind, "rows": R, "I": I, "O": O}
-                ms = {"bf16": median_ms(bf16, device, warmup=2, iters=iters)}
+                ms = {"bf16": median_ms(bf16, device, warmup=warmup, iters=iters)}
                 out = {}
                 for k in ft.GroupedKernel:
                     tune_start = time.perf_counter()
@@ -128,14 +129,14 @@ def main(argv=None) -> int:
                     if k == ft.GroupedKernel.pipelined:
                         row["config"], timings = ft.last_tuning(wgrad=kind == "wgrad")
                         row["config_ms"] = dict(sorted(timings.items(), key=lambda kv: kv[1]))
-                    ms[k] = median_ms(lambda: fp8(k), device, warmup=2, iters=iters)
+                    ms[k] = median_ms(lambda: fp8(k), device, warmup=warmup, iters=iters)
                 masked, pipelined = out[ft.GroupedKernel.masked].float(), out[ft.GroupedKernel.pipelined].float()
                 used = slice(0, int(offsets_E[-1])) if kind != "wgrad" else slice(None)
                 rel = lambda t: ((t[used] - masked[used]).abs().max()  # noqa: E731
                                  / masked[used].abs().max().clamp_min(1e-30)).item()
                 row["rel_diff"] = rel(pipelined)
                 if device.type == "cuda":  # cuBLAS's blockwise scaled_mm: SM90 only
-                    ms["cublas"] = median_ms(cublas, device, warmup=2, iters=iters)
+                    ms["cublas"] = median_ms(cublas, device, warmup=warmup, iters=iters)
                     row["cublas_rel_diff"] = rel(cublas().float())
                 row["ok"] = max(row["rel_diff"], row.get("cublas_rel_diff", 0.0)) <= TOL
                 ok &= row["ok"]

@@ -217,11 +217,12 @@ def phase_of(name: str) -> str:
     return next(phase for phase, rule in PHASES if rule.search(name))
 
 
-def profile_rows(shapes, tokens, device, top: int, only=()) -> list[dict]:
-    """Kernel time per step of each grouped (shape, backend), split by phase (see PHASES)."""
+def profile_rows(shapes, tokens, device, top: int, only=(), steps: int = 3) -> list[dict]:
+    """Kernel time per step of each grouped (shape, backend) over ``steps`` steps, split by phase
+    (see PHASES)."""
     from torch.profiler import ProfilerActivity, profile
 
-    rows, steps = [], 3
+    rows = []
     for name, s in shapes.items():
         D, E, K, F = s["d_model"], s["num_experts"], s["top_k"], s["hidden"]
         offsets = uniform_offsets(tokens, E, K, device)
@@ -232,7 +233,7 @@ def profile_rows(shapes, tokens, device, top: int, only=()) -> list[dict]:
             x = torch.randn(R, D, device=device, dtype=torch.bfloat16, requires_grad=True)
             w = (torch.randn(E, 2 * F, D, device=device) * D ** -0.5).to(wdtype).requires_grad_()
             dy = torch.randn(R, 2 * F, device=device, dtype=torch.bfloat16)
-            bench_gemm(gemm, "grouped", x, w, offsets, dy, device, 2, False)  # warm (autotune, cache)
+            bench_gemm(gemm, "grouped", x, w, offsets, dy, device, min(2, steps), False)  # warm (autotune, cache)
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
             with profile(activities=acts) as prof:
                 for _ in range(steps):
@@ -330,7 +331,9 @@ def main(argv=None) -> int:
         r["vs_bf16"] = r["tflops"] / base[(r["kind"], r["shape"])]
         print(f"{r['kind']:<8} {r['shape']:<17} {r['backend']:<32} {r['weights']:<12} {r['ms']:>8.3f} "
               f"{r['tflops']:>8.1f} {r['vs_bf16']:>7.2f}")
-    prof = profile_rows(shapes, tokens, device, args.top, args.backends) if args.profile else []
+    # --tiny (interpreted, timings meaningless): one step shows the kernels and their phases
+    prof = (profile_rows(shapes, tokens, device, args.top, args.backends, steps=1 if args.tiny else 3)
+            if args.profile else [])
     if prof:
         print_profile(prof)
     env = run_environment(device, 1, "tools/bench_gemm_fp8.py", sys.argv[1:] if argv is None else argv)
