@@ -148,7 +148,7 @@ def grouped_mm(x_RI: Tensor, w_EOI: Tensor, offsets_E: Tensor, dtype: torch.dtyp
     GEMM run in ``dtype``. Differentiable in x and w (w's gradient in w's dtype); saves x and w
     themselves, never a cast copy (with ``cache_id`` from register_cache(): the cast is made once per
     step and kept in that cache until it is invalidated). ``per_expert`` (precision.bf16_experts=cublas):
-    one cuBLAS GEMM per group, forward and backward, the group sizes read on the host (a sync per GEMM call),
+    one cuBLAS GEMM per group, forward and backward, the group sizes read on the host (one sync in the forward, one shared by the backward's dgrad and wgrad),
     instead of torch._grouped_mm. Rows past offsets_E[-1] are unspecified."""
     return _grouped_mm_op(x_RI.to(dtype), w_EOI, offsets_E.to(torch.int32), _dtype_name(dtype),
                           NO_CACHE if cache_id is None else cache_id, bool(per_expert))

@@ -67,7 +67,8 @@ class Bf16Experts(StrEnum):
     """torch._grouped_mm: every local expert's GEMM in one kernel, the offsets on the device (no host sync)."""
     cublas = "cublas"
     """One cuBLAS GEMM (torch.mm) per local expert, written in place into the grouped output, the
-    group sizes read on the host (one sync per grouped GEMM call: forward, dgrad, wgrad):
+    group sizes read on the host (one sync in each expert op's forward and one in its backward, shared
+    by the dgrad and the wgrad):
     cuBLAS's dense kernels instead of the grouped one, for layers with few experts and many rows
     each; with many small experts the per-call CPU cost is the limit (core/precision/grouping.py)."""
 
@@ -138,7 +139,7 @@ class PrecisionConfig(Config):
     bf16_experts: Bf16Experts = Bf16Experts.grouped_mm
     """How the routed experts' grouped bf16 GEMMs run (see Bf16Experts), in the bf16 recipe and in the
     emulated backends (whose GEMMs take the dequantized operands in bf16): torch's grouped kernel (no
-    host sync) or one cuBLAS GEMM per expert (a host sync per grouped GEMM call; under torch.compile the
+    host sync) or one cuBLAS GEMM per expert (a host sync per expert op forward and backward; under torch.compile the
     emulated backends' grouped GEMMs then run outside the graph, a graph break at each). The same
     operands; the fp32 sums in each kernel's own order; cuBLAS writes the weight gradients in the
     weight's dtype from the fp32 sums (no bf16 rounding, no cast pass). The native low-precision backends refuse it

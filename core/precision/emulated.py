@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from .blockwise import FP8_BLOCK, dequantize_128x128, dequantize_1x128, quantize_128x128, quantize_1x128
 from .cache import WeightCache
 from .gemm import GemmBackend
-from .grouping import gather_rows, grouped_mm_2d2d, grouped_mm_2d3d, padded_source_rows
+from .grouping import gather_rows, grouped_mm_2d2d, grouped_mm_2d3d, host_ends, padded_host_ends, padded_source_rows
 from .mx import MX_BLOCK, dequantize_mx, quantize_mx
 
 __all__ = ["BlockwiseFormat", "EmulatedGemm", "MXFormat", "mx_qdq"]
@@ -263,16 +263,19 @@ class _EmulatedGroupedMM(torch.autograd.Function):
         fmt = gemm.format
         dx_RI = dw_EOI = None
         dy_hat_RO = dy_hat_PO = None
+        # per_expert: the GEMM loops' group sizes read to the host once for the dgrad and the wgrad
+        loops_E = host_ends(offsets_E) if gemm.per_expert else offsets_E
+        padded_loops_E = padded_host_ends(loops_E, fmt.block) if gemm.per_expert else padded_offsets_E
         if ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
             dy_hat_RO, dy_hat_PO = fmt.rows_and_cols(dy_RO, src_P, offsets_E, False)
         if ctx.needs_input_grad[0]:
             dy_hat_RO = fmt.qdq(dy_RO, -1) if dy_hat_RO is None else dy_hat_RO
-            dx_RI = grouped_mm_2d3d(dy_hat_RO, _weight(gemm, w_EOI, -2), offsets_E, gemm.per_expert).to(ctx.x_dtype)
+            dx_RI = grouped_mm_2d3d(dy_hat_RO, _weight(gemm, w_EOI, -2), loops_E, gemm.per_expert).to(ctx.x_dtype)
             del dy_hat_RO
         if ctx.needs_input_grad[1]:
             x_hat_PI = fmt.dequantize(tuple(x_payload), 0, _BF16)
             dy_hat_PO = fmt.qdq(dy_RO, 0, src_P) if dy_hat_PO is None else dy_hat_PO
-            dw_EOI = grouped_mm_2d2d(dy_hat_PO.t(), x_hat_PI, padded_offsets_E, gemm.per_expert,
+            dw_EOI = grouped_mm_2d2d(dy_hat_PO.t(), x_hat_PI, padded_loops_E, gemm.per_expert,
                                      w_EOI.dtype if gemm.per_expert else None).to(w_EOI.dtype)
         return dx_RI, dw_EOI, None, None
 

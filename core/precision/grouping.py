@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["gather_rows", "grouped_mm_2d2d", "grouped_mm_2d3d", "host_ends", "host_sizes", "pad_groups", "padded_rows", "padded_source_rows"]
+__all__ = ["gather_rows", "grouped_mm_2d2d", "grouped_mm_2d3d", "host_ends", "host_sizes", "padded_host_ends", "pad_groups", "padded_rows", "padded_source_rows"]
 
 
 def padded_rows(rows: int, groups: int, multiple: int) -> int:
@@ -65,6 +65,17 @@ def host_ends(offsets_E: Offsets) -> list[int]:
     """The inclusive cumsum on the host: the one device -> host sync of per-group loops (none when
     it is a list already)."""
     return offsets_E if isinstance(offsets_E, list) else offsets_E.tolist()
+
+
+def padded_host_ends(ends: list[int], multiple: int) -> list[int]:
+    """padded_source_rows' padded_offsets_E from the host ends (each group rounded up to a whole
+    ``multiple``), made on the host: no second sync for a loop over the padded groups."""
+    out, total, start = [], 0, 0
+    for end in ends:
+        total += -(-(end - start) // multiple) * multiple
+        out.append(total)
+        start = end
+    return out
 
 
 def host_sizes(offsets_E: Offsets, rows: int) -> list[int]:

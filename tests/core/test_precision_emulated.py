@@ -234,3 +234,36 @@ def test_fused_mx_kernels_match_the_torch_ops_interpreted():
 @pytest.mark.gpu
 def test_fused_mx_kernels_match_the_torch_ops_on_gpu():
     _fused_kernels_match_torch("cuda")
+
+
+def test_per_expert_grouped_reads_the_groups_once_per_pass_and_matches_float64():
+    """precision.bf16_experts=cublas on an emulated backend (one GEMM per expert): against float64 per
+    expert like the grouped kernel, and the group sizes read to the host once in the forward and once
+    for the backward's dgrad and wgrad (the wgrad's padded groups derived on the host,
+    grouping.padded_host_ends, equal to padded_source_rows' device ones)."""
+    from moetron.core.precision import emulated, grouping
+
+    make, act, wq = FORMATS["mx_rceil"]
+    gemm = EmulatedGemm(make())
+    gemm.per_expert = True
+    offsets = torch.tensor([37, 37, 150, 290, 300])
+    _, padded = grouping.padded_source_rows(offsets, 310, 32)
+    assert grouping.padded_host_ends(offsets.tolist(), 32) == padded.tolist()
+    x = wide(310, 256, seed=4).requires_grad_()
+    w = wide(5, 128, 256, seed=5).requires_grad_()
+    dy = wide(310, 128, seed=6).bfloat16().float()
+    dy[300:] = 0
+    reads = []
+    host_ends = grouping.host_ends
+
+    def counted(offsets_E):
+        reads.append(isinstance(offsets_E, torch.Tensor))
+        return host_ends(offsets_E)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(grouping, "host_ends", counted)
+        mp.setattr(emulated, "host_ends", counted)
+        y = gemm.grouped_mm(x, w, offsets)
+        y.backward(dy)
+    assert sum(reads) == 2, reads
+    check_grouped(act, wq, x, w, offsets, y, dy)
