@@ -364,18 +364,9 @@ def test_per_expert_cublas_path_matches_float64_and_the_grouped_kernel():
         return (h, y, *grads)
 
     import moetron.core.precision.bf16_grouped as bf16_grouped
-    import moetron.core.precision.grouping as grouping
+    from tests.host_reads import counted_host_reads
 
-    reads = []
-    host_ends = grouping.host_ends
-
-    def counted(offsets_E):
-        reads.append(isinstance(offsets_E, torch.Tensor))
-        return host_ends(offsets_E)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(grouping, "host_ends", counted)
-        mp.setattr(bf16_grouped, "host_ends", counted)
+    with counted_host_reads(bf16_grouped) as reads:
         h, y, gx, gw_up, gw_down, gscale = run(True)
     assert sum(reads) == 4  # device -> host reads: each op's forward, and its backward's dgrad + wgrad once
     assert y.dtype == torch.bfloat16 and gw_up.dtype == torch.float32

@@ -253,16 +253,9 @@ def test_per_expert_grouped_reads_the_groups_once_per_pass_and_matches_float64()
     w = wide(5, 128, 256, seed=5).requires_grad_()
     dy = wide(310, 128, seed=6).bfloat16().float()
     dy[300:] = 0
-    reads = []
-    host_ends = grouping.host_ends
+    from tests.host_reads import counted_host_reads
 
-    def counted(offsets_E):
-        reads.append(isinstance(offsets_E, torch.Tensor))
-        return host_ends(offsets_E)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(grouping, "host_ends", counted)
-        mp.setattr(emulated, "host_ends", counted)
+    with counted_host_reads(emulated) as reads:
         y = gemm.grouped_mm(x, w, offsets)
         y.backward(dy)
     assert sum(reads) == 2, reads
