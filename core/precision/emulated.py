@@ -95,6 +95,13 @@ class MXFormat:
         self.scale_mode = scale_mode
         self.kernels = kernels
 
+    def _fused(self, x: torch.Tensor) -> bool:
+        """Whether x's two quantizations come from one read (mx_rows_and_cols_triton: the Triton path,
+        the lean arithmetic, FUSED)."""
+        from . import mx_triton
+
+        return self._triton(x) and mx_triton.LEAN and FUSED
+
     def _triton(self, x: torch.Tensor) -> bool:
         return x.dim() == 2 and (self.kernels == "triton" or (self.kernels == "auto" and x.is_cuda))
 
@@ -118,10 +125,10 @@ class MXFormat:
                       cols_payload: bool):
         """rows_and_cols (below), from one read of x on the GPU (mx_triton.mx_rows_and_cols_triton:
         the lean arithmetic; ``MOETRON_MX_FUSED=0`` or ``MOETRON_MX_LEAN=0`` runs the two passes)."""
-        from . import mx_triton
+        if self._fused(x):
+            from .mx_triton import mx_rows_and_cols_triton
 
-        if self._triton(x) and mx_triton.LEAN and FUSED:
-            return mx_triton.mx_rows_and_cols_triton(x, src_rows, ends, self.scale_mode, cols_payload)
+            return mx_rows_and_cols_triton(x, src_rows, ends, self.scale_mode, cols_payload)
         return rows_and_cols(self, x, src_rows, cols_payload)
 
     def dequantize(self, payload: tuple[torch.Tensor, ...], axis: int, dtype: torch.dtype = torch.float32):
@@ -142,10 +149,7 @@ class MXFormat:
     def pairs_weights(self, w: torch.Tensor) -> bool:
         """Whether weight_pair makes both of w's quantizations from one read (the fused kernel, on
         the GPU; O a whole number of blocks)."""
-        from . import mx_triton
-
-        return (w.dim() >= 2 and w.shape[-2] % MX_BLOCK == 0 and self._triton(w.reshape(-1, w.shape[-1]))
-                and mx_triton.LEAN and FUSED)
+        return w.dim() >= 2 and w.shape[-2] % MX_BLOCK == 0 and self._fused(w.reshape(-1, w.shape[-1]))
 
     def weight_pair(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weight(w, -1), weight(w, -2)) from one read of w (mx_rows_and_cols_triton on the 2-D view

@@ -50,6 +50,7 @@ mxfp8 emulated, compiled) it took olmoe3-4l-8e from 48,263 to 50,005 tok/s (+3.6
 66,509 to 70,767 (+6.4%): docs/performance.md."""
 _ROWS_TILE = (32, 128)   # axis -1: 32 rows x 4 blocks of 32
 _COLS_TILE = (32, 256)   # axis 0: one block of 32 rows x 256 columns
+_BOTH_TILE = (32, 128)   # both axes: 4 blocks along each of 32 rows, 128 column blocks
 
 
 @triton.jit
@@ -451,7 +452,7 @@ def mx_rows_and_cols_triton(x: torch.Tensor, src_rows: torch.Tensor | None = Non
     xk, in_bf16 = as_loadable(x)
     src = src_rows if src_rows is not None else rows
     end = ends[-1:] if ends is not None else rows
-    TC = _COLS_TILE[1] // 2
+    TC = _BOTH_TILE[1]
     strides = (x.stride(0), x.stride(1), rows.stride(0), rows.stride(1), cols.stride(0), cols.stride(1),
                data.stride(0), data.stride(1), scale.stride(0), scale.stride(1))
     common = dict(COLS_PAYLOAD=cols_payload, FLOOR=scale_mode == "floor", IN_BF16=in_bf16, HW=HW_CONVERT, TC=TC,
