@@ -38,6 +38,10 @@ def parse(argv):
     p.add_argument("--shapes", default="", help="comma-separated names of bench_gemm_fp8.SHAPES (default all)")
     p.add_argument("--gemms", default="gate_up", help="comma-separated: gate_up, down")
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--gluon-configs", default="64,128,4,4;64,128,4,3;128,128,8,4",
+                   help="the Gluon rows kernel's tiles to time, 'BM,BN,warps,buffers;...' (SM90; best one reported)")
+    p.add_argument("--gluon-k-configs", default="64,64,4,4;128,64,8,4;64,64,4,6",
+                   help="the Gluon wgrad kernel's tiles to time, as --gluon-configs")
     p.add_argument("--json", default="", help="write the results here")
     return p.parse_args(argv)
 
@@ -122,7 +126,7 @@ def main(argv=None) -> int:
                 row = {"kind": "gemm", "shape": name, "gemm": gemm, "pass": kind, "rows": R, "I": I, "O": O}
                 ms = {"bf16": median_ms(bf16, device, warmup=warmup, iters=iters)}
                 out = {}
-                for k in ft.GroupedKernel:
+                for k in (ft.GroupedKernel.masked, ft.GroupedKernel.pipelined):
                     tune_start = time.perf_counter()
                     out[k] = fp8(k)  # autotunes on the first call of each (N, K)
                     row[f"{k}_first_call_s"] = time.perf_counter() - tune_start
@@ -135,10 +139,26 @@ def main(argv=None) -> int:
                 rel = lambda t: ((t[used] - masked[used]).abs().max()  # noqa: E731
                                  / masked[used].abs().max().clamp_min(1e-30)).item()
                 row["rel_diff"] = rel(pipelined)
+                from moetron.core.precision import fp8_gluon
+                if fp8_gluon.supported(device):  # each Gluon tile; the best one is the gluon column
+                    attr = "K_CONFIG" if kind == "wgrad" else "CONFIG"
+                    default, timings = getattr(fp8_gluon, attr), {}
+                    for spec in (args.gluon_k_configs if kind == "wgrad" else args.gluon_configs).split(";"):
+                        setattr(fp8_gluon, attr, fp8_gluon.GluonConfig(*map(int, spec.split(","))))
+                        got = fp8(ft.GroupedKernel.gluon).float()
+                        timings[getattr(fp8_gluon, attr).name] = (median_ms(lambda: fp8(ft.GroupedKernel.gluon), device,
+                                                                            warmup=warmup, iters=iters), rel(got))
+                    setattr(fp8_gluon, attr, default)
+                    best = min(timings, key=lambda c: timings[c][0])
+                    ms["gluon"], row["gluon_config"], row["gluon_rel_diff"] = timings[best][0], best, timings[best][1]
+                    row["gluon_configs"] = {c: {"ms": t, "rel_diff": r} for c, (t, r) in timings.items()}
+                    row["gluon_vs_pipelined"] = ms["pipelined"] / ms["gluon"]
+                    row["gluon_vs_bf16"] = ms["bf16"] / ms["gluon"]
                 if device.type == "cuda":  # cuBLAS's blockwise scaled_mm: SM90 only
                     ms["cublas"] = median_ms(cublas, device, warmup=warmup, iters=iters)
                     row["cublas_rel_diff"] = rel(cublas().float())
-                row["ok"] = max(row["rel_diff"], row.get("cublas_rel_diff", 0.0)) <= TOL
+                row["ok"] = max(row["rel_diff"], row.get("cublas_rel_diff", 0.0),
+                                max((g["rel_diff"] for g in row.get("gluon_configs", {}).values()), default=0.0)) <= TOL
                 ok &= row["ok"]
                 for k, v in ms.items():
                     row[f"{k}_ms"], row[f"{k}_tflops"] = v, flops / v / 1e9
@@ -153,6 +173,10 @@ def main(argv=None) -> int:
                 print(f"{name:<15} {gemm:<8} {kind:<6} {cell('bf16'):>13} {cell('masked'):>13} {cell('pipelined'):>13} "
                       f"{row['vs_masked']:>8.2f} {row['vs_bf16']:>7.2f} {row['rel_diff']:>9.1e} {cub}  {row['config']}"
                       + (f" ({others})" if others else "") + ("" if row["ok"] else "  MISMATCH"), flush=True)
+                if "gluon" in ms:
+                    print(f"{'':<15} {'':<8} {'':<6} gluon {cell('gluon')} x bf16 {row['gluon_vs_bf16']:.2f} "
+                          f"x pipelined {row['gluon_vs_pipelined']:.2f} rel diff {row['gluon_rel_diff']:.1e} "
+                          + ", ".join(f"{c}: {g['ms']:.3f}" for c, g in row["gluon_configs"].items()), flush=True)
             del ops
         write_report(args.json, env, rows)  # after each shape: a run cut short keeps the shapes it finished
     print(f"(cells: ms / TFLOP/s; x masked, x bf16: the pipelined kernel's speed-up; {time.perf_counter() - t0:.0f} s)")

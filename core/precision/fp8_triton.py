@@ -42,6 +42,10 @@ class GroupedKernel(StrEnum):
     """Unmasked loads (rows and columns clamped inside the tensor, masked only at the store) or TMA
     descriptors (zero-filled past the end), BN 128 or 256 (per-128-column B scales), the expert
     found with one vector pass over the offsets, and a wider autotune list."""
+    gluon = "gluon"
+    """core/precision/fp8_gluon.py: explicit async wgmma, each K-block's promotion overlapping the
+    next K-block's MMA. SM90 only and TMA-able operands only; elsewhere (CPU, interpreter, SM100,
+    other strides) the pipelined kernel runs."""
 
 
 KERNEL = GroupedKernel.pipelined  # the default (1.05-1.34x the masked kernels on the H200, session 6)
@@ -326,7 +330,15 @@ def fp8_grouped_mm_rows(a_RK: torch.Tensor, sa_RB: torch.Tensor, b_EKN: torch.Te
         raise ValueError(f"the fp8 grouped GEMM needs K ({K}) and N ({N}) to be multiples of {BLOCK_K}")
     out = torch.empty(R, N, dtype=out_dtype, device=a_RK.device)
     offsets_E = offsets_E.to(torch.int32)
-    if GroupedKernel(kernel or KERNEL) == GroupedKernel.pipelined:
+    kernel = GroupedKernel(kernel or KERNEL)
+    if kernel == GroupedKernel.gluon:
+        from . import fp8_gluon
+
+        descriptors = fp8_gluon.rows_descriptors(a_RK, b_EKN) if fp8_gluon.supported(a_RK.device) else None
+        if descriptors is not None:
+            return fp8_gluon.gluon_grouped_mm_rows(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out, descriptors)
+        kernel = GroupedKernel.pipelined
+    if kernel == GroupedKernel.pipelined:
         _rows_pipelined(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out)
         return out
     grid = lambda meta: (triton.cdiv(N, BLOCK_K), triton.cdiv(R, meta["BM"]) + E)  # noqa: E731
@@ -348,19 +360,27 @@ def fp8_grouped_mm_k(a_MP: torch.Tensor, sa_MB: torch.Tensor, bt_NP: torch.Tenso
     if P % BLOCK_K:
         raise ValueError(f"the fp8 wgrad GEMM needs the padded rows ({P}) to be a multiple of {BLOCK_K}")
     out = torch.empty(E, M, N, dtype=torch.float32, device=a_MP.device)
-    if GroupedKernel(kernel or KERNEL) == GroupedKernel.pipelined:
+    kernel = GroupedKernel(kernel or KERNEL)
+    padded_offsets_E = padded_offsets_E.to(torch.int32)
+    if kernel == GroupedKernel.gluon:
+        from . import fp8_gluon
+
+        if fp8_gluon.supported(a_MP.device) and fp8_gluon.k_operands_ok(a_MP, bt_NP):
+            return fp8_gluon.gluon_grouped_mm_k(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out)
+        kernel = GroupedKernel.pipelined
+    if kernel == GroupedKernel.pipelined:
         a_desc, b_desc = _descriptor(a_MP), _descriptor(bt_NP)
         tma_ok = int(a_desc is not None and b_desc is not None)
         if not tma_ok:
             a_desc = b_desc = None
         grid = lambda meta: (triton.cdiv(N, meta["BN"]), triton.cdiv(M, meta["BM"]), E)  # noqa: E731
         _fp8_grouped_gemm_k_pipelined_kernel[grid](
-            a_MP, a_desc, sa_MB, bt_NP, b_desc, sbt_NB, padded_offsets_E.to(torch.int32), out, M, N, tma_ok,
+            a_MP, a_desc, sa_MB, bt_NP, b_desc, sbt_NB, padded_offsets_E, out, M, N, tma_ok,
             a_MP.stride(0), a_MP.stride(1), sa_MB.stride(0), sa_MB.stride(1), bt_NP.stride(0), bt_NP.stride(1),
             sbt_NB.stride(0), sbt_NB.stride(1), out.stride(0), out.stride(1), out.stride(2), BK=BLOCK_K)
         return out
     grid = lambda meta: (triton.cdiv(N, meta["BN"]), triton.cdiv(M, meta["BM"]), E)  # noqa: E731
-    _fp8_grouped_gemm_k_kernel[grid](a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E.to(torch.int32), out, M, N,
+    _fp8_grouped_gemm_k_kernel[grid](a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out, M, N,
                     a_MP.stride(0), a_MP.stride(1), sa_MB.stride(0), sa_MB.stride(1),
                     bt_NP.stride(0), bt_NP.stride(1), sbt_NB.stride(0), sbt_NB.stride(1),
                     out.stride(0), out.stride(1), out.stride(2), BK=BLOCK_K)

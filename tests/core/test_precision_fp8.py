@@ -190,16 +190,18 @@ def test_pipelined_interpreted_matches_masked_and_float64():
     run_interpreted("tests.core.test_precision_fp8", "check_pipelined('cpu')")
 
 
-def _compile_sm90(kernel, config, values: dict, constexprs: dict):
-    """triton.compile of an autotuned kernel's jit function for SM90 with ``config``, the arguments
-    specialized as a launch would (pointers and ints divisible by 16 marked so, ints equal to 1 made
-    constexpr): no GPU needed."""
+def _compile_sm90(kernel, config, values: dict, constexprs: dict, gluon: bool = False):
+    """triton.compile of an autotuned kernel's jit function (or, ``gluon``, a Gluon kernel) for SM90
+    with ``config``, the arguments specialized as a launch would (pointers and ints divisible by 16
+    marked so, ints equal to 1 made constexpr): no GPU needed."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from triton.runtime.jit import JITFunction
 
+    if gluon:
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource  # noqa: F811
     fn = kernel if isinstance(kernel, JITFunction) else kernel.fn  # a jit function, or an autotuned kernel's
     signature, attrs, constants = {}, {}, {**constexprs, **config.kwargs}
     for i, name in enumerate(fn.arg_names):

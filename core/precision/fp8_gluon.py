@@ -1,0 +1,296 @@
+"""The FP8 blockwise grouped GEMMs of fp8_triton.py written in Gluon for SM90 (Hopper): explicit
+asynchronous wgmma, so that the fp32 promotion of one K-block's partial product (scaled by its
+1x128 / 128x128 scales and added to the accumulator) runs on the CUDA cores while the tensor cores
+already compute the next K-block's. Triton's own pipeliner cannot do this: a dot whose result is
+scaled before it is accumulated is waited for at once (wgmma.wait_group 0), so the tensor cores idle
+during every promotion (session 6 and 7: 770 TFLOP/s forward, ~500 wgrad, against ~1,050 for cuBLAS's
+blockwise GEMM on the same shapes).
+
+Each program owns one [BM, BN] output tile and runs one warpgroup per 64 rows:
+
+    wait for K-block k's TMA loads          (NUM_BUF-deep ring of A / B tiles in shared memory)
+    issue wgmma k (async, fresh accumulator)
+    wait until only wgmma k is in flight    (wgmma k-1 done; its buffers free)
+    issue the TMA loads of K-block k-1+NUM_BUF into them
+    acc += d[k-1] * scale[k-1]              (overlaps wgmma k)
+
+so two partial products and the accumulator live in registers at once (3 x BM x BN fp32 over the
+warps: 192 registers a thread at BM 64 / 4 warps or BM 128 / 8 warps, BN 128).
+
+- ``gluon_grouped_mm_rows``: the same contract as ``fp8_triton.fp8_grouped_mm_rows`` (forward,
+  dgrad) where B[e] is K-contiguous and the experts lie back to back (TMA descriptors).
+- ``gluon_grouped_mm_k``: the same contract as ``fp8_triton.fp8_grouped_mm_k`` (wgrad).
+
+SM90 only (wgmma does not exist on SM100; Blackwell runs fp8_triton's kernels or native MX). Gluon has
+no interpreter: the CPU tests compile both kernels for sm_90 (ptxas included, no GPU needed:
+tests/core/test_fp8_gluon.py) and the GPU tests compare them with the Triton kernels and float64.
+Legend: R rows, P padded rows, E experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+try:  # Gluon ships with Triton >= 3.5
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    # the TMA load's name: async_copy_global_to_shared up to Triton 3.6, async_load after
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed after Triton 3.6
+    AVAILABLE = True
+except ImportError:  # pragma: no cover - older Triton
+    AVAILABLE = False
+
+__all__ = ["AVAILABLE", "CONFIG", "K_CONFIG", "GluonConfig", "gluon_grouped_mm_k", "gluon_grouped_mm_rows",
+           "k_operands_ok", "rows_descriptors", "supported"]
+
+BLOCK_K = 128
+
+
+class GluonConfig(tuple):
+    """(BM, BN, num_warps, NUM_BUF): one warpgroup per 64 rows of the tile."""
+
+    def __new__(cls, bm: int, bn: int, warps: int, bufs: int):
+        if bm != 16 * warps:
+            raise ValueError(f"BM ({bm}) must be 16 x num_warps ({warps}): one warpgroup per 64 rows")
+        return super().__new__(cls, (bm, bn, warps, bufs))
+
+    @property
+    def name(self) -> str:
+        bm, bn, w, s = self
+        return f"BM{bm} BN{bn} w{w} s{s} gluon"
+
+
+CONFIG = GluonConfig(64, 128, 4, 4)
+"""The rows kernel's tile: 64 x 128 on one warpgroup (two or three programs resident per SM)."""
+K_CONFIG = GluonConfig(64, 64, 4, 4)
+"""The wgrad kernel's tile: BN 64, as the per-column B scales of a 64 x 128 tile spill (255 registers
+and a stack on SM90)."""
+
+
+def supported(device: torch.device | None = None) -> bool:
+    """Gluon importable and the GPU an SM90 (the one architecture with wgmma)."""
+    if not AVAILABLE or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device)[0] == 9
+
+
+if AVAILABLE:
+
+    @gluon.jit
+    def _add(a, b):
+        return a + b
+
+    @gluon.jit
+    def _row_tile(off_ptr, tile, E, BM: gl.constexpr, EP: gl.constexpr, num_warps: gl.constexpr):
+        """(expert, first row, end row) of row tile ``tile`` (tiles laid out expert after expert),
+        first row -1 past the last tile: fp8_triton._row_tile in Gluon."""
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+        e = gl.arange(0, EP, layout=layout)
+        ends = gl.load(off_ptr + e, mask=e < E, other=0)
+        starts = gl.load(off_ptr + e - 1, mask=(e > 0) & (e < E), other=0)
+        n_tiles = (ends - starts + BM - 1) // BM
+        last_tile = gl.associative_scan(n_tiles, 0, _add)  # one past each expert's last tile
+        group = gl.sum((last_tile <= tile).to(gl.int32), 0)
+        this = e == group
+        first_tile = gl.sum(gl.where(this, last_tile - n_tiles, 0), 0)
+        row0 = gl.sum(gl.where(this, starts, 0), 0) + (tile - first_tile) * BM
+        return group, gl.where(group < E, row0, -1), gl.sum(gl.where(this, ends, 0), 0)
+
+    @gluon.jit
+    def _issue_loads(a_desc, b_desc, a_row, b_row, kb, j, bars, a_bufs, b_bufs, NUM_BUF: gl.constexpr, pred):
+        """TMA loads of K-block ``kb`` (the loop's j-th; A rows from a_row, B rows from b_row) into
+        buffer j % NUM_BUF."""
+        BK: gl.constexpr = a_desc.block_type.shape[1]
+        i = j % NUM_BUF
+        bar = bars.index(i)
+        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=pred)
+        _tma_load(a_desc, [a_row, kb * BK], bar, a_bufs.index(i), pred)
+        _tma_load(b_desc, [b_row, kb * BK], bar, b_bufs.index(i), pred)
+
+    @gluon.jit
+    def _mainloop(a_desc, b_desc, a_row, b_row, kb0, nk, sa_ptrs, s_sak, sb_ptrs, s_sbk,
+                  mma_layout: gl.constexpr, PER_COL_SB: gl.constexpr, NUM_BUF: gl.constexpr):
+        """sum over K-blocks kb0 .. kb0+nk-1 of (A_kb @ B_kb^T) * sa[:, kb] * sb[kb] in fp32
+        (``PER_COL_SB``: sb a vector over the tile's columns, else one scalar), A [BM, BK] tiles of
+        a_desc from row a_row, B [BN, BK] tiles of b_desc from row b_row. nk >= 1."""
+        BM: gl.constexpr = a_desc.block_type.shape[0]
+        BN: gl.constexpr = b_desc.block_type.shape[0]
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_BUF] + a_desc.block_type.shape, a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_BUF] + b_desc.block_type.shape, b_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_BUF):
+            mbarrier.init(bars.index(i), count=1)
+        for i in gl.static_range(NUM_BUF - 1):
+            _issue_loads(a_desc, b_desc, a_row, b_row, kb0 + i, i, bars, a_bufs, b_bufs, NUM_BUF, i < nk)
+
+        acc = gl.zeros((BM, BN), dtype=gl.float32, layout=mma_layout)
+        zero = gl.zeros((BM, BN), dtype=gl.float32, layout=mma_layout)
+        mbarrier.wait(bars.index(0), 0)
+        d_prev = warpgroup_mma(a_bufs.index(0), b_bufs.index(0).permute((1, 0)), zero,
+                               use_acc=False, is_async=True)
+        sa_prev = gl.load(sa_ptrs + kb0 * s_sak)
+        sb_prev = gl.load(sb_ptrs + kb0 * s_sbk)
+        for j in range(1, nk):
+            slot = j % NUM_BUF
+            mbarrier.wait(bars.index(slot), (j // NUM_BUF) & 1)
+            d = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), zero, use_acc=False,
+                              is_async=True)
+            done = warpgroup_mma_wait(1, deps=(d_prev, ))  # K-block j-1 done, j in flight
+            # every warpgroup is past K-block j-1 before its buffers are refilled
+            _cta_barrier()
+            _issue_loads(a_desc, b_desc, a_row, b_row, kb0 + j - 1 + NUM_BUF, j - 1 + NUM_BUF, bars, a_bufs, b_bufs,
+                         NUM_BUF, j - 1 + NUM_BUF < nk)
+            if PER_COL_SB:
+                acc += done * sa_prev[:, None] * sb_prev[None, :]
+            else:
+                acc += done * (sa_prev * sb_prev)[:, None]
+            # K-block j's scales, loaded while wgmma j runs (one set held: a second spills at BN 128)
+            sa_prev = gl.load(sa_ptrs + (kb0 + j) * s_sak)
+            sb_prev = gl.load(sb_ptrs + (kb0 + j) * s_sbk)
+            d_prev = d
+        done = warpgroup_mma_wait(0, deps=(d_prev, ))
+        if PER_COL_SB:
+            acc += done * sa_prev[:, None] * sb_prev[None, :]
+        else:
+            acc += done * (sa_prev * sb_prev)[:, None]
+        for i in gl.static_range(NUM_BUF):
+            mbarrier.invalidate(bars.index(i))
+        return acc
+
+    @gluon.jit
+    def _gluon_rows_kernel(a_desc, sa_ptr, b_desc, sb_ptr, off_ptr, c_ptr, E, R, N, K,
+                           s_sam, s_sak, s_sbe, s_sbk, s_sbn, s_cm,
+                           EP: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr):
+        BM: gl.constexpr = a_desc.block_type.shape[0]
+        BK: gl.constexpr = a_desc.block_type.shape[1]
+        BN: gl.constexpr = b_desc.block_type.shape[0]
+        gl.static_assert(BN == BK, "one B scale per K-block: BN is one 128-column scale tile")
+        pid_n = gl.program_id(0)
+        tile = gl.program_id(1)
+        group, row0, row_end = _row_tile(off_ptr, tile, E, BM, EP, num_warps)
+        if row0 >= 0:
+            mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                                 instr_shape=[16, BN, 32])
+            row_l: gl.constexpr = gl.SliceLayout(1, mma_layout)
+            col_l: gl.constexpr = gl.SliceLayout(0, mma_layout)
+            offs_m = row0 + gl.arange(0, BM, layout=row_l)
+            # rows past R read the last row's scales (TMA zero-fills their data); never stored
+            sa_ptrs = sa_ptr + gl.minimum(offs_m, R - 1).to(gl.int64) * s_sam
+            sb_ptrs = sb_ptr + group.to(gl.int64) * s_sbe + pid_n * s_sbn
+            acc = _mainloop(a_desc, b_desc, row0, group * N + pid_n * BN, 0, K // BK, sa_ptrs, s_sak, sb_ptrs, s_sbk,
+                            mma_layout, False, NUM_BUF)
+            offs_n = pid_n * BN + gl.arange(0, BN, layout=col_l)
+            c_ptrs = c_ptr + offs_m[:, None].to(gl.int64) * s_cm + offs_n[None, :]
+            gl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m < row_end)[:, None] & (offs_n < N)[None, :])
+
+    @gluon.jit
+    def _gluon_k_kernel(a_desc, sa_ptr, b_desc, sb_ptr, off_ptr, c_ptr, M, N,
+                        s_sam, s_sak, s_sbn, s_sbk, s_ce, s_cm,
+                        NUM_BUF: gl.constexpr, num_warps: gl.constexpr):
+        BM: gl.constexpr = a_desc.block_type.shape[0]
+        BK: gl.constexpr = a_desc.block_type.shape[1]
+        BN: gl.constexpr = b_desc.block_type.shape[0]
+        pid_n = gl.program_id(0)
+        pid_m = gl.program_id(1)
+        e = gl.program_id(2)
+        start = gl.load(off_ptr + e - 1, mask=e > 0, other=0)
+        end = gl.load(off_ptr + e)
+        kb0 = start // BK
+        nk = end // BK - kb0
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                             instr_shape=[16, BN, 32])
+        row_l: gl.constexpr = gl.SliceLayout(1, mma_layout)
+        col_l: gl.constexpr = gl.SliceLayout(0, mma_layout)
+        offs_m = pid_m * BM + gl.arange(0, BM, layout=row_l)
+        offs_n = pid_n * BN + gl.arange(0, BN, layout=col_l)
+        if nk > 0:
+            sa_ptrs = sa_ptr + gl.minimum(offs_m, M - 1).to(gl.int64) * s_sam
+            sb_ptrs = sb_ptr + gl.minimum(offs_n, N - 1) * s_sbn  # int32 offsets: 32 registers fewer than int64 pointers
+            acc = _mainloop(a_desc, b_desc, pid_m * BM, pid_n * BN, kb0, nk, sa_ptrs, s_sak, sb_ptrs, s_sbk,
+                            mma_layout, True, NUM_BUF)
+        else:  # an expert without rows: zero gradient
+            acc = gl.zeros((BM, BN), dtype=gl.float32, layout=mma_layout)
+        c_ptrs = c_ptr + e.to(gl.int64) * s_ce + offs_m[:, None] * s_cm + offs_n[None, :]
+        gl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+def _descriptor(t: torch.Tensor, block: list[int]):
+    """A Gluon TMA descriptor of the 2-D e4m3 ``t`` with ``block``, or None where TMA cannot read it
+    (last dim not contiguous, base or row stride not 16-byte aligned)."""
+    if t.dim() != 2 or t.stride(1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+        return None
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
+    return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], block, layout)
+
+
+def rows_descriptors(a_RK: torch.Tensor, b_EKN: torch.Tensor, config: GluonConfig = CONFIG):
+    """(A, B) descriptors of the rows kernel, or None where its operands do not allow them (B[e] not
+    K-contiguous, experts not back to back, misaligned): the caller then runs fp8_triton's kernel."""
+    if not AVAILABLE:
+        return None
+    bm, bn, _, _ = config
+    R, K = a_RK.shape
+    E, _, N = b_EKN.shape
+    s_be, s_bk, s_bn = b_EKN.stride()
+    if s_bk != 1 or s_be != N * s_bn or N % bn:
+        return None
+    a_desc = _descriptor(a_RK, [bm, BLOCK_K])
+    b_desc = _descriptor(b_EKN.as_strided((E * N, K), (s_bn, 1)), [bn, BLOCK_K])
+    return None if a_desc is None or b_desc is None else (a_desc, b_desc)
+
+
+def gluon_grouped_mm_rows(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out, descriptors=None,
+                          config: GluonConfig = CONFIG, warmup: bool = False):
+    """out[rows of e] = A[rows of e] @ B[e] (fp8_triton.fp8_grouped_mm_rows's contract; ``out``
+    given, [R, N]); ``descriptors`` from rows_descriptors (made here when None). ``warmup``: compile
+    only (no launch; the CPU tests)."""
+    bm, bn, warps, bufs = config
+    R, K = a_RK.shape
+    E, _, N = b_EKN.shape
+    if bn != BLOCK_K:
+        raise ValueError(f"the Gluon rows kernel's BN must be {BLOCK_K} (one B scale per K-block), got {bn}")
+    descriptors = descriptors or rows_descriptors(a_RK, b_EKN, config)
+    if descriptors is None:
+        raise ValueError("the Gluon rows kernel needs B[e] K-contiguous, the experts back to back and "
+                         "16-byte aligned operands (fp8_triton's pipelined kernel takes any strides)")
+    a_desc, b_desc = descriptors
+    grid = (triton.cdiv(N, bn), triton.cdiv(R, bm) + E)
+    args = (a_desc, sa_RB, b_desc, sb_EBC, offsets_E, out, E, R, N, K,
+            sa_RB.stride(0), sa_RB.stride(1), sb_EBC.stride(0), sb_EBC.stride(1), sb_EBC.stride(2), out.stride(0))
+    kw = dict(EP=triton.next_power_of_2(E), NUM_BUF=bufs, num_warps=warps)
+    if warmup:
+        return _gluon_rows_kernel.warmup(*args, grid=grid, **kw)
+    _gluon_rows_kernel[grid](*args, **kw)
+    return out
+
+
+def k_operands_ok(a_MP: torch.Tensor, bt_NP: torch.Tensor) -> bool:
+    """Whether TMA can read the wgrad kernel's A and Bt (K-contiguous, 16-byte aligned)."""
+    return all(t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+               for t in (a_MP, bt_NP))
+
+
+def gluon_grouped_mm_k(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out, config: GluonConfig = K_CONFIG,
+                       warmup: bool = False):
+    """out[e] = A[:, rows of e] @ Bt[:, rows of e]^T (fp8_triton.fp8_grouped_mm_k's contract; ``out``
+    given, [E, M, N], its last dim contiguous). Raises ValueError where TMA cannot read A or Bt."""
+    bm, bn, warps, bufs = config
+    M, P = a_MP.shape
+    N = bt_NP.shape[0]
+    E = padded_offsets_E.numel()
+    a_desc, b_desc = _descriptor(a_MP, [bm, BLOCK_K]), _descriptor(bt_NP, [bn, BLOCK_K])
+    if a_desc is None or b_desc is None or out.stride(2) != 1:
+        raise ValueError("the Gluon wgrad kernel needs K-contiguous, 16-byte aligned A and Bt and a "
+                         "row-major output (fp8_triton's pipelined kernel takes any strides)")
+    grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), E)
+    args = (a_desc, sa_MB, b_desc, sbt_NB, padded_offsets_E, out, M, N,
+            sa_MB.stride(0), sa_MB.stride(1), sbt_NB.stride(0), sbt_NB.stride(1), out.stride(0), out.stride(1))
+    kw = dict(NUM_BUF=bufs, num_warps=warps)
+    if warmup:
+        return _gluon_k_kernel.warmup(*args, grid=grid, **kw)
+    _gluon_k_kernel[grid](*args, **kw)
+    return out
