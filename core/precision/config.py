@@ -60,6 +60,10 @@ class Fp8Experts(StrEnum):
     grouped GEMM per pass (operands quantized beforehand, session 6) and 1.27x fwd+bwd with
     quantization (session 7), with 8 experts of 8192 rows on the H200; CPU-bound with 64 small
     experts (docs/performance.md)."""
+    gluon = "gluon"
+    """core/precision/fp8_gluon.py: the same grouped GEMMs as ``triton`` written in Gluon with explicit
+    async wgmma (each K-block's fp32 promotion overlapping the next K-block's MMA), no host sync.
+    SM90 only: on other GPUs and the CPU the ``triton`` kernels run."""
 
 
 class Bf16Experts(StrEnum):
@@ -146,8 +150,9 @@ class PrecisionConfig(Config):
     (fp8_blockwise has ``fp8_experts=cublas``)."""
     fp8_experts: Fp8Experts = Fp8Experts.triton
     """fp8_blockwise recipe, native backend: how the routed experts' grouped FP8 GEMMs run (see
-    Fp8Experts): the Triton kernels (no host sync) or one cuBLAS GEMM per expert (a host sync per
-    GEMM; faster where a layer has few experts with many rows each)."""
+    Fp8Experts): the Triton kernels (no host sync), one cuBLAS GEMM per expert (a host sync per
+    GEMM; faster where a layer has few experts with many rows each) or the Gluon kernels (SM90, no
+    host sync)."""
     fp8_wgrad: bool = True
     """fp8_blockwise recipe, native backend: the weight-gradient GEMMs (dense and grouped) in FP8
     along the tokens (true), or in bf16 from the saved bf16 input and the bf16 output gradient
@@ -164,8 +169,9 @@ class PrecisionConfig(Config):
             raise ConfigError(f"precision.quantize_weights_once caches the low-precision recipes' quantized expert "
                               f"weights: it needs --precision.recipe=mxfp8 or fp8_blockwise, got {self.recipe} (the bf16 "
                               f"recipe's counterpart is precision.expert_weight_copies)")
-        if Fp8Experts(self.fp8_experts) == Fp8Experts.cublas and self.recipe != PrecisionRecipe.fp8_blockwise:
-            raise ConfigError(f"precision.fp8_experts=cublas runs fp8_blockwise's expert GEMMs through cuBLAS: it needs "
+        experts = Fp8Experts(self.fp8_experts)
+        if experts != Fp8Experts.triton and self.recipe != PrecisionRecipe.fp8_blockwise:
+            raise ConfigError(f"precision.fp8_experts={experts} picks how fp8_blockwise's expert GEMMs run: it needs "
                               f"--precision.recipe=fp8_blockwise, got {self.recipe}; drop it for this recipe")
         if not self.fp8_wgrad and self.recipe != PrecisionRecipe.fp8_blockwise:
             raise ConfigError(f"precision.fp8_wgrad=false runs fp8_blockwise's weight gradients in bf16: it needs "

@@ -40,7 +40,8 @@ from .grouping import gather_rows, padded_source_rows
 __all__ = ["Fp8BlockwiseGemm", "has_blockwise_scaled_mm"]
 
 QUANT = ("auto", "triton", "torch")
-EXPERTS = ("triton", "cublas")  # the grouped GEMMs: fp8_triton's kernels, or fp8_cublas's loop over experts
+EXPERTS = ("triton", "cublas", "gluon")  # the grouped GEMMs: fp8_triton's kernels, fp8_cublas's loop over
+# experts, or fp8_gluon's kernels (SM90; fp8_triton's elsewhere)
 WGRAD = ("fp8", "bf16")  # the weight-gradient GEMMs: FP8 along the tokens, or bf16 from the saved bf16 input
 
 
@@ -169,7 +170,8 @@ class _Fp8GroupedMM(torch.autograd.Function):
         if cublas:  # B[e] = w[e] [O, I] as the [N, K] operand; its tiles [E, O/128, I/128]
             y_RO = torch.ops.moetron.fp8_cublas_rows(x_q, x_s, w_q, w_s, offsets_E)[:R]
         else:  # B[e] = w[e]^T [I, O], K-contiguous; its tiles [E, I/128, O/128]
-            y_RO = fp8_grouped_mm_rows(x_q, x_s, w_q.transpose(1, 2), w_s.transpose(1, 2), offsets_E)
+            y_RO = fp8_grouped_mm_rows(x_q, x_s, w_q.transpose(1, 2), w_s.transpose(1, 2), offsets_E,
+                                       kernel=gemm.grouped_kernel)
         x_saved = xt if gemm.fp8_wgrad else (x_RI.to(torch.bfloat16),)
         ctx.save_for_backward(*x_saved, w_EOI, offsets_E, src_P, padded_offsets_E)
         ctx.gemm, ctx.x_dtype = gemm, x_RI.dtype
@@ -190,14 +192,17 @@ class _Fp8GroupedMM(torch.autograd.Function):
             if cublas:  # B[e] = w[e]^T [I, O] as the [N, K] operand; its tiles [E, I/128, O/128]
                 dx = torch.ops.moetron.fp8_cublas_rows(*dyq, wt_q, w_s.transpose(1, 2), offsets_E)[:R]
             else:  # B[e] = w[e] [O, I] read from w^T's storage (K = O contiguous); tiles [E, O/128, I/128]
-                dx = fp8_grouped_mm_rows(*dyq, wt_q.transpose(1, 2), w_s, offsets_E)
+                dx = fp8_grouped_mm_rows(*dyq, wt_q.transpose(1, 2), w_s, offsets_E, kernel=gemm.grouped_kernel)
             dx = dx.to(ctx.x_dtype)
         if ctx.needs_input_grad[1] and not gemm.fp8_wgrad:  # bf16, fp32 accumulation (the bf16 recipe's wgrad)
             _, dw = bf16_grouped.grouped_grads(dy_RO, x_saved[0], w_EOI, offsets_E.to(torch.int32),
                                                torch.bfloat16, False, True, per_expert=cublas)
         elif ctx.needs_input_grad[1]:
-            wgrad = torch.ops.moetron.fp8_cublas_k if cublas else fp8_grouped_mm_k
-            dw = wgrad(*dyt, *x_saved, padded_offsets_E).to(w_EOI.dtype)
+            if cublas:
+                dw = torch.ops.moetron.fp8_cublas_k(*dyt, *x_saved, padded_offsets_E)
+            else:
+                dw = fp8_grouped_mm_k(*dyt, *x_saved, padded_offsets_E, kernel=gemm.grouped_kernel)
+            dw = dw.to(w_EOI.dtype)
         return dx, dw, None, None
 
 
@@ -206,7 +211,8 @@ class Fp8BlockwiseGemm(GemmBackend):
     F.scaled_mm) or "triton" (the grouped kernel, one group). ``quant``: "auto" (the fused Triton
     quantization kernels on CUDA, torch ops elsewhere), "triton" or "torch". ``experts``: the
     grouped GEMMs through the Triton kernels ("triton", no host sync) or one cuBLAS GEMM per expert
-    ("cublas": core/precision/fp8_cublas.py, one host sync per GEMM; faster with few experts).
+    ("cublas": core/precision/fp8_cublas.py, one host sync per GEMM; faster with few experts) or the
+    Gluon kernels ("gluon": core/precision/fp8_gluon.py, SM90; the Triton ones elsewhere).
     ``wgrad``: the weight gradients in FP8 ("fp8") or in bf16 ("bf16", see the module docstring)."""
 
     name = "fp8_blockwise"
@@ -223,6 +229,7 @@ class Fp8BlockwiseGemm(GemmBackend):
         if wgrad not in WGRAD:
             raise ValueError(f"wgrad must be one of {WGRAD}, got {wgrad!r}")
         self.dense, self.quant, self.experts = dense, quant, experts
+        self.grouped_kernel = "gluon" if experts == "gluon" else None  # fp8_triton.GroupedKernel; None: its default
         self.fp8_wgrad = wgrad == "fp8"
         self.row_multiple = 4 if dense == "scaled_mm" else 1  # cuBLAS: the 1x128 scales' rows in 4s
         self.cache = WeightCache()

@@ -281,7 +281,7 @@ def test_pipelined_on_gpu_matches_float64():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("experts", ["triton", "cublas"])
+@pytest.mark.parametrize("experts", ["triton", "cublas", "gluon"])
 @pytest.mark.parametrize("wgrad", ["fp8", "bf16"])
 def test_fp8_on_gpu_matches_float64(experts, wgrad):
     check_fp8("cuda", dense_modes=("triton", "scaled_mm"), experts=experts, wgrad=wgrad)
