@@ -73,7 +73,7 @@ and a stack on SM90)."""
 
 def supported(device: torch.device | None = None) -> bool:
     """Gluon importable and the GPU an SM90 (the one architecture with wgmma)."""
-    if not AVAILABLE or not torch.cuda.is_available():
+    if not AVAILABLE or not torch.cuda.is_available() or (device is not None and torch.device(device).type != "cuda"):
         return False
     return torch.cuda.get_device_capability(device)[0] == 9
 
@@ -124,7 +124,7 @@ if AVAILABLE:
         bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NUM_BUF):
             mbarrier.init(bars.index(i), count=1)
-        for i in gl.static_range(NUM_BUF - 1):
+        for i in gl.static_range(NUM_BUF):  # every buffer filled: K-block j lands in buffer j % NUM_BUF
             _issue_loads(a_desc, b_desc, a_row, b_row, kb0 + i, i, bars, a_bufs, b_bufs, NUM_BUF, i < nk)
 
         acc = gl.zeros((BM, BN), dtype=gl.float32, layout=mma_layout)
