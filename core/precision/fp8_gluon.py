@@ -6,16 +6,20 @@ scaled before it is accumulated is waited for at once (wgmma.wait_group 0), so t
 during every promotion (session 6 and 7: 770 TFLOP/s forward, ~500 wgrad, against ~1,050 for cuBLAS's
 blockwise GEMM on the same shapes).
 
-Each program owns one [BM, BN] output tile and runs one warpgroup per 64 rows:
+Each program owns one [BM, BN] output tile and runs one warpgroup per 64 rows. K-blocks go in pairs:
 
-    wait for K-block k's TMA loads          (NUM_BUF-deep ring of A / B tiles in shared memory)
-    issue wgmma k (async, fresh accumulator)
-    wait until only wgmma k is in flight    (wgmma k-1 done; its buffers free)
-    issue the TMA loads of K-block k-1+NUM_BUF into them
-    acc += d[k-1] * scale[k-1]              (overlaps wgmma k)
+    wait for K-blocks j and j+1's TMA loads   (NUM_BUF-deep ring of A / B tiles in shared memory)
+    issue wgmma j and wgmma j+1               (async, each into fresh registers)
+    wait until only wgmma j+1 is in flight    (j done; its buffers take K-block j+NUM_BUF)
+    acc += d[j] * scale[j]                    (overlaps wgmma j+1)
+    wait for wgmma j+1; its buffers refilled; acc += d[j+1] * scale[j+1]
 
 so two partial products and the accumulator live in registers at once (3 x BM x BN fp32 over the
-warps: 192 registers a thread at BM 64 / 4 warps or BM 128 / 8 warps, BN 128).
+warps). No product stays in flight across the loop's back edge: one that did (the first version,
+session 10's call 3) is copied between registers at the edge, ptxas then serializes every wgmma of
+the kernel (its C7514 / C7515 notes: a wait after each instruction), and the kernel measured
+0.66-0.89x the Triton pipelined one. tests/core/test_fp8_gluon.py runs ptxas on each config and fails
+on those notes.
 
 - ``gluon_grouped_mm_rows``: the same contract as ``fp8_triton.fp8_grouped_mm_rows`` (forward,
   dgrad) where B[e] is K-contiguous and the experts lie back to back (TMA descriptors).
@@ -112,6 +116,38 @@ if AVAILABLE:
         _tma_load(b_desc, [b_row, kb * BK], bar, b_bufs.index(i), pred)
 
     @gluon.jit
+    def _issue_mma(j, bars, a_bufs, b_bufs, regs, NUM_BUF: gl.constexpr):
+        """Once the loop's j-th K-block has landed, its wgmma, asynchronous, into a fresh product
+        (``regs`` not read: use_acc=False)."""
+        slot = j % NUM_BUF
+        mbarrier.wait(bars.index(slot), (j // NUM_BUF) & 1)
+        return warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), regs, use_acc=False,
+                             is_async=True)
+
+    @gluon.jit
+    def _scales(sa_ptrs, s_sak, sb_ptrs, s_sbk, kb):
+        return gl.load(sa_ptrs + kb * s_sak), gl.load(sb_ptrs + kb * s_sbk)
+
+    @gluon.jit
+    def _promote(done, acc, sa, sb, PER_COL_SB: gl.constexpr):
+        """acc + one K-block's partial product times its scales (fp32)."""
+        if PER_COL_SB:
+            out = acc + done * sa[:, None] * sb[None, :]
+        else:
+            out = acc + done * (sa * sb)[:, None]
+        return out
+
+    @gluon.jit
+    def _retire(done, acc, sa, sb, a_desc, b_desc, a_row, b_row, kb0, j, nk, bars, a_bufs, b_bufs,
+                PER_COL_SB: gl.constexpr, NUM_BUF: gl.constexpr):
+        """The loop's j-th K-block is done: its buffers take K-block j + NUM_BUF (once every warpgroup is
+        past it), and its product is promoted into acc."""
+        _cta_barrier()
+        _issue_loads(a_desc, b_desc, a_row, b_row, kb0 + j + NUM_BUF, j + NUM_BUF, bars, a_bufs, b_bufs, NUM_BUF,
+                     j + NUM_BUF < nk)
+        return _promote(done, acc, sa, sb, PER_COL_SB)
+
+    @gluon.jit
     def _mainloop(a_desc, b_desc, a_row, b_row, kb0, nk, sa_ptrs, s_sak, sb_ptrs, s_sbk,
                   mma_layout: gl.constexpr, PER_COL_SB: gl.constexpr, NUM_BUF: gl.constexpr):
         """sum over K-blocks kb0 .. kb0+nk-1 of (A_kb @ B_kb^T) * sa[:, kb] * sb[kb] in fp32
@@ -129,34 +165,29 @@ if AVAILABLE:
 
         acc = gl.zeros((BM, BN), dtype=gl.float32, layout=mma_layout)
         zero = gl.zeros((BM, BN), dtype=gl.float32, layout=mma_layout)
-        mbarrier.wait(bars.index(0), 0)
-        d_prev = warpgroup_mma(a_bufs.index(0), b_bufs.index(0).permute((1, 0)), zero,
-                               use_acc=False, is_async=True)
-        sa_prev = gl.load(sa_ptrs + kb0 * s_sak)
-        sb_prev = gl.load(sb_ptrs + kb0 * s_sbk)
-        for j in range(1, nk):
-            slot = j % NUM_BUF
-            mbarrier.wait(bars.index(slot), (j // NUM_BUF) & 1)
-            d = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), zero, use_acc=False,
-                              is_async=True)
-            done = warpgroup_mma_wait(1, deps=(d_prev, ))  # K-block j-1 done, j in flight
-            # every warpgroup is past K-block j-1 before its buffers are refilled
-            _cta_barrier()
-            _issue_loads(a_desc, b_desc, a_row, b_row, kb0 + j - 1 + NUM_BUF, j - 1 + NUM_BUF, bars, a_bufs, b_bufs,
-                         NUM_BUF, j - 1 + NUM_BUF < nk)
-            if PER_COL_SB:
-                acc += done * sa_prev[:, None] * sb_prev[None, :]
-            else:
-                acc += done * (sa_prev * sb_prev)[:, None]
-            # K-block j's scales, loaded while wgmma j runs (one set held: a second spills at BN 128)
-            sa_prev = gl.load(sa_ptrs + (kb0 + j) * s_sak)
-            sb_prev = gl.load(sb_ptrs + (kb0 + j) * s_sbk)
-            d_prev = d
-        done = warpgroup_mma_wait(0, deps=(d_prev, ))
-        if PER_COL_SB:
-            acc += done * sa_prev[:, None] * sb_prev[None, :]
-        else:
-            acc += done * (sa_prev * sb_prev)[:, None]
+        # two partial products in flight by turns, d0 (even K-blocks) and d1 (odd): the loop is unrolled
+        # by two so that each keeps its own registers (one loop-carried product would share the new
+        # one's registers, and ptxas would serialize every wgmma: C7514)
+        # K-blocks in pairs: both wgmmas issued, the first's promotion overlapping the second's MMA
+        # (no product in flight across the loop's back edge: a loop-carried one is copied at the edge
+        # and ptxas then serializes every wgmma, C7514)
+        for p in range(0, nk // 2):
+            j = 2 * p
+            d0 = _issue_mma(j, bars, a_bufs, b_bufs, zero, NUM_BUF)
+            d1 = _issue_mma(j + 1, bars, a_bufs, b_bufs, zero, NUM_BUF)
+            sa0, sb0 = _scales(sa_ptrs, s_sak, sb_ptrs, s_sbk, kb0 + j)
+            sa1, sb1 = _scales(sa_ptrs, s_sak, sb_ptrs, s_sbk, kb0 + j + 1)
+            done0 = warpgroup_mma_wait(1, deps=(d0, ))  # K-block j done, j + 1 in flight
+            acc = _retire(done0, acc, sa0, sb0, a_desc, b_desc, a_row, b_row, kb0, j, nk, bars, a_bufs, b_bufs,
+                          PER_COL_SB, NUM_BUF)
+            done1 = warpgroup_mma_wait(0, deps=(d1, ))
+            acc = _retire(done1, acc, sa1, sb1, a_desc, b_desc, a_row, b_row, kb0, j + 1, nk, bars, a_bufs, b_bufs,
+                          PER_COL_SB, NUM_BUF)
+        if nk % 2 == 1:  # the last K-block alone
+            d0 = _issue_mma(nk - 1, bars, a_bufs, b_bufs, zero, NUM_BUF)
+            sa0, sb0 = _scales(sa_ptrs, s_sak, sb_ptrs, s_sbk, kb0 + nk - 1)
+            done0 = warpgroup_mma_wait(0, deps=(d0, ))
+            acc = _promote(done0, acc, sa0, sb0, PER_COL_SB)
         for i in gl.static_range(NUM_BUF):
             mbarrier.invalidate(bars.index(i))
         return acc

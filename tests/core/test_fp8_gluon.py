@@ -52,8 +52,9 @@ def _compile(kind: str, config):
                          ids=lambda v: v if isinstance(v, str) else v.name.replace(" ", "-"))
 def test_gluon_kernels_compile_for_sm90(kind, config):
     """Each tile the benchmark times compiles for Hopper: wgmma issued asynchronously with one group
-    left in flight at the promotion (wait_group 1), operands through TMA into NUM_BUF buffers, and
-    ptxas's allocation without spills."""
+    left in flight at the promotion (wait_group 1) and ptxas keeping them so (it serializes every
+    wgmma of a kernel where registers of one in flight are touched, and says so: the first version's
+    failure), operands through TMA into NUM_BUF buffers, and no register spills."""
     import triton
 
     compiled = _compile(kind, config)
@@ -64,7 +65,18 @@ def test_gluon_kernels_compile_for_sm90(kind, config):
     assert "cp.async.bulk.tensor" in ptx, f"{what}: operand loads not through TMA"
     bm, bn, _, bufs = config
     assert compiled.metadata.shared >= bufs * (bm + bn) * 128, f"{what}: {bufs} buffers of A and B"
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(90).path  # the ptxas this Triton compiled the kernel with (its PTX version)
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if os.path.exists(ptxas):  # ptxas's own verdict on the pipeline: no wgmma serialized (C7514 / C7515 ...)
+        with tempfile.TemporaryDirectory() as tmp:
+            with open(os.path.join(tmp, "k.ptx"), "w") as f:
+                f.write(ptx)
+            notes = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.path.join(tmp, "k.cubin")],
+                                   capture_output=True, text=True).stderr
+        assert "Used" in notes, notes[-500:]
+        assert "serialized" not in notes and "warpgroup.wait is injected" not in notes, f"{what}: {notes.strip()[-400:]}"
     if os.path.exists(cuobjdump):
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(compiled.asm["cubin"])
