@@ -51,7 +51,9 @@ class Switches:
     BF16_CUBLAS_MEASURED, or the CPU's per-call cost, BF16_CUBLAS_CALL_S, whichever is longer)."""
     fp8_experts: str = "triton"
     """precision.fp8_experts (native fp8_blockwise): the experts' GEMMs in the Triton kernels, or one
-    cuBLAS GEMM per local expert (cublas: the GPU's rate or the CPU's per-call cost, whichever is longer)."""
+    cuBLAS GEMM per local expert (cublas: the GPU's rate or the CPU's per-call cost, whichever is longer).
+    gluon (core/precision/fp8_gluon.py) is planned at the Triton kernels' rate: its current kernels have
+    no measured rate yet (docs/performance.md, session 10)."""
     fp8_wgrad: bool = True
     """precision.fp8_wgrad (native fp8_blockwise): the weight-gradient GEMMs in FP8; false: in bf16 at
     the bf16 rates (a third of each low-precision GEMM's FLOPs), the input saved in bf16 and only its
