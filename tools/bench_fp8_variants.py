@@ -38,7 +38,7 @@ def parse(argv):
     p.add_argument("--shapes", default="", help="comma-separated names of bench_gemm_fp8.SHAPES (default all)")
     p.add_argument("--gemms", default="gate_up", help="comma-separated: gate_up, down")
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--gluon-configs", default="64,128,4,4;64,128,4,3;128,128,8,4",
+    p.add_argument("--gluon-configs", default="64,128,4,4;64,128,4,3;128,128,8,4;64,64,4,4",
                    help="the Gluon rows kernel's tiles to time, 'BM,BN,warps,buffers;...' (SM90; best one reported)")
     p.add_argument("--gluon-k-configs", default="64,64,4,4;128,64,8,4;64,64,4,6",
                    help="the Gluon wgrad kernel's tiles to time, as --gluon-configs")

@@ -69,7 +69,8 @@ class GluonConfig(tuple):
 
 
 CONFIG = GluonConfig(64, 128, 4, 4)
-"""The rows kernel's tile: 64 x 128 on one warpgroup (two or three programs resident per SM)."""
+"""The rows kernel's tile: 64 x 128 on one warpgroup (two programs resident per SM at 222 registers;
+64 x 64 leaves room for more, at a narrower wgmma)."""
 K_CONFIG = GluonConfig(64, 64, 4, 4)
 """The wgrad kernel's tile: BN 64, as the per-column B scales of a 64 x 128 tile spill (255 registers
 and a stack on SM90)."""
@@ -199,7 +200,7 @@ if AVAILABLE:
         BM: gl.constexpr = a_desc.block_type.shape[0]
         BK: gl.constexpr = a_desc.block_type.shape[1]
         BN: gl.constexpr = b_desc.block_type.shape[0]
-        gl.static_assert(BN == BK, "one B scale per K-block: BN is one 128-column scale tile")
+        gl.static_assert(BK % BN == 0, "one B scale per K-block: BN is a 128-column scale tile or a part of one")
         pid_n = gl.program_id(0)
         tile = gl.program_id(1)
         group, row0, row_end = _row_tile(off_ptr, tile, E, BM, EP, num_warps)
@@ -211,7 +212,7 @@ if AVAILABLE:
             offs_m = row0 + gl.arange(0, BM, layout=row_l)
             # rows past R read the last row's scales (TMA zero-fills their data); never stored
             sa_ptrs = sa_ptr + gl.minimum(offs_m, R - 1).to(gl.int64) * s_sam
-            sb_ptrs = sb_ptr + group.to(gl.int64) * s_sbe + pid_n * s_sbn
+            sb_ptrs = sb_ptr + group.to(gl.int64) * s_sbe + (pid_n * BN // BK) * s_sbn
             acc = _mainloop(a_desc, b_desc, row0, group * N + pid_n * BN, 0, K // BK, sa_ptrs, s_sak, sb_ptrs, s_sbk,
                             mma_layout, False, NUM_BUF)
             offs_n = pid_n * BN + gl.arange(0, BN, layout=col_l)
@@ -282,8 +283,8 @@ def gluon_grouped_mm_rows(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out, descriptor
     bm, bn, warps, bufs = config
     R, K = a_RK.shape
     E, _, N = b_EKN.shape
-    if bn != BLOCK_K:
-        raise ValueError(f"the Gluon rows kernel's BN must be {BLOCK_K} (one B scale per K-block), got {bn}")
+    if BLOCK_K % bn:
+        raise ValueError(f"the Gluon rows kernel's BN must divide {BLOCK_K} (one B scale per K-block), got {bn}")
     descriptors = descriptors or rows_descriptors(a_RK, b_EKN, config)
     if descriptors is None:
         raise ValueError("the Gluon rows kernel needs B[e] K-contiguous, the experts back to back and "

@@ -20,7 +20,7 @@ fg = pytest.importorskip("moetron.core.precision.fp8_gluon")
 if not fg.AVAILABLE:
     pytest.skip("this Triton has no Gluon", allow_module_level=True)
 
-ROWS_CONFIGS = [fg.CONFIG, fg.GluonConfig(64, 128, 4, 3), fg.GluonConfig(128, 128, 8, 4)]
+ROWS_CONFIGS = [fg.CONFIG, fg.GluonConfig(64, 128, 4, 3), fg.GluonConfig(128, 128, 8, 4), fg.GluonConfig(64, 64, 4, 4)]
 K_CONFIGS = [fg.K_CONFIG, fg.GluonConfig(128, 64, 8, 4), fg.GluonConfig(64, 64, 4, 6)]
 
 
