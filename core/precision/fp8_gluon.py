@@ -194,6 +194,21 @@ if AVAILABLE:
         return acc
 
     @gluon.jit
+    def _store_tile(c_ptr, acc, row0, col0, s_cm, row_end, N, BM: gl.constexpr, BN: gl.constexpr,
+                    num_warps: gl.constexpr):
+        """acc [BM, BN] (the wgmma layout, two adjacent columns a thread) stored at c[row0:, col0:] for
+        rows < row_end and columns < N, in 16-byte vectors: converted through shared memory to a
+        layout where each thread holds 16 contiguous bytes of a row."""
+        VEC: gl.constexpr = 128 // c_ptr.dtype.element_ty.primitive_bitwidth
+        TPW_N: gl.constexpr = BN // VEC if BN // VEC < 32 else 32
+        layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // TPW_N, TPW_N], [num_warps, 1], [1, 0])
+        out = gl.convert_layout(acc.to(c_ptr.dtype.element_ty), layout)
+        offs_m = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+        offs_n = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+        c_ptrs = c_ptr + offs_m[:, None].to(gl.int64) * s_cm + offs_n[None, :]
+        gl.store(c_ptrs, out, mask=(offs_m < row_end)[:, None] & (offs_n < N)[None, :])
+
+    @gluon.jit
     def _gluon_rows_kernel(a_desc, sa_ptr, b_desc, sb_ptr, off_ptr, c_ptr, E, R, N, K,
                            s_sam, s_sak, s_sbe, s_sbk, s_sbn, s_cm,
                            EP: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr):
@@ -208,16 +223,13 @@ if AVAILABLE:
             mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                                  instr_shape=[16, BN, 32])
             row_l: gl.constexpr = gl.SliceLayout(1, mma_layout)
-            col_l: gl.constexpr = gl.SliceLayout(0, mma_layout)
             offs_m = row0 + gl.arange(0, BM, layout=row_l)
             # rows past R read the last row's scales (TMA zero-fills their data); never stored
             sa_ptrs = sa_ptr + gl.minimum(offs_m, R - 1).to(gl.int64) * s_sam
             sb_ptrs = sb_ptr + group.to(gl.int64) * s_sbe + (pid_n * BN // BK) * s_sbn
             acc = _mainloop(a_desc, b_desc, row0, group * N + pid_n * BN, 0, K // BK, sa_ptrs, s_sak, sb_ptrs, s_sbk,
                             mma_layout, False, NUM_BUF)
-            offs_n = pid_n * BN + gl.arange(0, BN, layout=col_l)
-            c_ptrs = c_ptr + offs_m[:, None].to(gl.int64) * s_cm + offs_n[None, :]
-            gl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m < row_end)[:, None] & (offs_n < N)[None, :])
+            _store_tile(c_ptr, acc, row0, pid_n * BN, s_cm, row_end, N, BM, BN, num_warps)
 
     @gluon.jit
     def _gluon_k_kernel(a_desc, sa_ptr, b_desc, sb_ptr, off_ptr, c_ptr, M, N,
@@ -246,8 +258,7 @@ if AVAILABLE:
                             mma_layout, True, NUM_BUF)
         else:  # an expert without rows: zero gradient
             acc = gl.zeros((BM, BN), dtype=gl.float32, layout=mma_layout)
-        c_ptrs = c_ptr + e.to(gl.int64) * s_ce + offs_m[:, None] * s_cm + offs_n[None, :]
-        gl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+        _store_tile(c_ptr + e.to(gl.int64) * s_ce, acc, pid_m * BM, pid_n * BN, s_cm, M, N, BM, BN, num_warps)
 
 
 def _descriptor(t: torch.Tensor, block: list[int]):

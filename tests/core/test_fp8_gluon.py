@@ -54,7 +54,7 @@ def test_gluon_kernels_compile_for_sm90(kind, config):
     """Each tile the benchmark times compiles for Hopper: wgmma issued asynchronously with one group
     left in flight at the promotion (wait_group 1) and ptxas keeping them so (it serializes every
     wgmma of a kernel where registers of one in flight are touched, and says so: the first version's
-    failure), operands through TMA into NUM_BUF buffers, and no register spills."""
+    failure), operands through TMA into NUM_BUF buffers, the output in 16-byte stores, and no register spills."""
     import triton
 
     compiled = _compile(kind, config)
@@ -63,6 +63,7 @@ def test_gluon_kernels_compile_for_sm90(kind, config):
     assert "wgmma.mma_async" in ptx, what
     assert "wgmma.wait_group.sync.aligned 1;" in ptx, f"{what}: no MMA left in flight at the promotion"
     assert "cp.async.bulk.tensor" in ptx, f"{what}: operand loads not through TMA"
+    assert "st.global.v4" in ptx, f"{what}: the output not stored in 16-byte vectors"
     bm, bn, _, bufs = config
     assert compiled.metadata.shared >= bufs * (bm + bn) * 128, f"{what}: {bufs} buffers of A and B"
     from triton.backends.nvidia.compiler import get_ptxas
