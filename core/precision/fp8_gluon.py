@@ -166,12 +166,9 @@ if AVAILABLE:
 
         acc = gl.zeros((BM, BN), dtype=gl.float32, layout=mma_layout)
         zero = gl.zeros((BM, BN), dtype=gl.float32, layout=mma_layout)
-        # two partial products in flight by turns, d0 (even K-blocks) and d1 (odd): the loop is unrolled
-        # by two so that each keeps its own registers (one loop-carried product would share the new
-        # one's registers, and ptxas would serialize every wgmma: C7514)
-        # K-blocks in pairs: both wgmmas issued, the first's promotion overlapping the second's MMA
-        # (no product in flight across the loop's back edge: a loop-carried one is copied at the edge
-        # and ptxas then serializes every wgmma, C7514)
+        # K-blocks in pairs: both wgmmas issued, the first's promotion overlapping the second's MMA.
+        # No product stays in flight across the loop's back edge: a loop-carried one is copied between
+        # registers at the edge, and ptxas then serializes every wgmma of the kernel (C7514).
         for p in range(0, nk // 2):
             j = 2 * p
             d0 = _issue_mma(j, bars, a_bufs, b_bufs, zero, NUM_BUF)
