@@ -245,6 +245,13 @@ class PrecisionConfig(Config):
         if Fp8Experts(self.fp8_experts) == Fp8Experts.cublas and backend != PrecisionBackend.native:
             raise ConfigError("precision.fp8_experts=cublas needs the native fp8_blockwise backend (an SM90+ GPU), and "
                               f"this run resolved precision.backend={backend}: drop fp8_experts, or run on a Hopper GPU")
+        if Fp8Experts(self.fp8_experts) == Fp8Experts.gluon:
+            major = _capability_major(device_type)
+            if backend != PrecisionBackend.native or (major is not None and major != 9):
+                where = f"an SM{major}x GPU" if major is not None else f"precision.backend={backend}"
+                raise ConfigError(f"precision.fp8_experts=gluon runs fp8_blockwise's expert GEMMs on Hopper's wgmma "
+                                  f"(SM90, the native backend), and this run has {where}: use "
+                                  f"--precision.fp8_experts=triton (the same GEMMs, any GPU)")
         gemm = low_precision_gemm(recipe, backend, self.mx_scale, self.fp8_experts, self.fp8_wgrad)
         gemm.quantize_weights_once = bool(self.quantize_weights_once)
         gemm.per_expert = per_expert

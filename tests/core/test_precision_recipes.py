@@ -37,6 +37,10 @@ def test_backend_resolution_and_errors(capsys):
         cfg(recipe="mxfp8", fp8_experts="cublas").validate()
     with pytest.raises(ConfigError, match="fp8_experts=cublas needs the native.*backend=emulated"):
         cfg(recipe="fp8_blockwise", fp8_experts="cublas").build("cpu")  # auto resolves emulated on the CPU
+    with pytest.raises(ConfigError, match="fp8_experts=gluon.*SM90.*precision.backend=emulated.*fp8_experts=triton"):
+        cfg(recipe="fp8_blockwise", fp8_experts="gluon").build("cpu")
+    with pytest.raises(ConfigError, match="fp8_experts=gluon.*needs --precision.recipe=fp8_blockwise"):
+        cfg(recipe="mxfp8", fp8_experts="gluon").validate()
     with pytest.raises(ConfigError, match="'cuBLAS' is not one of"):
         cfg(recipe="fp8_blockwise", fp8_experts="cuBLAS")
     with pytest.raises(ConfigError, match="quantize_weights_once.*needs --precision.recipe=mxfp8 or fp8_blockwise"):
