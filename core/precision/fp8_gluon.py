@@ -267,12 +267,12 @@ def _descriptor(t: torch.Tensor, block: list[int]):
     return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], block, layout)
 
 
-def rows_descriptors(a_RK: torch.Tensor, b_EKN: torch.Tensor, config: GluonConfig = CONFIG):
+def rows_descriptors(a_RK: torch.Tensor, b_EKN: torch.Tensor, config: GluonConfig | None = None):
     """(A, B) descriptors of the rows kernel, or None where its operands do not allow them (B[e] not
     K-contiguous, experts not back to back, misaligned): the caller then runs fp8_triton's kernel."""
     if not AVAILABLE:
         return None
-    bm, bn, _, _ = config
+    bm, bn, _, _ = config or CONFIG  # the module's CONFIG read at each call: the benchmark sets it
     R, K = a_RK.shape
     E, _, N = b_EKN.shape
     s_be, s_bk, s_bn = b_EKN.stride()
@@ -284,10 +284,11 @@ def rows_descriptors(a_RK: torch.Tensor, b_EKN: torch.Tensor, config: GluonConfi
 
 
 def gluon_grouped_mm_rows(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out, descriptors=None,
-                          config: GluonConfig = CONFIG, warmup: bool = False):
+                          config: GluonConfig | None = None, warmup: bool = False):
     """out[rows of e] = A[rows of e] @ B[e] (fp8_triton.fp8_grouped_mm_rows's contract; ``out``
     given, [R, N]); ``descriptors`` from rows_descriptors (made here when None). ``warmup``: compile
-    only (no launch; the CPU tests)."""
+    only (no launch; the CPU tests). ``config`` default: CONFIG as it is at this call."""
+    config = config or CONFIG
     bm, bn, warps, bufs = config
     R, K = a_RK.shape
     E, _, N = b_EKN.shape
@@ -314,11 +315,12 @@ def k_operands_ok(a_MP: torch.Tensor, bt_NP: torch.Tensor) -> bool:
                for t in (a_MP, bt_NP))
 
 
-def gluon_grouped_mm_k(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out, config: GluonConfig = K_CONFIG,
+def gluon_grouped_mm_k(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out, config: GluonConfig | None = None,
                        warmup: bool = False):
     """out[e] = A[:, rows of e] @ Bt[:, rows of e]^T (fp8_triton.fp8_grouped_mm_k's contract; ``out``
-    given, [E, M, N], its last dim contiguous). Raises ValueError where TMA cannot read A or Bt."""
-    bm, bn, warps, bufs = config
+    given, [E, M, N], its last dim contiguous). Raises ValueError where TMA cannot read A or Bt.
+    ``config`` default: K_CONFIG as it is at this call."""
+    bm, bn, warps, bufs = config or K_CONFIG
     M, P = a_MP.shape
     N = bt_NP.shape[0]
     E = padded_offsets_E.numel()

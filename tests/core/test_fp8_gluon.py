@@ -91,6 +91,17 @@ def test_gluon_config_needs_one_warpgroup_per_64_rows():
         fg.GluonConfig(128, 128, 4, 4)
 
 
+def test_gluon_tile_is_read_when_called(monkeypatch):
+    """The module's CONFIG is the tile of every later call (tools/bench_fp8_variants.py sets it to time
+    each tile; a default bound at import would time one tile under every name: session 10's call 3)."""
+    a = torch.zeros(256, 256, dtype=torch.float8_e4m3fn)
+    b = torch.zeros(2, 256, 256, dtype=torch.float8_e4m3fn).transpose(1, 2)
+    assert fg.rows_descriptors(a, b)[0].block_shape == [fg.CONFIG[0], 128]
+    monkeypatch.setattr(fg, "CONFIG", fg.GluonConfig(128, 64, 8, 3))
+    a_desc, b_desc = fg.rows_descriptors(a, b)
+    assert a_desc.block_shape == [128, 128] and b_desc.block_shape == [64, 128]
+
+
 def test_gluon_kernel_falls_back_where_it_cannot_run():
     """On the CPU (and anywhere not SM90) GroupedKernel.gluon runs the pipelined kernel: asking for it
     is never an error."""
