@@ -229,10 +229,15 @@ class Fp8BlockwiseGemm(GemmBackend):
         if wgrad not in WGRAD:
             raise ValueError(f"wgrad must be one of {WGRAD}, got {wgrad!r}")
         self.dense, self.quant, self.experts = dense, quant, experts
-        self.grouped_kernel = "gluon" if experts == "gluon" else None  # fp8_triton.GroupedKernel; None: its default
         self.fp8_wgrad = wgrad == "fp8"
         self.row_multiple = 4 if dense == "scaled_mm" else 1  # cuBLAS: the 1x128 scales' rows in 4s
         self.cache = WeightCache()
+
+    @property
+    def grouped_kernel(self) -> str | None:
+        """The fp8_triton.GroupedKernel of the grouped GEMMs: "gluon" for experts="gluon", else None
+        (fp8_triton's default)."""
+        return "gluon" if self.experts == "gluon" else None
 
     def uses_triton(self, x: torch.Tensor) -> bool:
         """Whether x's quantization runs the fused Triton kernels."""

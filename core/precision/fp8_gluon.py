@@ -49,7 +49,7 @@ except ImportError:  # pragma: no cover - older Triton
     AVAILABLE = False
 
 __all__ = ["AVAILABLE", "CONFIG", "K_CONFIG", "GluonConfig", "gluon_grouped_mm_k", "gluon_grouped_mm_rows",
-           "k_operands_ok", "rows_descriptors", "supported"]
+           "k_descriptors", "rows_descriptors", "supported"]
 
 BLOCK_K = 128
 
@@ -69,7 +69,7 @@ class GluonConfig(tuple):
 
 
 CONFIG = GluonConfig(64, 128, 4, 4)
-"""The rows kernel's tile: 64 x 128 on one warpgroup (two programs resident per SM at 222 registers;
+"""The rows kernel's tile: 64 x 128 on one warpgroup (two programs resident per SM at 224 registers;
 64 x 64 leaves room for more, at a narrower wgmma)."""
 K_CONFIG = GluonConfig(64, 64, 4, 4)
 """The wgrad kernel's tile: BN 64, as the per-column B scales of a 64 x 128 tile spill (255 registers
@@ -258,29 +258,41 @@ if AVAILABLE:
         _store_tile(c_ptr + e.to(gl.int64) * s_ce, acc, pid_m * BM, pid_n * BN, s_cm, M, N, BM, BN, num_warps)
 
 
-def _descriptor(t: torch.Tensor, block: list[int]):
+def _descriptor(t: torch.Tensor | None, block: list[int]):
     """A Gluon TMA descriptor of the 2-D e4m3 ``t`` with ``block``, or None where TMA cannot read it
-    (last dim not contiguous, base or row stride not 16-byte aligned)."""
-    if t.dim() != 2 or t.stride(1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+    (fp8_triton.tma_readable)."""
+    from .fp8_triton import tma_readable
+
+    if t is None or not tma_readable(t):
         return None
     layout = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
     return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], block, layout)
 
 
+def _pair(a_desc, b_desc):
+    return None if a_desc is None or b_desc is None else (a_desc, b_desc)
+
+
 def rows_descriptors(a_RK: torch.Tensor, b_EKN: torch.Tensor, config: GluonConfig | None = None):
     """(A, B) descriptors of the rows kernel, or None where its operands do not allow them (B[e] not
     K-contiguous, experts not back to back, misaligned): the caller then runs fp8_triton's kernel."""
+    from .fp8_triton import stacked_b
+
     if not AVAILABLE:
         return None
     bm, bn, _, _ = config or CONFIG  # the module's CONFIG read at each call: the benchmark sets it
-    R, K = a_RK.shape
-    E, _, N = b_EKN.shape
-    s_be, s_bk, s_bn = b_EKN.stride()
-    if s_bk != 1 or s_be != N * s_bn or N % bn:
+    if b_EKN.shape[2] % bn:
         return None
-    a_desc = _descriptor(a_RK, [bm, BLOCK_K])
-    b_desc = _descriptor(b_EKN.as_strided((E * N, K), (s_bn, 1)), [bn, BLOCK_K])
-    return None if a_desc is None or b_desc is None else (a_desc, b_desc)
+    return _pair(_descriptor(a_RK, [bm, BLOCK_K]), _descriptor(stacked_b(b_EKN), [bn, BLOCK_K]))
+
+
+def k_descriptors(a_MP: torch.Tensor, bt_NP: torch.Tensor, config: GluonConfig | None = None):
+    """(A, Bt) descriptors of the wgrad kernel, or None where TMA cannot read them (not K-contiguous,
+    misaligned): the caller then runs fp8_triton's kernel."""
+    if not AVAILABLE:
+        return None
+    bm, bn, _, _ = config or K_CONFIG  # read at each call, as CONFIG
+    return _pair(_descriptor(a_MP, [bm, BLOCK_K]), _descriptor(bt_NP, [bn, BLOCK_K]))
 
 
 def gluon_grouped_mm_rows(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out, descriptors=None,
@@ -309,25 +321,21 @@ def gluon_grouped_mm_rows(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out, descriptor
     return out
 
 
-def k_operands_ok(a_MP: torch.Tensor, bt_NP: torch.Tensor) -> bool:
-    """Whether TMA can read the wgrad kernel's A and Bt (K-contiguous, 16-byte aligned)."""
-    return all(t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
-               for t in (a_MP, bt_NP))
-
-
-def gluon_grouped_mm_k(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out, config: GluonConfig | None = None,
-                       warmup: bool = False):
+def gluon_grouped_mm_k(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out, descriptors=None,
+                       config: GluonConfig | None = None, warmup: bool = False):
     """out[e] = A[:, rows of e] @ Bt[:, rows of e]^T (fp8_triton.fp8_grouped_mm_k's contract; ``out``
-    given, [E, M, N], its last dim contiguous). Raises ValueError where TMA cannot read A or Bt.
-    ``config`` default: K_CONFIG as it is at this call."""
-    bm, bn, warps, bufs = config or K_CONFIG
+    given, [E, M, N], its last dim contiguous); ``descriptors`` from k_descriptors (made here when
+    None). ``config`` default: K_CONFIG as it is at this call."""
+    config = config or K_CONFIG
+    bm, bn, warps, bufs = config
     M, P = a_MP.shape
     N = bt_NP.shape[0]
     E = padded_offsets_E.numel()
-    a_desc, b_desc = _descriptor(a_MP, [bm, BLOCK_K]), _descriptor(bt_NP, [bn, BLOCK_K])
-    if a_desc is None or b_desc is None or out.stride(2) != 1:
+    descriptors = descriptors or k_descriptors(a_MP, bt_NP, config)
+    if descriptors is None or out.stride(2) != 1:
         raise ValueError("the Gluon wgrad kernel needs K-contiguous, 16-byte aligned A and Bt and a "
                          "row-major output (fp8_triton's pipelined kernel takes any strides)")
+    a_desc, b_desc = descriptors
     grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), E)
     args = (a_desc, sa_MB, b_desc, sbt_NB, padded_offsets_E, out, M, N,
             sa_MB.stride(0), sa_MB.stride(1), sbt_NB.stride(0), sbt_NB.stride(1), out.stride(0), out.stride(1))

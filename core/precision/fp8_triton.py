@@ -291,12 +291,26 @@ def last_tuning(wgrad: bool = False) -> tuple[str, dict[str, float]]:
                                              for c, t in timings.items()}
 
 
-def _descriptor(t: torch.Tensor):
+def tma_readable(t: torch.Tensor) -> bool:
+    """Whether a TMA descriptor can read the 2-D ``t``: last dim contiguous, base and row stride
+    16-byte aligned (this module's descriptors and fp8_gluon's)."""
+    return t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+
+
+def stacked_b(b_EKN: torch.Tensor) -> torch.Tensor | None:
+    """The rows kernels' B [E, K, N] as one [E * N, K] matrix (each B[e] K-contiguous, the experts
+    back to back), the view TMA reads; None for other layouts."""
+    E, K, N = b_EKN.shape
+    s_be, s_bk, s_bn = b_EKN.stride()
+    return b_EKN.as_strided((E * N, K), (s_bn, 1)) if s_bk == 1 and s_be == N * s_bn else None
+
+
+def _descriptor(t: torch.Tensor | None):
     """A host TMA descriptor of the 2-D ``t`` (block shape set per config), or None where TMA cannot
-    read it (last dim not contiguous, base or row stride not 16-byte aligned)."""
+    read it (see tma_readable)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    if t.stride(1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+    if t is None or not tma_readable(t):
         return None
     return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [BLOCK_K, BLOCK_K])
 
@@ -304,10 +318,8 @@ def _descriptor(t: torch.Tensor):
 def _rows_pipelined(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out):
     R, K = a_RK.shape
     E, _, N = b_EKN.shape
-    a_desc = b_desc = None
     s_be, s_bk, s_bn = b_EKN.stride()
-    if s_bk == 1 and s_be == N * s_bn:  # B[e] K-contiguous, experts back to back: one [E * N, K] matrix
-        a_desc, b_desc = _descriptor(a_RK), _descriptor(b_EKN.as_strided((E * N, K), (s_bn, 1)))
+    a_desc, b_desc = _descriptor(a_RK), _descriptor(stacked_b(b_EKN))
     tma_ok = int(a_desc is not None and b_desc is not None)
     if not tma_ok:
         a_desc = b_desc = None
@@ -365,8 +377,9 @@ def fp8_grouped_mm_k(a_MP: torch.Tensor, sa_MB: torch.Tensor, bt_NP: torch.Tenso
     if kernel == GroupedKernel.gluon:
         from . import fp8_gluon
 
-        if fp8_gluon.supported(a_MP.device) and fp8_gluon.k_operands_ok(a_MP, bt_NP):
-            return fp8_gluon.gluon_grouped_mm_k(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out)
+        descriptors = fp8_gluon.k_descriptors(a_MP, bt_NP) if fp8_gluon.supported(a_MP.device) else None
+        if descriptors is not None:
+            return fp8_gluon.gluon_grouped_mm_k(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out, descriptors)
         kernel = GroupedKernel.pipelined
     if kernel == GroupedKernel.pipelined:
         a_desc, b_desc = _descriptor(a_MP), _descriptor(bt_NP)

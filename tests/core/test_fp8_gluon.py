@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.core.test_precision_emulated import wide
-from tests.core.test_precision_fp8 import _agree, _compile_sm90, _ref_err
+from tests.core.test_precision_fp8 import _agree, _compile_sm90, _ref_err, check_rows
 
 fg = pytest.importorskip("moetron.core.precision.fp8_gluon")
 if not fg.AVAILABLE:
@@ -102,19 +102,19 @@ def test_gluon_tile_is_read_when_called(monkeypatch):
     assert a_desc.block_shape == [128, 128] and b_desc.block_shape == [64, 128]
 
 
-def test_gluon_kernel_falls_back_where_it_cannot_run():
-    """On the CPU (and anywhere not SM90) GroupedKernel.gluon runs the pipelined kernel: asking for it
-    is never an error."""
-    from moetron.core.precision import fp8_triton as ft
-
+def test_gluon_descriptors_only_where_tma_reads_the_operands():
+    """The Gluon kernels run only on SM90 and only where TMA can read the operands; elsewhere
+    fp8_triton runs its pipelined kernel (its interpreted test checks the same bits come out)."""
     assert not fg.supported(torch.device("cpu"))
-    if not torch.cuda.is_available():
-        assert fg.rows_descriptors(torch.zeros(4, 128, dtype=torch.float8_e4m3fn),
-                                   torch.zeros(2, 128, 128, dtype=torch.float8_e4m3fn).transpose(1, 2)) is not None
-        # N-contiguous B (no TMA): no descriptors, the pipelined kernel's pointer loads instead
-        assert fg.rows_descriptors(torch.zeros(4, 128, dtype=torch.float8_e4m3fn),
-                                   torch.zeros(2, 128, 128, dtype=torch.float8_e4m3fn)) is None
-    assert ft.GroupedKernel("gluon") == ft.GroupedKernel.gluon
+    a = torch.zeros(4, 128, dtype=torch.float8_e4m3fn)
+    assert fg.rows_descriptors(a, torch.zeros(2, 128, 128, dtype=torch.float8_e4m3fn).transpose(1, 2)) is not None
+    # N-contiguous B, and experts not back to back: no descriptors (the pipelined kernel's pointer loads)
+    assert fg.rows_descriptors(a, torch.zeros(2, 128, 128, dtype=torch.float8_e4m3fn)) is None
+    assert fg.rows_descriptors(a, torch.zeros(2, 384, 128, dtype=torch.float8_e4m3fn).transpose(1, 2)[..., :192]) is None
+    bt = torch.zeros(256, 384, dtype=torch.float8_e4m3fn)
+    assert fg.k_descriptors(bt, bt) is not None
+    assert fg.k_descriptors(bt.t(), bt) is None  # A not K-contiguous
+    assert fg.k_descriptors(bt[:, 1:], bt) is None  # a base off 16 bytes
 
 
 def check_gluon(device: str) -> None:
@@ -137,13 +137,7 @@ def check_gluon(device: str) -> None:
             fg.gluon_grouped_mm_rows(a_q, a_s, b, sb, offsets, out, config=config)
             out = out.cpu()
             what = f"rows N {N} {config.name}"
-            start = 0
-            for e, end in enumerate(offsets.tolist()):
-                if end > start:
-                    err = _ref_err(out[start:end], a_d[start:end], w_d[e].T)
-                    assert err <= tol, f"{what}: expert {e} error {err:.2e} against float64"
-                    assert _agree(out[start:end], pipelined[start:end], device), what
-                start = end
+            check_rows(out, offsets, a_d, w_d, pipelined, device, tol, what)
             assert out[290:].isnan().all(), f"{what}: rows past the last expert written"
         bf16 = ft.fp8_grouped_mm_rows(a_q, a_s, b, sb, offsets, torch.bfloat16, kernel="gluon").cpu()
         assert torch.allclose(bf16[:290].float(), pipelined[:290], rtol=2 ** -7, atol=0)

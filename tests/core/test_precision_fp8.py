@@ -125,6 +125,18 @@ def _agree(out, masked, device: str) -> bool:
     return bool((out - masked).abs().max() <= 2 ** -9 * masked.abs().max())
 
 
+def check_rows(out, offsets, a_d, w_d, other, device: str, tol: float, what: str) -> None:
+    """A rows kernel's output [R, N], expert by expert: against float64 on the dequantized operands
+    (a_d [R, K], w_d [E, N, K]) within ``tol``, and against ``other`` (another kernel's output, _agree)."""
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        if end > start:
+            err = _ref_err(out[start:end], a_d[start:end], w_d[e].T)
+            assert err <= tol, f"{what}: expert {e} error {err:.2e} against float64"
+            assert _agree(out[start:end], other[start:end], device), what
+        start = end
+
+
 def check_pipelined(device: str, configs=None) -> None:
     """GroupedKernel.pipelined under each interpreted config (BN 128 / 256, pointer / TMA loads), for
     B laid out K-contiguous (TMA-able) and N-contiguous (pointer loads only): the same outputs as the
@@ -153,16 +165,12 @@ def check_pipelined(device: str, configs=None) -> None:
             for layout, (b, sb) in layouts.items():
                 out = ft.fp8_grouped_mm_rows(a_q, a_s, b, sb, offsets, torch.float32,
                                              kernel=ft.GroupedKernel.pipelined).cpu()
-                what = f"rows N {N} {ft.config_name(config)} {layout}"
-                start = 0
-                for e, end in enumerate(offsets.tolist()):
-                    if end > start:
-                        err = _ref_err(out[start:end], a_d[start:end], w_d[e].T)
-                        assert err <= tol, f"{what}: expert {e} error {err:.2e} against float64"
-                        assert _agree(out[start:end], masked[start:end], device), what
-                    start = end
+                check_rows(out, offsets, a_d, w_d, masked, device, tol, f"rows N {N} {ft.config_name(config)} {layout}")
         fp32, bf16 = (ft.fp8_grouped_mm_rows(a_q, a_s, *layouts["K-contiguous"], offsets, dtype, kernel="pipelined")
                       for dtype in (torch.float32, torch.bfloat16))
+        if device == "cpu":  # GroupedKernel.gluon off SM90: the pipelined kernel, the same bits
+            gluon = ft.fp8_grouped_mm_rows(a_q, a_s, *layouts["K-contiguous"], offsets, torch.float32, kernel="gluon")
+            assert torch.equal(gluon[:140], fp32[:140])
         # the interpreter's bf16 store may round differently from torch's cast: within one bf16 step
         assert bf16.dtype == torch.bfloat16 and torch.allclose(bf16[:140].float(), fp32[:140], rtol=2 ** -7, atol=0)
     # wgrad: out[e] = A[:, rows of e] @ Bt[:, rows of e]^T over padded 128-row groups, one empty
@@ -184,6 +192,9 @@ def check_pipelined(device: str, configs=None) -> None:
                 err = _ref_err(out[2 * e], a_d[:, s:t], b_d[:, s:t].T)
                 assert err <= tol, f"{what}: expert {2 * e} error {err:.2e} against float64"
             assert _agree(out, masked, device), what
+    if device == "cpu":  # GroupedKernel.gluon off SM90: the pipelined kernel, the same bits
+        pipelined = ft.fp8_grouped_mm_k(a_q, a_s, b_q, b_s, padded, kernel="pipelined")
+        assert torch.equal(ft.fp8_grouped_mm_k(a_q, a_s, b_q, b_s, padded, kernel="gluon"), pipelined)
 
 
 def test_pipelined_interpreted_matches_masked_and_float64():
