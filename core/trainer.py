@@ -90,7 +90,7 @@ class TrainerConfig(Config):
     peak_tflops: float | None = None
     """Device peak for MFU; None detects known GPUs (and reports no MFU on the CPU)."""
     compile: bool = False
-    """torch.compile each block."""
+    """torch.compile each block and the final norm (Transformer.compile_modules)."""
     collective_timeout_s: float = 1800.0
     """Seconds a collective may wait for the other ranks before it fails (the process group's
     timeout); a watchdog also ends this rank, naming it and its step, when no training step

@@ -40,8 +40,7 @@ def build(cfg: PretrainConfig, device: torch.device, world: int, checkpointer: C
         print(f"run {cfg.name}: {cfg.model.describe()}, {world} rank(s) on {device.type}, {mesh.describe()}",
               flush=True)
     if cfg.trainer.compile:
-        for block in model.blocks.values():
-            block.compile()
+        model.compile_modules()
     state = ParallelState(
         # loss_fn None: the model's LM head computes the loss from the labels (fused and chunked
         # unless model.fused_loss=false), in the trainer and on the last pipeline stage alike.

@@ -54,7 +54,8 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=2, help="sequences per step")
     parser.add_argument("--micro-batch", type=int, default=None)
     parser.add_argument("--precision", default="auto")
-    parser.add_argument("--compile", action="store_true", help="torch.compile each block, as bench_train does")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile each block and the final norm, as the trainer does")
     parser.add_argument("--real-text", action="store_true",
                         help="train on the embedded corpus (data-dependent routing) instead of random token ids")
 
@@ -119,17 +120,16 @@ def build_trainer(model_cfg: ModelConfig, memory: MemoryConfig, data: TokenStrea
                   seq_len: int, precision: str | PrecisionConfig = "auto", compile: bool = False,
                   micro_batch: int | None = None, optimizer: OptimizerConfig | None = None) -> Trainer:
     """The Trainer of tools/bench_train.py: the model built on ``device`` (seed 0), the precision
-    recipe and memory config applied, each block compiled if ``compile``, AdamW with a constant
-    learning rate (``optimizer``: its settings, default OptimizerConfig()); ``trainer.train_step(data.next_batch())``
-    runs one step."""
+    recipe and memory config applied, each block and the final norm compiled if ``compile``, AdamW
+    with a constant learning rate (``optimizer``: its settings, default OptimizerConfig());
+    ``trainer.train_step(data.next_batch())`` runs one step."""
     torch.manual_seed(0)
     model = model_cfg.build(device=device)
     recipe = (precision if isinstance(precision, PrecisionConfig) else PrecisionConfig(recipe=precision)).build(device)
     recipe.apply(model)
     memory.apply(model)
     if compile:
-        for block in model.blocks.values():
-            block.compile()
+        model.compile_modules()
     optimizer = (optimizer or OptimizerConfig()).build(model)
     scheduler = SchedulerConfig(warmup_steps=0).build(optimizer, 10_000)
     tcfg = TrainerConfig(steps=10_000, micro_batch_size=micro_batch, run_dir="")

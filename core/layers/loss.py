@@ -96,9 +96,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, grad_z):
         grad_h_TD, grad_w_VD = ctx.saved_tensors
-        grad_h = grad_h_TD * grad_loss.to(grad_h_TD.dtype) if ctx.needs_input_grad[0] else None
-        grad_w = grad_w_VD * grad_loss.to(grad_w_VD.dtype) if ctx.needs_input_grad[1] else None
+        grad_h = _scaled(grad_h_TD, grad_loss) if ctx.needs_input_grad[0] else None
+        grad_w = _scaled(grad_w_VD, grad_loss) if ctx.needs_input_grad[1] else None
         return grad_h, grad_w, None, None, None, None, None
+
+
+def _scaled(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """t x the 0-dim ``scale`` (in t's dtype), out of place. Through the foreach kernel: a plain
+    ``t * scale`` broadcasts the 0-dim CUDA tensor with stride 0, which takes TensorIterator's
+    unvectorized kernel (about half the HBM rate on the [V, D] fp32 head gradient: 1.5 ms a step at
+    V 100352 x D 4096 on an H200, session 11's profile)."""
+    return torch._foreach_mul([t], scale.to(t.dtype))[0]
 
 
 def _chunked(h_TD: torch.Tensor, w_VD: torch.Tensor, labels_T: torch.Tensor, ignore_index: int,

@@ -51,3 +51,13 @@ def test_loss_and_memorization():
         opt.step()
     assert abs(first - torch.log(torch.tensor(64.0)).item()) < 0.3
     assert loss.item() < 0.5
+
+
+def test_compile_modules_compiles_every_block_and_the_final_norm(monkeypatch):
+    """trainer.compile's one path (run/build.py, tools/step_builder.py): each block and the final norm
+    (left eager, the norm ran as ~10 unfused fp32 kernels: 1.8 ms a step on olmoe3-4l-8e)."""
+    compiled = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *a, **k: compiled.append(self))
+    _, model = _tiny(n_layers=3)
+    model.compile_modules()
+    assert compiled == [*model.blocks.values(), model.norm]
