@@ -14,7 +14,9 @@ per precision backend, after a correctness check of the FP8 kernels on this devi
    emulated (labelled so: exact MX operands through bf16 GEMMs), fp8_blockwise ``cublas`` (one
    cuBLAS blockwise GEMM per expert, core/precision/fp8_cublas.py; checked in step 1 too), and
    both fp8 rows again with ``bf16-wgrad`` (precision.fp8_wgrad=false: the weight gradients in bf16),
-   and ``bf16 cublas`` (precision.bf16_experts=cublas: one cuBLAS bf16 GEMM per expert).
+   and ``bf16 cublas`` (precision.bf16_experts=cublas: one cuBLAS bf16 GEMM per expert), and
+   ``fp8_rowwise`` / ``fp8_rowwise fast`` (precision.recipe=fp8_rowwise, torch._scaled_grouped_mm;
+   ``fast``: precision.fp8_fast_accum=true; emulated off SM90).
    ``--backends`` / ``--shapes`` / ``--no-dense`` pick rows (bf16, the baseline, always runs).
 3. Dense: [T, I] x [I, O] linears at 16384 x 2048 x 2048 and 16384 x 4096 x 4096, fwd+bwd: bf16
    F.linear vs fp8_blockwise (F.scaled_mm, and the Triton kernel with one group).
@@ -150,6 +152,7 @@ def backends(device):
     from moetron.core.precision import TorchGemm
     from moetron.core.precision.emulated import EmulatedGemm, MXFormat
     from moetron.core.precision.fp8_gemm import Fp8BlockwiseGemm
+    from moetron.core.precision.fp8_rowwise import Fp8RowwiseGemm
 
     out = {"bf16": (TorchGemm(), torch.bfloat16)}
     # precision.bf16_experts=cublas: one cuBLAS bf16 GEMM per expert (host group sizes)
@@ -163,6 +166,11 @@ def backends(device):
     out["fp8_blockwise bf16-wgrad"] = (Fp8BlockwiseGemm("triton", wgrad="bf16"), torch.float32)
     out["fp8_blockwise cublas bf16-wgrad"] = (Fp8BlockwiseGemm("triton", experts="cublas", wgrad="bf16"), torch.float32)
     out["mxfp8 emulated"] = (EmulatedGemm(MXFormat()), torch.float32)
+    # precision.recipe=fp8_rowwise: torch's scaled GEMMs (SM90; the emulation elsewhere), with fp32
+    # promotion and with precision.fp8_fast_accum=true
+    native = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    out["fp8_rowwise"] = (Fp8RowwiseGemm(native=native), torch.float32)
+    out["fp8_rowwise fast"] = (Fp8RowwiseGemm(native=native, fast_accum=native), torch.float32)
     return out
 
 

@@ -29,6 +29,12 @@ class PrecisionRecipe(StrEnum):
     """bf16 autocast, and the GEMMs of ``modules`` in FP8 with 1x128 activation / gradient tiles and
     128x128 weight tiles (DeepSeek-V3): native on SM90+ (F.scaled_mm and a Triton grouped GEMM,
     core.precision.fp8_gemm), emulated elsewhere. Not MXFP8."""
+    fp8_rowwise = "fp8_rowwise"
+    """bf16 autocast, and the GEMMs of ``modules`` in FP8 with one power-of-two fp32 scale per row of
+    each operand along its GEMM's reduction dim (the wgrad's per expert along its tokens): native on
+    SM90 (torch._scaled_mm and torch's CUTLASS grouped kernel torch._scaled_grouped_mm,
+    core.precision.fp8_rowwise), emulated elsewhere. Coarser scaling than fp8_blockwise, faster GEMMs.
+    Neither fp8_blockwise nor MXFP8."""
 
 
 class WeightCopies(StrEnum):
@@ -86,9 +92,12 @@ class PrecisionBackend(StrEnum):
     """Exact quantized operands dequantized into bf16 GEMMs: the recipe's numerics on any device."""
 
 
-_LOW_PRECISION = (PrecisionRecipe.mxfp8, PrecisionRecipe.fp8_blockwise)
-_NATIVE_SM = {PrecisionRecipe.mxfp8: 10, PrecisionRecipe.fp8_blockwise: 9}
-_NATIVE_GPU = {PrecisionRecipe.mxfp8: "SM100+ (Blackwell)", PrecisionRecipe.fp8_blockwise: "SM90+ (Hopper)"}
+_LOW_PRECISION = (PrecisionRecipe.mxfp8, PrecisionRecipe.fp8_blockwise, PrecisionRecipe.fp8_rowwise)
+_NATIVE_SM = {PrecisionRecipe.mxfp8: 10, PrecisionRecipe.fp8_blockwise: 9, PrecisionRecipe.fp8_rowwise: 9}
+# torch's rowwise FP8 grouped kernel (torch._scaled_grouped_mm) is built for SM90 only
+_NATIVE_SM_MAX = {PrecisionRecipe.fp8_rowwise: 9}
+_NATIVE_GPU = {PrecisionRecipe.mxfp8: "SM100+ (Blackwell)", PrecisionRecipe.fp8_blockwise: "SM90+ (Hopper)",
+               PrecisionRecipe.fp8_rowwise: "SM90 (Hopper)"}
 
 
 def _capability_major(device_type: str) -> int | None:
@@ -161,13 +170,18 @@ class PrecisionConfig(Config):
     The forward and the dgrad stay FP8 either way (core/precision/fp8_gemm.py). Measured on the H200,
     compiled: -12% tokens/s on OLMoE-8L, -5% on olmoe3-4l-8e with cuBLAS experts (docs/performance.md)."""
 
+    fp8_fast_accum: bool = False
+    """fp8_rowwise recipe, native backend: the FP8 GEMMs accumulate on the tensor cores without the
+    periodic promotion to fp32 (``use_fast_accum``): measured 1.6-2.2x bf16 per expert GEMM against
+    1.3-1.6x with promotion on the H200 (session 11), at a less accurate sum over long reductions."""
+
     def validate(self) -> None:
         super().validate()
         if self.mx_scale not in ("rceil", "floor"):
             raise ConfigError(f"precision.mx_scale: {self.mx_scale!r} is not one of 'rceil', 'floor'")
         if self.quantize_weights_once and self.recipe not in _LOW_PRECISION:
             raise ConfigError(f"precision.quantize_weights_once caches the low-precision recipes' quantized expert "
-                              f"weights: it needs --precision.recipe=mxfp8 or fp8_blockwise, got {self.recipe} (the bf16 "
+                              f"weights: it needs --precision.recipe=mxfp8, fp8_blockwise or fp8_rowwise, got {self.recipe} (the bf16 "
                               f"recipe's counterpart is precision.expert_weight_copies)")
         experts = Fp8Experts(self.fp8_experts)
         if experts != Fp8Experts.triton and self.recipe != PrecisionRecipe.fp8_blockwise:
@@ -176,6 +190,9 @@ class PrecisionConfig(Config):
         if not self.fp8_wgrad and self.recipe != PrecisionRecipe.fp8_blockwise:
             raise ConfigError(f"precision.fp8_wgrad=false runs fp8_blockwise's weight gradients in bf16: it needs "
                               f"--precision.recipe=fp8_blockwise, got {self.recipe}; drop it for this recipe")
+        if self.fp8_fast_accum and self.recipe != PrecisionRecipe.fp8_rowwise:
+            raise ConfigError(f"precision.fp8_fast_accum=true is an option of the fp8_rowwise recipe's GEMMs: it needs "
+                              f"--precision.recipe=fp8_rowwise, got {self.recipe}; drop it for this recipe")
         if self.expert_grads_bf16 and WeightCopies(self.expert_weight_copies) != WeightCopies.optimizer:
             raise ConfigError("precision.expert_grads_bf16=true keeps the experts' gradients on the optimizer's bf16 "
                               "weight copies: it needs --precision.expert_weight_copies=optimizer, got "
@@ -194,14 +211,16 @@ class PrecisionConfig(Config):
         if recipe not in _LOW_PRECISION:
             return PrecisionBackend.native
         major = capability_major if capability_major is not None else _capability_major(device_type)
-        can_native = major is not None and major >= _NATIVE_SM[recipe]
+        can_native = major is not None and _NATIVE_SM[recipe] <= major <= _NATIVE_SM_MAX.get(recipe, major)
         where = "the CPU" if major is None else f"an SM{major}x GPU"
         if self.backend == PrecisionBackend.native and not can_native:
             raise ConfigError(
                 f"precision.recipe={recipe} with precision.backend=native needs an {_NATIVE_GPU[recipe]} GPU, "
                 f"and this run is on {where}: use --precision.backend=emulated (the same numerics through "
                 f"bf16 GEMMs)" + (" or --precision.recipe=fp8_blockwise (native on Hopper)"
-                                  if recipe == PrecisionRecipe.mxfp8 and major == 9 else ""))
+                                  if recipe == PrecisionRecipe.mxfp8 and major == 9 else "")
+                + (" or --precision.recipe=mxfp8 (native on Blackwell)"
+                   if recipe == PrecisionRecipe.fp8_rowwise and major is not None and major >= 10 else ""))
         if self.backend == PrecisionBackend.auto:
             chosen = PrecisionBackend.native if can_native else PrecisionBackend.emulated
             if verbose and not can_native and is_main():
@@ -252,16 +271,24 @@ class PrecisionConfig(Config):
                 raise ConfigError(f"precision.fp8_experts=gluon runs fp8_blockwise's expert GEMMs on Hopper's wgmma "
                                   f"(SM90, the native backend), and this run has {where}: use "
                                   f"--precision.fp8_experts=triton (the same GEMMs, any GPU)")
-        gemm = low_precision_gemm(recipe, backend, self.mx_scale, self.fp8_experts, self.fp8_wgrad)
+        if self.fp8_fast_accum and backend != PrecisionBackend.native:
+            raise ConfigError("precision.fp8_fast_accum=true is an option of the native fp8_rowwise GEMMs (an SM90 GPU), "
+                              f"and this run resolved precision.backend={backend}: drop fp8_fast_accum, or run on a Hopper GPU")
+        gemm = low_precision_gemm(recipe, backend, self.mx_scale, self.fp8_experts, self.fp8_wgrad, self.fp8_fast_accum)
         gemm.quantize_weights_once = bool(self.quantize_weights_once)
         gemm.per_expert = per_expert
         return PrecisionPolicy(device_type, torch.bfloat16, gemm, modules=frozenset(GemmModule(m) for m in self.modules))
 
 
 def low_precision_gemm(recipe: PrecisionRecipe | str, backend: PrecisionBackend | str, mx_scale: str = "rceil",
-                       fp8_experts: Fp8Experts | str = Fp8Experts.triton, fp8_wgrad: bool = True):
+                       fp8_experts: Fp8Experts | str = Fp8Experts.triton, fp8_wgrad: bool = True,
+                       fp8_fast_accum: bool = False):
     """The GemmBackend instance of a low-precision recipe and a resolved backend (native / emulated)."""
     recipe, backend = PrecisionRecipe(recipe), PrecisionBackend(backend)
+    if recipe == PrecisionRecipe.fp8_rowwise:  # its own emulation: the wgrad's scales are per expert, not blocks
+        from .fp8_rowwise import Fp8RowwiseGemm
+
+        return Fp8RowwiseGemm(native=backend == PrecisionBackend.native, fast_accum=fp8_fast_accum)
     if backend == PrecisionBackend.emulated:
         from .emulated import BlockwiseFormat, EmulatedGemm, MXFormat
 

@@ -132,6 +132,9 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
     if recipe == PrecisionRecipe.fp32:
         raise ConfigError("the planner models bf16 compute and its low-precision recipes: precision.recipe=fp32 "
                           "is for CPU tests; use bf16, mxfp8 or fp8_blockwise")
+    if recipe == PrecisionRecipe.fp8_rowwise:
+        raise ConfigError("the planner has no measured rates for precision.recipe=fp8_rowwise yet (its GEMMs: "
+                          "docs/performance.md, session 11); plan with fp8_blockwise or bf16 for now")
     backend = precision.resolved_backend("cuda", capability_major=gpu.sm)
     if precision.expert_grads_bf16 and (parallel.dp_shard > 1 or parallel.ep > 1 or parallel.pp > 1):
         raise ConfigError("precision.expert_grads_bf16 (with expert_weight_copies=optimizer) is for one unsharded "

@@ -1,0 +1,234 @@
+"""FP8 rowwise GEMMs: E4M3 operands with one fp32 power-of-two scale per row of each operand along
+its GEMM's reduction dim (torchao's "rowwise" float8 recipe, with power-of-two scales), for Hopper.
+
+Which dim each GEMM quantizes along (y = x @ w^T, w [O, I]):
+
+- forward  y  = x @ w^T:    x one scale per token (along I), w one per output row (along I);
+- dgrad    dx = dy @ w:     dy one per token (along O), w one per input column (along O): w^T's rows;
+- wgrad    dw = dy^T @ x:   dy and x one per column along the tokens; the grouped GEMM's per column
+  *and per expert*, along that expert's rows only (each expert's rows padded to a multiple of 16,
+  core.precision.grouping, so a scale never spans two experts and every group is 16-aligned).
+
+The scale is blockwise.pow2_scale(amax): 2^ceil(log2(amax / 448)), so nothing saturates but by
+rounding and data x scale is exact in bf16. One scale per row is coarser than fp8_blockwise's
+1x128 tiles (an outlier raises the scale of its whole row), and the reason for this recipe is the
+GEMM: torch's CUTLASS grouped kernel for it (``torch._scaled_grouped_mm``, SM90, the offsets on the
+device, no host sync) ran the three expert GEMMs at 1.3-1.6x bf16 ``_grouped_mm`` with fp32
+promotion and 1.6-2.2x with ``fast_accum`` on the H200 (docs/performance.md, session 11), where
+fp8_blockwise's grouped kernels reach 0.7-1.1x.
+
+- Native (SM90): dense linears through ``torch._scaled_mm`` (rowwise scales), the routed experts
+  through ``torch._scaled_grouped_mm``; ``fast_accum`` (precision.fp8_fast_accum) lets the tensor
+  cores accumulate without the periodic fp32 promotion (faster, less accurate over long K).
+- Emulated (any device, the CPU tests): the same quantized operands dequantized (exact in bf16)
+  through the bf16 GEMMs; the native GEMMs' dot products up to fp32 summation order.
+
+It is neither fp8_blockwise nor MXFP8 and is never reported as either. Quantization is torch ops,
+fused by inductor: traced into the compiled blocks, and compiled on their own where the GEMMs run
+eager (``_fused``; the torch functions themselves on the CPU). Weights are quantized once per
+optimizer step where the WeightCache serves (eager, or precision.quantize_weights_once).
+
+Legend: T tokens, R expert-sorted rows, P padded rows, E experts, I / O input / output dims.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .blockwise import pow2_scale
+from .cache import WeightCache
+from .gemm import GemmBackend
+from .grouping import gather_rows, grouped_mm_2d2d, grouped_mm_2d3d, padded_source_rows
+from .mx import E4M3_MAX
+
+__all__ = ["ALIGN", "Fp8RowwiseGemm", "dequantize_rows", "quantize_group_cols", "quantize_rows"]
+
+ALIGN = 16
+"""The FP8 GEMMs' alignment: every reduction dim (tokens of a wgrad, each expert's group of them)
+a multiple of 16 elements."""
+_BF16 = torch.bfloat16
+
+
+def quantize_rows(x: torch.Tensor, axis: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """x -> (e4m3 data of x's shape, fp32 scale of x's shape without ``axis``): one power-of-two scale
+    per line along ``axis`` (amax / scale <= 448)."""
+    xf = x.to(torch.float32)
+    scale = pow2_scale(xf.abs().amax(axis))
+    data = (xf / scale.unsqueeze(axis)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return data, scale
+
+
+def dequantize_rows(data: torch.Tensor, scale: torch.Tensor, axis: int = -1) -> torch.Tensor:
+    """quantize_rows' inverse: float32 of data's shape."""
+    return data.to(torch.float32) * scale.unsqueeze(axis)
+
+
+def quantize_group_cols(x_RC: torch.Tensor, src_P: torch.Tensor,
+                        padded_offsets_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grouped wgrad's operand: x[src_P] (padded_source_rows' layout, zero rows where src_P < 0)
+    quantized along the rows of each group separately -> (data^T e4m3 [C, P] contiguous, the
+    transposed layout the GEMM reads, scale fp32 [E, C]: group e's column c). No host sync."""
+    x_PC = gather_rows(x_RC, src_P).to(torch.float32)
+    E, P = padded_offsets_E.numel(), x_PC.shape[0]
+    group_P = torch.searchsorted(padded_offsets_E.to(torch.int64), torch.arange(P, device=x_RC.device),
+                                 right=True).clamp_max(E - 1)  # rows past the last group are zero rows
+    amax_EC = x_PC.new_zeros(E, x_PC.shape[1]).scatter_reduce_(0, group_P[:, None].expand_as(x_PC), x_PC.abs(), "amax")
+    scale_EC = pow2_scale(amax_EC)
+    data_PC = (x_PC / scale_EC[group_P]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return data_PC.t().contiguous(), scale_EC
+
+
+def dequantize_group_cols(data_CP: torch.Tensor, scale_EC: torch.Tensor, padded_offsets_E: torch.Tensor) -> torch.Tensor:
+    """quantize_group_cols' inverse: float32 [P, C] (the padded rows, zero where padding)."""
+    P = data_CP.shape[1]
+    group_P = torch.searchsorted(padded_offsets_E.to(torch.int64), torch.arange(P, device=data_CP.device),
+                                 right=True).clamp_max(scale_EC.shape[0] - 1)
+    return data_CP.t().to(torch.float32) * scale_EC[group_P]
+
+
+def _fused(fn):
+    """``fn`` through torch.compile for CUDA tensors outside a compiled graph (inductor fuses its amax,
+    scale and cast into one or two passes: the eager benchmarks, precision.quantize_weights_once);
+    inside a graph being compiled, and on the CPU, ``fn`` itself (traced into the graph there)."""
+    compiled = None
+
+    def run(x, *args):
+        nonlocal compiled
+        if not x.is_cuda or torch.compiler.is_compiling():
+            return fn(x, *args)
+        if compiled is None:
+            compiled = torch.compile(fn, dynamic=True)
+        return compiled(x, *args)
+
+    run.__doc__ = fn.__doc__
+    return run
+
+
+_quantize_rows = _fused(quantize_rows)
+_quantize_group_cols = _fused(quantize_group_cols)
+
+
+def _pad_rows(x: torch.Tensor, multiple: int = ALIGN) -> torch.Tensor:
+    pad = -x.shape[0] % multiple
+    return F.pad(x, (0, 0, 0, pad)) if pad else x
+
+
+def _weights(gemm: "Fp8RowwiseGemm", w: torch.Tensor):
+    """w [..., O, I] -> ((w along I: data [..., O, I], scale [..., O]), (w^T along O: data [..., I, O], scale [..., I]))."""
+    def make(t):
+        return _quantize_rows(t, -1), _quantize_rows(t.transpose(-2, -1).contiguous(), -1)
+
+    return gemm.cache.get(w, "fp8_rowwise_pair", make)
+
+
+def _mm(gemm: "Fp8RowwiseGemm", a, sa, b, sb):
+    """a [M, K] (scale [M]) @ b [K, N] (b's columns scaled, scale [N]), b given as the [N, K] data
+    (K-contiguous) -> bf16 [M, N]."""
+    if gemm.native:
+        return torch._scaled_mm(a, b.t(), sa[:, None], sb[None, :], out_dtype=_BF16, use_fast_accum=gemm.fast_accum)
+    return (dequantize_rows(a, sa).to(_BF16) @ dequantize_rows(b, sb).to(_BF16).t())
+
+
+class _RowwiseLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TI: torch.Tensor, w_OI: torch.Tensor, gemm: "Fp8RowwiseGemm"):
+        T = x_TI.shape[0]
+        x_p = _pad_rows(x_TI)  # the wgrad's reduction (tokens) 16-aligned; zero rows add nothing
+        (w_q, w_s), _ = _weights(gemm, w_OI)
+        x_q, x_s = _quantize_rows(x_p, -1)
+        y = _mm(gemm, x_q, x_s, w_q, w_s)[:T]
+        xt_q, xt_s = _quantize_rows(x_p.t(), -1)  # along the tokens, for the wgrad: [I, T16]
+        ctx.save_for_backward(xt_q, xt_s, w_OI)
+        ctx.gemm, ctx.x_dtype, ctx.tokens = gemm, x_TI.dtype, T
+        return y
+
+    @staticmethod
+    def backward(ctx, dy_TO: torch.Tensor):
+        xt_q, xt_s, w_OI = ctx.saved_tensors
+        gemm, T = ctx.gemm, ctx.tokens
+        dx = dw = None
+        dy_p = _pad_rows(dy_TO)
+        if ctx.needs_input_grad[0]:
+            _, (wt_q, wt_s) = _weights(gemm, w_OI)
+            dy_q, dy_s = _quantize_rows(dy_p, -1)
+            dx = _mm(gemm, dy_q, dy_s, wt_q, wt_s)[:T].to(ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            dyt_q, dyt_s = _quantize_rows(dy_p.t(), -1)  # [O, T16] along the tokens
+            dw = _mm(gemm, dyt_q, dyt_s, xt_q, xt_s).to(w_OI.dtype)
+        return dx, dw, None
+
+
+def _grouped_rows(gemm: "Fp8RowwiseGemm", a_RK, sa_R, b_ENK, sb_EN, offsets_E):
+    """out[rows of e] = a[rows of e] @ b[e]^T, b[e] [N, K] K-contiguous with a scale per row n ->
+    bf16 [R, N]."""
+    if gemm.native:
+        return torch._scaled_grouped_mm(a_RK, b_ENK.transpose(-2, -1), sa_R, sb_EN, offs=offsets_E.to(torch.int32),
+                                        out_dtype=_BF16, use_fast_accum=gemm.fast_accum)
+    b_EKN = dequantize_rows(b_ENK, sb_EN).to(_BF16).transpose(-2, -1)
+    return grouped_mm_2d3d(dequantize_rows(a_RK, sa_R).to(_BF16), b_EKN, offsets_E)
+
+
+class _RowwiseGroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor, gemm: "Fp8RowwiseGemm"):
+        (w_q, w_s), _ = _weights(gemm, w_EOI)
+        x_q, x_s = _quantize_rows(x_RI, -1)
+        y_RO = _grouped_rows(gemm, x_q, x_s, w_q, w_s, offsets_E)
+        # the wgrad's operand: each expert's rows padded to 16, quantized along them per expert
+        src_P, padded_offsets_E = padded_source_rows(offsets_E, x_RI.shape[0], ALIGN)
+        xt_q, xt_s = _quantize_group_cols(x_RI, src_P, padded_offsets_E)
+        ctx.save_for_backward(xt_q, xt_s, w_EOI, offsets_E, src_P, padded_offsets_E)
+        ctx.gemm, ctx.x_dtype = gemm, x_RI.dtype
+        return y_RO
+
+    @staticmethod
+    def backward(ctx, dy_RO: torch.Tensor):
+        xt_q, xt_s, w_EOI, offsets_E, src_P, padded_offsets_E = ctx.saved_tensors
+        gemm = ctx.gemm
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            _, (wt_q, wt_s) = _weights(gemm, w_EOI)  # w[e]^T [I, O]: the dgrad's [N, K] operand
+            dy_q, dy_s = _quantize_rows(dy_RO, -1)
+            dx = _grouped_rows(gemm, dy_q, dy_s, wt_q, wt_s, offsets_E).to(ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            dyt_q, dyt_s = _quantize_group_cols(dy_RO, src_P, padded_offsets_E)  # [O, P], [E, O]
+            if gemm.native:
+                dw = torch._scaled_grouped_mm(dyt_q, xt_q.t(), dyt_s.reshape(-1), xt_s.reshape(-1),
+                                              offs=padded_offsets_E, out_dtype=_BF16, use_fast_accum=gemm.fast_accum)
+            else:
+                dw = grouped_mm_2d2d(dequantize_group_cols(dyt_q, dyt_s, padded_offsets_E).to(_BF16).t(),
+                                     dequantize_group_cols(xt_q, xt_s, padded_offsets_E).to(_BF16), padded_offsets_E)
+            dw = dw.to(w_EOI.dtype)
+        return dx, dw, None, None
+
+
+class Fp8RowwiseGemm(GemmBackend):
+    """FP8 rowwise (see the module docstring). ``native``: torch's scaled GEMMs (SM90), else the
+    emulation (dequantized operands, bf16 GEMMs; any device). ``fast_accum``: the native GEMMs'
+    accumulation without fp32 promotion."""
+
+    name = "fp8_rowwise"
+
+    def __init__(self, native: bool = True, fast_accum: bool = False) -> None:
+        self.native, self.fast_accum = bool(native), bool(fast_accum)
+        self.cache = WeightCache()
+
+    @property
+    def label(self) -> str:
+        if not self.native:
+            return "fp8_rowwise (emulated: exact quantized operands, bf16 GEMMs)"
+        return f"fp8_rowwise (per-row scaled FP8 GEMMs{', fast accumulation' if self.fast_accum else ''})"
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        x_TI = x.reshape(-1, x.shape[-1])
+        return _RowwiseLinear.apply(x_TI, w, self).reshape(*x.shape[:-1], w.shape[0])
+
+    def grouped_mm(self, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+        return self._grouped(_RowwiseGroupedMM, x_RI, w_EOI, offsets_E, self)
+
+    def after_optimizer_step(self) -> None:
+        self.cache.invalidate()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(native={self.native}, fast_accum={self.fast_accum})"

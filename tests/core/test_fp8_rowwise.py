@@ -1,0 +1,222 @@
+"""The fp8_rowwise recipe (core/precision/fp8_rowwise.py): the quantization against an independent
+per-line reference, the emulated GEMMs' outputs and gradients against float64 on the dequantized
+operands, the config's errors, a tiny MoE trained through the trainer, and on the GPU the native
+scaled GEMMs (torch._scaled_mm, torch._scaled_grouped_mm) against the emulation."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from moetron.core.config import ConfigError
+from moetron.core.precision import PrecisionConfig
+from moetron.core.precision.fp8_rowwise import (ALIGN, Fp8RowwiseGemm, dequantize_group_cols, dequantize_rows,
+                                                quantize_group_cols, quantize_rows)
+from moetron.core.precision.grouping import padded_source_rows
+
+from tests.core.test_precision_recipes import train
+
+
+def _line_reference(v: list[float]) -> tuple[list[float], float]:
+    """One line quantized with Python floats: scale 2^ceil(log2(amax / 448)) (2^-127 for a zero line),
+    elements v / scale rounded to E4M3 (torch's cast of a single float, exact for these)."""
+    amax = max(abs(a) for a in v)
+    if amax == 0:
+        scale = 2.0 ** -127
+    else:
+        m, e = math.frexp(amax / 448.0)  # amax / 448 = m 2^e, 0.5 <= m < 1: ceil(log2) = e, or e - 1 at m = 0.5
+        scale = 2.0 ** (e - 1 if m == 0.5 else e)
+    data = [float(torch.tensor(a / scale, dtype=torch.float32).to(torch.float8_e4m3fn).float()) for a in v]
+    return data, scale
+
+
+def test_quantize_rows_against_a_per_line_reference():
+    torch.manual_seed(0)
+    x = torch.randn(6, 40) * torch.logspace(-30, 30, 6)[:, None]  # wide dynamic range, one per row
+    x[2] = 0.0  # a zero row
+    x[3] = x[3] / x[3].abs().max()
+    x[3, 5] = 448.0 * 2.0 ** 10  # a 448 boundary: the scale is exactly 2^10, the element 448
+    x[4, :3] = torch.tensor([1e-40, -3e-39, 0.0])  # subnormal fp32 inputs
+    data, scale = quantize_rows(x, -1)
+    assert data.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32 and scale.shape == (6,)
+    for r in range(x.shape[0]):
+        ref_data, ref_scale = _line_reference(x[r].tolist())
+        assert scale[r].item() == ref_scale, r
+        assert data[r].float().tolist() == ref_data, r
+    assert scale[3].item() == 2.0 ** 10 and data[3, 5].item() == 448.0
+    # along dim 0 (the dense wgrad's operands): the transposed lines
+    d0, s0 = quantize_rows(x, 0)
+    dt, st = quantize_rows(x.t(), -1)
+    assert torch.equal(s0, st) and torch.equal(d0.t().float(), dt.float())
+    # dequantized in bf16 exactly (power-of-two scales on E4M3 values)
+    deq = dequantize_rows(data, scale)
+    assert torch.equal(deq.to(torch.bfloat16).float(), deq)
+
+
+def test_group_cols_are_rowwise_per_expert_and_padded():
+    torch.manual_seed(1)
+    sizes = [5, 0, 21, 16]
+    R = sum(sizes) + 3  # rows past the last group: not in any group
+    offsets = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    x = torch.randn(R, 24, dtype=torch.bfloat16) * torch.logspace(-3, 3, 24)
+    src, padded = padded_source_rows(offsets, R, ALIGN)
+    assert all(int(p) % ALIGN == 0 for p in padded)
+    data_CP, scale_EC = quantize_group_cols(x, src, padded)
+    assert data_CP.shape == (24, src.numel()) and data_CP.is_contiguous() and scale_EC.shape == (4, 24)
+    starts, ends = [0] + offsets[:-1].tolist(), offsets.tolist()
+    pstarts = [0] + padded[:-1].tolist()
+    for e, (s, t) in enumerate(zip(starts, ends)):
+        if s == t:  # an empty expert: zero scales' codes (2^-127), no data
+            assert (scale_EC[e] == 2.0 ** -127).all()
+            continue
+        ref_d, ref_s = quantize_rows(x[s:t], 0)  # the group's rows alone
+        assert torch.equal(scale_EC[e], ref_s), e
+        got = data_CP[:, pstarts[e]:pstarts[e] + t - s].t()
+        assert torch.equal(got.float(), ref_d.float()), e
+        assert (data_CP[:, pstarts[e] + t - s:padded[e]].float() == 0).all()  # the padding
+    full = dequantize_group_cols(data_CP, scale_EC, padded)
+    assert full.shape == (src.numel(), 24)
+
+
+def _groups(offsets):
+    ends = offsets.tolist()
+    return list(zip([0] + ends[:-1], ends))
+
+
+@pytest.mark.parametrize("sizes", [[5, 0, 22], [16, 16], [1, 2, 3, 40]])
+def test_emulated_grouped_gemm_and_grads_against_float64(sizes):
+    torch.manual_seed(2)
+    E, I, O = len(sizes), 64, 48
+    offsets = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    R = sum(sizes)
+    x = torch.randn(R, I, requires_grad=True)
+    w = torch.randn(E, O, I, requires_grad=True)
+    gemm = Fp8RowwiseGemm(native=False)
+    y = gemm.grouped_mm(x, w, offsets)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    f64 = torch.float64
+    xd = dequantize_rows(*quantize_rows(x.detach())).to(f64)
+    wd = dequantize_rows(*quantize_rows(w.detach())).to(f64)
+    dyd = dequantize_rows(*quantize_rows(dy)).to(f64)
+    wtd = dequantize_rows(*quantize_rows(w.detach().transpose(1, 2).contiguous())).to(f64)
+    ref_y = torch.cat([xd[s:t] @ wd[e].t() for e, (s, t) in enumerate(_groups(offsets))])
+    ref_dx = torch.cat([dyd[s:t] @ wtd[e].t() for e, (s, t) in enumerate(_groups(offsets))])
+    ref_dw = torch.stack([dequantize_rows(*quantize_rows(dy[s:t], 0), 0).to(f64).t()
+                          @ dequantize_rows(*quantize_rows(x.detach()[s:t], 0), 0).to(f64) if t > s
+                          else torch.zeros(O, I, dtype=f64) for s, t in _groups(offsets)])
+    for got, ref, name in ((y, ref_y, "y"), (x.grad, ref_dx, "dx"), (w.grad, ref_dw, "dw")):
+        # the only roundings: the bf16 GEMM output (2^-9 relative) and fp32 summation order
+        err = (got.to(f64) - ref).abs().max().item()
+        assert err <= 2.0 ** -8 * ref.abs().max().item() + 1e-6, (name, err)
+    # and close to the exact fp64 product (FP8's own error: a few percent)
+    exact = torch.cat([x.detach()[s:t].double() @ w.detach()[e].double().t() for e, (s, t) in enumerate(_groups(offsets))])
+    assert ((y.double() - exact).norm() / exact.norm()).item() < 0.06
+
+
+def test_emulated_linear_against_float64():
+    torch.manual_seed(3)
+    x = torch.randn(37, 64, requires_grad=True)  # 37 tokens: padded to 48 inside, not in the output
+    w = torch.randn(48, 64, requires_grad=True)
+    y = Fp8RowwiseGemm(native=False).linear(x, w)
+    assert y.shape == (37, 48)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    f64 = torch.float64
+    q = lambda t, a=-1: dequantize_rows(*quantize_rows(t, a), a).to(f64)  # noqa: E731
+    ref_y = q(x.detach()) @ q(w.detach()).t()
+    ref_dx = q(dy) @ q(w.detach().t().contiguous()).t()
+    ref_dw = q(dy, 0).t() @ q(x.detach(), 0)
+    for got, ref, name in ((y, ref_y, "y"), (x.grad, ref_dx, "dx"), (w.grad, ref_dw, "dw")):
+        err = (got.to(f64) - ref).abs().max().item()
+        assert err <= 2.0 ** -8 * ref.abs().max().item() + 1e-6, (name, err)
+
+
+def test_config_resolution_and_errors():
+    def cfg(**kw):
+        return PrecisionConfig.from_dict(kw)
+
+    assert cfg(recipe="fp8_rowwise").resolved_backend("cuda", 9) == "native"
+    assert cfg(recipe="fp8_rowwise").resolved_backend("cuda", 10) == "emulated"  # no SM100 build of the kernel
+    assert cfg(recipe="fp8_rowwise").resolved_backend("cpu") == "emulated"
+    with pytest.raises(ConfigError, match="SM90 \\(Hopper\\).*SM10x.*recipe=mxfp8"):
+        cfg(recipe="fp8_rowwise", backend="native").resolved_backend("cuda", 10)
+    with pytest.raises(ConfigError, match="SM90.*the CPU.*backend=emulated"):
+        cfg(recipe="fp8_rowwise", backend="native").build("cpu")
+    with pytest.raises(ConfigError, match="fp8_fast_accum.*needs --precision.recipe=fp8_rowwise"):
+        cfg(recipe="fp8_blockwise", fp8_fast_accum=True).validate()
+    with pytest.raises(ConfigError, match="fp8_fast_accum=true is an option of the native.*backend=emulated"):
+        cfg(recipe="fp8_rowwise", fp8_fast_accum=True).build("cpu", verbose=False)
+    gemm = cfg(recipe="fp8_rowwise").build("cpu", verbose=False).gemm
+    assert isinstance(gemm, Fp8RowwiseGemm) and not gemm.native and "emulated" in gemm.label
+    assert "blockwise" not in gemm.label and "mx" not in gemm.label.lower()
+    from moetron.core.precision.config import low_precision_gemm
+
+    native = low_precision_gemm("fp8_rowwise", "native", fp8_fast_accum=True)
+    assert native.native and native.fast_accum and "fast accumulation" in native.label
+    assert cfg(recipe="fp8_rowwise", quantize_weights_once=True).build("cpu", verbose=False).gemm.quantize_weights_once
+
+
+def test_tiny_moe_trains_in_fp8_rowwise_emulated_close_to_fp32(tmp_path, monkeypatch):
+    _, fp32 = train(["--precision.recipe=fp32"], tmp_path / "fp32", monkeypatch)
+    trainer, rw = train(["--precision.recipe=fp8_rowwise", "--precision.backend=emulated"], tmp_path / "rw", monkeypatch)
+    gemms = {type(m.gemm).__name__ for m in trainer.model_parts[0].modules() if hasattr(m, "gemm")}
+    assert gemms == {"Fp8RowwiseGemm", "TorchGemm"}  # TorchGemm: the LM head
+    print("fp32", np.round(fp32, 3), "fp8_rowwise", np.round(rw, 3))
+    assert all(np.isfinite(rw))
+    assert np.mean(rw[-3:]) < rw[0] - 0.5  # it learns
+    assert abs(np.mean(rw[-3:]) - np.mean(fp32[-3:])) < 0.02 * np.mean(fp32[-3:]), (rw, fp32)
+
+
+def _native_available():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _native_available(), reason="needs an SM90 GPU (torch._scaled_grouped_mm rowwise)")
+@pytest.mark.parametrize("fast_accum", [False, True])
+def test_native_matches_the_emulation_on_the_gpu(fast_accum):
+    torch.manual_seed(4)
+    dev = "cuda"
+    sizes = [37, 0, 300, 16, 3]  # ragged, an empty expert
+    E, I, O = len(sizes), 256, 384
+    offsets = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
+    R = sum(sizes)
+    x0 = torch.randn(R, I, device=dev, dtype=torch.bfloat16)
+    w0 = torch.randn(E, O, I, device=dev) * 0.05
+    dy = torch.randn(R, O, device=dev, dtype=torch.bfloat16)
+    outs = {}
+    for native in (True, False):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        y = Fp8RowwiseGemm(native=native, fast_accum=fast_accum and native).grouped_mm(x, w, offsets)
+        y.backward(dy)
+        outs[native] = (y.float(), x.grad.float(), w.grad.float())
+    tol = 2.0 ** -6 if fast_accum else 2.0 ** -8  # bf16 outputs in both; fast accumulation's own error
+    for got, ref, name in zip(outs[True], outs[False], ("y", "dx", "dw")):
+        rel = ((got - ref).norm() / ref.norm()).item()
+        print(name, rel)
+        assert rel < tol, (name, rel)
+    # dense linear: T not a multiple of 16
+    x, w = torch.randn(77, I, device=dev, requires_grad=True), torch.randn(O, I, device=dev, requires_grad=True)
+    res = {}
+    for native in (True, False):
+        xi, wi = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        y = Fp8RowwiseGemm(native=native, fast_accum=fast_accum and native).linear(xi, wi)
+        y.backward(torch.ones_like(y))
+        res[native] = (y.float(), xi.grad, wi.grad)
+    for got, ref, name in zip(res[True], res[False], ("y", "dx", "dw")):
+        rel = ((got - ref).norm() / ref.norm()).item()
+        assert rel < tol, ("linear " + name, rel)
+
+
+def test_the_planner_refuses_fp8_rowwise_by_name():
+    from moetron.core.optim import OptimizerConfig
+    from moetron.models.config import ModelConfig
+    from moetron.parallel import ParallelConfig
+    from moetron.run.planner.hardware import GPUS
+    from moetron.run.planner.switches import switches
+
+    with pytest.raises(ConfigError, match="no measured rates for precision.recipe=fp8_rowwise"):
+        switches(ModelConfig.preset("tiny-moe"), ParallelConfig(), PrecisionConfig(recipe="fp8_rowwise"),
+                 OptimizerConfig(), GPUS["h200"], compiled=True)
