@@ -64,26 +64,68 @@ def dequantize_rows(data: torch.Tensor, scale: torch.Tensor, axis: int = -1) -> 
     return data.to(torch.float32) * scale.unsqueeze(axis)
 
 
-def quantize_group_cols(x_RC: torch.Tensor, src_P: torch.Tensor,
-                        padded_offsets_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def group_cols_amax(x_RC: torch.Tensor, src_P: torch.Tensor, padded_offsets_E: torch.Tensor,
+                    kernel: str = "auto") -> torch.Tensor:
+    """amax over each group's rows of x[src_P], per column -> fp32 [E, C] (0 for an empty group).
+    ``kernel``: "triton" (one program per group and 64 columns looping over the group's rows: no
+    atomics; also on the CPU under TRITON_INTERPRET=1), "torch" (scatter_reduce, the reference; its
+    float atomics contend badly on a GPU), "auto" (Triton on CUDA)."""
+    E, C = padded_offsets_E.numel(), x_RC.shape[1]
+    if kernel == "triton" or (kernel == "auto" and x_RC.is_cuda and _group_cols_amax_kernel is not None):
+        out = torch.empty(E, C, dtype=torch.float32, device=x_RC.device)
+        _group_cols_amax_kernel[(E, triton.cdiv(C, 64))](x_RC, src_P, padded_offsets_E, out, C, x_RC.stride(0),
+                                                          BLOCK_R=32, BLOCK_C=64)
+        return out
+    x_PC = gather_rows(x_RC, src_P).to(torch.float32)
+    group_P = _groups_of_rows(padded_offsets_E, x_PC.shape[0])
+    return x_PC.new_zeros(E, C).scatter_reduce_(0, group_P[:, None].expand_as(x_PC), x_PC.abs(), "amax")
+
+
+def _groups_of_rows(padded_offsets_E: torch.Tensor, P: int) -> torch.Tensor:
+    """Each padded row's group (rows past the last group, zero rows, in the last)."""
+    return torch.searchsorted(padded_offsets_E.to(torch.int64), torch.arange(P, device=padded_offsets_E.device),
+                              right=True).clamp_max(padded_offsets_E.numel() - 1)
+
+
+try:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _group_cols_amax_kernel(x_ptr, src_ptr, poff_ptr, out_ptr, C, stride_x,
+                                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        e = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        start = tl.load(poff_ptr + e - 1, mask=e > 0, other=0)
+        end = tl.load(poff_ptr + e)
+        amax = tl.zeros([BLOCK_C], dtype=tl.float32)
+        for r0 in range(start, end, BLOCK_R):
+            rows = r0 + tl.arange(0, BLOCK_R)
+            src = tl.load(src_ptr + rows, mask=rows < end, other=-1)
+            v = tl.load(x_ptr + src.to(tl.int64)[:, None] * stride_x + cols[None, :],
+                        mask=(src >= 0)[:, None] & (cols < C)[None, :], other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(v.to(tl.float32)), 0))
+        tl.store(out_ptr + e * C + cols, amax, mask=cols < C)
+except ImportError:  # pragma: no cover - no triton: the torch path
+    _group_cols_amax_kernel = None
+
+
+def quantize_group_cols(x_RC: torch.Tensor, src_P: torch.Tensor, padded_offsets_E: torch.Tensor,
+                        kernel: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """The grouped wgrad's operand: x[src_P] (padded_source_rows' layout, zero rows where src_P < 0)
     quantized along the rows of each group separately -> (data^T e4m3 [C, P] contiguous, the
-    transposed layout the GEMM reads, scale fp32 [E, C]: group e's column c). No host sync."""
+    transposed layout the GEMM reads, scale fp32 [E, C]: group e's column c). No host sync.
+    ``kernel``: group_cols_amax's."""
+    scale_EC = pow2_scale(group_cols_amax(x_RC, src_P, padded_offsets_E, kernel))
     x_PC = gather_rows(x_RC, src_P).to(torch.float32)
-    E, P = padded_offsets_E.numel(), x_PC.shape[0]
-    group_P = torch.searchsorted(padded_offsets_E.to(torch.int64), torch.arange(P, device=x_RC.device),
-                                 right=True).clamp_max(E - 1)  # rows past the last group are zero rows
-    amax_EC = x_PC.new_zeros(E, x_PC.shape[1]).scatter_reduce_(0, group_P[:, None].expand_as(x_PC), x_PC.abs(), "amax")
-    scale_EC = pow2_scale(amax_EC)
+    group_P = _groups_of_rows(padded_offsets_E, x_PC.shape[0])
     data_PC = (x_PC / scale_EC[group_P]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return data_PC.t().contiguous(), scale_EC
 
 
 def dequantize_group_cols(data_CP: torch.Tensor, scale_EC: torch.Tensor, padded_offsets_E: torch.Tensor) -> torch.Tensor:
     """quantize_group_cols' inverse: float32 [P, C] (the padded rows, zero where padding)."""
-    P = data_CP.shape[1]
-    group_P = torch.searchsorted(padded_offsets_E.to(torch.int64), torch.arange(P, device=data_CP.device),
-                                 right=True).clamp_max(scale_EC.shape[0] - 1)
+    group_P = _groups_of_rows(padded_offsets_E, data_CP.shape[1])
     return data_CP.t().to(torch.float32) * scale_EC[group_P]
 
 
@@ -138,7 +180,7 @@ class _RowwiseLinear(torch.autograd.Function):
         (w_q, w_s), _ = _weights(gemm, w_OI)
         x_q, x_s = _quantize_rows(x_p, -1)
         y = _mm(gemm, x_q, x_s, w_q, w_s)[:T]
-        xt_q, xt_s = _quantize_rows(x_p.t(), -1)  # along the tokens, for the wgrad: [I, T16]
+        xt_q, xt_s = _quantize_rows(x_p.t().contiguous(), -1)  # along the tokens, for the wgrad: [I, T16]
         ctx.save_for_backward(xt_q, xt_s, w_OI)
         ctx.gemm, ctx.x_dtype, ctx.tokens = gemm, x_TI.dtype, T
         return y
@@ -154,7 +196,7 @@ class _RowwiseLinear(torch.autograd.Function):
             dy_q, dy_s = _quantize_rows(dy_p, -1)
             dx = _mm(gemm, dy_q, dy_s, wt_q, wt_s)[:T].to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            dyt_q, dyt_s = _quantize_rows(dy_p.t(), -1)  # [O, T16] along the tokens
+            dyt_q, dyt_s = _quantize_rows(dy_p.t().contiguous(), -1)  # [O, T16] along the tokens
             dw = _mm(gemm, dyt_q, dyt_s, xt_q, xt_s).to(w_OI.dtype)
         return dx, dw, None
 

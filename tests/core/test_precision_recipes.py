@@ -43,7 +43,7 @@ def test_backend_resolution_and_errors(capsys):
         cfg(recipe="mxfp8", fp8_experts="gluon").validate()
     with pytest.raises(ConfigError, match="'cuBLAS' is not one of"):
         cfg(recipe="fp8_blockwise", fp8_experts="cuBLAS")
-    with pytest.raises(ConfigError, match="quantize_weights_once.*needs --precision.recipe=mxfp8 or fp8_blockwise"):
+    with pytest.raises(ConfigError, match="quantize_weights_once.*needs --precision.recipe=mxfp8, fp8_blockwise or fp8_rowwise"):
         cfg(recipe="bf16", quantize_weights_once=True).validate()
     assert cfg(recipe="mxfp8", backend="emulated", quantize_weights_once=True).build("cpu").gemm.quantize_weights_once
     from moetron.core.precision.config import low_precision_gemm
