@@ -64,18 +64,25 @@ def dequantize_rows(data: torch.Tensor, scale: torch.Tensor, axis: int = -1) -> 
     return data.to(torch.float32) * scale.unsqueeze(axis)
 
 
+def _use_triton(x: torch.Tensor, kernel: str) -> bool:
+    if kernel not in ("auto", "triton", "torch"):
+        raise ValueError(f"kernel must be 'auto', 'triton' or 'torch', got {kernel!r}")
+    return kernel == "triton" or (kernel == "auto" and x.is_cuda)
+
+
 def group_cols_amax(x_RC: torch.Tensor, src_P: torch.Tensor, padded_offsets_E: torch.Tensor,
                     kernel: str = "auto") -> torch.Tensor:
     """amax over each group's rows of x[src_P], per column -> fp32 [E, C] (0 for an empty group).
-    ``kernel``: "triton" (one program per group and 64 columns looping over the group's rows: no
+    ``kernel``: "triton" (fp8_rowwise_triton: a max per 16 rows, then per group over those; no
     atomics; also on the CPU under TRITON_INTERPRET=1), "torch" (scatter_reduce, the reference; its
-    float atomics contend badly on a GPU), "auto" (Triton on CUDA)."""
+    float atomics contend on a GPU), "auto" (Triton on CUDA)."""
     E, C = padded_offsets_E.numel(), x_RC.shape[1]
-    if kernel == "triton" or (kernel == "auto" and x_RC.is_cuda and _group_cols_amax_kernel is not None):
-        out = torch.empty(E, C, dtype=torch.float32, device=x_RC.device)
-        _group_cols_amax_kernel[(E, triton.cdiv(C, 64))](x_RC, src_P, padded_offsets_E, out, C, x_RC.stride(0),
-                                                          BLOCK_R=32, BLOCK_C=64)
-        return out
+    if _use_triton(x_RC, kernel):
+        from . import fp8_rowwise_triton as kernels
+
+        partial_KC = kernels.chunk_amax(x_RC, src_P)
+        chunks_K = torch.arange(partial_KC.shape[0], dtype=torch.int32, device=x_RC.device)
+        return kernels.group_amax(partial_KC, chunks_K, padded_offsets_E // kernels.CHUNK)
     x_PC = gather_rows(x_RC, src_P).to(torch.float32)
     group_P = _groups_of_rows(padded_offsets_E, x_PC.shape[0])
     return x_PC.new_zeros(E, C).scatter_reduce_(0, group_P[:, None].expand_as(x_PC), x_PC.abs(), "amax")
@@ -87,38 +94,19 @@ def _groups_of_rows(padded_offsets_E: torch.Tensor, P: int) -> torch.Tensor:
                               right=True).clamp_max(padded_offsets_E.numel() - 1)
 
 
-try:
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _group_cols_amax_kernel(x_ptr, src_ptr, poff_ptr, out_ptr, C, stride_x,
-                                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        e = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        start = tl.load(poff_ptr + e - 1, mask=e > 0, other=0)
-        end = tl.load(poff_ptr + e)
-        amax = tl.zeros([BLOCK_C], dtype=tl.float32)
-        for r0 in range(start, end, BLOCK_R):
-            rows = r0 + tl.arange(0, BLOCK_R)
-            src = tl.load(src_ptr + rows, mask=rows < end, other=-1)
-            v = tl.load(x_ptr + src.to(tl.int64)[:, None] * stride_x + cols[None, :],
-                        mask=(src >= 0)[:, None] & (cols < C)[None, :], other=0.0)
-            amax = tl.maximum(amax, tl.max(tl.abs(v.to(tl.float32)), 0))
-        tl.store(out_ptr + e * C + cols, amax, mask=cols < C)
-except ImportError:  # pragma: no cover - no triton: the torch path
-    _group_cols_amax_kernel = None
-
-
 def quantize_group_cols(x_RC: torch.Tensor, src_P: torch.Tensor, padded_offsets_E: torch.Tensor,
                         kernel: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """The grouped wgrad's operand: x[src_P] (padded_source_rows' layout, zero rows where src_P < 0)
     quantized along the rows of each group separately -> (data^T e4m3 [C, P] contiguous, the
     transposed layout the GEMM reads, scale fp32 [E, C]: group e's column c). No host sync.
-    ``kernel``: group_cols_amax's."""
+    ``kernel``: as group_cols_amax (Triton: fp8_rowwise_triton.quantize_cols, one read of each tile)."""
     scale_EC = pow2_scale(group_cols_amax(x_RC, src_P, padded_offsets_E, kernel))
+    group_P = _groups_of_rows(padded_offsets_E, src_P.numel())
+    if _use_triton(x_RC, kernel):
+        from .fp8_rowwise_triton import quantize_cols
+
+        return quantize_cols(x_RC, src_P, group_P, 1.0 / scale_EC), scale_EC  # 1 / 2^k: exact
     x_PC = gather_rows(x_RC, src_P).to(torch.float32)
-    group_P = _groups_of_rows(padded_offsets_E, x_PC.shape[0])
     data_PC = (x_PC / scale_EC[group_P]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return data_PC.t().contiguous(), scale_EC
 
@@ -148,7 +136,7 @@ def _fused(fn):
 
 
 _quantize_rows = _fused(quantize_rows)
-_quantize_group_cols = _fused(quantize_group_cols)
+_quantize_group_cols = quantize_group_cols  # its own Triton kernels on CUDA (fp8_rowwise_triton)
 
 
 def _pad_rows(x: torch.Tensor, multiple: int = ALIGN) -> torch.Tensor:

@@ -97,13 +97,36 @@ def check_group_cols_amax_kernel(device: str) -> None:
     assert got.dtype == want.dtype == torch.float32 and got.shape == (5, 100)
     assert torch.equal(got.cpu(), want.cpu())
     assert (got[1] == 0).all()  # the empty expert
-    d1, s1 = quantize_group_cols(x, src, padded, kernel="triton")
-    d2, s2 = quantize_group_cols(x, src, padded, kernel="torch")
-    assert torch.equal(s1, s2) and torch.equal(d1.view(torch.uint8), d2.view(torch.uint8))
+    for xin in (x, x.float()):  # bf16 (read by bits) and fp32 inputs
+        d1, s1 = quantize_group_cols(xin, src, padded, kernel="triton")
+        d2, s2 = quantize_group_cols(xin, src, padded, kernel="torch")
+        assert torch.equal(s1, s2) and torch.equal(d1.view(torch.uint8), d2.view(torch.uint8)), xin.dtype
 
 
 def test_group_cols_amax_kernel_interpreted():
     run_interpreted("tests.core.test_fp8_rowwise", "check_group_cols_amax_kernel('cpu')", timeout=300)
+
+
+@pytest.mark.parametrize("name", ["_chunk_amax_kernel", "_group_cols_amax_kernel", "_quantize_cols_kernel"])
+def test_group_cols_kernels_compile_for_sm90(name):
+    """Each kernel compiles for Hopper on the CPU (ptxas included); the quantization rounds by the
+    conversion instruction."""
+    triton = pytest.importorskip("triton")
+    from moetron.core.precision import fp8_rowwise_triton as kernels
+
+    from tests.core.test_precision_fp8 import _compile_sm90
+
+    values = {"x_ptr": "*i16", "src_ptr": "*i32", "group_ptr": "*i32", "poff_ptr": "*i32", "inv_ptr": "*fp32",
+              "out_ptr": "*fp8e4nv" if name == "_quantize_cols_kernel" else "*fp32", "P": 8192, "C": 2048, "s_x": 2048}
+    constexprs = {"IN_BF16": True, "HW": True, "CHUNK_R": 16, "BLOCK_C": 128 if name != "_group_cols_amax_kernel" else 64,
+                  "BLOCK_R": 32, "BLOCK_P": 64}
+    kernel = getattr(kernels, name)
+    constexprs = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
+    compiled = _compile_sm90(kernel, triton.Config({}, num_warps=4, num_stages=3), values, constexprs)
+    ptx = compiled.asm["ptx"]
+    assert ".target sm_90" in ptx
+    if name == "_quantize_cols_kernel":
+        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
 
 
 @pytest.mark.gpu
