@@ -46,6 +46,9 @@ RULES: list[tuple[str, str]] = [
     ("routing", r"_(?:route|scatter_rows|zero_unwritten_rows|combine_rows)\w*_kernel|^moetron::|topk|TopK|[Ss]ort"),
     # The loss kernels, moetron's fused one (core/layers/cross_entropy_triton.py) included.
     ("loss", r"log_softmax|LogSoftMax|nll_loss|cross_entropy|logsumexp|^_ce_\w*_kernel$"),
+    # Inductor kernels fused into a scaled GEMM's operands (fp8_rowwise's quantization traced into the
+    # graph: their names list the GEMM they feed, e.g. triton_poi_fused__scaled_grouped_mm__to_copy_...).
+    ("cast_copy", r"^triton_(?:poi|red|per)_fused_\w*_scaled_(?:grouped_)?mm"),
     # GEMMs, moetron's FP8 grouped ones (core/precision/fp8_triton.py) included.
     ("gemm", r"[Gg]emm|gemv|cutlass|cublas|xmma|nvjet|_grouped_mm|splitKreduce|^_fp8_grouped_gemm_\w*_kernel$|"
              r"^aten::(?:mm|addmm|bmm|baddbmm|addbmm|matmul|linear|dot)$|^triton_tem_fused_\w*mm"),
@@ -57,7 +60,9 @@ RULES: list[tuple[str, str]] = [
     ("cast_copy", r"copy|^aten::to$|contiguous|clone|transpose|cast_transpose|\bcast_|Memcpy|memcpy|CatArray|"
                   r"^aten::cat$|"
                   # moetron's quantization kernels (core/precision/blockwise_triton.py, mx_triton.py)
-                  r"^_(?:fp8|mx)_(?:(?:de)?quantize\w*|rows_and_cols)_kernel$"),
+                  r"^_(?:fp8|mx)_(?:(?:de)?quantize\w*|rows_and_cols)_kernel$|"
+                  # fp8_rowwise's (core/precision/fp8_rowwise_triton.py)
+                  r"^_(?:chunk_amax|group_cols_amax|quantize_cols|quantize_rows|quantize_stacked_cols)_kernel$"),
     ("elementwise", r"elementwise_kernel|reduce_kernel|^aten::(?:add|sub|rsub|mul|div|neg|exp|log|pow|mean|sum|"
                     r"where|silu|sigmoid|gelu|tanh|softmax|_softmax|clamp|abs|sqrt|maximum|minimum|eq|ne|lt|gt|"
                     r"ge|le)(?:_backward(?:_data)?)?_?$"),

@@ -23,10 +23,12 @@ fp8_blockwise's grouped kernels reach 0.7-1.1x.
 - Emulated (any device, the CPU tests): the same quantized operands dequantized (exact in bf16)
   through the bf16 GEMMs; the native GEMMs' dot products up to fp32 summation order.
 
-It is neither fp8_blockwise nor MXFP8 and is never reported as either. Quantization is torch ops,
-fused by inductor: traced into the compiled blocks, and compiled on their own where the GEMMs run
-eager (``_fused``; the torch functions themselves on the CPU). Weights are quantized once per
-optimizer step where the WeightCache serves (eager, or precision.quantize_weights_once).
+It is neither fp8_blockwise nor MXFP8 and is never reported as either. Quantization on CUDA runs
+core.precision.fp8_rowwise_triton's kernels (``KERNELS``); these torch functions are their
+reference and the CPU's path (fused by inductor where compiled; compiled on their own, ``_fused``,
+where the GEMMs run eager). Weights are quantized once per optimizer step where the WeightCache serves (eager, or
+precision.quantize_weights_once). ``precision.bf16_experts=cublas`` makes the emulation's grouped
+GEMMs one per expert, as in the other emulated backends.
 
 Legend: T tokens, R expert-sorted rows, P padded rows, E experts, I / O input / output dims.
 """
@@ -80,9 +82,7 @@ def group_cols_amax(x_RC: torch.Tensor, src_P: torch.Tensor, padded_offsets_E: t
     if _use_triton(x_RC, kernel):
         from . import fp8_rowwise_triton as kernels
 
-        partial_KC = kernels.chunk_amax(x_RC, src_P)
-        chunks_K = torch.arange(partial_KC.shape[0], dtype=torch.int32, device=x_RC.device)
-        return kernels.group_amax(partial_KC, chunks_K, padded_offsets_E // kernels.CHUNK)
+        return kernels.group_amax(kernels.chunk_amax(x_RC, src_P), padded_offsets_E // kernels.CHUNK)
     x_PC = gather_rows(x_RC, src_P).to(torch.float32)
     group_P = _groups_of_rows(padded_offsets_E, x_PC.shape[0])
     return x_PC.new_zeros(E, C).scatter_reduce_(0, group_P[:, None].expand_as(x_PC), x_PC.abs(), "amax")
@@ -138,6 +138,32 @@ def _fused(fn):
 _quantize_rows = _fused(quantize_rows)
 _quantize_group_cols = quantize_group_cols  # its own Triton kernels on CUDA (fp8_rowwise_triton)
 
+KERNELS = "auto"
+"""The GEMMs' quantization (rows, stacked columns, the wgrad's per-expert columns): "auto"
+(fp8_rowwise_triton's kernels on CUDA; the torch ops elsewhere, fused by inductor where compiled),
+"triton" (also on the CPU under TRITON_INTERPRET=1) or "torch". The same bits."""
+
+
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows(x, -1): one scale per line along x's last dim."""
+    if _use_triton(x, KERNELS):
+        from .fp8_rowwise_triton import quantize_rows as rows_triton
+
+        data, scale = rows_triton(x.reshape(-1, x.shape[-1]))
+        return data.view(x.shape), scale.view(x.shape[:-1])
+    return _quantize_rows(x, -1)
+
+
+def _cols(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows(x^T, -1) of x [..., M, C] (one scale per column along M): data [..., C, M]
+    contiguous, scale [..., C]; on CUDA without the transposed copy (M a multiple of 16)."""
+    if _use_triton(x, KERNELS) and x.shape[-2] % ALIGN == 0:  # ALIGN: fp8_rowwise_triton.CHUNK
+        from .fp8_rowwise_triton import quantize_stacked_cols
+
+        data, scale = quantize_stacked_cols(x.reshape(-1, *x.shape[-2:]))
+        return data.view(*x.shape[:-2], x.shape[-1], x.shape[-2]), scale.view(*x.shape[:-2], x.shape[-1])
+    return _quantize_rows(x.transpose(-2, -1).contiguous(), -1)
+
 
 def _pad_rows(x: torch.Tensor, multiple: int = ALIGN) -> torch.Tensor:
     pad = -x.shape[0] % multiple
@@ -147,7 +173,7 @@ def _pad_rows(x: torch.Tensor, multiple: int = ALIGN) -> torch.Tensor:
 def _weights(gemm: "Fp8RowwiseGemm", w: torch.Tensor):
     """w [..., O, I] -> ((w along I: data [..., O, I], scale [..., O]), (w^T along O: data [..., I, O], scale [..., I]))."""
     def make(t):
-        return _quantize_rows(t, -1), _quantize_rows(t.transpose(-2, -1).contiguous(), -1)
+        return _rows(t), _cols(t)
 
     return gemm.cache.get(w, "fp8_rowwise_pair", make)
 
@@ -166,9 +192,9 @@ class _RowwiseLinear(torch.autograd.Function):
         T = x_TI.shape[0]
         x_p = _pad_rows(x_TI)  # the wgrad's reduction (tokens) 16-aligned; zero rows add nothing
         (w_q, w_s), _ = _weights(gemm, w_OI)
-        x_q, x_s = _quantize_rows(x_p, -1)
+        x_q, x_s = _rows(x_p)
         y = _mm(gemm, x_q, x_s, w_q, w_s)[:T]
-        xt_q, xt_s = _quantize_rows(x_p.t().contiguous(), -1)  # along the tokens, for the wgrad: [I, T16]
+        xt_q, xt_s = _cols(x_p)  # along the tokens, for the wgrad: [I, T16]
         ctx.save_for_backward(xt_q, xt_s, w_OI)
         ctx.gemm, ctx.x_dtype, ctx.tokens = gemm, x_TI.dtype, T
         return y
@@ -181,10 +207,10 @@ class _RowwiseLinear(torch.autograd.Function):
         dy_p = _pad_rows(dy_TO)
         if ctx.needs_input_grad[0]:
             _, (wt_q, wt_s) = _weights(gemm, w_OI)
-            dy_q, dy_s = _quantize_rows(dy_p, -1)
+            dy_q, dy_s = _rows(dy_p)
             dx = _mm(gemm, dy_q, dy_s, wt_q, wt_s)[:T].to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            dyt_q, dyt_s = _quantize_rows(dy_p.t().contiguous(), -1)  # [O, T16] along the tokens
+            dyt_q, dyt_s = _cols(dy_p)  # [O, T16] along the tokens
             dw = _mm(gemm, dyt_q, dyt_s, xt_q, xt_s).to(w_OI.dtype)
         return dx, dw, None
 
@@ -196,18 +222,18 @@ def _grouped_rows(gemm: "Fp8RowwiseGemm", a_RK, sa_R, b_ENK, sb_EN, offsets_E):
         return torch._scaled_grouped_mm(a_RK, b_ENK.transpose(-2, -1), sa_R, sb_EN, offs=offsets_E.to(torch.int32),
                                         out_dtype=_BF16, use_fast_accum=gemm.fast_accum)
     b_EKN = dequantize_rows(b_ENK, sb_EN).to(_BF16).transpose(-2, -1)
-    return grouped_mm_2d3d(dequantize_rows(a_RK, sa_R).to(_BF16), b_EKN, offsets_E)
+    return grouped_mm_2d3d(dequantize_rows(a_RK, sa_R).to(_BF16), b_EKN, offsets_E, gemm.per_expert)
 
 
 class _RowwiseGroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor, gemm: "Fp8RowwiseGemm"):
         (w_q, w_s), _ = _weights(gemm, w_EOI)
-        x_q, x_s = _quantize_rows(x_RI, -1)
+        x_q, x_s = _rows(x_RI)
         y_RO = _grouped_rows(gemm, x_q, x_s, w_q, w_s, offsets_E)
         # the wgrad's operand: each expert's rows padded to 16, quantized along them per expert
         src_P, padded_offsets_E = padded_source_rows(offsets_E, x_RI.shape[0], ALIGN)
-        xt_q, xt_s = _quantize_group_cols(x_RI, src_P, padded_offsets_E)
+        xt_q, xt_s = _quantize_group_cols(x_RI, src_P, padded_offsets_E, KERNELS)
         ctx.save_for_backward(xt_q, xt_s, w_EOI, offsets_E, src_P, padded_offsets_E)
         ctx.gemm, ctx.x_dtype = gemm, x_RI.dtype
         return y_RO
@@ -219,16 +245,17 @@ class _RowwiseGroupedMM(torch.autograd.Function):
         dx = dw = None
         if ctx.needs_input_grad[0]:
             _, (wt_q, wt_s) = _weights(gemm, w_EOI)  # w[e]^T [I, O]: the dgrad's [N, K] operand
-            dy_q, dy_s = _quantize_rows(dy_RO, -1)
+            dy_q, dy_s = _rows(dy_RO)
             dx = _grouped_rows(gemm, dy_q, dy_s, wt_q, wt_s, offsets_E).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            dyt_q, dyt_s = _quantize_group_cols(dy_RO, src_P, padded_offsets_E)  # [O, P], [E, O]
+            dyt_q, dyt_s = _quantize_group_cols(dy_RO, src_P, padded_offsets_E, KERNELS)  # [O, P], [E, O]
             if gemm.native:
                 dw = torch._scaled_grouped_mm(dyt_q, xt_q.t(), dyt_s.reshape(-1), xt_s.reshape(-1),
                                               offs=padded_offsets_E, out_dtype=_BF16, use_fast_accum=gemm.fast_accum)
             else:
                 dw = grouped_mm_2d2d(dequantize_group_cols(dyt_q, dyt_s, padded_offsets_E).to(_BF16).t(),
-                                     dequantize_group_cols(xt_q, xt_s, padded_offsets_E).to(_BF16), padded_offsets_E)
+                                     dequantize_group_cols(xt_q, xt_s, padded_offsets_E).to(_BF16), padded_offsets_E,
+                                     gemm.per_expert)
             dw = dw.to(w_EOI.dtype)
         return dx, dw, None, None
 

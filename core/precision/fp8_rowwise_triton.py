@@ -1,20 +1,23 @@
-"""Triton kernels of the fp8_rowwise grouped wgrad's operand (fp8_rowwise.quantize_group_cols, whose
-torch ops are the reference): x[src_P] quantized along each expert's rows separately, one scale per
-(expert, column), written transposed (data^T [C, P], P contiguous: the K-major operand the grouped
-GEMM reads). No float atomics (torch's scatter_reduce amax contended: session 11), three passes:
+"""Triton kernels of the fp8_rowwise recipe's quantization (core.precision.fp8_rowwise, whose torch
+functions are the reference): E4M3 with one power-of-two scale per line along a GEMM's reduction
+dim. No float atomics (torch's scatter_reduce amax contended on the H200, session 11).
 
-1. ``_chunk_amax_kernel``: per 16 padded rows (every expert's rows start at a multiple of 16, so a
-   chunk never holds two experts) and 128 columns, |x|'s max: [P / 16, C] fp32, all chunks in parallel;
-2. ``_group_cols_amax_kernel``: per expert and 64 columns, the max over its chunks' partials (a loop
-   over rows [start, end) of a row-gathered input; also the reference-free path of group_cols_amax);
-3. ``_quantize_cols_kernel``: each [128 columns x 64 rows] tile read once, scaled by its rows'
-   experts' 1 / scale (exact powers of two), rounded to E4M3 and stored transposed.
+- ``quantize_rows`` (x, dy, w along I): ``_quantize_rows_kernel``, each block of 4 rows read twice
+  (amax; then scale and round, from L2).
+- ``quantize_stacked_cols`` (x [E, M, C] along M: w^T per expert, a dense wgrad's tokens) and the
+  grouped wgrad's per-expert columns (``chunk_amax`` + ``group_amax`` + ``quantize_cols``):
+  1. ``_chunk_amax_kernel``: per 16 rows (every expert's padded rows start at a multiple of 16, so a
+     chunk never holds two experts) and 128 columns, |x|'s max: [P / 16, C] fp32, all in parallel;
+  2. ``_group_cols_amax_kernel``: per group and 64 columns, the max over its chunks' partials;
+  3. ``_quantize_cols_kernel`` / ``_quantize_stacked_cols_kernel``: each [128 columns x 64 rows]
+     tile read once, scaled by 1 / scale (exact powers of two), rounded to E4M3, stored transposed.
 
-The E4M3 rounding and the bf16 widening are mx_triton's (the GPU's conversion instructions, by bits
-under TRITON_INTERPRET=1): the same bits as the torch reference for finite inputs
-(tests/core/test_fp8_rowwise.py, interpreted and on the GPU).
+Maxima are taken over |x|'s bits (mx_triton.abs_bits: inf and NaN order above every finite value),
+scales by blockwise_triton's rule, the E4M3 rounding and bf16 widening by mx_triton's helpers (the
+GPU's conversion instructions; by bits under TRITON_INTERPRET=1): the same bits as the torch
+reference (tests/core/test_fp8_rowwise.py, interpreted and on the GPU; NaN payloads aside).
 
-Legend: R rows, P padded rows, C columns, E experts, K chunks of 16 rows.
+Legend: R rows, P padded rows, C columns, E experts or slabs, M rows of a slab, K chunks of 16 rows.
 """
 
 from __future__ import annotations
@@ -23,41 +26,50 @@ import torch
 import triton
 import triton.language as tl
 
-from .mx_triton import HW_CONVERT, as_loadable, to_e4m3, widen
+from .blockwise import pow2_scale
+from .blockwise_triton import _block_scales
+from .mx_triton import HW_CONVERT, abs_bits, amax_of_bits, as_loadable, to_e4m3, widen
 
-__all__ = ["CHUNK", "chunk_amax", "group_amax", "quantize_cols"]
+__all__ = ["CHUNK", "chunk_amax", "group_amax", "quantize_cols", "quantize_rows", "quantize_stacked_cols"]
 
 CHUNK = 16
 """Rows per partial amax: the alignment of every expert's padded rows (fp8_rowwise.ALIGN)."""
 
 
 @triton.jit
-def _chunk_amax_kernel(x_ptr, src_ptr, out_ptr, P, C, s_x, IN_BF16: tl.constexpr, CHUNK_R: tl.constexpr,
-                       BLOCK_C: tl.constexpr, HW: tl.constexpr):
+def _chunk_amax_kernel(x_ptr, src_ptr, out_ptr, P, C, s_x, GATHER: tl.constexpr, IN_BF16: tl.constexpr,
+                       CHUNK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     k = tl.program_id(1)
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     rows = k * CHUNK_R + tl.arange(0, CHUNK_R)
-    src = tl.load(src_ptr + rows, mask=rows < P, other=-1)
+    if GATHER:
+        src = tl.load(src_ptr + rows, mask=rows < P, other=-1)
+    else:
+        src = tl.where(rows < P, rows, -1)
     bits = tl.load(x_ptr + src.to(tl.int64)[:, None] * s_x + cols[None, :],
                    mask=(src >= 0)[:, None] & (cols < C)[None, :], other=0)
-    amax = tl.max(tl.abs(widen(bits, IN_BF16, HW)), 0)
+    amax, _ = amax_of_bits(tl.max(abs_bits(bits, IN_BF16), 0), IN_BF16)  # NaN and inf kept as such
     tl.store(out_ptr + k.to(tl.int64) * C + cols, amax, mask=cols < C)
 
 
 @triton.jit
-def _group_cols_amax_kernel(x_ptr, src_ptr, poff_ptr, out_ptr, C, s_x, IN_BF16: tl.constexpr,
-                            BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, HW: tl.constexpr):
+def _group_cols_amax_kernel(x_ptr, src_ptr, poff_ptr, out_ptr, C, s_x, GATHER: tl.constexpr, IN_BF16: tl.constexpr,
+                            BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     e = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     start = tl.load(poff_ptr + e - 1, mask=e > 0, other=0)
     end = tl.load(poff_ptr + e)
-    amax = tl.zeros([BLOCK_C], dtype=tl.float32)
+    top = tl.zeros([BLOCK_C], dtype=tl.int32)
     for r0 in range(start, end, BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R)
-        src = tl.load(src_ptr + rows, mask=rows < end, other=-1)
+        if GATHER:
+            src = tl.load(src_ptr + rows, mask=rows < end, other=-1)
+        else:
+            src = tl.where(rows < end, rows, -1)
         bits = tl.load(x_ptr + src.to(tl.int64)[:, None] * s_x + cols[None, :],
                        mask=(src >= 0)[:, None] & (cols < C)[None, :], other=0)
-        amax = tl.maximum(amax, tl.max(tl.abs(widen(bits, IN_BF16, HW)), 0))
+        top = tl.maximum(top, tl.max(abs_bits(bits, IN_BF16), 0))
+    amax, _ = amax_of_bits(top, IN_BF16)
     tl.store(out_ptr + e * C + cols, amax, mask=cols < C)
 
 
@@ -76,31 +88,98 @@ def _quantize_cols_kernel(x_ptr, src_ptr, group_ptr, inv_ptr, out_ptr, P, C, s_x
     tl.store(out_ptr + cols.to(tl.int64)[:, None] * P + p[None, :], q, mask=ok)
 
 
+@triton.jit
+def _quantize_rows_kernel(x_ptr, d_ptr, s_ptr, R, C, s_x, s_d, IN_BF16: tl.constexpr, BLOCK_R: tl.constexpr,
+                          BLOCK_C: tl.constexpr, HW: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r64 = rows.to(tl.int64)
+    top = tl.zeros([BLOCK_R], dtype=tl.int32)
+    for c0 in range(0, C, BLOCK_C):  # the rows' amax
+        cols = c0 + tl.arange(0, BLOCK_C)
+        bits = tl.load(x_ptr + r64[:, None] * s_x + cols[None, :], mask=(rows < R)[:, None] & (cols < C)[None, :],
+                       other=0)
+        top = tl.maximum(top, tl.max(abs_bits(bits, IN_BF16), 1))
+    inv, scale = _block_scales(top, IN_BF16)
+    tl.store(s_ptr + rows, scale, mask=rows < R)
+    for c0 in range(0, C, BLOCK_C):  # read again (from L2: BLOCK_R rows), scaled and rounded
+        cols = c0 + tl.arange(0, BLOCK_C)
+        ok = (rows < R)[:, None] & (cols < C)[None, :]
+        bits = tl.load(x_ptr + r64[:, None] * s_x + cols[None, :], mask=ok, other=0)
+        tl.store(d_ptr + r64[:, None] * s_d + cols[None, :], to_e4m3(widen(bits, IN_BF16, HW), inv[:, None], HW), mask=ok)
+
+
+@triton.jit
+def _quantize_stacked_cols_kernel(x_ptr, inv_ptr, out_ptr, M, C, s_xe, s_xm, IN_BF16: tl.constexpr,
+                                  BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr, HW: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    e = tl.program_id(2).to(tl.int64)
+    ok = (cols < C)[:, None] & (m < M)[None, :]
+    bits = tl.load(x_ptr + e * s_xe + m.to(tl.int64)[None, :] * s_xm + cols[:, None], mask=ok, other=0)
+    inv = tl.load(inv_ptr + e * C + cols, mask=cols < C, other=1.0)
+    q = to_e4m3(widen(bits, IN_BF16, HW), inv[:, None], HW)
+    tl.store(out_ptr + e * C * M + cols.to(tl.int64)[:, None] * M + m[None, :], q, mask=ok)
+
+
+def quantize_rows(x_RC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8_rowwise.quantize_rows(x, -1) of a 2-D x: (e4m3 [R, C], fp32 [R]); each row read twice
+    (the second from L2)."""
+    R, C = x_RC.shape
+    data = torch.empty(R, C, dtype=torch.float8_e4m3fn, device=x_RC.device)
+    scale = torch.empty(R, dtype=torch.float32, device=x_RC.device)
+    if R:
+        xk, in_bf16 = _loadable(x_RC)
+        _quantize_rows_kernel[(triton.cdiv(R, 4),)](xk, data, scale, R, C, xk.stride(0), data.stride(0),
+                                                    IN_BF16=in_bf16, BLOCK_R=4, BLOCK_C=512, HW=HW_CONVERT)
+    return data, scale
+
+
+def quantize_stacked_cols(x_EMC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [E, M, C] quantized along M for each (e, c): (data^T e4m3 [E, C, M] contiguous, scale fp32
+    [E, C]) = fp8_rowwise.quantize_rows(x.transpose(-2, -1), -1) without the transposed fp32 copy
+    (a weight's dgrad orientation, a dense wgrad's token operand). M a multiple of CHUNK."""
+    E, M, C = x_EMC.shape
+    if M % CHUNK:
+        raise ValueError(f"the quantized dim ({M}) must be a multiple of {CHUNK}")
+    x = x_EMC.contiguous()
+    amax_EC = group_amax(chunk_amax(x.view(E * M, C), None),
+                         torch.arange(1, E + 1, dtype=torch.int32, device=x.device) * (M // CHUNK))
+    scale_EC = pow2_scale(amax_EC)
+    out = torch.empty(E, C, M, dtype=torch.float8_e4m3fn, device=x.device)
+    xk, in_bf16 = _loadable(x.view(E * M, C))
+    _quantize_stacked_cols_kernel[(triton.cdiv(C, 128), triton.cdiv(M, 64), E)](
+        xk, (1.0 / scale_EC).contiguous(), out, M, C, M * C, C, IN_BF16=in_bf16, BLOCK_C=128, BLOCK_M=64,
+        HW=HW_CONVERT)
+    return out, scale_EC
+
+
 def _loadable(x_RC: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """x as the kernels read it: rows C-contiguous (a copy otherwise), bf16 as its int16 bits."""
     return as_loadable(x_RC if x_RC.stride(1) == 1 else x_RC.contiguous())
 
 
-def chunk_amax(x_RC: torch.Tensor, src_P: torch.Tensor) -> torch.Tensor:
-    """max |x[src_P]| over each CHUNK rows, per column: fp32 [P / CHUNK, C] (zero rows where src_P < 0)."""
-    P, C = src_P.numel(), x_RC.shape[1]
+def chunk_amax(x_RC: torch.Tensor, src_P: torch.Tensor | None) -> torch.Tensor:
+    """max |x[src_P]| over each CHUNK rows, per column: fp32 [P / CHUNK, C] (zero rows where src_P < 0;
+    without src_P the rows of x as they are, P = R). NaN and inf blocks give NaN / inf."""
+    P, C = (src_P.numel() if src_P is not None else x_RC.shape[0]), x_RC.shape[1]
     if P % CHUNK:
         raise ValueError(f"the padded rows ({P}) must be a multiple of {CHUNK}")
     out = torch.empty(P // CHUNK, C, dtype=torch.float32, device=x_RC.device)
     xk, in_bf16 = _loadable(x_RC)
-    _chunk_amax_kernel[(triton.cdiv(C, 128), P // CHUNK)](xk, src_P, out, P, C, xk.stride(0), IN_BF16=in_bf16,
-                                                          CHUNK_R=CHUNK, BLOCK_C=128, HW=HW_CONVERT)
+    _chunk_amax_kernel[(triton.cdiv(C, 128), P // CHUNK)](
+        xk, src_P if src_P is not None else xk, out, P, C, xk.stride(0), GATHER=src_P is not None, IN_BF16=in_bf16,
+        CHUNK_R=CHUNK, BLOCK_C=128)
     return out
 
 
-def group_amax(x_RC: torch.Tensor, src_P: torch.Tensor, ends_E: torch.Tensor) -> torch.Tensor:
-    """max |x[src_P]| over each group's rows [ends_E[e-1], ends_E[e]) of the gathered rows, per
-    column: fp32 [E, C] (0 for an empty group)."""
+def group_amax(x_RC: torch.Tensor, ends_E: torch.Tensor) -> torch.Tensor:
+    """max |x| over each group's rows [ends_E[e-1], ends_E[e]) of x, per column: fp32 [E, C] (0 for
+    an empty group)."""
     E, C = ends_E.numel(), x_RC.shape[1]
     out = torch.empty(E, C, dtype=torch.float32, device=x_RC.device)
     xk, in_bf16 = _loadable(x_RC)
-    _group_cols_amax_kernel[(E, triton.cdiv(C, 64))](xk, src_P, ends_E, out, C, xk.stride(0), IN_BF16=in_bf16,
-                                                     BLOCK_R=32, BLOCK_C=64, HW=HW_CONVERT)
+    _group_cols_amax_kernel[(E, triton.cdiv(C, 64))](xk, xk, ends_E, out, C, xk.stride(0), GATHER=False,
+                                                     IN_BF16=in_bf16, BLOCK_R=32, BLOCK_C=64)
     return out
 
 

@@ -103,11 +103,87 @@ def check_group_cols_amax_kernel(device: str) -> None:
         assert torch.equal(s1, s2) and torch.equal(d1.view(torch.uint8), d2.view(torch.uint8)), xin.dtype
 
 
+def _same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal e4m3 bits, NaN where the reference has NaN (a NaN's sign and payload aside)."""
+    nan_g, nan_w = got.float().isnan(), want.float().isnan()
+    return torch.equal(nan_g, nan_w) and torch.equal(got.view(torch.uint8)[~nan_g], want.view(torch.uint8)[~nan_w])
+
+
+def check_rows_and_stacked_cols_kernels(device: str) -> None:
+    """fp8_rowwise_triton's rows and stacked-columns quantization against the torch reference
+    (quantize_rows along the last dim, and along dim -2 through a transposed copy), bit for bit:
+    bf16 and fp32, rows not a multiple of the row block, columns not a multiple of the column block,
+    a zero row, inf and NaN rows, wide dynamic range."""
+    from moetron.core.precision import fp8_rowwise_triton as kernels
+    from moetron.core.precision.fp8_rowwise import quantize_rows as reference
+
+    torch.manual_seed(6)
+    x = torch.randn(37, 600) * torch.logspace(-15, 15, 37)[:, None]
+    x[3] = 0.0
+    x[5, 7] = float("inf")
+    x[6, 9] = float("nan")
+    for xin in (x.to(torch.bfloat16).to(device), x.to(device)):
+        d, s = kernels.quantize_rows(xin)
+        rd, rs = reference(xin, -1)
+        assert torch.equal(s, rs), xin.dtype
+        assert _same_bits(d, rd), xin.dtype
+    w = (torch.randn(3, 48, 200) * torch.logspace(-5, 5, 200)).to(device)  # [E, M, C], M a multiple of 16
+    for win in (w, w.to(torch.bfloat16)):
+        d, s = kernels.quantize_stacked_cols(win)
+        rd, rs = reference(win.transpose(-2, -1).contiguous(), -1)
+        assert d.shape == (3, 200, 48) and d.is_contiguous() and s.shape == (3, 200)
+        assert torch.equal(s, rs) and _same_bits(d, rd), win.dtype
+
+
+def check_gemms_with_triton_quantization(device: str) -> None:
+    """The emulated grouped GEMM and linear, forward and backward, give the same bits with every
+    quantization in the Triton kernels as with the torch ops."""
+    from moetron.core.precision import fp8_rowwise
+
+    torch.manual_seed(7)
+    sizes = [21, 0, 40, 3]
+    offsets = torch.tensor(sizes).cumsum(0).to(torch.int32).to(device)
+    x0 = torch.randn(sum(sizes), 64, device=device)
+    w0 = torch.randn(4, 48, 64, device=device)
+    xl, wl = torch.randn(37, 64, device=device), torch.randn(32, 64, device=device)
+    results = {}
+    for kernels in ("torch", "triton"):
+        fp8_rowwise.KERNELS = kernels
+        try:
+            gemm = Fp8RowwiseGemm(native=False)
+            x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+            y = gemm.grouped_mm(x, w, offsets)
+            y.backward(torch.ones_like(y))
+            a, b = xl.clone().requires_grad_(), wl.clone().requires_grad_()
+            z = gemm.linear(a, b)
+            z.backward(torch.ones_like(z))
+            results[kernels] = (y, x.grad, w.grad, z, a.grad, b.grad)
+        finally:
+            fp8_rowwise.KERNELS = "auto"
+    for got, want in zip(results["triton"], results["torch"]):
+        assert torch.equal(got, want)
+
+
+def test_gemms_with_triton_quantization_interpreted():
+    run_interpreted("tests.core.test_fp8_rowwise", "check_gemms_with_triton_quantization('cpu')", timeout=300)
+
+
+def test_rows_and_stacked_cols_kernels_interpreted():
+    run_interpreted("tests.core.test_fp8_rowwise", "check_rows_and_stacked_cols_kernels('cpu')", timeout=300)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_rows_and_stacked_cols_kernels_on_gpu():
+    check_rows_and_stacked_cols_kernels("cuda")
+
+
 def test_group_cols_amax_kernel_interpreted():
     run_interpreted("tests.core.test_fp8_rowwise", "check_group_cols_amax_kernel('cpu')", timeout=300)
 
 
-@pytest.mark.parametrize("name", ["_chunk_amax_kernel", "_group_cols_amax_kernel", "_quantize_cols_kernel"])
+@pytest.mark.parametrize("name", ["_chunk_amax_kernel", "_group_cols_amax_kernel", "_quantize_cols_kernel",
+                                  "_quantize_rows_kernel", "_quantize_stacked_cols_kernel"])
 def test_group_cols_kernels_compile_for_sm90(name):
     """Each kernel compiles for Hopper on the CPU (ptxas included); the quantization rounds by the
     conversion instruction."""
@@ -116,16 +192,19 @@ def test_group_cols_kernels_compile_for_sm90(name):
 
     from tests.core.test_precision_fp8 import _compile_sm90
 
+    quantizes = name.startswith("_quantize")
     values = {"x_ptr": "*i16", "src_ptr": "*i32", "group_ptr": "*i32", "poff_ptr": "*i32", "inv_ptr": "*fp32",
-              "out_ptr": "*fp8e4nv" if name == "_quantize_cols_kernel" else "*fp32", "P": 8192, "C": 2048, "s_x": 2048}
-    constexprs = {"IN_BF16": True, "HW": True, "CHUNK_R": 16, "BLOCK_C": 128 if name != "_group_cols_amax_kernel" else 64,
-                  "BLOCK_R": 32, "BLOCK_P": 64}
+              "out_ptr": "*fp8e4nv" if quantizes else "*fp32", "d_ptr": "*fp8e4nv", "s_ptr": "*fp32",
+              "P": 8192, "R": 8192, "M": 4096, "C": 2048, "s_x": 2048, "s_d": 2048, "s_xe": 2048 * 4096, "s_xm": 2048}
+    blocks = {"_group_cols_amax_kernel": (32, 64), "_quantize_rows_kernel": (4, 512)}.get(name, (32, 128))
+    constexprs = {"IN_BF16": True, "HW": True, "GATHER": True, "CHUNK_R": 16, "BLOCK_R": blocks[0], "BLOCK_C": blocks[1],
+                  "BLOCK_P": 64, "BLOCK_M": 64}
     kernel = getattr(kernels, name)
     constexprs = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
     compiled = _compile_sm90(kernel, triton.Config({}, num_warps=4, num_stages=3), values, constexprs)
     ptx = compiled.asm["ptx"]
     assert ".target sm_90" in ptx
-    if name == "_quantize_cols_kernel":
+    if quantizes:
         assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
 
 

@@ -46,6 +46,10 @@ NAMES = {
     "aten::fill_": "fill",
     "aten::zero_": "fill",
     "triton_poi_fused__to_copy_0": "cast_copy",
+    # fp8_rowwise's quantization traced into the graph, named after the GEMM it feeds (session 11's
+    # profile counted 75 ms of these as GEMM): never the GEMM itself
+    "triton_poi_fused__scaled_grouped_mm__to_copy_arange_bitwise_and_clamp_clamp_max_clamp_min_clone_div_8": "cast_copy",
+    "triton_red_fused__scaled_mm__to_copy_abs_add_amax_clamp_clone_div_eq_frexp_full_like_gt_ldexp_mul_3": "cast_copy",
     "triton_poi_fused__to_copy_clone_transpose_3": "cast_copy",
     "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)"
     "::{lambda()#3}::operator()() const::{lambda()#7}::operator()() const::{lambda(float)#1}>": "cast_copy",
@@ -97,6 +101,7 @@ TRITON_KERNEL_CATEGORIES = {
     "core/precision/fp8_triton.py": "gemm",
     "core/precision/blockwise_triton.py": "cast_copy",  # quantization
     "core/precision/mx_triton.py": "cast_copy",  # quantization
+    "core/precision/fp8_rowwise_triton.py": "cast_copy",  # quantization
     "core/precision/swiglu_triton.py": "fused_pointwise",  # the experts' SwiGLU, one pass each way
 }
 
