@@ -164,27 +164,20 @@ def check_gemms_with_triton_quantization(device: str) -> None:
         assert torch.equal(got, want)
 
 
-def test_gemms_with_triton_quantization_interpreted():
-    run_interpreted("tests.core.test_fp8_rowwise", "check_gemms_with_triton_quantization('cpu')", timeout=300)
+def check_all(device: str) -> None:
+    """Every kernel check of this file, in one process (one interpreter start-up)."""
+    check_group_cols_amax_kernel(device)
+    check_rows_and_stacked_cols_kernels(device)
+    check_gemms_with_triton_quantization(device)
 
 
-def test_rows_and_stacked_cols_kernels_interpreted():
-    run_interpreted("tests.core.test_fp8_rowwise", "check_rows_and_stacked_cols_kernels('cpu')", timeout=300)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_rows_and_stacked_cols_kernels_on_gpu():
-    check_rows_and_stacked_cols_kernels("cuda")
-
-
-def test_group_cols_amax_kernel_interpreted():
-    run_interpreted("tests.core.test_fp8_rowwise", "check_group_cols_amax_kernel('cpu')", timeout=300)
+def test_kernels_interpreted():
+    run_interpreted("tests.core.test_fp8_rowwise", "check_all('cpu')", timeout=300)
 
 
 @pytest.mark.parametrize("name", ["_chunk_amax_kernel", "_group_cols_amax_kernel", "_quantize_cols_kernel",
                                   "_quantize_rows_kernel", "_quantize_stacked_cols_kernel"])
-def test_group_cols_kernels_compile_for_sm90(name):
+def test_kernels_compile_for_sm90(name):
     """Each kernel compiles for Hopper on the CPU (ptxas included); the quantization rounds by the
     conversion instruction."""
     triton = pytest.importorskip("triton")
@@ -210,8 +203,8 @@ def test_group_cols_kernels_compile_for_sm90(name):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_group_cols_amax_kernel_on_gpu():
-    check_group_cols_amax_kernel("cuda")
+def test_kernels_on_gpu():
+    check_all("cuda")
 
 
 def _groups(offsets):
