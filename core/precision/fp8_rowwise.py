@@ -25,8 +25,7 @@ fp8_blockwise's grouped kernels reach 0.7-1.1x.
 
 It is neither fp8_blockwise nor MXFP8 and is never reported as either. Quantization on CUDA runs
 core.precision.fp8_rowwise_triton's kernels (``KERNELS``); these torch functions are their
-reference and the CPU's path (fused by inductor where compiled; compiled on their own, ``_fused``,
-where the GEMMs run eager). Weights are quantized once per optimizer step where the WeightCache serves (eager, or
+reference and the CPU's path (fused by inductor where compiled). Weights are quantized once per optimizer step where the WeightCache serves (eager, or
 precision.quantize_weights_once). ``precision.bf16_experts=cublas`` makes the emulation's grouped
 GEMMs one per expert, as in the other emulated backends.
 
@@ -117,27 +116,6 @@ def dequantize_group_cols(data_CP: torch.Tensor, scale_EC: torch.Tensor, padded_
     return data_CP.t().to(torch.float32) * scale_EC[group_P]
 
 
-def _fused(fn):
-    """``fn`` through torch.compile for CUDA tensors outside a compiled graph (inductor fuses its amax,
-    scale and cast into one or two passes: the eager benchmarks, precision.quantize_weights_once);
-    inside a graph being compiled, and on the CPU, ``fn`` itself (traced into the graph there)."""
-    compiled = None
-
-    def run(x, *args):
-        nonlocal compiled
-        if not x.is_cuda or torch.compiler.is_compiling():
-            return fn(x, *args)
-        if compiled is None:
-            compiled = torch.compile(fn, dynamic=True)
-        return compiled(x, *args)
-
-    run.__doc__ = fn.__doc__
-    return run
-
-
-_quantize_rows = _fused(quantize_rows)
-_quantize_group_cols = quantize_group_cols  # its own Triton kernels on CUDA (fp8_rowwise_triton)
-
 KERNELS = "auto"
 """The GEMMs' quantization (rows, stacked columns, the wgrad's per-expert columns): "auto"
 (fp8_rowwise_triton's kernels on CUDA; the torch ops elsewhere, fused by inductor where compiled),
@@ -151,7 +129,7 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
         data, scale = rows_triton(x.reshape(-1, x.shape[-1]))
         return data.view(x.shape), scale.view(x.shape[:-1])
-    return _quantize_rows(x, -1)
+    return quantize_rows(x, -1)
 
 
 def _cols(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,7 +140,7 @@ def _cols(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
         data, scale = quantize_stacked_cols(x.reshape(-1, *x.shape[-2:]))
         return data.view(*x.shape[:-2], x.shape[-1], x.shape[-2]), scale.view(*x.shape[:-2], x.shape[-1])
-    return _quantize_rows(x.transpose(-2, -1).contiguous(), -1)
+    return quantize_rows(x.transpose(-2, -1).contiguous(), -1)
 
 
 def _pad_rows(x: torch.Tensor, multiple: int = ALIGN) -> torch.Tensor:
@@ -233,7 +211,7 @@ class _RowwiseGroupedMM(torch.autograd.Function):
         y_RO = _grouped_rows(gemm, x_q, x_s, w_q, w_s, offsets_E)
         # the wgrad's operand: each expert's rows padded to 16, quantized along them per expert
         src_P, padded_offsets_E = padded_source_rows(offsets_E, x_RI.shape[0], ALIGN)
-        xt_q, xt_s = _quantize_group_cols(x_RI, src_P, padded_offsets_E, KERNELS)
+        xt_q, xt_s = quantize_group_cols(x_RI, src_P, padded_offsets_E, KERNELS)
         ctx.save_for_backward(xt_q, xt_s, w_EOI, offsets_E, src_P, padded_offsets_E)
         ctx.gemm, ctx.x_dtype = gemm, x_RI.dtype
         return y_RO
@@ -248,7 +226,7 @@ class _RowwiseGroupedMM(torch.autograd.Function):
             dy_q, dy_s = _rows(dy_RO)
             dx = _grouped_rows(gemm, dy_q, dy_s, wt_q, wt_s, offsets_E).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            dyt_q, dyt_s = _quantize_group_cols(dy_RO, src_P, padded_offsets_E, KERNELS)  # [O, P], [E, O]
+            dyt_q, dyt_s = quantize_group_cols(dy_RO, src_P, padded_offsets_E, KERNELS)  # [O, P], [E, O]
             if gemm.native:
                 dw = torch._scaled_grouped_mm(dyt_q, xt_q.t(), dyt_s.reshape(-1), xt_s.reshape(-1),
                                               offs=padded_offsets_E, out_dtype=_BF16, use_fast_accum=gemm.fast_accum)
