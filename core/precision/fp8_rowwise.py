@@ -148,12 +148,12 @@ def _pad_rows(x: torch.Tensor, multiple: int = ALIGN) -> torch.Tensor:
     return F.pad(x, (0, 0, 0, pad)) if pad else x
 
 
-def _weights(gemm: "Fp8RowwiseGemm", w: torch.Tensor):
-    """w [..., O, I] -> ((w along I: data [..., O, I], scale [..., O]), (w^T along O: data [..., I, O], scale [..., I]))."""
-    def make(t):
-        return _rows(t), _cols(t)
-
-    return gemm.cache.get(w, "fp8_rowwise_pair", make)
+def _weight(gemm: "Fp8RowwiseGemm", w: torch.Tensor, orientation: str):
+    """w [..., O, I] quantized for the forward ("rows": along I, data [..., O, I], scale [..., O]) or
+    the dgrad ("cols": w^T along O, data [..., I, O], scale [..., I]), through the WeightCache. One
+    entry per orientation: a compiled graph asks only for the one it uses (a Triton kernel's
+    output is not dead code to inductor)."""
+    return gemm.cache.get(w, f"fp8_rowwise_{orientation}", _rows if orientation == "rows" else _cols)
 
 
 def _mm(gemm: "Fp8RowwiseGemm", a, sa, b, sb):
@@ -169,7 +169,7 @@ class _RowwiseLinear(torch.autograd.Function):
     def forward(ctx, x_TI: torch.Tensor, w_OI: torch.Tensor, gemm: "Fp8RowwiseGemm"):
         T = x_TI.shape[0]
         x_p = _pad_rows(x_TI)  # the wgrad's reduction (tokens) 16-aligned; zero rows add nothing
-        (w_q, w_s), _ = _weights(gemm, w_OI)
+        w_q, w_s = _weight(gemm, w_OI, "rows")
         x_q, x_s = _rows(x_p)
         y = _mm(gemm, x_q, x_s, w_q, w_s)[:T]
         xt_q, xt_s = _cols(x_p)  # along the tokens, for the wgrad: [I, T16]
@@ -184,7 +184,7 @@ class _RowwiseLinear(torch.autograd.Function):
         dx = dw = None
         dy_p = _pad_rows(dy_TO)
         if ctx.needs_input_grad[0]:
-            _, (wt_q, wt_s) = _weights(gemm, w_OI)
+            wt_q, wt_s = _weight(gemm, w_OI, "cols")
             dy_q, dy_s = _rows(dy_p)
             dx = _mm(gemm, dy_q, dy_s, wt_q, wt_s)[:T].to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
@@ -206,7 +206,7 @@ def _grouped_rows(gemm: "Fp8RowwiseGemm", a_RK, sa_R, b_ENK, sb_EN, offsets_E):
 class _RowwiseGroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor, gemm: "Fp8RowwiseGemm"):
-        (w_q, w_s), _ = _weights(gemm, w_EOI)
+        w_q, w_s = _weight(gemm, w_EOI, "rows")
         x_q, x_s = _rows(x_RI)
         y_RO = _grouped_rows(gemm, x_q, x_s, w_q, w_s, offsets_E)
         # the wgrad's operand: each expert's rows padded to 16, quantized along them per expert
@@ -222,7 +222,7 @@ class _RowwiseGroupedMM(torch.autograd.Function):
         gemm = ctx.gemm
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            _, (wt_q, wt_s) = _weights(gemm, w_EOI)  # w[e]^T [I, O]: the dgrad's [N, K] operand
+            wt_q, wt_s = _weight(gemm, w_EOI, "cols")  # w[e]^T [I, O]: the dgrad's [N, K] operand
             dy_q, dy_s = _rows(dy_RO)
             dx = _grouped_rows(gemm, dy_q, dy_s, wt_q, wt_s, offsets_E).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
