@@ -294,7 +294,7 @@ def test_tiny_moe_trains_in_fp8_rowwise_emulated_close_to_fp32(tmp_path, monkeyp
     print("fp32", np.round(fp32, 3), "fp8_rowwise", np.round(rw, 3))
     assert all(np.isfinite(rw))
     assert np.mean(rw[-3:]) < rw[0] - 0.5  # it learns
-    assert abs(np.mean(rw[-3:]) - np.mean(fp32[-3:])) < 0.02 * np.mean(fp32[-3:]), (rw, fp32)
+    assert abs(np.mean(rw[-3:]) - np.mean(fp32[-3:])) < 0.01 * np.mean(fp32[-3:]), (rw, fp32)
 
 
 def _native_available():
