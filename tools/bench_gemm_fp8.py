@@ -15,8 +15,9 @@ per precision backend, after a correctness check of the FP8 kernels on this devi
    cuBLAS blockwise GEMM per expert, core/precision/fp8_cublas.py; checked in step 1 too), and
    both fp8 rows again with ``bf16-wgrad`` (precision.fp8_wgrad=false: the weight gradients in bf16),
    and ``bf16 cublas`` (precision.bf16_experts=cublas: one cuBLAS bf16 GEMM per expert), and
-   ``fp8_rowwise`` / ``fp8_rowwise fast`` (precision.recipe=fp8_rowwise, torch._scaled_grouped_mm;
-   ``fast``: precision.fp8_fast_accum=true; emulated off SM90).
+   ``fp8_rowwise`` / ``fp8_rowwise fast`` / ``fp8_rowwise bf16-wgrad`` (precision.recipe=fp8_rowwise,
+   torch._scaled_grouped_mm; ``fast``: precision.fp8_fast_accum=true; ``bf16-wgrad``:
+   precision.fp8_wgrad=false; emulated off SM90).
    ``--backends`` / ``--shapes`` / ``--no-dense`` pick rows (bf16, the baseline, always runs).
 3. Dense: [T, I] x [I, O] linears at 16384 x 2048 x 2048 and 16384 x 4096 x 4096, fwd+bwd: bf16
    F.linear vs fp8_blockwise (F.scaled_mm, and the Triton kernel with one group).
@@ -171,6 +172,7 @@ def backends(device):
     native = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
     out["fp8_rowwise"] = (Fp8RowwiseGemm(native=native), torch.float32)
     out["fp8_rowwise fast"] = (Fp8RowwiseGemm(native=native, fast_accum=native), torch.float32)
+    out["fp8_rowwise bf16-wgrad"] = (Fp8RowwiseGemm(native=native, wgrad="bf16"), torch.float32)
     return out
 
 

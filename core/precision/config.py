@@ -163,12 +163,13 @@ class PrecisionConfig(Config):
     GEMM; faster where a layer has few experts with many rows each) or the Gluon kernels (SM90, no
     host sync)."""
     fp8_wgrad: bool = True
-    """fp8_blockwise recipe, native backend: the weight-gradient GEMMs (dense and grouped) in FP8
-    along the tokens (true), or in bf16 from the saved bf16 input and the bf16 output gradient
-    (false; fp32 accumulation, as the bf16 recipe's): no transposed token tiles to quantize, the
-    bf16 GEMM's speed for the wgrad, and x saved in bf16 (2 bytes per element instead of about 1).
-    The forward and the dgrad stay FP8 either way (core/precision/fp8_gemm.py). Measured on the H200,
-    compiled: -12% tokens/s on OLMoE-8L, -5% on olmoe3-4l-8e with cuBLAS experts (docs/performance.md)."""
+    """fp8_blockwise recipe (native backend) and fp8_rowwise (any backend): the weight-gradient GEMMs
+    (dense and grouped) in FP8 along the tokens (true), or in bf16 from the saved bf16 input and the
+    bf16 output gradient (false; fp32 accumulation, as the bf16 recipe's): no transposed token tiles
+    to quantize, the bf16 GEMM's speed for the wgrad, and x saved in bf16 (2 bytes per element
+    instead of about 1). The forward and the dgrad stay FP8 either way (core/precision/fp8_gemm.py,
+    fp8_rowwise.py). Measured on the H200, compiled, fp8_blockwise: -12% tokens/s on OLMoE-8L, -5% on
+    olmoe3-4l-8e with cuBLAS experts (docs/performance.md); fp8_rowwise: not measured yet."""
 
     fp8_fast_accum: bool = False
     """fp8_rowwise recipe, native backend: the FP8 GEMMs accumulate on the tensor cores without the
@@ -187,9 +188,9 @@ class PrecisionConfig(Config):
         if experts != Fp8Experts.triton and self.recipe != PrecisionRecipe.fp8_blockwise:
             raise ConfigError(f"precision.fp8_experts={experts} picks how fp8_blockwise's expert GEMMs run: it needs "
                               f"--precision.recipe=fp8_blockwise, got {self.recipe}; drop it for this recipe")
-        if not self.fp8_wgrad and self.recipe != PrecisionRecipe.fp8_blockwise:
-            raise ConfigError(f"precision.fp8_wgrad=false runs fp8_blockwise's weight gradients in bf16: it needs "
-                              f"--precision.recipe=fp8_blockwise, got {self.recipe}; drop it for this recipe")
+        if not self.fp8_wgrad and self.recipe not in (PrecisionRecipe.fp8_blockwise, PrecisionRecipe.fp8_rowwise):
+            raise ConfigError(f"precision.fp8_wgrad=false runs an FP8 recipe's weight gradients in bf16: it needs "
+                              f"--precision.recipe=fp8_blockwise or fp8_rowwise, got {self.recipe}; drop it for this recipe")
         if self.fp8_fast_accum and self.recipe != PrecisionRecipe.fp8_rowwise:
             raise ConfigError(f"precision.fp8_fast_accum=true is an option of the fp8_rowwise recipe's GEMMs: it needs "
                               f"--precision.recipe=fp8_rowwise, got {self.recipe}; drop it for this recipe")
@@ -253,7 +254,7 @@ class PrecisionConfig(Config):
                                   f"experts runs on SM100 / SM103 (compute capability 10.x), and this GPU is "
                                   f"SM{major}x: use --precision.backend=emulated, or "
                                   f"--precision.modules=[attention,mlp] (experts then stay bf16)")
-        if not self.fp8_wgrad and backend != PrecisionBackend.native:
+        if not self.fp8_wgrad and backend != PrecisionBackend.native and recipe == PrecisionRecipe.fp8_blockwise:
             raise ConfigError("precision.fp8_wgrad=false is an option of the native fp8_blockwise GEMMs (an SM90+ GPU), "
                               f"and this run resolved precision.backend={backend}: drop fp8_wgrad, or run on a Hopper GPU")
         if per_expert and backend == PrecisionBackend.native:
@@ -288,7 +289,8 @@ def low_precision_gemm(recipe: PrecisionRecipe | str, backend: PrecisionBackend 
     if recipe == PrecisionRecipe.fp8_rowwise:  # its own emulation: the wgrad's scales are per expert, not blocks
         from .fp8_rowwise import Fp8RowwiseGemm
 
-        return Fp8RowwiseGemm(native=backend == PrecisionBackend.native, fast_accum=fp8_fast_accum)
+        return Fp8RowwiseGemm(native=backend == PrecisionBackend.native, fast_accum=fp8_fast_accum,
+                              wgrad="fp8" if fp8_wgrad else "bf16")
     if backend == PrecisionBackend.emulated:
         from .emulated import BlockwiseFormat, EmulatedGemm, MXFormat
 

@@ -172,14 +172,15 @@ class _RowwiseLinear(torch.autograd.Function):
         w_q, w_s = _weight(gemm, w_OI, "rows")
         x_q, x_s = _rows(x_p)
         y = _mm(gemm, x_q, x_s, w_q, w_s)[:T]
-        xt_q, xt_s = _cols(x_p)  # along the tokens, for the wgrad: [I, T16]
-        ctx.save_for_backward(xt_q, xt_s, w_OI)
+        # the wgrad's operand: along the tokens [I, T16] (FP8), or x in bf16 (fp8_wgrad=false)
+        x_saved = _cols(x_p) if gemm.fp8_wgrad else (x_TI.to(_BF16),)
+        ctx.save_for_backward(*x_saved, w_OI)
         ctx.gemm, ctx.x_dtype, ctx.tokens = gemm, x_TI.dtype, T
         return y
 
     @staticmethod
     def backward(ctx, dy_TO: torch.Tensor):
-        xt_q, xt_s, w_OI = ctx.saved_tensors
+        *x_saved, w_OI = ctx.saved_tensors
         gemm, T = ctx.gemm, ctx.tokens
         dx = dw = None
         dy_p = _pad_rows(dy_TO)
@@ -187,9 +188,11 @@ class _RowwiseLinear(torch.autograd.Function):
             wt_q, wt_s = _weight(gemm, w_OI, "cols")
             dy_q, dy_s = _rows(dy_p)
             dx = _mm(gemm, dy_q, dy_s, wt_q, wt_s)[:T].to(ctx.x_dtype)
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and not gemm.fp8_wgrad:  # bf16, fp32 accumulation
+            dw = (dy_TO.to(_BF16).t() @ x_saved[0]).to(w_OI.dtype)
+        elif ctx.needs_input_grad[1]:
             dyt_q, dyt_s = _cols(dy_p)  # [O, T16] along the tokens
-            dw = _mm(gemm, dyt_q, dyt_s, xt_q, xt_s).to(w_OI.dtype)
+            dw = _mm(gemm, dyt_q, dyt_s, *x_saved).to(w_OI.dtype)
         return dx, dw, None
 
 
@@ -209,23 +212,28 @@ class _RowwiseGroupedMM(torch.autograd.Function):
         w_q, w_s = _weight(gemm, w_EOI, "rows")
         x_q, x_s = _rows(x_RI)
         y_RO = _grouped_rows(gemm, x_q, x_s, w_q, w_s, offsets_E)
-        # the wgrad's operand: each expert's rows padded to 16, quantized along them per expert
+        # the wgrad's operand: each expert's rows padded to 16, quantized along them per expert (or, with
+        # fp8_wgrad=false, x in bf16 for a bf16 wgrad)
         src_P, padded_offsets_E = padded_source_rows(offsets_E, x_RI.shape[0], ALIGN)
-        xt_q, xt_s = quantize_group_cols(x_RI, src_P, padded_offsets_E, KERNELS)
-        ctx.save_for_backward(xt_q, xt_s, w_EOI, offsets_E, src_P, padded_offsets_E)
+        x_saved = (quantize_group_cols(x_RI, src_P, padded_offsets_E, KERNELS) if gemm.fp8_wgrad
+                   else (x_RI.to(_BF16),))
+        ctx.save_for_backward(*x_saved, w_EOI, offsets_E, src_P, padded_offsets_E)
         ctx.gemm, ctx.x_dtype = gemm, x_RI.dtype
         return y_RO
 
     @staticmethod
     def backward(ctx, dy_RO: torch.Tensor):
-        xt_q, xt_s, w_EOI, offsets_E, src_P, padded_offsets_E = ctx.saved_tensors
+        *x_saved, w_EOI, offsets_E, src_P, padded_offsets_E = ctx.saved_tensors
         gemm = ctx.gemm
         dx = dw = None
         if ctx.needs_input_grad[0]:
             wt_q, wt_s = _weight(gemm, w_EOI, "cols")  # w[e]^T [I, O]: the dgrad's [N, K] operand
             dy_q, dy_s = _rows(dy_RO)
             dx = _grouped_rows(gemm, dy_q, dy_s, wt_q, wt_s, offsets_E).to(ctx.x_dtype)
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and not gemm.fp8_wgrad:  # bf16 operands, fp32 accumulation, bf16 output
+            dw = grouped_mm_2d2d(dy_RO.to(_BF16).t(), x_saved[0], offsets_E, gemm.per_expert).to(w_EOI.dtype)
+        elif ctx.needs_input_grad[1]:
+            xt_q, xt_s = x_saved
             dyt_q, dyt_s = quantize_group_cols(dy_RO, src_P, padded_offsets_E, KERNELS)  # [O, P], [E, O]
             if gemm.native:
                 dw = torch._scaled_grouped_mm(dyt_q, xt_q.t(), dyt_s.reshape(-1), xt_s.reshape(-1),
@@ -241,12 +249,16 @@ class _RowwiseGroupedMM(torch.autograd.Function):
 class Fp8RowwiseGemm(GemmBackend):
     """FP8 rowwise (see the module docstring). ``native``: torch's scaled GEMMs (SM90), else the
     emulation (dequantized operands, bf16 GEMMs; any device). ``fast_accum``: the native GEMMs'
-    accumulation without fp32 promotion."""
+    accumulation without fp32 promotion. ``wgrad``: the weight gradients in FP8 ("fp8", per column
+    along the tokens) or in bf16 from the saved bf16 input ("bf16", precision.fp8_wgrad=false: no
+    column quantization, x saved in 2 bytes per element instead of 1)."""
 
     name = "fp8_rowwise"
 
-    def __init__(self, native: bool = True, fast_accum: bool = False) -> None:
-        self.native, self.fast_accum = bool(native), bool(fast_accum)
+    def __init__(self, native: bool = True, fast_accum: bool = False, wgrad: str = "fp8") -> None:
+        if wgrad not in ("fp8", "bf16"):
+            raise ValueError(f"wgrad must be 'fp8' or 'bf16', got {wgrad!r}")
+        self.native, self.fast_accum, self.fp8_wgrad = bool(native), bool(fast_accum), wgrad == "fp8"
         self.cache = WeightCache()
 
     @property
@@ -266,4 +278,5 @@ class Fp8RowwiseGemm(GemmBackend):
         self.cache.invalidate()
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(native={self.native}, fast_accum={self.fast_accum})"
+        return (f"{type(self).__name__}(native={self.native}, fast_accum={self.fast_accum}, "
+                f"wgrad={'fp8' if self.fp8_wgrad else 'bf16'!r})")

@@ -243,6 +243,36 @@ def test_emulated_grouped_gemm_and_grads_against_float64(sizes):
     assert ((y.double() - exact).norm() / exact.norm()).item() < 0.06
 
 
+def test_bf16_wgrad_against_float64_and_unlike_the_fp8_one():
+    """precision.fp8_wgrad=false: the weight gradients from bf16 operands (float64 on the bf16-rounded
+    dy and x, to bf16 output rounding), the forward and dgrad unchanged; the FP8 wgrad misses that
+    tolerance (the check tells the two apart)."""
+    torch.manual_seed(8)
+    sizes = [5, 0, 22, 17]
+    offsets = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    x0, w0 = torch.randn(sum(sizes), 64), torch.randn(4, 48, 64)
+    dy = torch.randn(sum(sizes), 48)
+    grads = {}
+    for wgrad in ("fp8", "bf16"):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        y = Fp8RowwiseGemm(native=False, wgrad=wgrad).grouped_mm(x, w, offsets)
+        y.backward(dy)
+        grads[wgrad] = (y.detach(), x.grad, w.grad)
+    assert torch.equal(grads["fp8"][0], grads["bf16"][0]) and torch.equal(grads["fp8"][1], grads["bf16"][1])
+    f64 = torch.float64
+    ref = torch.stack([dy[s:t].to(torch.bfloat16).to(f64).t() @ x0[s:t].to(torch.bfloat16).to(f64) if t > s
+                       else torch.zeros(48, 64, dtype=f64) for s, t in _groups(offsets)])
+    tol = 2.0 ** -8 * ref.abs().max().item()
+    assert (grads["bf16"][2].to(f64) - ref).abs().max().item() <= tol
+    assert (grads["fp8"][2].to(f64) - ref).abs().max().item() > tol
+    # the dense linear likewise
+    xl, wl, dyl = torch.randn(37, 64), torch.randn(32, 64), torch.randn(37, 32)
+    a, b = xl.clone().requires_grad_(), wl.clone().requires_grad_()
+    Fp8RowwiseGemm(native=False, wgrad="bf16").linear(a, b).backward(dyl)
+    refl = dyl.to(torch.bfloat16).to(f64).t() @ xl.to(torch.bfloat16).to(f64)
+    assert (b.grad.to(f64) - refl).abs().max().item() <= 2.0 ** -8 * refl.abs().max().item()
+
+
 def test_emulated_linear_against_float64():
     torch.manual_seed(3)
     x = torch.randn(37, 64, requires_grad=True)  # 37 tokens: padded to 48 inside, not in the output
@@ -272,6 +302,10 @@ def test_config_resolution_and_errors():
         cfg(recipe="fp8_rowwise", backend="native").resolved_backend("cuda", 10)
     with pytest.raises(ConfigError, match="SM90.*the CPU.*backend=emulated"):
         cfg(recipe="fp8_rowwise", backend="native").build("cpu")
+    assert not cfg(recipe="fp8_rowwise", fp8_wgrad=False).build("cpu", verbose=False).gemm.fp8_wgrad  # emulated too
+    assert cfg(recipe="fp8_rowwise").build("cpu", verbose=False).gemm.fp8_wgrad
+    with pytest.raises(ConfigError, match="fp8_wgrad=false.*needs --precision.recipe=fp8_blockwise or fp8_rowwise"):
+        cfg(recipe="mxfp8", fp8_wgrad=False).validate()
     with pytest.raises(ConfigError, match="fp8_fast_accum.*needs --precision.recipe=fp8_rowwise"):
         cfg(recipe="fp8_blockwise", fp8_fast_accum=True).validate()
     with pytest.raises(ConfigError, match="fp8_fast_accum=true is an option of the native.*backend=emulated"):
@@ -303,8 +337,8 @@ def _native_available():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _native_available(), reason="needs an SM90 GPU (torch._scaled_grouped_mm rowwise)")
-@pytest.mark.parametrize("fast_accum", [False, True])
-def test_native_matches_the_emulation_on_the_gpu(fast_accum):
+@pytest.mark.parametrize("fast_accum,wgrad", [(False, "fp8"), (True, "fp8"), (False, "bf16")])
+def test_native_matches_the_emulation_on_the_gpu(fast_accum, wgrad):
     torch.manual_seed(4)
     dev = "cuda"
     sizes = [37, 0, 300, 16, 3]  # ragged, an empty expert
@@ -317,7 +351,7 @@ def test_native_matches_the_emulation_on_the_gpu(fast_accum):
     outs = {}
     for native in (True, False):
         x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
-        y = Fp8RowwiseGemm(native=native, fast_accum=fast_accum and native).grouped_mm(x, w, offsets)
+        y = Fp8RowwiseGemm(native=native, fast_accum=fast_accum and native, wgrad=wgrad).grouped_mm(x, w, offsets)
         y.backward(dy)
         outs[native] = (y.float(), x.grad.float(), w.grad.float())
     tol = 2.0 ** -6 if fast_accum else 2.0 ** -8  # bf16 outputs in both; fast accumulation's own error
@@ -330,7 +364,7 @@ def test_native_matches_the_emulation_on_the_gpu(fast_accum):
     res = {}
     for native in (True, False):
         xi, wi = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-        y = Fp8RowwiseGemm(native=native, fast_accum=fast_accum and native).linear(xi, wi)
+        y = Fp8RowwiseGemm(native=native, fast_accum=fast_accum and native, wgrad=wgrad).linear(xi, wi)
         y.backward(torch.ones_like(y))
         res[native] = (y.float(), xi.grad, wi.grad)
     for got, ref, name in zip(res[True], res[False], ("y", "dx", "dw")):

@@ -49,7 +49,7 @@ def test_backend_resolution_and_errors(capsys):
     from moetron.core.precision.config import low_precision_gemm
 
     assert low_precision_gemm("fp8_blockwise", "native", fp8_experts="cublas").experts == "cublas"
-    with pytest.raises(ConfigError, match="fp8_wgrad=false.*needs --precision.recipe=fp8_blockwise"):
+    with pytest.raises(ConfigError, match="fp8_wgrad=false.*needs --precision.recipe=fp8_blockwise or fp8_rowwise"):
         cfg(recipe="mxfp8", fp8_wgrad=False).validate()
     with pytest.raises(ConfigError, match="fp8_wgrad=false is an option of the native.*backend=emulated"):
         cfg(recipe="fp8_blockwise", fp8_wgrad=False).build("cpu")

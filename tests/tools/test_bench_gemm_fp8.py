@@ -29,14 +29,15 @@ def test_tiny_run_checks_and_reports(tmp_path):
                        ("fp8_blockwise cublas bf16-wgrad", "cached"), ("fp8_blockwise cublas bf16-wgrad", "requantized"),
                        ("mxfp8 emulated", "cached"), ("mxfp8 emulated", "requantized"),
                        ("fp8_rowwise", "cached"), ("fp8_rowwise", "requantized"),
-                       ("fp8_rowwise fast", "cached"), ("fp8_rowwise fast", "requantized")}
+                       ("fp8_rowwise fast", "cached"), ("fp8_rowwise fast", "requantized"),
+                       ("fp8_rowwise bf16-wgrad", "cached"), ("fp8_rowwise bf16-wgrad", "requantized")}
     assert {r["check"] for r in checks} >= {f"grouped {k} {p}" for k in ("triton", "cublas", "gluon") for p in ("fwd", "dgrad", "wgrad")}
     assert {r["backend"] for r in rows if r["kind"] == "dense"} >= {"bf16", "fp8_blockwise triton"}
     assert "MISMATCH" not in proc.stdout
     prof = [r for r in rows if r["kind"] == "profile"]
     assert {r["backend"] for r in prof} == {"bf16", "bf16 cublas", "fp8_blockwise", "fp8_blockwise cublas", "fp8_blockwise bf16-wgrad",
                                             "fp8_blockwise cublas bf16-wgrad", "mxfp8 emulated", "fp8_blockwise gluon",
-                                            "fp8_rowwise", "fp8_rowwise fast"}
+                                            "fp8_rowwise", "fp8_rowwise fast", "fp8_rowwise bf16-wgrad"}
     for r in prof:
         assert abs(r["quantize_ms"] + r["gemm_ms"] + r["other_ms"] - r["ms"]) < 1e-6 * max(1.0, r["ms"]) and r["top"]
 
