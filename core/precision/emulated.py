@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from .blockwise import FP8_BLOCK, dequantize_128x128, dequantize_1x128, quantize_128x128, quantize_1x128
 from .cache import WeightCache
 from .gemm import GemmBackend
-from .grouping import gather_rows, grouped_mm_2d2d, grouped_mm_2d3d, host_ends, padded_host_ends, padded_source_rows
+from .grouping import gather_rows, pad_rows, grouped_mm_2d2d, grouped_mm_2d3d, host_ends, padded_host_ends, padded_source_rows
 from .mx import MX_BLOCK, dequantize_mx, quantize_mx
 
 __all__ = ["BlockwiseFormat", "EmulatedGemm", "MXFormat", "mx_qdq"]
@@ -69,7 +69,7 @@ def rows_and_cols(fmt: "MXFormat | BlockwiseFormat", x: torch.Tensor, src_rows: 
     (``cols_payload``, saved for the backward) or its bf16 qdq. Two passes (the formats' own
     ``rows_and_cols`` fuse them where a kernel does)."""
     rows = fmt.qdq(x, -1)
-    xv = _pad_rows(x, fmt.block) if src_rows is None else x
+    xv = pad_rows(x, fmt.block) if src_rows is None else x
     if cols_payload:
         return (rows, *fmt.quantize(xv, 0, src_rows))
     return rows, fmt.qdq(xv, 0, src_rows)
@@ -201,11 +201,6 @@ class BlockwiseFormat:
         return "BlockwiseFormat()"
 
 
-def _pad_rows(x_TC: torch.Tensor, multiple: int) -> torch.Tensor:
-    pad = -x_TC.shape[0] % multiple
-    return F.pad(x_TC, (0, 0, 0, pad)) if pad else x_TC
-
-
 def _weight(gemm: "EmulatedGemm", w: torch.Tensor, axis: int) -> torch.Tensor:
     """w quantized for the forward (axis -1) or the dgrad (-2), through the cache. Where the cache
     serves (eager, or quantize_weights_once) and a kernel makes both from one read, one entry holds
@@ -242,7 +237,7 @@ class _EmulatedLinear(torch.autograd.Function):
             dx_TI = (dy_hat_TO @ _weight(gemm, w_OI, -2)).to(ctx.x_dtype)
             del dy_hat_TO
         if ctx.needs_input_grad[1]:
-            dy_hat_PO = fmt.qdq(_pad_rows(dy_TO, fmt.block), 0) if dy_hat_PO is None else dy_hat_PO
+            dy_hat_PO = fmt.qdq(pad_rows(dy_TO, fmt.block), 0) if dy_hat_PO is None else dy_hat_PO
             x_hat_PI = fmt.dequantize(tuple(x_payload), 0, _BF16)
             dw_OI = (dy_hat_PO.t() @ x_hat_PI).to(w_OI.dtype)
         return dx_TI, dw_OI, None
@@ -298,8 +293,7 @@ class EmulatedGemm(GemmBackend):
         return f"{self.format.name} (emulated: exact quantized operands, bf16 GEMMs)"
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        x_TI = x.reshape(-1, x.shape[-1])
-        return _EmulatedLinear.apply(x_TI, w, self).reshape(*x.shape[:-1], w.shape[0])
+        return self._linear(_EmulatedLinear, x, w)
 
     def grouped_mm(self, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
         return self._grouped(_EmulatedGroupedMM, x_RI, w_EOI, offsets_E, self)

@@ -35,7 +35,7 @@ from .blockwise import FP8_BLOCK, quantize_128x128, quantize_1x128
 from .cache import WeightCache
 from .fp8_cublas import ROW_SLACK, m_fastest, tile_scales
 from .gemm import GemmBackend
-from .grouping import gather_rows, padded_source_rows
+from .grouping import gather_rows, pad_rows, padded_source_rows
 
 __all__ = ["Fp8BlockwiseGemm", "has_blockwise_scaled_mm"]
 
@@ -47,11 +47,6 @@ WGRAD = ("fp8", "bf16")  # the weight-gradient GEMMs: FP8 along the tokens, or b
 
 def has_blockwise_scaled_mm() -> bool:
     return hasattr(F, "scaled_mm") and hasattr(getattr(F, "ScalingType", None), "BlockWise128x128")
-
-
-def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
-    pad = -x.shape[0] % multiple
-    return F.pad(x, (0, 0, 0, pad)) if pad else x
 
 
 def _weights_torch(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -82,7 +77,7 @@ def _quantize(gemm: "Fp8BlockwiseGemm", x_RC: torch.Tensor, rows: bool, tokens: 
         d, s = quantize_1x128(F.pad(x_RC, (0, 0, 0, pad)) if pad else x_RC, -1)
         rq = (d, m_fastest(s) if outer else s)
     if tokens:
-        x_P = gather_rows(x_RC, src_P) if src_P is not None else _pad_rows(x_RC, FP8_BLOCK)
+        x_P = gather_rows(x_RC, src_P) if src_P is not None else pad_rows(x_RC, FP8_BLOCK)
         d, s = quantize_1x128(x_P.t().contiguous(), -1)
         tq = (d, m_fastest(s) if outer else s)
     return rq, tq
@@ -244,8 +239,7 @@ class Fp8BlockwiseGemm(GemmBackend):
         return self.quant == "triton" or (self.quant == "auto" and x.is_cuda)
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        x_TI = x.reshape(-1, x.shape[-1])
-        return _Fp8Linear.apply(x_TI, w, self).reshape(*x.shape[:-1], w.shape[0])
+        return self._linear(_Fp8Linear, x, w)
 
     def grouped_mm(self, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
         return self._grouped(_Fp8GroupedMM, x_RI, w_EOI, offsets_E, self)

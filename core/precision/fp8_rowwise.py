@@ -35,12 +35,11 @@ Legend: T tokens, R expert-sorted rows, P padded rows, E experts, I / O input / 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .blockwise import pow2_scale
 from .cache import WeightCache
 from .gemm import GemmBackend
-from .grouping import gather_rows, grouped_mm_2d2d, grouped_mm_2d3d, padded_source_rows
+from .grouping import gather_rows, pad_rows, grouped_mm_2d2d, grouped_mm_2d3d, padded_source_rows
 from .mx import E4M3_MAX
 
 __all__ = ["ALIGN", "Fp8RowwiseGemm", "dequantize_rows", "quantize_group_cols", "quantize_rows"]
@@ -143,11 +142,6 @@ def _cols(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_rows(x.transpose(-2, -1).contiguous(), -1)
 
 
-def _pad_rows(x: torch.Tensor, multiple: int = ALIGN) -> torch.Tensor:
-    pad = -x.shape[0] % multiple
-    return F.pad(x, (0, 0, 0, pad)) if pad else x
-
-
 def _weight(gemm: "Fp8RowwiseGemm", w: torch.Tensor, orientation: str):
     """w [..., O, I] quantized for the forward ("rows": along I, data [..., O, I], scale [..., O]) or
     the dgrad ("cols": w^T along O, data [..., I, O], scale [..., I]), through the WeightCache. One
@@ -168,7 +162,7 @@ class _RowwiseLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TI: torch.Tensor, w_OI: torch.Tensor, gemm: "Fp8RowwiseGemm"):
         T = x_TI.shape[0]
-        x_p = _pad_rows(x_TI)  # the wgrad's reduction (tokens) 16-aligned; zero rows add nothing
+        x_p = pad_rows(x_TI, ALIGN)  # the wgrad's reduction (tokens) 16-aligned; zero rows add nothing
         w_q, w_s = _weight(gemm, w_OI, "rows")
         x_q, x_s = _rows(x_p)
         y = _mm(gemm, x_q, x_s, w_q, w_s)[:T]
@@ -183,7 +177,7 @@ class _RowwiseLinear(torch.autograd.Function):
         *x_saved, w_OI = ctx.saved_tensors
         gemm, T = ctx.gemm, ctx.tokens
         dx = dw = None
-        dy_p = _pad_rows(dy_TO)
+        dy_p = pad_rows(dy_TO, ALIGN)
         if ctx.needs_input_grad[0]:
             wt_q, wt_s = _weight(gemm, w_OI, "cols")
             dy_q, dy_s = _rows(dy_p)
@@ -268,8 +262,7 @@ class Fp8RowwiseGemm(GemmBackend):
         return f"fp8_rowwise (per-row scaled FP8 GEMMs{', fast accumulation' if self.fast_accum else ''})"
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        x_TI = x.reshape(-1, x.shape[-1])
-        return _RowwiseLinear.apply(x_TI, w, self).reshape(*x.shape[:-1], w.shape[0])
+        return self._linear(_RowwiseLinear, x, w)
 
     def grouped_mm(self, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
         return self._grouped(_RowwiseGroupedMM, x_RI, w_EOI, offsets_E, self)

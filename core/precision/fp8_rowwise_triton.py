@@ -37,17 +37,24 @@ CHUNK = 16
 
 
 @triton.jit
+def _load_rows(x_ptr, src_ptr, rows, end, cols, C, s_x, GATHER: tl.constexpr):
+    """The bits of x[src[rows], cols] (GATHER; x[rows, cols] otherwise), 0 for rows >= end, src < 0
+    (padding) or cols >= C."""
+    if GATHER:
+        src = tl.load(src_ptr + rows, mask=rows < end, other=-1)
+    else:
+        src = tl.where(rows < end, rows, -1)
+    return tl.load(x_ptr + src.to(tl.int64)[:, None] * s_x + cols[None, :],
+                   mask=(src >= 0)[:, None] & (cols < C)[None, :], other=0)
+
+
+@triton.jit
 def _chunk_amax_kernel(x_ptr, src_ptr, out_ptr, P, C, s_x, GATHER: tl.constexpr, IN_BF16: tl.constexpr,
                        CHUNK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     k = tl.program_id(1)
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     rows = k * CHUNK_R + tl.arange(0, CHUNK_R)
-    if GATHER:
-        src = tl.load(src_ptr + rows, mask=rows < P, other=-1)
-    else:
-        src = tl.where(rows < P, rows, -1)
-    bits = tl.load(x_ptr + src.to(tl.int64)[:, None] * s_x + cols[None, :],
-                   mask=(src >= 0)[:, None] & (cols < C)[None, :], other=0)
+    bits = _load_rows(x_ptr, src_ptr, rows, P, cols, C, s_x, GATHER)
     amax, _ = amax_of_bits(tl.max(abs_bits(bits, IN_BF16), 0), IN_BF16)  # NaN and inf kept as such
     tl.store(out_ptr + k.to(tl.int64) * C + cols, amax, mask=cols < C)
 
@@ -62,12 +69,7 @@ def _group_cols_amax_kernel(x_ptr, src_ptr, poff_ptr, out_ptr, C, s_x, GATHER: t
     top = tl.zeros([BLOCK_C], dtype=tl.int32)
     for r0 in range(start, end, BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R)
-        if GATHER:
-            src = tl.load(src_ptr + rows, mask=rows < end, other=-1)
-        else:
-            src = tl.where(rows < end, rows, -1)
-        bits = tl.load(x_ptr + src.to(tl.int64)[:, None] * s_x + cols[None, :],
-                       mask=(src >= 0)[:, None] & (cols < C)[None, :], other=0)
+        bits = _load_rows(x_ptr, src_ptr, rows, end, cols, C, s_x, GATHER)
         top = tl.maximum(top, tl.max(abs_bits(bits, IN_BF16), 0))
     amax, _ = amax_of_bits(top, IN_BF16)
     tl.store(out_ptr + e * C + cols, amax, mask=cols < C)

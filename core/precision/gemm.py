@@ -62,6 +62,11 @@ class GemmBackend:
             return outside_graph(function.apply, *args)
         return function.apply(*args)
 
+    def _linear(self, function: type[torch.autograd.Function], x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``function.apply(x_TI, w, self)`` on x's tokens flattened to [T, I], reshaped back: a
+        low-precision backend's linear (x [..., I], w [O, I] -> [..., O])."""
+        return function.apply(x.reshape(-1, x.shape[-1]), w, self).reshape(*x.shape[:-1], w.shape[0])
+
     def attach_optimizer(self, optimizer, parts) -> None:
         """Called once by the trainer with its optimizer and model parts (a backend that wants the
         optimizer to keep something current registers it here). Nothing to do by default."""

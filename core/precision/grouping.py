@@ -15,7 +15,15 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["gather_rows", "grouped_mm_2d2d", "grouped_mm_2d3d", "host_ends", "host_sizes", "padded_host_ends", "pad_groups", "padded_rows", "padded_source_rows"]
+__all__ = ["gather_rows", "grouped_mm_2d2d", "grouped_mm_2d3d", "host_ends", "host_sizes", "padded_host_ends", "pad_groups",
+           "pad_rows", "padded_rows", "padded_source_rows"]
+
+
+def pad_rows(x_RC: torch.Tensor, multiple: int) -> torch.Tensor:
+    """x with zero rows appended up to a multiple of ``multiple`` rows (x itself when it is one): a
+    dense linear's tokens as whole quantization blocks or aligned GEMM rows."""
+    pad = -x_RC.shape[0] % multiple
+    return torch.nn.functional.pad(x_RC, (0, 0, 0, pad)) if pad else x_RC
 
 
 def padded_rows(rows: int, groups: int, multiple: int) -> int:

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from .cache import WeightCache
 from .emulated import MXFormat
 from .gemm import GemmBackend
-from .grouping import pad_groups, padded_source_rows
+from .grouping import pad_groups, pad_rows, padded_source_rows
 from .mx import MX_BLOCK, quantize_mx, swizzle_mx_scales
 
 __all__ = ["NativeMXGemm", "swizzle_mx_scales_k_groups", "swizzle_mx_scales_m_groups", "swizzle_mx_scales_per_group",
@@ -118,18 +118,13 @@ def _mx_mm(a, sa, bt, sbt) -> torch.Tensor:
                        swizzle_a=sw.SWIZZLE_32_4_4, swizzle_b=sw.SWIZZLE_32_4_4, output_dtype=torch.bfloat16)
 
 
-def _pad_rows(x: torch.Tensor) -> torch.Tensor:
-    pad = -x.shape[0] % MX_BLOCK
-    return F.pad(x, (0, 0, 0, pad)) if pad else x
-
-
 class _NativeMXLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TI, w_OI, gemm: "NativeMXGemm"):
         mode = gemm.scale_mode
         w_q, w_s = gemm.cache.get(w_OI, "mx_native_fwd", lambda w: _mx_rows(w, mode))
         y = _mx_mm(*_mx_rows(x_TI, mode), w_q, w_s)
-        ctx.save_for_backward(*_mx_rows(_pad_rows(x_TI).t().contiguous(), mode), w_OI)  # x^T along tokens
+        ctx.save_for_backward(*_mx_rows(pad_rows(x_TI, MX_BLOCK).t().contiguous(), mode), w_OI)  # x^T along tokens
         ctx.gemm, ctx.x_dtype = gemm, x_TI.dtype
         return y
 
@@ -142,7 +137,7 @@ class _NativeMXLinear(torch.autograd.Function):
             wt_q, wt_s = gemm.cache.get(w_OI, "mx_native_dgrad", lambda w: _mx_rows(w.t().contiguous(), mode))
             dx = _mx_mm(*_mx_rows(dy_TO, mode), wt_q, wt_s).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            dyt_q, dyt_s = _mx_rows(_pad_rows(dy_TO).t().contiguous(), mode)
+            dyt_q, dyt_s = _mx_rows(pad_rows(dy_TO, MX_BLOCK).t().contiguous(), mode)
             dw = _mx_mm(dyt_q, dyt_s, xt_q, xt_s).to(w_OI.dtype)
         return dx, dw, None
 
@@ -244,8 +239,7 @@ class NativeMXGemm(GemmBackend):
         self.cache = WeightCache()
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        x_TI = x.reshape(-1, x.shape[-1])
-        return _NativeMXLinear.apply(x_TI, w, self).reshape(*x.shape[:-1], w.shape[0])
+        return self._linear(_NativeMXLinear, x, w)
 
     def grouped_mm(self, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
         return self._grouped(_NativeMXGroupedMM, x_RI, w_EOI, offsets_E, self)
