@@ -7,6 +7,12 @@ of the input: ms and TB/s of traffic (the bf16 read and two e4m3 writes); and th
 
     python tools/bench_quantize.py --json runs/bench/quantize.json
     python tools/bench_quantize.py --tiny        # tiny shapes; on the CPU under TRITON_INTERPRET=1
+
+With --rowwise, the fp8_rowwise recipe's kernels instead (core/precision/fp8_rowwise_triton.py):
+the rows quantization and the per-16-row column amax under each tile of a sweep (TILES), the
+whole per-expert column quantization, a weight's stacked columns; ms and TB/s of their traffic.
+
+    python tools/bench_quantize.py --rowwise --json runs/bench/quantize_rowwise.json
 """
 
 from __future__ import annotations
@@ -26,8 +32,64 @@ def parse(argv):
     p.add_argument("--tiny", action="store_true", help="tiny shapes (runs on the CPU, Triton interpreted)")
     p.add_argument("--experts", type=int, default=8, help="expert groups of the tokens output's padding")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--rowwise", action="store_true", help="the fp8_rowwise kernels and their tile sweep")
     p.add_argument("--json", default="", help="write the results here")
     return p.parse_args(argv)
+
+
+ROWWISE_SHAPES = [(131072, 2048, 64), (65536, 4096, 8)]  # OLMoE-8L's x (top-8 of 64), olmoe3-4l-8e's (top-4 of 8)
+ROWS_TILES = [  # (label, TILES["rows"]): session 11's kernel (4 rows, two passes of 512), then one pass
+    ("2pass 4x512 w4", {"elements": 2048, "max_rows": 4, "one_pass_cols": 0, "cols": 512, "num_warps": 4}),
+    *((f"1pass {e // 1024}k w{w}", {"elements": e, "max_rows": 64, "one_pass_cols": 8192, "cols": 1024, "num_warps": w})
+      for e in (4096, 8192, 16384) for w in (4, 8)),
+]
+CHUNK_TILES = [(16, 128, 4), (64, 128, 4), (64, 256, 8), (128, 128, 8), (128, 256, 8), (32, 512, 8)]  # rows, cols, warps
+
+
+def rowwise(args, device) -> list[dict]:
+    from cli import median_ms  # tools/cli.py
+
+    from moetron.core.precision import fp8_rowwise_triton as kt
+    from moetron.core.precision.fp8_rowwise import ALIGN, quantize_group_cols
+    from moetron.core.precision.grouping import padded_source_rows
+
+    iters = 1 if args.tiny else args.iters
+    shapes = [(512, 256, 4)] if args.tiny else ROWWISE_SHAPES
+    saved = {k: dict(v) for k, v in kt.TILES.items()}
+    out = []
+
+    def row(kernel, shape, label, fn, traffic):
+        ms = median_ms(fn, device, warmup=2, iters=iters)
+        out.append({"kind": f"rowwise_{kernel}", "shape": list(shape), "tile": label, "ms": ms,
+                    "tb_s": traffic / ms / 1e9})
+        print(f"{kernel:<14} {str(list(shape)):<20} {label:<18} {ms:8.3f} ms {traffic / ms / 1e9:6.2f} TB/s", flush=True)
+
+    print(f"{'kernel':<14} {'shape':<20} {'tile':<18} {'ms':>11} {'TB/s':>11}")
+    try:
+        for R, C, E in shapes:
+            x = torch.randn(R, C, device=device).bfloat16()
+            offsets = (torch.arange(1, E + 1, device=device) * (R // E)).to(torch.int32)
+            src, padded = padded_source_rows(offsets, R, ALIGN)
+            P = src.numel()
+            row("copy", (R, C), "x.clone()", lambda: x.clone(), 4 * x.numel())
+            for label, tiles in ROWS_TILES:
+                kt.TILES["rows"] = tiles
+                row("rows", (R, C), label, lambda: kt.quantize_rows(x), 3 * x.numel())
+            kt.TILES["rows"] = saved["rows"]
+            for r, c, w in CHUNK_TILES:
+                kt.TILES["chunk_amax"] = {"rows": r, "cols": c, "num_warps": w}
+                row("chunk_amax", (P, C), f"{r}x{c} w{w}", lambda: kt.chunk_amax(x, src), 2 * P * C + 4 * P * C // kt.CHUNK)
+            kt.TILES["chunk_amax"] = saved["chunk_amax"]
+            row("group_cols", (P, C), "default", lambda: quantize_group_cols(x, src, padded, "triton"),
+                2 * P * C * 2 + P * C + 8 * P * C // kt.CHUNK)
+        w = torch.randn(*((4, 256, 128) if args.tiny else (64, 2048, 2048)), device=device)
+        row("stacked_cols", tuple(w.shape), "default", lambda: kt.quantize_stacked_cols(w), 9 * w.numel())
+        for label, tiles in ROWS_TILES[:1] + ROWS_TILES[3:4]:
+            kt.TILES["rows"] = tiles
+            row("rows fp32 w", tuple(w.shape), label, lambda: kt.quantize_rows(w.view(-1, w.shape[-1])), 5 * w.numel())
+    finally:
+        kt.TILES.update(saved)
+    return out
 
 
 def main(argv=None) -> int:
@@ -41,6 +103,12 @@ def main(argv=None) -> int:
     from cli import median_ms, write_report  # tools/cli.py
 
     from moetron.core.metrics import run_environment
+
+    if args.rowwise:
+        rows = rowwise(args, device)
+        write_report(args.json, run_environment(device, 1, "tools/bench_quantize.py", sys.argv[1:] if argv is None else argv),
+                     rows)
+        return 0
     from moetron.core.precision import blockwise_triton as bt
     from moetron.core.precision.fp8_cublas import ROW_SLACK
     from moetron.core.precision.grouping import padded_source_rows

@@ -2,12 +2,13 @@
 functions are the reference): E4M3 with one power-of-two scale per line along a GEMM's reduction
 dim. No float atomics (torch's scatter_reduce amax contended on the H200, session 11).
 
-- ``quantize_rows`` (x, dy, w along I): ``_quantize_rows_kernel``, each block of 4 rows read twice
-  (amax; then scale and round, from L2).
+- ``quantize_rows`` (x, dy, w along I): ``_quantize_rows_kernel``, a block of whole rows read once
+  (up to TILES' one_pass_cols columns; longer rows are read twice: amax, then scale and round from L2).
 - ``quantize_stacked_cols`` (x [E, M, C] along M: w^T per expert, a dense wgrad's tokens) and the
   grouped wgrad's per-expert columns (``chunk_amax`` + ``group_amax`` + ``quantize_cols``):
   1. ``_chunk_amax_kernel``: per 16 rows (every expert's padded rows start at a multiple of 16, so a
-     chunk never holds two experts) and 128 columns, |x|'s max: [P / 16, C] fp32, all in parallel;
+     chunk never holds two experts) and column, |x|'s max: [P / 16, C] fp32, a tile of several chunks
+     per program;
   2. ``_group_cols_amax_kernel``: per group and 64 columns, the max over its chunks' partials;
   3. ``_quantize_cols_kernel`` / ``_quantize_stacked_cols_kernel``: each [128 columns x 64 rows]
      tile read once, scaled by 1 / scale (exact powers of two), rounded to E4M3, stored transposed.
@@ -30,10 +31,19 @@ from .blockwise import pow2_scale
 from .blockwise_triton import _block_scales
 from .mx_triton import HW_CONVERT, abs_bits, amax_of_bits, as_loadable, to_e4m3, widen
 
-__all__ = ["CHUNK", "chunk_amax", "group_amax", "quantize_cols", "quantize_rows", "quantize_stacked_cols"]
+__all__ = ["CHUNK", "TILES", "chunk_amax", "group_amax", "quantize_cols", "quantize_rows", "quantize_stacked_cols"]
 
 CHUNK = 16
 """Rows per partial amax: the alignment of every expert's padded rows (fp8_rowwise.ALIGN)."""
+
+TILES = {
+    "rows": {"elements": 8192, "max_rows": 64, "one_pass_cols": 8192, "cols": 1024, "num_warps": 8},
+    "chunk_amax": {"rows": 64, "cols": 256, "num_warps": 8},
+}
+"""Tile sizes read at each launch (tools/bench_quantize.py --rowwise sweeps them): ``rows``, a
+program's rows x columns about ``elements`` (at most ``max_rows`` rows), the whole row in one tile
+(read once) up to ``one_pass_cols`` columns, else ``cols`` at a time in two passes;
+``chunk_amax``, a [rows, cols] tile per program (rows a multiple of CHUNK)."""
 
 
 @triton.jit
@@ -50,13 +60,16 @@ def _load_rows(x_ptr, src_ptr, rows, end, cols, C, s_x, GATHER: tl.constexpr):
 
 @triton.jit
 def _chunk_amax_kernel(x_ptr, src_ptr, out_ptr, P, C, s_x, GATHER: tl.constexpr, IN_BF16: tl.constexpr,
-                       CHUNK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    k = tl.program_id(1)
+                       CHUNK_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    # one [BLOCK_R, BLOCK_C] tile (BLOCK_R / CHUNK_R chunks) per program: one wide read in flight
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    rows = k * CHUNK_R + tl.arange(0, CHUNK_R)
-    bits = _load_rows(x_ptr, src_ptr, rows, P, cols, C, s_x, GATHER)
-    amax, _ = amax_of_bits(tl.max(abs_bits(bits, IN_BF16), 0), IN_BF16)  # NaN and inf kept as such
-    tl.store(out_ptr + k.to(tl.int64) * C + cols, amax, mask=cols < C)
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    bits = abs_bits(_load_rows(x_ptr, src_ptr, rows, P, cols, C, s_x, GATHER), IN_BF16)
+    top = tl.max(tl.reshape(bits, (BLOCK_R // CHUNK_R, CHUNK_R, BLOCK_C)), 1)
+    amax, _ = amax_of_bits(top, IN_BF16)  # NaN and inf kept as such
+    k = tl.program_id(1) * (BLOCK_R // CHUNK_R) + tl.arange(0, BLOCK_R // CHUNK_R)
+    tl.store(out_ptr + k.to(tl.int64)[:, None] * C + cols[None, :], amax,
+             mask=(k < P // CHUNK_R)[:, None] & (cols < C)[None, :])
 
 
 @triton.jit
@@ -92,22 +105,31 @@ def _quantize_cols_kernel(x_ptr, src_ptr, group_ptr, inv_ptr, out_ptr, P, C, s_x
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, d_ptr, s_ptr, R, C, s_x, s_d, IN_BF16: tl.constexpr, BLOCK_R: tl.constexpr,
-                          BLOCK_C: tl.constexpr, HW: tl.constexpr):
+                          BLOCK_C: tl.constexpr, ONE_PASS: tl.constexpr, HW: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r64 = rows.to(tl.int64)
-    top = tl.zeros([BLOCK_R], dtype=tl.int32)
-    for c0 in range(0, C, BLOCK_C):  # the rows' amax
-        cols = c0 + tl.arange(0, BLOCK_C)
-        bits = tl.load(x_ptr + r64[:, None] * s_x + cols[None, :], mask=(rows < R)[:, None] & (cols < C)[None, :],
-                       other=0)
-        top = tl.maximum(top, tl.max(abs_bits(bits, IN_BF16), 1))
-    inv, scale = _block_scales(top, IN_BF16)
-    tl.store(s_ptr + rows, scale, mask=rows < R)
-    for c0 in range(0, C, BLOCK_C):  # read again (from L2: BLOCK_R rows), scaled and rounded
-        cols = c0 + tl.arange(0, BLOCK_C)
+    if ONE_PASS:  # the whole rows in one tile (BLOCK_C >= C): read once
+        cols = tl.arange(0, BLOCK_C)
         ok = (rows < R)[:, None] & (cols < C)[None, :]
         bits = tl.load(x_ptr + r64[:, None] * s_x + cols[None, :], mask=ok, other=0)
+        inv, scale = _block_scales(tl.max(abs_bits(bits, IN_BF16), 1), IN_BF16)
+        tl.store(s_ptr + rows, scale, mask=rows < R)
         tl.store(d_ptr + r64[:, None] * s_d + cols[None, :], to_e4m3(widen(bits, IN_BF16, HW), inv[:, None], HW), mask=ok)
+    else:
+        top = tl.zeros([BLOCK_R], dtype=tl.int32)
+        for c0 in range(0, C, BLOCK_C):  # the rows' amax
+            cols = c0 + tl.arange(0, BLOCK_C)
+            bits = tl.load(x_ptr + r64[:, None] * s_x + cols[None, :], mask=(rows < R)[:, None] & (cols < C)[None, :],
+                           other=0)
+            top = tl.maximum(top, tl.max(abs_bits(bits, IN_BF16), 1))
+        inv, scale = _block_scales(top, IN_BF16)
+        tl.store(s_ptr + rows, scale, mask=rows < R)
+        for c0 in range(0, C, BLOCK_C):  # read again (from L2: BLOCK_R rows), scaled and rounded
+            cols = c0 + tl.arange(0, BLOCK_C)
+            ok = (rows < R)[:, None] & (cols < C)[None, :]
+            bits = tl.load(x_ptr + r64[:, None] * s_x + cols[None, :], mask=ok, other=0)
+            tl.store(d_ptr + r64[:, None] * s_d + cols[None, :], to_e4m3(widen(bits, IN_BF16, HW), inv[:, None], HW),
+                     mask=ok)
 
 
 @triton.jit
@@ -124,15 +146,19 @@ def _quantize_stacked_cols_kernel(x_ptr, inv_ptr, out_ptr, M, C, s_xe, s_xm, IN_
 
 
 def quantize_rows(x_RC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp8_rowwise.quantize_rows(x, -1) of a 2-D x: (e4m3 [R, C], fp32 [R]); each row read twice
-    (the second from L2)."""
+    """fp8_rowwise.quantize_rows(x, -1) of a 2-D x: (e4m3 [R, C], fp32 [R]); each row read once
+    (twice past TILES' one_pass_cols, the second from L2)."""
     R, C = x_RC.shape
     data = torch.empty(R, C, dtype=torch.float8_e4m3fn, device=x_RC.device)
     scale = torch.empty(R, dtype=torch.float32, device=x_RC.device)
     if R:
         xk, in_bf16 = _loadable(x_RC)
-        _quantize_rows_kernel[(triton.cdiv(R, 4),)](xk, data, scale, R, C, xk.stride(0), data.stride(0),
-                                                    IN_BF16=in_bf16, BLOCK_R=4, BLOCK_C=512, HW=HW_CONVERT)
+        t = TILES["rows"]
+        block_c = triton.next_power_of_2(C) if C <= t["one_pass_cols"] else t["cols"]
+        block_r = max(1, min(t["max_rows"], t["elements"] // block_c))
+        _quantize_rows_kernel[(triton.cdiv(R, block_r),)](xk, data, scale, R, C, xk.stride(0), data.stride(0),
+                                                          IN_BF16=in_bf16, BLOCK_R=block_r, BLOCK_C=block_c,
+                                                          ONE_PASS=block_c >= C, HW=HW_CONVERT, num_warps=t["num_warps"])
     return data, scale
 
 
@@ -168,9 +194,10 @@ def chunk_amax(x_RC: torch.Tensor, src_P: torch.Tensor | None) -> torch.Tensor:
         raise ValueError(f"the padded rows ({P}) must be a multiple of {CHUNK}")
     out = torch.empty(P // CHUNK, C, dtype=torch.float32, device=x_RC.device)
     xk, in_bf16 = _loadable(x_RC)
-    _chunk_amax_kernel[(triton.cdiv(C, 128), P // CHUNK)](
+    t = TILES["chunk_amax"]
+    _chunk_amax_kernel[(triton.cdiv(C, t["cols"]), triton.cdiv(P, t["rows"]))](
         xk, src_P if src_P is not None else xk, out, P, C, xk.stride(0), GATHER=src_P is not None, IN_BF16=in_bf16,
-        CHUNK_R=CHUNK, BLOCK_C=128)
+        CHUNK_R=CHUNK, BLOCK_R=t["rows"], BLOCK_C=t["cols"], num_warps=t["num_warps"])
     return out
 
 

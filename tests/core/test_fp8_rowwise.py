@@ -112,7 +112,7 @@ def check_rows_and_stacked_cols_kernels(device: str) -> None:
     """fp8_rowwise_triton's rows and stacked-columns quantization against the torch reference
     (quantize_rows along the last dim, and along dim -2 through a transposed copy), bit for bit:
     bf16 and fp32, rows not a multiple of the row block, columns not a multiple of the column block,
-    a zero row, inf and NaN rows, wide dynamic range."""
+    whole rows in one tile and in two passes, a zero row, inf and NaN rows, wide dynamic range."""
     from moetron.core.precision import fp8_rowwise_triton as kernels
     from moetron.core.precision.fp8_rowwise import quantize_rows as reference
 
@@ -121,11 +121,18 @@ def check_rows_and_stacked_cols_kernels(device: str) -> None:
     x[3] = 0.0
     x[5, 7] = float("inf")
     x[6, 9] = float("nan")
-    for xin in (x.to(torch.bfloat16).to(device), x.to(device)):
-        d, s = kernels.quantize_rows(xin)
-        rd, rs = reference(xin, -1)
-        assert torch.equal(s, rs), xin.dtype
-        assert _same_bits(d, rd), xin.dtype
+    default = dict(kernels.TILES["rows"])
+    # whole rows in one tile (the default), then two passes of 128 columns (rows longer than one_pass_cols)
+    for tiles in (default, {**default, "one_pass_cols": 512, "cols": 128, "elements": 512}):
+        kernels.TILES["rows"] = tiles
+        try:
+            for xin in (x.to(torch.bfloat16).to(device), x.to(device)):
+                d, s = kernels.quantize_rows(xin)
+                rd, rs = reference(xin, -1)
+                assert torch.equal(s, rs), (xin.dtype, tiles)
+                assert _same_bits(d, rd), (xin.dtype, tiles)
+        finally:
+            kernels.TILES["rows"] = default
     w = (torch.randn(3, 48, 200) * torch.logspace(-5, 5, 200)).to(device)  # [E, M, C], M a multiple of 16
     for win in (w, w.to(torch.bfloat16)):
         d, s = kernels.quantize_stacked_cols(win)
@@ -188,8 +195,9 @@ def test_kernels_compile_for_sm90(name):
     values = {"x_ptr": "*i16", "src_ptr": "*i32", "group_ptr": "*i32", "poff_ptr": "*i32", "inv_ptr": "*fp32",
               "out_ptr": "*fp8e4nv" if quantizes else "*fp32", "d_ptr": "*fp8e4nv", "s_ptr": "*fp32",
               "P": 8192, "R": 8192, "M": 4096, "C": 2048, "s_x": 2048, "s_d": 2048, "s_xe": 2048 * 4096, "s_xm": 2048}
-    blocks = {"_group_cols_amax_kernel": (32, 64), "_quantize_rows_kernel": (4, 512)}.get(name, (32, 128))
-    constexprs = {"IN_BF16": True, "HW": True, "GATHER": True, "CHUNK_R": 16, "BLOCK_R": blocks[0], "BLOCK_C": blocks[1],
+    blocks = {"_group_cols_amax_kernel": (32, 64), "_quantize_rows_kernel": (4, 2048),
+              "_chunk_amax_kernel": (64, 256)}.get(name, (32, 128))
+    constexprs = {"IN_BF16": True, "HW": True, "GATHER": True, "ONE_PASS": True, "CHUNK_R": 16, "BLOCK_R": blocks[0], "BLOCK_C": blocks[1],
                   "BLOCK_P": 64, "BLOCK_M": 64}
     kernel = getattr(kernels, name)
     constexprs = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
