@@ -21,3 +21,22 @@ def test_tiny_run_times_each_config(tmp_path):
     (row,) = json.loads(out.read_text())["rows"]
     assert (row["rows"], row["cols"]) == (256, 256) and row["copy_ms"] > 0
     assert row["w4_ms"] > 0 and row["autotuned_ms"] > 0 and row["rows_only_ms"] > 0 and row["chosen"] == "4 warps"
+
+
+def test_tiny_rowwise_sweep_reports_every_tile(tmp_path):
+    """--rowwise: one row per kernel and tile of the sweep, each with a time and a rate."""
+    skip_unless_interpreter_works()
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import bench_quantize
+
+    out = tmp_path / "rowwise.json"
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_quantize.py"), "--tiny", "--rowwise",
+                           "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    tiles = {(r["kind"], r["tile"]) for r in rows}
+    assert {("rowwise_rows", label) for label, _ in bench_quantize.ROWS_TILES} <= tiles
+    assert {("rowwise_chunk_amax", f"{r}x{c} w{w}") for r, c, w in bench_quantize.CHUNK_TILES} <= tiles
+    assert {"rowwise_group_cols", "rowwise_stacked_cols", "rowwise_copy"} <= {r["kind"] for r in rows}
+    assert all(r["ms"] > 0 and r["tb_s"] > 0 for r in rows)
