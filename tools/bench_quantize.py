@@ -9,7 +9,8 @@ of the input: ms and TB/s of traffic (the bf16 read and two e4m3 writes); and th
     python tools/bench_quantize.py --tiny        # tiny shapes; on the CPU under TRITON_INTERPRET=1
 
 With --rowwise, the fp8_rowwise recipe's kernels instead (core/precision/fp8_rowwise_triton.py):
-the rows quantization and the per-16-row column amax under each tile of a sweep (TILES), the
+the rows quantization, the per-16-row column amax and the per-group max of those under each tile
+of a sweep (TILES), the
 whole per-expert column quantization, a weight's stacked columns; ms and TB/s of their traffic.
 
     python tools/bench_quantize.py --rowwise --json runs/bench/quantize_rowwise.json
@@ -43,7 +44,8 @@ ROWS_TILES = [  # (label, TILES["rows"]): session 11's kernel (4 rows, two passe
     *((f"1pass {e // 1024}k w{w}", {"elements": e, "max_rows": 64, "one_pass_cols": 8192, "cols": 1024, "num_warps": w})
       for e in (4096, 8192, 16384) for w in (4, 8)),
 ]
-CHUNK_TILES = [(16, 128, 4), (64, 128, 4), (64, 256, 8), (128, 128, 8), (128, 256, 8), (32, 512, 8)]  # rows, cols, warps
+CHUNK_TILES = [(1, 512, 2), (1, 512, 4), (1, 1024, 4), (1, 1024, 8), (2, 1024, 4), (4, 1024, 4), (1, 2048, 8)]  # chunks, cols, warps
+GROUP_TILES = [(8, 256, 2), (4, 256, 2), (16, 256, 2), (8, 512, 4), (8, 128, 1)]  # unroll, cols, warps
 
 
 def rowwise(args, device) -> list[dict]:
@@ -76,10 +78,16 @@ def rowwise(args, device) -> list[dict]:
                 kt.TILES["rows"] = tiles
                 row("rows", (R, C), label, lambda: kt.quantize_rows(x), 3 * x.numel())
             kt.TILES["rows"] = saved["rows"]
-            for r, c, w in CHUNK_TILES:
-                kt.TILES["chunk_amax"] = {"rows": r, "cols": c, "num_warps": w}
-                row("chunk_amax", (P, C), f"{r}x{c} w{w}", lambda: kt.chunk_amax(x, src), 2 * P * C + 4 * P * C // kt.CHUNK)
+            for k, c, w in CHUNK_TILES:
+                kt.TILES["chunk_amax"] = {"chunks": k, "cols": c, "num_warps": w}
+                row("chunk_amax", (P, C), f"{k}x{c} w{w}", lambda: kt.chunk_amax(x, src), 2 * P * C + 4 * P * C // kt.CHUNK)
             kt.TILES["chunk_amax"] = saved["chunk_amax"]
+            partials, ends = kt.chunk_amax(x, src), padded // kt.CHUNK
+            for u, c, w in GROUP_TILES:
+                kt.TILES["group_amax"] = {"unroll": u, "cols": c, "num_warps": w}
+                row("group_amax", tuple(partials.shape), f"u{u}x{c} w{w}", lambda: kt.group_amax(partials, ends),
+                    4 * partials.numel())
+            kt.TILES["group_amax"] = saved["group_amax"]
             row("group_cols", (P, C), "default", lambda: quantize_group_cols(x, src, padded, "triton"),
                 2 * P * C * 2 + P * C + 8 * P * C // kt.CHUNK)
         w = torch.randn(*((4, 256, 128) if args.tiny else (64, 2048, 2048)), device=device)

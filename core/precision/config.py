@@ -125,7 +125,9 @@ class PrecisionConfig(Config):
     (see WeightCopies: none, made once per step, or written by the optimizer step itself), instead
     of casting the fp32 master weights in forward and again in backward
     (core/precision/bf16_grouped.py). Ignored when the weights arrive in bf16 already (FSDP2's bf16
-    all-gather)."""
+    all-gather). fp8_rowwise recipe: ``optimizer`` with ``expert_grads_bf16=true`` (the only form it
+    takes): the expert weights are quantized from the optimizer's bf16 copies, and their gradients
+    stay bf16 (core/precision/fp8_rowwise.py). The other low-precision recipes refuse it."""
     expert_grads_bf16: bool = False
     """bf16 recipe with ``expert_weight_copies=optimizer``: the routed experts' weight gradients are
     the grouped GEMMs' bf16 outputs, kept on the optimizer's bf16 copies (the copies are the tensors
@@ -195,7 +197,15 @@ class PrecisionConfig(Config):
         if self.fp8_fast_accum and self.recipe != PrecisionRecipe.fp8_rowwise:
             raise ConfigError(f"precision.fp8_fast_accum=true is an option of the fp8_rowwise recipe's GEMMs: it needs "
                               f"--precision.recipe=fp8_rowwise, got {self.recipe}; drop it for this recipe")
-        if self.expert_grads_bf16 and WeightCopies(self.expert_weight_copies) != WeightCopies.optimizer:
+        copies = WeightCopies(self.expert_weight_copies)
+        if copies != WeightCopies.none and self.recipe in _LOW_PRECISION and (
+                self.recipe != PrecisionRecipe.fp8_rowwise or copies != WeightCopies.optimizer or not self.expert_grads_bf16):
+            raise ConfigError(f"precision.expert_weight_copies={copies} with precision.recipe={self.recipe}: the "
+                              f"low-precision recipes quantize their own weight copies; fp8_rowwise alone takes "
+                              f"the optimizer's bf16 copies, as --precision.expert_weight_copies=optimizer "
+                              f"--precision.expert_grads_bf16=true (the GEMMs differentiate the copies); "
+                              f"otherwise drop expert_weight_copies")
+        if self.expert_grads_bf16 and copies != WeightCopies.optimizer:
             raise ConfigError("precision.expert_grads_bf16=true keeps the experts' gradients on the optimizer's bf16 "
                               "weight copies: it needs --precision.expert_weight_copies=optimizer, got "
                               f"{self.expert_weight_copies}")
@@ -276,7 +286,8 @@ class PrecisionConfig(Config):
         if self.fp8_fast_accum and backend != PrecisionBackend.native:
             raise ConfigError("precision.fp8_fast_accum=true is an option of the native fp8_rowwise GEMMs (an SM90 GPU), "
                               f"and this run resolved precision.backend={backend}: drop fp8_fast_accum, or run on a Hopper GPU")
-        gemm = low_precision_gemm(recipe, backend, self.mx_scale, self.fp8_experts, self.fp8_wgrad, self.fp8_fast_accum)
+        gemm = low_precision_gemm(recipe, backend, self.mx_scale, self.fp8_experts, self.fp8_wgrad, self.fp8_fast_accum,
+                                  expert_copies=WeightCopies(self.expert_weight_copies) == WeightCopies.optimizer)
         gemm.quantize_weights_once = bool(self.quantize_weights_once)
         gemm.per_expert = per_expert
         return PrecisionPolicy(device_type, torch.bfloat16, gemm, modules=frozenset(GemmModule(m) for m in self.modules))
@@ -284,14 +295,16 @@ class PrecisionConfig(Config):
 
 def low_precision_gemm(recipe: PrecisionRecipe | str, backend: PrecisionBackend | str, mx_scale: str = "rceil",
                        fp8_experts: Fp8Experts | str = Fp8Experts.triton, fp8_wgrad: bool = True,
-                       fp8_fast_accum: bool = False):
-    """The GemmBackend instance of a low-precision recipe and a resolved backend (native / emulated)."""
+                       fp8_fast_accum: bool = False, expert_copies: bool = False):
+    """The GemmBackend instance of a low-precision recipe and a resolved backend (native / emulated);
+    ``expert_copies``: fp8_rowwise's experts on the optimizer's bf16 weight copies
+    (precision.expert_weight_copies=optimizer)."""
     recipe, backend = PrecisionRecipe(recipe), PrecisionBackend(backend)
     if recipe == PrecisionRecipe.fp8_rowwise:  # its own emulation: the wgrad's scales are per expert, not blocks
         from .fp8_rowwise import Fp8RowwiseGemm
 
         return Fp8RowwiseGemm(native=backend == PrecisionBackend.native, fast_accum=fp8_fast_accum,
-                              wgrad="fp8" if fp8_wgrad else "bf16")
+                              wgrad="fp8" if fp8_wgrad else "bf16", expert_copies=expert_copies)
     if backend == PrecisionBackend.emulated:
         from .emulated import BlockwiseFormat, EmulatedGemm, MXFormat
 

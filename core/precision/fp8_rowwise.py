@@ -38,7 +38,7 @@ import torch
 
 from .blockwise import pow2_scale
 from .cache import WeightCache
-from .gemm import GemmBackend
+from .gemm import GemmBackend, attach_expert_copies
 from .grouping import gather_rows, pad_rows, grouped_mm_2d2d, grouped_mm_2d3d, padded_source_rows
 from .mx import E4M3_MAX
 
@@ -245,15 +245,26 @@ class Fp8RowwiseGemm(GemmBackend):
     emulation (dequantized operands, bf16 GEMMs; any device). ``fast_accum``: the native GEMMs'
     accumulation without fp32 promotion. ``wgrad``: the weight gradients in FP8 ("fp8", per column
     along the tokens) or in bf16 from the saved bf16 input ("bf16", precision.fp8_wgrad=false: no
-    column quantization, x saved in 2 bytes per element instead of 1)."""
+    column quantization, x saved in 2 bytes per element instead of 1). ``expert_copies``
+    (precision.expert_weight_copies=optimizer with expert_grads_bf16): the routed experts compute
+    with the optimizer's bf16 copies of their weights (gemm.attach_expert_copies), so the expert
+    weights are quantized from bf16 (half the bytes read of fp32; E4M3 of the bf16-rounded weight,
+    which can differ from the fp32 weight's in the last bit) and their gradients, the GEMMs' bf16
+    outputs, stay bf16 on the copies (no cast to fp32)."""
 
     name = "fp8_rowwise"
 
-    def __init__(self, native: bool = True, fast_accum: bool = False, wgrad: str = "fp8") -> None:
+    def __init__(self, native: bool = True, fast_accum: bool = False, wgrad: str = "fp8",
+                 expert_copies: bool = False) -> None:
         if wgrad not in ("fp8", "bf16"):
             raise ValueError(f"wgrad must be 'fp8' or 'bf16', got {wgrad!r}")
         self.native, self.fast_accum, self.fp8_wgrad = bool(native), bool(fast_accum), wgrad == "fp8"
+        self.expert_copies = bool(expert_copies)
         self.cache = WeightCache()
+
+    def attach_optimizer(self, optimizer, parts) -> None:
+        if self.expert_copies:
+            attach_expert_copies(optimizer, parts, grads=True)
 
     @property
     def label(self) -> str:
@@ -272,4 +283,4 @@ class Fp8RowwiseGemm(GemmBackend):
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(native={self.native}, fast_accum={self.fast_accum}, "
-                f"wgrad={'fp8' if self.fp8_wgrad else 'bf16'!r})")
+                f"wgrad={'fp8' if self.fp8_wgrad else 'bf16'!r}, expert_copies={self.expert_copies})")

@@ -7,9 +7,10 @@ dim. No float atomics (torch's scatter_reduce amax contended on the H200, sessio
 - ``quantize_stacked_cols`` (x [E, M, C] along M: w^T per expert, a dense wgrad's tokens) and the
   grouped wgrad's per-expert columns (``chunk_amax`` + ``group_amax`` + ``quantize_cols``):
   1. ``_chunk_amax_kernel``: per 16 rows (every expert's padded rows start at a multiple of 16, so a
-     chunk never holds two experts) and column, |x|'s max: [P / 16, C] fp32, a tile of several chunks
-     per program;
-  2. ``_group_cols_amax_kernel``: per group and 64 columns, the max over its chunks' partials;
+     chunk never holds two experts) and column, |x|'s max: [P / 16, C] fp32; each thread walks the
+     rows of its own columns, so no max crosses threads;
+  2. ``_group_cols_amax_kernel``: per group and column, the max over its chunks' partials (the same
+     per-thread walk);
   3. ``_quantize_cols_kernel`` / ``_quantize_stacked_cols_kernel``: each [128 columns x 64 rows]
      tile read once, scaled by 1 / scale (exact powers of two), rounded to E4M3, stored transposed.
 
@@ -38,54 +39,58 @@ CHUNK = 16
 
 TILES = {
     "rows": {"elements": 16384, "max_rows": 64, "one_pass_cols": 8192, "cols": 1024, "num_warps": 8},
-    "chunk_amax": {"rows": 64, "cols": 128, "num_warps": 4},
+    "chunk_amax": {"chunks": 1, "cols": 1024, "num_warps": 4},
+    "group_amax": {"unroll": 8, "cols": 256, "num_warps": 2},
 }
 """Tile sizes read at each launch (tools/bench_quantize.py --rowwise sweeps them): ``rows``, a
 program's rows x columns about ``elements`` (at most ``max_rows`` rows), the whole row in one tile
 (read once) up to ``one_pass_cols`` columns, else ``cols`` at a time in two passes;
-``chunk_amax``, a [rows, cols] tile per program (rows a multiple of CHUNK). Defaults: the sweep's
-best on the H200 (session 12: rows 3.7 TB/s at both OLMoE-8L's and olmoe3-4l-8e's activations;
-chunk_amax 0.9 TB/s at every tile tried, 0.5 at the 8-warp tiles: its limit is not the tile)."""
+``chunk_amax``, ``chunks`` chunks of CHUNK rows by ``cols`` columns per program; ``group_amax``,
+a group's rows by ``cols`` columns, ``unroll`` rows a step. Defaults: the sweep's best on the H200
+(session 12: rows 3.7 TB/s at both OLMoE-8L's and olmoe3-4l-8e's activations; the chunk amax's
+earlier [rows, cols]-tile kernel, whose max crossed threads, stopped at 0.9 TB/s at every tile)."""
 
 
 @triton.jit
-def _load_rows(x_ptr, src_ptr, rows, end, cols, C, s_x, GATHER: tl.constexpr):
-    """The bits of x[src[rows], cols] (GATHER; x[rows, cols] otherwise), 0 for rows >= end, src < 0
-    (padding) or cols >= C."""
-    if GATHER:
-        src = tl.load(src_ptr + rows, mask=rows < end, other=-1)
+def _row_bits(x_ptr, src_ptr, r, end, cols, C, s_x, GATHER: tl.constexpr):
+    """The bits of one row, x[src[r]] (GATHER; x[r] otherwise), at ``cols``: 0 where r >= end,
+    src < 0 (padding) or cols >= C."""
+    if GATHER:  # an in-bounds scalar load (end >= 1 wherever a program runs), then masked
+        src = tl.where(r < end, tl.load(src_ptr + tl.minimum(r, end - 1)), -1)
     else:
-        src = tl.where(rows < end, rows, -1)
-    return tl.load(x_ptr + src.to(tl.int64)[:, None] * s_x + cols[None, :],
-                   mask=(src >= 0)[:, None] & (cols < C)[None, :], other=0)
+        src = tl.where(r < end, r, -1)
+    # the masks as one compare with a scalar bound (a 0-d bool and-ed into a vector mask fails interpreted)
+    return tl.load(x_ptr + src.to(tl.int64) * s_x + cols, mask=cols < tl.where(src >= 0, C, 0), other=0)
 
 
 @triton.jit
 def _chunk_amax_kernel(x_ptr, src_ptr, out_ptr, P, C, s_x, GATHER: tl.constexpr, IN_BF16: tl.constexpr,
-                       CHUNK_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    # one [BLOCK_R, BLOCK_C] tile (BLOCK_R / CHUNK_R chunks) per program: one wide read in flight
+                       CHUNK_R: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr):
+    # CHUNKS chunks of CHUNK_R rows per program; each thread walks the rows of its own columns (a
+    # vector of them per load, the chunk's loads unrolled), so the max takes no cross-thread step
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    bits = abs_bits(_load_rows(x_ptr, src_ptr, rows, P, cols, C, s_x, GATHER), IN_BF16)
-    top = tl.max(tl.reshape(bits, (BLOCK_R // CHUNK_R, CHUNK_R, BLOCK_C)), 1)
-    amax, _ = amax_of_bits(top, IN_BF16)  # NaN and inf kept as such
-    k = tl.program_id(1) * (BLOCK_R // CHUNK_R) + tl.arange(0, BLOCK_R // CHUNK_R)
-    tl.store(out_ptr + k.to(tl.int64)[:, None] * C + cols[None, :], amax,
-             mask=(k < P // CHUNK_R)[:, None] & (cols < C)[None, :])
+    for k in range(CHUNKS):
+        chunk = tl.program_id(1) * CHUNKS + k
+        top = tl.zeros([BLOCK_C], dtype=tl.int32)
+        for i in tl.static_range(CHUNK_R):
+            top = tl.maximum(top, abs_bits(_row_bits(x_ptr, src_ptr, chunk * CHUNK_R + i, P, cols, C, s_x, GATHER),
+                                           IN_BF16))
+        amax, _ = amax_of_bits(top, IN_BF16)  # NaN and inf kept as such
+        tl.store(out_ptr + chunk.to(tl.int64) * C + cols, amax, mask=cols < tl.where(chunk < P // CHUNK_R, C, 0))
 
 
 @triton.jit
-def _group_cols_amax_kernel(x_ptr, src_ptr, poff_ptr, out_ptr, C, s_x, GATHER: tl.constexpr, IN_BF16: tl.constexpr,
-                            BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _group_cols_amax_kernel(x_ptr, poff_ptr, out_ptr, C, s_x, IN_BF16: tl.constexpr, UNROLL: tl.constexpr,
+                            BLOCK_C: tl.constexpr):
+    # one group's rows for BLOCK_C columns, per thread as in _chunk_amax_kernel, UNROLL rows a step
     e = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     start = tl.load(poff_ptr + e - 1, mask=e > 0, other=0)
     end = tl.load(poff_ptr + e)
     top = tl.zeros([BLOCK_C], dtype=tl.int32)
-    for r0 in range(start, end, BLOCK_R):
-        rows = r0 + tl.arange(0, BLOCK_R)
-        bits = _load_rows(x_ptr, src_ptr, rows, end, cols, C, s_x, GATHER)
-        top = tl.maximum(top, tl.max(abs_bits(bits, IN_BF16), 0))
+    for r0 in range(start, end, UNROLL):
+        for i in tl.static_range(UNROLL):
+            top = tl.maximum(top, abs_bits(_row_bits(x_ptr, x_ptr, r0 + i, end, cols, C, s_x, False), IN_BF16))
     amax, _ = amax_of_bits(top, IN_BF16)
     tl.store(out_ptr + e * C + cols, amax, mask=cols < C)
 
@@ -197,9 +202,9 @@ def chunk_amax(x_RC: torch.Tensor, src_P: torch.Tensor | None) -> torch.Tensor:
     out = torch.empty(P // CHUNK, C, dtype=torch.float32, device=x_RC.device)
     xk, in_bf16 = _loadable(x_RC)
     t = TILES["chunk_amax"]
-    _chunk_amax_kernel[(triton.cdiv(C, t["cols"]), triton.cdiv(P, t["rows"]))](
+    _chunk_amax_kernel[(triton.cdiv(C, t["cols"]), triton.cdiv(P // CHUNK, t["chunks"]))](
         xk, src_P if src_P is not None else xk, out, P, C, xk.stride(0), GATHER=src_P is not None, IN_BF16=in_bf16,
-        CHUNK_R=CHUNK, BLOCK_R=t["rows"], BLOCK_C=t["cols"], num_warps=t["num_warps"])
+        CHUNK_R=CHUNK, CHUNKS=t["chunks"], BLOCK_C=t["cols"], num_warps=t["num_warps"])
     return out
 
 
@@ -209,8 +214,10 @@ def group_amax(x_RC: torch.Tensor, ends_E: torch.Tensor) -> torch.Tensor:
     E, C = ends_E.numel(), x_RC.shape[1]
     out = torch.empty(E, C, dtype=torch.float32, device=x_RC.device)
     xk, in_bf16 = _loadable(x_RC)
-    _group_cols_amax_kernel[(E, triton.cdiv(C, 64))](xk, xk, ends_E, out, C, xk.stride(0), GATHER=False,
-                                                     IN_BF16=in_bf16, BLOCK_R=32, BLOCK_C=64)
+    t = TILES["group_amax"]
+    _group_cols_amax_kernel[(E, triton.cdiv(C, t["cols"]))](xk, ends_E, out, C, xk.stride(0), IN_BF16=in_bf16,
+                                                            UNROLL=t["unroll"], BLOCK_C=t["cols"],
+                                                            num_warps=t["num_warps"])
     return out
 
 

@@ -27,7 +27,7 @@ from . import bf16_grouped
 from .cache import outside_graph
 from .bf16_grouped import scale_rows
 
-__all__ = ["GEMM_BACKENDS", "GemmBackend", "TorchGemm", "compute_dtype", "gemm_backend", "register_gemm_backend",
+__all__ = ["GEMM_BACKENDS", "GemmBackend", "TorchGemm", "attach_expert_copies", "compute_dtype", "gemm_backend", "register_gemm_backend",
            "scale_rows"]
 
 
@@ -95,6 +95,39 @@ class GemmBackend:
         return f"{type(self).__name__}()"
 
 
+def attach_expert_copies(optimizer, parts, grads: bool, on_written=None) -> dict[torch.Tensor, torch.Tensor]:
+    """precision.expert_weight_copies=optimizer: bf16 copies of every routed expert weight in
+    ``parts``, registered with ``optimizer`` (core.adamw.PrecisionAwareAdamW), which rewrites them in
+    its step -> {parameter: copy}. ``grads`` (precision.expert_grads_bf16): the copies become leaves
+    the experts compute with in their parameters' place (GroupedExperts.weight_copies), so their
+    gradients are bf16 on the copies; else ``on_written`` is called with the pairs after each step.
+    ConfigError where the optimizer writes no copies or the weights are not unsharded fp32
+    parameters. The bf16 recipe (TorchGemm) and fp8_rowwise (its weights quantized from the copies)
+    attach through here."""
+    from ..config import ConfigError
+    from ..moe.experts import GroupedExperts
+
+    if not hasattr(optimizer, "add_compute_copies"):
+        raise ConfigError(
+            "precision.expert_weight_copies=optimizer needs an optimizer that writes bf16 copies in its "
+            f"step (core.adamw.PrecisionAwareAdamW), but this run's is {type(optimizer).__name__}: use "
+            "optimizer.impl=triton (or auto on a GPU), or expert_weight_copies=step")
+    experts = [m for part in parts for m in part.modules() if isinstance(m, GroupedExperts)]
+    weights = [w for m in experts for w in (m.w_gate_up, m.w_down)]
+    # FSDP2 / expert parallel hand the GEMMs other tensors than these parameters (bf16 gathers,
+    # local shards): copies of the parameters would never be read there.
+    if any(type(w) is not torch.nn.Parameter or w.dtype != torch.float32 for w in weights):
+        raise ConfigError("precision.expert_weight_copies=optimizer is for unsharded fp32 expert weights "
+                          "(one GPU, no FSDP2 / expert parallel); use expert_weight_copies=step there")
+    copies = {w: w.detach().to(torch.bfloat16) for w in weights}
+    if grads:
+        # The copies are leaves the GEMMs differentiate: their .grad (bf16) is the masters' gradient.
+        for m in experts:
+            m.weight_copies = (copies[m.w_gate_up].requires_grad_(True), copies[m.w_down].requires_grad_(True))
+    optimizer.add_compute_copies(copies, on_written=on_written, grads=grads)
+    return copies
+
+
 class TorchGemm(GemmBackend):
     """PyTorch's own GEMMs in the compute dtype: bf16 under autocast with fp32 master weights, or
     fp32 without it. Dense: F.linear (autocast casts). Grouped: torch._grouped_mm in the compute
@@ -120,30 +153,10 @@ class TorchGemm(GemmBackend):
     def attach_optimizer(self, optimizer, parts) -> None:
         if not self.optimizer_copies:
             return
-        from ..config import ConfigError
-        from ..moe.experts import GroupedExperts
-
-        if not hasattr(optimizer, "add_compute_copies"):
-            raise ConfigError(
-                "precision.expert_weight_copies=optimizer needs an optimizer that writes bf16 copies in its "
-                f"step (core.adamw.PrecisionAwareAdamW), but this run's is {type(optimizer).__name__}: use "
-                "optimizer.impl=triton (or auto on a GPU), or expert_weight_copies=step")
-        experts = [m for part in parts for m in part.modules() if isinstance(m, GroupedExperts)]
-        weights = [w for m in experts for w in (m.w_gate_up, m.w_down)]
-        # FSDP2 / expert parallel hand the GEMMs other tensors than these parameters (bf16 gathers,
-        # local shards): copies of the parameters would never be read there.
-        if any(type(w) is not torch.nn.Parameter or w.dtype != torch.float32 for w in weights):
-            raise ConfigError("precision.expert_weight_copies=optimizer is for unsharded fp32 expert weights "
-                              "(one GPU, no FSDP2 / expert parallel); use expert_weight_copies=step there")
-        copies = {w: w.detach().to(torch.bfloat16) for w in weights}
-        if self.grads_on_copies:
-            # The copies are leaves the GEMMs differentiate: their .grad (bf16) is the masters' gradient.
-            for m in experts:
-                m.weight_copies = (copies[m.w_gate_up].requires_grad_(True), copies[m.w_down].requires_grad_(True))
-            optimizer.add_compute_copies(copies, grads=True)
-            return
-        optimizer.add_compute_copies(copies, on_written=self._pin)
-        self._pin(list(copies.items()))
+        copies = attach_expert_copies(optimizer, parts, grads=self.grads_on_copies,
+                                      on_written=None if self.grads_on_copies else self._pin)
+        if not self.grads_on_copies:
+            self._pin(list(copies.items()))
 
     def _pin(self, pairs) -> None:
         """(parameter, its bf16 copy) pairs the optimizer just wrote: serve the copies until the

@@ -185,7 +185,7 @@ def test_kernels_interpreted():
                                   "_quantize_rows_kernel", "_quantize_stacked_cols_kernel"])
 def test_kernels_compile_for_sm90(name):
     """Each kernel compiles for Hopper on the CPU (ptxas included); the quantization rounds by the
-    conversion instruction."""
+    conversion instruction; the amax kernels take no shuffle or reduction (no cross-thread max)."""
     triton = pytest.importorskip("triton")
     from moetron.core.precision import fp8_rowwise_triton as kernels
 
@@ -195,17 +195,25 @@ def test_kernels_compile_for_sm90(name):
     values = {"x_ptr": "*i16", "src_ptr": "*i32", "group_ptr": "*i32", "poff_ptr": "*i32", "inv_ptr": "*fp32",
               "out_ptr": "*fp8e4nv" if quantizes else "*fp32", "d_ptr": "*fp8e4nv", "s_ptr": "*fp32",
               "P": 8192, "R": 8192, "M": 4096, "C": 2048, "s_x": 2048, "s_d": 2048, "s_xe": 2048 * 4096, "s_xm": 2048}
-    blocks = {"_group_cols_amax_kernel": (32, 64), "_quantize_rows_kernel": (4, 2048),
-              "_chunk_amax_kernel": (64, 256)}.get(name, (32, 128))
+    if name == "_group_cols_amax_kernel":  # it reads the chunks' fp32 partials
+        values["x_ptr"] = "*fp32"
+    blocks = {"_group_cols_amax_kernel": (32, 512), "_quantize_rows_kernel": (4, 2048),
+              "_chunk_amax_kernel": (64, 1024)}.get(name, (32, 128))
     constexprs = {"IN_BF16": True, "HW": True, "GATHER": True, "ONE_PASS": True, "CHUNK_R": 16, "BLOCK_R": blocks[0], "BLOCK_C": blocks[1],
-                  "BLOCK_P": 64, "BLOCK_M": 64}
+                  "BLOCK_P": 64, "BLOCK_M": 64, "CHUNKS": 2, "UNROLL": 8}
     kernel = getattr(kernels, name)
     constexprs = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
+    constexprs["IN_BF16"] = values["x_ptr"] == "*i16"
     compiled = _compile_sm90(kernel, triton.Config({}, num_warps=4, num_stages=3), values, constexprs)
     ptx = compiled.asm["ptx"]
     assert ".target sm_90" in ptx
     if quantizes:
         assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    else:  # the column maxima: each thread its own columns, 16-byte loads, no max across threads (a
+        # barrier may remain where the result changes layout for its fp32 store)
+        import re
+
+        assert not re.search(r"^\s*(shfl|red|atom)\.", ptx, re.M) and "ld.global.v4" in ptx
 
 
 @pytest.mark.gpu
@@ -330,6 +338,68 @@ def test_config_resolution_and_errors():
 def test_tiny_moe_trains_in_fp8_rowwise_emulated_close_to_fp32(tmp_path, monkeypatch):
     assert_trains_close_to_fp32(["--precision.recipe=fp8_rowwise", "--precision.backend=emulated"], "Fp8RowwiseGemm",
                                 tmp_path, monkeypatch)
+
+
+def _rowwise_trainer(copies: bool):
+    from step_builder import RandomTokens, build_trainer
+
+    from moetron.core.memory import MemoryConfig
+    from moetron.core.optim import OptimizerConfig
+    from moetron.models.config import ModelConfig
+
+    torch.manual_seed(0)
+    cfg = ModelConfig.preset("tiny-moe")
+    cfg.apply_overrides(["n_layers=2", "moe.experts_backend=grouped_mm"])
+    data = RandomTokens(cfg.vocab_size, 2, 32, torch.device("cpu"))
+    extra = dict(expert_weight_copies="optimizer", expert_grads_bf16=True) if copies else {}
+    trainer = build_trainer(cfg, MemoryConfig(), data, torch.device("cpu"), seq_len=32,
+                            precision=PrecisionConfig(recipe="fp8_rowwise", backend="emulated", **extra),
+                            optimizer=OptimizerConfig(state_dtype="bf16", impl="torch"))
+    return trainer, data
+
+
+def test_expert_weight_copies_quantize_from_the_optimizers_bf16_copies():
+    """fp8_rowwise with precision.expert_weight_copies=optimizer, expert_grads_bf16=true: the experts
+    compute with the optimizer's bf16 copies (the parameters get no gradient, the copies a bf16
+    one), the optimizer rewrites the copies from the updated fp32 weights, and the run follows the
+    one quantizing the fp32 weights (E4M3 of bf16(w) against E4M3 of w: the last bit of a few
+    elements)."""
+    from moetron.core.moe.experts import GroupedExperts
+
+    runs = {}
+    for copies in (False, True):
+        trainer, data = _rowwise_trainer(copies)
+        assert trainer.precision.gemm.expert_copies == copies
+        experts = [m for m in trainer.model.modules() if isinstance(m, GroupedExperts)]
+        losses = [trainer.train_step(data.next_batch())[0].item() for _ in range(3)]
+        for m in experts:
+            if copies:
+                assert m.weight_copies is not None and m.w_gate_up.grad is None
+                for w, c in zip((m.w_gate_up, m.w_down), m.weight_copies):
+                    assert c.dtype == torch.bfloat16 and torch.equal(c.detach(), w.detach().to(torch.bfloat16))
+            else:
+                assert m.weight_copies is None
+        runs[copies] = losses, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    (l32, p32), (l16, p16) = runs[False], runs[True]
+    assert l32[2] < l32[0] and l16[2] < l16[0]
+    assert l16 == pytest.approx(l32, rel=2e-3)
+    moved = [k for k in p32 if "w_gate_up" in k or "w_down" in k]
+    assert moved and all(((p16[k] - p32[k]).norm() / p32[k].norm()).item() < 1e-2 for k in moved)
+
+
+def test_expert_weight_copies_config_errors():
+    def cfg(**kw):
+        return PrecisionConfig.from_dict(kw)
+
+    with pytest.raises(ConfigError, match="fp8_rowwise alone takes.*expert_grads_bf16=true"):
+        cfg(recipe="fp8_rowwise", expert_weight_copies="optimizer").validate()
+    with pytest.raises(ConfigError, match="expert_weight_copies=step with precision.recipe=fp8_rowwise"):
+        cfg(recipe="fp8_rowwise", expert_weight_copies="step").validate()
+    with pytest.raises(ConfigError, match="expert_weight_copies=optimizer with precision.recipe=mxfp8"):
+        cfg(recipe="mxfp8", expert_weight_copies="optimizer", expert_grads_bf16=True).validate()
+    gemm = cfg(recipe="fp8_rowwise", expert_weight_copies="optimizer", expert_grads_bf16=True).build(
+        "cpu", verbose=False).gemm
+    assert gemm.expert_copies and "expert_copies=True" in repr(gemm)
 
 
 def _native_available():
