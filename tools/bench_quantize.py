@@ -84,7 +84,7 @@ def rowwise(args, device) -> list[dict]:
             kt.TILES["chunk_amax"] = saved["chunk_amax"]
             partials, ends = kt.chunk_amax(x, src), padded // kt.CHUNK
             for u, c, w in GROUP_TILES:
-                kt.TILES["group_amax"] = {"unroll": u, "cols": c, "num_warps": w}
+                kt.TILES["group_amax"] = {"unroll": u, "cols": c, "num_warps": w, "programs": saved["group_amax"]["programs"]}
                 row("group_amax", tuple(partials.shape), f"u{u}x{c} w{w}", lambda: kt.group_amax(partials, ends),
                     4 * partials.numel())
             kt.TILES["group_amax"] = saved["group_amax"]
@@ -92,6 +92,8 @@ def rowwise(args, device) -> list[dict]:
                 2 * P * C * 2 + P * C + 8 * P * C // kt.CHUNK)
         w = torch.randn(*((4, 256, 128) if args.tiny else (64, 2048, 2048)), device=device)
         row("stacked_cols", tuple(w.shape), "default", lambda: kt.quantize_stacked_cols(w), 9 * w.numel())
+        xd = torch.randn(*((1, 256, 128) if args.tiny else (1, 16384, 2048)), device=device).bfloat16()  # a dense wgrad's x
+        row("stacked_cols", tuple(xd.shape), "default", lambda: kt.quantize_stacked_cols(xd), 5 * xd.numel())
         for label, tiles in ROWS_TILES[:1] + ROWS_TILES[3:4]:
             kt.TILES["rows"] = tiles
             row("rows fp32 w", tuple(w.shape), label, lambda: kt.quantize_rows(w.view(-1, w.shape[-1])), 5 * w.numel())

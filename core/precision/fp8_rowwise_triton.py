@@ -39,16 +39,18 @@ CHUNK = 16
 
 TILES = {
     "rows": {"elements": 16384, "max_rows": 64, "one_pass_cols": 8192, "cols": 1024, "num_warps": 8},
-    "chunk_amax": {"chunks": 1, "cols": 1024, "num_warps": 4},
-    "group_amax": {"unroll": 8, "cols": 256, "num_warps": 2},
+    "chunk_amax": {"chunks": 2, "cols": 1024, "num_warps": 4},
+    "group_amax": {"unroll": 8, "cols": 256, "num_warps": 2, "programs": 1024},
 }
 """Tile sizes read at each launch (tools/bench_quantize.py --rowwise sweeps them): ``rows``, a
 program's rows x columns about ``elements`` (at most ``max_rows`` rows), the whole row in one tile
 (read once) up to ``one_pass_cols`` columns, else ``cols`` at a time in two passes;
 ``chunk_amax``, ``chunks`` chunks of CHUNK rows by ``cols`` columns per program; ``group_amax``,
-a group's rows by ``cols`` columns, ``unroll`` rows a step. Defaults: the sweep's best on the H200
-(session 12: rows 3.7 TB/s at both OLMoE-8L's and olmoe3-4l-8e's activations; the chunk amax's
-earlier [rows, cols]-tile kernel, whose max crossed threads, stopped at 0.9 TB/s at every tile)."""
+a group's rows by ``cols`` columns, ``unroll`` rows a step, the rows split over more programs until
+about ``programs`` run. Defaults: the sweep's best on the H200 (session 12: rows 3.7 TB/s at both
+OLMoE-8L's and olmoe3-4l-8e's activations; session 13: chunk_amax 3.3-3.5 TB/s, where the earlier
+[rows, cols]-tile kernel, whose max crossed threads, stopped at 0.9 TB/s at every tile; group_amax
+unsplit took 11.7 ms of OLMoE-8L's step, mostly the dense wgrads' one group walked by 8 programs)."""
 
 
 @triton.jit
@@ -80,19 +82,21 @@ def _chunk_amax_kernel(x_ptr, src_ptr, out_ptr, P, C, s_x, GATHER: tl.constexpr,
 
 
 @triton.jit
-def _group_cols_amax_kernel(x_ptr, poff_ptr, out_ptr, C, s_x, IN_BF16: tl.constexpr, UNROLL: tl.constexpr,
+def _group_cols_amax_kernel(x_ptr, poff_ptr, out_ptr, E, C, s_x, SPLIT, IN_BF16: tl.constexpr, UNROLL: tl.constexpr,
                             BLOCK_C: tl.constexpr):
-    # one group's rows for BLOCK_C columns, per thread as in _chunk_amax_kernel, UNROLL rows a step
+    # one group's rows for BLOCK_C columns, the s-th of SPLIT interleaved shares of them (UNROLL rows
+    # each), per thread as in _chunk_amax_kernel -> out[s, e]
     e = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    s = tl.program_id(2)
     start = tl.load(poff_ptr + e - 1, mask=e > 0, other=0)
     end = tl.load(poff_ptr + e)
     top = tl.zeros([BLOCK_C], dtype=tl.int32)
-    for r0 in range(start, end, UNROLL):
+    for r0 in range(start + s * UNROLL, end, SPLIT * UNROLL):
         for i in tl.static_range(UNROLL):
             top = tl.maximum(top, abs_bits(_row_bits(x_ptr, x_ptr, r0 + i, end, cols, C, s_x, False), IN_BF16))
     amax, _ = amax_of_bits(top, IN_BF16)
-    tl.store(out_ptr + e * C + cols, amax, mask=cols < C)
+    tl.store(out_ptr + (s * E + e).to(tl.int64) * C + cols, amax, mask=cols < C)
 
 
 @triton.jit
@@ -210,15 +214,16 @@ def chunk_amax(x_RC: torch.Tensor, src_P: torch.Tensor | None) -> torch.Tensor:
 
 def group_amax(x_RC: torch.Tensor, ends_E: torch.Tensor) -> torch.Tensor:
     """max |x| over each group's rows [ends_E[e-1], ends_E[e]) of x, per column: fp32 [E, C] (0 for
-    an empty group)."""
+    an empty group). Few groups (a dense wgrad's one) split their rows over TILES' ``programs``."""
     E, C = ends_E.numel(), x_RC.shape[1]
-    out = torch.empty(E, C, dtype=torch.float32, device=x_RC.device)
     xk, in_bf16 = _loadable(x_RC)
     t = TILES["group_amax"]
-    _group_cols_amax_kernel[(E, triton.cdiv(C, t["cols"]))](xk, ends_E, out, C, xk.stride(0), IN_BF16=in_bf16,
-                                                            UNROLL=t["unroll"], BLOCK_C=t["cols"],
-                                                            num_warps=t["num_warps"])
-    return out
+    col_blocks = triton.cdiv(C, t["cols"])
+    split = max(1, min(triton.cdiv(t["programs"], E * col_blocks), triton.cdiv(x_RC.shape[0], E * t["unroll"])))
+    out = torch.empty(split, E, C, dtype=torch.float32, device=x_RC.device)
+    _group_cols_amax_kernel[(E, col_blocks, split)](xk, ends_E, out, E, C, xk.stride(0), split, IN_BF16=in_bf16,
+                                                    UNROLL=t["unroll"], BLOCK_C=t["cols"], num_warps=t["num_warps"])
+    return out[0] if split == 1 else out.amax(0)  # NaN kept: amax propagates it
 
 
 def quantize_cols(x_RC: torch.Tensor, src_P: torch.Tensor, group_P: torch.Tensor, inv_EC: torch.Tensor) -> torch.Tensor:

@@ -139,6 +139,15 @@ def check_rows_and_stacked_cols_kernels(device: str) -> None:
         rd, rs = reference(win.transpose(-2, -1).contiguous(), -1)
         assert d.shape == (3, 200, 48) and d.is_contiguous() and s.shape == (3, 200)
         assert torch.equal(s, rs) and _same_bits(d, rd), win.dtype
+    # one slab of many rows (a dense wgrad's tokens): the group max split over several programs
+    # (kernels.group_amax's ``split``), inf and NaN in different shares of the rows
+    xd = torch.randn(1, 512, 200) * torch.logspace(-5, 5, 200)
+    xd[0, 300, 7], xd[0, 17, 9], xd[0, 40, 9] = float("inf"), float("nan"), float("inf")
+    for xin in (xd.to(device), xd.to(torch.bfloat16).to(device)):
+        d, s = kernels.quantize_stacked_cols(xin)
+        rd, rs = reference(xin.transpose(-2, -1).contiguous(), -1)
+        assert torch.equal(s.isnan(), rs.isnan()) and torch.equal(s[~s.isnan()], rs[~rs.isnan()]), xin.dtype
+        assert _same_bits(d, rd), xin.dtype
 
 
 def check_gemms_with_triton_quantization(device: str) -> None:
@@ -194,7 +203,7 @@ def test_kernels_compile_for_sm90(name):
     quantizes = name.startswith("_quantize")
     values = {"x_ptr": "*i16", "src_ptr": "*i32", "group_ptr": "*i32", "poff_ptr": "*i32", "inv_ptr": "*fp32",
               "out_ptr": "*fp8e4nv" if quantizes else "*fp32", "d_ptr": "*fp8e4nv", "s_ptr": "*fp32",
-              "P": 8192, "R": 8192, "M": 4096, "C": 2048, "s_x": 2048, "s_d": 2048, "s_xe": 2048 * 4096, "s_xm": 2048}
+              "P": 8192, "R": 8192, "M": 4096, "C": 2048, "E": 8, "SPLIT": 4, "s_x": 2048, "s_d": 2048, "s_xe": 2048 * 4096, "s_xm": 2048}
     if name == "_group_cols_amax_kernel":  # it reads the chunks' fp32 partials
         values["x_ptr"] = "*fp32"
     blocks = {"_group_cols_amax_kernel": (32, 512), "_quantize_rows_kernel": (4, 2048),
