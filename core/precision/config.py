@@ -198,8 +198,9 @@ class PrecisionConfig(Config):
             raise ConfigError(f"precision.fp8_fast_accum=true is an option of the fp8_rowwise recipe's GEMMs: it needs "
                               f"--precision.recipe=fp8_rowwise, got {self.recipe}; drop it for this recipe")
         copies = WeightCopies(self.expert_weight_copies)
-        if copies != WeightCopies.none and self.recipe in _LOW_PRECISION and (
-                self.recipe != PrecisionRecipe.fp8_rowwise or copies != WeightCopies.optimizer or not self.expert_grads_bf16):
+        rowwise_copies = (self.recipe == PrecisionRecipe.fp8_rowwise and copies == WeightCopies.optimizer
+                          and self.expert_grads_bf16)
+        if copies != WeightCopies.none and self.recipe in _LOW_PRECISION and not rowwise_copies:
             raise ConfigError(f"precision.expert_weight_copies={copies} with precision.recipe={self.recipe}: the "
                               f"low-precision recipes quantize their own weight copies; fp8_rowwise alone takes "
                               f"the optimizer's bf16 copies, as --precision.expert_weight_copies=optimizer "

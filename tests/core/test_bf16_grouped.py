@@ -257,7 +257,9 @@ def test_weights_before_down_keeps_no_expert_output_rows():
     assert rows[True] == rows[False] - 1 and rows[False] >= 2
 
 
-def _copies_trainer(grads_bf16: bool, micro_batch=None):
+def _copies_trainer(grads_bf16: bool, micro_batch=None, **precision):
+    """A tiny MoE's trainer on the CPU with the optimizer's bf16 expert copies; ``precision``:
+    other PrecisionConfig fields (the recipe, or expert_weight_copies="none" for the run without)."""
     from step_builder import RandomTokens, build_trainer
 
     from moetron.core.memory import MemoryConfig
@@ -268,8 +270,8 @@ def _copies_trainer(grads_bf16: bool, micro_batch=None):
     cfg.apply_overrides(["n_layers=2", "moe.experts_backend=grouped_mm"])
     data = RandomTokens(cfg.vocab_size, 2, 32, torch.device("cpu"))
     trainer = build_trainer(cfg, MemoryConfig(), data, torch.device("cpu"), seq_len=32, micro_batch=micro_batch,
-                            precision=PrecisionConfig(recipe="bf16", expert_weight_copies="optimizer",
-                                                      expert_grads_bf16=grads_bf16),
+                            precision=PrecisionConfig(**{"recipe": "bf16", "expert_weight_copies": "optimizer",
+                                                         "expert_grads_bf16": grads_bf16, **precision}),
                             optimizer=OptimizerConfig(state_dtype="bf16", impl="torch"))
     return trainer, data
 

@@ -350,21 +350,11 @@ def test_tiny_moe_trains_in_fp8_rowwise_emulated_close_to_fp32(tmp_path, monkeyp
 
 
 def _rowwise_trainer(copies: bool):
-    from step_builder import RandomTokens, build_trainer
-
-    from moetron.core.memory import MemoryConfig
-    from moetron.core.optim import OptimizerConfig
-    from moetron.models.config import ModelConfig
+    from tests.core.test_bf16_grouped import _copies_trainer
 
     torch.manual_seed(0)
-    cfg = ModelConfig.preset("tiny-moe")
-    cfg.apply_overrides(["n_layers=2", "moe.experts_backend=grouped_mm"])
-    data = RandomTokens(cfg.vocab_size, 2, 32, torch.device("cpu"))
-    extra = dict(expert_weight_copies="optimizer", expert_grads_bf16=True) if copies else {}
-    trainer = build_trainer(cfg, MemoryConfig(), data, torch.device("cpu"), seq_len=32,
-                            precision=PrecisionConfig(recipe="fp8_rowwise", backend="emulated", **extra),
-                            optimizer=OptimizerConfig(state_dtype="bf16", impl="torch"))
-    return trainer, data
+    return _copies_trainer(copies, recipe="fp8_rowwise", backend="emulated",
+                           expert_weight_copies="optimizer" if copies else "none")
 
 
 def test_expert_weight_copies_quantize_from_the_optimizers_bf16_copies():
