@@ -9,9 +9,10 @@ of the input: ms and TB/s of traffic (the bf16 read and two e4m3 writes); and th
     python tools/bench_quantize.py --tiny        # tiny shapes; on the CPU under TRITON_INTERPRET=1
 
 With --rowwise, the fp8_rowwise recipe's kernels instead (core/precision/fp8_rowwise_triton.py):
-the rows quantization, the per-16-row column amax and the per-group max of those under each tile
-of a sweep (TILES), the
-whole per-expert column quantization, a weight's stacked columns; ms and TB/s of their traffic.
+the rows quantization, the per-16-row column amax, the per-group max of those, and the fused rows
++ column maxima kernel under each tile of a sweep (TILES), the whole per-expert column quantization,
+a grouped operand quantized for both its GEMMs in two reads or one (precision.fp8_fused_amax), a
+weight's stacked columns; ms and TB/s of their traffic.
 
     python tools/bench_quantize.py --rowwise --json runs/bench/quantize_rowwise.json
 """
@@ -46,6 +47,8 @@ ROWS_TILES = [  # (label, TILES["rows"]): session 11's kernel (4 rows, two passe
 ]
 CHUNK_TILES = [(1, 512, 2), (1, 512, 4), (1, 1024, 4), (1, 1024, 8), (2, 1024, 4), (4, 1024, 4), (1, 2048, 8)]  # chunks, cols, warps
 GROUP_TILES = [(8, 256, 2), (4, 256, 2), (16, 256, 2), (8, 512, 4), (8, 128, 1)]  # unroll, cols, warps
+ROWS_CHUNKS_TILES = [(1024, 1024, 4), (1024, 512, 2), (1024, 1024, 8), (1024, 2048, 8), (2048, 2048, 8),
+                     (4096, 2048, 8), (4096, 4096, 16)]  # one_pass_cols, cols, warps
 
 
 def rowwise(args, device) -> list[dict]:
@@ -90,6 +93,18 @@ def rowwise(args, device) -> list[dict]:
             kt.TILES["group_amax"] = saved["group_amax"]
             row("group_cols", (P, C), "default", lambda: quantize_group_cols(x, src, padded, "triton"),
                 2 * P * C * 2 + P * C + 8 * P * C // kt.CHUNK)
+            for o, c, w in ROWS_CHUNKS_TILES:  # the rows and the chunks' column maxima in one read
+                kt.TILES["rows_chunks"] = {"one_pass_cols": o, "cols": c, "num_warps": w}
+                row("rows_chunks", (P, C), f"1pass<={o} {c} w{w}", lambda: kt.quantize_rows_chunks(x, src),
+                    3 * P * C + 4 * P * C // kt.CHUNK)
+            kt.TILES["rows_chunks"] = saved["rows_chunks"]
+            # a grouped operand for both its GEMMs (fp8_rowwise._rows_and_group_cols): two reads, or one
+            # (precision.fp8_fused_amax); the traffic counted is the fused path's
+            both = 3 * P * C + 2 * P * C + P * C + 8 * P * C // kt.CHUNK
+            row("rows+cols", (P, C), "separate", lambda: (kt.quantize_rows(x), quantize_group_cols(x, src, padded, "triton")),
+                both)
+            row("rows+cols", (P, C), "fused", lambda: quantize_group_cols(x, src, padded, "triton",
+                                                                          chunks=kt.quantize_rows_chunks(x, src)[2]), both)
         w = torch.randn(*((4, 256, 128) if args.tiny else (64, 2048, 2048)), device=device)
         row("stacked_cols", tuple(w.shape), "default", lambda: kt.quantize_stacked_cols(w), 9 * w.numel())
         xd = torch.randn(*((1, 256, 128) if args.tiny else (1, 16384, 2048)), device=device).bfloat16()  # a dense wgrad's x

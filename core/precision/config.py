@@ -178,6 +178,11 @@ class PrecisionConfig(Config):
     """fp8_rowwise recipe, native backend: the FP8 GEMMs accumulate on the tensor cores without the
     periodic promotion to fp32 (``use_fast_accum``): measured 1.6-2.2x bf16 per expert GEMM against
     1.3-1.6x with promotion on the H200 (session 11), at a less accurate sum over long reductions."""
+    fp8_fused_amax: bool = True
+    """fp8_rowwise recipe, on CUDA: each grouped expert GEMM operand (x, the output gradient) quantized
+    along its rows by the kernel that also takes its per-expert columns' partial maxima for the FP8
+    wgrad (x read once for both; fp8_rowwise_triton.quantize_rows_chunks); false: two kernels, two
+    reads (the measurement's off switch). The same bits either way."""
 
     def validate(self) -> None:
         super().validate()
@@ -194,6 +199,9 @@ class PrecisionConfig(Config):
         if not self.fp8_wgrad and self.recipe not in (PrecisionRecipe.fp8_blockwise, PrecisionRecipe.fp8_rowwise):
             raise ConfigError(f"precision.fp8_wgrad=false runs an FP8 recipe's weight gradients in bf16: it needs "
                               f"--precision.recipe=fp8_blockwise or fp8_rowwise, got {self.recipe}; drop it for this recipe")
+        if not self.fp8_fused_amax and self.recipe != PrecisionRecipe.fp8_rowwise:
+            raise ConfigError(f"precision.fp8_fused_amax=false is an option of the fp8_rowwise recipe's quantization: it "
+                              f"needs --precision.recipe=fp8_rowwise, got {self.recipe}; drop it for this recipe")
         if self.fp8_fast_accum and self.recipe != PrecisionRecipe.fp8_rowwise:
             raise ConfigError(f"precision.fp8_fast_accum=true is an option of the fp8_rowwise recipe's GEMMs: it needs "
                               f"--precision.recipe=fp8_rowwise, got {self.recipe}; drop it for this recipe")
@@ -288,7 +296,8 @@ class PrecisionConfig(Config):
             raise ConfigError("precision.fp8_fast_accum=true is an option of the native fp8_rowwise GEMMs (an SM90 GPU), "
                               f"and this run resolved precision.backend={backend}: drop fp8_fast_accum, or run on a Hopper GPU")
         gemm = low_precision_gemm(recipe, backend, self.mx_scale, self.fp8_experts, self.fp8_wgrad, self.fp8_fast_accum,
-                                  expert_copies=WeightCopies(self.expert_weight_copies) == WeightCopies.optimizer)
+                                  expert_copies=WeightCopies(self.expert_weight_copies) == WeightCopies.optimizer,
+                                  fp8_fused_amax=self.fp8_fused_amax)
         gemm.quantize_weights_once = bool(self.quantize_weights_once)
         gemm.per_expert = per_expert
         return PrecisionPolicy(device_type, torch.bfloat16, gemm, modules=frozenset(GemmModule(m) for m in self.modules))
@@ -296,16 +305,17 @@ class PrecisionConfig(Config):
 
 def low_precision_gemm(recipe: PrecisionRecipe | str, backend: PrecisionBackend | str, mx_scale: str = "rceil",
                        fp8_experts: Fp8Experts | str = Fp8Experts.triton, fp8_wgrad: bool = True,
-                       fp8_fast_accum: bool = False, expert_copies: bool = False):
+                       fp8_fast_accum: bool = False, expert_copies: bool = False, fp8_fused_amax: bool = True):
     """The GemmBackend instance of a low-precision recipe and a resolved backend (native / emulated);
     ``expert_copies``: fp8_rowwise's experts on the optimizer's bf16 weight copies
-    (precision.expert_weight_copies=optimizer)."""
+    (precision.expert_weight_copies=optimizer); ``fp8_fused_amax``: precision.fp8_fused_amax."""
     recipe, backend = PrecisionRecipe(recipe), PrecisionBackend(backend)
     if recipe == PrecisionRecipe.fp8_rowwise:  # its own emulation: the wgrad's scales are per expert, not blocks
         from .fp8_rowwise import Fp8RowwiseGemm
 
         return Fp8RowwiseGemm(native=backend == PrecisionBackend.native, fast_accum=fp8_fast_accum,
-                              wgrad="fp8" if fp8_wgrad else "bf16", expert_copies=expert_copies)
+                              wgrad="fp8" if fp8_wgrad else "bf16", expert_copies=expert_copies,
+                              fused_amax=fp8_fused_amax)
     if backend == PrecisionBackend.emulated:
         from .emulated import BlockwiseFormat, EmulatedGemm, MXFormat
 

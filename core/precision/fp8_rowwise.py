@@ -93,12 +93,19 @@ def _groups_of_rows(padded_offsets_E: torch.Tensor, P: int) -> torch.Tensor:
 
 
 def quantize_group_cols(x_RC: torch.Tensor, src_P: torch.Tensor, padded_offsets_E: torch.Tensor,
-                        kernel: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+                        kernel: str = "auto", chunks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The grouped wgrad's operand: x[src_P] (padded_source_rows' layout, zero rows where src_P < 0)
     quantized along the rows of each group separately -> (data^T e4m3 [C, P] contiguous, the
     transposed layout the GEMM reads, scale fp32 [E, C]: group e's column c). No host sync.
-    ``kernel``: as group_cols_amax (Triton: fp8_rowwise_triton.quantize_cols, one read of each tile)."""
-    scale_EC = pow2_scale(group_cols_amax(x_RC, src_P, padded_offsets_E, kernel))
+    ``kernel``: as group_cols_amax (Triton: fp8_rowwise_triton.quantize_cols, one read of each tile).
+    ``chunks`` (Triton): x's per-16-row column maxima already made (fp8_rowwise_triton.quantize_rows_chunks)."""
+    if chunks is not None and _use_triton(x_RC, kernel):
+        from . import fp8_rowwise_triton as kernels
+
+        amax_EC = kernels.group_amax(chunks, padded_offsets_E // kernels.CHUNK)
+    else:
+        amax_EC = group_cols_amax(x_RC, src_P, padded_offsets_E, kernel)
+    scale_EC = pow2_scale(amax_EC)
     group_P = _groups_of_rows(padded_offsets_E, src_P.numel())
     if _use_triton(x_RC, kernel):
         from .fp8_rowwise_triton import quantize_cols
@@ -140,6 +147,19 @@ def _cols(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         data, scale = quantize_stacked_cols(x.reshape(-1, *x.shape[-2:]))
         return data.view(*x.shape[:-2], x.shape[-1], x.shape[-2]), scale.view(*x.shape[:-2], x.shape[-1])
     return quantize_rows(x.transpose(-2, -1).contiguous(), -1)
+
+
+def _rows_and_group_cols(gemm: "Fp8RowwiseGemm", x_RC: torch.Tensor, src_P: torch.Tensor,
+                         padded_offsets_E: torch.Tensor):
+    """(_rows(x), quantize_group_cols(x, src_P, padded_offsets_E)): a grouped GEMM operand quantized
+    for both of its GEMMs. On CUDA with ``gemm.fused_amax`` one kernel makes the rows and the
+    columns' per-16-row maxima (x read once for both, not twice); the same bits."""
+    if gemm.fused_amax and _use_triton(x_RC, KERNELS):
+        from .fp8_rowwise_triton import quantize_rows_chunks
+
+        data, scale, chunks = quantize_rows_chunks(x_RC, src_P)
+        return (data, scale), quantize_group_cols(x_RC, src_P, padded_offsets_E, KERNELS, chunks=chunks)
+    return _rows(x_RC), quantize_group_cols(x_RC, src_P, padded_offsets_E, KERNELS)
 
 
 def _weight(gemm: "Fp8RowwiseGemm", w: torch.Tensor, orientation: str):
@@ -204,13 +224,14 @@ class _RowwiseGroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor, gemm: "Fp8RowwiseGemm"):
         w_q, w_s = _weight(gemm, w_EOI, "rows")
-        x_q, x_s = _rows(x_RI)
-        y_RO = _grouped_rows(gemm, x_q, x_s, w_q, w_s, offsets_E)
         # the wgrad's operand: each expert's rows padded to 16, quantized along them per expert (or, with
         # fp8_wgrad=false, x in bf16 for a bf16 wgrad)
         src_P, padded_offsets_E = padded_source_rows(offsets_E, x_RI.shape[0], ALIGN)
-        x_saved = (quantize_group_cols(x_RI, src_P, padded_offsets_E, KERNELS) if gemm.fp8_wgrad
-                   else (x_RI.to(_BF16),))
+        if gemm.fp8_wgrad:
+            (x_q, x_s), x_saved = _rows_and_group_cols(gemm, x_RI, src_P, padded_offsets_E)
+        else:
+            (x_q, x_s), x_saved = _rows(x_RI), (x_RI.to(_BF16),)
+        y_RO = _grouped_rows(gemm, x_q, x_s, w_q, w_s, offsets_E)
         ctx.save_for_backward(*x_saved, w_EOI, offsets_E, src_P, padded_offsets_E)
         ctx.gemm, ctx.x_dtype = gemm, x_RI.dtype
         return y_RO
@@ -220,15 +241,20 @@ class _RowwiseGroupedMM(torch.autograd.Function):
         *x_saved, w_EOI, offsets_E, src_P, padded_offsets_E = ctx.saved_tensors
         gemm = ctx.gemm
         dx = dw = None
+        fp8_wgrad = ctx.needs_input_grad[1] and gemm.fp8_wgrad
+        if ctx.needs_input_grad[0] and fp8_wgrad:  # dy's rows and its columns per expert ([O, P], [E, O])
+            (dy_q, dy_s), (dyt_q, dyt_s) = _rows_and_group_cols(gemm, dy_RO, src_P, padded_offsets_E)
+        elif ctx.needs_input_grad[0]:
+            dy_q, dy_s = _rows(dy_RO)
+        elif fp8_wgrad:
+            dyt_q, dyt_s = quantize_group_cols(dy_RO, src_P, padded_offsets_E, KERNELS)
         if ctx.needs_input_grad[0]:
             wt_q, wt_s = _weight(gemm, w_EOI, "cols")  # w[e]^T [I, O]: the dgrad's [N, K] operand
-            dy_q, dy_s = _rows(dy_RO)
             dx = _grouped_rows(gemm, dy_q, dy_s, wt_q, wt_s, offsets_E).to(ctx.x_dtype)
         if ctx.needs_input_grad[1] and not gemm.fp8_wgrad:  # bf16 operands, fp32 accumulation, bf16 output
             dw = grouped_mm_2d2d(dy_RO.to(_BF16).t(), x_saved[0], offsets_E, gemm.per_expert).to(w_EOI.dtype)
-        elif ctx.needs_input_grad[1]:
+        elif fp8_wgrad:
             xt_q, xt_s = x_saved
-            dyt_q, dyt_s = quantize_group_cols(dy_RO, src_P, padded_offsets_E, KERNELS)  # [O, P], [E, O]
             if gemm.native:
                 dw = torch._scaled_grouped_mm(dyt_q, xt_q.t(), dyt_s.reshape(-1), xt_s.reshape(-1),
                                               offs=padded_offsets_E, out_dtype=_BF16, use_fast_accum=gemm.fast_accum)
@@ -250,16 +276,18 @@ class Fp8RowwiseGemm(GemmBackend):
     with the optimizer's bf16 copies of their weights (gemm.attach_expert_copies), so the expert
     weights are quantized from bf16 (half the bytes read of fp32; E4M3 of the bf16-rounded weight,
     which can differ from the fp32 weight's in the last bit) and their gradients, the GEMMs' bf16
-    outputs, stay bf16 on the copies (no cast to fp32)."""
+    outputs, stay bf16 on the copies (no cast to fp32). ``fused_amax`` (precision.fp8_fused_amax, on
+    CUDA): a grouped operand's rows and its per-expert columns' partial maxima in one read of it
+    (fp8_rowwise_triton.quantize_rows_chunks) instead of two kernels; the same bits."""
 
     name = "fp8_rowwise"
 
     def __init__(self, native: bool = True, fast_accum: bool = False, wgrad: str = "fp8",
-                 expert_copies: bool = False) -> None:
+                 expert_copies: bool = False, fused_amax: bool = True) -> None:
         if wgrad not in ("fp8", "bf16"):
             raise ValueError(f"wgrad must be 'fp8' or 'bf16', got {wgrad!r}")
         self.native, self.fast_accum, self.fp8_wgrad = bool(native), bool(fast_accum), wgrad == "fp8"
-        self.expert_copies = bool(expert_copies)
+        self.expert_copies, self.fused_amax = bool(expert_copies), bool(fused_amax)
         self.cache = WeightCache()
 
     def attach_optimizer(self, optimizer, parts) -> None:
@@ -283,4 +311,5 @@ class Fp8RowwiseGemm(GemmBackend):
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(native={self.native}, fast_accum={self.fast_accum}, "
-                f"wgrad={'fp8' if self.fp8_wgrad else 'bf16'!r}, expert_copies={self.expert_copies})")
+                f"wgrad={'fp8' if self.fp8_wgrad else 'bf16'!r}, expert_copies={self.expert_copies}, "
+                f"fused_amax={self.fused_amax})")

@@ -13,6 +13,10 @@ dim. No float atomics (torch's scatter_reduce amax contended on the H200, sessio
      per-thread walk);
   3. ``_quantize_cols_kernel`` / ``_quantize_stacked_cols_kernel``: each [128 columns x 64 rows]
      tile read once, scaled by 1 / scale (exact powers of two), rounded to E4M3, stored transposed.
+- ``quantize_rows_chunks`` (a grouped operand quantized for both its GEMMs, precision.fp8_fused_amax):
+  ``_quantize_rows_chunks_kernel``, 16 padded rows per program, their rows quantized and step 1's
+  column maxima taken from the same read (the rows of a tile held per thread, its columns across
+  the threads), so the operand is read twice in all (here and by step 3), not three times.
 
 Maxima are taken over |x|'s bits (mx_triton.abs_bits: inf and NaN order above every finite value),
 scales by blockwise_triton's rule, the E4M3 rounding and bf16 widening by mx_triton's helpers (the
@@ -32,7 +36,8 @@ from .blockwise import pow2_scale
 from .blockwise_triton import _block_scales
 from .mx_triton import HW_CONVERT, abs_bits, amax_of_bits, as_loadable, to_e4m3, widen
 
-__all__ = ["CHUNK", "TILES", "chunk_amax", "group_amax", "quantize_cols", "quantize_rows", "quantize_stacked_cols"]
+__all__ = ["CHUNK", "TILES", "chunk_amax", "group_amax", "quantize_cols", "quantize_rows", "quantize_rows_chunks",
+           "quantize_stacked_cols"]
 
 CHUNK = 16
 """Rows per partial amax: the alignment of every expert's padded rows (fp8_rowwise.ALIGN)."""
@@ -41,11 +46,14 @@ TILES = {
     "rows": {"elements": 16384, "max_rows": 64, "one_pass_cols": 8192, "cols": 1024, "num_warps": 8},
     "chunk_amax": {"chunks": 2, "cols": 1024, "num_warps": 4},
     "group_amax": {"unroll": 8, "cols": 256, "num_warps": 2, "programs": 1024},
+    "rows_chunks": {"one_pass_cols": 1024, "cols": 1024, "num_warps": 4},
 }
 """Tile sizes read at each launch (tools/bench_quantize.py --rowwise sweeps them): ``rows``, a
 program's rows x columns about ``elements`` (at most ``max_rows`` rows), the whole row in one tile
 (read once) up to ``one_pass_cols`` columns, else ``cols`` at a time in two passes;
-``chunk_amax``, ``chunks`` chunks of CHUNK rows by ``cols`` columns per program; ``group_amax``,
+``chunk_amax``, ``chunks`` chunks of CHUNK rows by ``cols`` columns per program; ``rows_chunks``,
+one chunk per program, its whole rows in one tile up to ``one_pass_cols`` columns, else ``cols`` at
+a time in two passes (the second from L2); ``group_amax``,
 a group's rows by ``cols`` columns, ``unroll`` rows a step, the rows split over more programs until
 about ``programs`` run. Defaults: the sweep's best on the H200 (session 12: rows 3.7 TB/s at both
 OLMoE-8L's and olmoe3-4l-8e's activations; session 13: chunk_amax 3.3-3.5 TB/s, where the earlier
@@ -144,6 +152,46 @@ def _quantize_rows_kernel(x_ptr, d_ptr, s_ptr, R, C, s_x, s_d, IN_BF16: tl.const
 
 
 @triton.jit
+def _quantize_rows_chunks_kernel(x_ptr, src_ptr, d_ptr, s_ptr, c_ptr, C, s_x, s_d, IN_BF16: tl.constexpr,
+                                 CHUNK_R: tl.constexpr, BLOCK_C: tl.constexpr, ONE_PASS: tl.constexpr,
+                                 HW: tl.constexpr):
+    # one chunk of CHUNK_R padded rows, x[src] (zero where src < 0): the rows' scales and E4M3 rows
+    # (stored at row src), and the chunk's column maxima (the grouped wgrad's partials, as
+    # _chunk_amax_kernel's). A [CHUNK_R, BLOCK_C] tile whose columns are spread over the threads and
+    # its rows held by each: the column max stays in each thread, only the row max crosses them.
+    chunk = tl.program_id(0)
+    src = tl.load(src_ptr + chunk * CHUNK_R + tl.arange(0, CHUNK_R))
+    s64 = src.to(tl.int64)
+    if ONE_PASS:  # the whole rows in one tile (BLOCK_C >= C): read once
+        cols = tl.arange(0, BLOCK_C)
+        ok = (src >= 0)[:, None] & (cols < C)[None, :]
+        bits = tl.load(x_ptr + s64[:, None] * s_x + cols[None, :], mask=ok, other=0)
+        top_bits = abs_bits(bits, IN_BF16)
+        amax, _ = amax_of_bits(tl.max(top_bits, 0), IN_BF16)
+        tl.store(c_ptr + chunk.to(tl.int64) * C + cols, amax, mask=cols < C)
+        inv, scale = _block_scales(tl.max(top_bits, 1), IN_BF16)
+        tl.store(s_ptr + src, scale, mask=src >= 0)
+        tl.store(d_ptr + s64[:, None] * s_d + cols[None, :], to_e4m3(widen(bits, IN_BF16, HW), inv[:, None], HW), mask=ok)
+    else:
+        top = tl.zeros([CHUNK_R], dtype=tl.int32)
+        for c0 in range(0, C, BLOCK_C):  # the column maxima, and the rows' amax
+            cols = c0 + tl.arange(0, BLOCK_C)
+            ok = (src >= 0)[:, None] & (cols < C)[None, :]
+            top_bits = abs_bits(tl.load(x_ptr + s64[:, None] * s_x + cols[None, :], mask=ok, other=0), IN_BF16)
+            amax, _ = amax_of_bits(tl.max(top_bits, 0), IN_BF16)
+            tl.store(c_ptr + chunk.to(tl.int64) * C + cols, amax, mask=cols < C)
+            top = tl.maximum(top, tl.max(top_bits, 1))
+        inv, scale = _block_scales(top, IN_BF16)
+        tl.store(s_ptr + src, scale, mask=src >= 0)
+        for c0 in range(0, C, BLOCK_C):  # read again (from L2: CHUNK_R rows), scaled and rounded
+            cols = c0 + tl.arange(0, BLOCK_C)
+            ok = (src >= 0)[:, None] & (cols < C)[None, :]
+            bits = tl.load(x_ptr + s64[:, None] * s_x + cols[None, :], mask=ok, other=0)
+            tl.store(d_ptr + s64[:, None] * s_d + cols[None, :], to_e4m3(widen(bits, IN_BF16, HW), inv[:, None], HW),
+                     mask=ok)
+
+
+@triton.jit
 def _quantize_stacked_cols_kernel(x_ptr, inv_ptr, out_ptr, M, C, s_xe, s_xm, IN_BF16: tl.constexpr,
                                   BLOCK_C: tl.constexpr, BLOCK_M: tl.constexpr, HW: tl.constexpr):
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -171,6 +219,28 @@ def quantize_rows(x_RC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                                                           IN_BF16=in_bf16, BLOCK_R=block_r, BLOCK_C=block_c,
                                                           ONE_PASS=block_c >= C, HW=HW_CONVERT, num_warps=t["num_warps"])
     return data, scale
+
+
+def quantize_rows_chunks(x_RC: torch.Tensor, src_P: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quantize_rows(x) and chunk_amax(x, src_P) in one read of x: (e4m3 [R, C], fp32 [R], fp32
+    [P / CHUNK, C]). The rows are those src_P names (padded_source_rows': each row of x once, -1 for
+    padding); a row of x that src_P does not name (past the last group) is left unspecified in the
+    data and scale, as the grouped GEMMs leave its output."""
+    (R, C), P = x_RC.shape, src_P.numel()
+    if P % CHUNK:
+        raise ValueError(f"the padded rows ({P}) must be a multiple of {CHUNK}")
+    data = torch.empty(R, C, dtype=torch.float8_e4m3fn, device=x_RC.device)
+    scale = torch.empty(R, dtype=torch.float32, device=x_RC.device)
+    chunks = torch.empty(P // CHUNK, C, dtype=torch.float32, device=x_RC.device)
+    if P:
+        xk, in_bf16 = _loadable(x_RC)
+        t = TILES["rows_chunks"]
+        one_pass = C <= t["one_pass_cols"]
+        block_c = triton.next_power_of_2(C) if one_pass else t["cols"]
+        _quantize_rows_chunks_kernel[(P // CHUNK,)](xk, src_P, data, scale, chunks, C, xk.stride(0), data.stride(0),
+                                                   IN_BF16=in_bf16, CHUNK_R=CHUNK, BLOCK_C=block_c, ONE_PASS=one_pass,
+                                                   HW=HW_CONVERT, num_warps=t["num_warps"])
+    return data, scale, chunks
 
 
 def quantize_stacked_cols(x_EMC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

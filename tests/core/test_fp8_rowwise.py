@@ -150,6 +150,41 @@ def check_rows_and_stacked_cols_kernels(device: str) -> None:
         assert _same_bits(d, rd), xin.dtype
 
 
+def check_rows_chunks_kernel(device: str) -> None:
+    """fp8_rowwise_triton.quantize_rows_chunks (one read of x for its rows and its per-16-row column
+    maxima) against the torch references, bit for bit: the rows as quantize_rows gives them, the
+    chunks as the gathered, zero-padded rows' |x| max per 16 rows (torch amax: NaN and inf kept);
+    ragged groups (an empty one), rows past the last group (left unspecified: not compared), bf16 and
+    fp32, the whole rows in one tile and in two passes of a column block not dividing C."""
+    from moetron.core.precision import fp8_rowwise_triton as kernels
+    from moetron.core.precision.grouping import gather_rows
+
+    torch.manual_seed(8)
+    sizes = [21, 0, 40, 3, 17]
+    R = sum(sizes) + 4
+    offsets = torch.tensor(sizes).cumsum(0).to(torch.int32).to(device)
+    x = torch.randn(R, 200) * torch.logspace(-12, 12, R)[:, None]
+    x[4] = 0.0
+    x[30, 7], x[31, 9], x[70, 199] = float("inf"), float("nan"), -float("inf")
+    src, padded = padded_source_rows(offsets, R, ALIGN)
+    named = sum(sizes)
+    default = dict(kernels.TILES["rows_chunks"])
+    for tiles in (default, {**default, "one_pass_cols": 64, "cols": 64}):  # one tile; 4 passes of 64 (200 % 64 != 0)
+        kernels.TILES["rows_chunks"] = tiles
+        try:
+            for xin in (x.to(torch.bfloat16).to(device), x.to(device)):
+                d, sc, chunks = kernels.quantize_rows_chunks(xin, src)
+                rd, rs = quantize_rows(xin, -1)
+                assert torch.equal(sc[:named], rs[:named]), (xin.dtype, tiles)
+                assert _same_bits(d[:named], rd[:named]), (xin.dtype, tiles)
+                want = gather_rows(xin, src).float().abs().view(-1, kernels.CHUNK, 200).amax(1)
+                assert chunks.shape == want.shape
+                assert torch.equal(chunks.isnan(), want.isnan()), (xin.dtype, tiles)
+                assert torch.equal(chunks[~chunks.isnan()], want[~want.isnan()]), (xin.dtype, tiles)
+        finally:
+            kernels.TILES["rows_chunks"] = default
+
+
 def check_gemms_with_triton_quantization(device: str) -> None:
     """The emulated grouped GEMM and linear, forward and backward, give the same bits with every
     quantization in the Triton kernels as with the torch ops."""
@@ -162,27 +197,29 @@ def check_gemms_with_triton_quantization(device: str) -> None:
     w0 = torch.randn(4, 48, 64, device=device)
     xl, wl = torch.randn(37, 64, device=device), torch.randn(32, 64, device=device)
     results = {}
-    for kernels in ("torch", "triton"):
+    for kernels, fused in (("torch", True), ("triton", True), ("triton", False)):
         fp8_rowwise.KERNELS = kernels
         try:
-            gemm = Fp8RowwiseGemm(native=False)
+            gemm = Fp8RowwiseGemm(native=False, fused_amax=fused)
             x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
             y = gemm.grouped_mm(x, w, offsets)
             y.backward(torch.ones_like(y))
             a, b = xl.clone().requires_grad_(), wl.clone().requires_grad_()
             z = gemm.linear(a, b)
             z.backward(torch.ones_like(z))
-            results[kernels] = (y, x.grad, w.grad, z, a.grad, b.grad)
+            results[kernels, fused] = (y, x.grad, w.grad, z, a.grad, b.grad)
         finally:
             fp8_rowwise.KERNELS = "auto"
-    for got, want in zip(results["triton"], results["torch"]):
-        assert torch.equal(got, want)
+    for fused in (True, False):  # the rows and column maxima in one kernel (fused_amax) or two
+        for got, want in zip(results["triton", fused], results["torch", True]):
+            assert torch.equal(got, want), fused
 
 
 def check_all(device: str) -> None:
     """Every kernel check of this file, in one process (one interpreter start-up)."""
     check_group_cols_amax_kernel(device)
     check_rows_and_stacked_cols_kernels(device)
+    check_rows_chunks_kernel(device)
     check_gemms_with_triton_quantization(device)
 
 
@@ -191,7 +228,8 @@ def test_kernels_interpreted():
 
 
 @pytest.mark.parametrize("name", ["_chunk_amax_kernel", "_group_cols_amax_kernel", "_quantize_cols_kernel",
-                                  "_quantize_rows_kernel", "_quantize_stacked_cols_kernel"])
+                                  "_quantize_rows_kernel", "_quantize_rows_chunks_kernel",
+                                  "_quantize_stacked_cols_kernel"])
 def test_kernels_compile_for_sm90(name):
     """Each kernel compiles for Hopper on the CPU (ptxas included); the quantization rounds by the
     conversion instruction; the amax kernels take no shuffle or reduction (no cross-thread max)."""
@@ -201,13 +239,13 @@ def test_kernels_compile_for_sm90(name):
     from tests.core.test_precision_fp8 import _compile_sm90
 
     quantizes = name.startswith("_quantize")
-    values = {"x_ptr": "*i16", "src_ptr": "*i32", "group_ptr": "*i32", "poff_ptr": "*i32", "inv_ptr": "*fp32",
+    values = {"x_ptr": "*i16", "src_ptr": "*i32", "c_ptr": "*fp32", "group_ptr": "*i32", "poff_ptr": "*i32", "inv_ptr": "*fp32",
               "out_ptr": "*fp8e4nv" if quantizes else "*fp32", "d_ptr": "*fp8e4nv", "s_ptr": "*fp32",
               "P": 8192, "R": 8192, "M": 4096, "C": 2048, "E": 8, "SPLIT": 4, "s_x": 2048, "s_d": 2048, "s_xe": 2048 * 4096, "s_xm": 2048}
     if name == "_group_cols_amax_kernel":  # it reads the chunks' fp32 partials
         values["x_ptr"] = "*fp32"
     blocks = {"_group_cols_amax_kernel": (32, 512), "_quantize_rows_kernel": (4, 2048),
-              "_chunk_amax_kernel": (64, 1024)}.get(name, (32, 128))
+              "_chunk_amax_kernel": (64, 1024), "_quantize_rows_chunks_kernel": (16, 1024)}.get(name, (32, 128))
     constexprs = {"IN_BF16": True, "HW": True, "GATHER": True, "ONE_PASS": True, "CHUNK_R": 16, "BLOCK_R": blocks[0], "BLOCK_C": blocks[1],
                   "BLOCK_P": 64, "BLOCK_M": 64, "CHUNKS": 2, "UNROLL": 8}
     kernel = getattr(kernels, name)
@@ -334,6 +372,10 @@ def test_config_resolution_and_errors():
         cfg(recipe="fp8_blockwise", fp8_fast_accum=True).validate()
     with pytest.raises(ConfigError, match="fp8_fast_accum=true is an option of the native.*backend=emulated"):
         cfg(recipe="fp8_rowwise", fp8_fast_accum=True).build("cpu", verbose=False)
+    assert cfg(recipe="fp8_rowwise").build("cpu", verbose=False).gemm.fused_amax
+    assert not cfg(recipe="fp8_rowwise", fp8_fused_amax=False).build("cpu", verbose=False).gemm.fused_amax
+    with pytest.raises(ConfigError, match="fp8_fused_amax=false.*needs --precision.recipe=fp8_rowwise"):
+        cfg(recipe="fp8_blockwise", fp8_fused_amax=False).validate()
     gemm = cfg(recipe="fp8_rowwise").build("cpu", verbose=False).gemm
     assert isinstance(gemm, Fp8RowwiseGemm) and not gemm.native and "emulated" in gemm.label
     assert "blockwise" not in gemm.label and "mx" not in gemm.label.lower()
