@@ -46,14 +46,15 @@ TILES = {
     "rows": {"elements": 16384, "max_rows": 64, "one_pass_cols": 8192, "cols": 1024, "num_warps": 8},
     "chunk_amax": {"chunks": 2, "cols": 1024, "num_warps": 4},
     "group_amax": {"unroll": 8, "cols": 256, "num_warps": 2, "programs": 1024},
-    "rows_chunks": {"one_pass_cols": 1024, "cols": 1024, "num_warps": 4},
+    "rows_chunks": {"elements": 16384, "one_pass_cols": 8192, "cols": 1024, "num_warps": 0},
 }
 """Tile sizes read at each launch (tools/bench_quantize.py --rowwise sweeps them): ``rows``, a
 program's rows x columns about ``elements`` (at most ``max_rows`` rows), the whole row in one tile
 (read once) up to ``one_pass_cols`` columns, else ``cols`` at a time in two passes;
 ``chunk_amax``, ``chunks`` chunks of CHUNK rows by ``cols`` columns per program; ``rows_chunks``,
-one chunk per program, its whole rows in one tile up to ``one_pass_cols`` columns, else ``cols`` at
-a time in two passes (the second from L2); ``group_amax``,
+one chunk per program, its whole rows (up to ``one_pass_cols`` columns) about ``elements`` at a
+time, else ``cols`` columns of its rows at a time in two passes (the second from L2), on
+``num_warps`` warps (0: as many as lay 16-byte loads along a tile's row, at most 8); ``group_amax``,
 a group's rows by ``cols`` columns, ``unroll`` rows a step, the rows split over more programs until
 about ``programs`` run. Defaults: the sweep's best on the H200 (session 12: rows 3.7 TB/s at both
 OLMoE-8L's and olmoe3-4l-8e's activations; session 13: chunk_amax 3.3-3.5 TB/s, where the earlier
@@ -153,26 +154,33 @@ def _quantize_rows_kernel(x_ptr, d_ptr, s_ptr, R, C, s_x, s_d, IN_BF16: tl.const
 
 @triton.jit
 def _quantize_rows_chunks_kernel(x_ptr, src_ptr, d_ptr, s_ptr, c_ptr, C, s_x, s_d, IN_BF16: tl.constexpr,
-                                 CHUNK_R: tl.constexpr, BLOCK_C: tl.constexpr, ONE_PASS: tl.constexpr,
-                                 HW: tl.constexpr):
+                                 CHUNK_R: tl.constexpr, SUB_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                                 ONE_PASS: tl.constexpr, HW: tl.constexpr):
     # one chunk of CHUNK_R padded rows, x[src] (zero where src < 0): the rows' scales and E4M3 rows
     # (stored at row src), and the chunk's column maxima (the grouped wgrad's partials, as
-    # _chunk_amax_kernel's). A [CHUNK_R, BLOCK_C] tile whose columns are spread over the threads and
-    # its rows held by each: the column max stays in each thread, only the row max crosses them.
+    # _chunk_amax_kernel's). Tiles of [SUB_R, BLOCK_C] whose columns are spread over the threads and
+    # rows held by each (the launch picks the warps to fit BLOCK_C): the column max stays in each
+    # thread, only a row's max crosses them.
     chunk = tl.program_id(0)
-    src = tl.load(src_ptr + chunk * CHUNK_R + tl.arange(0, CHUNK_R))
-    s64 = src.to(tl.int64)
-    if ONE_PASS:  # the whole rows in one tile (BLOCK_C >= C): read once
+    if ONE_PASS:  # the whole rows in one tile (BLOCK_C >= C), SUB_R rows at a time: read once
         cols = tl.arange(0, BLOCK_C)
-        ok = (src >= 0)[:, None] & (cols < C)[None, :]
-        bits = tl.load(x_ptr + s64[:, None] * s_x + cols[None, :], mask=ok, other=0)
-        top_bits = abs_bits(bits, IN_BF16)
-        amax, _ = amax_of_bits(tl.max(top_bits, 0), IN_BF16)
+        ctop = tl.zeros([BLOCK_C], dtype=tl.int32)
+        for j in tl.static_range(CHUNK_R // SUB_R):
+            src = tl.load(src_ptr + chunk * CHUNK_R + j * SUB_R + tl.arange(0, SUB_R))
+            s64 = src.to(tl.int64)
+            ok = (src >= 0)[:, None] & (cols < C)[None, :]
+            bits = tl.load(x_ptr + s64[:, None] * s_x + cols[None, :], mask=ok, other=0)
+            top_bits = abs_bits(bits, IN_BF16)
+            ctop = tl.maximum(ctop, tl.max(top_bits, 0))
+            inv, scale = _block_scales(tl.max(top_bits, 1), IN_BF16)
+            tl.store(s_ptr + src, scale, mask=src >= 0)
+            tl.store(d_ptr + s64[:, None] * s_d + cols[None, :], to_e4m3(widen(bits, IN_BF16, HW), inv[:, None], HW),
+                     mask=ok)
+        amax, _ = amax_of_bits(ctop, IN_BF16)
         tl.store(c_ptr + chunk.to(tl.int64) * C + cols, amax, mask=cols < C)
-        inv, scale = _block_scales(tl.max(top_bits, 1), IN_BF16)
-        tl.store(s_ptr + src, scale, mask=src >= 0)
-        tl.store(d_ptr + s64[:, None] * s_d + cols[None, :], to_e4m3(widen(bits, IN_BF16, HW), inv[:, None], HW), mask=ok)
-    else:
+    else:  # long rows: BLOCK_C columns of the chunk's rows at a time, twice (the second from L2)
+        src = tl.load(src_ptr + chunk * CHUNK_R + tl.arange(0, CHUNK_R))
+        s64 = src.to(tl.int64)
         top = tl.zeros([CHUNK_R], dtype=tl.int32)
         for c0 in range(0, C, BLOCK_C):  # the column maxima, and the rows' amax
             cols = c0 + tl.arange(0, BLOCK_C)
@@ -183,7 +191,7 @@ def _quantize_rows_chunks_kernel(x_ptr, src_ptr, d_ptr, s_ptr, c_ptr, C, s_x, s_
             top = tl.maximum(top, tl.max(top_bits, 1))
         inv, scale = _block_scales(top, IN_BF16)
         tl.store(s_ptr + src, scale, mask=src >= 0)
-        for c0 in range(0, C, BLOCK_C):  # read again (from L2: CHUNK_R rows), scaled and rounded
+        for c0 in range(0, C, BLOCK_C):  # scaled and rounded
             cols = c0 + tl.arange(0, BLOCK_C)
             ok = (src >= 0)[:, None] & (cols < C)[None, :]
             bits = tl.load(x_ptr + s64[:, None] * s_x + cols[None, :], mask=ok, other=0)
@@ -237,9 +245,13 @@ def quantize_rows_chunks(x_RC: torch.Tensor, src_P: torch.Tensor) -> tuple[torch
         t = TILES["rows_chunks"]
         one_pass = C <= t["one_pass_cols"]
         block_c = triton.next_power_of_2(C) if one_pass else t["cols"]
+        # the warps along the columns (16-byte loads: 8 bf16 or 4 fp32 per thread), so each thread holds
+        # whole columns of a tile; SUB_R rows a tile, about ``elements`` elements
+        warps = t["num_warps"] or max(1, min(8, block_c // (32 * (8 if in_bf16 else 4))))
+        sub_r = min(CHUNK, triton.next_power_of_2(max(1, t["elements"] // block_c)))
         _quantize_rows_chunks_kernel[(P // CHUNK,)](xk, src_P, data, scale, chunks, C, xk.stride(0), data.stride(0),
-                                                   IN_BF16=in_bf16, CHUNK_R=CHUNK, BLOCK_C=block_c, ONE_PASS=one_pass,
-                                                   HW=HW_CONVERT, num_warps=t["num_warps"])
+                                                   IN_BF16=in_bf16, CHUNK_R=CHUNK, SUB_R=sub_r, BLOCK_C=block_c,
+                                                   ONE_PASS=one_pass, HW=HW_CONVERT, num_warps=warps)
     return data, scale, chunks
 
 

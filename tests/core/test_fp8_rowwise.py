@@ -169,7 +169,9 @@ def check_rows_chunks_kernel(device: str) -> None:
     src, padded = padded_source_rows(offsets, R, ALIGN)
     named = sum(sizes)
     default = dict(kernels.TILES["rows_chunks"])
-    for tiles in (default, {**default, "one_pass_cols": 64, "cols": 64}):  # one tile; 4 passes of 64 (200 % 64 != 0)
+    # whole rows 4 at a time (SUB_R, from ``elements``), 16 at a time; two passes of 64 columns (200 % 64 != 0)
+    for tiles in ({**default, "elements": 1024}, {**default, "elements": 8192},
+                  {**default, "one_pass_cols": 64, "cols": 64}):
         kernels.TILES["rows_chunks"] = tiles
         try:
             for xin in (x.to(torch.bfloat16).to(device), x.to(device)):
@@ -245,9 +247,9 @@ def test_kernels_compile_for_sm90(name):
     if name == "_group_cols_amax_kernel":  # it reads the chunks' fp32 partials
         values["x_ptr"] = "*fp32"
     blocks = {"_group_cols_amax_kernel": (32, 512), "_quantize_rows_kernel": (4, 2048),
-              "_chunk_amax_kernel": (64, 1024), "_quantize_rows_chunks_kernel": (16, 1024)}.get(name, (32, 128))
+              "_chunk_amax_kernel": (64, 1024), "_quantize_rows_chunks_kernel": (16, 2048)}.get(name, (32, 128))
     constexprs = {"IN_BF16": True, "HW": True, "GATHER": True, "ONE_PASS": True, "CHUNK_R": 16, "BLOCK_R": blocks[0], "BLOCK_C": blocks[1],
-                  "BLOCK_P": 64, "BLOCK_M": 64, "CHUNKS": 2, "UNROLL": 8}
+                  "BLOCK_P": 64, "BLOCK_M": 64, "CHUNKS": 2, "UNROLL": 8, "SUB_R": 8}
     kernel = getattr(kernels, name)
     constexprs = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
     constexprs["IN_BF16"] = values["x_ptr"] == "*i16"
