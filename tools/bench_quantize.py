@@ -47,8 +47,8 @@ ROWS_TILES = [  # (label, TILES["rows"]): session 11's kernel (4 rows, two passe
 ]
 CHUNK_TILES = [(1, 512, 2), (1, 512, 4), (1, 1024, 4), (1, 1024, 8), (2, 1024, 4), (4, 1024, 4), (1, 2048, 8)]  # chunks, cols, warps
 GROUP_TILES = [(8, 256, 2), (4, 256, 2), (16, 256, 2), (8, 512, 4), (8, 128, 1)]  # unroll, cols, warps
-ROWS_CHUNKS_TILES = [(8192, 16384, 0), (8192, 8192, 0), (8192, 32768, 0), (8192, 16384, 4), (8192, 16384, 8),
-                     (1024, 16384, 4), (1024, 16384, 8)]  # one_pass_cols, elements, warps (0: along a row); 1024: 2 passes
+ROWS_CHUNKS_TILES = [(8192, 8, 0), (8192, 4, 0), (8192, 16, 0), (8192, 8, 2), (8192, 8, 4), (8192, 8, 8),
+                     (1024, 8, 4)]  # one_pass_cols, sub_rows, warps (0: one per 512 columns); 1024: 2 passes
 
 
 def rowwise(args, device) -> list[dict]:
@@ -93,9 +93,9 @@ def rowwise(args, device) -> list[dict]:
             kt.TILES["group_amax"] = saved["group_amax"]
             row("group_cols", (P, C), "default", lambda: quantize_group_cols(x, src, padded, "triton"),
                 2 * P * C * 2 + P * C + 8 * P * C // kt.CHUNK)
-            for o, e, w in ROWS_CHUNKS_TILES:  # the rows and the chunks' column maxima in one read
-                kt.TILES["rows_chunks"] = {"one_pass_cols": o, "elements": e, "cols": 1024, "num_warps": w}
-                row("rows_chunks", (P, C), f"1pass<={o} {e // 1024}k w{w}", lambda: kt.quantize_rows_chunks(x, src),
+            for o, sr, w in ROWS_CHUNKS_TILES:  # the rows and the chunks' column maxima in one read
+                kt.TILES["rows_chunks"] = {**saved["rows_chunks"], "one_pass_cols": o, "sub_rows": sr, "num_warps": w}
+                row("rows_chunks", (P, C), f"1pass<={o} {sr}r w{w}", lambda: kt.quantize_rows_chunks(x, src),
                     3 * P * C + 4 * P * C // kt.CHUNK)
             kt.TILES["rows_chunks"] = saved["rows_chunks"]
             # a grouped operand for both its GEMMs (fp8_rowwise._rows_and_group_cols): two reads, or one

@@ -62,7 +62,7 @@ RULES: list[tuple[str, str]] = [
                   # moetron's quantization kernels (core/precision/blockwise_triton.py, mx_triton.py)
                   r"^_(?:fp8|mx)_(?:(?:de)?quantize\w*|rows_and_cols)_kernel$|"
                   # fp8_rowwise's (core/precision/fp8_rowwise_triton.py)
-                  r"^_(?:chunk_amax|group_cols_amax|quantize_cols|quantize_rows|quantize_stacked_cols)_kernel$"),
+                  r"^_(?:chunk_amax|group_cols_amax|quantize_cols|quantize_rows|quantize_rows_chunks|quantize_stacked_cols)_kernel$"),
     ("elementwise", r"elementwise_kernel|reduce_kernel|^aten::(?:add|sub|rsub|mul|div|neg|exp|log|pow|mean|sum|"
                     r"where|silu|sigmoid|gelu|tanh|softmax|_softmax|clamp|abs|sqrt|maximum|minimum|eq|ne|lt|gt|"
                     r"ge|le)(?:_backward(?:_data)?)?_?$"),

@@ -46,15 +46,17 @@ TILES = {
     "rows": {"elements": 16384, "max_rows": 64, "one_pass_cols": 8192, "cols": 1024, "num_warps": 8},
     "chunk_amax": {"chunks": 2, "cols": 1024, "num_warps": 4},
     "group_amax": {"unroll": 8, "cols": 256, "num_warps": 2, "programs": 1024},
-    "rows_chunks": {"elements": 16384, "one_pass_cols": 8192, "cols": 1024, "num_warps": 0},
+    "rows_chunks": {"sub_rows": 8, "cols_per_warp": 512, "one_pass_cols": 8192, "cols": 1024, "num_warps": 0},
 }
 """Tile sizes read at each launch (tools/bench_quantize.py --rowwise sweeps them): ``rows``, a
 program's rows x columns about ``elements`` (at most ``max_rows`` rows), the whole row in one tile
 (read once) up to ``one_pass_cols`` columns, else ``cols`` at a time in two passes;
 ``chunk_amax``, ``chunks`` chunks of CHUNK rows by ``cols`` columns per program; ``rows_chunks``,
-one chunk per program, its whole rows (up to ``one_pass_cols`` columns) about ``elements`` at a
-time, else ``cols`` columns of its rows at a time in two passes (the second from L2), on
-``num_warps`` warps (0: as many as lay 16-byte loads along a tile's row, at most 8); ``group_amax``,
+one chunk per program, its whole rows (up to ``one_pass_cols`` columns) ``sub_rows`` at a time,
+else ``cols`` columns of its rows at a time in two passes (the second from L2), on ``num_warps``
+warps (0: one per ``cols_per_warp`` columns, at most 8; session 14's sweep: 8 rows on 4 warps at
+2048 columns 2.84 TB/s, on 8 warps at 4096 2.79, where 16-byte loads on one warp per 256 columns
+ran at 1.15 TB/s at 2048); ``group_amax``,
 a group's rows by ``cols`` columns, ``unroll`` rows a step, the rows split over more programs until
 about ``programs`` run. Defaults: the sweep's best on the H200 (session 12: rows 3.7 TB/s at both
 OLMoE-8L's and olmoe3-4l-8e's activations; session 13: chunk_amax 3.3-3.5 TB/s, where the earlier
@@ -245,10 +247,10 @@ def quantize_rows_chunks(x_RC: torch.Tensor, src_P: torch.Tensor) -> tuple[torch
         t = TILES["rows_chunks"]
         one_pass = C <= t["one_pass_cols"]
         block_c = triton.next_power_of_2(C) if one_pass else t["cols"]
-        # the warps along the columns (16-byte loads: 8 bf16 or 4 fp32 per thread), so each thread holds
-        # whole columns of a tile; SUB_R rows a tile, about ``elements`` elements
-        warps = t["num_warps"] or max(1, min(8, block_c // (32 * (8 if in_bf16 else 4))))
-        sub_r = min(CHUNK, triton.next_power_of_2(max(1, t["elements"] // block_c)))
+        # the warps along the columns, so each thread holds whole columns of a tile: about
+        # ``cols_per_warp`` columns a warp (two 16-byte bf16 loads a row per thread), sub_rows rows a tile
+        warps = t["num_warps"] or max(1, min(8, block_c // t["cols_per_warp"]))
+        sub_r = min(CHUNK, triton.next_power_of_2(max(1, t["sub_rows"])))
         _quantize_rows_chunks_kernel[(P // CHUNK,)](xk, src_P, data, scale, chunks, C, xk.stride(0), data.stride(0),
                                                    IN_BF16=in_bf16, CHUNK_R=CHUNK, SUB_R=sub_r, BLOCK_C=block_c,
                                                    ONE_PASS=one_pass, HW=HW_CONVERT, num_warps=warps)

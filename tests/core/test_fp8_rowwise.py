@@ -169,8 +169,8 @@ def check_rows_chunks_kernel(device: str) -> None:
     src, padded = padded_source_rows(offsets, R, ALIGN)
     named = sum(sizes)
     default = dict(kernels.TILES["rows_chunks"])
-    # whole rows 4 at a time (SUB_R, from ``elements``), 16 at a time; two passes of 64 columns (200 % 64 != 0)
-    for tiles in ({**default, "elements": 1024}, {**default, "elements": 8192},
+    # whole rows 4 at a time (SUB_R), 16 at a time; two passes of 64 columns (200 % 64 != 0)
+    for tiles in ({**default, "sub_rows": 4}, {**default, "sub_rows": 16},
                   {**default, "one_pass_cols": 64, "cols": 64}):
         kernels.TILES["rows_chunks"] = tiles
         try:

@@ -39,7 +39,7 @@ def test_tiny_rowwise_sweep_reports_every_tile(tmp_path):
     assert {("rowwise_rows", label) for label, _ in bench_quantize.ROWS_TILES} <= tiles
     assert {("rowwise_chunk_amax", f"{k}x{c} w{w}") for k, c, w in bench_quantize.CHUNK_TILES} <= tiles
     assert {("rowwise_group_amax", f"u{u}x{c} w{w}") for u, c, w in bench_quantize.GROUP_TILES} <= tiles
-    assert {("rowwise_rows_chunks", f"1pass<={o} {e // 1024}k w{w}") for o, e, w in bench_quantize.ROWS_CHUNKS_TILES} <= tiles
+    assert {("rowwise_rows_chunks", f"1pass<={o} {sr}r w{w}") for o, sr, w in bench_quantize.ROWS_CHUNKS_TILES} <= tiles
     assert {("rowwise_rows+cols", "separate"), ("rowwise_rows+cols", "fused")} <= tiles
     assert {"rowwise_group_cols", "rowwise_stacked_cols", "rowwise_copy"} <= {r["kind"] for r in rows}
     assert all(r["ms"] > 0 and r["tb_s"] > 0 for r in rows)
