@@ -71,7 +71,7 @@ def _use_triton(x: torch.Tensor, kernel: str) -> bool:
 
 
 def group_cols_amax(x_RC: torch.Tensor, src_P: torch.Tensor, padded_offsets_E: torch.Tensor,
-                    kernel: str = "auto") -> torch.Tensor:
+                    kernel: str = "auto", chunks: torch.Tensor | None = None) -> torch.Tensor:
     """amax over each group's rows of x[src_P], per column -> fp32 [E, C] (0 for an empty group).
     ``kernel``: "triton" (fp8_rowwise_triton: a max per 16 rows, then per group over those; no
     atomics; also on the CPU under TRITON_INTERPRET=1), "torch" (scatter_reduce, the reference; its
@@ -80,7 +80,9 @@ def group_cols_amax(x_RC: torch.Tensor, src_P: torch.Tensor, padded_offsets_E: t
     if _use_triton(x_RC, kernel):
         from . import fp8_rowwise_triton as kernels
 
-        return kernels.group_amax(kernels.chunk_amax(x_RC, src_P), padded_offsets_E // kernels.CHUNK)
+        if chunks is None:  # else made already by fp8_rowwise_triton.quantize_rows_chunks
+            chunks = kernels.chunk_amax(x_RC, src_P)
+        return kernels.group_amax(chunks, padded_offsets_E // kernels.CHUNK)
     x_PC = gather_rows(x_RC, src_P).to(torch.float32)
     group_P = _groups_of_rows(padded_offsets_E, x_PC.shape[0])
     return x_PC.new_zeros(E, C).scatter_reduce_(0, group_P[:, None].expand_as(x_PC), x_PC.abs(), "amax")
@@ -99,13 +101,7 @@ def quantize_group_cols(x_RC: torch.Tensor, src_P: torch.Tensor, padded_offsets_
     transposed layout the GEMM reads, scale fp32 [E, C]: group e's column c). No host sync.
     ``kernel``: as group_cols_amax (Triton: fp8_rowwise_triton.quantize_cols, one read of each tile).
     ``chunks`` (Triton): x's per-16-row column maxima already made (fp8_rowwise_triton.quantize_rows_chunks)."""
-    if chunks is not None and _use_triton(x_RC, kernel):
-        from . import fp8_rowwise_triton as kernels
-
-        amax_EC = kernels.group_amax(chunks, padded_offsets_E // kernels.CHUNK)
-    else:
-        amax_EC = group_cols_amax(x_RC, src_P, padded_offsets_E, kernel)
-    scale_EC = pow2_scale(amax_EC)
+    scale_EC = pow2_scale(group_cols_amax(x_RC, src_P, padded_offsets_E, kernel, chunks))
     group_P = _groups_of_rows(padded_offsets_E, src_P.numel())
     if _use_triton(x_RC, kernel):
         from .fp8_rowwise_triton import quantize_cols
