@@ -5,12 +5,13 @@ mixed-precision policy, the dtype between pipeline stages, the dtype the MoE lay
 and the GEMM backend that dense linears and the grouped expert GEMM call (docs/precision.md).
 """
 
-from .config import PrecisionBackend, PrecisionConfig, PrecisionRecipe
+from .config import Fp8Wgrad, PrecisionBackend, PrecisionConfig, PrecisionRecipe
 from .gemm import DEFAULT_GEMM, GEMM_BACKENDS, GemmBackend, TorchGemm, compute_dtype, gemm_backend, register_gemm_backend
 from .policy import GemmModule, PrecisionPolicy
 
 __all__ = [
     "DEFAULT_GEMM",
+    "Fp8Wgrad",
     "GEMM_BACKENDS",
     "GemmModule",
     "GemmBackend",

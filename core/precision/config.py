@@ -11,7 +11,7 @@ from ..distributed import is_main
 from .gemm import gemm_backend
 from .policy import GemmModule, PrecisionPolicy
 
-__all__ = ["Bf16Experts", "Fp8Experts", "GemmModule", "PrecisionBackend", "PrecisionConfig", "PrecisionRecipe"]
+__all__ = ["Bf16Experts", "Fp8Experts", "Fp8Wgrad", "GemmModule", "PrecisionBackend", "PrecisionConfig", "PrecisionRecipe"]
 
 
 class PrecisionRecipe(StrEnum):
@@ -70,6 +70,38 @@ class Fp8Experts(StrEnum):
     """core/precision/fp8_gluon.py: the same grouped GEMMs as ``triton`` written in Gluon with explicit
     async wgmma (each K-block's fp32 promotion overlapping the next K-block's MMA), no host sync.
     SM90 only: on other GPUs and the CPU the ``triton`` kernels run."""
+
+
+class Fp8Wgrad(StrEnum):
+    """Which FP8 recipe GEMMs run their weight gradients in FP8 (the rest in bf16 from the saved bf16
+    input and the bf16 output gradient, fp32 accumulation). ``true`` and ``false`` are read as
+    ``all`` and ``none``."""
+
+    all = "all"
+    """Every FP8 GEMM's wgrad in FP8, along the tokens (true)."""
+    none = "none"
+    """Every wgrad in bf16 (false): no columns to quantize, x saved in bf16."""
+    dense = "dense"
+    """The dense linears' (attention, dense MLPs, the shared expert) wgrads in FP8, the routed experts'
+    grouped wgrads in bf16: for layers of many small experts, whose per-expert token groups are short
+    reductions that FP8 speeds up least and whose per-expert column quantization costs most."""
+
+    @classmethod
+    def _missing_(cls, value):
+        text = str(value).lower()
+        if value is True or text in ("true", "1", "yes"):
+            return cls.all
+        if value is False or text in ("false", "0", "no"):
+            return cls.none
+        return None
+
+    @property
+    def dense_fp8(self) -> bool:
+        return self in (Fp8Wgrad.all, Fp8Wgrad.dense)
+
+    @property
+    def experts_fp8(self) -> bool:
+        return self == Fp8Wgrad.all
 
 
 class Bf16Experts(StrEnum):
@@ -164,15 +196,16 @@ class PrecisionConfig(Config):
     Fp8Experts): the Triton kernels (no host sync), one cuBLAS GEMM per expert (a host sync per
     GEMM; faster where a layer has few experts with many rows each) or the Gluon kernels (SM90, no
     host sync)."""
-    fp8_wgrad: bool = True
-    """fp8_blockwise recipe (native backend) and fp8_rowwise (any backend): the weight-gradient GEMMs
-    (dense and grouped) in FP8 along the tokens (true), or in bf16 from the saved bf16 input and the
-    bf16 output gradient (false; fp32 accumulation, as the bf16 recipe's): no transposed token tiles
-    to quantize, the bf16 GEMM's speed for the wgrad, and x saved in bf16 (2 bytes per element
-    instead of about 1). The forward and the dgrad stay FP8 either way (core/precision/fp8_gemm.py,
-    fp8_rowwise.py). Measured on the H200, compiled, fp8_blockwise: -12% tokens/s on OLMoE-8L, -5% on
-    olmoe3-4l-8e with cuBLAS experts (docs/performance.md); fp8_rowwise: +2.9% on olmoe3-4l-8e
-    (59,525 against 57,868 tok/s, +1.8 GiB; session 12)."""
+    fp8_wgrad: Fp8Wgrad = Fp8Wgrad.all
+    """fp8_blockwise recipe (native backend) and fp8_rowwise (any backend): which weight-gradient GEMMs
+    run in FP8 along the tokens (see Fp8Wgrad): ``all`` (true), ``none`` (false: every wgrad in bf16
+    from the saved bf16 input and the bf16 output gradient, fp32 accumulation, as the bf16 recipe's;
+    no transposed token tiles to quantize, x saved in 2 bytes per element instead of about 1) or
+    ``dense`` (the dense linears in FP8, the routed experts' grouped wgrads in bf16). The forward and
+    the dgrad stay FP8 either way (core/precision/fp8_gemm.py, fp8_rowwise.py). Measured on the H200,
+    compiled: fp8_blockwise false -12% tokens/s on OLMoE-8L, -5% on olmoe3-4l-8e with cuBLAS experts;
+    fp8_rowwise with fast accumulation and the bf16 copies, false: +6.6% on OLMoE-8L, -3.7% on
+    olmoe3-4l-8e (docs/performance.md, session 14)."""
 
     fp8_fast_accum: bool = False
     """fp8_rowwise recipe, native backend: the FP8 GEMMs accumulate on the tensor cores without the
@@ -196,8 +229,9 @@ class PrecisionConfig(Config):
         if experts != Fp8Experts.triton and self.recipe != PrecisionRecipe.fp8_blockwise:
             raise ConfigError(f"precision.fp8_experts={experts} picks how fp8_blockwise's expert GEMMs run: it needs "
                               f"--precision.recipe=fp8_blockwise, got {self.recipe}; drop it for this recipe")
-        if not self.fp8_wgrad and self.recipe not in (PrecisionRecipe.fp8_blockwise, PrecisionRecipe.fp8_rowwise):
-            raise ConfigError(f"precision.fp8_wgrad=false runs an FP8 recipe's weight gradients in bf16: it needs "
+        wgrad = Fp8Wgrad(self.fp8_wgrad)
+        if wgrad != Fp8Wgrad.all and self.recipe not in (PrecisionRecipe.fp8_blockwise, PrecisionRecipe.fp8_rowwise):
+            raise ConfigError(f"precision.fp8_wgrad={wgrad} runs some of an FP8 recipe's weight gradients in bf16: it needs "
                               f"--precision.recipe=fp8_blockwise or fp8_rowwise, got {self.recipe}; drop it for this recipe")
         if not self.fp8_fused_amax and self.recipe != PrecisionRecipe.fp8_rowwise:
             raise ConfigError(f"precision.fp8_fused_amax=false is an option of the fp8_rowwise recipe's quantization: it "
@@ -274,8 +308,9 @@ class PrecisionConfig(Config):
                                   f"experts runs on SM100 / SM103 (compute capability 10.x), and this GPU is "
                                   f"SM{major}x: use --precision.backend=emulated, or "
                                   f"--precision.modules=[attention,mlp] (experts then stay bf16)")
-        if not self.fp8_wgrad and backend != PrecisionBackend.native and recipe == PrecisionRecipe.fp8_blockwise:
-            raise ConfigError("precision.fp8_wgrad=false is an option of the native fp8_blockwise GEMMs (an SM90+ GPU), "
+        wgrad = Fp8Wgrad(self.fp8_wgrad)
+        if wgrad != Fp8Wgrad.all and backend != PrecisionBackend.native and recipe == PrecisionRecipe.fp8_blockwise:
+            raise ConfigError(f"precision.fp8_wgrad={wgrad} is an option of the native fp8_blockwise GEMMs (an SM90+ GPU), "
                               f"and this run resolved precision.backend={backend}: drop fp8_wgrad, or run on a Hopper GPU")
         if per_expert and backend == PrecisionBackend.native:
             raise ConfigError(f"precision.bf16_experts=cublas runs bf16 expert GEMMs one cuBLAS GEMM per expert (the bf16 "
@@ -295,7 +330,7 @@ class PrecisionConfig(Config):
         if self.fp8_fast_accum and backend != PrecisionBackend.native:
             raise ConfigError("precision.fp8_fast_accum=true is an option of the native fp8_rowwise GEMMs (an SM90 GPU), "
                               f"and this run resolved precision.backend={backend}: drop fp8_fast_accum, or run on a Hopper GPU")
-        gemm = low_precision_gemm(recipe, backend, self.mx_scale, self.fp8_experts, self.fp8_wgrad, self.fp8_fast_accum,
+        gemm = low_precision_gemm(recipe, backend, self.mx_scale, self.fp8_experts, wgrad, self.fp8_fast_accum,
                                   expert_copies=WeightCopies(self.expert_weight_copies) == WeightCopies.optimizer,
                                   fp8_fused_amax=self.fp8_fused_amax)
         gemm.quantize_weights_once = bool(self.quantize_weights_once)
@@ -304,17 +339,19 @@ class PrecisionConfig(Config):
 
 
 def low_precision_gemm(recipe: PrecisionRecipe | str, backend: PrecisionBackend | str, mx_scale: str = "rceil",
-                       fp8_experts: Fp8Experts | str = Fp8Experts.triton, fp8_wgrad: bool = True,
+                       fp8_experts: Fp8Experts | str = Fp8Experts.triton, fp8_wgrad: Fp8Wgrad | bool | str = Fp8Wgrad.all,
                        fp8_fast_accum: bool = False, expert_copies: bool = False, fp8_fused_amax: bool = True):
     """The GemmBackend instance of a low-precision recipe and a resolved backend (native / emulated);
     ``expert_copies``: fp8_rowwise's experts on the optimizer's bf16 weight copies
     (precision.expert_weight_copies=optimizer); ``fp8_fused_amax``: precision.fp8_fused_amax."""
     recipe, backend = PrecisionRecipe(recipe), PrecisionBackend(backend)
+    # the backends' own words (gemm.WGRAD): every wgrad FP8, every wgrad bf16, or the dense ones FP8
+    wgrad = {Fp8Wgrad.all: "fp8", Fp8Wgrad.none: "bf16", Fp8Wgrad.dense: "dense"}[Fp8Wgrad(fp8_wgrad)]
     if recipe == PrecisionRecipe.fp8_rowwise:  # its own emulation: the wgrad's scales are per expert, not blocks
         from .fp8_rowwise import Fp8RowwiseGemm
 
         return Fp8RowwiseGemm(native=backend == PrecisionBackend.native, fast_accum=fp8_fast_accum,
-                              wgrad="fp8" if fp8_wgrad else "bf16", expert_copies=expert_copies,
+                              wgrad=wgrad, expert_copies=expert_copies,
                               fused_amax=fp8_fused_amax)
     if backend == PrecisionBackend.emulated:
         from .emulated import BlockwiseFormat, EmulatedGemm, MXFormat
@@ -326,4 +363,4 @@ def low_precision_gemm(recipe: PrecisionRecipe | str, backend: PrecisionBackend 
         return NativeMXGemm(mx_scale)
     from .fp8_gemm import Fp8BlockwiseGemm
 
-    return Fp8BlockwiseGemm(experts=str(Fp8Experts(fp8_experts)), wgrad="fp8" if fp8_wgrad else "bf16")
+    return Fp8BlockwiseGemm(experts=str(Fp8Experts(fp8_experts)), wgrad=wgrad)

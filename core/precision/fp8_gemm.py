@@ -13,7 +13,8 @@ the saved bf16 input and the bf16 output gradient (fp32 accumulation, as the bf1
 operand is quantized along the tokens (the transposed token tiles are the quantization's slow
 output), the forward saves x in bf16 (2 bytes per element instead of 1 + 1/128), and the wgrad
 is the bf16 GEMM's speed. Measured on the H200: faster in the eager grouped benchmark at the
-64-expert olmoe shape, slower in every compiled step (docs/precision.md).
+64-expert olmoe shape, slower in every compiled step (docs/precision.md). ``wgrad="dense"``
+(precision.fp8_wgrad=dense): the dense linears' wgrads in FP8, the grouped experts' in bf16.
 
 Every operand is quantized along its GEMM's reduction dim; the layouts are the fast ones (the
 K-contiguous operand of every GEMM: w and w^T both kept, once per optimizer step; x saved for the
@@ -34,7 +35,7 @@ from . import bf16_grouped
 from .blockwise import FP8_BLOCK, quantize_128x128, quantize_1x128
 from .cache import WeightCache
 from .fp8_cublas import ROW_SLACK, m_fastest, tile_scales
-from .gemm import GemmBackend
+from .gemm import GemmBackend, wgrad_fp8
 from .grouping import gather_rows, pad_rows, padded_source_rows
 
 __all__ = ["Fp8BlockwiseGemm", "has_blockwise_scaled_mm"]
@@ -42,7 +43,6 @@ __all__ = ["Fp8BlockwiseGemm", "has_blockwise_scaled_mm"]
 QUANT = ("auto", "triton", "torch")
 EXPERTS = ("triton", "cublas", "gluon")  # the grouped GEMMs: fp8_triton's kernels, fp8_cublas's loop over
 # experts, or fp8_gluon's kernels (SM90; fp8_triton's elsewhere)
-WGRAD = ("fp8", "bf16")  # the weight-gradient GEMMs: FP8 along the tokens, or bf16 from the saved bf16 input
 
 
 def has_blockwise_scaled_mm() -> bool:
@@ -158,16 +158,16 @@ class _Fp8GroupedMM(torch.autograd.Function):
         w_q, wt_q, w_s = _weights(gemm, w_EOI)
         # the FP8 wgrad's operands: each expert's rows padded to whole 128s, read through an index
         # (a bf16 wgrad reads the rows as they are: no index)
-        src_P, padded_offsets_E = (padded_source_rows(offsets_E, R, FP8_BLOCK) if gemm.fp8_wgrad
+        src_P, padded_offsets_E = (padded_source_rows(offsets_E, R, FP8_BLOCK) if gemm.fp8_wgrad_experts
                                    else (None, None))
-        (x_q, x_s), xt = _quantize(gemm, x_RI, True, gemm.fp8_wgrad, src_P,
+        (x_q, x_s), xt = _quantize(gemm, x_RI, True, gemm.fp8_wgrad_experts, src_P,
                                    rows_out=R + ROW_SLACK if cublas else None)
         if cublas:  # B[e] = w[e] [O, I] as the [N, K] operand; its tiles [E, O/128, I/128]
             y_RO = torch.ops.moetron.fp8_cublas_rows(x_q, x_s, w_q, w_s, offsets_E)[:R]
         else:  # B[e] = w[e]^T [I, O], K-contiguous; its tiles [E, I/128, O/128]
             y_RO = fp8_grouped_mm_rows(x_q, x_s, w_q.transpose(1, 2), w_s.transpose(1, 2), offsets_E,
                                        kernel=gemm.grouped_kernel)
-        x_saved = xt if gemm.fp8_wgrad else (x_RI.to(torch.bfloat16),)
+        x_saved = xt if gemm.fp8_wgrad_experts else (x_RI.to(torch.bfloat16),)
         ctx.save_for_backward(*x_saved, w_EOI, offsets_E, src_P, padded_offsets_E)
         ctx.gemm, ctx.x_dtype = gemm, x_RI.dtype
         return y_RO
@@ -180,7 +180,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
         gemm, R = ctx.gemm, dy_RO.shape[0]
         cublas = gemm.experts == "cublas"
         dx = dw = None
-        dyq, dyt = _quantize(gemm, dy_RO, ctx.needs_input_grad[0], ctx.needs_input_grad[1] and gemm.fp8_wgrad,
+        dyq, dyt = _quantize(gemm, dy_RO, ctx.needs_input_grad[0], ctx.needs_input_grad[1] and gemm.fp8_wgrad_experts,
                              src_P, rows_out=R + ROW_SLACK if cublas else None)
         if ctx.needs_input_grad[0]:
             w_q, wt_q, w_s = _weights(gemm, w_EOI)
@@ -189,7 +189,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
             else:  # B[e] = w[e] [O, I] read from w^T's storage (K = O contiguous); tiles [E, O/128, I/128]
                 dx = fp8_grouped_mm_rows(*dyq, wt_q.transpose(1, 2), w_s, offsets_E, kernel=gemm.grouped_kernel)
             dx = dx.to(ctx.x_dtype)
-        if ctx.needs_input_grad[1] and not gemm.fp8_wgrad:  # bf16, fp32 accumulation (the bf16 recipe's wgrad)
+        if ctx.needs_input_grad[1] and not gemm.fp8_wgrad_experts:  # bf16, fp32 accumulation (the bf16 recipe's wgrad)
             _, dw = bf16_grouped.grouped_grads(dy_RO, x_saved[0], w_EOI, offsets_E.to(torch.int32),
                                                torch.bfloat16, False, True, per_expert=cublas)
         elif ctx.needs_input_grad[1]:
@@ -208,7 +208,8 @@ class Fp8BlockwiseGemm(GemmBackend):
     grouped GEMMs through the Triton kernels ("triton", no host sync) or one cuBLAS GEMM per expert
     ("cublas": core/precision/fp8_cublas.py, one host sync per GEMM; faster with few experts) or the
     Gluon kernels ("gluon": core/precision/fp8_gluon.py, SM90; the Triton ones elsewhere).
-    ``wgrad``: the weight gradients in FP8 ("fp8") or in bf16 ("bf16", see the module docstring)."""
+    ``wgrad``: the weight gradients in FP8 ("fp8"), in bf16 ("bf16", see the module docstring), or
+    the dense linears' in FP8 and the grouped experts' in bf16 ("dense"; gemm.WGRAD)."""
 
     name = "fp8_blockwise"
     label = "fp8_blockwise (1x128 / 128x128 FP8 GEMMs)"
@@ -221,10 +222,9 @@ class Fp8BlockwiseGemm(GemmBackend):
             raise ValueError(f"quant must be one of {QUANT}, got {quant!r}")
         if experts not in EXPERTS:
             raise ValueError(f"experts must be one of {EXPERTS}, got {experts!r}")
-        if wgrad not in WGRAD:
-            raise ValueError(f"wgrad must be one of {WGRAD}, got {wgrad!r}")
         self.dense, self.quant, self.experts = dense, quant, experts
-        self.fp8_wgrad = wgrad == "fp8"
+        self.wgrad = wgrad
+        self.fp8_wgrad, self.fp8_wgrad_experts = wgrad_fp8(wgrad)
         self.row_multiple = 4 if dense == "scaled_mm" else 1  # cuBLAS: the 1x128 scales' rows in 4s
         self.cache = WeightCache()
 
@@ -249,4 +249,4 @@ class Fp8BlockwiseGemm(GemmBackend):
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(dense={self.dense!r}, quant={self.quant!r}, experts={self.experts!r}, "
-                f"wgrad={'fp8' if self.fp8_wgrad else 'bf16'!r})")
+                f"wgrad={self.wgrad!r})")

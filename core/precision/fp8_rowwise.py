@@ -38,7 +38,7 @@ import torch
 
 from .blockwise import pow2_scale
 from .cache import WeightCache
-from .gemm import GemmBackend, attach_expert_copies
+from .gemm import GemmBackend, attach_expert_copies, wgrad_fp8
 from .grouping import gather_rows, pad_rows, grouped_mm_2d2d, grouped_mm_2d3d, padded_source_rows
 from .mx import E4M3_MAX
 
@@ -223,7 +223,7 @@ class _RowwiseGroupedMM(torch.autograd.Function):
         # the wgrad's operand: each expert's rows padded to 16, quantized along them per expert (or, with
         # fp8_wgrad=false, x in bf16 for a bf16 wgrad)
         src_P, padded_offsets_E = padded_source_rows(offsets_E, x_RI.shape[0], ALIGN)
-        if gemm.fp8_wgrad:
+        if gemm.fp8_wgrad_experts:
             (x_q, x_s), x_saved = _rows_and_group_cols(gemm, x_RI, src_P, padded_offsets_E)
         else:
             (x_q, x_s), x_saved = _rows(x_RI), (x_RI.to(_BF16),)
@@ -237,7 +237,7 @@ class _RowwiseGroupedMM(torch.autograd.Function):
         *x_saved, w_EOI, offsets_E, src_P, padded_offsets_E = ctx.saved_tensors
         gemm = ctx.gemm
         dx = dw = None
-        fp8_wgrad = ctx.needs_input_grad[1] and gemm.fp8_wgrad
+        fp8_wgrad = ctx.needs_input_grad[1] and gemm.fp8_wgrad_experts
         if ctx.needs_input_grad[0] and fp8_wgrad:  # dy's rows and its columns per expert ([O, P], [E, O])
             (dy_q, dy_s), (dyt_q, dyt_s) = _rows_and_group_cols(gemm, dy_RO, src_P, padded_offsets_E)
         elif ctx.needs_input_grad[0]:
@@ -247,7 +247,7 @@ class _RowwiseGroupedMM(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             wt_q, wt_s = _weight(gemm, w_EOI, "cols")  # w[e]^T [I, O]: the dgrad's [N, K] operand
             dx = _grouped_rows(gemm, dy_q, dy_s, wt_q, wt_s, offsets_E).to(ctx.x_dtype)
-        if ctx.needs_input_grad[1] and not gemm.fp8_wgrad:  # bf16 operands, fp32 accumulation, bf16 output
+        if ctx.needs_input_grad[1] and not gemm.fp8_wgrad_experts:  # bf16 operands, fp32 accumulation, bf16 output
             dw = grouped_mm_2d2d(dy_RO.to(_BF16).t(), x_saved[0], offsets_E, gemm.per_expert).to(w_EOI.dtype)
         elif fp8_wgrad:
             xt_q, xt_s = x_saved
@@ -267,7 +267,8 @@ class Fp8RowwiseGemm(GemmBackend):
     emulation (dequantized operands, bf16 GEMMs; any device). ``fast_accum``: the native GEMMs'
     accumulation without fp32 promotion. ``wgrad``: the weight gradients in FP8 ("fp8", per column
     along the tokens) or in bf16 from the saved bf16 input ("bf16", precision.fp8_wgrad=false: no
-    column quantization, x saved in 2 bytes per element instead of 1). ``expert_copies``
+    column quantization, x saved in 2 bytes per element instead of 1), or the dense linears' in FP8
+    and the routed experts' grouped ones in bf16 ("dense", precision.fp8_wgrad=dense). ``expert_copies``
     (precision.expert_weight_copies=optimizer with expert_grads_bf16): the routed experts compute
     with the optimizer's bf16 copies of their weights (gemm.attach_expert_copies), so the expert
     weights are quantized from bf16 (half the bytes read of fp32; E4M3 of the bf16-rounded weight,
@@ -280,9 +281,8 @@ class Fp8RowwiseGemm(GemmBackend):
 
     def __init__(self, native: bool = True, fast_accum: bool = False, wgrad: str = "fp8",
                  expert_copies: bool = False, fused_amax: bool = True) -> None:
-        if wgrad not in ("fp8", "bf16"):
-            raise ValueError(f"wgrad must be 'fp8' or 'bf16', got {wgrad!r}")
-        self.native, self.fast_accum, self.fp8_wgrad = bool(native), bool(fast_accum), wgrad == "fp8"
+        self.native, self.fast_accum, self.wgrad = bool(native), bool(fast_accum), wgrad
+        self.fp8_wgrad, self.fp8_wgrad_experts = wgrad_fp8(wgrad)
         self.expert_copies, self.fused_amax = bool(expert_copies), bool(fused_amax)
         self.cache = WeightCache()
 
@@ -307,5 +307,5 @@ class Fp8RowwiseGemm(GemmBackend):
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(native={self.native}, fast_accum={self.fast_accum}, "
-                f"wgrad={'fp8' if self.fp8_wgrad else 'bf16'!r}, expert_copies={self.expert_copies}, "
+                f"wgrad={self.wgrad!r}, expert_copies={self.expert_copies}, "
                 f"fused_amax={self.fused_amax})")

@@ -38,6 +38,19 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+WGRAD = ("fp8", "bf16", "dense")
+"""The FP8 backends' ``wgrad`` (precision.fp8_wgrad all / none / dense): every weight-gradient GEMM in
+FP8 along the tokens, every one in bf16 from the saved bf16 input, or the dense linears' in FP8 and
+the routed experts' grouped ones in bf16."""
+
+
+def wgrad_fp8(wgrad: str) -> tuple[bool, bool]:
+    """(the dense linears' wgrad in FP8, the grouped experts' wgrad in FP8) of a backend's ``wgrad``."""
+    if wgrad not in WGRAD:
+        raise ValueError(f"wgrad must be one of {WGRAD}, got {wgrad!r}")
+    return wgrad in ("fp8", "dense"), wgrad == "fp8"
+
+
 class GemmBackend:
     """Interface. ``linear(x [..., I], w [O, I]) -> [..., O]``;
     ``grouped_mm(x [R, I], w [E, O, I], offsets_E int [E]) -> [R, O]``: rows

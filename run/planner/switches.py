@@ -11,7 +11,7 @@ import dataclasses
 from moetron.core.config import ConfigError
 from moetron.core.layers.loss import default_chunk_tokens
 from moetron.core.optim import OptimizerConfig
-from moetron.core.precision import PrecisionConfig, PrecisionRecipe, emulated
+from moetron.core.precision import Fp8Wgrad, PrecisionConfig, PrecisionRecipe, emulated
 from moetron.models import ModelConfig
 from moetron.parallel.config import ParallelConfig
 from .hardware import GPU, FP8_SAVED, FP8_WEIGHT_CACHED, FP8_WGRAD_BYTES, LOW_PRECISION
@@ -54,10 +54,11 @@ class Switches:
     cuBLAS GEMM per local expert (cublas: the GPU's rate or the CPU's per-call cost, whichever is longer).
     gluon (core/precision/fp8_gluon.py) is planned at the Triton kernels' rate: its current kernels have
     no measured rate yet (docs/performance.md, session 10)."""
-    fp8_wgrad: bool = True
-    """precision.fp8_wgrad (native fp8_blockwise): the weight-gradient GEMMs in FP8; false: in bf16 at
-    the bf16 rates (a third of each low-precision GEMM's FLOPs), the input saved in bf16 and only its
-    rows quantized (QUANT_ROWS_BYTES)."""
+    fp8_wgrad: str = "all"
+    """precision.fp8_wgrad (native fp8_blockwise): which weight-gradient GEMMs run in FP8 (all, none,
+    dense: all but the routed experts'); the others in bf16 at the bf16 rates (a third of each
+    low-precision GEMM's FLOPs), their input saved in bf16 and only its rows quantized
+    (QUANT_ROWS_BYTES)."""
     mx_fused: bool = True
     """mxfp8 emulated: each GEMM input's and output gradient's two quantizations from one read
     (core.precision.emulated.FUSED, MOETRON_MX_FUSED; False: two passes, MX_EMULATED_BYTES)."""
@@ -73,8 +74,10 @@ class Switches:
         return FP8_SAVED if self.low(module) and not self.bf16_wgrad(module) else 2.0
 
     def bf16_wgrad(self, module: str) -> bool:
-        """The module's low-precision GEMMs run their wgrad in bf16 (precision.fp8_wgrad=false)."""
-        return self.low(module) and self.recipe == "fp8_blockwise" and self.backend == "native" and not self.fp8_wgrad
+        """The module's low-precision GEMMs run their wgrad in bf16 (precision.fp8_wgrad=none, or dense
+        for the experts)."""
+        fp8 = self.fp8_wgrad == "all" or (self.fp8_wgrad == "dense" and module != "experts")
+        return self.low(module) and self.recipe == "fp8_blockwise" and self.backend == "native" and not fp8
 
     def weight_cache(self, module: str) -> float:
         """Bytes per weight element the low-precision weight cache holds through a step where it
@@ -150,7 +153,7 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
                     triton_swiglu=bool(precision.triton_swiglu) and recipe == PrecisionRecipe.bf16
                     and not (model.moe is not None and model.moe.weights_before_down),
                     bf16_experts=str(precision.bf16_experts),
-                    fp8_experts=str(precision.fp8_experts), fp8_wgrad=bool(precision.fp8_wgrad),
+                    fp8_experts=str(precision.fp8_experts), fp8_wgrad=str(Fp8Wgrad(precision.fp8_wgrad)),
                     quantize_weights_once=bool(precision.quantize_weights_once) and recipe in LOW_PRECISION,
                     mx_fused=emulated.FUSED if mx_fused is None else bool(mx_fused),
                     optimizer_kernel="torch" if str(optimizer.impl) == "torch" or optimizer.fused is not None else "triton",

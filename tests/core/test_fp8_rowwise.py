@@ -337,6 +337,32 @@ def test_bf16_wgrad_against_float64_and_unlike_the_fp8_one():
     assert (b.grad.to(f64) - refl).abs().max().item() <= 2.0 ** -8 * refl.abs().max().item()
 
 
+def test_dense_wgrad_is_fp8_for_the_linears_and_bf16_for_the_experts():
+    """wgrad="dense" (precision.fp8_wgrad=dense): the dense linear's gradients are bit for bit those
+    of wgrad="fp8", the grouped experts' those of wgrad="bf16" (the forward and dgrad FP8 in all)."""
+    torch.manual_seed(9)
+    sizes = [7, 0, 19, 12]
+    offsets = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    x0, w0, dy = torch.randn(sum(sizes), 64), torch.randn(4, 48, 64), torch.randn(sum(sizes), 48)
+    xl, wl, dyl = torch.randn(37, 64), torch.randn(32, 64), torch.randn(37, 32)
+    out = {}
+    for wgrad in ("fp8", "bf16", "dense"):
+        gemm = Fp8RowwiseGemm(native=False, wgrad=wgrad)
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        y = gemm.grouped_mm(x, w, offsets)
+        y.backward(dy)
+        a, b = xl.clone().requires_grad_(), wl.clone().requires_grad_()
+        yl = gemm.linear(a, b)
+        yl.backward(dyl)
+        out[wgrad] = dict(grouped=(y, x.grad, w.grad), linear=(yl, a.grad, b.grad))
+    for name in ("grouped", "linear"):
+        same = "bf16" if name == "grouped" else "fp8"
+        other = "fp8" if name == "grouped" else "bf16"
+        for got, want in zip(out["dense"][name], out[same][name]):
+            assert torch.equal(got, want), name
+        assert not torch.equal(out["dense"][name][2], out[other][name][2]), name  # the two wgrads differ
+
+
 def test_emulated_linear_against_float64():
     torch.manual_seed(3)
     x = torch.randn(37, 64, requires_grad=True)  # 37 tokens: padded to 48 inside, not in the output
@@ -368,8 +394,15 @@ def test_config_resolution_and_errors():
         cfg(recipe="fp8_rowwise", backend="native").build("cpu")
     assert not cfg(recipe="fp8_rowwise", fp8_wgrad=False).build("cpu", verbose=False).gemm.fp8_wgrad  # emulated too
     assert cfg(recipe="fp8_rowwise").build("cpu", verbose=False).gemm.fp8_wgrad
-    with pytest.raises(ConfigError, match="fp8_wgrad=false.*needs --precision.recipe=fp8_blockwise or fp8_rowwise"):
+    with pytest.raises(ConfigError, match="fp8_wgrad=none.*needs --precision.recipe=fp8_blockwise or fp8_rowwise"):
         cfg(recipe="mxfp8", fp8_wgrad=False).validate()
+    # true / false read as all / none; dense: the dense linears' wgrads FP8, the experts' bf16
+    dense = cfg(recipe="fp8_rowwise", fp8_wgrad="dense").build("cpu", verbose=False).gemm
+    assert (dense.fp8_wgrad, dense.fp8_wgrad_experts) == (True, False)
+    assert cfg(recipe="fp8_rowwise", fp8_wgrad="true").fp8_wgrad == "all"
+    assert cfg(recipe="fp8_rowwise", fp8_wgrad="false").fp8_wgrad == "none"
+    with pytest.raises(ConfigError, match="'experts_only' is not one of 'all', 'none', 'dense'"):
+        cfg(recipe="fp8_rowwise", fp8_wgrad="experts_only")
     with pytest.raises(ConfigError, match="fp8_fast_accum.*needs --precision.recipe=fp8_rowwise"):
         cfg(recipe="fp8_blockwise", fp8_fast_accum=True).validate()
     with pytest.raises(ConfigError, match="fp8_fast_accum=true is an option of the native.*backend=emulated"):

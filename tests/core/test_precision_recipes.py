@@ -49,11 +49,13 @@ def test_backend_resolution_and_errors(capsys):
     from moetron.core.precision.config import low_precision_gemm
 
     assert low_precision_gemm("fp8_blockwise", "native", fp8_experts="cublas").experts == "cublas"
-    with pytest.raises(ConfigError, match="fp8_wgrad=false.*needs --precision.recipe=fp8_blockwise or fp8_rowwise"):
+    with pytest.raises(ConfigError, match="fp8_wgrad=none.*needs --precision.recipe=fp8_blockwise or fp8_rowwise"):
         cfg(recipe="mxfp8", fp8_wgrad=False).validate()
-    with pytest.raises(ConfigError, match="fp8_wgrad=false is an option of the native.*backend=emulated"):
+    with pytest.raises(ConfigError, match="fp8_wgrad=none is an option of the native.*backend=emulated"):
         cfg(recipe="fp8_blockwise", fp8_wgrad=False).build("cpu")
     assert not low_precision_gemm("fp8_blockwise", "native", fp8_wgrad=False).fp8_wgrad
+    split = low_precision_gemm("fp8_blockwise", "native", fp8_wgrad="dense")
+    assert (split.fp8_wgrad, split.fp8_wgrad_experts) == (True, False)
     # the emulated backends' bf16 GEMMs take it (and then leave the compiled graph); the native ones refuse it
     assert cfg(recipe="mxfp8", backend="emulated", bf16_experts="cublas").build("cpu", verbose=False).gemm.per_expert
     assert not cfg(recipe="mxfp8", backend="emulated").build("cpu", verbose=False).gemm.per_expert

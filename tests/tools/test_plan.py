@@ -432,6 +432,8 @@ def test_fp8_wgrad_false_moves_a_third_of_the_flops_to_bf16_and_saves_inputs_in_
     expert_delta = flops / (989e12 * hw.EFF_EXPERT) - flops / (1979e12 * hw.EFF_FP8_EXPERT)
     gemm = lambda r: r["microbatch_parts_s"]["gemm"]  # noqa: E731
     assert gemm(bf16) - gemm(fp8) > expert_delta > 0  # + the dense modules' wgrad thirds
+    # precision.fp8_wgrad=dense: the experts' wgrad third alone at the bf16 rate
+    assert gemm(run("dense")) - gemm(fp8) == pytest.approx(expert_delta, rel=1e-6)
     quant = lambda r: r["microbatch_parts_s"]["recast_quant"]  # noqa: E731
     from moetron.run.planner.timing import _gemm_operands
 
