@@ -36,7 +36,7 @@ setup(
     ],
     extras_require={
         # wandb stays out of the tests' extra (heavy): its test skips without it.
-        "test": ["pytest", "transformers", "tokenizers", "tensorboard", "matplotlib", "torchao"],
+        "test": ["pytest", "pytest-xdist", "transformers", "tokenizers", "tensorboard", "matplotlib", "torchao"],
         "te": ["transformer-engine[pytorch]"],
         # Experiment tracking and plots: --logging.tensorboard, --logging.wandb, tools/plot.py.
         "track": ["tensorboard", "wandb", "matplotlib"],

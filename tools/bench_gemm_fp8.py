@@ -191,7 +191,7 @@ def bench_gemm(gemm, fn_kind, x, w, offsets, dy, device, iters, requantize: bool
 
     from cli import median_ms  # tools/cli.py (main put tools/ on the path)
 
-    return median_ms(step, device, warmup=min(3, iters), iters=iters)
+    return median_ms(step, device, warmup=min(3, iters - 1), iters=iters)  # --tiny (iters 1): one call, no warm-up
 
 
 def grouped_rows(shapes, tokens, device, iters, only=()):
