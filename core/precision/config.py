@@ -204,7 +204,7 @@ class PrecisionConfig(Config):
     ``dense`` (the dense linears in FP8, the routed experts' grouped wgrads in bf16). The forward and
     the dgrad stay FP8 either way (core/precision/fp8_gemm.py, fp8_rowwise.py). Measured on the H200,
     compiled: fp8_blockwise false -12% tokens/s on OLMoE-8L, -5% on olmoe3-4l-8e with cuBLAS experts;
-    fp8_rowwise with fast accumulation and the bf16 copies, false: +6.6% on OLMoE-8L, -3.7% on
+    fp8_rowwise with fast accumulation and the bf16 copies, false: +6.6% on OLMoE-8L, -3.2% on
     olmoe3-4l-8e (docs/performance.md, session 14)."""
 
     fp8_fast_accum: bool = False

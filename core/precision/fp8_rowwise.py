@@ -149,12 +149,14 @@ def _rows_and_group_cols(gemm: "Fp8RowwiseGemm", x_RC: torch.Tensor, src_P: torc
                          padded_offsets_E: torch.Tensor):
     """(_rows(x), quantize_group_cols(x, src_P, padded_offsets_E)): a grouped GEMM operand quantized
     for both of its GEMMs. On CUDA with ``gemm.fused_amax`` one kernel makes the rows and the
-    columns' per-16-row maxima (x read once for both, not twice); the same bits."""
+    columns' per-16-row maxima (x read once for both, not twice), where its tile fits the row
+    (fp8_rowwise_triton.rows_chunks_fits: up to 4096 columns); the same bits."""
     if gemm.fused_amax and _use_triton(x_RC, KERNELS):
-        from .fp8_rowwise_triton import quantize_rows_chunks
+        from .fp8_rowwise_triton import quantize_rows_chunks, rows_chunks_fits
 
-        data, scale, chunks = quantize_rows_chunks(x_RC, src_P)
-        return (data, scale), quantize_group_cols(x_RC, src_P, padded_offsets_E, KERNELS, chunks=chunks)
+        if rows_chunks_fits(x_RC.shape[1]):
+            data, scale, chunks = quantize_rows_chunks(x_RC, src_P)
+            return (data, scale), quantize_group_cols(x_RC, src_P, padded_offsets_E, KERNELS, chunks=chunks)
     return _rows(x_RC), quantize_group_cols(x_RC, src_P, padded_offsets_E, KERNELS)
 
 

@@ -36,7 +36,7 @@ from .blockwise import pow2_scale
 from .blockwise_triton import _block_scales
 from .mx_triton import HW_CONVERT, abs_bits, amax_of_bits, as_loadable, to_e4m3, widen
 
-__all__ = ["CHUNK", "TILES", "chunk_amax", "group_amax", "quantize_cols", "quantize_rows", "quantize_rows_chunks",
+__all__ = ["CHUNK", "TILES", "chunk_amax", "group_amax", "quantize_cols", "quantize_rows", "quantize_rows_chunks", "rows_chunks_fits",
            "quantize_stacked_cols"]
 
 CHUNK = 16
@@ -229,6 +229,16 @@ def quantize_rows(x_RC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                                                           IN_BF16=in_bf16, BLOCK_R=block_r, BLOCK_C=block_c,
                                                           ONE_PASS=block_c >= C, HW=HW_CONVERT, num_warps=t["num_warps"])
     return data, scale
+
+
+def rows_chunks_fits(C: int) -> bool:
+    """Whether quantize_rows_chunks's default tile serves rows of C columns: at most ``cols_per_warp``
+    columns a warp on its 8 warps (C <= 4096 by default). Wider rows put more columns on each thread
+    than its registers hold (measured on the H200, session 15: 1024 columns a warp ran 2.5-2.8 ms
+    against 0.34 at [65664, 4096], and olmoe3-4l-8e's [65664, 8192] gate|up gradient made the fused
+    path 4% slower a step than the two kernels); fp8_rowwise then runs the two kernels."""
+    t = TILES["rows_chunks"]
+    return bool(t["num_warps"]) or triton.next_power_of_2(C) <= 8 * t["cols_per_warp"]
 
 
 def quantize_rows_chunks(x_RC: torch.Tensor, src_P: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -217,6 +217,23 @@ def check_gemms_with_triton_quantization(device: str) -> None:
             assert torch.equal(got, want), fused
 
 
+def test_fused_kernel_serves_rows_up_to_4096_columns():
+    """The fused rows + column maxima kernel's default tile holds at most 512 columns a warp on 8
+    warps: wider rows (olmoe3-4l-8e's 8192-column gate|up gradient) take the two kernels; a tile
+    with its warps given (the sweep's) serves any width."""
+    pytest.importorskip("triton")
+    from moetron.core.precision import fp8_rowwise_triton as kernels
+
+    assert kernels.rows_chunks_fits(2048) and kernels.rows_chunks_fits(4096) and kernels.rows_chunks_fits(3000)
+    assert not kernels.rows_chunks_fits(8192) and not kernels.rows_chunks_fits(4100)
+    saved = dict(kernels.TILES["rows_chunks"])
+    try:
+        kernels.TILES["rows_chunks"]["num_warps"] = 8
+        assert kernels.rows_chunks_fits(8192)
+    finally:
+        kernels.TILES["rows_chunks"] = saved
+
+
 def check_all(device: str) -> None:
     """Every kernel check of this file, in one process (one interpreter start-up)."""
     check_group_cols_amax_kernel(device)
