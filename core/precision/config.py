@@ -95,14 +95,6 @@ class Fp8Wgrad(StrEnum):
             return cls.none
         return None
 
-    @property
-    def dense_fp8(self) -> bool:
-        return self in (Fp8Wgrad.all, Fp8Wgrad.dense)
-
-    @property
-    def experts_fp8(self) -> bool:
-        return self == Fp8Wgrad.all
-
 
 class Bf16Experts(StrEnum):
     grouped_mm = "grouped_mm"
@@ -344,9 +336,7 @@ def low_precision_gemm(recipe: PrecisionRecipe | str, backend: PrecisionBackend 
     """The GemmBackend instance of a low-precision recipe and a resolved backend (native / emulated);
     ``expert_copies``: fp8_rowwise's experts on the optimizer's bf16 weight copies
     (precision.expert_weight_copies=optimizer); ``fp8_fused_amax``: precision.fp8_fused_amax."""
-    recipe, backend = PrecisionRecipe(recipe), PrecisionBackend(backend)
-    # the backends' own words (gemm.WGRAD): every wgrad FP8, every wgrad bf16, or the dense ones FP8
-    wgrad = {Fp8Wgrad.all: "fp8", Fp8Wgrad.none: "bf16", Fp8Wgrad.dense: "dense"}[Fp8Wgrad(fp8_wgrad)]
+    recipe, backend, wgrad = PrecisionRecipe(recipe), PrecisionBackend(backend), str(Fp8Wgrad(fp8_wgrad))
     if recipe == PrecisionRecipe.fp8_rowwise:  # its own emulation: the wgrad's scales are per expert, not blocks
         from .fp8_rowwise import Fp8RowwiseGemm
 

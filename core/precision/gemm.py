@@ -38,17 +38,17 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-WGRAD = ("fp8", "bf16", "dense")
-"""The FP8 backends' ``wgrad`` (precision.fp8_wgrad all / none / dense): every weight-gradient GEMM in
-FP8 along the tokens, every one in bf16 from the saved bf16 input, or the dense linears' in FP8 and
-the routed experts' grouped ones in bf16."""
+WGRAD = {"all": (True, True), "none": (False, False), "dense": (True, False), "fp8": (True, True), "bf16": (False, False)}
+"""The FP8 backends' ``wgrad`` (precision.fp8_wgrad, config.Fp8Wgrad) -> (the dense linears' weight
+gradients in FP8, the routed experts' grouped ones in FP8); the rest run in bf16 from the saved
+bf16 input. "fp8" and "bf16" are the backends' older words for all and none."""
 
 
 def wgrad_fp8(wgrad: str) -> tuple[bool, bool]:
-    """(the dense linears' wgrad in FP8, the grouped experts' wgrad in FP8) of a backend's ``wgrad``."""
-    if wgrad not in WGRAD:
-        raise ValueError(f"wgrad must be one of {WGRAD}, got {wgrad!r}")
-    return wgrad in ("fp8", "dense"), wgrad == "fp8"
+    """(the dense linears' wgrad in FP8, the grouped experts' wgrad in FP8) of a ``wgrad`` (WGRAD)."""
+    if str(wgrad) not in WGRAD:
+        raise ValueError(f"wgrad must be one of {', '.join(WGRAD)}, got {wgrad!r}")
+    return WGRAD[str(wgrad)]
 
 
 class GemmBackend:
