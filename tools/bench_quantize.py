@@ -39,7 +39,9 @@ def parse(argv):
     return p.parse_args(argv)
 
 
-ROWWISE_SHAPES = [(131072, 2048, 64), (65536, 4096, 8)]  # OLMoE-8L's x (top-8 of 64), olmoe3-4l-8e's (top-4 of 8)
+# OLMoE-8L's x (top-8 of 64), olmoe3-4l-8e's x (top-4 of 8) and its gate|up output gradient (8192 columns:
+# wider than the fused kernel's default tile serves, fp8_rowwise_triton.rows_chunks_fits)
+ROWWISE_SHAPES = [(131072, 2048, 64), (65536, 4096, 8), (65536, 8192, 8)]
 ROWS_TILES = [  # (label, TILES["rows"]): session 11's kernel (4 rows, two passes of 512), then one pass
     ("2pass 4x512 w4", {"elements": 2048, "max_rows": 4, "one_pass_cols": 0, "cols": 512, "num_warps": 4}),
     *((f"1pass {e // 1024}k w{w}", {"elements": e, "max_rows": 64, "one_pass_cols": 8192, "cols": 1024, "num_warps": w})
@@ -48,7 +50,8 @@ ROWS_TILES = [  # (label, TILES["rows"]): session 11's kernel (4 rows, two passe
 CHUNK_TILES = [(1, 512, 2), (1, 512, 4), (1, 1024, 4), (1, 1024, 8), (2, 1024, 4), (4, 1024, 4), (1, 2048, 8)]  # chunks, cols, warps
 GROUP_TILES = [(8, 256, 2), (4, 256, 2), (16, 256, 2), (8, 512, 4), (8, 128, 1)]  # unroll, cols, warps
 ROWS_CHUNKS_TILES = [(8192, 8, 0), (8192, 4, 0), (8192, 16, 0), (8192, 8, 2), (8192, 8, 4), (8192, 8, 8),
-                     (1024, 8, 4)]  # one_pass_cols, sub_rows, warps (0: one per 512 columns); 1024: 2 passes
+                     (1024, 8, 4), (8192, 2, 8), (8192, 4, 8), (4096, 8, 8), (2048, 8, 4)]
+# one_pass_cols, sub_rows, warps (0: one per 512 columns); one_pass_cols below C: two passes of 1024 columns
 
 
 def rowwise(args, device) -> list[dict]:
