@@ -91,6 +91,27 @@ def test_bf16_wgrad_on_cpu_matches_float64(monkeypatch):
     assert len(built) == 1  # check_fp8's second, FP8-wgrad run only
 
 
+def test_dense_wgrad_runs_the_experts_wgrad_in_bf16():
+    """wgrad="dense" (precision.fp8_wgrad=dense): the grouped experts' forward, dgrad and wgrad are
+    bit for bit those of wgrad="bf16" (and their wgrad differs from the FP8 one); the dense linears
+    keep the FP8 wgrad (the flag their backward reads)."""
+    from moetron.core.precision.fp8_gemm import Fp8BlockwiseGemm
+
+    offsets = torch.tensor([40, 40, 140, 150])
+    x, w, dy = wide(160, 256, seed=1), wide(4, 128, 256, seed=2), wide(160, 128, seed=3).bfloat16().float()
+    out = {}
+    for wgrad in ("fp8", "bf16", "dense"):
+        gemm = Fp8BlockwiseGemm("triton", "torch", "cublas", wgrad=wgrad)
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = gemm.grouped_mm(xr, wr, offsets)
+        y.backward(dy)
+        out[wgrad] = (y.detach()[:150], xr.grad[:150], wr.grad)  # rows past the last group: unspecified
+    assert all(torch.equal(a, b) for a, b in zip(out["dense"], out["bf16"]))
+    assert not torch.equal(out["dense"][2], out["fp8"][2])
+    dense = Fp8BlockwiseGemm("triton", "torch", "cublas", wgrad="dense")
+    assert dense.fp8_wgrad and not dense.fp8_wgrad_experts
+
+
 def test_cublas_rows_refuses_a_without_spare_rows():
     from moetron.core.precision.blockwise import quantize_128x128, quantize_1x128
 
