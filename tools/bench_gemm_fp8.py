@@ -191,7 +191,8 @@ def bench_gemm(gemm, fn_kind, x, w, offsets, dy, device, iters, requantize: bool
 
     from cli import median_ms  # tools/cli.py (main put tools/ on the path)
 
-    return median_ms(step, device, warmup=min(3, iters - 1), iters=iters)  # --tiny (iters 1): one call, no warm-up
+    # the CPU (--tiny: Triton interpreted, timings meaningless): one call, no warm-up
+    return median_ms(step, device, warmup=min(3, iters) if torch.device(device).type == "cuda" else 0, iters=iters)
 
 
 def grouped_rows(shapes, tokens, device, iters, only=()):

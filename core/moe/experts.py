@@ -37,13 +37,13 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 def loop_grouped_mm(gemm: GemmBackend, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-    """grouped_mm as a Python loop of ``gemm.linear`` over the groups, reading the offsets on the
+    """grouped_mm as a Python loop of ``gemm.expert_linear`` over the groups, reading the offsets on the
     host: the CPU path and the reference, never the GPU hot path. Rows past offsets_E[-1] are 0."""
     out_RO = x_RI.new_zeros(x_RI.shape[0], w_EOI.shape[1])
     start = 0
     for e, end in enumerate(offsets_E.tolist()):
         if end > start:
-            out_RO[start:end] = gemm.linear(x_RI[start:end], w_EOI[e]).to(out_RO.dtype)
+            out_RO[start:end] = gemm.expert_linear(x_RI[start:end], w_EOI[e]).to(out_RO.dtype)
         start = end
     return out_RO
 

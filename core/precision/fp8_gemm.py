@@ -97,26 +97,26 @@ def _rows_out(gemm: "Fp8BlockwiseGemm", T: int) -> int:
 
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TI: torch.Tensor, w_OI: torch.Tensor, gemm: "Fp8BlockwiseGemm"):
+    def forward(ctx, x_TI: torch.Tensor, w_OI: torch.Tensor, gemm: "Fp8BlockwiseGemm", fp8_wgrad: bool):
         T = x_TI.shape[0]
         w_q, wt_q, w_s = _weights(gemm, w_OI)
-        (x_q, x_s), xt = _quantize(gemm, x_TI, True, gemm.fp8_wgrad, rows_out=_rows_out(gemm, T), dense=True)
+        (x_q, x_s), xt = _quantize(gemm, x_TI, True, fp8_wgrad, rows_out=_rows_out(gemm, T), dense=True)
         if gemm.dense == "scaled_mm":
             y = _scaled_mm(x_q, x_s, w_q.t(), tile_scales(w_s), F.ScalingType.BlockWise128x128, torch.bfloat16)
         else:
             from .fp8_triton import fp8_grouped_mm_rows
 
             y = fp8_grouped_mm_rows(x_q, x_s, w_q.t()[None], w_s.t()[None], _rows(x_q))
-        ctx.save_for_backward(*(xt if gemm.fp8_wgrad else (x_TI.to(torch.bfloat16),)), w_OI)
-        ctx.gemm, ctx.x_dtype, ctx.tokens = gemm, x_TI.dtype, T
+        ctx.save_for_backward(*(xt if fp8_wgrad else (x_TI.to(torch.bfloat16),)), w_OI)
+        ctx.gemm, ctx.x_dtype, ctx.tokens, ctx.fp8_wgrad = gemm, x_TI.dtype, T, fp8_wgrad
         return y[:T]
 
     @staticmethod
     def backward(ctx, dy_TO: torch.Tensor):
         *x_saved, w_OI = ctx.saved_tensors
-        gemm, T = ctx.gemm, ctx.tokens
+        gemm, T, fp8_wgrad = ctx.gemm, ctx.tokens, ctx.fp8_wgrad
         dx = dw = None
-        dyq, dyt = _quantize(gemm, dy_TO, ctx.needs_input_grad[0], ctx.needs_input_grad[1] and gemm.fp8_wgrad,
+        dyq, dyt = _quantize(gemm, dy_TO, ctx.needs_input_grad[0], ctx.needs_input_grad[1] and fp8_wgrad,
                              rows_out=_rows_out(gemm, T), dense=True)
         if ctx.needs_input_grad[0]:
             w_q, wt_q, w_s = _weights(gemm, w_OI)
@@ -129,7 +129,7 @@ class _Fp8Linear(torch.autograd.Function):
 
                 dx = fp8_grouped_mm_rows(dy_q, dy_s, wt_q.t()[None], w_s[None], _rows(dy_q))
             dx = dx[:T].to(ctx.x_dtype)
-        if ctx.needs_input_grad[1] and not gemm.fp8_wgrad:  # bf16, fp32 accumulation
+        if ctx.needs_input_grad[1] and not fp8_wgrad:  # bf16, fp32 accumulation
             dw = (dy_TO.to(torch.bfloat16).t() @ x_saved[0]).to(w_OI.dtype)
         elif ctx.needs_input_grad[1]:
             (dyt_q, dyt_s), (xt_q, xt_s) = dyt, x_saved
@@ -140,7 +140,7 @@ class _Fp8Linear(torch.autograd.Function):
 
                 dw = fp8_grouped_mm_k(dyt_q, dyt_s, xt_q, xt_s, _rows(xt_q.t()))[0]
             dw = dw.to(w_OI.dtype)
-        return dx, dw, None
+        return dx, dw, None, None
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -239,7 +239,10 @@ class Fp8BlockwiseGemm(GemmBackend):
         return self.quant == "triton" or (self.quant == "auto" and x.is_cuda)
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return self._linear(_Fp8Linear, x, w)
+        return self._linear(_Fp8Linear, x, w, self.fp8_wgrad)
+
+    def expert_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return self._linear(_Fp8Linear, x, w, self.fp8_wgrad_experts)
 
     def grouped_mm(self, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
         return self._grouped(_Fp8GroupedMM, x_RI, w_EOI, offsets_E, self)

@@ -178,34 +178,34 @@ def _mm(gemm: "Fp8RowwiseGemm", a, sa, b, sb):
 
 class _RowwiseLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TI: torch.Tensor, w_OI: torch.Tensor, gemm: "Fp8RowwiseGemm"):
+    def forward(ctx, x_TI: torch.Tensor, w_OI: torch.Tensor, gemm: "Fp8RowwiseGemm", fp8_wgrad: bool):
         T = x_TI.shape[0]
         x_p = pad_rows(x_TI, ALIGN)  # the wgrad's reduction (tokens) 16-aligned; zero rows add nothing
         w_q, w_s = _weight(gemm, w_OI, "rows")
         x_q, x_s = _rows(x_p)
         y = _mm(gemm, x_q, x_s, w_q, w_s)[:T]
         # the wgrad's operand: along the tokens [I, T16] (FP8), or x in bf16 (fp8_wgrad=false)
-        x_saved = _cols(x_p) if gemm.fp8_wgrad else (x_TI.to(_BF16),)
+        x_saved = _cols(x_p) if fp8_wgrad else (x_TI.to(_BF16),)
         ctx.save_for_backward(*x_saved, w_OI)
-        ctx.gemm, ctx.x_dtype, ctx.tokens = gemm, x_TI.dtype, T
+        ctx.gemm, ctx.x_dtype, ctx.tokens, ctx.fp8_wgrad = gemm, x_TI.dtype, T, fp8_wgrad
         return y
 
     @staticmethod
     def backward(ctx, dy_TO: torch.Tensor):
         *x_saved, w_OI = ctx.saved_tensors
-        gemm, T = ctx.gemm, ctx.tokens
+        gemm, T, fp8_wgrad = ctx.gemm, ctx.tokens, ctx.fp8_wgrad
         dx = dw = None
         dy_p = pad_rows(dy_TO, ALIGN)
         if ctx.needs_input_grad[0]:
             wt_q, wt_s = _weight(gemm, w_OI, "cols")
             dy_q, dy_s = _rows(dy_p)
             dx = _mm(gemm, dy_q, dy_s, wt_q, wt_s)[:T].to(ctx.x_dtype)
-        if ctx.needs_input_grad[1] and not gemm.fp8_wgrad:  # bf16, fp32 accumulation
+        if ctx.needs_input_grad[1] and not fp8_wgrad:  # bf16, fp32 accumulation
             dw = (dy_TO.to(_BF16).t() @ x_saved[0]).to(w_OI.dtype)
         elif ctx.needs_input_grad[1]:
             dyt_q, dyt_s = _cols(dy_p)  # [O, T16] along the tokens
             dw = _mm(gemm, dyt_q, dyt_s, *x_saved).to(w_OI.dtype)
-        return dx, dw, None
+        return dx, dw, None, None
 
 
 def _grouped_rows(gemm: "Fp8RowwiseGemm", a_RK, sa_R, b_ENK, sb_EN, offsets_E):
@@ -299,7 +299,10 @@ class Fp8RowwiseGemm(GemmBackend):
         return f"fp8_rowwise (per-row scaled FP8 GEMMs{', fast accumulation' if self.fast_accum else ''})"
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return self._linear(_RowwiseLinear, x, w)
+        return self._linear(_RowwiseLinear, x, w, self.fp8_wgrad)
+
+    def expert_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return self._linear(_RowwiseLinear, x, w, self.fp8_wgrad_experts)
 
     def grouped_mm(self, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
         return self._grouped(_RowwiseGroupedMM, x_RI, w_EOI, offsets_E, self)

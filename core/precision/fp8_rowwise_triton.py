@@ -233,12 +233,14 @@ def quantize_rows(x_RC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def rows_chunks_fits(C: int) -> bool:
     """Whether quantize_rows_chunks's default tile serves rows of C columns: at most ``cols_per_warp``
-    columns a warp on its 8 warps (C <= 4096 by default). Wider rows put more columns on each thread
+    columns a warp on its 8 warps (C <= 4096 by default; rows past one_pass_cols run two passes of
+    ``cols``-column blocks, which fit). Wider one-pass rows put more columns on each thread
     than its registers hold (measured on the H200, session 15: 1024 columns a warp ran 2.5-2.8 ms
     against 0.34 at [65664, 4096], and olmoe3-4l-8e's [65664, 8192] gate|up gradient made the fused
     path 4% slower a step than the two kernels); fp8_rowwise then runs the two kernels."""
     t = TILES["rows_chunks"]
-    return bool(t["num_warps"]) or triton.next_power_of_2(C) <= 8 * t["cols_per_warp"]
+    block_c = triton.next_power_of_2(C) if C <= t["one_pass_cols"] else t["cols"]  # as quantize_rows_chunks
+    return bool(t["num_warps"]) or block_c <= 8 * t["cols_per_warp"]
 
 
 def quantize_rows_chunks(x_RC: torch.Tensor, src_P: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -75,10 +75,11 @@ class GemmBackend:
             return outside_graph(function.apply, *args)
         return function.apply(*args)
 
-    def _linear(self, function: type[torch.autograd.Function], x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """``function.apply(x_TI, w, self)`` on x's tokens flattened to [T, I], reshaped back: a
-        low-precision backend's linear (x [..., I], w [O, I] -> [..., O])."""
-        return function.apply(x.reshape(-1, x.shape[-1]), w, self).reshape(*x.shape[:-1], w.shape[0])
+    def _linear(self, function: type[torch.autograd.Function], x: torch.Tensor, w: torch.Tensor,
+                *extra) -> torch.Tensor:
+        """``function.apply(x_TI, w, self, *extra)`` on x's tokens flattened to [T, I], reshaped back:
+        a low-precision backend's linear (x [..., I], w [O, I] -> [..., O])."""
+        return function.apply(x.reshape(-1, x.shape[-1]), w, self, *extra).reshape(*x.shape[:-1], w.shape[0])
 
     def attach_optimizer(self, optimizer, parts) -> None:
         """Called once by the trainer with its optimizer and model parts (a backend that wants the
@@ -90,6 +91,11 @@ class GemmBackend:
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def expert_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """One routed expert's GEMM as a linear (the experts' loop path, core.moe.experts): ``linear``
+        unless the backend treats the experts apart (the FP8 backends' wgrad="dense")."""
+        return self.linear(x, w)
 
     def grouped_mm(self, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

@@ -222,7 +222,9 @@ def gate_up_wgrad_transient(cfg: ModelConfig, layer: int, sw: Switches, tokens: 
     moe = cfg.moe
     R, D, F, S = tokens * moe.router.top_k, cfg.d_model, moe.expert_hidden, moe.shared_width()
     P = padded_rows(R, local, FP8_BLOCK)
-    out = {"dh_tokens": FP8_SAVED * P * 2 * F, "dx": 2.0 * R * D, "wgrad": sw.expert_wgrad() * local * 2 * F * D}
+    # a bf16 wgrad (precision.fp8_wgrad none / dense) quantizes nothing along the tokens
+    dh_tokens = 0.0 if sw.bf16_wgrad("experts") else FP8_SAVED * P * 2 * F
+    out = {"dh_tokens": dh_tokens, "dx": 2.0 * R * D, "wgrad": sw.expert_wgrad() * local * 2 * F * D}
     if sw.compiled:
         out["block_grads"] = 2.0 * (local * D * F + 3 * D * S)
     else:

@@ -122,8 +122,8 @@ class Switches:
     def expert_wgrad(self) -> float:
         """Bytes per expert weight element the grouped wgrad holds as it finishes, bf16 weights:
         native fp8_blockwise's fp32 kernel output and its bf16 cast (FP8_WGRAD_BYTES), else the
-        bf16 gradient the GEMM writes."""
-        return FP8_WGRAD_BYTES if self.fp8_blockwise_experts else 2.0
+        bf16 gradient the GEMM writes (a bf16 wgrad's: precision.fp8_wgrad none or dense)."""
+        return FP8_WGRAD_BYTES if self.fp8_blockwise_experts and not self.bf16_wgrad("experts") else 2.0
 
 
 def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig, optimizer: OptimizerConfig,

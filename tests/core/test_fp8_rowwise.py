@@ -226,6 +226,7 @@ def test_fused_kernel_serves_rows_up_to_4096_columns():
 
     assert kernels.rows_chunks_fits(2048) and kernels.rows_chunks_fits(4096) and kernels.rows_chunks_fits(3000)
     assert not kernels.rows_chunks_fits(8192) and not kernels.rows_chunks_fits(4100)
+    assert kernels.rows_chunks_fits(16384)  # past one_pass_cols: two passes of 1024-column blocks
     saved = dict(kernels.TILES["rows_chunks"])
     try:
         kernels.TILES["rows_chunks"]["num_warps"] = 8
@@ -378,6 +379,15 @@ def test_dense_wgrad_is_fp8_for_the_linears_and_bf16_for_the_experts():
         for got, want in zip(out["dense"][name], out[same][name]):
             assert torch.equal(got, want), name
         assert not torch.equal(out["dense"][name][2], out[other][name][2]), name  # the two wgrads differ
+    # the experts' loop path (the CPU's, core.moe.experts.loop_grouped_mm) takes the experts' wgrad too
+    from moetron.core.moe.experts import loop_grouped_mm
+
+    loop = {}
+    for wgrad in ("fp8", "bf16", "dense"):
+        w = w0.clone().requires_grad_()
+        loop_grouped_mm(Fp8RowwiseGemm(native=False, wgrad=wgrad), x0, w, offsets).backward(dy)
+        loop[wgrad] = w.grad
+    assert torch.equal(loop["dense"], loop["bf16"]) and not torch.equal(loop["dense"], loop["fp8"])
 
 
 def test_emulated_linear_against_float64():

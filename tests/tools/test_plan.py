@@ -434,6 +434,18 @@ def test_fp8_wgrad_false_moves_a_third_of_the_flops_to_bf16_and_saves_inputs_in_
     assert gemm(bf16) - gemm(fp8) > expert_delta > 0  # + the dense modules' wgrad thirds
     # precision.fp8_wgrad=dense: the experts' wgrad third alone at the bf16 rate
     assert gemm(run("dense")) - gemm(fp8) == pytest.approx(expert_delta, rel=1e-6)
+    # and the experts' gate|up wgrad holds no FP8 token operand and writes its bf16 gradient directly
+    from moetron.run.planner.memory import gate_up_wgrad_transient
+    from moetron.run.planner.switches import Switches
+
+    cfg, held = ModelConfig.preset("olmo3-moe-8e"), {}
+    for wgrad in ("all", "none", "dense"):
+        sw = Switches(compiled=True, recipe="fp8_blockwise", backend="native",
+                      low_modules=frozenset({"experts", "attention", "mlp"}), fp8_wgrad=wgrad)
+        held[wgrad] = gate_up_wgrad_transient(cfg, 1, sw, 16384, 8)
+    F, D = cfg.moe.expert_hidden, cfg.d_model
+    assert held["dense"] == held["none"] and held["none"]["dh_tokens"] == 0 < held["all"]["dh_tokens"]
+    assert held["none"]["wgrad"] == 2.0 * 8 * 2 * F * D < held["all"]["wgrad"]
     quant = lambda r: r["microbatch_parts_s"]["recast_quant"]  # noqa: E731
     from moetron.run.planner.timing import _gemm_operands
 
