@@ -164,15 +164,15 @@ def backends(device):
     # precision.fp8_experts=gluon: the Gluon kernels (SM90; elsewhere the Triton ones run)
     out["fp8_blockwise gluon"] = (Fp8BlockwiseGemm("triton", experts="gluon"), torch.float32)
     # precision.fp8_wgrad=false: forward and dgrad in FP8, the weight gradients in bf16
-    out["fp8_blockwise bf16-wgrad"] = (Fp8BlockwiseGemm("triton", wgrad="bf16"), torch.float32)
-    out["fp8_blockwise cublas bf16-wgrad"] = (Fp8BlockwiseGemm("triton", experts="cublas", wgrad="bf16"), torch.float32)
+    out["fp8_blockwise bf16-wgrad"] = (Fp8BlockwiseGemm("triton", wgrad="none"), torch.float32)
+    out["fp8_blockwise cublas bf16-wgrad"] = (Fp8BlockwiseGemm("triton", experts="cublas", wgrad="none"), torch.float32)
     out["mxfp8 emulated"] = (EmulatedGemm(MXFormat()), torch.float32)
     # precision.recipe=fp8_rowwise: torch's scaled GEMMs (SM90; the emulation elsewhere), with fp32
     # promotion and with precision.fp8_fast_accum=true
     native = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
     out["fp8_rowwise"] = (Fp8RowwiseGemm(native=native), torch.float32)
     out["fp8_rowwise fast"] = (Fp8RowwiseGemm(native=native, fast_accum=native), torch.float32)
-    out["fp8_rowwise bf16-wgrad"] = (Fp8RowwiseGemm(native=native, wgrad="bf16"), torch.float32)
+    out["fp8_rowwise bf16-wgrad"] = (Fp8RowwiseGemm(native=native, wgrad="none"), torch.float32)
     return out
 
 
@@ -293,7 +293,7 @@ def dense_rows(dense, device, iters, only=()):
     modes = {"bf16": (TorchGemm(), torch.bfloat16), "fp8_blockwise triton": (Fp8BlockwiseGemm("triton"), torch.float32)}
     if device.type == "cuda":
         modes["fp8_blockwise scaled_mm"] = (Fp8BlockwiseGemm("scaled_mm"), torch.float32)
-        modes["fp8_blockwise scaled_mm bf16-wgrad"] = (Fp8BlockwiseGemm("scaled_mm", wgrad="bf16"), torch.float32)
+        modes["fp8_blockwise scaled_mm bf16-wgrad"] = (Fp8BlockwiseGemm("scaled_mm", wgrad="none"), torch.float32)
     for T, I, O in dense:
         for label, (gemm, wdtype) in modes.items():
             if not wanted(label, only):

@@ -8,7 +8,7 @@ import torch
 
 from ..config import Config, ConfigError, StrEnum
 from ..distributed import is_main
-from .gemm import gemm_backend
+from .gemm import Fp8Wgrad, gemm_backend
 from .policy import GemmModule, PrecisionPolicy
 
 __all__ = ["Bf16Experts", "Fp8Experts", "Fp8Wgrad", "GemmModule", "PrecisionBackend", "PrecisionConfig", "PrecisionRecipe"]
@@ -70,30 +70,6 @@ class Fp8Experts(StrEnum):
     """core/precision/fp8_gluon.py: the same grouped GEMMs as ``triton`` written in Gluon with explicit
     async wgmma (each K-block's fp32 promotion overlapping the next K-block's MMA), no host sync.
     SM90 only: on other GPUs and the CPU the ``triton`` kernels run."""
-
-
-class Fp8Wgrad(StrEnum):
-    """Which FP8 recipe GEMMs run their weight gradients in FP8 (the rest in bf16 from the saved bf16
-    input and the bf16 output gradient, fp32 accumulation). ``true`` and ``false`` are read as
-    ``all`` and ``none``."""
-
-    all = "all"
-    """Every FP8 GEMM's wgrad in FP8, along the tokens (true)."""
-    none = "none"
-    """Every wgrad in bf16 (false): no columns to quantize, x saved in bf16."""
-    dense = "dense"
-    """The dense linears' (attention, dense MLPs, the shared expert) wgrads in FP8, the routed experts'
-    grouped wgrads in bf16: for layers of many small experts, whose per-expert token groups are short
-    reductions that FP8 speeds up least and whose per-expert column quantization costs most."""
-
-    @classmethod
-    def _missing_(cls, value):
-        text = str(value).lower()
-        if value is True or text in ("true", "1", "yes"):
-            return cls.all
-        if value is False or text in ("false", "0", "no"):
-            return cls.none
-        return None
 
 
 class Bf16Experts(StrEnum):
@@ -336,7 +312,7 @@ def low_precision_gemm(recipe: PrecisionRecipe | str, backend: PrecisionBackend 
     """The GemmBackend instance of a low-precision recipe and a resolved backend (native / emulated);
     ``expert_copies``: fp8_rowwise's experts on the optimizer's bf16 weight copies
     (precision.expert_weight_copies=optimizer); ``fp8_fused_amax``: precision.fp8_fused_amax."""
-    recipe, backend, wgrad = PrecisionRecipe(recipe), PrecisionBackend(backend), str(Fp8Wgrad(fp8_wgrad))
+    recipe, backend, wgrad = PrecisionRecipe(recipe), PrecisionBackend(backend), Fp8Wgrad(fp8_wgrad)
     if recipe == PrecisionRecipe.fp8_rowwise:  # its own emulation: the wgrad's scales are per expert, not blocks
         from .fp8_rowwise import Fp8RowwiseGemm
 

@@ -8,7 +8,7 @@
   GEMM for SM90), or ``experts="cublas"``: one F.scaled_mm per expert (core.precision.fp8_cublas,
   a host sync per GEMM); the wgrad's 128-token blocks never hold two experts' rows (pad_groups).
 
-``wgrad="bf16"`` (precision.fp8_wgrad=false) runs the weight-gradient GEMMs in bf16 instead, from
+``wgrad="none"`` (precision.fp8_wgrad=none / false) runs the weight-gradient GEMMs in bf16 instead, from
 the saved bf16 input and the bf16 output gradient (fp32 accumulation, as the bf16 recipe's): no
 operand is quantized along the tokens (the transposed token tiles are the quantization's slow
 output), the forward saves x in bf16 (2 bytes per element instead of 1 + 1/128), and the wgrad
@@ -35,7 +35,7 @@ from . import bf16_grouped
 from .blockwise import FP8_BLOCK, quantize_128x128, quantize_1x128
 from .cache import WeightCache
 from .fp8_cublas import ROW_SLACK, m_fastest, tile_scales
-from .gemm import GemmBackend, wgrad_fp8
+from .gemm import Fp8Wgrad, GemmBackend
 from .grouping import gather_rows, pad_rows, padded_source_rows
 
 __all__ = ["Fp8BlockwiseGemm", "has_blockwise_scaled_mm"]
@@ -208,14 +208,14 @@ class Fp8BlockwiseGemm(GemmBackend):
     grouped GEMMs through the Triton kernels ("triton", no host sync) or one cuBLAS GEMM per expert
     ("cublas": core/precision/fp8_cublas.py, one host sync per GEMM; faster with few experts) or the
     Gluon kernels ("gluon": core/precision/fp8_gluon.py, SM90; the Triton ones elsewhere).
-    ``wgrad``: the weight gradients in FP8 ("fp8"), in bf16 ("bf16", see the module docstring), or
-    the dense linears' in FP8 and the grouped experts' in bf16 ("dense"; gemm.WGRAD)."""
+    ``wgrad`` (gemm.Fp8Wgrad): the weight gradients in FP8 ("all"), in bf16 ("none", see the module
+    docstring), or the dense linears' in FP8 and the grouped experts' in bf16 ("dense")."""
 
     name = "fp8_blockwise"
     label = "fp8_blockwise (1x128 / 128x128 FP8 GEMMs)"
 
     def __init__(self, dense: str = "scaled_mm", quant: str = "auto", experts: str = "triton",
-                 wgrad: str = "fp8") -> None:
+                 wgrad: Fp8Wgrad | str | bool = Fp8Wgrad.all) -> None:
         if dense not in ("scaled_mm", "triton"):
             raise ValueError(f"dense must be 'scaled_mm' or 'triton', got {dense!r}")
         if quant not in QUANT:
@@ -223,8 +223,8 @@ class Fp8BlockwiseGemm(GemmBackend):
         if experts not in EXPERTS:
             raise ValueError(f"experts must be one of {EXPERTS}, got {experts!r}")
         self.dense, self.quant, self.experts = dense, quant, experts
-        self.wgrad = wgrad
-        self.fp8_wgrad, self.fp8_wgrad_experts = wgrad_fp8(wgrad)
+        self.wgrad = Fp8Wgrad(wgrad)
+        self.fp8_wgrad, self.fp8_wgrad_experts = self.wgrad.dense_fp8, self.wgrad.experts_fp8
         self.row_multiple = 4 if dense == "scaled_mm" else 1  # cuBLAS: the 1x128 scales' rows in 4s
         self.cache = WeightCache()
 
@@ -252,4 +252,4 @@ class Fp8BlockwiseGemm(GemmBackend):
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(dense={self.dense!r}, quant={self.quant!r}, experts={self.experts!r}, "
-                f"wgrad={self.wgrad!r})")
+                f"wgrad={str(self.wgrad)!r})")

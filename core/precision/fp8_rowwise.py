@@ -38,7 +38,7 @@ import torch
 
 from .blockwise import pow2_scale
 from .cache import WeightCache
-from .gemm import GemmBackend, attach_expert_copies, wgrad_fp8
+from .gemm import Fp8Wgrad, GemmBackend, attach_expert_copies
 from .grouping import gather_rows, pad_rows, grouped_mm_2d2d, grouped_mm_2d3d, padded_source_rows
 from .mx import E4M3_MAX
 
@@ -267,10 +267,10 @@ class _RowwiseGroupedMM(torch.autograd.Function):
 class Fp8RowwiseGemm(GemmBackend):
     """FP8 rowwise (see the module docstring). ``native``: torch's scaled GEMMs (SM90), else the
     emulation (dequantized operands, bf16 GEMMs; any device). ``fast_accum``: the native GEMMs'
-    accumulation without fp32 promotion. ``wgrad``: the weight gradients in FP8 ("fp8", per column
-    along the tokens) or in bf16 from the saved bf16 input ("bf16", precision.fp8_wgrad=false: no
-    column quantization, x saved in 2 bytes per element instead of 1), or the dense linears' in FP8
-    and the routed experts' grouped ones in bf16 ("dense", precision.fp8_wgrad=dense). ``expert_copies``
+    accumulation without fp32 promotion. ``wgrad`` (gemm.Fp8Wgrad, precision.fp8_wgrad): the weight
+    gradients in FP8 ("all", per column along the tokens) or in bf16 from the saved bf16 input
+    ("none": no column quantization, x saved in 2 bytes per element instead of 1), or the dense
+    linears' in FP8 and the routed experts' grouped ones in bf16 ("dense"). ``expert_copies``
     (precision.expert_weight_copies=optimizer with expert_grads_bf16): the routed experts compute
     with the optimizer's bf16 copies of their weights (gemm.attach_expert_copies), so the expert
     weights are quantized from bf16 (half the bytes read of fp32; E4M3 of the bf16-rounded weight,
@@ -281,10 +281,10 @@ class Fp8RowwiseGemm(GemmBackend):
 
     name = "fp8_rowwise"
 
-    def __init__(self, native: bool = True, fast_accum: bool = False, wgrad: str = "fp8",
+    def __init__(self, native: bool = True, fast_accum: bool = False, wgrad: Fp8Wgrad | str | bool = Fp8Wgrad.all,
                  expert_copies: bool = False, fused_amax: bool = True) -> None:
-        self.native, self.fast_accum, self.wgrad = bool(native), bool(fast_accum), wgrad
-        self.fp8_wgrad, self.fp8_wgrad_experts = wgrad_fp8(wgrad)
+        self.native, self.fast_accum, self.wgrad = bool(native), bool(fast_accum), Fp8Wgrad(wgrad)
+        self.fp8_wgrad, self.fp8_wgrad_experts = self.wgrad.dense_fp8, self.wgrad.experts_fp8
         self.expert_copies, self.fused_amax = bool(expert_copies), bool(fused_amax)
         self.cache = WeightCache()
 
@@ -312,5 +312,5 @@ class Fp8RowwiseGemm(GemmBackend):
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(native={self.native}, fast_accum={self.fast_accum}, "
-                f"wgrad={self.wgrad!r}, expert_copies={self.expert_copies}, "
+                f"wgrad={str(self.wgrad)!r}, expert_copies={self.expert_copies}, "
                 f"fused_amax={self.fused_amax})")

@@ -231,16 +231,27 @@ def quantize_rows(x_RC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return data, scale
 
 
+def _rows_chunks_tile(C: int) -> tuple[bool, int, int, int]:
+    """(one pass, BLOCK_C, warps, SUB_R) of quantize_rows_chunks for rows of C columns (TILES)."""
+    t = TILES["rows_chunks"]
+    one_pass = C <= t["one_pass_cols"]
+    block_c = triton.next_power_of_2(C) if one_pass else t["cols"]
+    # the warps along the columns, so each thread holds whole columns of a tile: about
+    # ``cols_per_warp`` columns a warp (two 16-byte bf16 loads a row per thread), sub_rows rows a tile
+    warps = t["num_warps"] or max(1, min(8, block_c // t["cols_per_warp"]))
+    return one_pass, block_c, warps, min(CHUNK, triton.next_power_of_2(max(1, t["sub_rows"])))
+
+
 def rows_chunks_fits(C: int) -> bool:
     """Whether quantize_rows_chunks's default tile serves rows of C columns: at most ``cols_per_warp``
-    columns a warp on its 8 warps (C <= 4096 by default; rows past one_pass_cols run two passes of
-    ``cols``-column blocks, which fit). Wider one-pass rows put more columns on each thread
-    than its registers hold (measured on the H200, session 15: 1024 columns a warp ran 2.5-2.8 ms
-    against 0.34 at [65664, 4096], and olmoe3-4l-8e's [65664, 8192] gate|up gradient made the fused
-    path 4% slower a step than the two kernels); fp8_rowwise then runs the two kernels."""
-    t = TILES["rows_chunks"]
-    block_c = triton.next_power_of_2(C) if C <= t["one_pass_cols"] else t["cols"]  # as quantize_rows_chunks
-    return bool(t["num_warps"]) or block_c <= 8 * t["cols_per_warp"]
+    columns a warp on its (at most 8) warps, so C <= 4096 by default (rows past one_pass_cols run
+    two passes of ``cols``-column blocks, which fit). Wider one-pass rows put more columns on each
+    thread than its registers hold (measured on the H200, session 15: 1024 and 2048 columns a warp
+    ran 2.83 and 2.50 ms against 0.34 at [65664, 4096], and olmoe3-4l-8e's [65664, 8192] gate|up
+    gradient made the fused path 4% slower a step than the two kernels); fp8_rowwise then runs the
+    two kernels. A tile with its warps given (the sweep's) is taken as it is."""
+    _, block_c, warps, _ = _rows_chunks_tile(C)
+    return bool(TILES["rows_chunks"]["num_warps"]) or block_c <= warps * TILES["rows_chunks"]["cols_per_warp"]
 
 
 def quantize_rows_chunks(x_RC: torch.Tensor, src_P: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -256,13 +267,7 @@ def quantize_rows_chunks(x_RC: torch.Tensor, src_P: torch.Tensor) -> tuple[torch
     chunks = torch.empty(P // CHUNK, C, dtype=torch.float32, device=x_RC.device)
     if P:
         xk, in_bf16 = _loadable(x_RC)
-        t = TILES["rows_chunks"]
-        one_pass = C <= t["one_pass_cols"]
-        block_c = triton.next_power_of_2(C) if one_pass else t["cols"]
-        # the warps along the columns, so each thread holds whole columns of a tile: about
-        # ``cols_per_warp`` columns a warp (two 16-byte bf16 loads a row per thread), sub_rows rows a tile
-        warps = t["num_warps"] or max(1, min(8, block_c // t["cols_per_warp"]))
-        sub_r = min(CHUNK, triton.next_power_of_2(max(1, t["sub_rows"])))
+        one_pass, block_c, warps, sub_r = _rows_chunks_tile(C)
         _quantize_rows_chunks_kernel[(P // CHUNK,)](xk, src_P, data, scale, chunks, C, xk.stride(0), data.stride(0),
                                                    IN_BF16=in_bf16, CHUNK_R=CHUNK, SUB_R=sub_r, BLOCK_C=block_c,
                                                    ONE_PASS=one_pass, HW=HW_CONVERT, num_warps=warps)

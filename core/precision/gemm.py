@@ -22,6 +22,7 @@ from typing import Callable, ClassVar
 import torch
 import torch.nn.functional as F
 
+from ..config import StrEnum
 from ..registry import Registry
 from . import bf16_grouped
 from .cache import outside_graph
@@ -38,17 +39,38 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-WGRAD = {"all": (True, True), "none": (False, False), "dense": (True, False), "fp8": (True, True), "bf16": (False, False)}
-"""The FP8 backends' ``wgrad`` (precision.fp8_wgrad, config.Fp8Wgrad) -> (the dense linears' weight
-gradients in FP8, the routed experts' grouped ones in FP8); the rest run in bf16 from the saved
-bf16 input. "fp8" and "bf16" are the backends' older words for all and none."""
+class Fp8Wgrad(StrEnum):
+    """Which of an FP8 recipe's GEMMs run their weight gradients in FP8 (the rest in bf16 from the saved
+    bf16 input and the bf16 output gradient, fp32 accumulation): precision.fp8_wgrad, and the FP8
+    backends' ``wgrad``. ``true`` and ``false`` are read as ``all`` and ``none``."""
 
+    all = "all"
+    """Every FP8 GEMM's wgrad in FP8, along the tokens (true)."""
+    none = "none"
+    """Every wgrad in bf16 (false): no columns to quantize, x saved in bf16."""
+    dense = "dense"
+    """The dense linears' (attention, dense MLPs, the shared expert) wgrads in FP8, the routed experts'
+    grouped wgrads in bf16: for layers of many small experts, whose per-expert token groups are short
+    reductions that FP8 speeds up least and whose per-expert column quantization costs most."""
 
-def wgrad_fp8(wgrad: str) -> tuple[bool, bool]:
-    """(the dense linears' wgrad in FP8, the grouped experts' wgrad in FP8) of a ``wgrad`` (WGRAD)."""
-    if str(wgrad) not in WGRAD:
-        raise ValueError(f"wgrad must be one of {', '.join(WGRAD)}, got {wgrad!r}")
-    return WGRAD[str(wgrad)]
+    @classmethod
+    def _missing_(cls, value):
+        text = str(value).lower()
+        if value is True or text in ("true", "1", "yes"):
+            return cls.all
+        if value is False or text in ("false", "0", "no"):
+            return cls.none
+        return None
+
+    @property
+    def dense_fp8(self) -> bool:
+        """The dense linears' wgrads in FP8."""
+        return self != Fp8Wgrad.none
+
+    @property
+    def experts_fp8(self) -> bool:
+        """The routed experts' grouped wgrads in FP8."""
+        return self == Fp8Wgrad.all
 
 
 class GemmBackend:

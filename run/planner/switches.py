@@ -12,7 +12,6 @@ from moetron.core.config import ConfigError
 from moetron.core.layers.loss import default_chunk_tokens
 from moetron.core.optim import OptimizerConfig
 from moetron.core.precision import Fp8Wgrad, PrecisionConfig, PrecisionRecipe, emulated
-from moetron.core.precision.gemm import wgrad_fp8
 from moetron.models import ModelConfig
 from moetron.parallel.config import ParallelConfig
 from .hardware import GPU, FP8_SAVED, FP8_WEIGHT_CACHED, FP8_WGRAD_BYTES, LOW_PRECISION
@@ -77,8 +76,8 @@ class Switches:
     def bf16_wgrad(self, module: str) -> bool:
         """The module's low-precision GEMMs run their wgrad in bf16 (precision.fp8_wgrad=none, or dense
         for the experts)."""
-        dense_fp8, experts_fp8 = wgrad_fp8(self.fp8_wgrad)
-        fp8 = experts_fp8 if module == "experts" else dense_fp8
+        wgrad = Fp8Wgrad(self.fp8_wgrad)
+        fp8 = wgrad.experts_fp8 if module == "experts" else wgrad.dense_fp8
         return self.low(module) and self.recipe == "fp8_blockwise" and self.backend == "native" and not fp8
 
     def weight_cache(self, module: str) -> float:

@@ -335,36 +335,36 @@ def test_bf16_wgrad_against_float64_and_unlike_the_fp8_one():
     x0, w0 = torch.randn(sum(sizes), 64), torch.randn(4, 48, 64)
     dy = torch.randn(sum(sizes), 48)
     grads = {}
-    for wgrad in ("fp8", "bf16"):
+    for wgrad in ("all", "none"):
         x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
         y = Fp8RowwiseGemm(native=False, wgrad=wgrad).grouped_mm(x, w, offsets)
         y.backward(dy)
         grads[wgrad] = (y.detach(), x.grad, w.grad)
-    assert torch.equal(grads["fp8"][0], grads["bf16"][0]) and torch.equal(grads["fp8"][1], grads["bf16"][1])
+    assert torch.equal(grads["all"][0], grads["none"][0]) and torch.equal(grads["all"][1], grads["none"][1])
     f64 = torch.float64
     ref = torch.stack([dy[s:t].to(torch.bfloat16).to(f64).t() @ x0[s:t].to(torch.bfloat16).to(f64) if t > s
                        else torch.zeros(48, 64, dtype=f64) for s, t in _groups(offsets)])
     tol = 2.0 ** -8 * ref.abs().max().item()
-    assert (grads["bf16"][2].to(f64) - ref).abs().max().item() <= tol
-    assert (grads["fp8"][2].to(f64) - ref).abs().max().item() > tol
+    assert (grads["none"][2].to(f64) - ref).abs().max().item() <= tol
+    assert (grads["all"][2].to(f64) - ref).abs().max().item() > tol
     # the dense linear likewise
     xl, wl, dyl = torch.randn(37, 64), torch.randn(32, 64), torch.randn(37, 32)
     a, b = xl.clone().requires_grad_(), wl.clone().requires_grad_()
-    Fp8RowwiseGemm(native=False, wgrad="bf16").linear(a, b).backward(dyl)
+    Fp8RowwiseGemm(native=False, wgrad="none").linear(a, b).backward(dyl)
     refl = dyl.to(torch.bfloat16).to(f64).t() @ xl.to(torch.bfloat16).to(f64)
     assert (b.grad.to(f64) - refl).abs().max().item() <= 2.0 ** -8 * refl.abs().max().item()
 
 
 def test_dense_wgrad_is_fp8_for_the_linears_and_bf16_for_the_experts():
     """wgrad="dense" (precision.fp8_wgrad=dense): the dense linear's gradients are bit for bit those
-    of wgrad="fp8", the grouped experts' those of wgrad="bf16" (the forward and dgrad FP8 in all)."""
+    of wgrad="all", the grouped experts' those of wgrad="none" (the forward and dgrad FP8 in all)."""
     torch.manual_seed(9)
     sizes = [7, 0, 19, 12]
     offsets = torch.tensor(sizes).cumsum(0).to(torch.int32)
     x0, w0, dy = torch.randn(sum(sizes), 64), torch.randn(4, 48, 64), torch.randn(sum(sizes), 48)
     xl, wl, dyl = torch.randn(37, 64), torch.randn(32, 64), torch.randn(37, 32)
     out = {}
-    for wgrad in ("fp8", "bf16", "dense"):
+    for wgrad in ("all", "none", "dense"):
         gemm = Fp8RowwiseGemm(native=False, wgrad=wgrad)
         x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
         y = gemm.grouped_mm(x, w, offsets)
@@ -374,8 +374,8 @@ def test_dense_wgrad_is_fp8_for_the_linears_and_bf16_for_the_experts():
         yl.backward(dyl)
         out[wgrad] = dict(grouped=(y, x.grad, w.grad), linear=(yl, a.grad, b.grad))
     for name in ("grouped", "linear"):
-        same = "bf16" if name == "grouped" else "fp8"
-        other = "fp8" if name == "grouped" else "bf16"
+        same = "none" if name == "grouped" else "all"
+        other = "all" if name == "grouped" else "none"
         for got, want in zip(out["dense"][name], out[same][name]):
             assert torch.equal(got, want), name
         assert not torch.equal(out["dense"][name][2], out[other][name][2]), name  # the two wgrads differ
@@ -383,11 +383,11 @@ def test_dense_wgrad_is_fp8_for_the_linears_and_bf16_for_the_experts():
     from moetron.core.moe.experts import loop_grouped_mm
 
     loop = {}
-    for wgrad in ("fp8", "bf16", "dense"):
+    for wgrad in ("all", "none", "dense"):
         w = w0.clone().requires_grad_()
         loop_grouped_mm(Fp8RowwiseGemm(native=False, wgrad=wgrad), x0, w, offsets).backward(dy)
         loop[wgrad] = w.grad
-    assert torch.equal(loop["dense"], loop["bf16"]) and not torch.equal(loop["dense"], loop["fp8"])
+    assert torch.equal(loop["dense"], loop["none"]) and not torch.equal(loop["dense"], loop["all"])
 
 
 def test_emulated_linear_against_float64():
@@ -511,7 +511,7 @@ def _native_available():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _native_available(), reason="needs an SM90 GPU (torch._scaled_grouped_mm rowwise)")
-@pytest.mark.parametrize("fast_accum,wgrad", [(False, "fp8"), (True, "fp8"), (False, "bf16")])
+@pytest.mark.parametrize("fast_accum,wgrad", [(False, "all"), (True, "all"), (False, "none")])
 def test_native_matches_the_emulation_on_the_gpu(fast_accum, wgrad):
     torch.manual_seed(4)
     dev = "cuda"

@@ -22,14 +22,14 @@ def _bf16(t, axis=None):
 
 
 def check_fp8(device: str, dense_modes=("triton",), quant: str = "auto", experts: str = "triton",
-              wgrad: str = "fp8") -> None:
-    """``experts``, ``wgrad``: Fp8BlockwiseGemm's. With wgrad="bf16" the weight gradients are checked
+              wgrad: str = "all") -> None:
+    """``experts``, ``wgrad``: Fp8BlockwiseGemm's. With wgrad="none" the weight gradients are checked
     against the float64 product of the bf16-rounded operands, and the FP8 wgrad of the same inputs
     is checked to miss that (so the check tells the two apart)."""
     from moetron.core.precision.fp8_gemm import Fp8BlockwiseGemm
 
     _, act, wq = FORMATS["fp8_blockwise"]
-    wgrad_act = _bf16 if wgrad == "bf16" else act
+    wgrad_act = _bf16 if wgrad == "none" else act
     E, I, O = 3, 256, 128
     # an empty expert, ragged sizes (100 and 10 rows: not whole 4s for cuBLAS), 10 rows past the end
     offsets = torch.tensor([40, 40, 140, 150], device=device)
@@ -39,7 +39,7 @@ def check_fp8(device: str, dense_modes=("triton",), quant: str = "auto", experts
     dy = wide(160, O, seed=3).bfloat16().float().to(device)
     dy[150:] = 0
     grads = {}
-    for run in dict.fromkeys((wgrad, "fp8")):
+    for run in dict.fromkeys((wgrad, "all")):
         gemm = Fp8BlockwiseGemm("triton", quant, experts, wgrad=run)
         xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
         y = gemm.grouped_mm(xr, wr, offsets)
@@ -49,15 +49,15 @@ def check_fp8(device: str, dense_modes=("triton",), quant: str = "auto", experts
             xc, wc, dyc = cpu(xr), cpu(wr), cpu(dy)
             xc.grad, wc.grad = cpu(xr.grad), cpu(wr.grad)
             check_grouped(act, wq, xc, wc, offsets.cpu(), cpu(y).float(), dyc, wgrad_act)
-    if wgrad == "bf16":  # the FP8 wgrad is not within the tolerance of the bf16 one's reference
+    if wgrad == "none":  # the FP8 wgrad is not within the tolerance of the bf16 one's reference
         xc, dyc = cpu(x), cpu(dy)
-        assert max(rel_err(grads["fp8"][e], _bf16(dyc[a:b]).T, _bf16(xc[a:b]))
+        assert max(rel_err(grads["all"][e], _bf16(dyc[a:b]).T, _bf16(xc[a:b]))
                    for e, (a, b) in ((0, (0, 40)), (2, (40, 140)), (3, (140, 150)))) > 2 * TOL
     for dense in dense_modes:
         x2 = wide(200, I, seed=4).to(device)  # not a whole number of 128 tokens
         w2 = wide(O, I, seed=5).to(device)
         dy2 = wide(200, O, seed=6).bfloat16().float().to(device)
-        for run in dict.fromkeys((wgrad, "fp8")):
+        for run in dict.fromkeys((wgrad, "all")):
             gemm = Fp8BlockwiseGemm(dense, quant, wgrad=run)
             x2r, w2r = x2.clone().requires_grad_(), w2.clone().requires_grad_()
             y2 = gemm.linear(x2r, w2r)
@@ -79,7 +79,7 @@ def test_cublas_experts_on_cpu_match_float64():
 
 
 def test_bf16_wgrad_on_cpu_matches_float64(monkeypatch):
-    """wgrad="bf16" (precision.fp8_wgrad=false): forward and dgrad still FP8, the weight gradients
+    """wgrad="none" (precision.fp8_wgrad=false): forward and dgrad still FP8, the weight gradients
     the bf16 GEMM's (per expert, through the cuBLAS experts' CPU stand-in); nothing builds the FP8
     wgrad's padded-rows index."""
     import moetron.core.precision.fp8_gemm as fp8_gemm
@@ -87,27 +87,27 @@ def test_bf16_wgrad_on_cpu_matches_float64(monkeypatch):
     built = []
     index = fp8_gemm.padded_source_rows
     monkeypatch.setattr(fp8_gemm, "padded_source_rows", lambda *a: built.append(a) or index(*a))
-    check_fp8("cpu", dense_modes=(), quant="torch", experts="cublas", wgrad="bf16")
+    check_fp8("cpu", dense_modes=(), quant="torch", experts="cublas", wgrad="none")
     assert len(built) == 1  # check_fp8's second, FP8-wgrad run only
 
 
 def test_dense_wgrad_runs_the_experts_wgrad_in_bf16():
     """wgrad="dense" (precision.fp8_wgrad=dense): the grouped experts' forward, dgrad and wgrad are
-    bit for bit those of wgrad="bf16" (and their wgrad differs from the FP8 one); the dense linears
+    bit for bit those of wgrad="none" (and their wgrad differs from the FP8 one); the dense linears
     keep the FP8 wgrad (the flag their backward reads)."""
     from moetron.core.precision.fp8_gemm import Fp8BlockwiseGemm
 
     offsets = torch.tensor([40, 40, 140, 150])
     x, w, dy = wide(160, 256, seed=1), wide(4, 128, 256, seed=2), wide(160, 128, seed=3).bfloat16().float()
     out = {}
-    for wgrad in ("fp8", "bf16", "dense"):
+    for wgrad in ("all", "none", "dense"):
         gemm = Fp8BlockwiseGemm("triton", "torch", "cublas", wgrad=wgrad)
         xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
         y = gemm.grouped_mm(xr, wr, offsets)
         y.backward(dy)
         out[wgrad] = (y.detach()[:150], xr.grad[:150], wr.grad)  # rows past the last group: unspecified
-    assert all(torch.equal(a, b) for a, b in zip(out["dense"], out["bf16"]))
-    assert not torch.equal(out["dense"][2], out["fp8"][2])
+    assert all(torch.equal(a, b) for a, b in zip(out["dense"], out["none"]))
+    assert not torch.equal(out["dense"][2], out["all"][2])
     dense = Fp8BlockwiseGemm("triton", "torch", "cublas", wgrad="dense")
     assert dense.fp8_wgrad and not dense.fp8_wgrad_experts
 
@@ -128,8 +128,8 @@ def test_triton_fp8_interpreted_matches_float64(quant):
 
 
 def test_triton_fp8_bf16_wgrad_interpreted_matches_float64():
-    """wgrad="bf16" with the Triton experts and the Triton dense GEMM (fused quantization, rows only)."""
-    run_interpreted("tests.core.test_precision_fp8", "check_fp8('cpu', quant='triton', wgrad='bf16')")
+    """wgrad="none" with the Triton experts and the Triton dense GEMM (fused quantization, rows only)."""
+    run_interpreted("tests.core.test_precision_fp8", "check_fp8('cpu', quant='triton', wgrad='none')")
 
 
 def _ref_err(out, a, b) -> float:
@@ -314,7 +314,7 @@ def test_pipelined_on_gpu_matches_float64():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("experts", ["triton", "cublas", "gluon"])
-@pytest.mark.parametrize("wgrad", ["fp8", "bf16"])
+@pytest.mark.parametrize("wgrad", ["all", "none"])
 def test_fp8_on_gpu_matches_float64(experts, wgrad):
     check_fp8("cuda", dense_modes=("triton", "scaled_mm"), experts=experts, wgrad=wgrad)
 
