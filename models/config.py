@@ -85,7 +85,7 @@ class ModelConfig(Config):
     less memory at the start of the backward; the step-time measurement on GPUs is tools/bench_loss.py.
     Forward without labels (scoring, HF comparisons) gives logits either way."""
     loss_chunk_tokens: int | None = None
-    """Tokens per chunk of the fused loss; None: about 1 GiB of fp32 logits (2560 tokens at vocab 100352)."""
+    """Tokens per chunk of the fused loss; None: about 1 GiB of transient logits (5120 tokens at vocab 100352 on CUDA's Triton path, 1536 on the torch path; core/layers/loss.default_chunk_tokens)."""
     hf_metadata: HFMetadata | None = None
     """config.json fields of an imported HF checkpoint that only matter to HF tools (context length,
     special token ids); carried through to export. None for models that never came from HF."""
@@ -122,7 +122,7 @@ class ModelConfig(Config):
             self.moe.validate_for(self.n_layers)
         if self.loss_chunk_tokens is not None and self.loss_chunk_tokens <= 0:
             raise ConfigError(f"model.loss_chunk_tokens must be positive (tokens per chunk of the fused loss) or "
-                              f"null (about 1 GiB of fp32 logits), got {self.loss_chunk_tokens}")
+                              f"null (about 1 GiB of transient logits), got {self.loss_chunk_tokens}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError(f"model.sliding_window must be positive or null, got {self.sliding_window}")
         if self.layer_types is not None:

@@ -9,7 +9,7 @@ master weights) and an fp32 head weight [V, D], under bf16 autocast by default. 
 are bytes above what h, the weight and the labels take (CUDA only).
 
     python tools/bench_loss.py                                  # T 16384, V 100352, D 2048 and 4096
-    python tools/bench_loss.py --chunk-tokens 1024,2560,8192    # the fused loss at several chunks
+    python tools/bench_loss.py --chunk-tokens 2560,4096,8192    # the fused loss at several chunks
     python tools/bench_loss.py --dtype fp32 --d-model 2048                # without autocast
     python tools/bench_loss.py --tokens 256 --vocab 512 --d-model 64 --steps 2 --warmup 1   # CPU smoke
 
@@ -25,7 +25,7 @@ import time
 import torch
 
 from moetron.core.config import ConfigError
-from moetron.core.layers.loss import LMHead, default_chunk_tokens, linear_cross_entropy
+from moetron.core.layers.loss import LMHead, linear_cross_entropy, path_chunk_tokens
 from moetron.core.metrics import run_environment
 
 from cli import run_cli, write_report  # tools/cli.py
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=100352, help="V")
     parser.add_argument("--d-model", type=_ints, default=[2048, 4096], help="D values, comma-separated")
     parser.add_argument("--chunk-tokens", type=_ints, default=None,
-                        help="fused loss chunk sizes, comma-separated (default: ~1 GiB of fp32 logits)")
+                        help="fused loss chunk sizes, comma-separated (default: ~1 GiB of transient logits on the path taken)")
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="autocast dtype (fp32: none)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError("--tokens, --vocab and --steps must be positive and --warmup >= 0")
     args.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
-    chunks = args.chunk_tokens or [default_chunk_tokens(args.vocab)]
+    chunks = args.chunk_tokens or [path_chunk_tokens(args.vocab, device, args.dtype)]
     rows = []
     for d_model in args.d_model:
         gen = torch.Generator(device=device).manual_seed(0)

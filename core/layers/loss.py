@@ -21,20 +21,50 @@ from ..config import ConfigError
 from ..precision.gemm import compute_dtype
 from .linear import Linear
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "LMHead", "cross_entropy", "default_chunk_tokens", "linear_cross_entropy"]
+__all__ = ["CHUNK_ALIGN", "DEFAULT_CHUNK_BYTES", "LMHead", "chunk_bounds", "cross_entropy", "default_chunk_tokens",
+           "linear_cross_entropy", "logit_bytes", "path_chunk_tokens"]
 
 DEFAULT_CHUNK_BYTES = 1 << 30
-"""Default size of one chunk's fp32 logits (1 GiB): 2560 tokens at V = 100352, 65536 at V = 4096.
-A chunk's transient buffers are about 1.5x this (its compute-dtype logits, the fp32 copy turned into
-dlogits in place, dlogits in the compute dtype); larger chunks make fewer, larger GEMMs and fewer
-read-modify-writes of the fp32 grad_W accumulator."""
+"""Default size of one chunk's transient logits (1 GiB): on the Triton path (CUDA) a chunk holds one
+[C, V] tensor in the compute dtype, its gradient written in place (2 B a logit in bf16: 5120 tokens
+at V = 100352); the torch path also holds an fp32 copy (6 B a logit: 1536 tokens). Larger chunks make
+fewer, larger GEMMs and fewer read-modify-writes of the fp32 grad_W accumulator."""
+
+CHUNK_ALIGN = 128
+"""Chunk sizes are rounded up to a multiple of this (GEMM tiles), within chunk_tokens."""
 
 
-def default_chunk_tokens(vocab_size: int) -> int:
-    """Tokens per chunk whose fp32 logits take about DEFAULT_CHUNK_BYTES, rounded down to a
-    multiple of 256 (GEMM-friendly), at least 256."""
-    tokens = DEFAULT_CHUNK_BYTES // (4 * vocab_size)
+def logit_bytes(dtype: torch.dtype, triton: bool) -> int:
+    """Bytes a chunk holds per logit at its peak: the compute-dtype logits, turned into their
+    gradient in place (Triton); the torch path adds their fp32 copy (fp32 compute: one tensor)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return size if triton or size >= 4 else size + 4
+
+
+def default_chunk_tokens(vocab_size: int, bytes_per_logit: int = 2) -> int:
+    """Tokens per chunk whose logits take about DEFAULT_CHUNK_BYTES at ``bytes_per_logit``
+    (logit_bytes; 2: bf16 on the Triton path, what CUDA runs), rounded down to a multiple of 256
+    (GEMM-friendly), at least 256."""
+    tokens = DEFAULT_CHUNK_BYTES // (bytes_per_logit * vocab_size)
     return max(256, tokens // 256 * 256)
+
+
+def path_chunk_tokens(vocab_size: int, device: torch.device, dtype: torch.dtype) -> int:
+    """The default chunk of the fused loss run on ``device`` in compute ``dtype`` (its path's
+    logit_bytes): what chunk_tokens=None means."""
+    return default_chunk_tokens(vocab_size, logit_bytes(dtype, _use_triton(torch.device(device), dtype)))
+
+
+def chunk_bounds(tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:
+    """[start, end) of each chunk: the fewest chunks of at most ``chunk_tokens``, of equal size
+    rounded up to CHUNK_ALIGN (still at most chunk_tokens), the last one taking the rest: 16384
+    tokens at 5120 make four of 4096, not three of 5120 and one of 1024 (a small, slow GEMM)."""
+    if tokens <= 0:
+        return []
+    n = -(-tokens // chunk_tokens)
+    size = -(-tokens // n)
+    size = min(chunk_tokens, -(-size // CHUNK_ALIGN) * CHUNK_ALIGN)
+    return [(start, min(start + size, tokens)) for start in range(0, tokens, size)]
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -56,12 +86,14 @@ def linear_cross_entropy(h: torch.Tensor, weight_VD: torch.Tensor, labels: torch
     call, as F.cross_entropy does; NaN if every token is ignored, with zero gradients), plus
     ``z_loss_weight`` x mean(logsumexp^2) when positive. With ``return_z_loss`` also returns the
     unweighted mean(logsumexp^2) over those tokens (detached, for logging).
-    ``chunk_tokens``: tokens per chunk (default: default_chunk_tokens(V), about 1 GiB of fp32 logits).
+    ``chunk_tokens``: at most this many tokens per chunk, the chunks balanced (chunk_bounds; default:
+    default_chunk_tokens(V, logit_bytes(...)), about 1 GiB of transient logits on the path taken).
     The GEMMs run in the compute dtype (autocast's, else h's) whatever the GEMM backend; softmax
     and the loss in fp32 (or wider). Differentiable in h and weight.
     """
+    dtype = compute_dtype(h)
     if chunk_tokens is None:
-        chunk_tokens = default_chunk_tokens(weight_VD.shape[0])
+        chunk_tokens = path_chunk_tokens(weight_VD.shape[0], h.device, dtype)
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens <= 0:
         raise ConfigError(f"linear_cross_entropy: chunk_tokens must be a positive int (tokens per chunk), got "
                           f"{chunk_tokens!r}: pass e.g. 2048, or None for the default (model.loss_chunk_tokens)")
@@ -69,7 +101,6 @@ def linear_cross_entropy(h: torch.Tensor, weight_VD: torch.Tensor, labels: torch
         raise ValueError(f"linear_cross_entropy: labels {tuple(labels.shape)} must be h's leading shape "
                          f"{tuple(h.shape[:-1])} (h {tuple(h.shape)}), and weight [V, D={h.shape[-1]}], got "
                          f"{tuple(weight_VD.shape)}: pass the labels of the same [B, S] tokens as h")
-    dtype = compute_dtype(h)
     h_TD, labels_T = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
     args = (h_TD, weight_VD, labels_T, ignore_index, float(z_loss_weight), chunk_tokens, dtype)
     if torch.is_grad_enabled() and (h.requires_grad or weight_VD.requires_grad):
@@ -122,13 +153,14 @@ def _chunked(h_TD: torch.Tensor, w_VD: torch.Tensor, labels_T: torch.Tensor, ign
         loss_sum = torch.zeros((), dtype=acc, device=h_TD.device)
         z_sum = torch.zeros((), dtype=acc, device=h_TD.device)
         out_h = torch.empty_like(h_TD, memory_format=torch.contiguous_format) if grad_h else None
-        out_w = torch.zeros(w_VD.shape, dtype=acc, device=w_VD.device) if grad_w else None
-        for start in range(0, h_TD.shape[0], chunk_tokens):
-            end = min(start + chunk_tokens, h_TD.shape[0])
+        out_w = torch.empty(w_VD.shape, dtype=acc, device=w_VD.device) if grad_w else None
+        if grad_w and h_TD.shape[0] == 0:
+            out_w.zero_()
+        for i, (start, end) in enumerate(chunk_bounds(h_TD.shape[0], chunk_tokens)):
             h_CD, valid_C = h_cast[start:end], valid_T[start:end]
             target_C = torch.where(valid_C, labels_T[start:end], 0)[:, None]
             mask_C = valid_C.to(acc)
-            if _use_triton(h_CD):
+            if _use_triton(h_CD.device, h_CD.dtype):
                 # One Triton pass per row on the compute-dtype logits, the gradient in place.
                 from .cross_entropy_triton import ce_rows_
 
@@ -138,9 +170,9 @@ def _chunked(h_TD: torch.Tensor, w_VD: torch.Tensor, labels_T: torch.Tensor, ign
                 loss_sum += ((lse_C - target_logit_C) * mask_C).sum()
                 z_sum += (lse_C.square() * mask_C).sum()
                 if grad_h:
-                    out_h[start:end] = dlogits_CV @ w_cast
+                    _mm_into(out_h[start:end], dlogits_CV, w_cast)
                 if grad_w:
-                    _accumulate_wgrad(out_w, dlogits_CV, h_CD)
+                    _mm_into(out_w, dlogits_CV.t(), h_CD, accumulate=i > 0)
                 continue
             logits_CV = (h_CD @ w_cast.t()).to(acc)  # the compute-dtype logits die here
             target_logit_C = logits_CV.gather(1, target_C)[:, 0]
@@ -161,9 +193,9 @@ def _chunked(h_TD: torch.Tensor, w_VD: torch.Tensor, labels_T: torch.Tensor, ign
             dlogits_CV = logits_CV.to(dtype)
             del logits_CV
             if grad_h:
-                out_h[start:end] = dlogits_CV @ w_cast
+                _mm_into(out_h[start:end], dlogits_CV, w_cast)
             if grad_w:
-                _accumulate_wgrad(out_w, dlogits_CV, h_CD)
+                _mm_into(out_w, dlogits_CV.t(), h_CD, accumulate=i > 0)
         loss = loss_sum / n_valid
         z = (z_sum / n_valid).detach()
         if z_loss_weight > 0:
@@ -176,30 +208,45 @@ CE_KERNEL = "auto"
 elsewhere), "triton" (also on the CPU under TRITON_INTERPRET=1: the tests), "torch" (the reference)."""
 
 
-def _use_triton(h: torch.Tensor) -> bool:
-    if CE_KERNEL == "torch" or h.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+def _use_triton(device: torch.device, dtype: torch.dtype) -> bool:
+    if CE_KERNEL == "torch" or dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return False
-    return CE_KERNEL == "triton" or h.is_cuda
+    return CE_KERNEL == "triton" or device.type == "cuda"
 
 
-# Per device type: whether addmm with an fp32 output from bf16/fp16 operands exists (CUDA: yes;
-# the CPU has no kernel for it). Learned on first use from the dispatcher's error, which is raised
-# before anything is written.
-_FP32_OUT_ADDMM: dict[str, bool] = {}
+# Per device type: whether mm / addmm with a wider output than their operands (fp32 from bf16 or
+# fp16) exist (CUDA: yes; the CPU has no kernel for them). Learned on first use from the
+# dispatcher's error, which is raised before anything is written.
+_WIDE_OUT_MM: dict[str, bool] = {}
 
 
-def _accumulate_wgrad(grad_VD: torch.Tensor, dlogits_CV: torch.Tensor, h_CD: torch.Tensor) -> None:
-    """grad_VD += dlogits^T @ h, the sum kept in grad's (fp32) dtype: one GEMM with an fp32
-    epilogue where the device has it, else a compute-dtype product added in."""
-    kind = grad_VD.device.type
-    if grad_VD.dtype != dlogits_CV.dtype and _FP32_OUT_ADDMM.get(kind, True):
+def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool = False) -> None:
+    """out = a @ b, or out += a @ b with ``accumulate``; ``out`` (contiguous) may be wider than the
+    operands (fp32 from bf16), and then the GEMM's epilogue writes (and adds in) that dtype where
+    the device has such a kernel, one pass over ``out``; elsewhere the product is made in the
+    operands' dtype and copied or added in. The fused loss' first chunk writes grad_W, the others
+    add to it: no zero-filled accumulator, no separate add."""
+    kind = out.device.type
+    if out.dtype == a.dtype:
+        if accumulate:
+            torch.addmm(out, a, b, out=out)
+        else:
+            torch.mm(a, b, out=out)
+        return
+    if _WIDE_OUT_MM.get(kind, True):
         try:
-            torch.addmm(grad_VD, dlogits_CV.t(), h_CD, out_dtype=grad_VD.dtype, out=grad_VD)
-            _FP32_OUT_ADDMM[kind] = True
+            if accumulate:
+                torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+            else:
+                torch.mm(a, b, out_dtype=out.dtype, out=out)
+            _WIDE_OUT_MM[kind] = True
             return
         except (RuntimeError, NotImplementedError, TypeError):
-            _FP32_OUT_ADDMM[kind] = False
-    grad_VD.add_(dlogits_CV.t() @ h_CD)
+            _WIDE_OUT_MM[kind] = False
+    if accumulate:
+        out.add_(a @ b)
+    else:
+        out.copy_(a @ b)
 
 
 class LMHead(Linear):
@@ -209,8 +256,8 @@ class LMHead(Linear):
     forward(h [..., D]) -> logits [..., V] through the GEMM backend;
     forward(h [..., D], labels [...]) -> mean cross entropy over labels != -100: fused and chunked
     (linear_cross_entropy, never materialising the logits) when ``fused``, else the logits then
-    cross_entropy (the reference). ``chunk_tokens``: the fused loss' tokens per chunk (None: ~1 GiB
-    of fp32 logits).
+    cross_entropy (the reference). ``chunk_tokens``: the fused loss' most tokens per chunk (None:
+    ~1 GiB of transient logits, default_chunk_tokens).
     """
 
     def __init__(self, in_features: int, out_features: int, device: torch.device | None = None, fused: bool = True,

@@ -11,6 +11,7 @@ __all__ = ['SLICE_FREED', 'SLICE_FREED_AT_GATE_UP', 'activation_terms', 'block_a
            'block_backward_transient', 'gate_up_wgrad_transient', 'loss_memory', 'stage_linear']
 
 from moetron.core.memory import MemoryConfig, Recompute
+from moetron.core.layers.loss import chunk_bounds
 from moetron.core.precision.blockwise import FP8_BLOCK
 from moetron.core.precision.grouping import padded_rows
 from moetron.models import ModelConfig
@@ -146,7 +147,8 @@ def loss_memory(cfg: ModelConfig, sw: Switches, tokens: int) -> dict[str, float]
 
     fused (core/layers/loss.py): grad_h [T, D] (h's dtype: the fp32 residual) and the fp32 grad_W
     [V, D] are kept; its forward's last chunk also holds the bf16 weight and hidden casts and one
-    chunk's logits (bf16, then fp32 turned into dlogits in place, then bf16: 6 B x C x V at once);
+    chunk's bf16 logits, turned into dlogits in place by the Triton kernel that CUDA runs (2 B x C x V;
+    C the largest of the balanced chunks, chunk_bounds);
     its backward holds both kept gradients and their scaled copies. plain: the fp32 log-softmax
     [T, V] and the head's bf16 input are kept; inside its backward the nll gradient, the log-softmax
     gradient (fp32) and the bf16 logits' gradient join them: 10 B per logit, which is what the
@@ -155,8 +157,8 @@ def loss_memory(cfg: ModelConfig, sw: Switches, tokens: int) -> dict[str, float]
     norm = 4.0 * T * D  # the final RMSNorm's fp32 input
     if sw.fused_loss:
         saved = norm + 4.0 * T * D + 4.0 * V * D
-        C = min(sw.loss_chunk_tokens, T)
-        in_forward = saved + 2.0 * V * D + 2.0 * T * D + 6.0 * C * V
+        C = max((end - start for start, end in chunk_bounds(T, sw.loss_chunk_tokens)), default=0)
+        in_forward = saved + 2.0 * V * D + 2.0 * T * D + 2.0 * C * V
         in_backward = saved + 4.0 * T * D + 4.0 * V * D
         where = "loss forward (last chunk)" if in_forward >= in_backward else "loss backward"
         return {"saved": saved, "peak": max(in_forward, in_backward), "where": where}

@@ -24,7 +24,8 @@ class Switches:
     compiled: bool = True
     fused_loss: bool = True
     """model.fused_loss: the chunked LM-head loss (core/layers/loss.py), else full logits."""
-    loss_chunk_tokens: int = 2560
+    loss_chunk_tokens: int = 5120
+    """model.loss_chunk_tokens, else default_chunk_tokens(V) (bf16 logits on the Triton path; 5120 at V 100352)."""
     recipe: str = "bf16"
     """bf16, mxfp8 or fp8_blockwise (precision.recipe resolved for a GPU)."""
     backend: str = "native"

@@ -15,7 +15,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moetron.core.config import ConfigError
-from moetron.core.layers.loss import LMHead, cross_entropy, default_chunk_tokens, linear_cross_entropy
+from moetron.core.layers.loss import (LMHead, chunk_bounds, cross_entropy, default_chunk_tokens, linear_cross_entropy,
+                                      logit_bytes)
 from moetron.core.optim import OptimizerConfig, SchedulerConfig
 from moetron.core.precision import PrecisionPolicy
 from moetron.core.precision.gemm import DEFAULT_GEMM
@@ -182,9 +183,25 @@ def test_bad_inputs_name_the_fix():
 
 
 def test_default_chunk_by_bytes():
-    assert default_chunk_tokens(100352) == 2560  # ~1 GiB of fp32 logits
-    assert default_chunk_tokens(4096) == 65536
+    assert default_chunk_tokens(100352) == 5120  # ~1 GiB of bf16 logits (the Triton path)
+    assert default_chunk_tokens(100352, logit_bytes(torch.bfloat16, triton=False)) == 1536  # + their fp32 copy
+    assert logit_bytes(torch.float32, triton=False) == 4 and logit_bytes(torch.float16, triton=True) == 2
+    assert default_chunk_tokens(4096) == 131072
     assert default_chunk_tokens(10**9) == 256  # at least 256 tokens
+
+
+def test_chunks_are_balanced_and_cover_every_token():
+    assert chunk_bounds(16384, 5120) == [(0, 4096), (4096, 8192), (8192, 12288), (12288, 16384)]
+    assert chunk_bounds(16384, 16384) == [(0, 16384)]
+    assert chunk_bounds(100, 60) == [(0, 60), (60, 100)]  # the aligned size capped at chunk_tokens
+    assert chunk_bounds(0, 8) == []
+    for tokens in (1, 7, 127, 128, 129, 1000, 16384, 16385):
+        for chunk in (1, 5, 128, 300, 2560, 5120):
+            bounds = chunk_bounds(tokens, chunk)
+            assert bounds[0][0] == 0 and bounds[-1][1] == tokens
+            assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+            assert all(0 < end - start <= chunk for start, end in bounds)
+            assert len(bounds) == -(-tokens // chunk)  # the fewest chunks
 
 
 def test_lm_head_keeps_the_linear_name_and_logits():
@@ -293,3 +310,20 @@ def test_forward_without_labels_gives_logits_either_way():
     torch.testing.assert_close(fused(ids), plain(ids))
     assert fused(ids).shape == (2, 9, 96)
     torch.testing.assert_close(fused(ids[:, :-1], ids[:, 1:]), cross_entropy_loss(plain(ids[:, :-1]), ids[:, 1:]))
+
+
+def test_mm_into_overwrites_then_adds():
+    """grad_W's first chunk is written into an uninitialised buffer (NaN here) and later chunks add
+    to it, in the operands' dtype or a wider one (the CPU's fallback for an fp32 epilogue)."""
+    from moetron.core.layers.loss import _mm_into
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b, c = (torch.randn(n, m, generator=g).to(dtype) for n, m in ((6, 5), (5, 4), (6, 5)))
+        for out_dtype in {dtype, torch.float32}:
+            out = torch.full((6, 4), float("nan"), dtype=out_dtype)
+            _mm_into(out, a, b)
+            torch.testing.assert_close(out, (a @ b).to(out_dtype))
+            _mm_into(out, c, b, accumulate=True)
+            torch.testing.assert_close(out, (a @ b).to(out_dtype) + (c @ b).to(out_dtype),
+                                       **({"rtol": 2e-2, "atol": 2e-2} if out_dtype != torch.float32 else {}))
