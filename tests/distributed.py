@@ -16,6 +16,8 @@ modules once (spawn made every rank import them again: seconds of CPU per rank, 
 test's time); each rank still gets what a spawned one had: the caller's environment, working
 directory, sys.path, stdout and stderr (so capfd and pytest's report see the ranks' output), intra-op
 thread count, and fresh random seeds. NCCL ranks are spawned (no CUDA state can cross a fork).
+The ranks meet through a FileStore in a fresh directory, not a TCP port: the test suite runs in
+several pytest-xdist processes, and a port picked free a moment ago can be taken by then.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
+import shutil
 import socket
 import sys
+import tempfile
 import time
 from multiprocessing import reduction
 from typing import Any, Callable
@@ -59,7 +63,7 @@ class _CallerStdio:
         return _stdio_fds, (reduction.DupFd(1), reduction.DupFd(2))
 
 
-def _child(rank: int, fn: Callable[..., Any], world_size: int, port: int, args: tuple, backend: str,
+def _child(rank: int, fn: Callable[..., Any], world_size: int, store_path: str, args: tuple, backend: str,
            caller: tuple[dict, str, list, tuple[int, int], int]) -> None:
     env, cwd, path, (out_fd, err_fd), threads = caller  # what a spawned child has (a forked one has the server's)
     sys.stdout.flush()
@@ -78,8 +82,6 @@ def _child(rank: int, fn: Callable[..., Any], world_size: int, port: int, args: 
     # The caller's intra-op threads: tests compare fp32 results of the ranks with the caller's own,
     # and the thread count changes the order of a reduction.
     torch.set_num_threads(threads)
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
     os.environ["RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(world_size)
     os.environ["LOCAL_RANK"] = str(rank)
@@ -89,9 +91,10 @@ def _child(rank: int, fn: Callable[..., Any], world_size: int, port: int, args: 
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
         torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=torch.device("cuda", rank))
+        dist.init_process_group("nccl", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
+                                device_id=torch.device("cuda", rank))
     else:
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
         # Let every rank finish its collectives (and free DDP reducers) before the group goes:
@@ -113,12 +116,13 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     if backend == "nccl" and torch.cuda.device_count() < world_size:
         raise RuntimeError(f"run_distributed: NCCL with {world_size} ranks needs {world_size} GPUs, "
                            f"{torch.cuda.device_count()} visible")
-    port = free_port()
+    store_dir = tempfile.mkdtemp(prefix="moetron-dist-")
+    store_path = os.path.join(store_dir, "store")  # created by the first rank
     start_method = "spawn" if backend == "nccl" else "forkserver"
     if start_method == "forkserver":
         multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)  # read when it starts
     caller = (dict(os.environ), os.getcwd(), list(sys.path), _CallerStdio(), torch.get_num_threads())
-    ctx = mp.start_processes(_child, args=(fn, world_size, port, args, backend, caller), nprocs=world_size,
+    ctx = mp.start_processes(_child, args=(fn, world_size, store_path, args, backend, caller), nprocs=world_size,
                              join=False, start_method=start_method)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
@@ -134,3 +138,4 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
             if p.is_alive():
                 p.kill()
                 p.join()
+        shutil.rmtree(store_dir, ignore_errors=True)
