@@ -137,11 +137,13 @@ class PrecisionConfig(Config):
     output to bf16 either way); gradient accumulation over micro-batches would sum in bf16, so it
     is refused (core/trainer.py)."""
     triton_swiglu: bool = True
-    """bf16 recipe: the routed experts' SwiGLU (silu(gate) * up) and its backward in one Triton pass
-    each on CUDA (core/precision/swiglu_triton.py) instead of seven torch elementwise passes; the same
-    roundings, equal to the torch path within a stated tolerance (tests/core/test_swiglu_triton.py).
-    On by default (measured on the H200: +3.2% tokens/s and -1.2 GiB on olmoe3-4l-8e, docs/performance.md);
-    the CPU always takes the torch path; ``false`` forces it on CUDA too."""
+    """The routed experts' SwiGLU (silu(gate) * up) and its backward in one Triton pass each on CUDA
+    (core/precision/swiglu_triton.py) instead of seven torch elementwise passes (eager) or inductor's
+    fused kernels (compiled); the same roundings, equal to the torch path within a stated tolerance
+    (tests/core/test_swiglu_triton.py). bf16 recipe: fused into the down projection's op (measured on
+    the H200: +3.2% tokens/s and -1.2 GiB on olmoe3-4l-8e, docs/performance.md); the low-precision
+    recipes: the op before their down projection (swiglu_rows). On by default; the CPU always takes
+    the torch path; ``false`` forces it on CUDA too."""
     quantize_weights_once: bool = False
     """Low-precision recipes under torch.compile: the routed experts' grouped GEMMs run outside the
     compiled graph (a graph break at each; inside they are custom ops and Triton kernels anyway),
@@ -303,6 +305,7 @@ class PrecisionConfig(Config):
                                   fp8_fused_amax=self.fp8_fused_amax)
         gemm.quantize_weights_once = bool(self.quantize_weights_once)
         gemm.per_expert = per_expert
+        gemm.triton_swiglu = bool(self.triton_swiglu)
         return PrecisionPolicy(device_type, torch.bfloat16, gemm, modules=frozenset(GemmModule(m) for m in self.modules))
 
 

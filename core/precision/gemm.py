@@ -85,6 +85,9 @@ class GemmBackend:
     quantize_weights_once: bool = False
     """precision.quantize_weights_once (the low-precision backends): run the grouped GEMM outside
     any compiled graph (cache.outside_graph), so the backend's WeightCache serves it there too."""
+    triton_swiglu: bool = False
+    """precision.triton_swiglu: the default grouped_swiglu_down's SwiGLU in one Triton pass each way
+    (bf16 CUDA rows; the low-precision backends, set by PrecisionConfig.build)."""
     per_expert: bool = False
     """precision.bf16_experts=cublas (the bf16 recipe, the emulated backends): the grouped bf16 GEMMs
     as one cuBLAS GEMM per expert, the group sizes read on the host (core/precision/grouping.py)."""
@@ -128,9 +131,18 @@ class GemmBackend:
         """The SwiGLU experts' down projection: ``act(gate, up)`` on h_R2F [R, 2F] (gate columns,
         then up), each row scaled by ``row_scale_R`` [R] if given, then ``grouped_mm`` with w_EDF
         [E, D, F] -> [R, D]. A backend may fuse these (saving less for backward); this default
-        composes them."""
-        gate_RF, up_RF = h_R2F.chunk(2, dim=-1)
-        return self.grouped_mm(scale_rows(act(gate_RF, up_RF), row_scale_R), w_EDF, offsets_E)
+        composes them, the SwiGLU itself in one Triton pass each way where ``triton_swiglu`` (the
+        plain swiglu on bf16 CUDA rows, swiglu_triton.swiglu_rows)."""
+        from ..layers.mlp import swiglu  # (layers import this module)
+
+        if act is swiglu and bf16_grouped._triton_swiglu(h_R2F, self.triton_swiglu):
+            from .swiglu_triton import swiglu_rows
+
+            act_RF = swiglu_rows(h_R2F)
+        else:
+            gate_RF, up_RF = h_R2F.chunk(2, dim=-1)
+            act_RF = act(gate_RF, up_RF)
+        return self.grouped_mm(scale_rows(act_RF, row_scale_R), w_EDF, offsets_E)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

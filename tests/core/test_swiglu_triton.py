@@ -66,3 +66,54 @@ def test_swiglu_kernel_on_gpu():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     check("cuda")
+
+
+def check_rows(device: str) -> None:
+    """swiglu_rows (the low-precision backends' SwiGLU) against swiglu() and autograd, forward and
+    backward; and an FP8 backend's down projection with it against without it."""
+    from moetron.core.precision import PrecisionConfig
+    from moetron.core.precision import swiglu_triton as st
+    from moetron.core.precision.swiglu_triton import swiglu_rows
+
+    torch.manual_seed(1)
+    R, F = 37, 1104
+    h = (torch.randn(R, 2 * F) * 3).to(device, torch.bfloat16)
+    ga = torch.randn(R, F).to(device, torch.bfloat16)
+    h1, h2 = h.clone().requires_grad_(True), h.clone().requires_grad_(True)
+    y1 = swiglu_rows(h1)
+    g, u = h2.chunk(2, dim=-1)
+    y2 = swiglu(g, u)
+    _close_bf16(y1, y2, "swiglu_rows forward")
+    (g1,), (g2,) = torch.autograd.grad(y1, h1, ga), torch.autograd.grad(y2, h2, ga)
+    _close_bf16(g1, g2, "swiglu_rows backward")
+
+    E, D = 3, 32
+    offsets = torch.tensor([16, 16, 48], dtype=torch.int32, device=device)
+    hx = (torch.randn(48, 2 * 64) * 2).to(device, torch.bfloat16)
+    w = (torch.randn(E, D, 64) / 8).to(device)
+    gy = torch.randn(48, D).to(device, torch.bfloat16)
+    outs, calls = [], []
+    forward, backward = st.swiglu_forward, st.swiglu_backward
+    st.swiglu_forward = lambda *a: calls.append("fwd") or forward(*a)
+    st.swiglu_backward = lambda *a, **k: calls.append("bwd") or backward(*a, **k)
+    for kernel in (False, True):
+        gemm = PrecisionConfig(recipe="fp8_rowwise", backend="emulated", triton_swiglu=kernel).build(device, verbose=False).gemm
+        assert gemm.triton_swiglu is kernel
+        hh, ww = hx.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        y = gemm.grouped_swiglu_down(hh, ww, offsets, swiglu)
+        outs.append((y, *torch.autograd.grad(y, (hh, ww), gy)))
+        assert calls == (["fwd", "bwd"] if kernel else []), (kernel, calls)
+    st.swiglu_forward, st.swiglu_backward = forward, backward
+    for a, b, what in zip(outs[1], outs[0], ("y", "grad h", "grad w")):
+        torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=3e-2, msg=what)
+
+
+def test_swiglu_rows_interpreted():
+    run_interpreted("tests.core.test_swiglu_triton", "check_rows('cpu')")
+
+
+@pytest.mark.gpu
+def test_swiglu_rows_on_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    check_rows("cuda")
