@@ -24,6 +24,18 @@ def _close_bf16(a: torch.Tensor, b: torch.Tensor, what: str, max_frac: float = 0
     assert float((diff > 0).float().mean()) <= max_frac, (what, float((diff > 0).float().mean()))
 
 
+def _down_grads(down, h, w, gy):
+    """(y, grad h, grad w) of y = down(h, w) against the output gradient gy."""
+    hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    y = down(hh, ww)
+    return (y, *torch.autograd.grad(y, (hh, ww), gy))
+
+
+def _assert_same(got, want, tol):
+    for a, b, what in zip(got, want, ("y", "grad h", "grad w")):
+        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol, msg=what)
+
+
 def check(device: str) -> None:
     from moetron.core.precision.bf16_grouped import grouped_swiglu_down
     from moetron.core.precision.swiglu_triton import swiglu_backward, swiglu_forward
@@ -47,14 +59,9 @@ def check(device: str) -> None:
     offsets = torch.tensor([10, 10, R], dtype=torch.int32, device=device)
     w = (torch.randn(E, D, F) / F**0.5).to(device)
     gy = torch.randn(R, D).to(device, torch.bfloat16)
-    outs = []
-    for kernel in (False, True):
-        hh = h.clone().requires_grad_(True)
-        ww = w.clone().requires_grad_(True)
-        y = grouped_swiglu_down(hh, ww, offsets, torch.bfloat16, triton_swiglu=kernel)
-        outs.append((y, *torch.autograd.grad(y, (hh, ww), gy)))
-    for a, b, what in zip(outs[1], outs[0], ("y", "grad h", "grad w")):
-        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2, msg=what)
+    outs = [_down_grads(lambda hh, ww: grouped_swiglu_down(hh, ww, offsets, torch.bfloat16, triton_swiglu=kernel),
+                        h, w, gy) for kernel in (False, True)]
+    _assert_same(outs[1], outs[0], 2e-2)
 
 
 def test_swiglu_kernel_interpreted():
@@ -99,13 +106,10 @@ def check_rows(device: str) -> None:
     for kernel in (False, True):
         gemm = PrecisionConfig(recipe="fp8_rowwise", backend="emulated", triton_swiglu=kernel).build(device, verbose=False).gemm
         assert gemm.triton_swiglu is kernel
-        hh, ww = hx.clone().requires_grad_(True), w.clone().requires_grad_(True)
-        y = gemm.grouped_swiglu_down(hh, ww, offsets, swiglu)
-        outs.append((y, *torch.autograd.grad(y, (hh, ww), gy)))
+        outs.append(_down_grads(lambda hh, ww: gemm.grouped_swiglu_down(hh, ww, offsets, swiglu), hx, w, gy))
         assert calls == (["fwd", "bwd"] if kernel else []), (kernel, calls)
     st.swiglu_forward, st.swiglu_backward = forward, backward
-    for a, b, what in zip(outs[1], outs[0], ("y", "grad h", "grad w")):
-        torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=3e-2, msg=what)
+    _assert_same(outs[1], outs[0], 3e-2)
 
 
 def test_swiglu_rows_interpreted():
