@@ -122,8 +122,12 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     if start_method == "forkserver":
         multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)  # read when it starts
     caller = (dict(os.environ), os.getcwd(), list(sys.path), _CallerStdio(), torch.get_num_threads())
-    ctx = mp.start_processes(_child, args=(fn, world_size, store_path, args, backend, caller), nprocs=world_size,
-                             join=False, start_method=start_method)
+    try:
+        ctx = mp.start_processes(_child, args=(fn, world_size, store_path, args, backend, caller), nprocs=world_size,
+                                 join=False, start_method=start_method)
+    except BaseException:
+        shutil.rmtree(store_dir, ignore_errors=True)
+        raise
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
         while not ctx.join(timeout=0.5):

@@ -37,7 +37,7 @@ CHUNK_ALIGN = 128
 def logit_bytes(dtype: torch.dtype, triton: bool) -> int:
     """Bytes a chunk holds per logit at its peak: the compute-dtype logits, turned into their
     gradient in place (Triton); the torch path adds their fp32 copy (fp32 compute: one tensor)."""
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     return size if triton or size >= 4 else size + 4
 
 

@@ -168,7 +168,7 @@ def _swiglu(h_R2F: Tensor) -> Tensor:
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _triton_swiglu(h: Tensor, wanted: bool) -> bool:
+def use_triton_swiglu(h: Tensor, wanted: bool) -> bool:
     """precision.triton_swiglu: the one-pass Triton SwiGLU on CUDA (and on the CPU under TRITON_INTERPRET=1)."""
     return wanted and h.dtype == torch.bfloat16 and (h.is_cuda or _INTERPRETED)
 
@@ -178,7 +178,7 @@ def _swiglu_down_op(h: Tensor, w: Tensor, offsets: Tensor, scale: Tensor | None,
                     triton_swiglu: bool, per_expert: bool) -> Tensor:
     dt = _DTYPES[dtype]
     h = h.to(dt)
-    if _triton_swiglu(h, triton_swiglu):
+    if use_triton_swiglu(h, triton_swiglu):
         from .swiglu_triton import swiglu_forward
 
         act = swiglu_forward(h.contiguous())
@@ -200,7 +200,7 @@ def _swiglu_down_backward_op(grad: Tensor, h: Tensor, w: Tensor, offsets: Tensor
     if per_expert:  # one host sync for the dgrad and the wgrad
         offsets = host_ends(offsets)
     grad_act, _ = grouped_grads(grad, None, w, offsets, dt, True, False, cache_id, per_expert)  # dgrad [R, F] (of the scaled product)
-    if scale is None and _triton_swiglu(h, triton_swiglu):
+    if scale is None and use_triton_swiglu(h, triton_swiglu):
         from .swiglu_triton import swiglu_backward
 
         act, grad_h = swiglu_backward(h.to(dt).contiguous(), grad_act.contiguous())

@@ -135,7 +135,7 @@ class GemmBackend:
         plain swiglu on bf16 CUDA rows, swiglu_triton.swiglu_rows)."""
         from ..layers.mlp import swiglu  # (layers import this module)
 
-        if act is swiglu and bf16_grouped._triton_swiglu(h_R2F, self.triton_swiglu):
+        if act is swiglu and bf16_grouped.use_triton_swiglu(h_R2F, self.triton_swiglu):
             from .swiglu_triton import swiglu_rows
 
             act_RF = swiglu_rows(h_R2F)

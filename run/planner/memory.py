@@ -10,8 +10,10 @@ from __future__ import annotations
 __all__ = ['SLICE_FREED', 'SLICE_FREED_AT_GATE_UP', 'activation_terms', 'block_activation_bytes',
            'block_backward_transient', 'gate_up_wgrad_transient', 'loss_memory', 'stage_linear']
 
+import torch
+
+from moetron.core.layers.loss import chunk_bounds, logit_bytes
 from moetron.core.memory import MemoryConfig, Recompute
-from moetron.core.layers.loss import chunk_bounds
 from moetron.core.precision.blockwise import FP8_BLOCK
 from moetron.core.precision.grouping import padded_rows
 from moetron.models import ModelConfig
@@ -158,7 +160,7 @@ def loss_memory(cfg: ModelConfig, sw: Switches, tokens: int) -> dict[str, float]
     if sw.fused_loss:
         saved = norm + 4.0 * T * D + 4.0 * V * D
         C = max((end - start for start, end in chunk_bounds(T, sw.loss_chunk_tokens)), default=0)
-        in_forward = saved + 2.0 * V * D + 2.0 * T * D + 2.0 * C * V
+        in_forward = saved + 2.0 * V * D + 2.0 * T * D + logit_bytes(torch.bfloat16, triton=True) * C * V
         in_backward = saved + 4.0 * T * D + 4.0 * V * D
         where = "loss forward (last chunk)" if in_forward >= in_backward else "loss backward"
         return {"saved": saved, "peak": max(in_forward, in_backward), "where": where}

@@ -8,8 +8,10 @@ __all__ = ['Switches', 'switches']
 
 import dataclasses
 
+import torch
+
 from moetron.core.config import ConfigError
-from moetron.core.layers.loss import default_chunk_tokens
+from moetron.core.layers.loss import path_chunk_tokens
 from moetron.core.optim import OptimizerConfig
 from moetron.core.precision import Fp8Wgrad, PrecisionConfig, PrecisionRecipe, emulated
 from moetron.models import ModelConfig
@@ -25,7 +27,8 @@ class Switches:
     fused_loss: bool = True
     """model.fused_loss: the chunked LM-head loss (core/layers/loss.py), else full logits."""
     loss_chunk_tokens: int = 5120
-    """model.loss_chunk_tokens, else default_chunk_tokens(V) (bf16 logits on the Triton path; 5120 at V 100352)."""
+    """model.loss_chunk_tokens, else the fused loss' own default on a CUDA bf16 run (path_chunk_tokens:
+    5120 at V 100352)."""
     recipe: str = "bf16"
     """bf16, mxfp8 or fp8_blockwise (precision.recipe resolved for a GPU)."""
     backend: str = "native"
@@ -145,7 +148,7 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
         raise ConfigError("precision.expert_grads_bf16 (with expert_weight_copies=optimizer) is for one unsharded "
                           "GPU: no FSDP2, expert or pipeline parallelism; drop it for this layout")
     return Switches(compiled=compiled, fused_loss=model.fused_loss,
-                    loss_chunk_tokens=model.loss_chunk_tokens or default_chunk_tokens(model.vocab_size),
+                    loss_chunk_tokens=model.loss_chunk_tokens or path_chunk_tokens(model.vocab_size, torch.device("cuda"), torch.bfloat16),
                     recipe=str(recipe), backend=str(backend) if recipe in LOW_PRECISION else "native",
                     low_modules=frozenset(str(m) for m in precision.modules) if recipe in LOW_PRECISION else frozenset(),
                     state_dtype=str(optimizer.state_dtype),
