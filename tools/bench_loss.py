@@ -12,6 +12,14 @@ are bytes above what h, the weight and the labels take (CUDA only).
     python tools/bench_loss.py --chunk-tokens 2560,4096,8192    # the fused loss at several chunks
     python tools/bench_loss.py --dtype fp32 --d-model 2048                # without autocast
     python tools/bench_loss.py --tokens 256 --vocab 512 --d-model 64 --steps 2 --warmup 1   # CPU smoke
+    python tools/bench_loss.py --gemms --chunk-tokens 4096,8192  # the head's three GEMMs of one chunk
+
+``--gemms``: instead of whole losses, one chunk's three GEMMs in the layouts the fused loss runs
+(``used``: the logits h @ W^T in bf16; grad_h = dlogits @ W written in fp32; grad_W += dlogits^T @ h
+added into the fp32 [V, D] accumulator by the GEMM, core.layers.loss._mm_into) beside the
+alternatives (logits as (W @ h^T)^T; grad_h in bf16; grad_W into a transposed [D, V] accumulator, or
+in bf16 without accumulation): ms and TFLOP/s (2 C V D each), to see which layout cuBLAS runs
+fastest at the step's shapes. A layout the device has no kernel for reads "n/a".
 
 Prints a table and writes JSON (--json).
 """
@@ -25,7 +33,7 @@ import time
 import torch
 
 from moetron.core.config import ConfigError
-from moetron.core.layers.loss import LMHead, linear_cross_entropy, path_chunk_tokens
+from moetron.core.layers.loss import LMHead, _mm_into, linear_cross_entropy, path_chunk_tokens
 from moetron.core.metrics import run_environment
 
 from cli import run_cli, write_report  # tools/cli.py
@@ -107,6 +115,54 @@ def measure(head: LMHead, h: torch.Tensor, labels: torch.Tensor, args, device: t
     }
 
 
+def _time_ms(fn, args, device: torch.device) -> float | None:
+    """Mean ms of fn() over args.steps after args.warmup calls; None where the device has no kernel."""
+    try:
+        for _ in range(max(1, args.warmup)):
+            fn()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        fn()
+    _sync(device)
+    return 1e3 * (time.perf_counter() - t0) / args.steps
+
+
+def gemm_rows(args, device: torch.device, chunks: list[int]) -> list[dict]:
+    """--gemms: one chunk's head GEMMs, each layout timed (see the module docstring)."""
+    rows, bf16, f32 = [], args.dtype, torch.float32
+    for d_model in args.d_model:
+        for chunk in chunks:
+            gen = torch.Generator(device=device).manual_seed(0)
+            h = torch.randn(chunk, d_model, device=device, generator=gen).to(bf16)
+            w = (torch.randn(args.vocab, d_model, device=device, generator=gen) * 0.02).to(bf16)
+            g = (torch.randn(chunk, args.vocab, device=device, generator=gen) * 1e-4).to(bf16)
+            out_h = torch.empty(chunk, d_model, device=device, dtype=f32)
+            out_w = torch.zeros(args.vocab, d_model, device=device, dtype=f32)
+            out_wt = torch.zeros(d_model, args.vocab, device=device, dtype=f32)
+            cases = [
+                ("logits", "used: h @ W^T", lambda: h @ w.t()),
+                ("logits", "(W @ h^T)^T", lambda: (w @ h.t()).t()),
+                ("grad_h", "used: fp32 out", lambda: _mm_into(out_h, g, w)),
+                ("grad_h", "bf16 out", lambda: g @ w),
+                ("grad_W", "used: += fp32 [V, D]", lambda: _mm_into(out_w, g.t(), h, accumulate=True)),
+                ("grad_W", "+= fp32 [D, V]", lambda: torch.addmm(out_wt, h.t(), g, out_dtype=f32, out=out_wt)),
+                ("grad_W", "first chunk fp32 [V, D]", lambda: _mm_into(out_w, g.t(), h)),
+                ("grad_W", "bf16 out, no +=", lambda: g.t() @ h),
+            ]
+            flops = 2.0 * chunk * args.vocab * d_model
+            for gemm, layout, fn in cases:
+                ms = _time_ms(fn, args, device)
+                rows.append({"d_model": d_model, "chunk_tokens": chunk, "vocab": args.vocab, "gemm": gemm,
+                             "layout": layout, "ms": ms, "tflops": None if ms is None else flops / ms / 1e9})
+            del h, w, g, out_h, out_w, out_wt
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
 
@@ -124,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    parser.add_argument("--gemms", action="store_true",
+                        help="time one chunk's three head GEMMs in each layout instead of whole losses")
     parser.add_argument("--json", default="runs/bench/bench_loss.json")
     args = parser.parse_args(argv)
     if args.tokens <= 0 or args.vocab <= 0 or args.steps <= 0 or args.warmup < 0:
@@ -131,6 +189,16 @@ def main(argv: list[str] | None = None) -> int:
     args.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     chunks = args.chunk_tokens or [path_chunk_tokens(args.vocab, device, args.dtype)]
+    if args.gemms:
+        rows = gemm_rows(args, device, chunks)
+        env = {**run_environment(device, 1, "tools/bench_loss.py", argv), "dtype": str(args.dtype)}
+        print(f"{env['device']} | torch {env['torch']} | V {args.vocab} | {args.dtype} operands | one chunk's GEMMs")
+        print(f"{'D':>5} {'chunk':>6} {'gemm':<7} {'layout':<24} {'ms':>8} {'TFLOP/s':>8}")
+        for r in rows:
+            ms, tf = ("n/a", "n/a") if r["ms"] is None else (f"{r['ms']:.3f}", f"{r['tflops']:.1f}")
+            print(f"{r['d_model']:>5} {r['chunk_tokens']:>6} {r['gemm']:<7} {r['layout']:<24} {ms:>8} {tf:>8}")
+        write_report(args.json, env, rows)
+        return 0
     rows = []
     for d_model in args.d_model:
         gen = torch.Generator(device=device).manual_seed(0)

@@ -132,10 +132,12 @@ class GemmBackend:
         then up), each row scaled by ``row_scale_R`` [R] if given, then ``grouped_mm`` with w_EDF
         [E, D, F] -> [R, D]. A backend may fuse these (saving less for backward); this default
         composes them, the SwiGLU itself in one Triton pass each way where ``triton_swiglu`` (the
-        plain swiglu on bf16 CUDA rows, swiglu_triton.swiglu_rows)."""
+        plain swiglu on bf16 CUDA rows, swiglu_triton.swiglu_rows; memory.recompute's checkpointed
+        twin of swiglu too: swiglu_rows saves only its input and recomputes the product in backward,
+        what the checkpoint would do)."""
         from ..layers.mlp import swiglu  # (layers import this module)
 
-        if act is swiglu and bf16_grouped.use_triton_swiglu(h_R2F, self.triton_swiglu):
+        if getattr(act, "__wrapped__", act) is swiglu and bf16_grouped.use_triton_swiglu(h_R2F, self.triton_swiglu):
             from .swiglu_triton import swiglu_rows
 
             act_RF = swiglu_rows(h_R2F)

@@ -115,8 +115,15 @@ def check_rows(device: str) -> None:
         assert gemm.triton_swiglu is kernel
         outs.append(_down_grads(lambda hh, ww: gemm.grouped_swiglu_down(hh, ww, offsets, swiglu), hx, w, gy))
         assert calls == (["fwd", "bwd"] if kernel else []), (kernel, calls)
+    # memory.recompute's checkpointed twin of swiglu takes the kernel too (same bits as without it).
+    from moetron.core.memory import recomputed
+
+    twin = _down_grads(lambda hh, ww: gemm.grouped_swiglu_down(hh, ww, offsets, recomputed(swiglu)), hx, w, gy)
+    assert calls == ["fwd", "bwd"] * 2, calls
     st.swiglu_forward, st.swiglu_backward = forward, backward
     _assert_same(outs[1], outs[0], 3e-2)
+    for a, b in zip(twin, outs[1]):
+        assert torch.equal(a, b)
 
 
 def test_swiglu_rows_interpreted():

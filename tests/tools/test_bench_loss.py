@@ -22,6 +22,19 @@ def test_rows_and_errors(tmp_path, capsys):
     assert "fused" in capsys.readouterr().out
 
 
+def test_gemms_rows(tmp_path, capsys):
+    """--gemms: every layout of each GEMM gets a row (n/a where the device has no such kernel); the
+    three the loss runs (through its own _mm_into, which falls back where needed) are timed."""
+    out = tmp_path / "gemms.json"
+    bench_loss.main(["--gemms", "--vocab", "96", "--d-model", "32", "--chunk-tokens", "64", "--steps", "1",
+                     "--warmup", "1", "--device", "cpu", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["gemm"] for r in rows] == ["logits"] * 2 + ["grad_h"] * 2 + ["grad_W"] * 4
+    used = [r for r in rows if r["layout"].startswith("used")]
+    assert len(used) == 3 and all(r["ms"] > 0 and r["tflops"] > 0 for r in used)
+    assert "grad_W" in capsys.readouterr().out
+
+
 def test_bad_sizes():
     with pytest.raises(SystemExit):
         bench_loss.main(["--d-model", "0"])
