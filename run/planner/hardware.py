@@ -3,7 +3,7 @@ each with its source (a datasheet, a measurement in docs/performance.md, or an a
 
 from __future__ import annotations
 
-__all__ = ['GiB', 'GPU', 'GPUS', 'GPUS_PER_NODE', 'RESERVED_GIB', 'EFF_GEMM', 'EFF_EXPERT', 'EFF_FP8_GEMM', 'EFF_FP8_EXPERT', 'EFF_FP8_CUBLAS_EXPERT', 'CUBLAS_CALL_S', 'BF16_CUBLAS_MEASURED', 'BF16_CUBLAS_CALL_S', 'EFF_MX_EXPERT', 'EFF_ATTN', 'EFF_COMM', 'EFF_PCIE', 'HOST_GBPS', 'HBM_TRAFFIC', 'OPTIMIZER_BYTES', 'RECOMPUTE_FORWARD', 'HOST_OPTIMIZER_BYTES', 'QUANT_BYTES', 'QUANT_ROWS_BYTES', 'WEIGHT_QUANT_BYTES', 'MX_EMULATED_BYTES', 'EFF_MX_QUANT', 'EFF_MX_FUSED', 'FP8_SAVED', 'FP8_WEIGHT_CACHED', 'FP8_WGRAD_BYTES', 'LOW_PRECISION']
+__all__ = ['GiB', 'GPU', 'GPUS', 'GPUS_PER_NODE', 'RESERVED_GIB', 'EFF_GEMM', 'EFF_EXPERT', 'EFF_FP8_GEMM', 'EFF_FP8_EXPERT', 'EFF_FP8_CUBLAS_EXPERT', 'CUBLAS_CALL_S', 'BF16_CUBLAS_MEASURED', 'BF16_CUBLAS_CALL_S', 'EFF_MX_EXPERT', 'EFF_ATTN', 'EFF_COMM', 'EFF_PCIE', 'HOST_GBPS', 'HBM_TRAFFIC', 'OPTIMIZER_BYTES', 'RECOMPUTE_FORWARD', 'HOST_OPTIMIZER_BYTES', 'QUANT_BYTES', 'QUANT_ROWS_BYTES', 'WEIGHT_QUANT_BYTES', 'MX_EMULATED_BYTES', 'EFF_MX_QUANT', 'EFF_MX_FUSED', 'FP8_SAVED', 'FP8_WEIGHT_CACHED', 'FP8_WGRAD_BYTES', 'FP8_ROWWISE_MEASURED', 'EFF_FP8_ROWWISE_GEMM', 'ROWWISE_QUANT_BYTES', 'EFF_ROWWISE_ROWS', 'EFF_ROWWISE_COLS', 'LOW_PRECISION']
 
 import dataclasses
 
@@ -192,4 +192,37 @@ FP8_WGRAD_BYTES = 4 + 2
 """Bytes per expert weight element of fp8_blockwise's native wgrad as it finishes
 (core/precision/fp8_triton.py fp8_grouped_mm_k writes fp32 [E, O, I], then ``.to`` the weight's
 bf16): both are alive at once; the bf16 grouped GEMM writes the bf16 gradient directly (2)."""
-LOW_PRECISION = (PrecisionRecipe.mxfp8, PrecisionRecipe.fp8_blockwise)
+FP8_ROWWISE_MEASURED = {  # shape: (rows per expert, d_model, expert_hidden, x bf16 with promotion, with fast_accum)
+    "olmoe": (2048, 2048, 1024, (1.29 + 1.28 + 1.40) / 3, (1.59 + 1.59 + 1.85) / 3),
+    "olmo3-moe-3.2b": (1024, 4096, 4096, (1.53 + 1.51 + 1.28) / 3, (1.88 + 1.77 + 1.63) / 3),
+    "olmo3-moe-8e": (8192, 4096, 4096, (1.42 + 1.56 + 1.47) / 3, (2.21 + 1.95 + 1.94) / 3),
+}
+"""fp8_rowwise's grouped expert GEMMs (torch._scaled_grouped_mm, rowwise scales) over bf16
+torch._grouped_mm, the mean of the forward, dgrad and wgrad passes, operands quantized beforehand,
+uniform groups, 16,384 tokens, on the H200 (session 11's probe, docs/bench/session11/call3_probe.json;
+the table in docs/precision.md, "fp8_rowwise"). The planner runs these experts at EFF_EXPERT x that
+ratio (timing.fp8_rowwise_speedup: linear in the log of a local expert's rows x d_model x
+expert_hidden between the shapes, as for BF16_CUBLAS_MEASURED); their quantization is a separate term."""
+EFF_FP8_ROWWISE_GEMM = {True: 1422 / 1979, False: 1080 / 1979}
+"""Dense fp8_rowwise linears (torch._scaled_mm, rowwise scales), by precision.fp8_fast_accum. True:
+measured in a whole step on the H200, session 15 (docs/bench/session15/call3_prof_s2_fused.json,
+olmoe3-4l-8e compiled): the 84 cuBLAS FP8 GEMMs of the attention, shared-expert and dense-MLP linears
+(forward, dgrad and wgrad; 56.1 TFLOP a step by the planner's count) took 39.43 ms, 1422 TFLOP/s.
+False (fp32 promotion): not measured; fp8_blockwise's dense rate (EFF_FP8_GEMM) assumed."""
+ROWWISE_QUANT_BYTES = {"rows": 3.0, "cols": 3.0, "chunks": 2.0}
+"""HBM bytes per element of fp8_rowwise's quantization passes [code] (core/precision/fp8_rowwise.py,
+fp8_rowwise_triton.py): ``rows``, an operand's e4m3 rows (read 2, write 1; and its per-16-row column
+maxima in the same read where the fused kernel serves: grouped operands up to 4096 columns with
+precision.fp8_fused_amax, fp8_rowwise_triton.rows_chunks_fits); ``cols``, its columns along the
+tokens for the wgrad (read 2, write 1 transposed); ``chunks``, the column maxima in a read of their own
+(the two-kernel path). A weight's pass reads its master (4 B, or 2 from the experts' bf16 copies)."""
+EFF_ROWWISE_ROWS = 2.8 / 4.8
+"""Achieved / datasheet HBM rate of fp8_rowwise's row quantization (with the column maxima where
+fused): 2.55-3.18 TB/s on the H200 (tools/bench_quantize.py --rowwise, session 15 call 3: OLMoE's
+[132032, 2048] 0.277-0.293 ms, olmoe3's [65664, 4096] 0.342 ms); also used for the maxima-only pass."""
+EFF_ROWWISE_COLS = 1.1 / 4.8
+"""The same for the columns' pass (fp8_rowwise_triton.quantize_cols, a gather by expert-sorted rows
+and a transposed e4m3 store): the grouped operand's rows + columns took 0.866 ms (OLMoE) and 1.351 ms
+(olmoe3) in the same sweep, so the columns' pass, 3 B over 270M and 269M elements, ran at 1.42 and
+0.80 TB/s; their mean. The dense linears' stacked columns (quantize_stacked_cols) assumed the same."""
+LOW_PRECISION = (PrecisionRecipe.mxfp8, PrecisionRecipe.fp8_blockwise, PrecisionRecipe.fp8_rowwise)

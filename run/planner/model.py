@@ -308,6 +308,10 @@ def plan(p: Plan) -> dict:
         note = "emulated: bf16 GEMMs, quantization passes assumed"
     elif sw.recipe == "fp8_blockwise":
         note = "native: dense and grouped fp8 GEMMs at measured rates, quantization assumed"
+    elif sw.rowwise_native:
+        note = ("native fp8_rowwise: grouped GEMMs at the measured ratio over bf16, dense at a step's measured rate"
+                + ("" if sw.fp8_fast_accum else " (fp32 promotion: fp8_blockwise's rate assumed)")
+                + ", quantization kernels at measured rates")
     else:
         note = "native mxfp8: built, never run (no Blackwell): modelled at assumed rates"
     return {

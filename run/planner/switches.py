@@ -30,7 +30,7 @@ class Switches:
     """model.loss_chunk_tokens, else the fused loss' own default on a CUDA bf16 run (path_chunk_tokens:
     5120 at V 100352)."""
     recipe: str = "bf16"
-    """bf16, mxfp8 or fp8_blockwise (precision.recipe resolved for a GPU)."""
+    """bf16, mxfp8, fp8_blockwise or fp8_rowwise (precision.recipe resolved for a GPU)."""
     backend: str = "native"
     """native or emulated (precision.backend resolved for the GPU; bf16 is native)."""
     low_modules: frozenset = frozenset()
@@ -38,12 +38,12 @@ class Switches:
     state_dtype: str = "fp32"
     expert_weight_copies: bool = False
     """precision.expert_weight_copies: the bf16 experts keep one bf16 copy of each weight through
-    the step (held memory, no recast in backward)."""
+    the step (held memory, no recast in backward); fp8_rowwise's experts quantize from those copies."""
     triton_swiglu: bool = True
     """precision.triton_swiglu: the bf16 experts' SwiGLU backward in one Triton pass (silu(gate) and
     the product's gradient made in it: two [R, F] row tensors fewer at the backward's peak)."""
     expert_grads_bf16: bool = False
-    """precision.expert_grads_bf16: the experts' gradients held in bf16 on the optimizer's copies
+    """precision.expert_grads_bf16 (bf16 and fp8_rowwise): the experts' gradients held in bf16 on the optimizer's copies
     (2 B per local expert parameter instead of 4; no bf16 -> fp32 cast of the grouped GEMMs' weight
     gradients, read 2 + written 4 B per element; the optimizer reads 2 B less for each)."""
     quantize_weights_once: bool = False
@@ -59,10 +59,16 @@ class Switches:
     gluon (core/precision/fp8_gluon.py) is planned at the Triton kernels' rate: its current kernels have
     no measured rate yet (docs/performance.md, session 10)."""
     fp8_wgrad: str = "all"
-    """precision.fp8_wgrad (native fp8_blockwise): which weight-gradient GEMMs run in FP8 (all, none,
+    """precision.fp8_wgrad (native fp8_blockwise and fp8_rowwise): which weight-gradient GEMMs run in FP8 (all, none,
     dense: all but the routed experts'); the others in bf16 at the bf16 rates (a third of each
     low-precision GEMM's FLOPs), their input saved in bf16 and only its rows quantized
-    (QUANT_ROWS_BYTES)."""
+    (QUANT_ROWS_BYTES; fp8_rowwise: ROWWISE_QUANT_BYTES' rows)."""
+    fp8_fast_accum: bool = False
+    """precision.fp8_fast_accum (native fp8_rowwise): the FP8 GEMMs accumulate without fp32 promotion
+    (FP8_ROWWISE_MEASURED's and EFF_FP8_ROWWISE_GEMM's faster rates)."""
+    fp8_fused_amax: bool = True
+    """precision.fp8_fused_amax (native fp8_rowwise): a grouped operand's rows and column maxima in one
+    read where the fused kernel's tile fits the row (up to 4096 columns), else a maxima pass of its own."""
     mx_fused: bool = True
     """mxfp8 emulated: each GEMM input's and output gradient's two quantizations from one read
     (core.precision.emulated.FUSED, MOETRON_MX_FUSED; False: two passes, MX_EMULATED_BYTES)."""
@@ -82,13 +88,14 @@ class Switches:
         for the experts)."""
         wgrad = Fp8Wgrad(self.fp8_wgrad)
         fp8 = wgrad.experts_fp8 if module == "experts" else wgrad.dense_fp8
-        return self.low(module) and self.recipe == "fp8_blockwise" and self.backend == "native" and not fp8
+        return self.low(module) and self.recipe in ("fp8_blockwise", "fp8_rowwise") and self.backend == "native" \
+            and not fp8
 
     def weight_cache(self, module: str) -> float:
         """Bytes per weight element the low-precision weight cache holds through a step where it
         serves the module (caches_weights; core.precision.cache: bf16 dequantized copies along I and
-        O for emulated mxfp8, one for emulated blockwise; fp8 w and w^T native); 0 where a traced
-        graph quantizes instead."""
+        O for emulated mxfp8, one for emulated blockwise; fp8 w and w^T native, rowwise: one fp32
+        scale per row of each, about 2 B); 0 where a traced graph quantizes instead."""
         if not self.caches_weights(module):
             return 0.0
         if self.backend == "emulated":
@@ -117,6 +124,12 @@ class Switches:
         return self.low("experts") and self.recipe == "fp8_blockwise" and self.backend == "native"
 
     @property
+    def rowwise_native(self) -> bool:
+        """fp8_rowwise on its native GEMMs (SM90): its rates (FP8_ROWWISE_MEASURED, EFF_FP8_ROWWISE_GEMM)
+        and quantization passes (ROWWISE_QUANT_BYTES at EFF_ROWWISE_ROWS / EFF_ROWWISE_COLS)."""
+        return self.recipe == "fp8_rowwise" and self.backend == "native"
+
+    @property
     def mx_emulated(self) -> bool:
         """mxfp8 through the emulated backend: its quantization kernels' own bytes and measured rates
         (MX_EMULATED_BYTES, EFF_MX_QUANT, EFF_MX_FUSED)."""
@@ -129,6 +142,11 @@ class Switches:
         return FP8_WGRAD_BYTES if self.fp8_blockwise_experts and not self.bf16_wgrad("experts") else 2.0
 
 
+_COPIES = (PrecisionRecipe.bf16, PrecisionRecipe.fp8_rowwise)
+"""The recipes that take precision.expert_weight_copies and expert_grads_bf16 (PrecisionConfig refuses
+them elsewhere)."""
+
+
 def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig, optimizer: OptimizerConfig,
              gpu: GPU, compiled: bool, mx_fused: bool | None = None) -> Switches:
     """The Switches of a run on ``gpu`` (ConfigError where pretrain would refuse: a native recipe the
@@ -139,10 +157,7 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
     recipe = precision.resolved_recipe("cuda")
     if recipe == PrecisionRecipe.fp32:
         raise ConfigError("the planner models bf16 compute and its low-precision recipes: precision.recipe=fp32 "
-                          "is for CPU tests; use bf16, mxfp8 or fp8_blockwise")
-    if recipe == PrecisionRecipe.fp8_rowwise:
-        raise ConfigError("the planner has no measured rates for precision.recipe=fp8_rowwise yet (its GEMMs: "
-                          "docs/performance.md, session 11); plan with fp8_blockwise or bf16 for now")
+                          "is for CPU tests; use bf16, mxfp8, fp8_blockwise or fp8_rowwise")
     backend = precision.resolved_backend("cuda", capability_major=gpu.sm)
     if precision.expert_grads_bf16 and (parallel.dp_shard > 1 or parallel.ep > 1 or parallel.pp > 1):
         raise ConfigError("precision.expert_grads_bf16 (with expert_weight_copies=optimizer) is for one unsharded "
@@ -152,13 +167,14 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
                     recipe=str(recipe), backend=str(backend) if recipe in LOW_PRECISION else "native",
                     low_modules=frozenset(str(m) for m in precision.modules) if recipe in LOW_PRECISION else frozenset(),
                     state_dtype=str(optimizer.state_dtype),
-                    expert_weight_copies=str(precision.expert_weight_copies) != "none" and recipe == PrecisionRecipe.bf16,
-                    expert_grads_bf16=bool(precision.expert_grads_bf16) and recipe == PrecisionRecipe.bf16,
+                    expert_weight_copies=str(precision.expert_weight_copies) != "none" and recipe in _COPIES,
+                    expert_grads_bf16=bool(precision.expert_grads_bf16) and recipe in _COPIES,
                     # the fused backward serves the unscaled SwiGLU only (weights_before_down scales it)
                     triton_swiglu=bool(precision.triton_swiglu) and recipe == PrecisionRecipe.bf16
                     and not (model.moe is not None and model.moe.weights_before_down),
                     bf16_experts=str(precision.bf16_experts),
                     fp8_experts=str(precision.fp8_experts), fp8_wgrad=str(Fp8Wgrad(precision.fp8_wgrad)),
+                    fp8_fast_accum=bool(precision.fp8_fast_accum), fp8_fused_amax=bool(precision.fp8_fused_amax),
                     quantize_weights_once=bool(precision.quantize_weights_once) and recipe in LOW_PRECISION,
                     mx_fused=emulated.FUSED if mx_fused is None else bool(mx_fused),
                     optimizer_kernel="torch" if str(optimizer.impl) == "torch" or optimizer.fused is not None else "triton",

@@ -6,7 +6,8 @@ terms (optimizer, offload copies, FSDP and DP communication, pipeline sends and 
 
 from __future__ import annotations
 
-__all__ = ['cublas_bf16_speedup', 'gemm_rate', 'mx_emulated_quant_s', 'reference_activation_bytes', 'stage_time']
+__all__ = ['cublas_bf16_speedup', 'fp8_rowwise_speedup', 'gemm_rate', 'mx_emulated_quant_s', 'reference_activation_bytes',
+           'rowwise_quant_s', 'stage_time']
 
 import math
 
@@ -16,7 +17,7 @@ from .hardware import (
     GPU, GPUS_PER_NODE, EFF_GEMM, EFF_EXPERT, EFF_FP8_GEMM, EFF_FP8_EXPERT, EFF_FP8_CUBLAS_EXPERT,
     CUBLAS_CALL_S, BF16_CUBLAS_MEASURED, BF16_CUBLAS_CALL_S, EFF_MX_EXPERT, EFF_ATTN, EFF_COMM, HBM_TRAFFIC,
     RECOMPUTE_FORWARD, QUANT_BYTES, WEIGHT_QUANT_BYTES, QUANT_ROWS_BYTES, MX_EMULATED_BYTES, EFF_MX_QUANT,
-    EFF_MX_FUSED,
+    EFF_MX_FUSED, FP8_ROWWISE_MEASURED, EFF_FP8_ROWWISE_GEMM, ROWWISE_QUANT_BYTES, EFF_ROWWISE_ROWS, EFF_ROWWISE_COLS,
 )
 from .memory import _expert_params, _linear_params
 from .switches import Switches
@@ -83,6 +84,53 @@ def mx_emulated_quant_s(gpu: GPU, sw: Switches, module: str, inputs: float, outp
     return paired / (hbm * (EFF_MX_FUSED if sw.mx_fused else EFF_MX_QUANT)) + separate / (hbm * EFF_MX_QUANT)
 
 
+def _operand_widths(cfg: ModelConfig, layer: int) -> dict[str, list[tuple[float, int]]]:
+    """Per token, by precision module: (elements, row width) of each quantized operand, x and the
+    output gradient dy of every GEMM (_gemm_operands' elements, split by width: the fused rows +
+    column-maxima kernel serves grouped operands up to 4096 columns)."""
+    D = cfg.d_model
+    att = cfg.attention
+    A, G = att.n_heads * att.head_width(D), att.kv_heads() * att.head_width(D)
+    out = {"attention": [(3.0 * D, D), (float(A), A), (float(A), A), (2.0 * G, G), (float(D), D)],
+           "mlp": [], "experts": []}
+    if cfg.is_moe_layer(layer):
+        moe = cfg.moe
+        K, F, S = moe.router.top_k, moe.expert_hidden, moe.shared_width()
+        out["experts"] = [(K * D, D), (K * F, F), (2.0 * K * F, 2 * F), (K * D, D)]
+        if S:
+            out["mlp"] = [(2.0 * D, D), (float(S), S), (2.0 * S, S), (float(D), D)]
+    else:
+        H = cfg.mlp_hidden
+        out["mlp"] = [(2.0 * D, D), (float(H), H), (2.0 * H, H), (float(D), D)]
+    return out
+
+
+def rowwise_quant_s(gpu: GPU, sw: Switches, module: str, operands: list[tuple[float, int]], tokens: float,
+                    weights: float, passes: float, microbatches: int) -> float:
+    """Seconds of native fp8_rowwise's quantization for one micro-batch through a module's GEMMs
+    [code bytes, measured rates]: each operand's rows (``operands``: (elements per token, row width),
+    x in forward and dy in backward, ``passes`` times: 1, or more for a recomputed block) and, with
+    FP8 weight gradients, its columns along the tokens (the experts' grouped operands' column maxima in
+    the rows' read where fp8_rowwise_triton.rows_chunks_fits, else a pass of their own); each weight
+    along I (forward) and along O (dgrad) from its master, fp32 or the experts' bf16 copies (compiled:
+    in every forward and backward; eager: the WeightCache, once per step of ``microbatches``)."""
+    from moetron.core.precision.fp8_rowwise_triton import rows_chunks_fits
+
+    b, hbm = ROWWISE_QUANT_BYTES, gpu.hbm_tbps * 1e12
+    rows_b = cols_b = 0.0
+    for elements, width in operands:
+        n = elements * tokens * passes
+        rows_b += b["rows"] * n
+        if sw.bf16_wgrad(module):
+            continue
+        cols_b += b["cols"] * n
+        if module == "experts" and not (sw.fp8_fused_amax and rows_chunks_fits(width)):
+            rows_b += b["chunks"] * n
+    master = 2.0 if module == "experts" and sw.expert_weight_copies else 4.0
+    per_orientation = (master + 1.0) * weights * (1 / microbatches if sw.caches_weights(module) else passes)
+    return (rows_b + per_orientation) / (hbm * EFF_ROWWISE_ROWS) + (cols_b + per_orientation) / (hbm * EFF_ROWWISE_COLS)
+
+
 def _group_bw(gpu: GPU, size: int, stride: int) -> float:
     """Bytes/s of a collective over a mesh group of ``size`` ranks ``stride`` apart (ranks fill
     nodes of 8 in mesh order: ep innermost, then efsdp, dp_replicate, pp outermost)."""
@@ -94,6 +142,8 @@ def gemm_rate(gpu: GPU, sw: Switches, module: str, grouped: bool) -> float:
     """FLOP/s of a module's GEMMs: fp8 peak x fp8 efficiency for a native low-precision recipe,
     else the bf16 rate (emulated backends run bf16 GEMMs)."""
     if sw.recipe != "bf16" and sw.backend == "native" and sw.low(module):
+        if sw.rowwise_native and not grouped:
+            return gpu.fp8_tflops * 1e12 * EFF_FP8_ROWWISE_GEMM[sw.fp8_fast_accum]
         grouped_eff = EFF_MX_EXPERT if sw.recipe == "mxfp8" else EFF_FP8_EXPERT
         return gpu.fp8_tflops * 1e12 * (grouped_eff if grouped else EFF_FP8_GEMM)
     return gpu.bf16_tflops * 1e12 * (EFF_EXPERT if grouped else EFF_GEMM)
@@ -103,8 +153,22 @@ def cublas_bf16_speedup(rows: float, d_model: int, hidden: int) -> float:
     """cuBLAS per-expert GEMMs' rate over torch._grouped_mm's (precision.bf16_experts=cublas) for
     local experts of ``rows`` rows x ``d_model`` x ``hidden``: BF16_CUBLAS_MEASURED's ratios, linear in
     log(rows x d_model x hidden) between the measured shapes, the nearest end's ratio outside them."""
-    points = sorted((r * d * f, grouped / cublas) for r, d, f, grouped, cublas in BF16_CUBLAS_MEASURED.values())
-    size = rows * d_model * hidden
+    return _log_interpolated([(r * d * f, grouped / cublas) for r, d, f, grouped, cublas in BF16_CUBLAS_MEASURED.values()],
+                             rows * d_model * hidden)
+
+
+def fp8_rowwise_speedup(rows: float, d_model: int, hidden: int, fast_accum: bool) -> float:
+    """fp8_rowwise's grouped GEMMs' rate over torch._grouped_mm's for local experts of ``rows`` rows x
+    ``d_model`` x ``hidden``: FP8_ROWWISE_MEASURED's ratios (with fast_accum or fp32 promotion), as
+    cublas_bf16_speedup interpolates its own."""
+    return _log_interpolated([(r * d * f, fast if fast_accum else promoted)
+                              for r, d, f, promoted, fast in FP8_ROWWISE_MEASURED.values()], rows * d_model * hidden)
+
+
+def _log_interpolated(points: list[tuple[float, float]], size: float) -> float:
+    """The ratio at ``size`` of measured (size, ratio) points: linear in log(size) between them, the
+    nearest end's ratio outside."""
+    points = sorted(points)
     if size <= points[0][0]:
         return points[0][1]
     for (s0, r0), (s1, r1) in zip(points, points[1:]):
@@ -152,6 +216,13 @@ def stage_time(cfg: ModelConfig, layers: list[int], *, sw: Switches, memory: Mem
         calls = sum(passes * cfg.moe.num_experts // ep for i in layers if cfg.is_moe_layer(i)) * extra
         t_experts = max(module_time("experts", True, gpu.fp8_tflops * 1e12 * EFF_FP8_CUBLAS_EXPERT),
                         calls * CUBLAS_CALL_S)
+    elif sw.rowwise_native and sw.low("experts"):
+        # [measured, session 11] torch._scaled_grouped_mm at the grouped rate x the probe's ratio at this
+        # GEMM size (its wgrad third at the bf16 grouped rate under fp8_wgrad none / dense)
+        moe = cfg.moe
+        rows = tokens * moe.router.top_k * ep / moe.num_experts  # per local expert
+        speedup = fp8_rowwise_speedup(rows, cfg.d_model, moe.expert_hidden, sw.fp8_fast_accum)
+        t_experts = module_time("experts", True, bf16_flops * EFF_EXPERT * speedup)
     elif sw.cublas_bf16_experts:
         # [measured, session 9] one torch.mm per local expert for each of the 6 bf16 GEMM passes of a
         # layer: the grouped rate x cuBLAS's measured ratio at this GEMM size, or the CPU time per call
@@ -188,6 +259,10 @@ def stage_time(cfg: ModelConfig, layers: list[int], *, sw: Switches, memory: Mem
                 if sw.mx_emulated:
                     t_mx += mx_emulated_quant_s(gpu, sw, k, ops[k][0] * T_mb, ops[k][1] * T_mb, weights,
                                                 i in recomputed, m)
+                    continue
+                if sw.rowwise_native:
+                    t_mx += rowwise_quant_s(gpu, sw, k, _operand_widths(cfg, i)[k], T_mb, weights,
+                                            2.0 if i in recomputed else 1.0, m)
                     continue
                 quant += (QUANT_ROWS_BYTES if sw.bf16_wgrad(k) else qb) * sum(ops[k]) * T_mb * extra
                 # the cache: once per step; a traced graph: forward and backward of every micro-batch

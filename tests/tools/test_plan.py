@@ -551,3 +551,60 @@ def test_bench_reports_record_the_mx_kernel_switches(monkeypatch):
     assert "MOETRON_SOMETHING_ELSE" not in env
     row = {"overrides": ["--precision.recipe=mxfp8", "--precision.backend=emulated"]}
     assert planner.bench_plan({"preset": "tiny-moe", "env_vars": env}, row).mx_fused is False
+
+
+def test_fp8_rowwise_native_rates_and_quantization_by_hand():
+    """fp8_rowwise native on the H200 (docs/planner.md): the experts at EFF_EXPERT x session 11's
+    measured ratio over bf16 (the table's at its shapes, between them in between, fast accumulation
+    faster), dense linears at session 15's in-step rate, and the quantization the kernels' bytes by
+    hand at session 15's kernel rates (every operand's rows, 3 B an element; with FP8 wgrads its
+    columns, 3 B, and olmoe3's 8192-column gate|up gradient's column maxima in a read of their own, 2 B;
+    each weight along I and along O from its master: fp32 4 + 1 B, the experts' bf16 copies 2 + 1). The
+    recipe the throughput rows run (RWC) lands within 5% of session 17's olmoe3-4l-8e step (241.1 ms)
+    and within 10% of its OLMoE-8L one with bf16 weight gradients (175.0 ms), each within 5% of the
+    measured peak (39.05 / 56.37 GiB), and bf16 weight gradients save the columns' passes."""
+    from moetron.core.optim import OptimizerConfig
+    from moetron.core.precision import PrecisionConfig
+    from moetron.run.planner import hardware as hw
+    from moetron.run.planner.timing import fp8_rowwise_speedup
+
+    for rows, d, f, promoted, fast in hw.FP8_ROWWISE_MEASURED.values():
+        assert fp8_rowwise_speedup(rows, d, f, False) == pytest.approx(promoted)
+        assert fp8_rowwise_speedup(rows, d, f, True) == pytest.approx(fast) and fast > promoted
+    between = fp8_rowwise_speedup(4096, 4096, 4096, True)  # between olmo3-moe-3.2b's size and olmo3-moe-8e's
+    assert hw.FP8_ROWWISE_MEASURED["olmo3-moe-3.2b"][4] < between < hw.FP8_ROWWISE_MEASURED["olmo3-moe-8e"][4]
+
+    def run(model, **kw):
+        kw = {"fp8_fast_accum": True, **kw}
+        precision = PrecisionConfig(recipe="fp8_rowwise", expert_weight_copies="optimizer", expert_grads_bf16=True, **kw)
+        return planner.plan(planner.Plan(model=model, parallel=ParallelConfig(), memory=MemoryConfig(), seq_len=4096,
+                                         global_batch=4, precision=precision,
+                                         optimizer=OptimizerConfig(state_dtype="bf16")))
+
+    olmoe3 = _olmoe3()
+    r = run(olmoe3)
+    assert r["precision"] == "fp8_rowwise" and "fp8_rowwise" in r["precision_note"]
+    T, D, F, K, E, S, H = 16384, 4096, 4096, 4, 8, 4096, 5 * 4096
+    A, G = 4096, 1024
+    attn = 4 * (3 * D + A + A + 2 * G + D)  # q, k, v, o: x and dy
+    dense = 3 * (2 * D + S + 2 * S + D) + (2 * D + H + 2 * H + D)  # shared experts of layers 1-3, layer 0's MLP
+    experts = 3 * K * (D + F + 2 * F + D)
+    n = T * (attn + dense + experts)
+    chunks = 2 * T * 3 * K * 2 * F  # the 8192-column gate|up gradient: column maxima read apart
+    w_dense = 4 * (2 * D * A + 2 * D * G) + 3 * 3 * D * S + 3 * D * H
+    w_exp = 3 * E * 3 * D * F
+    wq = 5 * w_dense + 3 * w_exp
+    hbm = 4.8e12
+    want = (3 * n + chunks + wq) / (hbm * hw.EFF_ROWWISE_ROWS) + (3 * n + wq) / (hbm * hw.EFF_ROWWISE_COLS)
+    assert r["microbatch_parts_s"]["recast_quant"] == pytest.approx(want, rel=1e-9)
+    assert r["step_s"] == pytest.approx(0.2411, rel=0.05)
+    assert r["peak_gib"] == pytest.approx(39.05, rel=0.05)
+    # bf16 weight gradients: no columns' passes (rows alone), a third of the GEMM FLOPs in bf16
+    none = run(olmoe3, fp8_wgrad="none")
+    assert none["microbatch_parts_s"]["recast_quant"] == pytest.approx(
+        (3 * n + wq) / (hbm * hw.EFF_ROWWISE_ROWS) + wq / (hbm * hw.EFF_ROWWISE_COLS), rel=1e-9)
+    olmoe8 = run(_olmoe8().model, fp8_wgrad="none")
+    assert olmoe8["step_s"] == pytest.approx(0.1750, rel=0.10)
+    assert olmoe8["peak_gib"] == pytest.approx(56.37, rel=0.05)
+    # fp32 promotion: slower GEMMs (the dense rate assumed at fp8_blockwise's)
+    assert run(olmoe3, fp8_fast_accum=False)["step_s"] > r["step_s"]
