@@ -546,13 +546,21 @@ def test_native_matches_the_emulation_on_the_gpu(fast_accum, wgrad):
         assert rel < tol, ("linear " + name, rel)
 
 
-def test_the_planner_refuses_fp8_rowwise_by_name():
+def test_the_planner_resolves_fp8_rowwise_as_pretrain_would():
+    """The planner plans fp8_rowwise (since session 17): native on SM90 (H200), emulated on SM100+
+    (B200: torch builds the grouped kernel for SM90 only), its switches carried over."""
     from moetron.core.optim import OptimizerConfig
     from moetron.models.config import ModelConfig
     from moetron.parallel import ParallelConfig
     from moetron.run.planner.hardware import GPUS
     from moetron.run.planner.switches import switches
 
-    with pytest.raises(ConfigError, match="no measured rates for precision.recipe=fp8_rowwise"):
-        switches(ModelConfig.preset("tiny-moe"), ParallelConfig(), PrecisionConfig(recipe="fp8_rowwise"),
-                 OptimizerConfig(), GPUS["h200"], compiled=True)
+    precision = PrecisionConfig(recipe="fp8_rowwise", fp8_fast_accum=True, fp8_wgrad="none",
+                                expert_weight_copies="optimizer", expert_grads_bf16=True)
+    h200 = switches(ModelConfig.preset("tiny-moe"), ParallelConfig(), precision, OptimizerConfig(), GPUS["h200"],
+                    compiled=True)
+    assert h200.rowwise_native and h200.fp8_fast_accum and h200.expert_weight_copies and h200.expert_grads_bf16
+    assert h200.bf16_wgrad("experts") and h200.low("attention")
+    b200 = switches(ModelConfig.preset("tiny-moe"), ParallelConfig(), PrecisionConfig(recipe="fp8_rowwise"),
+                    OptimizerConfig(), GPUS["b200"], compiled=True)
+    assert b200.recipe == "fp8_rowwise" and b200.backend == "emulated" and not b200.rowwise_native
