@@ -168,7 +168,8 @@ def plan(p: Plan) -> dict:
         # and an eager run's low-precision weight cache (kept for the whole step).
         linear = stage_linear(cfg, layers, ep)
         head = cfg.vocab_size * cfg.d_model if last and not sw.fused_loss else 0
-        cache = sw.cache_bytes(linear)
+        cache = sw.cache_bytes(linear, forward_only=True)  # the backward's entries: in its candidates below
+        cache_backward = sw.cache_bytes(linear) - cache
         if sw.expert_weight_copies and not fsdp:  # [code] 2 B per local expert parameter, held through the step
             cache += 2.0 * linear["experts"]
         # FSDP2: two gathered blocks in bf16 (reshard after forward); under pp the stage stays gathered
@@ -214,9 +215,11 @@ def plan(p: Plan) -> dict:
         top = layers[-1]
         if sw.expert_grads_bf16 and grad_block:
             grad_block -= 2.0 * _expert_params(cfg, top) / ep  # that block's expert gradients in bf16
+        top_linear = stage_linear(cfg, [top], ep)
+        top_cache = sw.cache_bytes(top_linear) - sw.cache_bytes(top_linear, forward_only=True)
         candidates["last block's backward"] = base + acts + head_grad + grad_block + recompute_one + \
-            block_backward_transient(cfg, top, sw, T_mb, ep)
-        candidates["end of backward"] = base - held_grads - unsharded + grads_b + recompute_one
+            block_backward_transient(cfg, top, sw, T_mb, ep) + top_cache
+        candidates["end of backward"] = base - held_grads - unsharded + grads_b + recompute_one + cache_backward
         where = max(candidates, key=candidates.get)
         peak = candidates[where]
         rows.append({"stage": s, "layers": len(layers), "params_local": local, "params_gathered": gathered,

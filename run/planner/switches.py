@@ -91,21 +91,26 @@ class Switches:
         return self.low(module) and self.recipe in ("fp8_blockwise", "fp8_rowwise") and self.backend == "native" \
             and not fp8
 
-    def weight_cache(self, module: str) -> float:
+    def weight_cache(self, module: str, forward_only: bool = False) -> float:
         """Bytes per weight element the low-precision weight cache holds through a step where it
         serves the module (caches_weights; core.precision.cache: bf16 dequantized copies along I and
         O for emulated mxfp8, one for emulated blockwise; fp8 w and w^T native, rowwise: one fp32
-        scale per row of each, about 2 B); 0 where a traced graph quantizes instead."""
+        scale per row of each, about 2 B); 0 where a traced graph quantizes instead.
+        ``forward_only``: what it holds before the weight's backward has run. fp8_rowwise native
+        caches each orientation as its own entry (fp8_rowwise._weight), so only the forward's rows
+        (1 B) exist then; the other recipes make both orientations in one entry."""
         if not self.caches_weights(module):
             return 0.0
         if self.backend == "emulated":
             return 4.0 if self.recipe == "mxfp8" else 2.0
+        if self.rowwise_native:
+            return 1.0 if forward_only else 2.0
         return FP8_WEIGHT_CACHED if self.recipe == "fp8_blockwise" else 2.0
 
-    def cache_bytes(self, linear: dict[str, float]) -> float:
-        """What the weight cache holds through the step for a rank's GEMM weights ``linear`` by
-        module (stage_linear)."""
-        return sum(self.weight_cache(k) * n for k, n in linear.items())
+    def cache_bytes(self, linear: dict[str, float], forward_only: bool = False) -> float:
+        """What the weight cache holds through the step (or, ``forward_only``, before the weights'
+        backward) for a rank's GEMM weights ``linear`` by module (stage_linear)."""
+        return sum(self.weight_cache(k, forward_only) * n for k, n in linear.items())
 
     def caches_weights(self, module: str) -> bool:
         """The module's low-precision weights come from the WeightCache, once per step: eager runs,
