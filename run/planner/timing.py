@@ -114,7 +114,14 @@ def rowwise_quant_s(gpu: GPU, sw: Switches, module: str, operands: list[tuple[fl
     the rows' read where fp8_rowwise_triton.rows_chunks_fits, else a pass of their own); each weight
     along I (forward) and along O (dgrad) from its master, fp32 or the experts' bf16 copies (compiled:
     in every forward and backward; eager: the WeightCache, once per step of ``microbatches``)."""
-    from moetron.core.precision.fp8_rowwise_triton import rows_chunks_fits
+    try:
+        from moetron.core.precision.fp8_rowwise_triton import rows_chunks_fits
+    except ImportError as e:  # the tile rule lives beside the kernel, which imports triton
+        from moetron.core.config import ConfigError
+
+        raise ConfigError(f"planning fp8_rowwise reads its fused kernel's tile rule "
+                          f"(core/precision/fp8_rowwise_triton.py), which needs triton ({e}): pip install triton, "
+                          f"or plan with fp8_blockwise or bf16") from e
 
     b, hbm = ROWWISE_QUANT_BYTES, gpu.hbm_tbps * 1e12
     rows_b = cols_b = 0.0
