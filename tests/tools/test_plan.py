@@ -631,3 +631,17 @@ def test_fp8_rowwise_eager_cache_holds_the_backward_orientation_only_after_it_ra
 
     linear = stage_linear(cfg, list(range(cfg.n_layers)), 1)
     assert s["compute_copies_gib"] * GiB == pytest.approx(sum(linear.values()))  # the rows entries, 1 B each
+
+
+def test_fp8_rowwise_plan_without_triton_is_one_clear_error(monkeypatch):
+    """Planning fp8_rowwise reads the fused kernel's tile rule beside the kernel; where triton cannot
+    be imported that is one ConfigError naming what to install."""
+    import sys
+
+    from moetron.core.precision import PrecisionConfig
+
+    monkeypatch.setitem(sys.modules, "moetron.core.precision.fp8_rowwise_triton", None)  # import -> ImportError
+    p = _plan()
+    p.precision = PrecisionConfig(recipe="fp8_rowwise")
+    with pytest.raises(ConfigError, match="pip install triton"):
+        planner.plan(p)
