@@ -132,12 +132,8 @@ class GemmBackend:
         then up), each row scaled by ``row_scale_R`` [R] if given, then ``grouped_mm`` with w_EDF
         [E, D, F] -> [R, D]. A backend may fuse these (saving less for backward); this default
         composes them, the SwiGLU itself in one Triton pass each way where ``triton_swiglu`` (the
-        plain swiglu on bf16 CUDA rows, swiglu_triton.swiglu_rows; memory.recompute's checkpointed
-        twin of swiglu too: swiglu_rows saves only its input and recomputes the product in backward,
-        what the checkpoint would do)."""
-        from ..layers.mlp import swiglu  # (layers import this module)
-
-        if getattr(act, "__wrapped__", act) is swiglu and bf16_grouped.use_triton_swiglu(h_R2F, self.triton_swiglu):
+        plain swiglu or its recompute twin on bf16 CUDA rows, _is_swiglu: swiglu_triton.swiglu_rows)."""
+        if _is_swiglu(act) and bf16_grouped.use_triton_swiglu(h_R2F, self.triton_swiglu):
             from .swiglu_triton import swiglu_rows
 
             act_RF = swiglu_rows(h_R2F)
@@ -148,6 +144,15 @@ class GemmBackend:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+def _is_swiglu(act: Callable) -> bool:
+    """``act`` is the plain swiglu, or memory.recompute's checkpointed twin of it (core.memory.recomputed:
+    the same function, its activations rebuilt in backward). The fused SwiGLU ops serve both: they save
+    only their input and recompute the product in backward, what the checkpoint would do."""
+    from ..layers.mlp import swiglu  # (layers import this module)
+
+    return getattr(act, "__wrapped__", act) is swiglu
 
 
 def attach_expert_copies(optimizer, parts, grads: bool, on_written=None) -> dict[torch.Tensor, torch.Tensor]:
@@ -232,11 +237,8 @@ class TorchGemm(GemmBackend):
                                        self.per_expert)
 
     def grouped_swiglu_down(self, h_R2F, w_EDF, offsets_E, act, row_scale_R=None):
-        # The fused op recomputes the product in backward; it knows only the plain SwiGLU (a
-        # recompute twin of it computes the same, so it fuses too).
-        from ..layers.mlp import swiglu  # (layers import this module)
-
-        if getattr(act, "__wrapped__", act) is not swiglu:
+        # The fused op recomputes the product in backward; it knows only the plain SwiGLU.
+        if not _is_swiglu(act):
             return super().grouped_swiglu_down(h_R2F, w_EDF, offsets_E, act, row_scale_R)
         return bf16_grouped.grouped_swiglu_down(h_R2F, w_EDF, offsets_E, compute_dtype(h_R2F), self.weight_cache,
                                                 self.triton_swiglu, row_scale_R, self.per_expert)

@@ -45,23 +45,32 @@ def reference_activation_bytes(cfg: ModelConfig, layer: int) -> float:
     return total
 
 
-def _gemm_operands(cfg: ModelConfig, layer: int) -> dict[str, tuple[float, float]]:
-    """Per token, by precision module: (elements of every GEMM's input, of its output), the quantized
-    operands: x, and the output's gradient dy in backward (q, k and v each quantize their x, and so
-    do a dense SwiGLU's gate and up; the experts' gate|up is one GEMM)."""
+def _operand_widths(cfg: ModelConfig, layer: int) -> dict[str, tuple[list[tuple[float, int]], list[tuple[float, int]]]]:
+    """Per token, by precision module: the quantized operands of its GEMMs as (elements, row width),
+    the inputs x (q, k and v each quantize their x, and so do a dense SwiGLU's gate and up; the
+    experts' gate|up is one GEMM), then the output gradients dy in backward. The widths matter to
+    fp8_rowwise (its fused rows + column-maxima kernel serves grouped rows up to 4096 columns)."""
     D = cfg.d_model
     att = cfg.attention
     A, G = att.n_heads * att.head_width(D), att.kv_heads() * att.head_width(D)
-    out = {"attention": (3 * D + A, A + 2 * G + D), "mlp": (0.0, 0.0), "experts": (0.0, 0.0)}
+    out = {"attention": ([(3.0 * D, D), (float(A), A)], [(float(A), A), (2.0 * G, G), (float(D), D)]),
+           "mlp": ([], []), "experts": ([], [])}
     if cfg.is_moe_layer(layer):
         moe = cfg.moe
         K, F, S = moe.router.top_k, moe.expert_hidden, moe.shared_width()
-        out["experts"] = (K * (D + F), K * (2 * F + D))
-        out["mlp"] = (2 * D + S, 2 * S + D) if S else (0.0, 0.0)
+        out["experts"] = ([(K * D, D), (K * F, F)], [(2.0 * K * F, 2 * F), (K * D, D)])
+        if S:
+            out["mlp"] = ([(2.0 * D, D), (float(S), S)], [(2.0 * S, S), (float(D), D)])
     else:
         H = cfg.mlp_hidden
-        out["mlp"] = (2 * D + H, 2 * H + D)
+        out["mlp"] = ([(2.0 * D, D), (float(H), H)], [(2.0 * H, H), (float(D), D)])
     return out
+
+
+def _gemm_operands(cfg: ModelConfig, layer: int) -> dict[str, tuple[float, float]]:
+    """Per token, by precision module: (elements of every GEMM's input x, of its output gradient dy),
+    _operand_widths' elements summed."""
+    return {k: (sum(e for e, _ in xs), sum(e for e, _ in dys)) for k, (xs, dys) in _operand_widths(cfg, layer).items()}
 
 
 def mx_emulated_quant_s(gpu: GPU, sw: Switches, module: str, inputs: float, outputs: float, weights: float,
@@ -82,27 +91,6 @@ def mx_emulated_quant_s(gpu: GPU, sw: Switches, module: str, inputs: float, outp
     else:
         separate += b["weight"] * weights * (2 / microbatches if sw.caches_weights(module) else (3 if recomputed else 2))
     return paired / (hbm * (EFF_MX_FUSED if sw.mx_fused else EFF_MX_QUANT)) + separate / (hbm * EFF_MX_QUANT)
-
-
-def _operand_widths(cfg: ModelConfig, layer: int) -> dict[str, list[tuple[float, int]]]:
-    """Per token, by precision module: (elements, row width) of each quantized operand, x and the
-    output gradient dy of every GEMM (_gemm_operands' elements, split by width: the fused rows +
-    column-maxima kernel serves grouped operands up to 4096 columns)."""
-    D = cfg.d_model
-    att = cfg.attention
-    A, G = att.n_heads * att.head_width(D), att.kv_heads() * att.head_width(D)
-    out = {"attention": [(3.0 * D, D), (float(A), A), (float(A), A), (2.0 * G, G), (float(D), D)],
-           "mlp": [], "experts": []}
-    if cfg.is_moe_layer(layer):
-        moe = cfg.moe
-        K, F, S = moe.router.top_k, moe.expert_hidden, moe.shared_width()
-        out["experts"] = [(K * D, D), (K * F, F), (2.0 * K * F, 2 * F), (K * D, D)]
-        if S:
-            out["mlp"] = [(2.0 * D, D), (float(S), S), (2.0 * S, S), (float(D), D)]
-    else:
-        H = cfg.mlp_hidden
-        out["mlp"] = [(2.0 * D, D), (float(H), H), (2.0 * H, H), (float(D), D)]
-    return out
 
 
 def rowwise_quant_s(gpu: GPU, sw: Switches, module: str, operands: list[tuple[float, int]], tokens: float,
@@ -268,7 +256,7 @@ def stage_time(cfg: ModelConfig, layers: list[int], *, sw: Switches, memory: Mem
                                                 i in recomputed, m)
                     continue
                 if sw.rowwise_native:
-                    t_mx += rowwise_quant_s(gpu, sw, k, _operand_widths(cfg, i)[k], T_mb, weights,
+                    t_mx += rowwise_quant_s(gpu, sw, k, sum(_operand_widths(cfg, i)[k], []), T_mb, weights,
                                             2.0 if i in recomputed else 1.0, m)
                     continue
                 quant += (QUANT_ROWS_BYTES if sw.bf16_wgrad(k) else qb) * sum(ops[k]) * T_mb * extra
