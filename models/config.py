@@ -134,6 +134,25 @@ class ModelConfig(Config):
             if LayerType.sliding in self.layer_types and self.sliding_window is None:
                 raise ConfigError("model.layer_types has sliding layers but model.sliding_window is null")
 
+    def gemm_widths(self) -> dict[str, dict[str, int]]:
+        """The widths of the GEMM weights a low-precision recipe may take, by precision.modules kind
+        ("attention", "mlp", "experts") -> {field that sets it: width}; each is a reduction dim of
+        some pass (forward, dgrad), so a block-scaled recipe needs it a multiple of its block."""
+        d, att = self.d_model, self.attention
+        hd = att.head_width(d)
+        widths = {
+            "attention": {"model.d_model": d, "model.attention.n_heads x head_dim": att.n_heads * hd,
+                          "model.attention.n_kv_heads x head_dim": att.kv_heads() * hd},
+            "mlp": {"model.d_model": d},
+        }
+        if self.moe is None or any(not self.is_moe_layer(i) for i in range(self.n_layers)):
+            widths["mlp"]["model.mlp_hidden"] = self.mlp_hidden
+        if self.moe is not None:
+            if self.moe.num_shared_experts:
+                widths["mlp"]["model.moe.shared_expert_hidden (x num_shared_experts)"] = self.moe.shared_width()
+            widths["experts"] = {"model.d_model": d, "model.moe.expert_hidden": self.moe.expert_hidden}
+        return widths
+
     # ---- counts -----------------------------------------------------------------------------
     def num_embedding_params(self) -> int:
         return self.vocab_size * self.d_model

@@ -42,6 +42,7 @@ class PretrainConfig(Config):
             raise ConfigError(
                 f"scheduler.warmup_steps={self.scheduler.warmup_steps} exceeds trainer.steps={self.trainer.steps}"
             )
+        self.precision.check_gemm_widths(self.model.gemm_widths())
 
 
 def check_layout(cfg: PretrainConfig, world_size: int) -> ParallelConfig:

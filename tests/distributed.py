@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_distributed", "free_port"]
+__all__ = ["run_distributed", "free_port", "full_gradients", "train_losses"]
 
 # What the fork server imports once for every gloo rank (the bulk of a rank's start-up); moetron's own
 # modules are left to each rank, so they read the environment the caller set.
@@ -143,3 +143,35 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                 p.kill()
                 p.join()
         shutil.rmtree(store_dir, ignore_errors=True)
+
+
+def full_gradients(parts, world: int) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient as a full CPU tensor by name (``_orig_mod.`` dropped), gathered
+    from every rank (each pipeline stage holds only its own parameters)."""
+    from moetron.core.grad import DTensor
+
+    got = {}
+    for part in parts:
+        for name, p in part.named_parameters():
+            if p.grad is not None:
+                g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                got[name.replace("_orig_mod.", "")] = g.detach().cpu().clone()
+    if dist.is_initialized() and world > 1:
+        everything = [None] * world
+        dist.all_gather_object(everything, got)
+        for d in everything:
+            got.update(d)
+    return got
+
+
+def train_losses(trainer, steps: int, world: int) -> tuple[list[float], list[float]]:
+    """``steps`` optimizer steps; each step's loss averaged over the ranks, and its gradient norm."""
+    losses, norms = [], []
+    for _ in range(steps):
+        loss, norm = trainer.train_step(trainer.data.next_batch())
+        norms.append(float(norm))
+        if dist.is_initialized() and world > 1:
+            dist.all_reduce(loss)
+            loss /= world
+        losses.append(loss.item())
+    return losses, norms

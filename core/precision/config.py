@@ -96,6 +96,8 @@ _LOW_PRECISION = (PrecisionRecipe.mxfp8, PrecisionRecipe.fp8_blockwise, Precisio
 _NATIVE_SM = {PrecisionRecipe.mxfp8: 10, PrecisionRecipe.fp8_blockwise: 9, PrecisionRecipe.fp8_rowwise: 9}
 # torch's rowwise FP8 grouped kernel (torch._scaled_grouped_mm) is built for SM90 only
 _NATIVE_SM_MAX = {PrecisionRecipe.fp8_rowwise: 9}
+# the block a width must divide into: MX's 32-element scale blocks, FP8 blockwise's 128x128 weight tiles
+_WIDTH_BLOCK = {PrecisionRecipe.mxfp8: 32, PrecisionRecipe.fp8_blockwise: 128}
 _NATIVE_GPU = {PrecisionRecipe.mxfp8: "SM100+ (Blackwell)", PrecisionRecipe.fp8_blockwise: "SM90+ (Hopper)",
                PrecisionRecipe.fp8_rowwise: "SM90 (Hopper)"}
 
@@ -223,6 +225,21 @@ class PrecisionConfig(Config):
             raise ConfigError("precision.expert_grads_bf16=true keeps the experts' gradients on the optimizer's bf16 "
                               "weight copies: it needs --precision.expert_weight_copies=optimizer, got "
                               f"{self.expert_weight_copies}")
+
+    def check_gemm_widths(self, widths: dict[str, dict[str, int]]) -> None:
+        """ConfigError unless every GEMM width of ``modules`` divides into the recipe's scale blocks
+        (mxfp8: 32 along each reduction dim; fp8_blockwise: 128, its weights' 128x128 tiles);
+        ``widths``: ModelConfig.gemm_widths(). At start-up, not at the first GEMM of the first step."""
+        block = _WIDTH_BLOCK.get(self.recipe)
+        if block is None:
+            return
+        for module in self.modules:
+            for field, width in widths.get(str(GemmModule(module)), {}).items():
+                if width % block:
+                    raise ConfigError(
+                        f"precision.recipe={self.recipe} scales blocks of {block} along every GEMM dim of "
+                        f"precision.modules, but {field} is {width} (a width of the {module} GEMMs): make it a "
+                        f"multiple of {block}, or drop {module} from --precision.modules (those GEMMs then run in bf16)")
 
     def resolved_recipe(self, device_type: str) -> PrecisionRecipe:
         if self.recipe == PrecisionRecipe.auto:

@@ -169,3 +169,35 @@ def test_native_mx_for_experts_builds():
     c = cfg(recipe="mxfp8", backend="native")
     c.resolved_backend = lambda *a, **k: "native"  # as on an SM100 GPU
     assert isinstance(c.build("cuda").gemm, NativeMXGemm)
+
+
+@pytest.mark.parametrize("recipe, block", [("mxfp8", 32), ("fp8_blockwise", 128)])
+def test_gemm_widths_checked_at_start(recipe, block):
+    """A width the recipe's scale blocks do not divide is one ConfigError from the config, naming the
+    field and the fix, before anything is built (it was a ValueError at the first GEMM of step 1);
+    leaving that module in bf16 (precision.modules) is accepted, and so is fp8_rowwise (per-row scales)."""
+    from moetron.models.config import ModelConfig
+    from moetron.run.config import PretrainConfig
+
+    def run(**model):
+        c = PretrainConfig.from_dict({"model": ModelConfig.preset("tiny-moe").to_dict() | model,
+                                      "precision": {"recipe": recipe, "backend": "emulated"}})
+        return c
+
+    ok = run(d_model=256, mlp_hidden=256, moe={**ModelConfig.preset("tiny-moe").to_dict()["moe"], "expert_hidden": 128},
+             attention={**ModelConfig.preset("tiny-moe").to_dict()["attention"], "n_heads": 4, "n_kv_heads": 2})
+    ok.validate()
+    widths = ok.model.gemm_widths()
+    assert widths["experts"] == {"model.d_model": 256, "model.moe.expert_hidden": 128}
+    assert widths["attention"]["model.attention.n_kv_heads x head_dim"] == 128
+    assert ok.model.moe.num_shared_experts  # the shared expert's width is its own (an mlp GEMM)
+    bad = run(d_model=256, mlp_hidden=256, moe={**ok.model.moe.to_dict(), "expert_hidden": block + block // 2,
+                                                 "shared_expert_hidden": 128},
+              attention=ok.model.attention.to_dict())
+    with pytest.raises(ConfigError, match=rf"model.moe.expert_hidden is {block + block // 2} .*multiple of {block}"):
+        bad.validate()
+    bad.precision.modules = ["attention", "mlp"]  # the experts in bf16: nothing to divide
+    bad.validate()
+    bad.precision.recipe = "fp8_rowwise"
+    bad.precision.modules = ["experts", "attention", "mlp"]
+    bad.validate()

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed import run_distributed
+from tests.distributed import full_gradients, run_distributed, train_losses
 
 STEPS = 3
 TINY = [
@@ -65,7 +65,6 @@ def _run(rank, world, mode, args, out, data_dir):
     os.environ["MOETRON_DATA_DIR"] = data_dir
     import pretrain  # tools/pretrain.py (tests/conftest.py puts tools/ on the path)
 
-    from moetron.core.grad import DTensor
     from moetron.core.moe.kernels import set_backend
 
     _, device, dtype, extra = MODES[mode]
@@ -80,36 +79,13 @@ def _run(rank, world, mode, args, out, data_dir):
     grads = []
 
     def capture(parts):
-        got = {}
-        for part in parts:
-            for name, p in part.named_parameters():
-                if p.grad is not None:
-                    g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-                    got[name.replace("_orig_mod.", "")] = g.detach().cpu().clone()
-        if dist.is_initialized() and world > 1:
-            everything = [None] * world
-            dist.all_gather_object(everything, got)
-            for d in everything:
-                got.update(d)
-        grads.append(got)
+        grads.append(full_gradients(parts, world))
 
     trainer, state = pretrain.build(cfg, device, world, pre_step_hook=capture)
-    losses, norms = [], []
-    for _ in range(STEPS):
-        loss, norm = trainer.train_step(trainer.data.next_batch())
-        norms.append(float(norm))
-        if dist.is_initialized():
-            dist.all_reduce(loss)
-            loss /= world
-        losses.append(loss.item())
+    losses, norms = train_losses(trainer, STEPS, world)
     if rank == 0:
         torch.save({"losses": losses, "grads": grads, "grad_norms": norms, "applied": state.applied,
                     "ep_dispatch": str(state.ep_dispatch)}, os.path.join(out, "result.pt"))
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture(scope="module")

@@ -48,11 +48,6 @@ def _train(rank, world, args, ckpt_dir, out, data_dir, steps, resume):
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("corpus"))
-
-
-@pytest.fixture(scope="module")
 def straight(tmp_path_factory, data_dir):
     out = str(tmp_path_factory.mktemp("straight"))
     run_distributed(_train, 1, MICRO, os.path.join(out, "ckpt"), out, data_dir, 3, False)
