@@ -10,7 +10,7 @@ from torch import nn
 
 from moetron.core.layers import Attention, LMHead, RMSNorm, SwiGLU
 from moetron.core.layers.loss import cross_entropy
-from moetron.core.layers.rope import RotaryEmbedding
+from moetron.core.layers.rope import RotaryEmbedding, prefill_ropes, rope_modules
 from moetron.core.moe import MoELayer, moe_layers
 
 from .config import BlockType, ModelConfig
@@ -67,8 +67,7 @@ class Transformer(nn.Module):
         the labels != -100 instead (the LM head's: fused and chunked when cfg.fused_loss, so no
         [B, S, V] tensor is made)."""
         h_BSD = self.embed(input_ids_BS)
-        for rope in self._ropes():
-            rope.prefill(input_ids_BS.shape[1], input_ids_BS.device)
+        prefill_ropes(self._ropes(), input_ids_BS.shape[1], input_ids_BS.device)
         for block in self.blocks.values():
             h_BSD = block(h_BSD)
         return self.lm_head(self.norm(h_BSD), labels_BS)
@@ -85,7 +84,7 @@ class Transformer(nn.Module):
     def _ropes(self) -> list[RotaryEmbedding]:
         """The blocks' RoPE modules (looked up once: the module tree is fixed after build)."""
         if getattr(self, "_rope_modules", None) is None:
-            self._rope_modules = [m for m in self.blocks.modules() if isinstance(m, RotaryEmbedding)]
+            self._rope_modules = rope_modules(self.blocks)
         return self._rope_modules
 
     def moe_layers(self) -> dict[int, MoELayer]:

@@ -156,3 +156,15 @@ def apply_rotary(x_BHSD: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tenso
     half = x_f.shape[-1] // 2
     rotated = torch.cat([-x_f[..., half:], x_f[..., :half]], dim=-1)
     return (x_f * cos_SD.to(x_f.dtype) + rotated * sin_SD.to(x_f.dtype)).to(x_BHSD.dtype)
+
+
+def prefill_ropes(ropes: list[RotaryEmbedding], seq_len: int, device: torch.device) -> None:
+    """Fill every RoPE table for ``seq_len`` before the blocks run (RotaryEmbedding.prefill): the
+    one call the model's forward and each pipeline stage's forward make."""
+    for rope in ropes:
+        rope.prefill(seq_len, device)
+
+
+def rope_modules(module: nn.Module) -> list[RotaryEmbedding]:
+    """The RotaryEmbedding modules under ``module`` (look them up once: the tree is fixed after build)."""
+    return [m for m in module.modules() if isinstance(m, RotaryEmbedding)]

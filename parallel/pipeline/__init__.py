@@ -126,6 +126,8 @@ class PipelineParallel(ParallelStrategy):
         stages = [all_stages[i] for i in stage_ids_of_rank(pp_rank, cfg.pp, cfg.pp_stages_per_rank)]
         del all_stages  # other ranks' stages (and the full model, once the caller drops it) can go
 
+        for stage in stages:
+            stage.autocast = state.precision.autocast  # the forward only (see PipelineStageModule)
         last = [s for s in stages if s.stage_index == num_stages - 1]
         base_loss = state.loss_fn if not head_loss else (last[0].head_loss_fn if last else None)
 
@@ -147,8 +149,8 @@ class PipelineParallel(ParallelStrategy):
                                                  cfg.pp_schedule, d_model, hidden_dtype, logits_dtype)
 
         state.model_parts = list(stages)
-        state.step_fn = PipelineStep(stages, n_micro, loss_fn, schedule_factory, group, device, precision, train=True)
-        state.eval_fn = PipelineStep(stages, n_micro, loss_fn, schedule_factory, group, device, precision, train=False)
+        state.step_fn = PipelineStep(stages, n_micro, loss_fn, schedule_factory, group, device, train=True)
+        state.eval_fn = PipelineStep(stages, n_micro, loss_fn, schedule_factory, group, device, train=False)
         state.grad_norm_groups = (group,) if group is not None else ()
         state.pipeline = PipelineLayout(
             num_stages=num_stages,

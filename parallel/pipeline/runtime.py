@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 from moetron.core.config import ConfigError
 from moetron.core.moe.aux_loss import aux_loss_scale
-from moetron.core.precision import PrecisionPolicy
 
 from ..config import PipelineSchedule
 from .stages import PipelineStageModule
@@ -34,10 +33,10 @@ class PipelineStep:
 
     def __init__(self, stages: list[PipelineStageModule], n_microbatches: int, loss_fn: Callable,
                  make_schedule: Callable | None, group: dist.ProcessGroup | None, device: torch.device,
-                 precision: PrecisionPolicy, train: bool = True):
+                 train: bool = True):
         self.stages, self.n_microbatches, self.loss_fn = stages, n_microbatches, loss_fn
         self.make_schedule, self.group, self.device = make_schedule, group, device
-        self.precision, self.train = precision, train
+        self.train = train
         self.holds_first = any(s.stage_index == 0 for s in stages)
         self.holds_last = any(s.stage_index == s.num_stages - 1 for s in stages)
         self._schedules: dict[tuple[int, int], Any] = {}
@@ -61,7 +60,9 @@ class PipelineStep:
                 f"a multiple of {self.n_microbatches}, or change parallel.pp_microbatches"
             )
         inputs_BS, labels_BS = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
-        with self.precision.autocast(), aux_loss_scale(1.0 / self.n_microbatches):
+        # No autocast here: each stage enters it around its own forward (PipelineStageModule), so
+        # the backward that the schedule runs inside step() is outside it, as the plain loop's is.
+        with aux_loss_scale(1.0 / self.n_microbatches):
             if self.make_schedule is not None:
                 loss_sum = self._run_schedule(inputs_BS, labels_BS)
             else:

@@ -12,11 +12,15 @@ Legend: B batch, S sequence, D model dim, V vocab.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Callable, ContextManager
+
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from moetron.core.config import ConfigError
+from moetron.core.layers.rope import prefill_ropes, rope_modules
 
 from ..model import require_parts
 
@@ -30,6 +34,13 @@ class PipelineStageModule(nn.Module):
     forward: token ids [B, S] (first stage) or hidden [B, S, D] -> hidden [B, S, D], or on the
     last stage logits [B, S, V]; with ``head_loss`` the last stage stops at the final norm
     (hidden [B, S, D]) and the schedule's loss is ``lm_head(hidden, labels)`` (head_loss_fn).
+
+    ``autocast`` (the run's PrecisionPolicy.autocast; none by default) is entered inside forward and
+    head_loss_fn, around the forward computation only: torch's schedules run each micro-batch's
+    backward inside ``step()``, and a backward run under autocast also casts the backward's own
+    matmuls (the autograd engine carries the caller's autocast state), so the fp32 router and the
+    fp32 parts of the norms and the loss would get bf16 gradients; the plain training loop runs its
+    backward outside autocast, and the pipeline must equal it.
     """
 
     def __init__(self, stage_index: int, num_stages: int, embed: nn.Module | None, blocks: dict[str, nn.Module],
@@ -40,16 +51,21 @@ class PipelineStageModule(nn.Module):
         self.blocks = nn.ModuleDict(blocks)
         self.norm = norm
         self.lm_head = lm_head
+        self.autocast: Callable[[], ContextManager] = contextlib.nullcontext
+        self._ropes = rope_modules(self.blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h_BSD = self.embed(x) if self.embed is not None else x
-        for block in self.blocks.values():
-            h_BSD = block(h_BSD)
-        if self.norm is not None:
-            h_BSD = self.norm(h_BSD)
-        if self.lm_head is not None and not self.head_loss:
-            return self.lm_head(h_BSD)
-        return h_BSD
+        # The RoPE tables are filled outside the (compiled) blocks, as the model's forward does.
+        prefill_ropes(self._ropes, x.shape[1], x.device)
+        with self.autocast():
+            h_BSD = self.embed(x) if self.embed is not None else x
+            for block in self.blocks.values():
+                h_BSD = block(h_BSD)
+            if self.norm is not None:
+                h_BSD = self.norm(h_BSD)
+            if self.lm_head is not None and not self.head_loss:
+                return self.lm_head(h_BSD)
+            return h_BSD
 
     def head_loss_fn(self, h_BSD: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
         """The last stage's loss from its output (head_loss): the LM head's mean loss over the
@@ -62,7 +78,8 @@ class PipelineStageModule(nn.Module):
         fsdp = isinstance(self, FSDPModule)
         if fsdp:
             self.unshard()
-        loss = self.lm_head(h_BSD, labels_BS)
+        with self.autocast():  # as the model's forward computes its loss (under the run's autocast)
+            loss = self.lm_head(h_BSD, labels_BS)
         if fsdp and not (torch.is_grad_enabled() and loss.requires_grad):
             self.reshard()
         return loss
