@@ -102,9 +102,12 @@ class MetricsLog:
         return len(lines) - len(kept)
 
 
-# Environment variables a benchmark's figures depend on (besides every NCCL_* one).
+# Environment variables a benchmark's figures depend on: these, and every one starting with a
+# BENCH_ENV_PREFIXES entry (NCCL's settings; inductor's, e.g. TORCHINDUCTOR_MAX_AUTOTUNE_GEMM, which
+# change the compiled step's kernels).
 BENCH_ENV_KEYS = ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "CUDA_DEVICE_MAX_CONNECTIONS",
                   "OMP_NUM_THREADS", "MOETRON_MX_LEAN", "MOETRON_MX_FUSED")
+BENCH_ENV_PREFIXES = ("NCCL_", "TORCHINDUCTOR_")
 
 
 def gpu_topology() -> str | None:
@@ -142,6 +145,6 @@ def run_environment(device: torch.device, world: int, script: str, argv: list[st
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "command": launch_command(script, argv),
-        "env_vars": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_") or k in BENCH_ENV_KEYS},
+        "env_vars": {k: v for k, v in sorted(os.environ.items()) if k.startswith(BENCH_ENV_PREFIXES) or k in BENCH_ENV_KEYS},
         "topology": gpu_topology(),
     }

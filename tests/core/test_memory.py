@@ -114,13 +114,16 @@ def test_recomputed_block_compiles_as_one_graph(overrides):
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("prefilled", [True, False], ids=["prefilled", "cold"])
-def test_compiled_block_reads_prefilled_rope_tables(prefilled):
-    """The model's forward fills each block's RoPE cache before running its (compiled) blocks; a
-    compiled, recomputed block then reads the tables instead of computing cos/sin in its graph,
-    where inductor fused them into the RoPE and norm kernels per element of q and k. A compiled
-    block called on its own (nothing filled) computes them itself. Outputs equal the eager model's."""
+@pytest.mark.parametrize("caller", ["model", "pipeline_stages", "cold"])
+def test_compiled_block_reads_prefilled_rope_tables(caller):
+    """The model's forward, and each pipeline stage's, fills its blocks' RoPE caches before running
+    the (compiled) blocks; a compiled, recomputed block then reads the tables instead of computing
+    cos/sin in its graph, where inductor fused them into the RoPE and norm kernels per element of q
+    and k. A compiled block called on its own (nothing filled) computes them itself. Outputs equal
+    the eager model's."""
     import torch._dynamo
+
+    from moetron.parallel.pipeline.stages import split_stages
 
     torch._dynamo.reset()
     cfg = ModelConfig.preset("tiny-moe")
@@ -141,13 +144,16 @@ def test_compiled_block_reads_prefilled_rope_tables(prefilled):
 
     for block in model.blocks.values():
         block.compile(backend=recording_backend, fullgraph=True)
-    if prefilled:
-        ids = torch.randint(0, cfg.vocab_size, (2, 32))
+    ids = torch.randint(0, cfg.vocab_size, (2, 32))
+    if caller == "model":
         torch.testing.assert_close(model(ids), reference(ids), rtol=0, atol=0)
+    elif caller == "pipeline_stages":  # one block a stage: the second stage starts from hidden states
+        first, second = split_stages(model, 2)
+        torch.testing.assert_close(second(first(ids)), reference(ids), rtol=0, atol=0)
     else:
         x = torch.randn(2, 32, cfg.d_model)
         torch.testing.assert_close(model.blocks["1"](x), reference.blocks["1"](x), rtol=0, atol=0)
     assert graph_ops
     computes_tables = any(op.endswith(("cos", "sin")) for op in graph_ops)
-    assert computes_tables is not prefilled
+    assert computes_tables is (caller == "cold")
     torch._dynamo.reset()

@@ -540,14 +540,16 @@ def test_mxfp8_emulated_quantization_counted_from_its_kernels_fits_session9():
 
 def test_bench_reports_record_the_mx_kernel_switches(monkeypatch):
     """The MX kernel switches are read at import, so a report keeps them (tools/plan.py --validate
-    plans a row as it ran); unrelated variables stay out."""
+    plans a row as it ran), and so are inductor's; unrelated variables stay out."""
     from moetron.core.metrics import run_environment
 
     monkeypatch.setenv("MOETRON_MX_FUSED", "0")
     monkeypatch.setenv("MOETRON_MX_LEAN", "1")
     monkeypatch.setenv("MOETRON_SOMETHING_ELSE", "1")
+    monkeypatch.setenv("TORCHINDUCTOR_MAX_AUTOTUNE_GEMM", "1")  # inductor's switches change the kernels
     env = run_environment(torch.device("cpu"), 1, "tools/bench_train.py", [])["env_vars"]
     assert env["MOETRON_MX_FUSED"] == "0" and env["MOETRON_MX_LEAN"] == "1"
+    assert env["TORCHINDUCTOR_MAX_AUTOTUNE_GEMM"] == "1"
     assert "MOETRON_SOMETHING_ELSE" not in env
     row = {"overrides": ["--precision.recipe=mxfp8", "--precision.backend=emulated"]}
     assert planner.bench_plan({"preset": "tiny-moe", "env_vars": env}, row).mx_fused is False
