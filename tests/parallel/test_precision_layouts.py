@@ -139,27 +139,46 @@ def test_recipe_under_layout(recipe, layout, references, tmp_path, data_dir):
     assert losses[0] - losses[-1] == pytest.approx(ref[0] - ref[-1], rel=0.2), (losses, ref)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_pipeline_runtime_on_gpu_bf16(tmp_path, data_dir):
-    """The pipeline's runtime (one rank, NCCL, bf16 autocast on the GPU's kernels) against the plain
-    loop over the same micro-batches: the backward runs outside autocast in both (it used to run
-    inside it under the pipeline, 1% off at block 0 on the CPU)."""
+def _plain_and_pipeline(tmp_path, data_dir, extra, device="cpu", backend="gloo"):
+    """The first-step gradients and losses of the plain loop and of the pipeline's runtime on one
+    rank (LAYOUTS["pipeline,pp=1"]), over the same micro-batches, bf16 autocast plus ``extra``."""
     world, args, micro, _ = LAYOUTS["pipeline,pp=1"]
     runs = {}
     for name, overrides in {"plain": [f"--trainer.micro_batch_size={micro}", "--parallel.strategies=[data]"],
                             "pipeline": args}.items():
         out = tmp_path / name
         out.mkdir()
-        run_distributed(_run, world, [*overrides, *RECIPES["bf16"]], str(out), data_dir, "cuda",
-                        backend="nccl", timeout_s=600)
+        run_distributed(_run, world, [*overrides, *RECIPES["bf16"], *extra], str(out), data_dir, device,
+                        backend=backend, timeout_s=600)
         runs[name] = torch.load(out / "result.pt")
     got, reference = runs["pipeline"], runs["plain"]
     assert "pipeline" in got["applied"] and "pipeline" not in reference["applied"]
     errors = {n: float((got["grads"][n] - g).norm() / g.norm().clamp_min(1e-30)) for n, g in reference["grads"].items()}
     worst = max(errors, key=errors.get)
-    # The same kernels on the same micro-batches; what differs is the order of atomic adds in the
+    return errors[worst], worst, got["losses"], reference["losses"]
+
+
+@pytest.mark.parametrize("recompute", [["--memory.recompute=full"],
+                                       ["--memory.recompute=selective", "--memory.recompute_modules=[norm,swiglu,attention]"]],
+                         ids=["full", "selective"])
+def test_pipeline_recompute_equals_plain_bf16(recompute, tmp_path, data_dir):
+    """Recomputed activations under the pipeline: the recompute in backward re-enters the autocast
+    its forward ran under (now the stage's own, not the step's), so the pipeline still equals the
+    plain loop with the same recompute, exactly."""
+    error, worst, losses, ref = _plain_and_pipeline(tmp_path, data_dir, recompute)
+    assert error <= 1e-6, f"step-1 gradient of {worst} off by {error:.2e}"
+    assert losses == ref
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_pipeline_runtime_on_gpu_bf16(tmp_path, data_dir):
+    """The pipeline's runtime (one rank, NCCL, bf16 autocast on the GPU's kernels) against the plain
+    loop over the same micro-batches: the backward runs outside autocast in both (it used to run
+    inside it under the pipeline, 1% off at block 0 on the CPU)."""
+    error, worst, losses, ref = _plain_and_pipeline(tmp_path, data_dir, [], "cuda", "nccl")
+    # The same kernels on the same micro-batches; what may differ is the order of atomic adds in the
     # routing kernels' backward (bf16 rounding of that): far below the 1% the autocast placement made.
-    print(f"bf16 pipeline,pp=1 on the GPU: worst step-1 gradient {worst} off by {errors[worst]:.2e}")  # shown with -s
-    assert errors[worst] <= 1e-3, f"step-1 gradient of {worst} off by {errors[worst]:.2e}"
-    assert got["losses"] == pytest.approx(reference["losses"], rel=1e-3)
+    print(f"bf16 pipeline,pp=1 on the GPU: worst step-1 gradient {worst} off by {error:.2e}")  # shown with -s
+    assert error <= 1e-3, f"step-1 gradient of {worst} off by {error:.2e}"
+    assert losses == pytest.approx(ref, rel=1e-3)
