@@ -98,6 +98,14 @@ def _run(rank, world, args, out, data_dir, device="cpu"):
                    os.path.join(out, "result.pt"))
 
 
+def worst_gradient_error(got: dict, reference: dict) -> tuple[float, str]:
+    """The largest first-step gradient error of ``got`` against ``reference``, each parameter's
+    relative to the norm of its reference gradient, and that parameter's name."""
+    errors = {n: float((got["grads"][n] - g).norm() / g.norm().clamp_min(1e-30)) for n, g in reference["grads"].items()}
+    worst = max(errors, key=errors.get)
+    return errors[worst], worst
+
+
 @pytest.fixture(scope="module")
 def references(tmp_path_factory, data_dir):
     cache = {}
@@ -127,10 +135,9 @@ def test_recipe_under_layout(recipe, layout, references, tmp_path, data_dir):
     assert got["backends"] == reference["backends"] == [BACKEND[recipe]], (got["backends"], reference["backends"])
     assert got["label"] == reference["label"] and ("emulated" in got["label"]) == (recipe != "bf16"), got["label"]
     assert reference["grads"] and set(got["grads"]) == set(reference["grads"]), set(got["grads"]) ^ set(reference["grads"])
-    errors = {n: float((got["grads"][n] - g).norm() / g.norm().clamp_min(1e-30)) for n, g in reference["grads"].items()}
-    worst = max(errors, key=errors.get)
-    print(f"{recipe} {layout}: worst step-1 gradient {worst} off by {errors[worst]:.2e}")  # shown with -s
-    assert errors[worst] <= tolerance, f"{recipe} {layout}: step-1 gradient of {worst} off by {errors[worst]:.2e} (> {tolerance})"
+    error, worst = worst_gradient_error(got, reference)
+    print(f"{recipe} {layout}: worst step-1 gradient {worst} off by {error:.2e}")  # shown with -s
+    assert error <= tolerance, f"{recipe} {layout}: step-1 gradient of {worst} off by {error:.2e} (> {tolerance})"
     losses, ref = got["losses"], reference["losses"]
     assert len(losses) == len(ref) == STEPS
     assert losses[0] == pytest.approx(ref[0], rel=1e-3), (losses, ref)
@@ -153,9 +160,7 @@ def _plain_and_pipeline(tmp_path, data_dir, extra, device="cpu", backend="gloo")
         runs[name] = torch.load(out / "result.pt")
     got, reference = runs["pipeline"], runs["plain"]
     assert "pipeline" in got["applied"] and "pipeline" not in reference["applied"]
-    errors = {n: float((got["grads"][n] - g).norm() / g.norm().clamp_min(1e-30)) for n, g in reference["grads"].items()}
-    worst = max(errors, key=errors.get)
-    return errors[worst], worst, got["losses"], reference["losses"]
+    return (*worst_gradient_error(got, reference), got["losses"], reference["losses"])
 
 
 @pytest.mark.parametrize("recompute", [["--memory.recompute=full"],
