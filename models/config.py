@@ -31,6 +31,12 @@ class LayerType(StrEnum):
     """Causal attention over the last `sliding_window` tokens (the token itself included)."""
 
 
+def _ULTRA_ROUTER() -> RouterConfig:
+    """The router of moe-1t, moe-2.4t and their proxies: top-4 softmax, the Switch loss at its default
+    weight, and the aux-loss-free expert bias (our choice: the source does not publish its balancing)."""
+    return RouterConfig(top_k=4, expert_bias=True)
+
+
 @dataclasses.dataclass
 class HFMetadata(Config):
     """Fields of a Hugging Face config.json that the model does not compute with, kept from an import
@@ -266,7 +272,8 @@ class ModelConfig(Config):
         """moe-1t's block design at one-GPU-per-2-MoE-layers size (examples/pretrain_moe_1t.sh on GPUs):
         128 routed experts + 1 shared, top-4, the first two layers dense with MLPs as wide as the active
         experts, expert hidden / d_model = 4/3 as in the recipe, 128-wide heads with 2:1 GQA, sliding
-        windows; vocabulary of the local corpus. 6 layers here; the example sets 2 + 2 x GPUs."""
+        windows; vocabulary of the local corpus. 6 layers here; the example sets 2 + 2 x GPUs.
+        The router balances as moe-1t's does (aux-loss-free expert bias beside the Switch loss)."""
         return cls(
             d_model=768,
             n_layers=6,
@@ -274,7 +281,7 @@ class ModelConfig(Config):
             attention=AttentionConfig(n_heads=6, n_kv_heads=3, head_dim=128, rope_theta=500_000.0),
             mlp_hidden=5 * 1024,
             sliding_window=1024,
-            moe=MoEConfig(num_experts=128, expert_hidden=1024, router=RouterConfig(top_k=4),
+            moe=MoEConfig(num_experts=128, expert_hidden=1024, router=_ULTRA_ROUTER(),
                           num_shared_experts=1, dense_layers=[0, 1]),
         )
 
@@ -316,7 +323,10 @@ class ModelConfig(Config):
         """OLMo-core 3 "Ultra-128E": 63 x 6144, attention 64 heads x 128 (32 KV), 128 routed experts of
         hidden 8192 + 1 shared of 8192, top-4: 58.4B active, 1.2T total (256 experts: 2.38T).
         The published totals pin two dense layers (MLP as wide as the active experts); we take the
-        first two, as the 3.2B family keeps its first layer dense."""
+        first two, as the 3.2B family keeps its first layer dense. The source does not publish its
+        load balancing; ours is the Switch loss (0.01) plus the aux-loss-free expert bias
+        (``_ULTRA_ROUTER``: with the loss alone about 100 of the GPU proxy's 128 experts per layer stay
+        starved through 300 steps, with the bias 1-8; docs/moe.md, "Balancing in the recipes")."""
         return cls(
             d_model=6144,
             n_layers=63,
@@ -324,7 +334,7 @@ class ModelConfig(Config):
             attention=AttentionConfig(n_heads=64, n_kv_heads=32, head_dim=128, rope_theta=500_000.0),
             mlp_hidden=5 * 8192,
             sliding_window=4096,
-            moe=MoEConfig(num_experts=num_experts, expert_hidden=8192, router=RouterConfig(top_k=4),
+            moe=MoEConfig(num_experts=num_experts, expert_hidden=8192, router=_ULTRA_ROUTER(),
                           num_shared_experts=1, dense_layers=[0, 1]),
         )
 

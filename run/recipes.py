@@ -94,9 +94,12 @@ def moe_1t() -> PretrainConfig:
     """OLMo-core 3 "Ultra-128E", 1.2T total / 58.4B active: EP 8 x PP 8 on 512 GPUs, 64Mi-token batches.
 
     63 layers x 6144, 64 heads x 128 (32 KV), 128 routed experts of hidden 8192 + 1 shared, top-4,
-    seq 8192, global batch 8192 sequences, full per-layer recompute. The source trains it in MXFP8;
-    moetron has no MXFP8 training recipe yet (core/precision: bf16 and fp32 only), so this recipe
-    runs bf16 until it does. LR, warmup and length are our choice (not published with the point)."""
+    seq 8192, global batch 8192 sequences, full per-layer recompute. The source trains it in MXFP8:
+    ``--precision.recipe=mxfp8`` gives that (native MX GEMMs on SM100+, written against torch's
+    documented API and not yet run on Blackwell; exact emulation elsewhere, docs/precision.md). The
+    recipe stays bf16 until the native path has run. LR, warmup, length and the load balancing (the
+    Switch loss plus the aux-loss-free expert bias, ModelConfig.moe_1t) are our choice (not
+    published with the point)."""
     return _ultra("moe-1t", num_experts=128, ep=8)
 
 
@@ -131,7 +134,8 @@ def tiny_moe_local() -> PretrainConfig:
     """The CPU proxy of moe-1t (examples/pretrain_moe_1t.sh without GPUs): preset tiny-moe on the embedded corpus.
 
     top-4 over 16 experts + 1 shared, first layer dense, Olmo 3 attention; one process, a few
-    minutes on 2 cores."""
+    minutes on 2 cores. Its router keeps the Switch loss alone: its 16 experts stay balanced without
+    moe-1t's expert bias, which cost it about 1% of loss at 240 steps (docs/moe.md)."""
     return PretrainConfig(
         name="moe-1t-proxy",
         model=ModelConfig.tiny_moe(),

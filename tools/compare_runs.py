@@ -8,8 +8,9 @@ precision recipe (e.g. bf16 vs fp8_blockwise vs mxfp8 on the same data and seed)
 For each run: the final train loss (mean over the last ``--last`` logged steps, so one noisy step
 does not decide), the last held-out loss, and both relative to the reference (the first run unless
 --reference names one); a run is within tolerance when both |relative differences| are at most
---tolerance. Prints a table, writes JSON (--json) and, with --out, one plot of every run's train
-and held-out curves (matplotlib). Runs must share the logged steps they are compared at (the same
+--tolerance. Prints a table, writes JSON (--json) and, with --out, a plot (matplotlib): each run's
+or group's mean train and held-out curves (a group's min-max band over its runs), and below them
+each one's difference to the reference in percent with the tolerance drawn. Runs must share the logged steps they are compared at (the same
 trainer.log_every and steps); the comparison uses the steps every run logged.
 
 Seeds: ``--group NAME=DIR,DIR,...`` makes one row of several runs (e.g. the same recipe over seeds),
@@ -116,20 +117,75 @@ def parse_groups(specs: list[str]) -> dict[str, list[str]]:
     return groups
 
 
-def plot(run_dirs: list[str], path: str) -> str:
+def group_curves(groups: dict[str, list[str]], reference: str | None = None) -> dict[str, dict]:
+    """Per group, over the train steps every run logged: the mean train loss of its runs, their
+    min and max, and the mean's difference to the reference group's mean (relative, at each step);
+    the held-out steps every run of the group logged, with their mean and its relative difference
+    where the reference logged that step too. What plot() draws, kept apart so tests can check it."""
+    reference = reference or next(iter(groups))
+    metrics = {d: read_metrics(d) for dirs in groups.values() for d in dirs}
+
+    def series(d, key):
+        return {r["step"]: r[key] for r in metrics[d] if r.get(key) is not None}
+
+    train = {d: series(d, "loss") for d in metrics}
+    held = {d: series(d, "eval_loss") for d in metrics}
+    steps = sorted(set.intersection(*(set(t) for t in train.values())))
+    out = {}
+    for name, dirs in groups.items():
+        per_step = [[train[d][s] for d in dirs] for s in steps]
+        hsteps = sorted(set.intersection(*(set(held[d]) for d in dirs)))
+        out[name] = {"steps": steps, "mean": [sum(v) / len(v) for v in per_step],
+                     "lo": [min(v) for v in per_step], "hi": [max(v) for v in per_step],
+                     "held_steps": hsteps, "held_mean": [sum(held[d][s] for d in dirs) / len(dirs) for s in hsteps]}
+    ref = out[reference]
+    ref_held = dict(zip(ref["held_steps"], ref["held_mean"]))
+    for c in out.values():
+        c["rel"] = [m / r - 1 for m, r in zip(c["mean"], ref["mean"])]
+        c["held_rel"] = {s: m / ref_held[s] - 1 for s, m in zip(c["held_steps"], c["held_mean"]) if s in ref_held}
+    return out
+
+
+def plot(groups: dict[str, list[str]], path: str, reference: str | None = None, tolerance: float = 0.01,
+         smooth: int = 5) -> str:
+    """Two panels: each group's mean train loss (a band from its runs' min to max) and held-out loss;
+    below, each group's difference to the reference group in percent (train: a moving mean over
+    ``smooth`` logged steps; held-out: markers), with the tolerance drawn. A group of one run is
+    that run."""
     plt = require_matplotlib()
-    fig, ax = plt.subplots(figsize=(6.5, 3.8))
-    for i, d in enumerate(run_dirs):
-        rows = read_metrics(d)
-        train = [(r["step"], r["loss"]) for r in rows if r.get("loss") is not None]
-        held = [(r["step"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None]
-        name = os.path.basename(os.path.normpath(d))
-        ax.plot(*zip(*train), color=f"C{i}", label=f"{name} train", linewidth=1)
-        if held:
-            ax.plot(*zip(*held), color=f"C{i}", marker="o", markersize=3, linestyle="--", label=f"{name} held-out")
-    ax.set(xlabel="step", ylabel="loss", title="loss by run")
+    reference = reference or next(iter(groups))
+    curves = group_curves(groups, reference)
+    fig, (ax, rel) = plt.subplots(2, 1, figsize=(7.5, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    for i, (name, c) in enumerate(curves.items()):
+        label = f"{name} ({len(groups[name])} run{'s' if len(groups[name]) > 1 else ''})"
+        ax.plot(c["steps"], c["mean"], color=f"C{i}", linewidth=1, label=label)
+        if len(groups[name]) > 1:
+            ax.fill_between(c["steps"], c["lo"], c["hi"], color=f"C{i}", alpha=0.15, linewidth=0)
+        if c["held_steps"]:
+            ax.plot(c["held_steps"], c["held_mean"], color=f"C{i}", marker="o", markersize=3, linestyle="--")
+        pct = [100 * v for v in c["rel"]]
+        k = max(1, smooth)
+        smoothed = [sum(pct[max(0, j - k + 1): j + 1]) / len(pct[max(0, j - k + 1): j + 1]) for j in range(len(pct))]
+        rel.plot(c["steps"], smoothed, color=f"C{i}", linewidth=1)
+        if c["held_rel"]:
+            rel.plot(list(c["held_rel"]), [100 * v for v in c["held_rel"].values()], color=f"C{i}", marker="o",
+                     markersize=4, linestyle="none")
+    tail = [v for c in curves.values() for v in c["hi"][len(c["hi"]) // 4:]]
+    low = [v for c in curves.values() for v in c["lo"][len(c["lo"]) // 4:]]
+    if tail and low:  # the first quarter's high losses would flatten the rest
+        pad = 0.05 * (max(tail) - min(low) or 1.0)
+        ax.set_ylim(min(low) - pad, max(tail) + pad)
+    ax.set(ylabel="loss", title="train (lines, band: min-max over seeds) and held-out (dashed, markers)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
+    for y in (-100 * tolerance, 100 * tolerance):
+        rel.axhline(y, color="0.5", linewidth=0.8, linestyle=":")
+    rel.axhline(0, color="0.3", linewidth=0.8)
+    rel.set(xlabel="step", ylabel=f"vs {reference} (%)",
+            title=f"difference to {reference}: train (moving mean of {smooth} logs), held-out (markers); dotted: +-{100 * tolerance:g}%")
+    rel.title.set_fontsize(8)
+    ax.title.set_fontsize(9)
+    rel.grid(alpha=0.3)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -168,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{100 * r['eval_spread']:>6.2f}% {pct(r['eval_vs_reference']):>8}  "
               f"{'(reference)' if r['reference'] else ('yes' if r['within_tolerance'] else 'NO')}")
     if args.out:
-        print(f"wrote {plot([d for r in rows for d in r['runs']], args.out)}")
+        reference = next(r["run"] for r in rows if r["reference"])
+        print(f"wrote {plot(groups, args.out, reference, args.tolerance)}")
     write_report(args.json, {"tool": "tools/compare_runs.py", "argv": argv}, rows)
     return 0
 

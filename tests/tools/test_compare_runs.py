@@ -79,3 +79,25 @@ def test_groups_compare_means_over_seeds(tmp_path, capsys):
         compare_runs.main(["--group", f"a={r0}", "--group", f"a={r1}"])
     with pytest.raises(ConfigError, match="none of the runs or groups"):
         compare_runs.compare_groups({"a": [r0], "b": [r1]}, reference="c")
+
+
+def test_group_curves_are_the_plotted_means_and_differences(tmp_path):
+    """What the plot draws: per group, the mean over its runs at the steps every run logged, the
+    runs' min and max, and the mean's relative difference to the reference group's mean at each
+    step (train) and at the held-out steps both logged; then the PNG is written."""
+    r0 = _run(tmp_path, "bf16_s0", [(10, 4.0), (20, 3.0), (30, 2.0)], [(20, 3.5)])
+    r1 = _run(tmp_path, "bf16_s1", [(10, 4.4), (20, 3.2), (30, 2.2)], [(20, 3.7)])
+    m0 = _run(tmp_path, "mx_s0", [(10, 4.2), (20, 3.3), (30, 2.1), (40, 1.0)], [(20, 3.6), (40, 1.2)])
+    curves = compare_runs.group_curves({"bf16": [r0, r1], "mx": [m0]})
+    b, m = curves["bf16"], curves["mx"]
+    assert b["steps"] == m["steps"] == [10, 20, 30]  # step 40: not logged by every run
+    assert b["mean"] == pytest.approx([4.2, 3.1, 2.1]) and b["lo"] == [4.0, 3.0, 2.0] and b["hi"] == [4.4, 3.2, 2.2]
+    assert b["rel"] == pytest.approx([0.0, 0.0, 0.0])
+    assert m["rel"] == pytest.approx([0.0, 3.3 / 3.1 - 1, 0.0])
+    assert b["held_steps"] == [20] and b["held_mean"] == pytest.approx([3.6])
+    assert m["held_steps"] == [20, 40] and m["held_rel"] == pytest.approx({20: 0.0})  # 40: no reference there
+    assert compare_runs.group_curves({"bf16": [r0, r1], "mx": [m0]}, reference="mx")["bf16"]["rel"][1] == \
+        pytest.approx(3.1 / 3.3 - 1)
+    pytest.importorskip("matplotlib")
+    path = compare_runs.plot({"bf16": [r0, r1], "mx": [m0]}, str(tmp_path / "p.png"), tolerance=0.02)
+    assert (tmp_path / "p.png").stat().st_size > 0 and path.endswith("p.png")

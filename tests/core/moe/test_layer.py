@@ -220,6 +220,44 @@ def test_expert_bias_moves_load_toward_balance():
     assert layer.router.weight.grad is None  # moved without gradients
 
 
+def test_expert_bias_resumes_exactly(tmp_path):
+    """The expert bias is model state: a trainer stopped after two steps, saved and loaded into a
+    fresh one (its bias zero) continues exactly as the uninterrupted trainer does: the same losses
+    and the same bias, which did move."""
+    from step_builder import RandomTokens, build_trainer  # tools/ (tests/conftest.py puts it on the path)
+
+    from moetron.core.checkpoint import CheckpointConfig, Checkpointer
+    from moetron.core.memory import MemoryConfig
+
+    cfg = ModelConfig.preset("tiny-moe")
+    cfg.apply_overrides(["n_layers=2", "moe.router.expert_bias=true", "moe.router.bias_update_rate=1e-2"])
+
+    def fresh():
+        data = RandomTokens(cfg.vocab_size, 2, 32, torch.device("cpu"))
+        return build_trainer(cfg, MemoryConfig(), data, torch.device("cpu"), seq_len=32, precision="fp32"), data
+
+    def biases(trainer):
+        return [layer.router.expert_bias.clone() for layer in trainer.model.moe_layers().values()]
+
+    straight, data = fresh()
+    batches = [data.next_batch() for _ in range(4)]
+    want = [straight.train_step(b)[0].item() for b in batches]
+    first, _ = fresh()
+    first.checkpointer = Checkpointer(CheckpointConfig(dir=str(tmp_path / "ckpt")))
+    got = [first.train_step(b)[0].item() for b in batches[:2]]
+    first.step = 2
+    path = first.save()
+    resumed, _ = fresh()
+    assert all(b.abs().max() == 0 for b in biases(resumed))
+    resumed.checkpointer = first.checkpointer
+    resumed.load(path)
+    assert all(torch.equal(a, b) for a, b in zip(biases(resumed), biases(first)))
+    got += [resumed.train_step(b)[0].item() for b in batches[2:]]
+    assert got == want
+    final = biases(straight)
+    assert all(torch.equal(a, b) for a, b in zip(biases(resumed), final)) and all(b.abs().max() > 0 for b in final)
+
+
 @pytest.mark.parametrize(
     "kw,message",
     [
