@@ -103,6 +103,10 @@ def starved_experts(tokens_LE: np.ndarray, share_of_fair: float) -> np.ndarray:
     return (expert_share(tokens_LE) < share_of_fair / tokens_LE.shape[-1]) & routed_L
 
 
+ALERT_LISTED_EXPERTS = 16
+"""A starved-expert alert names at most this many experts (and says how many there are)."""
+
+
 class StarvedExpertWatch:
     """Per layer and expert, the consecutive log steps spent under ``share_of_fair`` x the fair
     share. A layer raises an alert when one of its experts' streaks reaches ``log_steps`` and again
@@ -130,9 +134,14 @@ class StarvedExpertWatch:
             if not ((streak_E >= self.log_steps) & (streak_E % self.log_steps == 0)).any():
                 continue
             experts = np.flatnonzero(streak_E >= self.log_steps).tolist()
-            shares = ", ".join(f"{share_LE[row, e]:.4f}" for e in experts)
+            listed = experts[:ALERT_LISTED_EXPERTS]  # a bounded line: 128 starved experts would fill a screen
+            shares = ", ".join(f"{share_LE[row, e]:.4f}" for e in listed)
+            which = ", ".join(map(str, listed))
+            if len(experts) > len(listed):
+                which = f"{len(experts)} of {E} ({which}, ...; every one in moe_load.npz)"
+                shares += ", ..."
             lines.append(
-                f"alert: step {step}: layer {layer}: expert(s) {', '.join(map(str, experts))} got under "
+                f"alert: step {step}: layer {layer}: expert(s) {which} got under "
                 f"{self.share_of_fair:g} x the fair share (1/{E}) of the tokens for {int(streak_E[experts].min())}+ "
                 f"consecutive log steps (shares now {shares}); the averaged balance metrics hide this "
                 f"(tools/plot.py RUN_DIR draws every layer's load)"

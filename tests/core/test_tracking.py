@@ -52,6 +52,19 @@ def test_alert_after_n_consecutive_log_steps_names_layer_and_experts():
     assert StarvedExpertWatch(0.0, 1).update(1, planted_summary()) == []  # 0 turns it off
 
 
+def test_alert_for_many_starved_experts_stays_one_bounded_line():
+    """128 experts of which 100 starve: the line names the count and the first 16 (not all 100)."""
+    from moetron.core.moe.metrics import ALERT_LISTED_EXPERTS
+
+    tokens_LE = np.full((1, 128), 1000.0)
+    tokens_LE[0, 28:] = 0.0
+    summary = {"layers": np.array([2]), "tokens_per_expert": tokens_LE}
+    (line,) = StarvedExpertWatch(0.1, 1).update(5, summary)
+    listed = ", ".join(str(e) for e in range(28, 28 + ALERT_LISTED_EXPERTS))
+    assert line.startswith(f"alert: step 5: layer 2: expert(s) 100 of 128 ({listed}, ...; every one in moe_load.npz)")
+    assert line.count("0.0000") == ALERT_LISTED_EXPERTS and len(line) < 600
+
+
 def test_trainer_prints_the_alert_for_a_planted_load(tmp_path, monkeypatch, capsys):
     import pretrain  # tools/pretrain.py
 
