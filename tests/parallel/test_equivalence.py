@@ -30,6 +30,10 @@ TINY = [
     "--model.attention.n_heads=4", "--model.attention.n_kv_heads=2", "--model.sliding_window=8",
     "--model.moe.num_experts=4", "--model.moe.expert_hidden=16", "--model.moe.router.top_k=2",
     "--model.moe.router.lb_granularity=micro_batch", "--model.moe.router.z_loss_weight=0.001",
+    # The expert bias (moe-1t's balancing) moves after each step from the counts of every data-parallel
+    # rank; at 0.02 a step it changes the routing of steps 2 and 3 (test_expert_bias_changes_routing),
+    # so a layout whose ranks updated it from their own tokens would not match.
+    "--model.moe.router.expert_bias=true", "--model.moe.router.bias_update_rate=0.02",
     "--data.seq_len=16", "--data.global_batch_size=8", "--data.corpus_vocab_size=512",
     "--data.corpus_max_bytes=300000", f"--trainer.steps={STEPS}", "--scheduler.warmup_steps=1",
     "--precision.recipe=fp32", "--trainer.device=cpu", "--trainer.eval_batches=0", "--trainer.log_interval=1",
@@ -101,6 +105,17 @@ def references(tmp_path_factory, data_dir):
         return cache[mode, micro]
 
     return get
+
+
+def test_expert_bias_changes_routing(references, tmp_path, data_dir):
+    """What makes the bias part of the layout check: without it the single-process run's first step
+    is the same and its later steps are not (the bias has changed which experts tokens pick)."""
+    reference = references("cpu", 4)
+    run_distributed(_run, 1, "cpu", ["--trainer.micro_batch_size=4", "--model.moe.router.expert_bias=false"],
+                    str(tmp_path), data_dir, backend="gloo", timeout_s=300)
+    without = torch.load(os.path.join(tmp_path, "result.pt"))
+    assert without["losses"][0] == reference["losses"][0]
+    assert without["losses"][1:] != reference["losses"][1:]
 
 
 def _gpu_mode(mode):
