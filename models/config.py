@@ -325,8 +325,8 @@ class ModelConfig(Config):
         The published totals pin two dense layers (MLP as wide as the active experts); we take the
         first two, as the 3.2B family keeps its first layer dense. The source does not publish its
         load balancing; ours is the Switch loss (0.01) plus the aux-loss-free expert bias
-        (``_ULTRA_ROUTER``: with the loss alone about 100 of the GPU proxy's 128 experts per layer stay
-        starved through 300 steps, with the bias 1-8; docs/moe.md, "Balancing in the recipes")."""
+        (``_ULTRA_ROUTER``: at the GPU proxy's LR of 3e-3, with the loss alone 58-105 of its 128 experts
+        per layer stayed starved through 300 steps, with the bias 1-8; docs/moe.md, "Balancing in the recipes")."""
         return cls(
             d_model=6144,
             n_layers=63,

@@ -95,7 +95,7 @@ def moe_1t() -> PretrainConfig:
 
     63 layers x 6144, 64 heads x 128 (32 KV), 128 routed experts of hidden 8192 + 1 shared, top-4,
     seq 8192, global batch 8192 sequences, full per-layer recompute. The source trains it in MXFP8:
-    ``--precision.recipe=mxfp8`` gives that (native MX GEMMs on SM100+, written against torch's
+    ``--precision.recipe=mxfp8`` gives that (native MX GEMMs on SM100/SM103, written against torch's
     documented API and not yet run on Blackwell; exact emulation elsewhere, docs/precision.md). The
     recipe stays bf16 until the native path has run. LR, warmup, length and the load balancing (the
     Switch loss plus the aux-loss-free expert bias, ModelConfig.moe_1t) are our choice (not

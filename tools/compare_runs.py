@@ -121,7 +121,9 @@ def group_curves(groups: dict[str, list[str]], reference: str | None = None) -> 
     """Per group, over the train steps every run logged: the mean train loss of its runs, their
     min and max, and the mean's difference to the reference group's mean (relative, at each step);
     the held-out steps every run of the group logged, with their mean and its relative difference
-    where the reference logged that step too. What plot() draws, kept apart so tests can check it."""
+    where the reference logged that step too (runs of a group that logged held-out at different
+    steps share none: the group then has no held-out curve, while the table still compares each
+    run's last held-out loss). What plot() draws, kept apart so tests can check it."""
     reference = reference or next(iter(groups))
     metrics = {d: read_metrics(d) for dirs in groups.values() for d in dirs}
 
@@ -156,8 +158,11 @@ def plot(groups: dict[str, list[str]], path: str, reference: str | None = None, 
     reference = reference or next(iter(groups))
     curves = group_curves(groups, reference)
     fig, (ax, rel) = plt.subplots(2, 1, figsize=(7.5, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    def short(name):  # a run given by its directory: its base name, as the table's 40 columns would cut it
+        return os.path.basename(os.path.normpath(name)) if groups[name] == [name] else name
+
     for i, (name, c) in enumerate(curves.items()):
-        label = f"{name} ({len(groups[name])} run{'s' if len(groups[name]) > 1 else ''})"
+        label = f"{short(name)} ({len(groups[name])} run{'s' if len(groups[name]) > 1 else ''})"
         ax.plot(c["steps"], c["mean"], color=f"C{i}", linewidth=1, label=label)
         if len(groups[name]) > 1:
             ax.fill_between(c["steps"], c["lo"], c["hi"], color=f"C{i}", alpha=0.15, linewidth=0)
@@ -170,9 +175,10 @@ def plot(groups: dict[str, list[str]], path: str, reference: str | None = None, 
         if c["held_rel"]:
             rel.plot(list(c["held_rel"]), [100 * v for v in c["held_rel"].values()], color=f"C{i}", marker="o",
                      markersize=4, linestyle="none")
-    tail = [v for c in curves.values() for v in c["hi"][len(c["hi"]) // 4:]]
-    low = [v for c in curves.values() for v in c["lo"][len(c["lo"]) // 4:]]
-    if tail and low:  # the first quarter's high losses would flatten the rest
+    # The first quarter's high train losses would flatten the rest; held-out points are always shown.
+    tail = [v for c in curves.values() for v in c["hi"][len(c["hi"]) // 4:] + c["held_mean"]]
+    low = [v for c in curves.values() for v in c["lo"][len(c["lo"]) // 4:] + c["held_mean"]]
+    if tail and low:
         pad = 0.05 * (max(tail) - min(low) or 1.0)
         ax.set_ylim(min(low) - pad, max(tail) + pad)
     ax.set(ylabel="loss", title="train (lines, band: min-max over seeds) and held-out (dashed, markers)")
@@ -181,8 +187,8 @@ def plot(groups: dict[str, list[str]], path: str, reference: str | None = None, 
     for y in (-100 * tolerance, 100 * tolerance):
         rel.axhline(y, color="0.5", linewidth=0.8, linestyle=":")
     rel.axhline(0, color="0.3", linewidth=0.8)
-    rel.set(xlabel="step", ylabel=f"vs {reference} (%)",
-            title=f"difference to {reference}: train (moving mean of {smooth} logs), held-out (markers); dotted: +-{100 * tolerance:g}%")
+    rel.set(xlabel="step", ylabel=f"vs {short(reference)} (%)",
+            title=f"difference to {short(reference)}: train (moving mean of {smooth} logs), held-out (markers); dotted: +-{100 * tolerance:g}%")
     rel.title.set_fontsize(8)
     ax.title.set_fontsize(9)
     rel.grid(alpha=0.3)
@@ -203,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reference", help="the run or group the others are measured against (default: the first)")
     parser.add_argument("--tolerance", type=float, default=0.01, help="relative loss difference allowed (0.01 = 1%%)")
     parser.add_argument("--last", type=int, default=10, help="logged steps averaged for the final train loss")
-    parser.add_argument("--out", help="a PNG of every run's curves (needs matplotlib)")
+    parser.add_argument("--out", help="a PNG of each run's or group's curves and its difference to the reference "
+                                      "(needs matplotlib)")
     parser.add_argument("--json", default="runs/bench/compare_runs.json")
     args = parser.parse_args(argv)
     groups = {d: [d] for d in args.runs}

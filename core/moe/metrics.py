@@ -138,7 +138,7 @@ class StarvedExpertWatch:
             shares = ", ".join(f"{share_LE[row, e]:.4f}" for e in listed)
             which = ", ".join(map(str, listed))
             if len(experts) > len(listed):
-                which = f"{len(experts)} of {E} ({which}, ...; every one in moe_load.npz)"
+                which = f"{len(experts)} of {E} ({which}, ...; every one in the run's moe_load.npz)"
                 shares += ", ..."
             lines.append(
                 f"alert: step {step}: layer {layer}: expert(s) {which} got under "

@@ -61,7 +61,7 @@ def test_alert_for_many_starved_experts_stays_one_bounded_line():
     summary = {"layers": np.array([2]), "tokens_per_expert": tokens_LE}
     (line,) = StarvedExpertWatch(0.1, 1).update(5, summary)
     listed = ", ".join(str(e) for e in range(28, 28 + ALERT_LISTED_EXPERTS))
-    assert line.startswith(f"alert: step 5: layer 2: expert(s) 100 of 128 ({listed}, ...; every one in moe_load.npz)")
+    assert line.startswith(f"alert: step 5: layer 2: expert(s) 100 of 128 ({listed}, ...; every one in the run's moe_load.npz)")
     assert line.count("0.0000") == ALERT_LISTED_EXPERTS and len(line) < 600
 
 

@@ -115,7 +115,7 @@ def test_expert_bias_changes_routing(references, tmp_path, data_dir):
                     str(tmp_path), data_dir, backend="gloo", timeout_s=300)
     without = torch.load(os.path.join(tmp_path, "result.pt"))
     assert without["losses"][0] == reference["losses"][0]
-    assert without["losses"][1:] != reference["losses"][1:]
+    assert all(a != b for a, b in zip(without["losses"][1:], reference["losses"][1:]))  # steps 2 and 3 each
 
 
 def _gpu_mode(mode):
