@@ -506,3 +506,26 @@ def _header_bytes(hf_dir):
 
     return sum(8 + struct.unpack("<Q", open(os.path.join(hf_dir, f), "rb").read(8))[0]
                for f in os.listdir(hf_dir) if f.endswith(".safetensors"))
+
+
+def test_expert_bias_survives_export_and_import(tmp_path):
+    """A router with the expert bias (moe-1t's balancing) exports as MoetronForCausalLM, and the
+    trained bias values (not the zeros a fresh build holds) come back bit for bit, into the
+    imported checkpoint and into the model load_hf_model builds."""
+    cfg = _small_tiny_moe()
+    cfg.moe.router.expert_bias = True
+    torch.manual_seed(0)
+    state = cfg.build().state_dict()
+    biases = [k for k in state if k.endswith("router.expert_bias")]
+    assert biases
+    for i, k in enumerate(biases):
+        state[k] = torch.linspace(-0.05, 0.05, state[k].numel()) * (i + 1)
+    specs = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+    native = save_weights(str(tmp_path / "a"), specs, lambda n: state[n], {"config": {"model": cfg.to_dict()}})
+    hf_dir = export_hf(native, str(tmp_path / "hf"))
+    assert json.load(open(os.path.join(hf_dir, "config.json")))["architectures"] == [MOETRON]
+    back = dict(iter_weights(_import(hf_dir, str(tmp_path / "b"))))
+    _, model = load_hf_model(hf_dir)
+    loaded = dict(model.named_buffers())
+    for k in biases:
+        assert torch.equal(back[k], state[k]) and torch.equal(loaded[k], state[k]), k
