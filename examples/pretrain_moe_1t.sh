@@ -10,7 +10,7 @@
 #   cpu: recipe tiny-moe-local (preset tiny-moe), moe-1t's block design at CPU size (top-4 over 16
 #        experts + 1 shared, first layer dense, Olmo 3 attention with sliding windows), a few minutes on 2 cores;
 #   gpu: recipe moe-1t-proxy (its preset), moe-1t's routing as is (top-4 over 128 experts + 1 shared, the
-#        first two layers dense, expert hidden 4/3 of d_model) at d_model 768, with 2 + 2 x NPROC
+#        Switch loss plus the expert bias, the first two layers dense, expert hidden 4/3 of d_model) at d_model 768, with 2 + 2 x NPROC
 #        layers, expert parallel over all NPROC GPUs (ep = NPROC), 16K tokens per GPU per step.
 #
 #   bash examples/pretrain_moe_1t.sh                      # local proxy
