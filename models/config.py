@@ -31,7 +31,7 @@ class LayerType(StrEnum):
     """Causal attention over the last `sliding_window` tokens (the token itself included)."""
 
 
-def _ULTRA_ROUTER() -> RouterConfig:
+def _ultra_router() -> RouterConfig:
     """The router of moe-1t, moe-2.4t and their proxies: top-4 softmax, the Switch loss at its default
     weight, and the aux-loss-free expert bias (our choice: the source does not publish its balancing)."""
     return RouterConfig(top_k=4, expert_bias=True)
@@ -281,7 +281,7 @@ class ModelConfig(Config):
             attention=AttentionConfig(n_heads=6, n_kv_heads=3, head_dim=128, rope_theta=500_000.0),
             mlp_hidden=5 * 1024,
             sliding_window=1024,
-            moe=MoEConfig(num_experts=128, expert_hidden=1024, router=_ULTRA_ROUTER(),
+            moe=MoEConfig(num_experts=128, expert_hidden=1024, router=_ultra_router(),
                           num_shared_experts=1, dense_layers=[0, 1]),
         )
 
@@ -325,8 +325,7 @@ class ModelConfig(Config):
         The published totals pin two dense layers (MLP as wide as the active experts); we take the
         first two, as the 3.2B family keeps its first layer dense. The source does not publish its
         load balancing; ours is the Switch loss (0.01) plus the aux-loss-free expert bias
-        (``_ULTRA_ROUTER``: at the GPU proxy's LR of 3e-3, with the loss alone 58-105 of its 128 experts
-        per layer stayed starved through 300 steps, with the bias 1-8; docs/moe.md, "Balancing in the recipes")."""
+        (``_ultra_router``; why, with the measurements: docs/moe.md, "Balancing in the recipes")."""
         return cls(
             d_model=6144,
             n_layers=63,
@@ -334,7 +333,7 @@ class ModelConfig(Config):
             attention=AttentionConfig(n_heads=64, n_kv_heads=32, head_dim=128, rope_theta=500_000.0),
             mlp_hidden=5 * 8192,
             sliding_window=4096,
-            moe=MoEConfig(num_experts=num_experts, expert_hidden=8192, router=_ULTRA_ROUTER(),
+            moe=MoEConfig(num_experts=num_experts, expert_hidden=8192, router=_ultra_router(),
                           num_shared_experts=1, dense_layers=[0, 1]),
         )
 

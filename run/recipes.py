@@ -135,7 +135,7 @@ def tiny_moe_local() -> PretrainConfig:
 
     top-4 over 16 experts + 1 shared, first layer dense, Olmo 3 attention; one process, a few
     minutes on 2 cores. Its router keeps the Switch loss alone: its 16 experts stay balanced without
-    moe-1t's expert bias, which cost it about 1% of loss at 240 steps (docs/moe.md)."""
+    moe-1t's expert bias, which showed no gain here (docs/moe.md, "Balancing in the recipes")."""
     return PretrainConfig(
         name="moe-1t-proxy",
         model=ModelConfig.tiny_moe(),

@@ -33,15 +33,27 @@ from cli import run_cli, write_report  # tools/cli.py
 from plot import read_metrics, require_matplotlib  # tools/plot.py
 
 
-def summarize(rows: list[dict], steps: set[int], last: int) -> dict:
-    """The run's final train loss (mean over its last ``last`` logged steps among ``steps``) and last held-out loss."""
-    train = [(r["step"], r["loss"]) for r in rows if r.get("loss") is not None and r["step"] in steps]
-    held = [(r["step"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None]
-    tail = [v for _, v in sorted(train)[-last:]]
-    return {"final_step": max(s for s, _ in train) if train else None,
+def load_series(dirs: list[str]) -> tuple[dict, dict, list[int]]:
+    """Each run's train and held-out losses by step ({dir: {step: loss}} twice) and the train steps
+    every run logged (sorted): what the table and the plot both compare over (one reading)."""
+    metrics = {d: read_metrics(d) for d in dict.fromkeys(dirs)}
+    train = {d: {r["step"]: r["loss"] for r in rows if r.get("loss") is not None} for d, rows in metrics.items()}
+    held = {d: {r["step"]: r["eval_loss"] for r in rows if r.get("eval_loss") is not None} for d, rows in metrics.items()}
+    common = sorted(set.intersection(*(set(t) for t in train.values())))
+    if not common:
+        raise ConfigError("the runs share no logged train step: run them with the same trainer.steps and "
+                          "trainer.log_every")
+    return train, held, common
+
+
+def summarize(train: dict[int, float], held: dict[int, float], steps: list[int], last: int) -> dict:
+    """A run's final train loss (mean over its last ``last`` of ``steps``, sorted) and last held-out loss."""
+    tail = [train[s] for s in steps[-last:]]
+    last_held = max(held) if held else None
+    return {"final_step": steps[-1] if steps else None,
             "train_loss": sum(tail) / len(tail) if tail else math.nan,
-            "eval_loss": sorted(held)[-1][1] if held else math.nan,
-            "eval_step": sorted(held)[-1][0] if held else None}
+            "eval_loss": held[last_held] if held else math.nan,
+            "eval_step": last_held}
 
 
 def compare(run_dirs: list[str], reference: str | None = None, tolerance: float = 0.01, last: int = 10) -> list[dict]:
@@ -70,13 +82,8 @@ def compare_groups(groups: dict[str, list[str]], reference: str | None = None, t
     reference = reference or next(iter(groups))
     if reference not in groups:
         raise ConfigError(f"--reference {reference!r} is none of the runs or groups: {list(groups)}")
-    dirs = [d for group in groups.values() for d in group]
-    metrics = {d: read_metrics(d) for d in dirs}
-    common = set.intersection(*({r["step"] for r in rows if r.get("loss") is not None} for rows in metrics.values()))
-    if not common:
-        raise ConfigError("the runs share no logged train step: run them with the same trainer.steps and "
-                          "trainer.log_every")
-    summaries = {d: summarize(metrics[d], common, last) for d in dirs}
+    train, held, common = load_series([d for group in groups.values() for d in group])
+    summaries = {d: summarize(train[d], held[d], common, last) for d in train}
 
     def mean(values):
         return sum(values) / len(values)
@@ -125,14 +132,7 @@ def group_curves(groups: dict[str, list[str]], reference: str | None = None) -> 
     steps share none: the group then has no held-out curve, while the table still compares each
     run's last held-out loss). What plot() draws, kept apart so tests can check it."""
     reference = reference or next(iter(groups))
-    metrics = {d: read_metrics(d) for dirs in groups.values() for d in dirs}
-
-    def series(d, key):
-        return {r["step"]: r[key] for r in metrics[d] if r.get(key) is not None}
-
-    train = {d: series(d, "loss") for d in metrics}
-    held = {d: series(d, "eval_loss") for d in metrics}
-    steps = sorted(set.intersection(*(set(t) for t in train.values())))
+    train, held, steps = load_series([d for dirs in groups.values() for d in dirs])
     out = {}
     for name, dirs in groups.items():
         per_step = [[train[d][s] for d in dirs] for s in steps]
@@ -158,6 +158,7 @@ def plot(groups: dict[str, list[str]], path: str, reference: str | None = None, 
     reference = reference or next(iter(groups))
     curves = group_curves(groups, reference)
     fig, (ax, rel) = plt.subplots(2, 1, figsize=(7.5, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+
     def short(name):  # a run given by its directory: its base name, as the table's 40 columns would cut it
         return os.path.basename(os.path.normpath(name)) if groups[name] == [name] else name
 
