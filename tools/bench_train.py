@@ -3,7 +3,10 @@
 
 Prints a table and writes JSON: tokens/s, model TFLOP/s per device (6 x active non-embedding
 params per token + attention, see docs/models.md), MFU against the device's dense bf16 peak,
-peak memory, and the loss of the first warm-up step and of the last timed step. Each --variant is a
+peak memory, and the loss of the first warm-up step and of the last timed step. The step time is the
+mean over the timed steps; each step's own time is kept too (CUDA events at the step boundaries),
+with the median beside the mean, and a step over 1.2x the median is named on stderr (a one-off
+stall would otherwise read as the variant's cost). Each --variant is a
 set of overrides measured in the same process, so a switch is measured on and off side by side;
 every variant trains the same seeded model on the same batches, so a variant whose last loss strays
 more than 2% from the first one's is named on stderr (a numerics bug must not pass as a timing).
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import sys
 import time
 import traceback
@@ -57,19 +61,27 @@ def measure(model_cfg: ModelConfig, memory: MemoryConfig, optim_cfg: OptimizerCo
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    # Each timed step's own time as well as the window's mean: on CUDA from events recorded at the step
+    # boundaries (no sync inside the window, so the host still runs ahead), on the CPU from the clock.
+    marks = [_mark(device)]
     t0 = time.perf_counter()
     for _ in range(args.steps):
         loss, _ = trainer.train_step(data.next_batch())
+        marks.append(_mark(device))
     last = loss.item()
     if device.type == "cuda":
         torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / args.steps
+    per_step = _intervals_s(marks)
     tokens = args.batch * args.seq_len
     tflops = model_tflops_per_device(model_cfg.flops_per_token(args.seq_len), tokens, dt, 1)
     peak = peak_tflops(device, args.peak_tflops)
     return {
         "params": model_cfg.num_params(),
         "step_s": dt,
+        "step_median_s": statistics.median(per_step),
+        "step_max_s": max(per_step),
+        "step_times_s": per_step,
         "tokens_per_s": tokens / dt,
         "tflops_per_device": tflops,
         "mfu": None if peak is None else mfu(tflops, peak),
@@ -77,6 +89,34 @@ def measure(model_cfg: ModelConfig, memory: MemoryConfig, optim_cfg: OptimizerCo
         "loss_first": first,
         "loss_last": last,
     }
+
+
+def _mark(device: torch.device):
+    """A step boundary: a CUDA event recorded on the current stream, or the host clock on the CPU."""
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def _intervals_s(marks: list) -> list[float]:
+    """Seconds between consecutive step boundaries (events must have completed: synchronize first)."""
+    if isinstance(marks[0], float):
+        return [b - a for a, b in zip(marks, marks[1:])]
+    return [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
+
+
+SLOW_STEP = 1.2
+"""A timed step slower than this multiple of the variant's median is named on stderr: the mean (the
+reported step time) includes it, so a one-off stall (a late compile, an allocator growth, clocks
+still rising in the first variant of a process) would read as the variant's cost."""
+
+
+def slow_steps(row: dict) -> list[tuple[int, float]]:
+    """(timed step index, its time / the median) for each step slower than SLOW_STEP x the median."""
+    med = row["step_median_s"]
+    return [(i, t / med) for i, t in enumerate(row["step_times_s"]) if t > SLOW_STEP * med]
 
 
 LOSS_SPREAD = 0.02
@@ -126,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         torch.cuda.empty_cache() if device.type == "cuda" else None
     print(f"{env['device']} | torch {env['torch']} | {args.preset} {base.model.describe()} | seq {args.seq_len} x {args.batch}")
-    print(f"{'variant':<12} {'step ms':>9} {'tok/s':>10} {'TFLOP/s':>9} {'MFU':>7} {'mem GiB':>8} {'loss first -> last':>20}")
+    print(f"{'variant':<12} {'step ms':>9} {'median':>8} {'tok/s':>10} {'TFLOP/s':>9} {'MFU':>7} {'mem GiB':>8} "
+          f"{'loss first -> last':>20}")
     for r in rows:
         if "error" in r:
             print(f"{r['variant']:<12} {r['error'][:90]}")
@@ -134,8 +175,15 @@ def main(argv: list[str] | None = None) -> int:
         mfu_s = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "-"
         losses = f"{r['loss_first']:.4f} -> {r['loss_last']:.4f}" if r["loss_first"] is not None else f"{r['loss_last']:.4f}"
-        print(f"{r['variant']:<12} {1e3 * r['step_s']:>9.1f} {r['tokens_per_s']:>10,.0f} "
+        print(f"{r['variant']:<12} {1e3 * r['step_s']:>9.1f} {1e3 * r['step_median_s']:>8.1f} {r['tokens_per_s']:>10,.0f} "
               f"{r['tflops_per_device']:>9.1f} {mfu_s:>7} {mem:>8} {losses:>20}")
+    for r in rows:
+        slow = slow_steps(r) if "error" not in r else []
+        if slow:
+            listed = ", ".join(f"{i + 1} ({x:.2f}x)" for i, x in slow)
+            print(f"bench_train: variant {r['variant']}: timed step(s) {listed} took over {SLOW_STEP}x its median "
+                  f"step ({1e3 * r['step_median_s']:.1f} ms); the mean step includes them: compare medians, or give "
+                  f"more --warmup", file=sys.stderr)
     ref, outliers = loss_outliers(rows)
     for name in outliers:
         print(f"bench_train: variant {name}'s last loss is more than {100 * LOSS_SPREAD:.0f}% from {ref}'s "

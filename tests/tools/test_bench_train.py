@@ -64,3 +64,35 @@ def test_losses_are_recorded_and_a_diverging_variant_is_flagged(tmp_path, capsys
     err = capsys.readouterr().err
     assert "variant wild's last loss" in err and "variant same's" not in err
     assert bench_train.loss_outliers([{"variant": "x", "error": "boom"}]) == (None, [])
+
+
+def test_each_timed_step_is_recorded_and_a_slow_one_is_named(tmp_path, capsys, monkeypatch):
+    """The report keeps every timed step's time beside the window's mean: they add up to the window,
+    and a step far over the median (a one-off stall the mean would carry) is named on stderr."""
+    out = tmp_path / "bench.json"
+    bench_train.main(["--preset", "tiny", "--model.n_layers=1", "--seq-len", "16", "--batch", "2", "--steps", "4",
+                      "--warmup", "1", "--json", str(out)])
+    row = json.loads(out.read_text())["rows"][0]
+    times = row["step_times_s"]
+    assert len(times) == 4 and all(t > 0 for t in times)
+    assert sum(times) <= 4 * row["step_s"] <= sum(times) + 0.5  # the window adds only the last loss's read
+    assert row["step_median_s"] == pytest.approx(sorted(times)[1] / 2 + sorted(times)[2] / 2)
+    assert row["step_max_s"] == max(times)
+    assert bench_train.slow_steps({"step_median_s": 1.0, "step_times_s": [1.0, 0.9, 1.1, 2.0]}) == [(3, 2.0)]
+    assert bench_train.slow_steps({"step_median_s": 1.0, "step_times_s": [1.0, 1.19]}) == []
+    # a stall inside the timed window: the boundary after the second timed step comes 0.3 s late
+    real_mark = bench_train._mark
+    calls = []
+
+    def stalling_mark(device):
+        calls.append(1)
+        if len(calls) == 3:
+            import time
+            time.sleep(0.3)
+        return real_mark(device)
+
+    monkeypatch.setattr(bench_train, "_mark", stalling_mark)
+    bench_train.main(["--preset", "tiny", "--model.n_layers=1", "--seq-len", "16", "--batch", "2", "--steps", "4",
+                      "--warmup", "0", "--json", str(out)])
+    err = capsys.readouterr().err
+    assert "variant base: timed step(s) 2 (" in err and "compare medians" in err
