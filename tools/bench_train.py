@@ -6,7 +6,10 @@ params per token + attention, see docs/models.md), MFU against the device's dens
 peak memory, and the loss of the first warm-up step and of the last timed step. The step time is the
 mean over the timed steps; each step's own time is kept too (CUDA events at the step boundaries),
 with the median beside the mean, and a step over 1.2x the median is named on stderr (a one-off
-stall would otherwise read as the variant's cost). Each --variant is a
+stall would otherwise read as the variant's cost). MoE rows also report the routing over the timed
+steps (the worst layer's max violation; the most starved experts in one layer), and a router that
+collapsed (half its experts starved) is named on stderr: its timing is not that of balanced routing.
+Each --variant is a
 set of overrides measured in the same process, so a switch is measured on and off side by side;
 every variant trains the same seeded model on the same batches, so a variant whose last loss strays
 more than 2% from the first one's is named on stderr (a numerics bug must not pass as a timing).
@@ -38,9 +41,11 @@ import traceback
 import torch
 
 from moetron.core.metrics import mfu, model_tflops_per_device, peak_tflops, run_environment
+from moetron.core.moe.metrics import starved_experts, summarize
 from moetron.core.memory import MemoryConfig
 from moetron.core.optim import OptimizerConfig
 from moetron.core.precision import PrecisionConfig
+from moetron.core.trainer import TrainerConfig
 from moetron.models import ModelConfig
 
 from cli import run_cli, split_variant, write_report  # tools/cli.py
@@ -58,6 +63,9 @@ def measure(model_cfg: ModelConfig, memory: MemoryConfig, optim_cfg: OptimizerCo
         loss, _ = trainer.train_step(data.next_batch())
         if i == 0:
             first = loss.item()  # a warm-up step: the sync costs no timed step
+    layers = trainer.moe_layers
+    for layer in layers.values():
+        layer.pop_load_stats()  # the warm-up's counts: the routing reported is the timed steps'
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -73,6 +81,7 @@ def measure(model_cfg: ModelConfig, memory: MemoryConfig, optim_cfg: OptimizerCo
         torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / args.steps
     per_step = _intervals_s(marks)
+    routing = routing_state(layers)
     tokens = args.batch * args.seq_len
     tflops = model_tflops_per_device(model_cfg.flops_per_token(args.seq_len), tokens, dt, 1)
     peak = peak_tflops(device, args.peak_tflops)
@@ -88,7 +97,30 @@ def measure(model_cfg: ModelConfig, memory: MemoryConfig, optim_cfg: OptimizerCo
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         "loss_first": first,
         "loss_last": last,
+        **routing,
     }
+
+
+STARVED_SHARE = TrainerConfig.starved_expert_share
+"""An expert is starved when it got under this x the fair share of its layer's tokens (the trainer's alert)."""
+
+COLLAPSED = 0.5
+"""A variant whose worst layer starved at least this fraction of its experts over the timed steps is
+named on stderr: its timing is that of a collapsed router (fewer, larger expert groups), not of the
+routing a trained model has."""
+
+
+def routing_state(layers: dict) -> dict:
+    """The MoE routing over the timed steps (the layers' counts since the last pop): the worst
+    layer's max violation (max load / mean - 1) and the most starved experts in one layer, of how many.
+    The same summary as the trainer's logs (core/moe/metrics.py). Empty for a dense model."""
+    if not layers:
+        return {}
+    summary = summarize({i: layer.pop_load_stats() for i, layer in layers.items()})
+    starved_L = starved_experts(summary["tokens_per_expert"], STARVED_SHARE).sum(axis=1)
+    return {"moe_max_violation": float(summary["max_violation"].max()),
+            "moe_starved_experts": int(starved_L.max()),
+            "moe_experts": int(summary["tokens_per_expert"].shape[1])}
 
 
 def _mark(device: torch.device):
@@ -117,6 +149,25 @@ def slow_steps(row: dict) -> list[tuple[int, float]]:
     """(timed step index, its time / the median) for each step slower than SLOW_STEP x the median."""
     med = row["step_median_s"]
     return [(i, t / med) for i, t in enumerate(row["step_times_s"]) if t > SLOW_STEP * med]
+
+
+def row_warnings(row: dict) -> list[str]:
+    """The stderr lines a measured row earns: timed steps far over its median, a collapsed router."""
+    if "error" in row:
+        return []
+    lines = []
+    slow = slow_steps(row)
+    if slow:
+        listed = ", ".join(f"{i + 1} ({x:.2f}x)" for i, x in slow)
+        lines.append(f"bench_train: variant {row['variant']}: timed step(s) {listed} took over {SLOW_STEP}x its "
+                     f"median step ({1e3 * row['step_median_s']:.1f} ms); the mean step includes them: compare "
+                     f"medians, or give more --warmup")
+    if "moe_experts" in row and row["moe_starved_experts"] >= COLLAPSED * row["moe_experts"]:
+        lines.append(f"bench_train: variant {row['variant']}: routing collapsed over the timed steps "
+                     f"({row['moe_starved_experts']} of {row['moe_experts']} experts got under {STARVED_SHARE}x the "
+                     f"fair share in one layer): its timing is that of a collapsed router; try --real-text, fewer "
+                     f"steps, or a lower --optimizer.lr")
+    return lines
 
 
 LOSS_SPREAD = 0.02
@@ -167,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache() if device.type == "cuda" else None
     print(f"{env['device']} | torch {env['torch']} | {args.preset} {base.model.describe()} | seq {args.seq_len} x {args.batch}")
     print(f"{'variant':<12} {'step ms':>9} {'median':>8} {'tok/s':>10} {'TFLOP/s':>9} {'MFU':>7} {'mem GiB':>8} "
-          f"{'loss first -> last':>20}")
+          f"{'loss first -> last':>20} {'maxvio':>7} {'starved':>8}")
     for r in rows:
         if "error" in r:
             print(f"{r['variant']:<12} {r['error'][:90]}")
@@ -175,15 +226,13 @@ def main(argv: list[str] | None = None) -> int:
         mfu_s = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "-"
         losses = f"{r['loss_first']:.4f} -> {r['loss_last']:.4f}" if r["loss_first"] is not None else f"{r['loss_last']:.4f}"
+        maxvio = f"{r['moe_max_violation']:.2f}" if "moe_max_violation" in r else "-"
+        starved = f"{r['moe_starved_experts']}/{r['moe_experts']}" if "moe_experts" in r else "-"
         print(f"{r['variant']:<12} {1e3 * r['step_s']:>9.1f} {1e3 * r['step_median_s']:>8.1f} {r['tokens_per_s']:>10,.0f} "
-              f"{r['tflops_per_device']:>9.1f} {mfu_s:>7} {mem:>8} {losses:>20}")
+              f"{r['tflops_per_device']:>9.1f} {mfu_s:>7} {mem:>8} {losses:>20} {maxvio:>7} {starved:>8}")
     for r in rows:
-        slow = slow_steps(r) if "error" not in r else []
-        if slow:
-            listed = ", ".join(f"{i + 1} ({x:.2f}x)" for i, x in slow)
-            print(f"bench_train: variant {r['variant']}: timed step(s) {listed} took over {SLOW_STEP}x its median "
-                  f"step ({1e3 * r['step_median_s']:.1f} ms); the mean step includes them: compare medians, or give "
-                  f"more --warmup", file=sys.stderr)
+        for line in row_warnings(r):
+            print(line, file=sys.stderr)
     ref, outliers = loss_outliers(rows)
     for name in outliers:
         print(f"bench_train: variant {name}'s last loss is more than {100 * LOSS_SPREAD:.0f}% from {ref}'s "

@@ -158,7 +158,7 @@ class MoELayer(nn.Module):
                 counts_E = counts_E.clone()
                 dist.all_reduce(counts_E, group=self.balance_group)
             error_E = counts_E.mean() - counts_E
-            self.router.expert_bias += self.cfg.router.bias_update_rate * error_E.sign()
+            self.router.expert_bias.add_(error_E.sign(), alpha=self.cfg.router.bias_update_rate)  # in place, as _record
         self.step_tokens_E.zero_()
 
     @torch.no_grad()

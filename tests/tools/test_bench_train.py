@@ -3,6 +3,8 @@ the run as variants, bad overrides fail with one error."""
 
 import json
 
+import torch
+
 import pytest
 
 import bench_train
@@ -96,3 +98,31 @@ def test_each_timed_step_is_recorded_and_a_slow_one_is_named(tmp_path, capsys, m
                       "--warmup", "0", "--json", str(out)])
     err = capsys.readouterr().err
     assert "variant base: timed step(s) 2 (" in err and "compare medians" in err
+
+
+def test_routing_over_the_timed_steps_is_reported(tmp_path, capsys):
+    """MoE rows carry the routing of their timed steps, computed as the trainer's load log does
+    (the trainer's own summary of the same counts is the reference), and a collapsed router is named."""
+    out = tmp_path / "bench.json"
+    bench_train.main(["--preset", "tiny-moe", "--model.n_layers=2", "--seq-len", "32", "--batch", "2", "--steps", "2",
+                      "--warmup", "1", "--json", str(out)])
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["moe_experts"] == 16 and 0 <= row["moe_starved_experts"] <= 16 and row["moe_max_violation"] >= 0
+    # the reference: a trainer stepped the same way, its layers' counts summarized by core/moe/metrics.py
+    from moetron.core.moe.metrics import summarize
+    from step_builder import build_trainer, step_configs, token_stream
+    cfg, memory, optim, precision, _ = step_configs("tiny-moe", "auto", ["--model.n_layers=2"])
+    data = token_stream(cfg, 2, 32, torch.device("cpu"))
+    trainer = build_trainer(cfg, memory, data, torch.device("cpu"), seq_len=32, precision=precision, optimizer=optim)
+    trainer.train_step(data.next_batch())
+    for layer in trainer.moe_layers.values():
+        layer.pop_load_stats()
+    for _ in range(2):
+        trainer.train_step(data.next_batch())
+    summary = summarize({i: layer.pop_load_stats() for i, layer in trainer.moe_layers.items()})
+    assert row["moe_max_violation"] == pytest.approx(float(summary["max_violation"].max()))
+    assert bench_train.routing_state({}) == {}  # a dense model has no routing columns
+    # a router that starved 12 of 16 experts is named; the row above (a fresh tiny model) is not
+    collapsed = dict(row, variant="c", moe_starved_experts=12, step_times_s=[row["step_median_s"]] * 2)
+    assert any("variant c: routing collapsed" in line and "12 of 16" in line for line in bench_train.row_warnings(collapsed))
+    assert not any("collapsed" in line for line in bench_train.row_warnings(dict(row, moe_starved_experts=7)))
