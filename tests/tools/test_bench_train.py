@@ -112,8 +112,9 @@ def test_routing_over_the_timed_steps_is_reported(tmp_path, capsys):
     from moetron.core.moe.metrics import summarize
     from step_builder import build_trainer, step_configs, token_stream
     cfg, memory, optim, precision, _ = step_configs("tiny-moe", "auto", ["--model.n_layers=2"])
-    data = token_stream(cfg, 2, 32, torch.device("cpu"))
-    trainer = build_trainer(cfg, memory, data, torch.device("cpu"), seq_len=32, precision=precision, optimizer=optim)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # bench_train's own choice
+    data = token_stream(cfg, 2, 32, device)
+    trainer = build_trainer(cfg, memory, data, device, seq_len=32, precision=precision, optimizer=optim)
     trainer.train_step(data.next_batch())
     for layer in trainer.moe_layers.values():
         layer.pop_load_stats()
