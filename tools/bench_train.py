@@ -71,8 +71,8 @@ def measure(model_cfg: ModelConfig, memory: MemoryConfig, optim_cfg: OptimizerCo
         torch.cuda.reset_peak_memory_stats()
     # Each timed step's own time as well as the window's mean: on CUDA from events recorded at the step
     # boundaries (no sync inside the window, so the host still runs ahead), on the CPU from the clock.
-    marks = [_mark(device)]
     t0 = time.perf_counter()
+    marks = [_mark(device)]
     for _ in range(args.steps):
         loss, _ = trainer.train_step(data.next_batch())
         marks.append(_mark(device))
@@ -148,6 +148,8 @@ still rising in the first variant of a process) would read as the variant's cost
 def slow_steps(row: dict) -> list[tuple[int, float]]:
     """(timed step index, its time / the median) for each step slower than SLOW_STEP x the median."""
     med = row["step_median_s"]
+    if med <= 0:  # a clock too coarse to time the step: nothing to compare against
+        return []
     return [(i, t / med) for i, t in enumerate(row["step_times_s"]) if t > SLOW_STEP * med]
 
 
