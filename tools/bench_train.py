@@ -9,10 +9,10 @@ with the median beside the mean, and a step over 1.2x the median is named on std
 stall would otherwise read as the variant's cost). MoE rows also report the routing over the timed
 steps (the worst layer's max violation; the most starved experts in one layer), and a router that
 collapsed (half its experts starved) is named on stderr: its timing is not that of balanced routing.
-Each --variant is a
-set of overrides measured in the same process, so a switch is measured on and off side by side;
-every variant trains the same seeded model on the same batches, so a variant whose last loss strays
-more than 2% from the first one's is named on stderr (a numerics bug must not pass as a timing).
+Each --variant is a set of overrides measured in the same process, so a switch is measured on and
+off side by side; every variant trains the same seeded model on the same batches, so a variant whose
+last loss strays more than 2% from the first one's is named on stderr (a numerics bug must not pass
+as a timing).
 
     python tools/bench_train.py --preset olmo3-7b --model.n_layers=8 --seq-len 8192 --batch 2 \
         --variant sdpa:model.attention.backend=sdpa --variant flex:model.attention.backend=flex

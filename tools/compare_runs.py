@@ -10,8 +10,9 @@ does not decide), the last held-out loss, and both relative to the reference (th
 --reference names one); a run is within tolerance when both |relative differences| are at most
 --tolerance. Prints a table, writes JSON (--json) and, with --out, a plot (matplotlib): each run's
 or group's mean train and held-out curves (a group's min-max band over its runs), and below them
-each one's difference to the reference in percent with the tolerance drawn. Runs must share the logged steps they are compared at (the same
-trainer.log_every and steps); the comparison uses the steps every run logged.
+each one's difference to the reference in percent with the tolerance drawn. Runs must share the
+logged steps they are compared at (the same trainer.log_every and steps); the comparison uses the
+steps every run logged.
 
 Seeds: ``--group NAME=DIR,DIR,...`` makes one row of several runs (e.g. the same recipe over seeds),
 its losses the means over its runs, with their spread ((max - min) / mean) beside them, so a recipe
@@ -67,10 +68,10 @@ def compare(run_dirs: list[str], reference: str | None = None, tolerance: float 
 
 
 def compare_groups(groups: dict[str, list[str]], reference: str | None = None, tolerance: float = 0.01,
-                   last: int = 10) -> list[dict]:
+                   last: int = 10, series: tuple | None = None) -> list[dict]:
     """One row per group of runs (a group of one run: that run, named by its directory): the means
     of its runs' summaries, their spread, relative differences to the reference group (the first
-    unless named) and the verdict."""
+    unless named) and the verdict. ``series``: load_series() of these runs, if already read."""
     if len(groups) < 2:
         raise ConfigError("compare_runs needs at least two runs or groups to compare (the first is the reference "
                           "unless --reference names one)")
@@ -82,7 +83,7 @@ def compare_groups(groups: dict[str, list[str]], reference: str | None = None, t
     reference = reference or next(iter(groups))
     if reference not in groups:
         raise ConfigError(f"--reference {reference!r} is none of the runs or groups: {list(groups)}")
-    train, held, common = load_series([d for group in groups.values() for d in group])
+    train, held, common = series or load_series([d for group in groups.values() for d in group])
     summaries = {d: summarize(train[d], held[d], common, last) for d in train}
 
     def mean(values):
@@ -124,15 +125,17 @@ def parse_groups(specs: list[str]) -> dict[str, list[str]]:
     return groups
 
 
-def group_curves(groups: dict[str, list[str]], reference: str | None = None) -> dict[str, dict]:
+def group_curves(groups: dict[str, list[str]], reference: str | None = None,
+                 series: tuple | None = None) -> dict[str, dict]:
     """Per group, over the train steps every run logged: the mean train loss of its runs, their
     min and max, and the mean's difference to the reference group's mean (relative, at each step);
     the held-out steps every run of the group logged, with their mean and its relative difference
     where the reference logged that step too (runs of a group that logged held-out at different
     steps share none: the group then has no held-out curve, while the table still compares each
-    run's last held-out loss). What plot() draws, kept apart so tests can check it."""
+    run's last held-out loss). What plot() draws, kept apart so tests can check it. ``series``:
+    load_series() of these runs, if already read."""
     reference = reference or next(iter(groups))
-    train, held, steps = load_series([d for dirs in groups.values() for d in dirs])
+    train, held, steps = series or load_series([d for dirs in groups.values() for d in dirs])
     out = {}
     for name, dirs in groups.items():
         per_step = [[train[d][s] for d in dirs] for s in steps]
@@ -149,14 +152,14 @@ def group_curves(groups: dict[str, list[str]], reference: str | None = None) -> 
 
 
 def plot(groups: dict[str, list[str]], path: str, reference: str | None = None, tolerance: float = 0.01,
-         smooth: int = 5) -> str:
+         smooth: int = 5, series: tuple | None = None) -> str:
     """Two panels: each group's mean train loss (a band from its runs' min to max) and held-out loss;
     below, each group's difference to the reference group in percent (train: a moving mean over
     ``smooth`` logged steps; held-out: markers), with the tolerance drawn. A group of one run is
     that run."""
     plt = require_matplotlib()
     reference = reference or next(iter(groups))
-    curves = group_curves(groups, reference)
+    curves = group_curves(groups, reference, series)
     fig, (ax, rel) = plt.subplots(2, 1, figsize=(7.5, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
 
     def short(name):  # a run given by its directory: its base name, as the table's 40 columns would cut it
@@ -219,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
         if name in groups:
             raise ConfigError(f"--group {name!r} has the name of a run directory given too")
         groups[name] = dirs
-    rows = compare_groups(groups, args.reference, args.tolerance, args.last)
+    # Every run's metrics read once, for the table and the plot (an empty group: compare_groups says so).
+    series = load_series([d for dirs in groups.values() for d in dirs]) if groups and all(groups.values()) else None
+    rows = compare_groups(groups, args.reference, args.tolerance, args.last, series)
 
     def pct(x):
         return "-" if math.isnan(x) else f"{100 * x:+.2f}%"
@@ -233,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{'(reference)' if r['reference'] else ('yes' if r['within_tolerance'] else 'NO')}")
     if args.out:
         reference = next(r["run"] for r in rows if r["reference"])
-        print(f"wrote {plot(groups, args.out, reference, args.tolerance)}")
+        print(f"wrote {plot(groups, args.out, reference, args.tolerance, series=series)}")
     write_report(args.json, {"tool": "tools/compare_runs.py", "argv": argv}, rows)
     return 0
 

@@ -101,3 +101,14 @@ def test_group_curves_are_the_plotted_means_and_differences(tmp_path):
     pytest.importorskip("matplotlib")
     path = compare_runs.plot({"bf16": [r0, r1], "mx": [m0]}, str(tmp_path / "p.png"), tolerance=0.02)
     assert (tmp_path / "p.png").stat().st_size > 0 and path.endswith("p.png")
+
+
+def test_main_reads_each_run_once_for_the_table_and_the_plot(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    r0 = _run(tmp_path, "a", [(10, 4.0), (20, 3.0)], [(20, 3.5)])
+    r1 = _run(tmp_path, "b", [(10, 4.1), (20, 3.1)], [(20, 3.6)])
+    reads = []
+    real = compare_runs.read_metrics
+    monkeypatch.setattr(compare_runs, "read_metrics", lambda d: reads.append(d) or real(d))
+    assert compare_runs.main([r0, r1, "--json", str(tmp_path / "c.json"), "--out", str(tmp_path / "c.png")]) == 0
+    assert sorted(reads) == sorted([r0, r1]) and (tmp_path / "c.png").stat().st_size > 0
