@@ -127,9 +127,10 @@ class PrecisionConfig(Config):
     (see WeightCopies: none, made once per step, or written by the optimizer step itself), instead
     of casting the fp32 master weights in forward and again in backward
     (core/precision/bf16_grouped.py). Ignored when the weights arrive in bf16 already (FSDP2's bf16
-    all-gather). fp8_rowwise recipe: ``optimizer`` with ``expert_grads_bf16=true`` (the only form it
-    takes): the expert weights are quantized from the optimizer's bf16 copies, and their gradients
-    stay bf16 (core/precision/fp8_rowwise.py). The other low-precision recipes refuse it."""
+    all-gather). fp8_rowwise, and mxfp8 / fp8_blockwise on the emulated backend: ``optimizer`` with
+    ``expert_grads_bf16=true`` (the only form they take): the expert weights are quantized from the
+    optimizer's bf16 copies, and their gradients stay bf16 (core/precision/fp8_rowwise.py,
+    emulated.py). The native mxfp8 / fp8_blockwise GEMMs refuse it."""
     expert_grads_bf16: bool = False
     """bf16 recipe with ``expert_weight_copies=optimizer``: the routed experts' weight gradients are
     the grouped GEMMs' bf16 outputs, kept on the optimizer's bf16 copies (the copies are the tensors
@@ -213,14 +214,13 @@ class PrecisionConfig(Config):
             raise ConfigError(f"precision.fp8_fast_accum=true is an option of the fp8_rowwise recipe's GEMMs: it needs "
                               f"--precision.recipe=fp8_rowwise, got {self.recipe}; drop it for this recipe")
         copies = WeightCopies(self.expert_weight_copies)
-        rowwise_copies = (self.recipe == PrecisionRecipe.fp8_rowwise and copies == WeightCopies.optimizer
-                          and self.expert_grads_bf16)
-        if copies != WeightCopies.none and self.recipe in _LOW_PRECISION and not rowwise_copies:
+        optimizer_copies = copies == WeightCopies.optimizer and self.expert_grads_bf16
+        if copies != WeightCopies.none and self.recipe in _LOW_PRECISION and not optimizer_copies:
             raise ConfigError(f"precision.expert_weight_copies={copies} with precision.recipe={self.recipe}: the "
-                              f"low-precision recipes quantize their own weight copies; fp8_rowwise alone takes "
-                              f"the optimizer's bf16 copies, as --precision.expert_weight_copies=optimizer "
-                              f"--precision.expert_grads_bf16=true (the GEMMs differentiate the copies); "
-                              f"otherwise drop expert_weight_copies")
+                              f"low-precision recipes quantize their own weight copies; they take the optimizer's "
+                              f"bf16 copies only as --precision.expert_weight_copies=optimizer "
+                              f"--precision.expert_grads_bf16=true (the GEMMs differentiate the copies; fp8_rowwise, "
+                              f"and mxfp8 / fp8_blockwise emulated); otherwise drop expert_weight_copies")
         if self.expert_grads_bf16 and copies != WeightCopies.optimizer:
             raise ConfigError("precision.expert_grads_bf16=true keeps the experts' gradients on the optimizer's bf16 "
                               "weight copies: it needs --precision.expert_weight_copies=optimizer, got "
@@ -318,8 +318,14 @@ class PrecisionConfig(Config):
         if self.fp8_fast_accum and backend != PrecisionBackend.native:
             raise ConfigError("precision.fp8_fast_accum=true is an option of the native fp8_rowwise GEMMs (an SM90 GPU), "
                               f"and this run resolved precision.backend={backend}: drop fp8_fast_accum, or run on a Hopper GPU")
+        expert_copies = WeightCopies(self.expert_weight_copies) == WeightCopies.optimizer
+        if expert_copies and recipe != PrecisionRecipe.fp8_rowwise and backend == PrecisionBackend.native:
+            raise ConfigError(f"precision.expert_weight_copies=optimizer with precision.recipe={recipe}: its native "
+                              f"GEMMs quantize the fp32 weights themselves; the optimizer's bf16 copies serve "
+                              f"fp8_rowwise and the emulated backend: add --precision.backend=emulated, or drop "
+                              f"expert_weight_copies and expert_grads_bf16")
         gemm = low_precision_gemm(recipe, backend, self.mx_scale, self.fp8_experts, wgrad, self.fp8_fast_accum,
-                                  expert_copies=WeightCopies(self.expert_weight_copies) == WeightCopies.optimizer,
+                                  expert_copies=expert_copies,
                                   fp8_fused_amax=self.fp8_fused_amax)
         gemm.quantize_weights_once = bool(self.quantize_weights_once)
         gemm.per_expert = per_expert
@@ -331,8 +337,8 @@ def low_precision_gemm(recipe: PrecisionRecipe | str, backend: PrecisionBackend 
                        fp8_experts: Fp8Experts | str = Fp8Experts.triton, fp8_wgrad: Fp8Wgrad | bool | str = Fp8Wgrad.all,
                        fp8_fast_accum: bool = False, expert_copies: bool = False, fp8_fused_amax: bool = True):
     """The GemmBackend instance of a low-precision recipe and a resolved backend (native / emulated);
-    ``expert_copies``: fp8_rowwise's experts on the optimizer's bf16 weight copies
-    (precision.expert_weight_copies=optimizer); ``fp8_fused_amax``: precision.fp8_fused_amax."""
+    ``expert_copies``: the experts on the optimizer's bf16 weight copies (fp8_rowwise and the emulated
+    backend; precision.expert_weight_copies=optimizer); ``fp8_fused_amax``: precision.fp8_fused_amax."""
     recipe, backend, wgrad = PrecisionRecipe(recipe), PrecisionBackend(backend), Fp8Wgrad(fp8_wgrad)
     if recipe == PrecisionRecipe.fp8_rowwise:  # its own emulation: the wgrad's scales are per expert, not blocks
         from .fp8_rowwise import Fp8RowwiseGemm
@@ -343,7 +349,10 @@ def low_precision_gemm(recipe: PrecisionRecipe | str, backend: PrecisionBackend 
     if backend == PrecisionBackend.emulated:
         from .emulated import BlockwiseFormat, EmulatedGemm, MXFormat
 
-        return EmulatedGemm(MXFormat(mx_scale) if recipe == PrecisionRecipe.mxfp8 else BlockwiseFormat())
+        return EmulatedGemm(MXFormat(mx_scale) if recipe == PrecisionRecipe.mxfp8 else BlockwiseFormat(),
+                            expert_copies=expert_copies)
+    if expert_copies:
+        raise ValueError(f"expert_copies: the native {recipe} GEMMs do not take the optimizer's bf16 weight copies")
     if recipe == PrecisionRecipe.mxfp8:
         from .native_mx import NativeMXGemm
 

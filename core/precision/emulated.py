@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from .blockwise import FP8_BLOCK, dequantize_128x128, dequantize_1x128, quantize_128x128, quantize_1x128
 from .cache import WeightCache
-from .gemm import GemmBackend
+from .gemm import GemmBackend, attach_expert_copies
 from .grouping import gather_rows, pad_rows, grouped_mm_2d2d, grouped_mm_2d3d, host_ends, padded_host_ends, padded_source_rows
 from .mx import MX_BLOCK, dequantize_mx, quantize_mx
 
@@ -280,13 +280,24 @@ class _EmulatedGroupedMM(torch.autograd.Function):
 
 
 class EmulatedGemm(GemmBackend):
-    """A block format's numerics through bf16 GEMMs (see the module docstring); any device."""
+    """A block format's numerics through bf16 GEMMs (see the module docstring); any device.
+
+    ``expert_copies`` (precision.expert_weight_copies=optimizer with expert_grads_bf16): the routed
+    experts compute with the optimizer's bf16 copies of their weights (gemm.attach_expert_copies):
+    the weights are quantized from bf16 (half the bytes read of fp32; the quantization of bf16(w),
+    which can differ from w's in a few elements' last bit), and the weight gradients, the grouped
+    GEMMs' bf16 outputs, stay bf16 on the copies (no cast pass to fp32 over every expert weight)."""
 
     name = "emulated"
 
-    def __init__(self, fmt: MXFormat | BlockwiseFormat | None = None) -> None:
+    def __init__(self, fmt: MXFormat | BlockwiseFormat | None = None, expert_copies: bool = False) -> None:
         self.format = fmt if fmt is not None else MXFormat()
         self.cache = WeightCache()
+        self.expert_copies = bool(expert_copies)
+
+    def attach_optimizer(self, optimizer, parts) -> None:
+        if self.expert_copies:
+            attach_expert_copies(optimizer, parts, grads=True)
 
     @property
     def label(self) -> str:
@@ -302,4 +313,4 @@ class EmulatedGemm(GemmBackend):
         self.cache.invalidate()
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.format!r})"
+        return f"{type(self).__name__}({self.format!r}, expert_copies={self.expert_copies})"

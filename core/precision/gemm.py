@@ -162,8 +162,8 @@ def attach_expert_copies(optimizer, parts, grads: bool, on_written=None) -> dict
     the experts compute with in their parameters' place (GroupedExperts.weight_copies), so their
     gradients are bf16 on the copies; else ``on_written`` is called with the pairs after each step.
     ConfigError where the optimizer writes no copies or the weights are not unsharded fp32
-    parameters. The bf16 recipe (TorchGemm) and fp8_rowwise (its weights quantized from the copies)
-    attach through here."""
+    parameters. The bf16 recipe (TorchGemm), fp8_rowwise and the emulated backend (their weights
+    quantized from the copies) attach through here."""
     from ..config import ConfigError
     from ..moe.experts import GroupedExperts
 

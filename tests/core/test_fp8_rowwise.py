@@ -490,16 +490,28 @@ def test_expert_weight_copies_quantize_from_the_optimizers_bf16_copies():
     assert moved and all(((p16[k] - p32[k]).norm() / p32[k].norm()).item() < 1e-2 for k in moved)
 
 
-def test_expert_weight_copies_config_errors():
+def test_expert_weight_copies_config_errors(monkeypatch):
     def cfg(**kw):
         return PrecisionConfig.from_dict(kw)
 
-    with pytest.raises(ConfigError, match="fp8_rowwise alone takes.*expert_grads_bf16=true"):
+    with pytest.raises(ConfigError, match="only as --precision.expert_weight_copies=optimizer.*expert_grads_bf16=true"):
         cfg(recipe="fp8_rowwise", expert_weight_copies="optimizer").validate()
     with pytest.raises(ConfigError, match="expert_weight_copies=step with precision.recipe=fp8_rowwise"):
         cfg(recipe="fp8_rowwise", expert_weight_copies="step").validate()
-    with pytest.raises(ConfigError, match="expert_weight_copies=optimizer with precision.recipe=mxfp8"):
-        cfg(recipe="mxfp8", expert_weight_copies="optimizer", expert_grads_bf16=True).validate()
+    with pytest.raises(ConfigError, match="expert_weight_copies=step with precision.recipe=mxfp8"):
+        cfg(recipe="mxfp8", expert_weight_copies="step").validate()
+    # mxfp8 / fp8_blockwise take the copies on the emulated backend, not on their native GEMMs
+    for recipe in ("mxfp8", "fp8_blockwise"):
+        emulated = cfg(recipe=recipe, backend="emulated", expert_weight_copies="optimizer",
+                       expert_grads_bf16=True).build("cpu", verbose=False).gemm
+        assert emulated.expert_copies and "expert_copies=True" in repr(emulated)
+    import moetron.core.precision.config as config_module
+
+    monkeypatch.setattr(config_module, "_capability_major", lambda device_type: 9)  # as on an H200
+    with pytest.raises(ConfigError, match="recipe=fp8_blockwise: its native GEMMs.*--precision.backend=emulated"):
+        cfg(recipe="fp8_blockwise", backend="native", expert_weight_copies="optimizer",
+            expert_grads_bf16=True).build("cuda", verbose=False)
+    monkeypatch.undo()
     gemm = cfg(recipe="fp8_rowwise", expert_weight_copies="optimizer", expert_grads_bf16=True).build(
         "cpu", verbose=False).gemm
     assert gemm.expert_copies and "expert_copies=True" in repr(gemm)

@@ -260,3 +260,64 @@ def test_per_expert_grouped_reads_the_groups_once_per_pass_and_matches_float64()
         y.backward(dy)
     assert sum(reads) == 2, reads
     check_grouped(act, wq, x, w, offsets, y, dy)
+
+
+@pytest.mark.parametrize("fmt_name", list(FORMATS))
+def test_grouped_mm_on_bf16_weight_copies_equals_the_fp32_path_and_float64(fmt_name):
+    """precision.expert_weight_copies=optimizer on the emulated backend: the GEMM takes the bf16 copy
+    itself. Its output and input gradient equal, bit for bit, those of an fp32 weight holding the
+    same (bf16) values, and its weight gradient is that run's fp32 gradient rounded to bf16, exactly
+    (the grouped GEMM's output is bf16 either way; the fp32 path only widens it); both against
+    float64 on the quantized operands."""
+    make, act, wq = FORMATS[fmt_name]
+    E, I, O = 5, 256, 128
+    offsets = torch.tensor([37, 37, 150, 290, 300])
+    x0 = wide(310, I, seed=4).bfloat16()
+    w16 = wide(E, O, I, seed=5).bfloat16()
+    dy = wide(310, O, seed=6).bfloat16().float()
+    dy[300:] = 0
+    runs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w = x0.float().requires_grad_(), w16.to(dtype).requires_grad_()
+        y = EmulatedGemm(make(), expert_copies=dtype == torch.bfloat16).grouped_mm(x, w, offsets)
+        y.backward(dy)
+        assert w.grad.dtype == dtype
+        runs[dtype] = y, x.grad, w.grad
+        if dtype == torch.float32:
+            check_grouped(act, wq, x, w, offsets, y, dy)
+    (y32, dx32, dw32), (y16, dx16, dw16) = runs[torch.float32], runs[torch.bfloat16]
+    assert torch.equal(y16, y32) and torch.equal(dx16, dx32)
+    assert torch.equal(dw16, dw32.to(torch.bfloat16)) and torch.equal(dw16.float(), dw32)
+
+
+def test_mxfp8_emulated_trains_on_the_optimizers_bf16_copies():
+    """mxfp8 emulated with precision.expert_weight_copies=optimizer, expert_grads_bf16=true: the
+    experts compute with the optimizer's bf16 copies (the parameters get no gradient, the copies a
+    bf16 one), the optimizer rewrites the copies from the updated fp32 weights, and the run follows
+    the one quantizing the fp32 weights (MX of bf16(w) against MX of w)."""
+    from tests.core.test_bf16_grouped import _copies_trainer
+
+    from moetron.core.moe.experts import GroupedExperts
+
+    runs = {}
+    for copies in (False, True):
+        torch.manual_seed(0)
+        trainer, data = _copies_trainer(copies, recipe="mxfp8", backend="emulated",
+                                        expert_weight_copies="optimizer" if copies else "none")
+        gemm = trainer.precision.gemm
+        assert isinstance(gemm, EmulatedGemm) and gemm.expert_copies == copies
+        experts = [m for m in trainer.model.modules() if isinstance(m, GroupedExperts)]
+        losses = [trainer.train_step(data.next_batch())[0].item() for _ in range(3)]
+        for m in experts:
+            if copies:
+                assert m.weight_copies is not None and m.w_gate_up.grad is None
+                for w, c in zip((m.w_gate_up, m.w_down), m.weight_copies):
+                    assert c.dtype == torch.bfloat16 and torch.equal(c.detach(), w.detach().to(torch.bfloat16))
+            else:
+                assert m.weight_copies is None
+        runs[copies] = losses, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    (l32, p32), (l16, p16) = runs[False], runs[True]
+    assert l32[2] < l32[0] and l16[2] < l16[0]
+    assert l16 == pytest.approx(l32, rel=2e-3)
+    moved = [k for k in p32 if "w_gate_up" in k or "w_down" in k]
+    assert moved and all(((p16[k] - p32[k]).norm() / p32[k].norm()).item() < 1e-2 for k in moved)
