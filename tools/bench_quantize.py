@@ -15,6 +15,15 @@ a grouped operand quantized for both its GEMMs in two reads or one (precision.fp
 weight's stacked columns; ms and TB/s of their traffic.
 
     python tools/bench_quantize.py --rowwise --json runs/bench/quantize_rowwise.json
+
+With --mx, mxfp8's fused kernel (core/precision/mx_triton.py mx_rows_and_cols_triton: an operand's
+rows quantize-dequantized to bf16 and its columns along 32-row blocks, from one read) under each tile
+of a sweep (MX_TILES: columns per program x warps), at OLMoE-8L's operands: the routed x gathered
+into 64 experts' padded rows with the columns as a payload (e4m3 + E8M0, what the forward saves),
+its output gradient with bf16 columns (the backward's), and a dense linear's x; ms and TB/s of their
+traffic (the bf16 read, the bf16 rows write, the columns' write), beside a plain copy.
+
+    python tools/bench_quantize.py --mx --json runs/bench/quantize_mx.json
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ def parse(argv):
     p.add_argument("--experts", type=int, default=8, help="expert groups of the tokens output's padding")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--rowwise", action="store_true", help="the fp8_rowwise kernels and their tile sweep")
+    p.add_argument("--mx", action="store_true", help="mxfp8's fused rows + columns kernel and its tile sweep")
     p.add_argument("--json", default="", help="write the results here")
     return p.parse_args(argv)
 
@@ -123,6 +133,52 @@ def rowwise(args, device) -> list[dict]:
     return out
 
 
+MX_TILES = [(64, 4), (128, 4), (128, 8), (256, 4), (256, 8), (512, 8)]  # columns per program, warps
+MX_SHAPES = [  # (label, rows, cols, experts or 0 for a dense operand, columns as payload)
+    ("expert x", 131072, 2048, 64, True), ("expert dy", 131072, 2048, 64, False), ("dense x", 16384, 2048, 0, True)]
+
+
+def mx(args, device) -> list[dict]:
+    """mx_rows_and_cols_triton under each tile of MX_TILES (see the module docstring)."""
+    from cli import median_ms  # tools/cli.py
+
+    from moetron.core.precision import mx_triton
+    from moetron.core.precision.grouping import padded_source_rows
+
+    iters = 1 if args.tiny else args.iters
+    warmup = 0 if args.tiny else 2
+    shapes = [("tiny", 256, 128, 4, True)] if args.tiny else MX_SHAPES
+    saved = dict(mx_triton.TILES["both"])
+    out = []
+    print(f"{'operand':<10} {'shape':<16} {'tile':<14} {'ms':>8} {'TB/s':>6}")
+    try:
+        for label, R, C, E, payload in shapes:
+            x = torch.randn(R, C, device=device).bfloat16()
+            src = ends = None
+            P = -(-R // 32) * 32
+            if E:
+                ends = (torch.arange(1, E + 1, device=device) * (R // E)).to(torch.int32)
+                src, _ = padded_source_rows(ends, R, 32)
+                P = src.numel()
+            traffic = 2 * R * C + 2 * R * C + (P * C + P * C // 32 if payload else 2 * P * C)
+            cells = [("copy", lambda: x.clone(), 4 * R * C)]
+            for cols, warps in MX_TILES:
+                cells.append((f"{cols} cols w{warps}", (cols, warps), traffic))
+            for tile, what, bytes_ in cells:
+                if callable(what):
+                    fn = what
+                else:
+                    mx_triton.TILES["both"] = {"cols": what[0], "num_warps": what[1]}
+                    fn = lambda: mx_triton.mx_rows_and_cols_triton(x, src, ends, "rceil", payload)  # noqa: E731
+                ms = median_ms(fn, device, warmup=warmup, iters=iters)
+                out.append({"kind": "mx_rows_and_cols", "operand": label, "shape": [R, C], "experts": E,
+                            "cols_payload": payload, "tile": tile, "ms": ms, "tb_s": bytes_ / ms / 1e9})
+                print(f"{label:<10} {str([R, C]):<16} {tile:<14} {ms:8.3f} {bytes_ / ms / 1e9:6.2f}", flush=True)
+    finally:
+        mx_triton.TILES["both"] = saved
+    return out
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -135,8 +191,8 @@ def main(argv=None) -> int:
 
     from moetron.core.metrics import run_environment
 
-    if args.rowwise:
-        rows = rowwise(args, device)
+    if args.rowwise or args.mx:
+        rows = rowwise(args, device) if args.rowwise else mx(args, device)
         write_report(args.json, run_environment(device, 1, "tools/bench_quantize.py", sys.argv[1:] if argv is None else argv),
                      rows)
         return 0

@@ -50,7 +50,18 @@ mxfp8 emulated, compiled) it took olmoe3-4l-8e from 48,263 to 50,005 tok/s (+3.6
 66,509 to 70,767 (+6.4%): docs/performance.md."""
 _ROWS_TILE = (32, 128)   # axis -1: 32 rows x 4 blocks of 32
 _COLS_TILE = (32, 256)   # axis 0: one block of 32 rows x 256 columns
-_BOTH_TILE = (32, 128)   # both axes: 4 blocks along each of 32 rows, 128 column blocks
+
+def _both_tile(spec: str) -> dict[str, int]:
+    cols, warps = (int(v) for v in spec.split(","))
+    if cols < 32 or cols & (cols - 1) or warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"MOETRON_MX_BOTH_TILE={spec!r}: want 'cols,warps', cols a power of two >= 32, warps 1-16")
+    return {"cols": cols, "num_warps": warps}
+
+
+TILES = {"both": _both_tile(os.environ.get("MOETRON_MX_BOTH_TILE", "128,4"))}
+"""mx_rows_and_cols_triton's tile: 32 rows (one block of the columns output) x ``cols`` columns
+(cols / 32 blocks of the rows output), ``num_warps`` warps. Read at each call (tools/bench_quantize.py
+--mx sweeps it); ``MOETRON_MX_BOTH_TILE=cols,warps`` at import sets it for a whole process."""
 
 
 @triton.jit
@@ -452,11 +463,11 @@ def mx_rows_and_cols_triton(x: torch.Tensor, src_rows: torch.Tensor | None = Non
     xk, in_bf16 = as_loadable(x)
     src = src_rows if src_rows is not None else rows
     end = ends[-1:] if ends is not None else rows
-    TC = _BOTH_TILE[1]
+    TC, warps = TILES["both"]["cols"], TILES["both"]["num_warps"]
     strides = (x.stride(0), x.stride(1), rows.stride(0), rows.stride(1), cols.stride(0), cols.stride(1),
                data.stride(0), data.stride(1), scale.stride(0), scale.stride(1))
     common = dict(COLS_PAYLOAD=cols_payload, FLOOR=scale_mode == "floor", IN_BF16=in_bf16, HW=HW_CONVERT, TC=TC,
-                  num_warps=4)
+                  num_warps=warps)
     if P and C:
         _mx_rows_and_cols_kernel[(P // MX_BLOCK, triton.cdiv(C, TC))](
             xk, src, end, rows, cols, data, scale, P, R, C, *strides, TAIL=False, GATHER=src_rows is not None, **common)

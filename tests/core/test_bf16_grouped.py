@@ -276,6 +276,39 @@ def _copies_trainer(grads_bf16: bool, micro_batch=None, **precision):
     return trainer, data
 
 
+def assert_quantized_copies_run_follows_fp32(recipe: str, backend: str = "emulated"):
+    """A low-precision recipe with precision.expert_weight_copies=optimizer, expert_grads_bf16=true
+    against the same recipe without: with the copies the experts compute with the optimizer's bf16
+    copies (the parameters get no gradient), the optimizer rewrites the copies from the updated fp32
+    weights, and the run follows the one quantizing the fp32 weights (the quantization of bf16(w)
+    against that of w: the last bit of a few elements). Returns each run's gemm backend."""
+    from moetron.core.moe.experts import GroupedExperts
+
+    runs, gemms = {}, {}
+    for copies in (False, True):
+        torch.manual_seed(0)
+        trainer, data = _copies_trainer(copies, recipe=recipe, backend=backend,
+                                        expert_weight_copies="optimizer" if copies else "none")
+        gemms[copies] = trainer.precision.gemm
+        assert gemms[copies].expert_copies == copies
+        experts = [m for m in trainer.model.modules() if isinstance(m, GroupedExperts)]
+        losses = [trainer.train_step(data.next_batch())[0].item() for _ in range(3)]
+        for m in experts:
+            if copies:
+                assert m.weight_copies is not None and m.w_gate_up.grad is None
+                for w, c in zip((m.w_gate_up, m.w_down), m.weight_copies):
+                    assert c.dtype == torch.bfloat16 and torch.equal(c.detach(), w.detach().to(torch.bfloat16))
+            else:
+                assert m.weight_copies is None
+        runs[copies] = losses, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    (l32, p32), (l16, p16) = runs[False], runs[True]
+    assert l32[2] < l32[0] and l16[2] < l16[0]
+    assert l16 == pytest.approx(l32, rel=2e-3)
+    moved = [k for k in p32 if "w_gate_up" in k or "w_down" in k]
+    assert moved and all(((p16[k] - p32[k]).norm() / p32[k].norm()).item() < 1e-2 for k in moved)
+    return gemms
+
+
 def test_expert_grads_bf16_give_the_fp32_gradient_updates_bit_for_bit():
     """precision.expert_grads_bf16: the experts' gradients stay on the optimizer's bf16 copies (the
     expert parameters get none). Unclipped, three steps give the same losses and parameters bit for

@@ -453,41 +453,14 @@ def test_tiny_moe_trains_in_fp8_rowwise_emulated_close_to_fp32(tmp_path, monkeyp
                                 tmp_path, monkeypatch)
 
 
-def _rowwise_trainer(copies: bool):
-    from tests.core.test_bf16_grouped import _copies_trainer
-
-    torch.manual_seed(0)
-    return _copies_trainer(copies, recipe="fp8_rowwise", backend="emulated",
-                           expert_weight_copies="optimizer" if copies else "none")
-
-
 def test_expert_weight_copies_quantize_from_the_optimizers_bf16_copies():
     """fp8_rowwise with precision.expert_weight_copies=optimizer, expert_grads_bf16=true: the experts
-    compute with the optimizer's bf16 copies (the parameters get no gradient, the copies a bf16
-    one), the optimizer rewrites the copies from the updated fp32 weights, and the run follows the
-    one quantizing the fp32 weights (E4M3 of bf16(w) against E4M3 of w: the last bit of a few
-    elements)."""
-    from moetron.core.moe.experts import GroupedExperts
+    compute with the optimizer's bf16 copies and the run follows the one quantizing the fp32 weights
+    (E4M3 of bf16(w) against E4M3 of w)."""
+    from tests.core.test_bf16_grouped import assert_quantized_copies_run_follows_fp32
 
-    runs = {}
-    for copies in (False, True):
-        trainer, data = _rowwise_trainer(copies)
-        assert trainer.precision.gemm.expert_copies == copies
-        experts = [m for m in trainer.model.modules() if isinstance(m, GroupedExperts)]
-        losses = [trainer.train_step(data.next_batch())[0].item() for _ in range(3)]
-        for m in experts:
-            if copies:
-                assert m.weight_copies is not None and m.w_gate_up.grad is None
-                for w, c in zip((m.w_gate_up, m.w_down), m.weight_copies):
-                    assert c.dtype == torch.bfloat16 and torch.equal(c.detach(), w.detach().to(torch.bfloat16))
-            else:
-                assert m.weight_copies is None
-        runs[copies] = losses, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
-    (l32, p32), (l16, p16) = runs[False], runs[True]
-    assert l32[2] < l32[0] and l16[2] < l16[0]
-    assert l16 == pytest.approx(l32, rel=2e-3)
-    moved = [k for k in p32 if "w_gate_up" in k or "w_down" in k]
-    assert moved and all(((p16[k] - p32[k]).norm() / p32[k].norm()).item() < 1e-2 for k in moved)
+    gemms = assert_quantized_copies_run_follows_fp32("fp8_rowwise")
+    assert all(isinstance(g, Fp8RowwiseGemm) for g in gemms.values())
 
 
 def test_expert_weight_copies_config_errors(monkeypatch):

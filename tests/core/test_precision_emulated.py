@@ -236,6 +236,50 @@ def test_fused_mx_kernels_match_the_torch_ops_on_gpu():
     _fused_kernels_match_torch("cuda")
 
 
+MX_BOTH_TILES = [(64, 4), (128, 4), (256, 8), (512, 8)]  # tools/bench_quantize.py --mx sweeps these
+
+
+def _rows_and_cols_tiles_match_torch(device: str) -> None:
+    """mx_rows_and_cols_triton under each tile (columns per program, warps; mx_triton.TILES) equals
+    the torch reference, bit for bit: a gathered grouped operand (64 + 3 experts' padded rows, an
+    empty expert, rows past the last group) with the columns as a payload and as bf16, and a dense
+    operand whose rows are not a whole block; 640 columns, so no wide tile divides them."""
+    from moetron.core.precision import mx_triton
+    from moetron.core.precision.grouping import padded_source_rows
+
+    x = wide(200, 640, seed=7).bfloat16().to(device)
+    ends = torch.tensor([50, 50, 130, 190], device=device, dtype=torch.int32)
+    src, _ = padded_source_rows(ends, 200, 32)
+    ref = MXFormat("rceil", kernels="torch")
+    want_grouped = (ref.rows_and_cols(x, src, ends, True), ref.rows_and_cols(x, src, ends, False))
+    want_dense = ref.rows_and_cols(x[:70], None, None, True)
+    saved = dict(mx_triton.TILES["both"])
+    try:
+        for cols, warps in MX_BOTH_TILES:
+            mx_triton.TILES["both"] = {"cols": cols, "num_warps": warps}
+            got_grouped = tuple(mx_triton.mx_rows_and_cols_triton(x, src, ends, "rceil", p) for p in (True, False))
+            got_dense = mx_triton.mx_rows_and_cols_triton(x[:70], None, None, "rceil", True)
+            for got, want in zip((*got_grouped, got_dense), (*want_grouped, want_dense)):
+                assert len(got) == len(want)
+                for g, w in zip(got, want):
+                    # rows of the grouped rows output past the last group are quantized too (the TAIL launch)
+                    assert torch.equal(g.view(torch.uint8) if g.dtype == torch.float8_e4m3fn else g,
+                                       w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w), (cols, warps)
+    finally:
+        mx_triton.TILES["both"] = saved
+
+
+def test_rows_and_cols_tiles_match_the_torch_ops_interpreted():
+    from tests.interpreted import run_interpreted
+
+    run_interpreted("tests.core.test_precision_emulated", "_rows_and_cols_tiles_match_torch('cpu')", timeout=600)
+
+
+@pytest.mark.gpu
+def test_rows_and_cols_tiles_match_the_torch_ops_on_gpu():
+    _rows_and_cols_tiles_match_torch("cuda")
+
+
 def test_per_expert_grouped_reads_the_groups_once_per_pass_and_matches_float64():
     """precision.bf16_experts=cublas on an emulated backend (one GEMM per expert): against float64 per
     expert like the grouped kernel, and the group sizes read to the host once in the forward and once
@@ -290,34 +334,12 @@ def test_grouped_mm_on_bf16_weight_copies_equals_the_fp32_path_and_float64(fmt_n
     assert torch.equal(dw16, dw32.to(torch.bfloat16)) and torch.equal(dw16.float(), dw32)
 
 
-def test_mxfp8_emulated_trains_on_the_optimizers_bf16_copies():
-    """mxfp8 emulated with precision.expert_weight_copies=optimizer, expert_grads_bf16=true: the
-    experts compute with the optimizer's bf16 copies (the parameters get no gradient, the copies a
-    bf16 one), the optimizer rewrites the copies from the updated fp32 weights, and the run follows
-    the one quantizing the fp32 weights (MX of bf16(w) against MX of w)."""
-    from tests.core.test_bf16_grouped import _copies_trainer
+@pytest.mark.parametrize("recipe", ["mxfp8", "fp8_blockwise"])
+def test_emulated_recipes_train_on_the_optimizers_bf16_copies(recipe):
+    """mxfp8 / fp8_blockwise emulated with precision.expert_weight_copies=optimizer,
+    expert_grads_bf16=true: the experts compute with the optimizer's bf16 copies and the run follows
+    the one quantizing the fp32 weights (the block quantization of bf16(w) against that of w)."""
+    from tests.core.test_bf16_grouped import assert_quantized_copies_run_follows_fp32
 
-    from moetron.core.moe.experts import GroupedExperts
-
-    runs = {}
-    for copies in (False, True):
-        torch.manual_seed(0)
-        trainer, data = _copies_trainer(copies, recipe="mxfp8", backend="emulated",
-                                        expert_weight_copies="optimizer" if copies else "none")
-        gemm = trainer.precision.gemm
-        assert isinstance(gemm, EmulatedGemm) and gemm.expert_copies == copies
-        experts = [m for m in trainer.model.modules() if isinstance(m, GroupedExperts)]
-        losses = [trainer.train_step(data.next_batch())[0].item() for _ in range(3)]
-        for m in experts:
-            if copies:
-                assert m.weight_copies is not None and m.w_gate_up.grad is None
-                for w, c in zip((m.w_gate_up, m.w_down), m.weight_copies):
-                    assert c.dtype == torch.bfloat16 and torch.equal(c.detach(), w.detach().to(torch.bfloat16))
-            else:
-                assert m.weight_copies is None
-        runs[copies] = losses, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
-    (l32, p32), (l16, p16) = runs[False], runs[True]
-    assert l32[2] < l32[0] and l16[2] < l16[0]
-    assert l16 == pytest.approx(l32, rel=2e-3)
-    moved = [k for k in p32 if "w_gate_up" in k or "w_down" in k]
-    assert moved and all(((p16[k] - p32[k]).norm() / p32[k].norm()).item() < 1e-2 for k in moved)
+    gemms = assert_quantized_copies_run_follows_fp32(recipe)
+    assert all(isinstance(g, EmulatedGemm) and g.format.name == recipe for g in gemms.values())

@@ -11,14 +11,19 @@ from tests.interpreted import skip_unless_interpreter_works
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_tiny_run_times_each_config(tmp_path):
-    skip_unless_interpreter_works()
+def _tiny_rows(tmp_path, *flags) -> list[dict]:
+    """bench_quantize.py --tiny [flags] run in a subprocess (Triton interpreted): its JSON rows."""
     out = tmp_path / "quantize.json"
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_quantize.py"), "--tiny", "--json", str(out)],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_quantize.py"), "--tiny", *flags,
+                           "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (row,) = json.loads(out.read_text())["rows"]
+    return json.loads(out.read_text())["rows"]
+
+
+def test_tiny_run_times_each_config(tmp_path):
+    skip_unless_interpreter_works()
+    (row,) = _tiny_rows(tmp_path)
     assert (row["rows"], row["cols"]) == (256, 256) and row["copy_ms"] > 0
     assert row["w4_ms"] > 0 and row["autotuned_ms"] > 0 and row["rows_only_ms"] > 0 and row["chosen"] == "4 warps"
 
@@ -29,12 +34,7 @@ def test_tiny_rowwise_sweep_reports_every_tile(tmp_path):
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     import bench_quantize
 
-    out = tmp_path / "rowwise.json"
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_quantize.py"), "--tiny", "--rowwise",
-                           "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    rows = _tiny_rows(tmp_path, "--rowwise")
     tiles = {(r["kind"], r["tile"]) for r in rows}
     assert {("rowwise_rows", label) for label, _ in bench_quantize.ROWS_TILES} <= tiles
     assert {("rowwise_chunk_amax", f"{k}x{c} w{w}") for k, c, w in bench_quantize.CHUNK_TILES} <= tiles
@@ -43,3 +43,14 @@ def test_tiny_rowwise_sweep_reports_every_tile(tmp_path):
     assert {("rowwise_rows+cols", "separate"), ("rowwise_rows+cols", "fused")} <= tiles
     assert {"rowwise_group_cols", "rowwise_stacked_cols", "rowwise_copy"} <= {r["kind"] for r in rows}
     assert all(r["ms"] > 0 and r["tb_s"] > 0 for r in rows)
+
+
+def test_tiny_mx_sweep_reports_every_tile(tmp_path):
+    """--mx: a copy row and one row per tile of the sweep, each with a time and a rate."""
+    skip_unless_interpreter_works()
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import bench_quantize
+
+    rows = _tiny_rows(tmp_path, "--mx")
+    assert [r["tile"] for r in rows] == ["copy"] + [f"{c} cols w{w}" for c, w in bench_quantize.MX_TILES]
+    assert all(r["kind"] == "mx_rows_and_cols" and r["ms"] > 0 and r["tb_s"] > 0 for r in rows)

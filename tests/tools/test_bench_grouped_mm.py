@@ -1,0 +1,59 @@
+"""tools/bench_grouped_mm.py: the passes' operands are the experts' GEMMs in the model's layouts
+(checked against a loop over the groups), and --tiny runs on the CPU with one row per (GEMM, pass)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+
+
+@pytest.mark.parametrize("pass_", ["fwd", "dgrad", "wgrad"])
+def test_each_pass_is_the_experts_gemm_per_group(pass_):
+    """fwd: y[rows of e] = x @ w[e]^T (w [E, O, I]); dgrad: dx[rows of e] = dy @ w[e]; wgrad:
+    dw[e] = dy[rows of e]^T @ x[rows of e]; float64 loops over the groups as the reference."""
+    import bench_grouped_mm as b
+
+    R, I, O, E = 40, 32, 48, 3
+    args, kwargs = b.operands(pass_, R, I, O, E, torch.device("cpu"))
+    got = b.torch_op(pass_)(*args, **kwargs).double()
+    ends = kwargs["offs"].tolist()
+    assert ends == [13, 26, 40]
+    a, bmat = (t.double() for t in args)
+    start = 0
+    for e, end in enumerate(ends):
+        if pass_ == "wgrad":  # a = dy^T [O, R], b = x [R, I]
+            want = a[:, start:end] @ bmat[start:end]
+            assert got.shape == (E, O, I)
+            torch.testing.assert_close(got[e], want, rtol=2e-2, atol=2e-2)
+        else:  # b[e] = w[e]^T [I, O] (fwd) or w[e] [O, I] (dgrad)
+            want = a[start:end] @ bmat[e]
+            assert got.shape == (R, O if pass_ == "fwd" else I)
+            torch.testing.assert_close(got[start:end], want, rtol=2e-2, atol=2e-2)
+        start = end
+    if pass_ == "fwd":  # w is [E, O, I] contiguous, as GroupedExperts holds it: the GEMM reads its transpose
+        assert bmat.shape == (E, I, O) and args[1].transpose(-2, -1).is_contiguous()
+
+
+def test_tiny_run_reports_every_pass(tmp_path):
+    out = tmp_path / "grouped_mm.json"
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_grouped_mm.py"), "--tiny", "--iters", "2",
+                           "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["gemm"], r["pass_"]) for r in rows} == {(g, p) for g in ("gate_up", "down")
+                                                       for p in ("fwd", "dgrad", "wgrad", "fwd fp8")}
+    for r in rows:
+        I, O = (256, 256) if r["gemm"] == "gate_up" else (128, 256)
+        assert (r["I"], r["O"], r["rows"]) == (I, O, 64 * 2)
+        assert r["tflop"] == pytest.approx(2 * r["rows"] * I * O / 1e12)
+        if r["pass_"] == "fwd fp8":
+            assert "SM90" in r["error"]
+        else:
+            assert r["torch_ms"] > 0 and r["torch_tflops"] > 0
