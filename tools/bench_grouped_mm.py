@@ -11,9 +11,16 @@ w[e]). 2 x R x I x O FLOPs each. Each row: torch's kernel and inductor's Triton 
 the ratio), the Triton output against torch's (max |difference| over max |torch|; exit 1 past 2^-7,
 about one bf16 step). A row whose Triton compile or autotuning fails says why and carries on.
 
+Timing: the median over ``--iters`` of ``--loop`` back-to-back calls between two CUDA events, per
+call, for both, so the compiled function's larger host overhead per call (its guards and wrapper)
+hides behind the queued kernels instead of counting as GPU time (session 22's first run timed one
+call at a time and so charged the Triton side tens of microseconds more a call; docs/performance.md).
+Inductor's own autotuning log (stderr) times each candidate its own way; it is not comparable with
+these columns.
+
     python tools/bench_grouped_mm.py --json runs/bench/grouped_mm.json
     python tools/bench_grouped_mm.py --shapes olmo3-moe-8e --gemms gate_up,down
-    python tools/bench_grouped_mm.py --tiny      # tiny shapes; the CPU runs torch's kernels only
+    python tools/bench_grouped_mm.py --tiny      # tiny shapes (--shapes / --tokens ignored); the CPU runs torch's kernels only
 
 Why: the grouped GEMMs reach about 630 TFLOP/s inside the step where dense cuBLAS GEMMs reach about
 800 (docs/performance.md, sessions 16 and 19); the experts' GEMMs are custom ops, so inductor's
@@ -46,22 +53,16 @@ def parse(argv):
     p.add_argument("--shapes", default="", help="comma-separated names of bench_gemm_fp8.SHAPES (default all)")
     p.add_argument("--gemms", default="gate_up,down", help="comma-separated: gate_up, down")
     p.add_argument("--passes", default=",".join(PASSES), help=f"comma-separated: {', '.join(PASSES)}")
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--iters", type=int, default=20, help="timed samples (each of --loop calls)")
+    p.add_argument("--loop", type=int, default=10, help="back-to-back calls per timed sample")
     p.add_argument("--json", default="", help="write the results here")
     return p.parse_args(argv)
 
 
 def uniform_offsets(rows: int, E: int, device) -> torch.Tensor:
-    """Inclusive cumsum of E equal groups (the last takes the remainder), int32."""
+    """Inclusive cumsum of E groups of rows // E or rows // E + 1 rows (floor((e + 1) x rows / E)), int32."""
     ends = [(e + 1) * rows // E for e in range(E)]
     return torch.tensor(ends, dtype=torch.int32, device=device)
-
-
-def _rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 rows with one fp32 power-of-two scale each (fp8_rowwise's form), along the last dim."""
-    from moetron.core.precision.fp8_rowwise import quantize_rows
-
-    return quantize_rows(x)
 
 
 def operands(pass_: str, R: int, I: int, O: int, E: int, device) -> tuple[tuple, dict]:
@@ -81,9 +82,11 @@ def operands(pass_: str, R: int, I: int, O: int, E: int, device) -> tuple[tuple,
         dy = torch.randn(R, O, generator=g).to(device, bf)
         x = torch.randn(R, I, generator=g).to(device, bf)
         return (dy.t(), x), dict(offs=offs)
-    if pass_ == "fwd fp8":
-        xq, xs = _rowwise(torch.randn(R, I, generator=g).to(device, bf))
-        wq, ws = _rowwise((torch.randn(E, O, I, generator=g) * I ** -0.5).to(device, bf))
+    if pass_ == "fwd fp8":  # fp8_rowwise's operands: e4m3 rows, one fp32 power-of-two scale each
+        from moetron.core.precision.fp8_rowwise import quantize_rows
+
+        xq, xs = quantize_rows(torch.randn(R, I, generator=g).to(device, bf))
+        wq, ws = quantize_rows((torch.randn(E, O, I, generator=g) * I ** -0.5).to(device, bf))
         return (xq, wq.transpose(-2, -1), xs.reshape(-1), ws.reshape(E, O)), dict(offs=offs, out_dtype=bf)
     raise ValueError(pass_)
 
@@ -102,7 +105,17 @@ def triton_fn(pass_: str):
     return torch.compile(fn, dynamic=False, fullgraph=True)
 
 
-def measure(shape: str, gemm: str, pass_: str, R: int, I: int, O: int, E: int, device, iters: int) -> dict:
+def loop_ms(fn, device, iters: int, loop: int) -> float:
+    """Milliseconds per call: the median over ``iters`` samples of ``loop`` back-to-back calls."""
+    def calls():
+        for _ in range(loop):
+            fn()
+
+    return median_ms(calls, device, iters=iters) / loop
+
+
+def measure(shape: str, gemm: str, pass_: str, R: int, I: int, O: int, E: int, device, iters: int,
+            loop: int = 10) -> dict:
     args, kwargs = operands(pass_, R, I, O, E, device)
     flops = 2 * R * I * O
     row = dict(shape=shape, gemm=gemm, pass_=pass_, rows=R, I=I, O=O, E=E, tflop=flops / 1e12)
@@ -111,7 +124,7 @@ def measure(shape: str, gemm: str, pass_: str, R: int, I: int, O: int, E: int, d
         return row
     op = torch_op(pass_)
     ref = op(*args, **kwargs)
-    ms = median_ms(lambda: op(*args, **kwargs), device, iters=iters)
+    ms = loop_ms(lambda: op(*args, **kwargs), device, iters, loop)
     row.update(torch_ms=ms, torch_tflops=flops / ms / 1e9)
     if device.type != "cuda":
         return row
@@ -126,7 +139,7 @@ def measure(shape: str, gemm: str, pass_: str, R: int, I: int, O: int, E: int, d
     except Exception as e:  # noqa: BLE001 - a template that cannot serve this layout is a result
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         return row
-    ms_t = median_ms(lambda: fn(*args, **kwargs), device, iters=iters)
+    ms_t = loop_ms(lambda: fn(*args, **kwargs), device, iters, loop)
     err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30)).item()
     row.update(triton_ms=ms_t, triton_tflops=flops / ms_t / 1e9, triton_x_torch=ms / ms_t, err=err)
     return row
@@ -167,7 +180,7 @@ def main(argv=None) -> int:
         for gemm in gemms:
             I, O = GEMMS[gemm](D, F)
             for pass_ in passes:
-                row = measure(shape, gemm, pass_, R, I, O, E, device, args.iters)
+                row = measure(shape, gemm, pass_, R, I, O, E, device, args.iters, 1 if args.tiny else args.loop)
                 rows.append(row)
                 write_report(args.json, env, rows)  # after each row: a run cut short keeps what it measured
                 head = f"{shape:<15} {gemm:<8} {pass_:<8}"

@@ -43,8 +43,9 @@ def parse(argv):
     p.add_argument("--tiny", action="store_true", help="tiny shapes (runs on the CPU, Triton interpreted)")
     p.add_argument("--experts", type=int, default=8, help="expert groups of the tokens output's padding")
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--rowwise", action="store_true", help="the fp8_rowwise kernels and their tile sweep")
-    p.add_argument("--mx", action="store_true", help="mxfp8's fused rows + columns kernel and its tile sweep")
+    kind = p.add_mutually_exclusive_group()
+    kind.add_argument("--rowwise", action="store_true", help="the fp8_rowwise kernels and their tile sweep")
+    kind.add_argument("--mx", action="store_true", help="mxfp8's fused rows + columns kernel and its tile sweep")
     p.add_argument("--json", default="", help="write the results here")
     return p.parse_args(argv)
 

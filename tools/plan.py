@@ -7,7 +7,8 @@ the layout from ParallelConfig.resolve (the same ConfigError as pretrain for a b
 switches are read from the same config fields pretrain takes: --model.fused_loss,
 --model.loss_chunk_tokens, --optimizer.state_dtype, --parallel.fsdp_offload, --trainer.grad_sync, --precision.recipe /
 .backend / .modules (--precision NAME is short for --precision.recipe=NAME; fp8 = mxfp8), fp8_rowwise's
---precision.fp8_fast_accum / .fp8_wgrad / .fp8_fused_amax / .expert_weight_copies / .expert_grads_bf16, --memory.*.
+--precision.fp8_fast_accum / .fp8_wgrad / .fp8_fused_amax, --precision.expert_weight_copies /
+.expert_grads_bf16 (bf16, fp8_rowwise, the emulated backend), --memory.*.
 
     python tools/plan.py --preset olmoe-1b-7b --model.n_layers=8 --model.vocab_size=100352 \
         --seq-len 4096 --global-batch 4 --gpu h200 --num-gpus 1 --compile

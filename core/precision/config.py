@@ -11,7 +11,8 @@ from ..distributed import is_main
 from .gemm import Fp8Wgrad, gemm_backend
 from .policy import GemmModule, PrecisionPolicy
 
-__all__ = ["Bf16Experts", "Fp8Experts", "Fp8Wgrad", "GemmModule", "PrecisionBackend", "PrecisionConfig", "PrecisionRecipe"]
+__all__ = ["Bf16Experts", "Fp8Experts", "Fp8Wgrad", "GemmModule", "PrecisionBackend", "PrecisionConfig", "PrecisionRecipe",
+           "check_expert_copies", "takes_expert_copies"]
 
 
 class PrecisionRecipe(StrEnum):
@@ -106,6 +107,27 @@ def _capability_major(device_type: str) -> int | None:
     if device_type != "cuda" or not torch.cuda.is_available():
         return None
     return torch.cuda.get_device_capability()[0]
+
+
+def takes_expert_copies(recipe: PrecisionRecipe | str, backend: PrecisionBackend | str) -> bool:
+    """Whether a resolved recipe and backend take precision.expert_weight_copies=optimizer with
+    expert_grads_bf16 (the experts computing on the optimizer's bf16 weight copies): the bf16
+    recipe, fp8_rowwise, and mxfp8 / fp8_blockwise on the emulated backend. The native mxfp8 /
+    fp8_blockwise GEMMs do not. The one rule the config, the build and the planner apply."""
+    recipe = PrecisionRecipe(recipe)
+    if recipe in (PrecisionRecipe.bf16, PrecisionRecipe.fp8_rowwise):
+        return True
+    return recipe in _LOW_PRECISION and PrecisionBackend(backend) == PrecisionBackend.emulated
+
+
+def check_expert_copies(recipe: PrecisionRecipe | str, backend: PrecisionBackend | str, copies: bool) -> None:
+    """ConfigError where ``copies`` (precision.expert_weight_copies=optimizer) meet a recipe and
+    backend that do not take them (takes_expert_copies), naming the fix."""
+    if copies and not takes_expert_copies(recipe, backend):
+        raise ConfigError(f"precision.expert_weight_copies=optimizer with precision.recipe={PrecisionRecipe(recipe)} "
+                          f"on precision.backend={PrecisionBackend(backend)}: the native mxfp8 / fp8_blockwise GEMMs do "
+                          f"not take the optimizer's bf16 expert copies (bf16, fp8_rowwise and the emulated backend "
+                          f"do): add --precision.backend=emulated, or drop expert_weight_copies and expert_grads_bf16")
 
 
 @dataclasses.dataclass
@@ -221,6 +243,8 @@ class PrecisionConfig(Config):
                               f"bf16 copies only as --precision.expert_weight_copies=optimizer "
                               f"--precision.expert_grads_bf16=true (the GEMMs differentiate the copies; fp8_rowwise, "
                               f"and mxfp8 / fp8_blockwise emulated); otherwise drop expert_weight_copies")
+        if self.backend != PrecisionBackend.auto and self.recipe in _LOW_PRECISION:  # known before resolving
+            check_expert_copies(self.recipe, self.backend, copies == WeightCopies.optimizer)
         if self.expert_grads_bf16 and copies != WeightCopies.optimizer:
             raise ConfigError("precision.expert_grads_bf16=true keeps the experts' gradients on the optimizer's bf16 "
                               "weight copies: it needs --precision.expert_weight_copies=optimizer, got "
@@ -319,11 +343,7 @@ class PrecisionConfig(Config):
             raise ConfigError("precision.fp8_fast_accum=true is an option of the native fp8_rowwise GEMMs (an SM90 GPU), "
                               f"and this run resolved precision.backend={backend}: drop fp8_fast_accum, or run on a Hopper GPU")
         expert_copies = WeightCopies(self.expert_weight_copies) == WeightCopies.optimizer
-        if expert_copies and recipe != PrecisionRecipe.fp8_rowwise and backend == PrecisionBackend.native:
-            raise ConfigError(f"precision.expert_weight_copies=optimizer with precision.recipe={recipe}: its native "
-                              f"GEMMs quantize the fp32 weights themselves; the optimizer's bf16 copies serve "
-                              f"fp8_rowwise and the emulated backend: add --precision.backend=emulated, or drop "
-                              f"expert_weight_copies and expert_grads_bf16")
+        check_expert_copies(recipe, backend, expert_copies)
         gemm = low_precision_gemm(recipe, backend, self.mx_scale, self.fp8_experts, wgrad, self.fp8_fast_accum,
                                   expert_copies=expert_copies,
                                   fp8_fused_amax=self.fp8_fused_amax)

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from .blockwise import FP8_BLOCK, dequantize_128x128, dequantize_1x128, quantize_128x128, quantize_1x128
 from .cache import WeightCache
-from .gemm import GemmBackend, attach_expert_copies
+from .gemm import GemmBackend
 from .grouping import gather_rows, pad_rows, grouped_mm_2d2d, grouped_mm_2d3d, host_ends, padded_host_ends, padded_source_rows
 from .mx import MX_BLOCK, dequantize_mx, quantize_mx
 
@@ -285,8 +285,11 @@ class EmulatedGemm(GemmBackend):
     ``expert_copies`` (precision.expert_weight_copies=optimizer with expert_grads_bf16): the routed
     experts compute with the optimizer's bf16 copies of their weights (gemm.attach_expert_copies):
     the weights are quantized from bf16 (half the bytes read of fp32; the quantization of bf16(w),
-    which can differ from w's in a few elements' last bit), and the weight gradients, the grouped
-    GEMMs' bf16 outputs, stay bf16 on the copies (no cast pass to fp32 over every expert weight)."""
+    which can differ from w's in a few elements' last bit), and the weight gradients stay bf16 on the
+    copies (no cast pass to fp32 over every expert weight): the grouped GEMM's bf16 output, the same
+    values as the fp32 weights' run; with precision.bf16_experts=cublas, whose per-expert GEMMs write
+    an fp32 weight's gradient straight from the fp32 sums, the copies' gradient is those sums rounded
+    to bf16 instead."""
 
     name = "emulated"
 
@@ -295,9 +298,6 @@ class EmulatedGemm(GemmBackend):
         self.cache = WeightCache()
         self.expert_copies = bool(expert_copies)
 
-    def attach_optimizer(self, optimizer, parts) -> None:
-        if self.expert_copies:
-            attach_expert_copies(optimizer, parts, grads=True)
 
     @property
     def label(self) -> str:

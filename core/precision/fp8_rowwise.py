@@ -38,7 +38,7 @@ import torch
 
 from .blockwise import pow2_scale
 from .cache import WeightCache
-from .gemm import Fp8Wgrad, GemmBackend, attach_expert_copies
+from .gemm import Fp8Wgrad, GemmBackend
 from .grouping import gather_rows, pad_rows, grouped_mm_2d2d, grouped_mm_2d3d, padded_source_rows
 from .mx import E4M3_MAX
 
@@ -287,10 +287,6 @@ class Fp8RowwiseGemm(GemmBackend):
         self.fp8_wgrad, self.fp8_wgrad_experts = self.wgrad.dense_fp8, self.wgrad.experts_fp8
         self.expert_copies, self.fused_amax = bool(expert_copies), bool(fused_amax)
         self.cache = WeightCache()
-
-    def attach_optimizer(self, optimizer, parts) -> None:
-        if self.expert_copies:
-            attach_expert_copies(optimizer, parts, grads=True)
 
     @property
     def label(self) -> str:

@@ -106,9 +106,17 @@ class GemmBackend:
         a low-precision backend's linear (x [..., I], w [O, I] -> [..., O])."""
         return function.apply(x.reshape(-1, x.shape[-1]), w, self, *extra).reshape(*x.shape[:-1], w.shape[0])
 
+    expert_copies = False
+    """precision.expert_weight_copies=optimizer with expert_grads_bf16 on a low-precision backend that
+    takes them (config.takes_expert_copies): the routed experts compute on the optimizer's bf16 weight
+    copies, which attach_optimizer registers."""
+
     def attach_optimizer(self, optimizer, parts) -> None:
         """Called once by the trainer with its optimizer and model parts (a backend that wants the
-        optimizer to keep something current registers it here). Nothing to do by default."""
+        optimizer to keep something current registers it here). By default: the optimizer's bf16
+        expert copies where ``expert_copies`` (the GEMMs differentiate the copies), else nothing."""
+        if self.expert_copies:
+            attach_expert_copies(optimizer, parts, grads=True)
 
     def after_optimizer_step(self) -> None:
         """Called once the weights changed (PrecisionPolicy.after_optimizer_step): a backend that

@@ -51,10 +51,16 @@ mxfp8 emulated, compiled) it took olmoe3-4l-8e from 48,263 to 50,005 tok/s (+3.6
 _ROWS_TILE = (32, 128)   # axis -1: 32 rows x 4 blocks of 32
 _COLS_TILE = (32, 256)   # axis 0: one block of 32 rows x 256 columns
 
+
 def _both_tile(spec: str) -> dict[str, int]:
-    cols, warps = (int(v) for v in spec.split(","))
-    if cols < 32 or cols & (cols - 1) or warps not in (1, 2, 4, 8, 16):
-        raise ValueError(f"MOETRON_MX_BOTH_TILE={spec!r}: want 'cols,warps', cols a power of two >= 32, warps 1-16")
+    """MOETRON_MX_BOTH_TILE's 'cols,warps' -> TILES["both"] (ValueError naming the form otherwise)."""
+    try:
+        cols, warps = (int(v) for v in spec.split(","))
+    except ValueError:
+        cols = warps = 0
+    if not (32 <= cols <= 1024 and cols & (cols - 1) == 0 and warps in (1, 2, 4, 8, 16)):
+        raise ValueError(f"MOETRON_MX_BOTH_TILE={spec!r}: want 'cols,warps', cols a power of two from 32 to 1024, "
+                         f"warps 1, 2, 4, 8 or 16 (e.g. '128,4', the default)")
     return {"cols": cols, "num_warps": warps}
 
 

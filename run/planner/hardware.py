@@ -164,7 +164,8 @@ mx_rows_and_cols_triton, the default) or two (input_two_pass, MOETRON_MX_FUSED=0
 payload back to bf16 (input_dequant, _mx_dequantize_kernel). Its output gradient dy, backward: bf16
 rows for the dgrad and bf16 columns for the wgrad (grad_fused / grad_two_pass). A weight: each
 orientation (along I for the forward, along O for the dgrad) read from the fp32 master and written
-in bf16, a pass of its own (weight): two per micro-batch compiled (three for a recomputed block),
+in bf16, a pass of its own (weight; 2 B less read from the experts' bf16 copies under
+precision.expert_weight_copies=optimizer): two per micro-batch compiled (three for a recomputed block),
 two per step from the eager WeightCache, or, fused, one pass per step making both (weight_pair:
 emulated._weight's one cache entry for both orientations, where the cache serves: eager and
 quantize_weights_once; not run on a GPU yet, so the fused rate is the activations'). The grouped wgrad's padding rows (P - R, under 1% at 64

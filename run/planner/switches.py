@@ -14,6 +14,7 @@ from moetron.core.config import ConfigError
 from moetron.core.layers.loss import path_chunk_tokens
 from moetron.core.optim import OptimizerConfig
 from moetron.core.precision import Fp8Wgrad, PrecisionConfig, PrecisionRecipe, emulated
+from moetron.core.precision.config import check_expert_copies, takes_expert_copies
 from moetron.models import ModelConfig
 from moetron.parallel.config import ParallelConfig
 from .hardware import GPU, FP8_SAVED, FP8_WEIGHT_CACHED, FP8_WGRAD_BYTES, LOW_PRECISION
@@ -38,12 +39,13 @@ class Switches:
     state_dtype: str = "fp32"
     expert_weight_copies: bool = False
     """precision.expert_weight_copies: the bf16 experts keep one bf16 copy of each weight through
-    the step (held memory, no recast in backward); fp8_rowwise's experts quantize from those copies."""
+    the step (held memory, no recast in backward); fp8_rowwise's and the emulated backend's experts
+    quantize from those copies (core.precision.config.takes_expert_copies)."""
     triton_swiglu: bool = True
     """precision.triton_swiglu: the bf16 experts' SwiGLU backward in one Triton pass (silu(gate) and
     the product's gradient made in it: two [R, F] row tensors fewer at the backward's peak)."""
     expert_grads_bf16: bool = False
-    """precision.expert_grads_bf16 (bf16 and fp8_rowwise): the experts' gradients held in bf16 on the optimizer's copies
+    """precision.expert_grads_bf16 (bf16, fp8_rowwise, the emulated backend): the experts' gradients held in bf16 on the optimizer's copies
     (2 B per local expert parameter instead of 4; no bf16 -> fp32 cast of the grouped GEMMs' weight
     gradients, read 2 + written 4 B per element; the optimizer reads 2 B less for each)."""
     quantize_weights_once: bool = False
@@ -147,11 +149,6 @@ class Switches:
         return FP8_WGRAD_BYTES if self.fp8_blockwise_experts and not self.bf16_wgrad("experts") else 2.0
 
 
-_COPIES = (PrecisionRecipe.bf16, PrecisionRecipe.fp8_rowwise)
-"""The recipes that take precision.expert_weight_copies and expert_grads_bf16 (PrecisionConfig refuses
-them elsewhere)."""
-
-
 def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig, optimizer: OptimizerConfig,
              gpu: GPU, compiled: bool, mx_fused: bool | None = None) -> Switches:
     """The Switches of a run on ``gpu`` (ConfigError where pretrain would refuse: a native recipe the
@@ -164,6 +161,8 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
         raise ConfigError("the planner models bf16 compute and its low-precision recipes: precision.recipe=fp32 "
                           "is for CPU tests; use bf16, mxfp8, fp8_blockwise or fp8_rowwise")
     backend = precision.resolved_backend("cuda", capability_major=gpu.sm)
+    copies = str(precision.expert_weight_copies) != "none" and takes_expert_copies(recipe, backend)
+    check_expert_copies(recipe, backend, str(precision.expert_weight_copies) == "optimizer")
     if precision.expert_grads_bf16 and (parallel.dp_shard > 1 or parallel.ep > 1 or parallel.pp > 1):
         raise ConfigError("precision.expert_grads_bf16 (with expert_weight_copies=optimizer) is for one unsharded "
                           "GPU: no FSDP2, expert or pipeline parallelism; drop it for this layout")
@@ -172,8 +171,7 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
                     recipe=str(recipe), backend=str(backend) if recipe in LOW_PRECISION else "native",
                     low_modules=frozenset(str(m) for m in precision.modules) if recipe in LOW_PRECISION else frozenset(),
                     state_dtype=str(optimizer.state_dtype),
-                    expert_weight_copies=str(precision.expert_weight_copies) != "none" and recipe in _COPIES,
-                    expert_grads_bf16=bool(precision.expert_grads_bf16) and recipe in _COPIES,
+                    expert_weight_copies=copies, expert_grads_bf16=bool(precision.expert_grads_bf16) and copies,
                     # the fused backward serves the unscaled SwiGLU only (weights_before_down scales it)
                     triton_swiglu=bool(precision.triton_swiglu) and recipe == PrecisionRecipe.bf16
                     and not (model.moe is not None and model.moe.weights_before_down),

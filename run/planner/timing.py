@@ -86,10 +86,13 @@ def mx_emulated_quant_s(gpu: GPU, sw: Switches, module: str, inputs: float, outp
     mode = "fused" if sw.mx_fused else "two_pass"
     paired = b[f"input_{mode}"] * inputs * (2 if recomputed else 1) + b[f"grad_{mode}"] * outputs
     separate = b["input_dequant"] * inputs
+    # the experts on the optimizer's bf16 copies read 2 B of each weight element, not the fp32 master's 4
+    lighter = 2.0 if module == "experts" and sw.expert_weight_copies else 0.0
     if sw.caches_weights(module) and sw.mx_fused:  # one cache entry holds both orientations, one read
-        paired += b["weight_pair"] * weights / microbatches
+        paired += (b["weight_pair"] - lighter) * weights / microbatches
     else:
-        separate += b["weight"] * weights * (2 / microbatches if sw.caches_weights(module) else (3 if recomputed else 2))
+        separate += (b["weight"] - lighter) * weights * (2 / microbatches if sw.caches_weights(module)
+                                                         else (3 if recomputed else 2))
     return paired / (hbm * (EFF_MX_FUSED if sw.mx_fused else EFF_MX_QUANT)) + separate / (hbm * EFF_MX_QUANT)
 
 

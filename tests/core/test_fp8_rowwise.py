@@ -480,11 +480,20 @@ def test_expert_weight_copies_config_errors(monkeypatch):
         assert emulated.expert_copies and "expert_copies=True" in repr(emulated)
     import moetron.core.precision.config as config_module
 
-    monkeypatch.setattr(config_module, "_capability_major", lambda device_type: 9)  # as on an H200
-    with pytest.raises(ConfigError, match="recipe=fp8_blockwise: its native GEMMs.*--precision.backend=emulated"):
-        cfg(recipe="fp8_blockwise", backend="native", expert_weight_copies="optimizer",
-            expert_grads_bf16=True).build("cuda", verbose=False)
+    # an explicit native backend: refused by validate, before anything resolves
+    with pytest.raises(ConfigError, match="recipe=mxfp8 on precision.backend=native: the native mxfp8 / "
+                                          "fp8_blockwise GEMMs do not take.*--precision.backend=emulated"):
+        cfg(recipe="mxfp8", backend="native", expert_weight_copies="optimizer", expert_grads_bf16=True).validate()
+    # auto resolving to native (fp8_blockwise on an H200): refused by build
+    monkeypatch.setattr(config_module, "_capability_major", lambda device_type: 9)
+    with pytest.raises(ConfigError, match="recipe=fp8_blockwise on precision.backend=native.*backend=emulated"):
+        cfg(recipe="fp8_blockwise", expert_weight_copies="optimizer", expert_grads_bf16=True).build("cuda", verbose=False)
     monkeypatch.undo()
+    from moetron.core.precision.config import takes_expert_copies
+
+    assert [takes_expert_copies(r, b) for r, b in [("bf16", "native"), ("fp8_rowwise", "native"), ("mxfp8", "native"),
+                                                   ("mxfp8", "emulated"), ("fp8_blockwise", "native"),
+                                                   ("fp8_blockwise", "emulated")]] == [True, True, False, True, False, True]
     gemm = cfg(recipe="fp8_rowwise", expert_weight_copies="optimizer", expert_grads_bf16=True).build(
         "cpu", verbose=False).gemm
     assert gemm.expert_copies and "expert_copies=True" in repr(gemm)

@@ -236,16 +236,28 @@ def test_fused_mx_kernels_match_the_torch_ops_on_gpu():
     _fused_kernels_match_torch("cuda")
 
 
-MX_BOTH_TILES = [(64, 4), (128, 4), (256, 8), (512, 8)]  # tools/bench_quantize.py --mx sweeps these
-
-
 def _rows_and_cols_tiles_match_torch(device: str) -> None:
-    """mx_rows_and_cols_triton under each tile (columns per program, warps; mx_triton.TILES) equals
-    the torch reference, bit for bit: a gathered grouped operand (64 + 3 experts' padded rows, an
-    empty expert, rows past the last group) with the columns as a payload and as bf16, and a dense
-    operand whose rows are not a whole block; 640 columns, so no wide tile divides them."""
+    """mx_rows_and_cols_triton under each tile that tools/bench_quantize.py --mx sweeps (columns per
+    program, warps; mx_triton.TILES) equals the torch reference, bit for bit: a gathered grouped
+    operand (4 experts, one empty, padded to 32-row blocks, rows past the last group) with the
+    columns as a payload and as bf16, and a dense operand whose rows are not a whole block; 640
+    columns, so no wide tile divides them. Each launch's grid is the tile's."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools"))
+    from bench_quantize import MX_TILES  # tools/ (also in the interpreter's subprocess)
+
     from moetron.core.precision import mx_triton
     from moetron.core.precision.grouping import padded_source_rows
+
+    kernel = mx_triton._mx_rows_and_cols_kernel
+    grids = []
+
+    class Recorded:  # the kernel, its launch grids recorded
+        def __getitem__(self, grid):
+            grids.append(tuple(grid))
+            return kernel[grid]
 
     x = wide(200, 640, seed=7).bfloat16().to(device)
     ends = torch.tensor([50, 50, 130, 190], device=device, dtype=torch.int32)
@@ -254,11 +266,15 @@ def _rows_and_cols_tiles_match_torch(device: str) -> None:
     want_grouped = (ref.rows_and_cols(x, src, ends, True), ref.rows_and_cols(x, src, ends, False))
     want_dense = ref.rows_and_cols(x[:70], None, None, True)
     saved = dict(mx_triton.TILES["both"])
+    mx_triton._mx_rows_and_cols_kernel = Recorded()
     try:
-        for cols, warps in MX_BOTH_TILES:
+        for cols, warps in MX_TILES:
             mx_triton.TILES["both"] = {"cols": cols, "num_warps": warps}
+            grids.clear()
             got_grouped = tuple(mx_triton.mx_rows_and_cols_triton(x, src, ends, "rceil", p) for p in (True, False))
             got_dense = mx_triton.mx_rows_and_cols_triton(x[:70], None, None, "rceil", True)
+            col_tiles = -(-640 // cols)
+            assert grids == [(src.numel() // 32, col_tiles), (-(-200 // 32), col_tiles)] * 2 + [(96 // 32, col_tiles)]
             for got, want in zip((*got_grouped, got_dense), (*want_grouped, want_dense)):
                 assert len(got) == len(want)
                 for g, w in zip(got, want):
@@ -267,6 +283,16 @@ def _rows_and_cols_tiles_match_torch(device: str) -> None:
                                        w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w), (cols, warps)
     finally:
         mx_triton.TILES["both"] = saved
+        mx_triton._mx_rows_and_cols_kernel = kernel
+
+
+def test_both_tile_setting_is_checked():
+    from moetron.core.precision.mx_triton import _both_tile
+
+    assert _both_tile("256,8") == {"cols": 256, "num_warps": 8}
+    for bad in ("128", "96,4", "128,3", "2048,4", "a,b"):
+        with pytest.raises(ValueError, match="want 'cols,warps'"):
+            _both_tile(bad)
 
 
 def test_rows_and_cols_tiles_match_the_torch_ops_interpreted():
@@ -306,32 +332,44 @@ def test_per_expert_grouped_reads_the_groups_once_per_pass_and_matches_float64()
     check_grouped(act, wq, x, w, offsets, y, dy)
 
 
-@pytest.mark.parametrize("fmt_name", list(FORMATS))
-def test_grouped_mm_on_bf16_weight_copies_equals_the_fp32_path_and_float64(fmt_name):
-    """precision.expert_weight_copies=optimizer on the emulated backend: the GEMM takes the bf16 copy
-    itself. Its output and input gradient equal, bit for bit, those of an fp32 weight holding the
-    same (bf16) values, and its weight gradient is that run's fp32 gradient rounded to bf16, exactly
-    (the grouped GEMM's output is bf16 either way; the fp32 path only widens it); both against
-    float64 on the quantized operands."""
+def _grouped_mm_on_bf16_weights_equals_the_fp32_path(fmt_name: str, device: str) -> None:
     make, act, wq = FORMATS[fmt_name]
     E, I, O = 5, 256, 128
-    offsets = torch.tensor([37, 37, 150, 290, 300])
-    x0 = wide(310, I, seed=4).bfloat16()
-    w16 = wide(E, O, I, seed=5).bfloat16()
-    dy = wide(310, O, seed=6).bfloat16().float()
+    offsets = torch.tensor([37, 37, 150, 290, 300], device=device)
+    x0 = wide(310, I, seed=4).bfloat16().to(device)
+    w16 = wide(E, O, I, seed=5).bfloat16().to(device)
+    dy = wide(310, O, seed=6).bfloat16().float().to(device)
     dy[300:] = 0
     runs = {}
     for dtype in (torch.float32, torch.bfloat16):
         x, w = x0.float().requires_grad_(), w16.to(dtype).requires_grad_()
-        y = EmulatedGemm(make(), expert_copies=dtype == torch.bfloat16).grouped_mm(x, w, offsets)
+        y = EmulatedGemm(make()).grouped_mm(x, w, offsets)
         y.backward(dy)
         assert w.grad.dtype == dtype
         runs[dtype] = y, x.grad, w.grad
-        if dtype == torch.float32:
+        if dtype == torch.float32 and device == "cpu":
             check_grouped(act, wq, x, w, offsets, y, dy)
     (y32, dx32, dw32), (y16, dx16, dw16) = runs[torch.float32], runs[torch.bfloat16]
     assert torch.equal(y16, y32) and torch.equal(dx16, dx32)
     assert torch.equal(dw16, dw32.to(torch.bfloat16)) and torch.equal(dw16.float(), dw32)
+
+
+@pytest.mark.parametrize("fmt_name", list(FORMATS))
+def test_grouped_mm_on_bf16_weight_copies_equals_the_fp32_path(fmt_name):
+    """precision.expert_weight_copies=optimizer on the emulated backend hands the grouped GEMM the
+    bf16 copy itself. Its output and input gradient equal, bit for bit, those of an fp32 weight
+    holding the same (bf16) values, and its weight gradient is that run's fp32 gradient rounded to
+    bf16, exactly (the grouped GEMM's output is bf16 either way; the fp32 path only widens it). The
+    fp32 run is checked against float64 on the quantized operands (check_grouped), the bf16 run by
+    that equality."""
+    _grouped_mm_on_bf16_weights_equals_the_fp32_path(fmt_name, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt_name", ["mx_rceil", "mx_floor"])
+def test_grouped_mm_on_bf16_weight_copies_equals_the_fp32_path_on_gpu(fmt_name):
+    """The same on CUDA, where the weights' quantization reads bf16 through the Triton kernels."""
+    _grouped_mm_on_bf16_weights_equals_the_fp32_path(fmt_name, "cuda")
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "fp8_blockwise"])

@@ -647,3 +647,38 @@ def test_fp8_rowwise_plan_without_triton_is_one_clear_error(monkeypatch):
     p.precision = PrecisionConfig(recipe="fp8_rowwise")
     with pytest.raises(ConfigError, match="pip install triton"):
         planner.plan(p)
+
+
+def test_emulated_recipes_on_the_optimizers_bf16_copies():
+    """mxfp8 emulated with precision.expert_weight_copies=optimizer and expert_grads_bf16 (session 22):
+    the plan holds the experts' bf16 copies (2 B per expert parameter) and bf16 gradients, reads 2 B
+    less of each expert weight in every weight quantization (two orientations a micro-batch,
+    compiled: 2 x 2 B per element at the separate passes' rate), and drops the gradients' cast; native
+    fp8_blockwise refuses the copies as the run does (core.precision.config.check_expert_copies)."""
+    from moetron.core.config import ConfigError
+    from moetron.core.optim import OptimizerConfig
+    from moetron.core.precision import PrecisionConfig
+    from moetron.run.planner import hardware as hw
+
+    def run(copies: bool, recipe="mxfp8", backend="emulated"):
+        p = _olmoe8(gpu="h200", compiled=True, optimizer=OptimizerConfig(state_dtype="bf16"))
+        p.precision = PrecisionConfig(recipe=recipe, backend=backend,
+                                      expert_weight_copies="optimizer" if copies else "none", expert_grads_bf16=copies)
+        return planner.plan(p)
+
+    off, on = run(False), run(True)
+    cfg = _olmoe8().model
+    experts = sum(cfg.moe.num_params(cfg.d_model) - cfg.moe.num_experts * cfg.d_model
+                  for i in range(cfg.n_layers) if cfg.is_moe_layer(i))
+    assert on["stages"][0]["compute_copies_gib"] * GiB == pytest.approx(
+        off["stages"][0]["compute_copies_gib"] * GiB + 2 * experts)
+    assert on["stages"][0]["grads_gib"] * GiB == pytest.approx(off["stages"][0]["grads_gib"] * GiB - 2 * experts)
+    hbm = 4.8e12
+    lighter = 2 * 2.0 * experts / (hbm * hw.EFF_MX_QUANT)  # two orientations, 2 B less read each
+    assert off["microbatch_parts_s"]["recast_quant"] - on["microbatch_parts_s"]["recast_quant"] == pytest.approx(
+        lighter, rel=1e-9)
+    assert on["step_s"] < off["step_s"]
+    # measured (session 22, docs/bench/session22/call2/olmoe8l_mx.json): 213.7 -> 206.9 ms, 48.55 -> 54.55 GiB
+    assert on["step_s"] == pytest.approx(0.2069, rel=0.2) and on["peak_gib"] == pytest.approx(54.55, rel=0.1)
+    with pytest.raises(ConfigError, match="native mxfp8 / fp8_blockwise GEMMs do not take.*backend=emulated"):
+        run(True, recipe="fp8_blockwise", backend="auto")
