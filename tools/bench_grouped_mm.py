@@ -105,6 +105,13 @@ def triton_fn(pass_: str):
     return torch.compile(fn, dynamic=False, fullgraph=True)
 
 
+def generated_triton_grouped_mm(codes: list[str]) -> bool:
+    """Whether inductor's output code (torch._inductor.utils.run_and_get_code) holds a Triton grouped
+    GEMM kernel, not a call back into torch's own kernel (extern_kernels / aten)."""
+    code = "\n".join(codes)
+    return "@triton.jit" in code and "grouped_mm" in code
+
+
 def loop_ms(fn, device, iters: int, loop: int) -> float:
     """Milliseconds per call: the median over ``iters`` samples of ``loop`` back-to-back calls."""
     def calls():
@@ -132,12 +139,17 @@ def measure(shape: str, gemm: str, pass_: str, R: int, I: int, O: int, E: int, d
 
     patch = dict(max_autotune_gemm=True, max_autotune_gemm_backends="TRITON", autotune_fallback_to_aten=False)
     torch._dynamo.reset()  # each row compiles afresh
+    from torch._inductor.utils import run_and_get_code
+
     try:
         with inductor_config.patch({k: v for k, v in patch.items() if hasattr(inductor_config, k)}):
             fn = triton_fn(pass_)
-            out = fn(*args, **kwargs)
+            out, codes = run_and_get_code(fn, *args, **kwargs)
     except Exception as e:  # noqa: BLE001 - a template that cannot serve this layout is a result
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        return row
+    if not generated_triton_grouped_mm(codes):
+        row["error"] = "inductor did not generate a Triton grouped GEMM here (it would have timed torch's kernel)"
         return row
     ms_t = loop_ms(lambda: fn(*args, **kwargs), device, iters, loop)
     err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30)).item()

@@ -58,3 +58,18 @@ def test_tiny_run_reports_every_pass(tmp_path):
             assert "SM90" in r["error"]
         else:
             assert r["torch_ms"] > 0 and r["torch_tflops"] > 0
+
+
+def test_a_fallback_to_torchs_kernel_is_not_taken_for_triton():
+    """inductor's output for torch._grouped_mm where it has no Triton template (here: the CPU, which
+    calls torch's kernel back) is told apart from a Triton grouped GEMM, so the benchmark never times
+    torch's kernel twice under two names."""
+    import bench_grouped_mm as b
+    from torch._inductor.utils import run_and_get_code
+
+    args, kwargs = b.operands("fwd", 40, 32, 48, 3, torch.device("cpu"))
+    torch._dynamo.reset()
+    out, codes = run_and_get_code(b.triton_fn("fwd"), *args, **kwargs)
+    torch.testing.assert_close(out, b.torch_op("fwd")(*args, **kwargs))
+    assert codes and not b.generated_triton_grouped_mm(codes)
+    assert b.generated_triton_grouped_mm(["@triton.jit\ndef triton_tem_fused__grouped_mm_0(...):"])
