@@ -112,15 +112,6 @@ def generated_triton_grouped_mm(codes: list[str]) -> bool:
     return "@triton.jit" in code and "grouped_mm" in code
 
 
-def loop_ms(fn, device, iters: int, loop: int) -> float:
-    """Milliseconds per call: the median over ``iters`` samples of ``loop`` back-to-back calls."""
-    def calls():
-        for _ in range(loop):
-            fn()
-
-    return median_ms(calls, device, iters=iters) / loop
-
-
 def measure(shape: str, gemm: str, pass_: str, R: int, I: int, O: int, E: int, device, iters: int,
             loop: int = 10) -> dict:
     args, kwargs = operands(pass_, R, I, O, E, device)
@@ -131,7 +122,7 @@ def measure(shape: str, gemm: str, pass_: str, R: int, I: int, O: int, E: int, d
         return row
     op = torch_op(pass_)
     ref = op(*args, **kwargs)
-    ms = loop_ms(lambda: op(*args, **kwargs), device, iters, loop)
+    ms = median_ms(lambda: op(*args, **kwargs), device, iters=iters, loop=loop)
     row.update(torch_ms=ms, torch_tflops=flops / ms / 1e9)
     if device.type != "cuda":
         return row
@@ -151,7 +142,7 @@ def measure(shape: str, gemm: str, pass_: str, R: int, I: int, O: int, E: int, d
     if not generated_triton_grouped_mm(codes):
         row["error"] = "inductor did not generate a Triton grouped GEMM here (it would have timed torch's kernel)"
         return row
-    ms_t = loop_ms(lambda: fn(*args, **kwargs), device, iters, loop)
+    ms_t = median_ms(lambda: fn(*args, **kwargs), device, iters=iters, loop=loop)
     err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30)).item()
     row.update(triton_ms=ms_t, triton_tflops=flops / ms_t / 1e9, triton_x_torch=ms / ms_t, err=err)
     return row

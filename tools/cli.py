@@ -63,9 +63,15 @@ def write_report(path: str, env: dict, rows: list[dict]) -> None:
     print(f"wrote {path}")
 
 
-def median_ms(fn: Callable[[], object], device, warmup: int = 5, iters: int = 20) -> float:
-    """Median milliseconds of one fn() call over ``iters`` calls after ``warmup``: CUDA events on a
-    GPU (each call waited for), the wall clock elsewhere. The benchmarks' one per-call timer."""
+def median_ms(fn: Callable[[], object], device, warmup: int = 5, iters: int = 20, loop: int = 1) -> float:
+    """Median milliseconds of one fn() call over ``iters`` samples after ``warmup`` calls: CUDA events
+    on a GPU, the wall clock elsewhere. The benchmarks' one per-call timer.
+
+    A sample is ``loop`` back-to-back calls, waited for at its end, divided by ``loop``. With
+    ``loop=1`` each call is waited for, so its host time (a launch, a compiled function's guards)
+    counts as well: a few to tens of microseconds, which matters for kernels under a millisecond or
+    two and between callables whose host paths differ. A larger ``loop`` queues the kernels behind
+    each other and leaves the GPU time (as long as a call's host time is below its kernels')."""
     import time
 
     import torch
@@ -76,17 +82,21 @@ def median_ms(fn: Callable[[], object], device, warmup: int = 5, iters: int = 20
     if cuda:
         torch.cuda.synchronize()
     times = []
+    if loop < 1:
+        raise ValueError(f"median_ms: loop must be at least 1, got {loop}")
     for _ in range(iters):
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            for _ in range(loop):
+                fn()
             end.record()
             end.synchronize()
-            times.append(start.elapsed_time(end))
+            times.append(start.elapsed_time(end) / loop)
         else:
             t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+            for _ in range(loop):
+                fn()
+            times.append((time.perf_counter() - t0) * 1e3 / loop)
     times.sort()
     return times[len(times) // 2] if len(times) % 2 else 0.5 * (times[len(times) // 2 - 1] + times[len(times) // 2])
