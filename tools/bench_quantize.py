@@ -18,7 +18,8 @@ weight's stacked columns; ms and TB/s of their traffic.
 
 With --mx, mxfp8's fused kernel (core/precision/mx_triton.py mx_rows_and_cols_triton: an operand's
 rows quantize-dequantized to bf16 and its columns along 32-row blocks, from one read) under each tile
-of a sweep (MX_TILES: columns per program x warps), at OLMoE-8L's operands: the routed x gathered
+of a sweep (MX_TILES: columns per program x warps, and the E8M0 codes stored from the tile's
+layout or through shared memory), at OLMoE-8L's operands: the routed x gathered
 into 64 experts' padded rows with the columns as a payload (e4m3 + E8M0, what the forward saves),
 its output gradient with bf16 columns (the backward's), and a dense linear's x; ms and TB/s of their
 traffic (the bf16 read, the bf16 rows write, the columns' write), beside a plain copy.
@@ -134,9 +135,14 @@ def rowwise(args, device) -> list[dict]:
     return out
 
 
-MX_TILES = [(64, 4), (128, 4), (128, 8), (256, 4), (256, 8), (512, 8)]  # columns per program, warps
+MX_TILES = [(64, 4, False), (128, 4, False), (128, 8, False), (256, 4, False), (256, 8, False), (512, 8, False),
+            (128, 4, True), (256, 4, True)]  # columns per program, warps, E8M0 codes stored from the tile's layout
 MX_SHAPES = [  # (label, rows, cols, experts or 0 for a dense operand, columns as payload)
     ("expert x", 131072, 2048, 64, True), ("expert dy", 131072, 2048, 64, False), ("dense x", 16384, 2048, 0, True)]
+
+
+def mx_tile_label(cols: int, warps: int, codes_from_tile: bool) -> str:
+    return f"{cols} cols w{warps}" + (" tile-codes" if codes_from_tile else "")
 
 
 def mx(args, device) -> list[dict]:
@@ -163,13 +169,13 @@ def mx(args, device) -> list[dict]:
                 P = src.numel()
             traffic = 2 * R * C + 2 * R * C + (P * C + P * C // 32 if payload else 2 * P * C)
             cells = [("copy", lambda: x.clone(), 4 * R * C)]
-            for cols, warps in MX_TILES:
-                cells.append((f"{cols} cols w{warps}", (cols, warps), traffic))
+            for cols, warps, codes in MX_TILES:
+                cells.append((mx_tile_label(cols, warps, codes), (cols, warps, codes), traffic))
             for tile, what, bytes_ in cells:
                 if callable(what):
                     fn = what
                 else:
-                    mx_triton.TILES["both"] = {"cols": what[0], "num_warps": what[1]}
+                    mx_triton.TILES["both"] = {"cols": what[0], "num_warps": what[1], "codes_from_tile": what[2]}
                     fn = lambda: mx_triton.mx_rows_and_cols_triton(x, src, ends, "rceil", payload)  # noqa: E731
                 ms = median_ms(fn, device, warmup=warmup, iters=iters)
                 out.append({"kind": "mx_rows_and_cols", "operand": label, "shape": [R, C], "experts": E,

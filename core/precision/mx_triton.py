@@ -66,8 +66,10 @@ def _both_tile(spec: str) -> dict[str, int]:
 
 TILES = {"both": _both_tile(os.environ.get("MOETRON_MX_BOTH_TILE", "128,4"))}
 """mx_rows_and_cols_triton's tile: 32 rows (one block of the columns output) x ``cols`` columns
-(cols / 32 blocks of the rows output), ``num_warps`` warps. Read at each call (tools/bench_quantize.py
---mx sweeps it); ``MOETRON_MX_BOTH_TILE=cols,warps`` at import sets it for a whole process."""
+(cols / 32 blocks of the rows output), ``num_warps`` warps, and ``codes_from_tile`` (absent: False;
+the payload's E8M0 codes stored from the tile's layout, the kernel's CODES_FROM_TILE: session 22's
+lead from the PTX, not yet timed). Read at each call (tools/bench_quantize.py --mx sweeps it);
+``MOETRON_MX_BOTH_TILE=cols,warps`` at import sets the tile for a whole process."""
 
 
 @triton.jit
@@ -325,14 +327,16 @@ def _mx_rows_and_cols_kernel(
     x_ptr, src_ptr, end_ptr, rows_ptr, cols_ptr, data_ptr, scale_ptr, P, R, C,
     s_xp, s_xc, s_rp, s_rc, s_cp, s_cc, s_dp, s_dc, s_sp, s_sc,
     TAIL: tl.constexpr, GATHER: tl.constexpr, COLS_PAYLOAD: tl.constexpr, FLOOR: tl.constexpr,
-    IN_BF16: tl.constexpr, HW: tl.constexpr, TC: tl.constexpr,
+    IN_BF16: tl.constexpr, HW: tl.constexpr, TC: tl.constexpr, CODES_FROM_TILE: tl.constexpr = False,
 ):
     """One [32, TC] tile of x read once, quantized both ways (the lean arithmetic): along C (blocks
     of 32 in each row) to the bf16 rows output at the source rows, and along the 32 rows (one block
     per column) to the columns output at the view's rows: e4m3 + E8M0 (COLS_PAYLOAD) or bf16.
     GATHER: view row p is x[src[p]] (zeros where src[p] < 0). TAIL: the program covers source rows
     32 * pid .. and writes only the rows output of rows from ends[-1] on (rows past the last group,
-    which no view row reads); programs whose rows all lie before it return at once."""
+    which no view row reads); programs whose rows all lie before it return at once. CODES_FROM_TILE:
+    the columns' E8M0 codes stored from the tile's own layout by its first row's threads, not
+    converted through shared memory byte by byte (TILES["both"]["codes_from_tile"]; the same bytes)."""
     pid_p, pid_c = tl.program_id(0), tl.program_id(1)
     NB: tl.constexpr = TC // 32
     c = pid_c * TC + tl.arange(0, TC)[None, :]
@@ -360,8 +364,14 @@ def _mx_rows_and_cols_kernel(
         pmask = (p[:, None] < P) & cmask
         if COLS_PAYLOAD:
             tl.store(data_ptr + p[:, None].to(tl.int64) * s_dp + c * s_dc, q8, mask=pmask)
-            cc = pid_c * TC + tl.arange(0, TC)
-            tl.store(scale_ptr + pid_p.to(tl.int64) * s_sp + cc * s_sc, code_c.to(tl.uint8), mask=cc < C)
+            if CODES_FROM_TILE:
+                codes = tl.broadcast_to(code_c[None, :], (32, TC)).to(tl.uint8)
+                first = (tl.arange(0, 32) == 0)[:, None]
+                tl.store(scale_ptr + pid_p.to(tl.int64) * s_sp + (c + 0 * p[:, None]) * s_sc, codes,
+                         mask=first & cmask)
+            else:
+                cc = pid_c * TC + tl.arange(0, TC)
+                tl.store(scale_ptr + pid_p.to(tl.int64) * s_sp + cc * s_sc, code_c.to(tl.uint8), mask=cc < C)
         else:
             _store_bf16(cols_ptr + p[:, None].to(tl.int64) * s_cp + c * s_cc, deq_c, pmask, HW)
 
@@ -469,11 +479,12 @@ def mx_rows_and_cols_triton(x: torch.Tensor, src_rows: torch.Tensor | None = Non
     xk, in_bf16 = as_loadable(x)
     src = src_rows if src_rows is not None else rows
     end = ends[-1:] if ends is not None else rows
-    TC, warps = TILES["both"]["cols"], TILES["both"]["num_warps"]
+    tile = TILES["both"]
+    TC, warps = tile["cols"], tile["num_warps"]
     strides = (x.stride(0), x.stride(1), rows.stride(0), rows.stride(1), cols.stride(0), cols.stride(1),
                data.stride(0), data.stride(1), scale.stride(0), scale.stride(1))
     common = dict(COLS_PAYLOAD=cols_payload, FLOOR=scale_mode == "floor", IN_BF16=in_bf16, HW=HW_CONVERT, TC=TC,
-                  num_warps=warps)
+                  CODES_FROM_TILE=bool(tile.get("codes_from_tile", False)), num_warps=warps)
     if P and C:
         _mx_rows_and_cols_kernel[(P // MX_BLOCK, triton.cdiv(C, TC))](
             xk, src, end, rows, cols, data, scale, P, R, C, *strides, TAIL=False, GATHER=src_rows is not None, **common)

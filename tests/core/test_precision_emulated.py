@@ -268,8 +268,8 @@ def _rows_and_cols_tiles_match_torch(device: str) -> None:
     saved = dict(mx_triton.TILES["both"])
     mx_triton._mx_rows_and_cols_kernel = Recorded()
     try:
-        for cols, warps in MX_TILES:
-            mx_triton.TILES["both"] = {"cols": cols, "num_warps": warps}
+        for cols, warps, codes in MX_TILES:
+            mx_triton.TILES["both"] = {"cols": cols, "num_warps": warps, "codes_from_tile": codes}
             grids.clear()
             got_grouped = tuple(mx_triton.mx_rows_and_cols_triton(x, src, ends, "rceil", p) for p in (True, False))
             got_dense = mx_triton.mx_rows_and_cols_triton(x[:70], None, None, "rceil", True)
@@ -280,7 +280,7 @@ def _rows_and_cols_tiles_match_torch(device: str) -> None:
                 for g, w in zip(got, want):
                     # rows of the grouped rows output past the last group are quantized too (the TAIL launch)
                     assert torch.equal(g.view(torch.uint8) if g.dtype == torch.float8_e4m3fn else g,
-                                       w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w), (cols, warps)
+                                       w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w), (cols, warps, codes)
     finally:
         mx_triton.TILES["both"] = saved
         mx_triton._mx_rows_and_cols_kernel = kernel
@@ -381,3 +381,33 @@ def test_emulated_recipes_train_on_the_optimizers_bf16_copies(recipe):
 
     gemms = assert_quantized_copies_run_follows_fp32(recipe)
     assert all(isinstance(g, EmulatedGemm) and g.format.name == recipe for g in gemms.values())
+
+
+def test_codes_from_tile_compile_without_byte_stores_through_shared_memory():
+    """The fused MX kernel compiled for SM90 on the CPU (no GPU needed), the columns as a payload: by
+    default its E8M0 codes pass through shared memory one byte per store (st.shared.b8) before one
+    byte-wide global store; with TILES["both"]["codes_from_tile"] they leave from the tile's own
+    layout, with no byte-wide shared stores and fewer CTA barriers (session 22's lead; its speed not
+    yet timed). Everything else is the same kernel."""
+    import re
+    import types
+
+    pytest.importorskip("triton")
+    from tests.core.test_precision_fp8 import _compile_sm90
+
+    from moetron.core.precision import mx_triton
+
+    C, R = 2048, 131072
+    values = dict(x_ptr="*bf16", src_ptr="*i32", end_ptr="*i32", rows_ptr="*bf16", cols_ptr="*bf16",
+                  data_ptr="*fp8e4nv", scale_ptr="*u8", P=R + 64 * 32, R=R, C=C, s_xp=C, s_xc=1, s_rp=C, s_rc=1,
+                  s_cp=C, s_cc=1, s_dp=C, s_dc=1, s_sp=C, s_sc=1)
+    ptx = {}
+    for codes in (False, True):
+        constexprs = dict(TAIL=False, GATHER=True, COLS_PAYLOAD=True, FLOOR=False, IN_BF16=True, HW=True, TC=128,
+                          CODES_FROM_TILE=codes)
+        config = types.SimpleNamespace(kwargs={}, num_warps=4, num_stages=1)
+        ptx[codes] = _compile_sm90(mx_triton._mx_rows_and_cols_kernel, config, values, constexprs).asm["ptx"]
+    count = {k: {op: len(re.findall(rf"\b{re.escape(op)}\b", v)) for op in ("st.shared.b8", "bar.sync")}
+             for k, v in ptx.items()}
+    assert count[False]["st.shared.b8"] > 0 and count[True]["st.shared.b8"] == 0, count
+    assert count[True]["bar.sync"] < count[False]["bar.sync"], count

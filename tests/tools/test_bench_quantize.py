@@ -52,5 +52,6 @@ def test_tiny_mx_sweep_reports_every_tile(tmp_path):
     import bench_quantize
 
     rows = _tiny_rows(tmp_path, "--mx")
-    assert [r["tile"] for r in rows] == ["copy"] + [f"{c} cols w{w}" for c, w in bench_quantize.MX_TILES]
+    assert [r["tile"] for r in rows] == ["copy"] + [bench_quantize.mx_tile_label(*t) for t in bench_quantize.MX_TILES]
+    assert "128 cols w4 tile-codes" in {r["tile"] for r in rows}
     assert all(r["kind"] == "mx_rows_and_cols" and r["ms"] > 0 and r["tb_s"] > 0 for r in rows)
