@@ -298,7 +298,6 @@ class EmulatedGemm(GemmBackend):
         self.cache = WeightCache()
         self.expert_copies = bool(expert_copies)
 
-
     @property
     def label(self) -> str:
         return f"{self.format.name} (emulated: exact quantized operands, bf16 GEMMs)"
