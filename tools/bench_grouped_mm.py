@@ -2,7 +2,8 @@
 """The expert grouped GEMMs one pass at a time: torch's own kernel (``torch._grouped_mm``, CUTLASS on
 SM90; ``torch._scaled_grouped_mm`` for fp8_rowwise's FP8 operands) against the Triton grouped GEMM
 that inductor generates and autotunes for the same op (``torch.compile`` with max-autotune, Triton
-templates only), at tools/bench_gemm_fp8.py's layer shapes (uniform routing, R = tokens x top-k rows).
+templates only), at tools/bench_gemm_fp8.py's layer shapes and routing (its uniform_offsets: top-k of
+uniform random scores, R = tokens x top-k rows).
 
 Per (shape, GEMM, pass), in the layouts the model's experts use (core/precision/bf16_grouped.py):
 forward x [R, I] @ w[e]^T (w [E, O, I]), dgrad dy [R, O] @ w[e], wgrad dy^T @ x per group -> [E, O, I];
@@ -36,12 +37,12 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_gemm_fp8 import SHAPES, TINY_SHAPES  # noqa: E402  (tools/: the shared layer shapes)
+from bench_fp8_variants import GEMMS  # noqa: E402  (tools/: the expert GEMMs' (I, O) by name)
+from bench_gemm_fp8 import SHAPES, TINY_SHAPES, uniform_offsets  # noqa: E402  (the layer shapes, their routing)
 from cli import median_ms, run_cli, write_report  # noqa: E402
 
 from moetron.core.metrics import run_environment  # noqa: E402
 
-GEMMS = {"gate_up": lambda D, F: (D, 2 * F), "down": lambda D, F: (F, D)}  # -> (I, O)
 PASSES = ("fwd", "dgrad", "wgrad", "fwd fp8")
 TOL = 2.0 ** -7
 
@@ -59,25 +60,15 @@ def parse(argv):
     return p.parse_args(argv)
 
 
-def uniform_offsets(rows: int, E: int, device) -> torch.Tensor:
-    """Inclusive cumsum of E groups of rows // E or rows // E + 1 rows (floor((e + 1) x rows / E)), int32."""
-    ends = [(e + 1) * rows // E for e in range(E)]
-    return torch.tensor(ends, dtype=torch.int32, device=device)
-
-
-def operands(pass_: str, R: int, I: int, O: int, E: int, device) -> tuple[tuple, dict]:
-    """(positional args, keyword args) of torch's op for one pass."""
+def operands(pass_: str, R: int, I: int, O: int, offs: torch.Tensor, device) -> tuple[tuple, dict]:
+    """(positional args, keyword args) of torch's op for one pass over R rows in the groups ``offs``
+    (inclusive cumsum, int32, on ``device``)."""
     g = torch.Generator(device="cpu").manual_seed(0)
-    offs = uniform_offsets(R, E, device)
-    bf = torch.bfloat16
-    if pass_ == "fwd":
-        x = torch.randn(R, I, generator=g).to(device, bf)
+    E, bf = offs.numel(), torch.bfloat16
+    if pass_ in ("fwd", "dgrad"):
+        a = torch.randn(R, I if pass_ == "fwd" else O, generator=g).to(device, bf)
         w = (torch.randn(E, O, I, generator=g) * I ** -0.5).to(device, bf)
-        return (x, w.transpose(-2, -1)), dict(offs=offs)
-    if pass_ == "dgrad":
-        dy = torch.randn(R, O, generator=g).to(device, bf)
-        w = (torch.randn(E, O, I, generator=g) * I ** -0.5).to(device, bf)
-        return (dy, w), dict(offs=offs)
+        return (a, w.transpose(-2, -1) if pass_ == "fwd" else w), dict(offs=offs)
     if pass_ == "wgrad":
         dy = torch.randn(R, O, generator=g).to(device, bf)
         x = torch.randn(R, I, generator=g).to(device, bf)
@@ -112,9 +103,10 @@ def generated_triton_grouped_mm(codes: list[str]) -> bool:
     return "@triton.jit" in code and "grouped_mm" in code
 
 
-def measure(shape: str, gemm: str, pass_: str, R: int, I: int, O: int, E: int, device, iters: int,
+def measure(shape: str, gemm: str, pass_: str, R: int, I: int, O: int, offs: torch.Tensor, device, iters: int,
             loop: int = 10) -> dict:
-    args, kwargs = operands(pass_, R, I, O, E, device)
+    args, kwargs = operands(pass_, R, I, O, offs, device)
+    E = offs.numel()
     flops = 2 * R * I * O
     row = dict(shape=shape, gemm=gemm, pass_=pass_, rows=R, I=I, O=O, E=E, tflop=flops / 1e12)
     if pass_ == "fwd fp8" and not (device.type == "cuda" and torch.cuda.get_device_capability()[0] == 9):
@@ -179,11 +171,11 @@ def main(argv=None) -> int:
     rows, failed = [], False
     for shape, s in shapes.items():
         D, E, K, F = s["d_model"], s["num_experts"], s["top_k"], s["hidden"]
-        R = tokens * K
+        R, offs = tokens * K, uniform_offsets(tokens, E, K, device)
         for gemm in gemms:
             I, O = GEMMS[gemm](D, F)
             for pass_ in passes:
-                row = measure(shape, gemm, pass_, R, I, O, E, device, args.iters, 1 if args.tiny else args.loop)
+                row = measure(shape, gemm, pass_, R, I, O, offs, device, args.iters, 1 if args.tiny else args.loop)
                 rows.append(row)
                 write_report(args.json, env, rows)  # after each row: a run cut short keeps what it measured
                 head = f"{shape:<15} {gemm:<8} {pass_:<8}"

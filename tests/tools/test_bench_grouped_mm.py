@@ -19,18 +19,19 @@ def test_each_pass_is_the_experts_gemm_per_group(pass_):
     dw[e] = dy[rows of e]^T @ x[rows of e]; float64 loops over the groups as the reference."""
     import bench_grouped_mm as b
 
-    R, I, O, E = 40, 32, 48, 3
-    args, kwargs = b.operands(pass_, R, I, O, E, torch.device("cpu"))
+    R, I, O, E = 40, 32, 48, 4
+    offs = torch.tensor([13, 13, 31, 40], dtype=torch.int32)  # ragged, an empty group
+    args, kwargs = b.operands(pass_, R, I, O, offs, torch.device("cpu"))
     got = b.torch_op(pass_)(*args, **kwargs).double()
     ends = kwargs["offs"].tolist()
-    assert ends == [13, 26, 40]
+    assert ends == [13, 13, 31, 40]
     a, bmat = (t.double() for t in args)
     start = 0
     for e, end in enumerate(ends):
         if pass_ == "wgrad":  # a = dy^T [O, R], b = x [R, I]
             want = a[:, start:end] @ bmat[start:end]
             assert got.shape == (E, O, I)
-            torch.testing.assert_close(got[e], want, rtol=2e-2, atol=2e-2)
+            torch.testing.assert_close(got[e], want, rtol=2e-2, atol=2e-2)  # an empty group: zeros
         else:  # b[e] = w[e]^T [I, O] (fwd) or w[e] [O, I] (dgrad)
             want = a[start:end] @ bmat[e]
             assert got.shape == (R, O if pass_ == "fwd" else I)
@@ -67,7 +68,7 @@ def test_a_fallback_to_torchs_kernel_is_not_taken_for_triton():
     import bench_grouped_mm as b
     from torch._inductor.utils import run_and_get_code
 
-    args, kwargs = b.operands("fwd", 40, 32, 48, 3, torch.device("cpu"))
+    args, kwargs = b.operands("fwd", 40, 32, 48, torch.tensor([13, 26, 40], dtype=torch.int32), torch.device("cpu"))
     torch._dynamo.reset()
     out, codes = run_and_get_code(b.triton_fn("fwd"), *args, **kwargs)
     torch.testing.assert_close(out, b.torch_op("fwd")(*args, **kwargs))
