@@ -159,6 +159,13 @@ def mx(args, device) -> list[dict]:
     saved = dict(mx_triton.TILES["both"])
     out = []
     print(f"{'operand':<10} {'shape':<16} {'tile':<14} {'ms':>8} {'TB/s':>6}")
+
+    def row(label, R, C, E, payload, tile, fn, traffic):
+        ms = median_ms(fn, device, warmup=warmup, iters=iters)
+        out.append({"kind": "mx_rows_and_cols", "operand": label, "shape": [R, C], "experts": E,
+                    "cols_payload": payload, "tile": tile, "ms": ms, "tb_s": traffic / ms / 1e9})
+        print(f"{label:<10} {str([R, C]):<16} {tile:<14} {ms:8.3f} {traffic / ms / 1e9:6.2f}", flush=True)
+
     try:
         for label, R, C, E, payload in shapes:
             x = torch.randn(R, C, device=device).bfloat16()
@@ -168,20 +175,12 @@ def mx(args, device) -> list[dict]:
                 ends = (torch.arange(1, E + 1, device=device) * (R // E)).to(torch.int32)
                 src, _ = padded_source_rows(ends, R, 32)
                 P = src.numel()
+            row(label, R, C, E, payload, "copy", lambda: x.clone(), 4 * R * C)
             traffic = 2 * R * C + 2 * R * C + (P * C + P * C // 32 if payload else 2 * P * C)
-            cells = [("copy", lambda: x.clone(), 4 * R * C)]
             for cols, warps, codes in MX_TILES:
-                cells.append((mx_tile_label(cols, warps, codes), (cols, warps, codes), traffic))
-            for tile, what, bytes_ in cells:
-                if callable(what):
-                    fn = what
-                else:
-                    mx_triton.TILES["both"] = {"cols": what[0], "num_warps": what[1], "codes_from_tile": what[2]}
-                    fn = lambda: mx_triton.mx_rows_and_cols_triton(x, src, ends, "rceil", payload)  # noqa: E731
-                ms = median_ms(fn, device, warmup=warmup, iters=iters)
-                out.append({"kind": "mx_rows_and_cols", "operand": label, "shape": [R, C], "experts": E,
-                            "cols_payload": payload, "tile": tile, "ms": ms, "tb_s": bytes_ / ms / 1e9})
-                print(f"{label:<10} {str([R, C]):<16} {tile:<14} {ms:8.3f} {bytes_ / ms / 1e9:6.2f}", flush=True)
+                mx_triton.TILES["both"] = {"cols": cols, "num_warps": warps, "codes_from_tile": codes}
+                row(label, R, C, E, payload, mx_tile_label(cols, warps, codes),
+                    lambda: mx_triton.mx_rows_and_cols_triton(x, src, ends, "rceil", payload), traffic)
     finally:
         mx_triton.TILES["both"] = saved
     return out
