@@ -22,7 +22,10 @@ of a sweep (MX_TILES: columns per program x warps, and the E8M0 codes stored fro
 layout or through shared memory), at OLMoE-8L's operands: the routed x gathered
 into 64 experts' padded rows with the columns as a payload (e4m3 + E8M0, what the forward saves),
 its output gradient with bf16 columns (the backward's), and a dense linear's x; ms and TB/s of their
-traffic (the bf16 read, the bf16 rows write, the columns' write), beside a plain copy.
+traffic (the bf16 read, the bf16 rows write, the columns' write), beside a plain copy. Each sample is
+``--loop`` back-to-back calls. Sessions 22-23 waited for every call, so each Python launch's host time
+(tens of microseconds against 0.1-0.7 ms kernels) was timed too; session 23's first sweep put two
+rows that run the same kernel (tile-codes changes only the payload form) 13% apart.
 
     python tools/bench_quantize.py --mx --json runs/bench/quantize_mx.json
 """
@@ -44,6 +47,8 @@ def parse(argv):
     p.add_argument("--tiny", action="store_true", help="tiny shapes (runs on the CPU, Triton interpreted)")
     p.add_argument("--experts", type=int, default=8, help="expert groups of the tokens output's padding")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--loop", type=int, default=10,
+                   help="--mx: back-to-back calls per timed sample (cli.median_ms; 1 counts each launch's host time)")
     kind = p.add_mutually_exclusive_group()
     kind.add_argument("--rowwise", action="store_true", help="the fp8_rowwise kernels and their tile sweep")
     kind.add_argument("--mx", action="store_true", help="mxfp8's fused rows + columns kernel and its tile sweep")
@@ -161,7 +166,7 @@ def mx(args, device) -> list[dict]:
     print(f"{'operand':<10} {'shape':<16} {'tile':<14} {'ms':>8} {'TB/s':>6}")
 
     def row(label, R, C, E, payload, tile, fn, traffic):
-        ms = median_ms(fn, device, warmup=warmup, iters=iters)
+        ms = median_ms(fn, device, warmup=warmup, iters=iters, loop=1 if args.tiny else args.loop)
         out.append({"kind": "mx_rows_and_cols", "operand": label, "shape": [R, C], "experts": E,
                     "cols_payload": payload, "tile": tile, "ms": ms, "tb_s": traffic / ms / 1e9})
         print(f"{label:<10} {str([R, C]):<16} {tile:<14} {ms:8.3f} {traffic / ms / 1e9:6.2f}", flush=True)

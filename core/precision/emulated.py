@@ -144,7 +144,8 @@ class MXFormat:
             # blocks of 32 along O never cross the leading dims (O % 32 == 0): one 2-D view
             w2 = w.reshape(-1, w.shape[-1])
             return self.qdq(w2, -1 if axis % w.dim() == w.dim() - 1 else 0).reshape(w.shape)
-        return mx_qdq(w, axis, self.scale_mode)
+        # contiguous, as the kernels' output: a CPU bf16 GEMM's last bit can follow its operand's layout
+        return mx_qdq(w, axis, self.scale_mode).contiguous()
 
     def pairs_weights(self, w: torch.Tensor) -> bool:
         """Whether weight_pair makes both of w's quantizations from one read (the fused kernel, on

@@ -52,24 +52,29 @@ _ROWS_TILE = (32, 128)   # axis -1: 32 rows x 4 blocks of 32
 _COLS_TILE = (32, 256)   # axis 0: one block of 32 rows x 256 columns
 
 
-def _both_tile(spec: str) -> dict[str, int]:
-    """MOETRON_MX_BOTH_TILE's 'cols,warps' -> TILES["both"] (ValueError naming the form otherwise)."""
+def _both_tile(spec: str) -> dict:
+    """MOETRON_MX_BOTH_TILE's 'cols,warps[,tile-codes]' -> TILES["both"] (ValueError naming the form
+    otherwise)."""
+    parts = spec.split(",")
+    codes = len(parts) == 3 and parts[2] == "tile-codes"
     try:
-        cols, warps = (int(v) for v in spec.split(","))
+        cols, warps = (int(v) for v in parts[:2]) if len(parts) == 2 or codes else (0, 0)
     except ValueError:
         cols = warps = 0
     if not (32 <= cols <= 1024 and cols & (cols - 1) == 0 and warps in (1, 2, 4, 8, 16)):
-        raise ValueError(f"MOETRON_MX_BOTH_TILE={spec!r}: want 'cols,warps', cols a power of two from 32 to 1024, "
-                         f"warps 1, 2, 4, 8 or 16 (e.g. '128,4', the default)")
-    return {"cols": cols, "num_warps": warps}
+        raise ValueError(f"MOETRON_MX_BOTH_TILE={spec!r}: want 'cols,warps' or 'cols,warps,tile-codes', cols a power "
+                         f"of two from 32 to 1024, warps 1, 2, 4, 8 or 16 (e.g. '128,4,tile-codes', the default)")
+    return {"cols": cols, "num_warps": warps, "codes_from_tile": codes}
 
 
-TILES = {"both": _both_tile(os.environ.get("MOETRON_MX_BOTH_TILE", "128,4"))}
+TILES = {"both": _both_tile(os.environ.get("MOETRON_MX_BOTH_TILE", "128,4,tile-codes"))}
 """mx_rows_and_cols_triton's tile: 32 rows (one block of the columns output) x ``cols`` columns
-(cols / 32 blocks of the rows output), ``num_warps`` warps, and ``codes_from_tile`` (absent: False;
-the payload's E8M0 codes stored from the tile's layout, the kernel's CODES_FROM_TILE: session 22's
-lead from the PTX, not yet timed). Read at each call (tools/bench_quantize.py --mx sweeps it);
-``MOETRON_MX_BOTH_TILE=cols,warps`` at import sets the tile for a whole process."""
+(cols / 32 blocks of the rows output), ``num_warps`` warps, and ``codes_from_tile`` (absent: False):
+the payload's E8M0 codes stored from the tile's own layout (the kernel's CODES_FROM_TILE) instead of
+through shared memory one byte at a time. The default, 128 columns on 4 warps with the codes from the
+tile, since session 23: the same bytes; on the H200 the routed x's payload form 0.614 -> 0.594 ms
+(OLMoE-8L's [131072, 2048]), the step within noise (210.9 against 211.1 ms; docs/performance.md).
+Read at each call (tools/bench_quantize.py --mx sweeps it); ``MOETRON_MX_BOTH_TILE=cols,warps[,tile-codes]`` at import sets the tile for a whole process."""
 
 
 @triton.jit

@@ -289,8 +289,9 @@ def _rows_and_cols_tiles_match_torch(device: str) -> None:
 def test_both_tile_setting_is_checked():
     from moetron.core.precision.mx_triton import _both_tile
 
-    assert _both_tile("256,8") == {"cols": 256, "num_warps": 8}
-    for bad in ("128", "96,4", "128,3", "2048,4", "a,b"):
+    assert _both_tile("256,8") == {"cols": 256, "num_warps": 8, "codes_from_tile": False}
+    assert _both_tile("128,2,tile-codes") == {"cols": 128, "num_warps": 2, "codes_from_tile": True}
+    for bad in ("128", "96,4", "128,3", "2048,4", "a,b", "128,4,codes", "128,4,tile-codes,1"):
         with pytest.raises(ValueError, match="want 'cols,warps'"):
             _both_tile(bad)
 
@@ -350,7 +351,8 @@ def _grouped_mm_on_bf16_weights_equals_the_fp32_path(fmt_name: str, device: str)
         if dtype == torch.float32 and device == "cpu":
             check_grouped(act, wq, x, w, offsets, y, dy)
     (y32, dx32, dw32), (y16, dx16, dw16) = runs[torch.float32], runs[torch.bfloat16]
-    assert torch.equal(y16, y32) and torch.equal(dx16, dx32)
+    n = int(offsets[-1])  # rows past the last group: unspecified on CUDA's one kernel (grouped_mm_2d3d)
+    assert torch.equal(y16[:n], y32[:n]) and torch.equal(dx16[:n], dx32[:n])
     assert torch.equal(dw16, dw32.to(torch.bfloat16)) and torch.equal(dw16.float(), dw32)
 
 

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
+t0=$(date +%s)
+timeout 100 python3 -m pytest -q -m gpu tests/core/test_precision_emulated.py -k "copies_equals" --tb=long 2>&1 | grep -v Warning | grep -E "^E |assert|Error|passed|failed" | head -40
+echo "tests $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
+timeout 100 python3 tools/bench_quantize.py --mx --json $OUT/quantize_mx.json 2>&1 | grep -v Warning
+echo "quantize $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
+MX=optimizer.state_dtype=bf16,precision.recipe=mxfp8,precision.backend=emulated
+MXC=$MX,precision.expert_weight_copies=optimizer,precision.expert_grads_bf16=true
+S1="--preset olmoe-1b-7b --model.n_layers=8 --model.vocab_size=100352 --seq-len 4096 --batch 4 --compile --steps 6 --warmup 3"
+MOETRON_MX_BOTH_TILE=${TILE:-128,4,tile-codes} timeout 170 python3 tools/bench_train.py $S1 --variant mxc_codes:$MXC --json $OUT/olmoe8l_mxc_codes.json 2>&1 | grep -v Warning | tail -2
+echo "train codes $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
+timeout 170 python3 tools/bench_train.py $S1 --variant mxc:$MXC --json $OUT/olmoe8l_mxc.json 2>&1 | grep -v Warning | tail -2
+echo "train default $(( $(date +%s) - t0 )) s"
