@@ -81,17 +81,25 @@ def mx_emulated_quant_s(gpu: GPU, sw: Switches, module: str, inputs: float, outp
     payload dequantized and dy's rows and columns in backward, each weight along I and along O
     (compiled: in the graph, in forward and backward and a recomputed forward; eager and
     quantize_weights_once: from the WeightCache, once per step of ``microbatches``, both
-    orientations from one read when fused)."""
+    orientations from one read when fused). precision.emulated_save_x_bf16: x's columns in bf16 (dy's
+    bytes) and no dequantize; emulated_save_w_dgrad (compiled): both orientations in each forward,
+    from one read when fused, none in the backward."""
     b, hbm = MX_EMULATED_BYTES, gpu.hbm_tbps * 1e12
     mode = "fused" if sw.mx_fused else "two_pass"
-    paired = b[f"input_{mode}"] * inputs * (2 if recomputed else 1) + b[f"grad_{mode}"] * outputs
-    separate = b["input_dequant"] * inputs
+    forwards = 2 if recomputed else 1
+    # emulated_save_x_bf16: x's columns written in bf16 as dy's are, and no payload to dequantize
+    x_bytes, dequant = (b[f"grad_{mode}"], 0.0) if sw.emulated_save_x_bf16 else (b[f"input_{mode}"], b["input_dequant"])
+    paired = x_bytes * inputs * forwards + b[f"grad_{mode}"] * outputs
+    separate = dequant * inputs
     # the experts on the optimizer's bf16 copies read 2 B of each weight element, not the fp32 master's 4
     lighter = 2.0 if module == "experts" and sw.expert_weight_copies else 0.0
     if sw.caches_weights(module) and sw.mx_fused:  # one cache entry holds both orientations, one read
         paired += (b["weight_pair"] - lighter) * weights / microbatches
+    elif sw.saves_w_dgrad(module) and sw.mx_fused:  # each forward makes both from one read
+        paired += (b["weight_pair"] - lighter) * weights * forwards
     else:
         separate += (b["weight"] - lighter) * weights * (2 / microbatches if sw.caches_weights(module)
+                                                         else 2 * forwards if sw.saves_w_dgrad(module)
                                                          else (3 if recomputed else 2))
     return paired / (hbm * (EFF_MX_FUSED if sw.mx_fused else EFF_MX_QUANT)) + separate / (hbm * EFF_MX_QUANT)
 
@@ -264,7 +272,8 @@ def stage_time(cfg: ModelConfig, layers: list[int], *, sw: Switches, memory: Mem
                     continue
                 quant += (QUANT_ROWS_BYTES if sw.bf16_wgrad(k) else qb) * sum(ops[k]) * T_mb * extra
                 # the cache: once per step; a traced graph: forward and backward of every micro-batch
-                quant += wb * weights * (1 / m if sw.caches_weights(k) else 2 * extra)
+                # (emulated_save_w_dgrad: the forward's one tiling serves the backward too)
+                quant += wb * weights * (1 / m if sw.caches_weights(k) else (1 if sw.saves_w_dgrad(k) else 2) * extra)
     t_hbm = traffic / (gpu.hbm_tbps * 1e12)
     t_extra = (recast + quant) / (gpu.hbm_tbps * 1e12) + t_mx
     t_a2a = 0.0

@@ -46,6 +46,16 @@ def test_backend_resolution_and_errors(capsys):
     with pytest.raises(ConfigError, match="quantize_weights_once.*needs --precision.recipe=mxfp8, fp8_blockwise or fp8_rowwise"):
         cfg(recipe="bf16", quantize_weights_once=True).validate()
     assert cfg(recipe="mxfp8", backend="emulated", quantize_weights_once=True).build("cpu").gemm.quantize_weights_once
+    for bad in (dict(recipe="bf16"), dict(recipe="fp8_rowwise"), dict(recipe="fp8_blockwise", backend="native")):
+        with pytest.raises(ConfigError, match="emulated_save_x_bf16: an option of mxfp8 / fp8_blockwise on the "
+                                              "emulated backend.*--precision.backend=emulated"):
+            cfg(emulated_save_x_bf16=True, **bad).validate()
+    with pytest.raises(ConfigError, match="emulated_save_x_bf16 and precision.emulated_save_w_dgrad: options"):
+        cfg(recipe="mxfp8", backend="native", emulated_save_x_bf16=True, emulated_save_w_dgrad=True).validate()
+    for recipe in ("mxfp8", "fp8_blockwise"):  # auto resolves emulated on the CPU
+        gemm = cfg(recipe=recipe, emulated_save_x_bf16=True, emulated_save_w_dgrad=True).build("cpu", verbose=False).gemm
+        assert (gemm.save_x_bf16, gemm.save_w_dgrad) == (True, True)
+    assert not cfg(recipe="mxfp8").build("cpu", verbose=False).gemm.save_x_bf16
     from moetron.core.precision.config import low_precision_gemm
 
     assert low_precision_gemm("fp8_blockwise", "native", fp8_experts="cublas").experts == "cublas"
