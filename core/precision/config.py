@@ -130,18 +130,16 @@ def check_expert_copies(recipe: PrecisionRecipe | str, backend: PrecisionBackend
                           f"do): add --precision.backend=emulated, or drop expert_weight_copies and expert_grads_bf16")
 
 
-def check_emulated_saves(recipe: PrecisionRecipe | str, backend: PrecisionBackend | str, x_bf16: bool,
-                         w_dgrad: bool) -> None:
-    """ConfigError where precision.emulated_save_x_bf16 / emulated_save_w_dgrad meet a recipe and
-    backend other than mxfp8 / fp8_blockwise on the emulated backend (the only GEMMs they change),
+def check_emulated_saves(recipe: PrecisionRecipe | str, backend: PrecisionBackend | str, x_bf16: bool) -> None:
+    """ConfigError where precision.emulated_save_x_bf16 meets a recipe and backend other than mxfp8 /
+    fp8_blockwise on the emulated backend (the only GEMMs it changes; auto may still resolve to it),
     naming the fix. The one rule the config, the build and the planner apply."""
-    names = [n for n, on in (("emulated_save_x_bf16", x_bf16), ("emulated_save_w_dgrad", w_dgrad)) if on]
     recipe, backend = PrecisionRecipe(recipe), PrecisionBackend(backend)
-    if names and not (recipe in (PrecisionRecipe.mxfp8, PrecisionRecipe.fp8_blockwise)
-                      and backend in (PrecisionBackend.emulated, PrecisionBackend.auto)):
-        raise ConfigError(f"precision.{' and precision.'.join(names)}: {'options' if len(names) > 1 else 'an option'} "
-                          f"of mxfp8 / fp8_blockwise on the emulated backend, and this run has precision.recipe={recipe} on precision.backend={backend}: use "
-                          f"--precision.recipe=mxfp8 (or fp8_blockwise) --precision.backend=emulated, or drop them")
+    if x_bf16 and not (recipe in (PrecisionRecipe.mxfp8, PrecisionRecipe.fp8_blockwise)
+                       and backend in (PrecisionBackend.emulated, PrecisionBackend.auto)):
+        raise ConfigError(f"precision.emulated_save_x_bf16: an option of mxfp8 / fp8_blockwise on the emulated backend, "
+                          f"and this run has precision.recipe={recipe} on precision.backend={backend}: use "
+                          f"--precision.recipe=mxfp8 (or fp8_blockwise) --precision.backend=emulated, or drop it")
 
 
 @dataclasses.dataclass
@@ -200,13 +198,6 @@ class PrecisionConfig(Config):
     values, no dequantize pass in the backward, and the forward's fused kernel writes bf16 columns
     (core/precision/emulated.py _quantize_x). Off by default: it buys speed with memory
     (docs/precision.md has the measured trade)."""
-    emulated_save_w_dgrad: bool = False
-    """mxfp8 / fp8_blockwise on the emulated backend, compiled (where the weight cache does not serve):
-    each weight's dgrad operand made in the forward (mxfp8 on the GPU: both orientations from one
-    read of the weight, the fused kernel; fp8_blockwise: the forward's one tiling) and kept for the
-    backward, instead of quantizing the weight again there: 2 B per low-precision weight element held
-    from its forward to its backward (core/precision/emulated.py _forward_weights). Eager runs' weight
-    cache does this already; off by default."""
     bf16_experts: Bf16Experts = Bf16Experts.grouped_mm
     """How the routed experts' grouped bf16 GEMMs run (see Bf16Experts), in the bf16 recipe and in the
     emulated backends (whose GEMMs take the dequantized operands in bf16): torch's grouped kernel (no
@@ -273,7 +264,7 @@ class PrecisionConfig(Config):
                               f"and mxfp8 / fp8_blockwise emulated); otherwise drop expert_weight_copies")
         if self.backend != PrecisionBackend.auto and self.recipe in _LOW_PRECISION:  # known before resolving
             check_expert_copies(self.recipe, self.backend, copies == WeightCopies.optimizer)
-        check_emulated_saves(self.recipe, self.backend, self.emulated_save_x_bf16, self.emulated_save_w_dgrad)
+        check_emulated_saves(self.recipe, self.backend, self.emulated_save_x_bf16)
         if self.expert_grads_bf16 and copies != WeightCopies.optimizer:
             raise ConfigError("precision.expert_grads_bf16=true keeps the experts' gradients on the optimizer's bf16 "
                               "weight copies: it needs --precision.expert_weight_copies=optimizer, got "
@@ -376,9 +367,9 @@ class PrecisionConfig(Config):
         gemm = low_precision_gemm(recipe, backend, self.mx_scale, self.fp8_experts, wgrad, self.fp8_fast_accum,
                                   expert_copies=expert_copies,
                                   fp8_fused_amax=self.fp8_fused_amax)
-        check_emulated_saves(recipe, backend, self.emulated_save_x_bf16, self.emulated_save_w_dgrad)
+        check_emulated_saves(recipe, backend, self.emulated_save_x_bf16)
         if backend == PrecisionBackend.emulated and recipe != PrecisionRecipe.fp8_rowwise:
-            gemm.save_x_bf16, gemm.save_w_dgrad = bool(self.emulated_save_x_bf16), bool(self.emulated_save_w_dgrad)
+            gemm.save_x_bf16 = bool(self.emulated_save_x_bf16)
         gemm.quantize_weights_once = bool(self.quantize_weights_once)
         gemm.per_expert = per_expert
         gemm.triton_swiglu = bool(self.triton_swiglu)

@@ -213,21 +213,6 @@ def _weight(gemm: "EmulatedGemm", w: torch.Tensor, axis: int) -> torch.Tensor:
     return gemm.cache.get(w, fmt.weight_tag(axis), lambda t: fmt.weight(t, axis))
 
 
-def _forward_weights(gemm: "EmulatedGemm", w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(w's forward operand, its dgrad operand to save for the backward, or None: the backward makes
-    it, _weight(gemm, w, -2)). With ``gemm.save_w_dgrad`` where the weight cache does not serve (a
-    traced graph: torch.compile) the forward makes both: from one read of w where a kernel pairs them
-    (mxfp8 on the GPU), the one tensor where one tiling serves both (fp8_blockwise), so the backward
-    does not quantize w again; 2 B per weight element held from the forward to the backward."""
-    fmt = gemm.format
-    if not (gemm.save_w_dgrad and torch.compiler.is_compiling()):
-        return _weight(gemm, w, -1), None
-    if fmt.pairs_weights(w):
-        return fmt.weight_pair(w)
-    forward = fmt.weight(w, -1)
-    return forward, forward if fmt.weight_tag(-1) == fmt.weight_tag(-2) else fmt.weight(w, -2)
-
-
 def _quantize_x(fmt, x: torch.Tensor, src_rows, ends, gemm: "EmulatedGemm") -> tuple[torch.Tensor, tuple]:
     """(x's rows quantized for the forward GEMM, what the backward keeps of its wgrad operand, the
     columns along the tokens): the e4m3 + scales payload (Blackwell's memory), or with
@@ -248,15 +233,14 @@ class _EmulatedLinear(torch.autograd.Function):
         fmt = gemm.format
         # the GEMM's operand and the wgrad's, saved quantized (tokens padded to whole blocks)
         x_hat_TI, x_saved = _quantize_x(fmt, x_TI, None, None, gemm)
-        w_fwd_OI, w_dgrad_OI = _forward_weights(gemm, w_OI)
-        y_TO = F.linear(x_hat_TI, w_fwd_OI)
-        ctx.save_for_backward(*x_saved, w_OI, w_dgrad_OI)
+        y_TO = F.linear(x_hat_TI, _weight(gemm, w_OI, -1))
+        ctx.save_for_backward(*x_saved, w_OI)
         ctx.gemm, ctx.x_dtype = gemm, x_TI.dtype
         return y_TO
 
     @staticmethod
     def backward(ctx, dy_TO: torch.Tensor):
-        *x_saved, w_OI, w_dgrad_OI = ctx.saved_tensors
+        *x_saved, w_OI = ctx.saved_tensors
         gemm = ctx.gemm
         fmt = gemm.format
         dx_TI = dw_OI = None
@@ -265,8 +249,7 @@ class _EmulatedLinear(torch.autograd.Function):
             dy_hat_TO, dy_hat_PO = fmt.rows_and_cols(dy_TO, None, None, False)
         if ctx.needs_input_grad[0]:
             dy_hat_TO = fmt.qdq(dy_TO, -1) if dy_hat_TO is None else dy_hat_TO
-            w_dgrad_OI = _weight(gemm, w_OI, -2) if w_dgrad_OI is None else w_dgrad_OI
-            dx_TI = (dy_hat_TO @ w_dgrad_OI).to(ctx.x_dtype)
+            dx_TI = (dy_hat_TO @ _weight(gemm, w_OI, -2)).to(ctx.x_dtype)
             del dy_hat_TO
         if ctx.needs_input_grad[1]:
             dy_hat_PO = fmt.qdq(pad_rows(dy_TO, fmt.block), 0) if dy_hat_PO is None else dy_hat_PO
@@ -282,15 +265,14 @@ class _EmulatedGroupedMM(torch.autograd.Function):
         # the wgrad operand: each expert's rows padded to whole blocks (pad_groups, read through an index)
         src_P, padded_offsets_E = padded_source_rows(offsets_E, x_RI.shape[0], fmt.block)
         x_hat_RI, x_saved = _quantize_x(fmt, x_RI, src_P, offsets_E, gemm)
-        w_fwd_EOI, w_dgrad_EOI = _forward_weights(gemm, w_EOI)
-        y_RO = grouped_mm_2d3d(x_hat_RI, w_fwd_EOI.transpose(-2, -1), offsets_E, gemm.per_expert)
-        ctx.save_for_backward(*x_saved, w_EOI, w_dgrad_EOI, offsets_E, src_P, padded_offsets_E)
+        y_RO = grouped_mm_2d3d(x_hat_RI, _weight(gemm, w_EOI, -1).transpose(-2, -1), offsets_E, gemm.per_expert)
+        ctx.save_for_backward(*x_saved, w_EOI, offsets_E, src_P, padded_offsets_E)
         ctx.gemm, ctx.x_dtype = gemm, x_RI.dtype
         return y_RO
 
     @staticmethod
     def backward(ctx, dy_RO: torch.Tensor):
-        *x_saved, w_EOI, w_dgrad_EOI, offsets_E, src_P, padded_offsets_E = ctx.saved_tensors
+        *x_saved, w_EOI, offsets_E, src_P, padded_offsets_E = ctx.saved_tensors
         gemm = ctx.gemm
         fmt = gemm.format
         dx_RI = dw_EOI = None
@@ -302,8 +284,7 @@ class _EmulatedGroupedMM(torch.autograd.Function):
             dy_hat_RO, dy_hat_PO = fmt.rows_and_cols(dy_RO, src_P, offsets_E, False)
         if ctx.needs_input_grad[0]:
             dy_hat_RO = fmt.qdq(dy_RO, -1) if dy_hat_RO is None else dy_hat_RO
-            w_dgrad_EOI = _weight(gemm, w_EOI, -2) if w_dgrad_EOI is None else w_dgrad_EOI
-            dx_RI = grouped_mm_2d3d(dy_hat_RO, w_dgrad_EOI, loops_E, gemm.per_expert).to(ctx.x_dtype)
+            dx_RI = grouped_mm_2d3d(dy_hat_RO, _weight(gemm, w_EOI, -2), loops_E, gemm.per_expert).to(ctx.x_dtype)
             del dy_hat_RO
         if ctx.needs_input_grad[1]:
             x_hat_PI = _saved_x(fmt, x_saved)
@@ -328,15 +309,12 @@ class EmulatedGemm(GemmBackend):
     name = "emulated"
 
     def __init__(self, fmt: MXFormat | BlockwiseFormat | None = None, expert_copies: bool = False,
-                 save_x_bf16: bool = False, save_w_dgrad: bool = False) -> None:
+                 save_x_bf16: bool = False) -> None:
         self.format = fmt if fmt is not None else MXFormat()
         self.cache = WeightCache()
         self.expert_copies = bool(expert_copies)
         self.save_x_bf16 = bool(save_x_bf16)
         """precision.emulated_save_x_bf16: each GEMM input's wgrad operand kept in bf16 (_quantize_x)."""
-        self.save_w_dgrad = bool(save_w_dgrad)
-        """precision.emulated_save_w_dgrad: compiled, each weight's dgrad operand made by the forward and
-        kept for the backward (_forward_weights)."""
 
     @property
     def label(self) -> str:
@@ -353,4 +331,4 @@ class EmulatedGemm(GemmBackend):
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({self.format!r}, expert_copies={self.expert_copies}, "
-                f"save_x_bf16={self.save_x_bf16}, save_w_dgrad={self.save_w_dgrad})")
+                f"save_x_bf16={self.save_x_bf16})")

@@ -78,11 +78,6 @@ class Switches:
     """precision.emulated_save_x_bf16 (mxfp8 / fp8_blockwise emulated): each low-precision GEMM input's
     wgrad operand kept in bf16 (2 B per element, saved_input) instead of the fp8 payload; mxfp8: its
     forward kernel writes bf16 columns and the backward has no dequantize pass (MX_EMULATED_BYTES)."""
-    emulated_save_w_dgrad: bool = False
-    """precision.emulated_save_w_dgrad (mxfp8 / fp8_blockwise emulated, compiled): each low-precision
-    weight's dgrad operand made in its forward (mxfp8: with the forward's from one read, the fused
-    kernel) and held to its backward, 2 B per element (weight_cache), instead of a quantization in
-    the backward."""
     optimizer_kernel: str = "triton"
     """The optimizer step's kernel on GPUs: triton (optimizer.impl auto or triton) or torch (impl=torch)."""
     offload: bool = False
@@ -112,11 +107,9 @@ class Switches:
         scale per row of each, about 2 B); 0 where a traced graph quantizes instead.
         ``forward_only``: what it holds before the weight's backward has run. fp8_rowwise native
         caches each orientation as its own entry (fp8_rowwise._weight), so only the forward's rows
-        (1 B) exist then; the other recipes make both orientations in one entry. Where it does not
-        serve, emulated_save_w_dgrad's dgrad operands (saves_w_dgrad): 2 B, all made by the forward
-        (counted here through the backward too: an upper bound, they free block by block)."""
+        (1 B) exist then; the other recipes make both orientations in one entry."""
         if not self.caches_weights(module):
-            return 2.0 if self.saves_w_dgrad(module) else 0.0
+            return 0.0
         if self.backend == "emulated":
             return 4.0 if self.recipe == "mxfp8" else 2.0
         if self.rowwise_native:
@@ -132,12 +125,6 @@ class Switches:
         """The module's low-precision weights come from the WeightCache, once per step: eager runs,
         and the experts of a compiled run with quantize_weights_once."""
         return self.low(module) and (not self.compiled or (module == "experts" and self.quantize_weights_once))
-
-    def saves_w_dgrad(self, module: str) -> bool:
-        """emulated_save_w_dgrad takes effect for the module: low precision on the emulated backend,
-        where the weight cache does not serve (caches_weights false: a compiled run)."""
-        return self.emulated_save_w_dgrad and self.low(module) and self.backend == "emulated" \
-            and not self.caches_weights(module)
 
     @property
     def cublas_bf16_experts(self) -> bool:
@@ -183,7 +170,7 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
     backend = precision.resolved_backend("cuda", capability_major=gpu.sm)
     copies = str(precision.expert_weight_copies) != "none" and takes_expert_copies(recipe, backend)
     check_expert_copies(recipe, backend, str(precision.expert_weight_copies) == "optimizer")
-    check_emulated_saves(recipe, backend, precision.emulated_save_x_bf16, precision.emulated_save_w_dgrad)
+    check_emulated_saves(recipe, backend, precision.emulated_save_x_bf16)
     if precision.expert_grads_bf16 and (parallel.dp_shard > 1 or parallel.ep > 1 or parallel.pp > 1):
         raise ConfigError("precision.expert_grads_bf16 (with expert_weight_copies=optimizer) is for one unsharded "
                           "GPU: no FSDP2, expert or pipeline parallelism; drop it for this layout")
@@ -202,6 +189,5 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
                     quantize_weights_once=bool(precision.quantize_weights_once) and recipe in LOW_PRECISION,
                     mx_fused=emulated.FUSED if mx_fused is None else bool(mx_fused),
                     emulated_save_x_bf16=bool(precision.emulated_save_x_bf16),
-                    emulated_save_w_dgrad=bool(precision.emulated_save_w_dgrad),
                     optimizer_kernel="torch" if str(optimizer.impl) == "torch" or optimizer.fused is not None else "triton",
                     offload=parallel.fsdp_offload)

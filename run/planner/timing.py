@@ -82,8 +82,7 @@ def mx_emulated_quant_s(gpu: GPU, sw: Switches, module: str, inputs: float, outp
     (compiled: in the graph, in forward and backward and a recomputed forward; eager and
     quantize_weights_once: from the WeightCache, once per step of ``microbatches``, both
     orientations from one read when fused). precision.emulated_save_x_bf16: x's columns in bf16 (dy's
-    bytes) and no dequantize; emulated_save_w_dgrad (compiled): both orientations in each forward,
-    from one read when fused, none in the backward."""
+    bytes) and no dequantize."""
     b, hbm = MX_EMULATED_BYTES, gpu.hbm_tbps * 1e12
     mode = "fused" if sw.mx_fused else "two_pass"
     forwards = 2 if recomputed else 1
@@ -95,11 +94,8 @@ def mx_emulated_quant_s(gpu: GPU, sw: Switches, module: str, inputs: float, outp
     lighter = 2.0 if module == "experts" and sw.expert_weight_copies else 0.0
     if sw.caches_weights(module) and sw.mx_fused:  # one cache entry holds both orientations, one read
         paired += (b["weight_pair"] - lighter) * weights / microbatches
-    elif sw.saves_w_dgrad(module) and sw.mx_fused:  # each forward makes both from one read
-        paired += (b["weight_pair"] - lighter) * weights * forwards
     else:
         separate += (b["weight"] - lighter) * weights * (2 / microbatches if sw.caches_weights(module)
-                                                         else 2 * forwards if sw.saves_w_dgrad(module)
                                                          else (3 if recomputed else 2))
     return paired / (hbm * (EFF_MX_FUSED if sw.mx_fused else EFF_MX_QUANT)) + separate / (hbm * EFF_MX_QUANT)
 
@@ -272,8 +268,7 @@ def stage_time(cfg: ModelConfig, layers: list[int], *, sw: Switches, memory: Mem
                     continue
                 quant += (QUANT_ROWS_BYTES if sw.bf16_wgrad(k) else qb) * sum(ops[k]) * T_mb * extra
                 # the cache: once per step; a traced graph: forward and backward of every micro-batch
-                # (emulated_save_w_dgrad: the forward's one tiling serves the backward too)
-                quant += wb * weights * (1 / m if sw.caches_weights(k) else (1 if sw.saves_w_dgrad(k) else 2) * extra)
+                quant += wb * weights * (1 / m if sw.caches_weights(k) else 2 * extra)
     t_hbm = traffic / (gpu.hbm_tbps * 1e12)
     t_extra = (recast + quant) / (gpu.hbm_tbps * 1e12) + t_mx
     t_a2a = 0.0

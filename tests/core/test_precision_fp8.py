@@ -139,10 +139,12 @@ def _ref_err(out, a, b) -> float:
 
 
 def _agree(out, masked, device: str) -> bool:
-    """The pipelined kernel's output against the masked one's: to fp32 summation order on the CPU;
-    within the hardware's FP8 accumulation (2^-9 of the largest element) on the GPU."""
+    """The pipelined kernel's output against the masked one's: to fp32 summation order on the CPU
+    (1e-5 of the largest element: an element-wise rtol fails on sums that cancel near zero; measured
+    3e-7 on an AMD EPYC's numpy); within the hardware's FP8 accumulation (2^-9 of the largest
+    element) on the GPU."""
     if device == "cpu":
-        return torch.allclose(out, masked, rtol=1e-5, atol=1e-6)
+        return bool((out - masked).abs().max() <= 1e-5 * masked.abs().max())
     return bool((out - masked).abs().max() <= 2 ** -9 * masked.abs().max())
 
 

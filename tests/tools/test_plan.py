@@ -682,3 +682,37 @@ def test_emulated_recipes_on_the_optimizers_bf16_copies():
     assert on["step_s"] == pytest.approx(0.2069, rel=0.2) and on["peak_gib"] == pytest.approx(54.55, rel=0.1)
     with pytest.raises(ConfigError, match="native mxfp8 / fp8_blockwise GEMMs do not take.*backend=emulated"):
         run(True, recipe="fp8_blockwise", backend="auto")
+
+
+def test_emulated_save_x_bf16_trades_the_dequantize_for_bf16_saved_inputs():
+    """precision.emulated_save_x_bf16 (session 23), mxfp8 emulated, compiled: every low-precision GEMM
+    input's wgrad operand is held in bf16 (2 B per element instead of 1 + 1/32), its forward kernel
+    writes bf16 columns as dy's does (2 + 2 + 2 B instead of 2 + 2 + 1 + 1/32), and the backward's
+    dequantize (1 + 1/32 + 2 B at the separate passes' rate) is gone; fp8_blockwise resolving to its
+    native GEMMs on the H200 is refused as the run refuses it (check_emulated_saves)."""
+    from moetron.core.config import ConfigError
+    from moetron.core.optim import OptimizerConfig
+    from moetron.core.precision import PrecisionConfig
+    from moetron.run.planner import hardware as hw
+
+    def run(on: bool, recipe="mxfp8", backend="emulated", copies=True):
+        p = _olmoe8(gpu="h200", compiled=True, optimizer=OptimizerConfig(state_dtype="bf16"))
+        p.precision = PrecisionConfig(recipe=recipe, backend=backend, expert_weight_copies="optimizer" if copies else "none",
+                                      expert_grads_bf16=copies, emulated_save_x_bf16=on)
+        return planner.plan(p)
+
+    off, on = run(False), run(True)
+    T, D, F, K = 16384, 2048, 1024, 8
+    x = 8 * T * (4 * D + K * (D + F))  # q, k, v, o inputs; gate|up and down inputs (routed rows)
+    hbm = 4.8e12
+    quant = lambda r: r["microbatch_parts_s"]["recast_quant"]  # noqa: E731
+    fused_saved = ((5 + 1 / 32) - 6) * x / (hbm * hw.EFF_MX_FUSED)  # negative: bf16 columns write more
+    assert quant(off) - quant(on) == pytest.approx(fused_saved + (3 + 1 / 32) * x / (hbm * hw.EFF_MX_QUANT), rel=1e-9)
+    saved = 8 * T * (2 * D + K * (D + F))  # compiled, q, k and v save their one input once (memory.py)
+    assert (on["stages"][0]["activations_gib"] - off["stages"][0]["activations_gib"]) * GiB == \
+        pytest.approx((2 - (1 + 1 / 32)) * saved, rel=1e-9)
+    # measured (docs/bench/session23/call4/olmoe8l.json): 210.0 -> 205.7 ms, 54.55 -> 58.5 GiB
+    assert on["step_s"] - off["step_s"] == pytest.approx(-0.0043, abs=0.002)
+    assert on["peak_gib"] - off["peak_gib"] == pytest.approx(58.5 - 54.55, abs=0.6)
+    with pytest.raises(ConfigError, match="emulated_save_x_bf16: an option of mxfp8 / fp8_blockwise on the emulated"):
+        run(True, recipe="fp8_blockwise", backend="auto", copies=False)
