@@ -16,7 +16,8 @@ FP8 blockwise (``BlockwiseFormat``): 1 x 128 tiles for x and dy, one 128 x 128 t
 
 The forward saves x for backward as the wgrad operand in its quantized form (fp8 data + scales
 along the tokens: 1 + 1/32 bytes per element for MX, the memory Blackwell's recipe keeps), not as
-bf16. Weights are quantized once per optimizer step (core.precision.cache.WeightCache); the cache
+bf16; precision.emulated_save_x_bf16 keeps that operand's bf16 quantize-dequantize instead (the same
+values, 2 bytes per element, no dequantize pass in the backward: _quantize_x). Weights are quantized once per optimizer step (core.precision.cache.WeightCache); the cache
 holds the dequantized bf16 copies the GEMMs consume.
 
 Token blocks: a dense linear pads its tokens with zero rows to a whole block; the grouped GEMM pads
