@@ -461,11 +461,11 @@ def test_emulated_recipes_train_on_the_optimizers_bf16_copies(recipe):
 
 
 def test_codes_from_tile_compile_without_byte_stores_through_shared_memory():
-    """The fused MX kernel compiled for SM90 on the CPU (no GPU needed), the columns as a payload: by
-    default its E8M0 codes pass through shared memory one byte per store (st.shared.b8) before one
-    byte-wide global store; with TILES["both"]["codes_from_tile"] they leave from the tile's own
-    layout, with no byte-wide shared stores and fewer CTA barriers (session 22's lead; its speed not
-    yet timed). Everything else is the same kernel."""
+    """The fused MX kernel compiled for SM90 on the CPU (no GPU needed), the columns as a payload:
+    without TILES["both"]["codes_from_tile"] its E8M0 codes pass through shared memory one byte per
+    store (st.shared.b8) before one byte-wide global store; with it (the default since session 23,
+    0.614 -> 0.594 ms on OLMoE-8L's routed x) they leave from the tile's own layout, with no
+    byte-wide shared stores and fewer CTA barriers. Everything else is the same kernel."""
     import re
     import types
 
