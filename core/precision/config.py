@@ -364,12 +364,10 @@ class PrecisionConfig(Config):
                               f"and this run resolved precision.backend={backend}: drop fp8_fast_accum, or run on a Hopper GPU")
         expert_copies = WeightCopies(self.expert_weight_copies) == WeightCopies.optimizer
         check_expert_copies(recipe, backend, expert_copies)
-        gemm = low_precision_gemm(recipe, backend, self.mx_scale, self.fp8_experts, wgrad, self.fp8_fast_accum,
-                                  expert_copies=expert_copies,
-                                  fp8_fused_amax=self.fp8_fused_amax)
         check_emulated_saves(recipe, backend, self.emulated_save_x_bf16)
-        if backend == PrecisionBackend.emulated and recipe != PrecisionRecipe.fp8_rowwise:
-            gemm.save_x_bf16 = bool(self.emulated_save_x_bf16)
+        gemm = low_precision_gemm(recipe, backend, self.mx_scale, self.fp8_experts, wgrad, self.fp8_fast_accum,
+                                  expert_copies=expert_copies, fp8_fused_amax=self.fp8_fused_amax,
+                                  save_x_bf16=self.emulated_save_x_bf16)
         gemm.quantize_weights_once = bool(self.quantize_weights_once)
         gemm.per_expert = per_expert
         gemm.triton_swiglu = bool(self.triton_swiglu)
@@ -378,10 +376,12 @@ class PrecisionConfig(Config):
 
 def low_precision_gemm(recipe: PrecisionRecipe | str, backend: PrecisionBackend | str, mx_scale: str = "rceil",
                        fp8_experts: Fp8Experts | str = Fp8Experts.triton, fp8_wgrad: Fp8Wgrad | bool | str = Fp8Wgrad.all,
-                       fp8_fast_accum: bool = False, expert_copies: bool = False, fp8_fused_amax: bool = True):
+                       fp8_fast_accum: bool = False, expert_copies: bool = False, fp8_fused_amax: bool = True,
+                       save_x_bf16: bool = False):
     """The GemmBackend instance of a low-precision recipe and a resolved backend (native / emulated);
     ``expert_copies``: the experts on the optimizer's bf16 weight copies (fp8_rowwise and the emulated
-    backend; precision.expert_weight_copies=optimizer); ``fp8_fused_amax``: precision.fp8_fused_amax."""
+    backend; precision.expert_weight_copies=optimizer); ``fp8_fused_amax``: precision.fp8_fused_amax;
+    ``save_x_bf16``: precision.emulated_save_x_bf16 (mxfp8 / fp8_blockwise emulated, check_emulated_saves)."""
     recipe, backend, wgrad = PrecisionRecipe(recipe), PrecisionBackend(backend), Fp8Wgrad(fp8_wgrad)
     if recipe == PrecisionRecipe.fp8_rowwise:  # its own emulation: the wgrad's scales are per expert, not blocks
         from .fp8_rowwise import Fp8RowwiseGemm
@@ -393,7 +393,7 @@ def low_precision_gemm(recipe: PrecisionRecipe | str, backend: PrecisionBackend 
         from .emulated import BlockwiseFormat, EmulatedGemm, MXFormat
 
         return EmulatedGemm(MXFormat(mx_scale) if recipe == PrecisionRecipe.mxfp8 else BlockwiseFormat(),
-                            expert_copies=expert_copies)
+                            expert_copies=expert_copies, save_x_bf16=save_x_bf16)
     if expert_copies:
         raise ValueError(f"expert_copies: the native {recipe} GEMMs do not take the optimizer's bf16 weight copies")
     if recipe == PrecisionRecipe.mxfp8:

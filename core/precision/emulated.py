@@ -214,26 +214,25 @@ def _weight(gemm: "EmulatedGemm", w: torch.Tensor, axis: int) -> torch.Tensor:
     return gemm.cache.get(w, fmt.weight_tag(axis), lambda t: fmt.weight(t, axis))
 
 
-def _quantize_x(fmt, x: torch.Tensor, src_rows, ends, gemm: "EmulatedGemm") -> tuple[torch.Tensor, tuple]:
+def _quantize_x(gemm: "EmulatedGemm", x: torch.Tensor, src_rows, ends) -> tuple[torch.Tensor, tuple]:
     """(x's rows quantized for the forward GEMM, what the backward keeps of its wgrad operand, the
     columns along the tokens): the e4m3 + scales payload (Blackwell's memory), or with
     ``gemm.save_x_bf16`` their bf16 quantize-dequantize (the same values; 2 B per element instead of
     1 + 1/32, and no dequantize pass in the backward)."""
-    x_hat, *saved = fmt.rows_and_cols(x, src_rows, ends, not gemm.save_x_bf16)
+    x_hat, *saved = gemm.format.rows_and_cols(x, src_rows, ends, not gemm.save_x_bf16)
     return x_hat, tuple(saved)
 
 
 def _saved_x(fmt, x_saved: list[torch.Tensor]) -> torch.Tensor:
-    """The wgrad operand in bf16 from what _quantize_x kept."""
+    """The wgrad operand in bf16 from what _quantize_x kept (one bf16 tensor, or the payload's two)."""
     return x_saved[0] if len(x_saved) == 1 else fmt.dequantize(tuple(x_saved), 0, _BF16)
 
 
 class _EmulatedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TI: torch.Tensor, w_OI: torch.Tensor, gemm: "EmulatedGemm"):
-        fmt = gemm.format
         # the GEMM's operand and the wgrad's, saved quantized (tokens padded to whole blocks)
-        x_hat_TI, x_saved = _quantize_x(fmt, x_TI, None, None, gemm)
+        x_hat_TI, x_saved = _quantize_x(gemm, x_TI, None, None)
         y_TO = F.linear(x_hat_TI, _weight(gemm, w_OI, -1))
         ctx.save_for_backward(*x_saved, w_OI)
         ctx.gemm, ctx.x_dtype = gemm, x_TI.dtype
@@ -265,7 +264,7 @@ class _EmulatedGroupedMM(torch.autograd.Function):
         fmt = gemm.format
         # the wgrad operand: each expert's rows padded to whole blocks (pad_groups, read through an index)
         src_P, padded_offsets_E = padded_source_rows(offsets_E, x_RI.shape[0], fmt.block)
-        x_hat_RI, x_saved = _quantize_x(fmt, x_RI, src_P, offsets_E, gemm)
+        x_hat_RI, x_saved = _quantize_x(gemm, x_RI, src_P, offsets_E)
         y_RO = grouped_mm_2d3d(x_hat_RI, _weight(gemm, w_EOI, -1).transpose(-2, -1), offsets_E, gemm.per_expert)
         ctx.save_for_backward(*x_saved, w_EOI, offsets_E, src_P, padded_offsets_E)
         ctx.gemm, ctx.x_dtype = gemm, x_RI.dtype

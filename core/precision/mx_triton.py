@@ -56,9 +56,9 @@ def _both_tile(spec: str) -> dict:
     """MOETRON_MX_BOTH_TILE's 'cols,warps[,tile-codes]' -> TILES["both"] (ValueError naming the form
     otherwise)."""
     parts = spec.split(",")
-    codes = len(parts) == 3 and parts[2] == "tile-codes"
+    codes = parts[2:] == ["tile-codes"]
     try:
-        cols, warps = (int(v) for v in parts[:2]) if len(parts) == 2 or codes else (0, 0)
+        cols, warps = map(int, parts[:2]) if len(parts) == 2 + codes else (0, 0)
     except ValueError:
         cols = warps = 0
     if not (32 <= cols <= 1024 and cols & (cols - 1) == 0 and warps in (1, 2, 4, 8, 16)):

@@ -65,10 +65,11 @@ def close(actual, a, b, what):
     assert err <= TOL, f"{what}: error {err:.3g} of the products' magnitude > {TOL:.3g}"
 
 
+@pytest.mark.parametrize("save_x_bf16", [False, True])  # precision.emulated_save_x_bf16
 @pytest.mark.parametrize("fmt_name", list(FORMATS))
-def test_linear_matches_float64_on_quantized_operands(fmt_name):
+def test_linear_matches_float64_on_quantized_operands(fmt_name, save_x_bf16):
     make, act, wq = FORMATS[fmt_name]
-    gemm = EmulatedGemm(make())
+    gemm = EmulatedGemm(make(), save_x_bf16=save_x_bf16)
     T, I, O = 200, 256, 384  # 200 tokens: not a whole number of blocks, the wgrad pads
     x = wide(T, I, seed=1).requires_grad_()
     w = wide(O, I, seed=2).requires_grad_()
@@ -97,10 +98,11 @@ def check_grouped(act, wq, x, w, offsets, y, dy, wgrad_act=None):
         start = end
 
 
+@pytest.mark.parametrize("save_x_bf16", [False, True])  # precision.emulated_save_x_bf16
 @pytest.mark.parametrize("fmt_name", list(FORMATS))
-def test_grouped_mm_matches_float64_per_expert(fmt_name):
+def test_grouped_mm_matches_float64_per_expert(fmt_name, save_x_bf16):
     make, act, wq = FORMATS[fmt_name]
-    gemm = EmulatedGemm(make())
+    gemm = EmulatedGemm(make(), save_x_bf16=save_x_bf16)
     E, I, O = 5, 256, 128
     offsets = torch.tensor([37, 37, 150, 290, 300])  # an empty expert, ragged sizes
     x = wide(310, I, seed=4).requires_grad_()  # 10 rows past the end (capacity padding)
