@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import Config, ConfigError, StrEnum
-from .linear import Linear
+from .linear import Linear, shared_input
 from .norm import RMSNorm
 from .rope import RopeScalingConfig, RotaryEmbedding, apply_rotary
 
@@ -165,9 +165,7 @@ class Attention(nn.Module):
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         B, S, _ = x_BSD.shape
-        q = self.q_proj(x_BSD)
-        k = self.k_proj(x_BSD)
-        v = self.v_proj(x_BSD)
+        q, k, v = shared_input(x_BSD, self.q_proj, self.k_proj, self.v_proj)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q_BHSD = q.view(B, S, self.n_heads, self.head_dim).transpose(1, 2)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .linear import Linear
+from .linear import Linear, shared_input
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -23,4 +23,4 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(hidden, d_model, device)
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x_BSD), self.up_proj(x_BSD)))
+        return self.down_proj(self.act(*shared_input(x_BSD, self.gate_proj, self.up_proj)))

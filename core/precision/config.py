@@ -142,6 +142,28 @@ def check_emulated_saves(recipe: PrecisionRecipe | str, backend: PrecisionBacken
                           f"--precision.recipe=mxfp8 (or fp8_blockwise) --precision.backend=emulated, or drop it")
 
 
+def takes_input_once(recipe: PrecisionRecipe | str, backend: PrecisionBackend | str) -> bool:
+    """Whether a recipe and backend take precision.quantize_input_once (their linears' ``linears``
+    share one quantization of the input): fp8_rowwise, and mxfp8 / fp8_blockwise on the emulated
+    backend (auto may resolve to it). The native mxfp8 / fp8_blockwise linears do not (not built)."""
+    recipe, backend = PrecisionRecipe(recipe), PrecisionBackend(backend)
+    if recipe == PrecisionRecipe.fp8_rowwise:
+        return True
+    return recipe in (PrecisionRecipe.mxfp8, PrecisionRecipe.fp8_blockwise) and backend in (
+        PrecisionBackend.emulated, PrecisionBackend.auto)
+
+
+def check_input_once(recipe: PrecisionRecipe | str, backend: PrecisionBackend | str, on: bool) -> None:
+    """ConfigError where precision.quantize_input_once meets a recipe and backend that do not take it
+    (takes_input_once), naming the fix. The one rule the config, the build and the planner apply."""
+    if on and not takes_input_once(recipe, backend):
+        raise ConfigError(f"precision.quantize_input_once: an option of fp8_rowwise, and of mxfp8 / fp8_blockwise on "
+                          f"the emulated backend (bf16 has no input to quantize; the native mxfp8 / fp8_blockwise "
+                          f"linears quantize per linear), and this run has precision.recipe={PrecisionRecipe(recipe)} "
+                          f"on precision.backend={PrecisionBackend(backend)}: use --precision.recipe=fp8_rowwise, or "
+                          f"--precision.backend=emulated, or drop it")
+
+
 @dataclasses.dataclass
 class PrecisionConfig(Config):
     recipe: PrecisionRecipe = PrecisionRecipe.auto
@@ -198,6 +220,15 @@ class PrecisionConfig(Config):
     values, no dequantize pass in the backward, and the forward's fused kernel writes bf16 columns
     (core/precision/emulated.py _quantize_x). Off by default: it buys speed with memory
     (docs/precision.md has the measured trade)."""
+    quantize_input_once: bool = False
+    """fp8_rowwise, and mxfp8 / fp8_blockwise on the emulated backend: linears that read one input
+    (attention's q, k and v; a dense SwiGLU's gate and up, the shared expert's too) quantize it once
+    for all of them, in one autograd op (GemmBackend.linears, core.layers.linear.shared_input),
+    instead of once per linear: fewer quantization passes in the forward, one saved wgrad operand
+    instead of three (two), one dequantize in the backward; dx is the sum of the dgrads, accumulated
+    in the GEMM (emulated) or added in bf16 (fp8_rowwise), so its last bits can differ from the
+    separate linears' (autograd's bf16 adds in its own order). Off by default until measured on the
+    GPU (not yet: docs/precision.md)."""
     bf16_experts: Bf16Experts = Bf16Experts.grouped_mm
     """How the routed experts' grouped bf16 GEMMs run (see Bf16Experts), in the bf16 recipe and in the
     emulated backends (whose GEMMs take the dequantized operands in bf16): torch's grouped kernel (no
@@ -265,6 +296,7 @@ class PrecisionConfig(Config):
         if self.backend != PrecisionBackend.auto and self.recipe in _LOW_PRECISION:  # known before resolving
             check_expert_copies(self.recipe, self.backend, copies == WeightCopies.optimizer)
         check_emulated_saves(self.recipe, self.backend, self.emulated_save_x_bf16)
+        check_input_once(self.recipe, self.backend, self.quantize_input_once)
         if self.expert_grads_bf16 and copies != WeightCopies.optimizer:
             raise ConfigError("precision.expert_grads_bf16=true keeps the experts' gradients on the optimizer's bf16 "
                               "weight copies: it needs --precision.expert_weight_copies=optimizer, got "
@@ -365,10 +397,12 @@ class PrecisionConfig(Config):
         expert_copies = WeightCopies(self.expert_weight_copies) == WeightCopies.optimizer
         check_expert_copies(recipe, backend, expert_copies)
         check_emulated_saves(recipe, backend, self.emulated_save_x_bf16)
+        check_input_once(recipe, backend, self.quantize_input_once)
         gemm = low_precision_gemm(recipe, backend, self.mx_scale, self.fp8_experts, wgrad, self.fp8_fast_accum,
                                   expert_copies=expert_copies, fp8_fused_amax=self.fp8_fused_amax,
                                   save_x_bf16=self.emulated_save_x_bf16)
         gemm.quantize_weights_once = bool(self.quantize_weights_once)
+        gemm.quantize_input_once = bool(self.quantize_input_once)
         gemm.per_expert = per_expert
         gemm.triton_swiglu = bool(self.triton_swiglu)
         return PrecisionPolicy(device_type, torch.bfloat16, gemm, modules=frozenset(GemmModule(m) for m in self.modules))

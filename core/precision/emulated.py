@@ -229,33 +229,43 @@ def _saved_x(fmt, x_saved: list[torch.Tensor]) -> torch.Tensor:
 
 
 class _EmulatedLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_TI: torch.Tensor, w_OI: torch.Tensor, gemm: "EmulatedGemm"):
-        # the GEMM's operand and the wgrad's, saved quantized (tokens padded to whole blocks)
-        x_hat_TI, x_saved = _quantize_x(gemm, x_TI, None, None)
-        y_TO = F.linear(x_hat_TI, _weight(gemm, w_OI, -1))
-        ctx.save_for_backward(*x_saved, w_OI)
-        ctx.gemm, ctx.x_dtype = gemm, x_TI.dtype
-        return y_TO
+    """x [T, I] through n weights w_i [O_i, I] -> (y_i [T, O_i], ...): x quantized once for all of them
+    (its rows for the forward GEMMs, its wgrad operand saved once); n = 1 is a plain linear. The
+    backward's dx is the sum of the n dgrads, accumulated in the GEMMs (addmm: one rounding each)."""
 
     @staticmethod
-    def backward(ctx, dy_TO: torch.Tensor):
-        *x_saved, w_OI = ctx.saved_tensors
+    def forward(ctx, x_TI: torch.Tensor, gemm: "EmulatedGemm", *w_OI: torch.Tensor):
+        # the GEMMs' operand and the wgrads', saved quantized (tokens padded to whole blocks)
+        x_hat_TI, x_saved = _quantize_x(gemm, x_TI, None, None)
+        ys_TO = tuple(F.linear(x_hat_TI, _weight(gemm, w, -1)) for w in w_OI)
+        ctx.save_for_backward(*x_saved, *w_OI)
+        ctx.gemm, ctx.x_dtype, ctx.n = gemm, x_TI.dtype, len(w_OI)
+        return ys_TO
+
+    @staticmethod
+    def backward(ctx, *dy_TO: torch.Tensor):
+        saved = ctx.saved_tensors
+        x_saved, w_OI = saved[:len(saved) - ctx.n], saved[len(saved) - ctx.n:]
         gemm = ctx.gemm
         fmt = gemm.format
-        dx_TI = dw_OI = None
-        dy_hat_TO = dy_hat_PO = None
-        if ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
-            dy_hat_TO, dy_hat_PO = fmt.rows_and_cols(dy_TO, None, None, False)
-        if ctx.needs_input_grad[0]:
-            dy_hat_TO = fmt.qdq(dy_TO, -1) if dy_hat_TO is None else dy_hat_TO
-            dx_TI = (dy_hat_TO @ _weight(gemm, w_OI, -2)).to(ctx.x_dtype)
-            del dy_hat_TO
-        if ctx.needs_input_grad[1]:
-            dy_hat_PO = fmt.qdq(pad_rows(dy_TO, fmt.block), 0) if dy_hat_PO is None else dy_hat_PO
-            x_hat_PI = _saved_x(fmt, x_saved)
-            dw_OI = (dy_hat_PO.t() @ x_hat_PI).to(w_OI.dtype)
-        return dx_TI, dw_OI, None
+        dx_TI, dw_OI, x_hat_PI = None, [], None
+        for i, (w, dy) in enumerate(zip(w_OI, dy_TO)):
+            need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2 + i]
+            dy_hat_TO = dy_hat_PO = None
+            if need_x and need_w:
+                dy_hat_TO, dy_hat_PO = fmt.rows_and_cols(dy, None, None, False)
+            if need_x:
+                dy_hat_TO = fmt.qdq(dy, -1) if dy_hat_TO is None else dy_hat_TO
+                w_dgrad = _weight(gemm, w, -2)
+                dx_TI = dy_hat_TO @ w_dgrad if dx_TI is None else torch.addmm(dx_TI, dy_hat_TO, w_dgrad)
+                del dy_hat_TO
+            if need_w:
+                dy_hat_PO = fmt.qdq(pad_rows(dy, fmt.block), 0) if dy_hat_PO is None else dy_hat_PO
+                x_hat_PI = _saved_x(fmt, x_saved) if x_hat_PI is None else x_hat_PI
+                dw_OI.append((dy_hat_PO.t() @ x_hat_PI).to(w.dtype))
+            else:
+                dw_OI.append(None)
+        return None if dx_TI is None else dx_TI.to(ctx.x_dtype), None, *dw_OI
 
 
 class _EmulatedGroupedMM(torch.autograd.Function):
@@ -321,7 +331,12 @@ class EmulatedGemm(GemmBackend):
         return f"{self.format.name} (emulated: exact quantized operands, bf16 GEMMs)"
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return self._linear(_EmulatedLinear, x, w)
+        return self._linears(_EmulatedLinear, x, (w,))[0]
+
+    def linears(self, x: torch.Tensor, ws: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        if not self.quantize_input_once:
+            return super().linears(x, ws)
+        return self._linears(_EmulatedLinear, x, ws)
 
     def grouped_mm(self, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
         return self._grouped(_EmulatedGroupedMM, x_RI, w_EOI, offsets_E, self)

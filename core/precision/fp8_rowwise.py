@@ -177,35 +177,43 @@ def _mm(gemm: "Fp8RowwiseGemm", a, sa, b, sb):
 
 
 class _RowwiseLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_TI: torch.Tensor, w_OI: torch.Tensor, gemm: "Fp8RowwiseGemm", fp8_wgrad: bool):
-        T = x_TI.shape[0]
-        x_p = pad_rows(x_TI, ALIGN)  # the wgrad's reduction (tokens) 16-aligned; zero rows add nothing
-        w_q, w_s = _weight(gemm, w_OI, "rows")
-        x_q, x_s = _rows(x_p)
-        y = _mm(gemm, x_q, x_s, w_q, w_s)[:T]
-        # the wgrad's operand: along the tokens [I, T16] (FP8), or x in bf16 (fp8_wgrad=false)
-        x_saved = _cols(x_p) if fp8_wgrad else (x_TI.to(_BF16),)
-        ctx.save_for_backward(*x_saved, w_OI)
-        ctx.gemm, ctx.x_dtype, ctx.tokens, ctx.fp8_wgrad = gemm, x_TI.dtype, T, fp8_wgrad
-        return y
+    """x [T, I] through n weights w_i [O_i, I] -> (y_i [T, O_i], ...): x's rows quantized once for
+    the n forward GEMMs and its wgrad operand saved once; n = 1 is a plain linear. The backward's dx
+    is the sum of the n dgrads (bf16 adds)."""
 
     @staticmethod
-    def backward(ctx, dy_TO: torch.Tensor):
-        *x_saved, w_OI = ctx.saved_tensors
+    def forward(ctx, x_TI: torch.Tensor, gemm: "Fp8RowwiseGemm", fp8_wgrad: bool, *w_OI: torch.Tensor):
+        T = x_TI.shape[0]
+        x_p = pad_rows(x_TI, ALIGN)  # the wgrad's reduction (tokens) 16-aligned; zero rows add nothing
+        x_q, x_s = _rows(x_p)
+        ys = tuple(_mm(gemm, x_q, x_s, *_weight(gemm, w, "rows"))[:T] for w in w_OI)
+        # the wgrad's operand: along the tokens [I, T16] (FP8), or x in bf16 (fp8_wgrad=false)
+        x_saved = _cols(x_p) if fp8_wgrad else (x_TI.to(_BF16),)
+        ctx.save_for_backward(*x_saved, *w_OI)
+        ctx.gemm, ctx.x_dtype, ctx.tokens, ctx.fp8_wgrad, ctx.n = gemm, x_TI.dtype, T, fp8_wgrad, len(w_OI)
+        return ys
+
+    @staticmethod
+    def backward(ctx, *dy_TO: torch.Tensor):
+        saved = ctx.saved_tensors
+        x_saved, w_OI = saved[:len(saved) - ctx.n], saved[len(saved) - ctx.n:]
         gemm, T, fp8_wgrad = ctx.gemm, ctx.tokens, ctx.fp8_wgrad
-        dx = dw = None
-        dy_p = pad_rows(dy_TO, ALIGN)
-        if ctx.needs_input_grad[0]:
-            wt_q, wt_s = _weight(gemm, w_OI, "cols")
-            dy_q, dy_s = _rows(dy_p)
-            dx = _mm(gemm, dy_q, dy_s, wt_q, wt_s)[:T].to(ctx.x_dtype)
-        if ctx.needs_input_grad[1] and not fp8_wgrad:  # bf16, fp32 accumulation
-            dw = (dy_TO.to(_BF16).t() @ x_saved[0]).to(w_OI.dtype)
-        elif ctx.needs_input_grad[1]:
-            dyt_q, dyt_s = _cols(dy_p)  # [O, T16] along the tokens
-            dw = _mm(gemm, dyt_q, dyt_s, *x_saved).to(w_OI.dtype)
-        return dx, dw, None, None
+        dx, dws = None, []
+        for i, (w, dy) in enumerate(zip(w_OI, dy_TO)):
+            dw = None
+            dy_p = pad_rows(dy, ALIGN)
+            if ctx.needs_input_grad[0]:
+                wt_q, wt_s = _weight(gemm, w, "cols")
+                dy_q, dy_s = _rows(dy_p)
+                dx_i = _mm(gemm, dy_q, dy_s, wt_q, wt_s)[:T]
+                dx = dx_i if dx is None else dx + dx_i
+            if ctx.needs_input_grad[3 + i] and not fp8_wgrad:  # bf16, fp32 accumulation
+                dw = (dy.to(_BF16).t() @ x_saved[0]).to(w.dtype)
+            elif ctx.needs_input_grad[3 + i]:
+                dyt_q, dyt_s = _cols(dy_p)  # [O, T16] along the tokens
+                dw = _mm(gemm, dyt_q, dyt_s, *x_saved).to(w.dtype)
+            dws.append(dw)
+        return None if dx is None else dx.to(ctx.x_dtype), None, None, *dws
 
 
 def _grouped_rows(gemm: "Fp8RowwiseGemm", a_RK, sa_R, b_ENK, sb_EN, offsets_E):
@@ -295,10 +303,15 @@ class Fp8RowwiseGemm(GemmBackend):
         return f"fp8_rowwise (per-row scaled FP8 GEMMs{', fast accumulation' if self.fast_accum else ''})"
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return self._linear(_RowwiseLinear, x, w, self.fp8_wgrad)
+        return self._linears(_RowwiseLinear, x, (w,), self.fp8_wgrad)[0]
+
+    def linears(self, x: torch.Tensor, ws: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        if not self.quantize_input_once:
+            return super().linears(x, ws)
+        return self._linears(_RowwiseLinear, x, ws, self.fp8_wgrad)
 
     def expert_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return self._linear(_RowwiseLinear, x, w, self.fp8_wgrad_experts)
+        return self._linears(_RowwiseLinear, x, (w,), self.fp8_wgrad_experts)[0]
 
     def grouped_mm(self, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
         return self._grouped(_RowwiseGroupedMM, x_RI, w_EOI, offsets_E, self)

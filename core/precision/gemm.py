@@ -106,6 +106,14 @@ class GemmBackend:
         a low-precision backend's linear (x [..., I], w [O, I] -> [..., O])."""
         return function.apply(x.reshape(-1, x.shape[-1]), w, self, *extra).reshape(*x.shape[:-1], w.shape[0])
 
+    def _linears(self, function: type[torch.autograd.Function], x: torch.Tensor, ws: tuple[torch.Tensor, ...],
+                 *extra) -> tuple[torch.Tensor, ...]:
+        """``function.apply(x_TI, self, *extra, *ws)`` on x's tokens flattened to [T, I], each output
+        reshaped back: a low-precision backend's linear through several weights that quantizes x
+        once (x [..., I], w_i [O_i, I] -> (y_i [..., O_i], ...); one weight is a plain linear)."""
+        ys = function.apply(x.reshape(-1, x.shape[-1]), self, *extra, *ws)
+        return tuple(y.reshape(*x.shape[:-1], w.shape[0]) for y, w in zip(ys, ws))
+
     expert_copies = False
     """precision.expert_weight_copies=optimizer with expert_grads_bf16 on a low-precision backend that
     takes them (config.takes_expert_copies): the routed experts compute on the optimizer's bf16 weight
@@ -124,6 +132,16 @@ class GemmBackend:
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    quantize_input_once: bool = False
+    """precision.quantize_input_once (the low-precision backends that take it: config.takes_shared_input):
+    ``linears`` quantizes the one input of several linears once for all of them (attention's q, k, v;
+    a dense SwiGLU's gate and up: core.layers.linear.shared_input)."""
+
+    def linears(self, x: torch.Tensor, ws: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """x [..., I] through several weights w_i [O_i, I] -> (y_i [..., O_i], ...): by default
+        ``linear`` for each; a backend with ``quantize_input_once`` quantizes x once for all."""
+        return tuple(self.linear(x, w) for w in ws)
 
     def expert_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """One routed expert's GEMM as a linear (the experts' loop path, core.moe.experts): ``linear``

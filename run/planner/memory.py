@@ -28,7 +28,8 @@ def activation_terms(cfg: ModelConfig, layer: int, sw: Switches = Switches(),
 
     Eager, counted from the code: the residual stream is fp32; RMSNorm keeps its fp32 input and
     normalized output; each linear keeps its input as its GEMM saves it (bf16, or fp8 + scales under a
-    low-precision recipe; q, k, v separately); rope multiplies by constant tables (nothing per token);
+    low-precision recipe; q, k, v separately, or once with precision.quantize_input_once, and so a
+    dense SwiGLU's gate and up); rope multiplies by constant tables (nothing per token);
     SDPA keeps q, k, v, out; the MoE layer keeps x_TD, the T*K dispatched rows x_RD, the gate|up
     output h and the expert outputs y_RD (the combine's weight gradient); the bf16 experts' fused
     SwiGLU-down op recomputes the product (core/precision/bf16_grouped.py), a low-precision backend
@@ -53,7 +54,8 @@ def activation_terms(cfg: ModelConfig, layer: int, sw: Switches = Switches(),
     moe = cfg.moe if cfg.is_moe_layer(layer) else None
     if not sw.compiled:
         terms["attn_norm"] = ("norm", 8.0 * D)
-        terms["qkv_inputs"] = ("attention", (1 if bf16_params and not sw.low("attention") else 3) * g_att * D)
+        shared = sw.quantize_input_once and sw.low("attention")  # one saved operand for q, k and v
+        terms["qkv_inputs"] = ("attention", (1 if (bf16_params and not sw.low("attention")) or shared else 3) * g_att * D)
         if att.qk_norm:
             terms["qk_norm"] = ("norm", 8.0 * (A + G))
         terms["sdpa_qkv_out"] = ("attention", 2.0 * (A + 2 * G) + 2.0 * A)
@@ -74,7 +76,7 @@ def activation_terms(cfg: ModelConfig, layer: int, sw: Switches = Switches(),
                 terms["shared_swiglu"] = ("swiglu", 2.0 * S + g_mlp * S)
         else:
             H = cfg.mlp_hidden
-            terms["mlp"] = ("mlp", 2 * g_mlp * D + 4.0 * H)
+            terms["mlp"] = ("mlp", (1 if sw.quantize_input_once and sw.low("mlp") else 2) * g_mlp * D + 4.0 * H)
             terms["mlp_swiglu"] = ("swiglu", 2.0 * H + g_mlp * H)
         return terms
     terms["norms"] = ("norm", 4.0 * D)

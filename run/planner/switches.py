@@ -14,7 +14,7 @@ from moetron.core.config import ConfigError
 from moetron.core.layers.loss import path_chunk_tokens
 from moetron.core.optim import OptimizerConfig
 from moetron.core.precision import Fp8Wgrad, PrecisionConfig, PrecisionRecipe, emulated
-from moetron.core.precision.config import check_emulated_saves, check_expert_copies, takes_expert_copies
+from moetron.core.precision.config import check_emulated_saves, check_expert_copies, check_input_once, takes_expert_copies
 from moetron.models import ModelConfig
 from moetron.parallel.config import ParallelConfig
 from .hardware import GPU, FP8_SAVED, FP8_WEIGHT_CACHED, FP8_WGRAD_BYTES, LOW_PRECISION
@@ -78,6 +78,10 @@ class Switches:
     """precision.emulated_save_x_bf16 (mxfp8 / fp8_blockwise emulated): each low-precision GEMM input's
     wgrad operand kept in bf16 (2 B per element, saved_input) instead of the fp8 payload; mxfp8: its
     forward kernel writes bf16 columns and the backward has no dequantize pass (MX_EMULATED_BYTES)."""
+    quantize_input_once: bool = False
+    """precision.quantize_input_once (fp8_rowwise; mxfp8 / fp8_blockwise emulated): attention's q, k, v
+    and a dense SwiGLU's gate and up quantize their shared input once (timing._operand_widths) and
+    save one wgrad operand of it, not one per linear (memory.activation_terms, eager)."""
     optimizer_kernel: str = "triton"
     """The optimizer step's kernel on GPUs: triton (optimizer.impl auto or triton) or torch (impl=torch)."""
     offload: bool = False
@@ -171,6 +175,7 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
     copies = str(precision.expert_weight_copies) != "none" and takes_expert_copies(recipe, backend)
     check_expert_copies(recipe, backend, str(precision.expert_weight_copies) == "optimizer")
     check_emulated_saves(recipe, backend, precision.emulated_save_x_bf16)
+    check_input_once(recipe, backend, precision.quantize_input_once)
     if precision.expert_grads_bf16 and (parallel.dp_shard > 1 or parallel.ep > 1 or parallel.pp > 1):
         raise ConfigError("precision.expert_grads_bf16 (with expert_weight_copies=optimizer) is for one unsharded "
                           "GPU: no FSDP2, expert or pipeline parallelism; drop it for this layout")
@@ -189,5 +194,6 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
                     quantize_weights_once=bool(precision.quantize_weights_once) and recipe in LOW_PRECISION,
                     mx_fused=emulated.FUSED if mx_fused is None else bool(mx_fused),
                     emulated_save_x_bf16=bool(precision.emulated_save_x_bf16),
+                    quantize_input_once=bool(precision.quantize_input_once),
                     optimizer_kernel="torch" if str(optimizer.impl) == "torch" or optimizer.fused is not None else "triton",
                     offload=parallel.fsdp_offload)

@@ -45,32 +45,36 @@ def reference_activation_bytes(cfg: ModelConfig, layer: int) -> float:
     return total
 
 
-def _operand_widths(cfg: ModelConfig, layer: int) -> dict[str, tuple[list[tuple[float, int]], list[tuple[float, int]]]]:
+def _operand_widths(cfg: ModelConfig, layer: int, input_once: bool = False
+                    ) -> dict[str, tuple[list[tuple[float, int]], list[tuple[float, int]]]]:
     """Per token, by precision module: the quantized operands of its GEMMs as (elements, row width),
-    the inputs x (q, k and v each quantize their x, and so do a dense SwiGLU's gate and up; the
-    experts' gate|up is one GEMM), then the output gradients dy in backward. The widths matter to
-    fp8_rowwise (its fused rows + column-maxima kernel serves grouped rows up to 4096 columns)."""
+    the inputs x (q, k and v each quantize their x, and so do a dense SwiGLU's gate and up, unless
+    ``input_once``: precision.quantize_input_once; the experts' gate|up is one GEMM), then the output
+    gradients dy in backward. The widths matter to fp8_rowwise (its fused rows + column-maxima kernel
+    serves grouped rows up to 4096 columns)."""
     D = cfg.d_model
     att = cfg.attention
     A, G = att.n_heads * att.head_width(D), att.kv_heads() * att.head_width(D)
-    out = {"attention": ([(3.0 * D, D), (float(A), A)], [(float(A), A), (2.0 * G, G), (float(D), D)]),
+    qkv, gate_up = (1.0, 1.0) if input_once else (3.0, 2.0)
+    out = {"attention": ([(qkv * D, D), (float(A), A)], [(float(A), A), (2.0 * G, G), (float(D), D)]),
            "mlp": ([], []), "experts": ([], [])}
     if cfg.is_moe_layer(layer):
         moe = cfg.moe
         K, F, S = moe.router.top_k, moe.expert_hidden, moe.shared_width()
         out["experts"] = ([(K * D, D), (K * F, F)], [(2.0 * K * F, 2 * F), (K * D, D)])
         if S:
-            out["mlp"] = ([(2.0 * D, D), (float(S), S)], [(2.0 * S, S), (float(D), D)])
+            out["mlp"] = ([(gate_up * D, D), (float(S), S)], [(2.0 * S, S), (float(D), D)])
     else:
         H = cfg.mlp_hidden
-        out["mlp"] = ([(2.0 * D, D), (float(H), H)], [(2.0 * H, H), (float(D), D)])
+        out["mlp"] = ([(gate_up * D, D), (float(H), H)], [(2.0 * H, H), (float(D), D)])
     return out
 
 
-def _gemm_operands(cfg: ModelConfig, layer: int) -> dict[str, tuple[float, float]]:
+def _gemm_operands(cfg: ModelConfig, layer: int, input_once: bool = False) -> dict[str, tuple[float, float]]:
     """Per token, by precision module: (elements of every GEMM's input x, of its output gradient dy),
     _operand_widths' elements summed."""
-    return {k: (sum(e for e, _ in xs), sum(e for e, _ in dys)) for k, (xs, dys) in _operand_widths(cfg, layer).items()}
+    return {k: (sum(e for e, _ in xs), sum(e for e, _ in dys))
+            for k, (xs, dys) in _operand_widths(cfg, layer, input_once).items()}
 
 
 def mx_emulated_quant_s(gpu: GPU, sw: Switches, module: str, inputs: float, outputs: float, weights: float,
@@ -253,7 +257,7 @@ def stage_time(cfg: ModelConfig, layers: list[int], *, sw: Switches, memory: Mem
     if sw.recipe != "bf16":
         qb, wb = QUANT_BYTES[sw.backend], WEIGHT_QUANT_BYTES[sw.backend]
         for i in layers:
-            ops, wl = _gemm_operands(cfg, i), _linear_params(cfg, i)
+            ops, wl = _gemm_operands(cfg, i, sw.quantize_input_once), _linear_params(cfg, i)
             for k in modules:
                 if not sw.low(k):
                     continue
@@ -263,7 +267,7 @@ def stage_time(cfg: ModelConfig, layers: list[int], *, sw: Switches, memory: Mem
                                                 i in recomputed, m)
                     continue
                 if sw.rowwise_native:
-                    t_mx += rowwise_quant_s(gpu, sw, k, sum(_operand_widths(cfg, i)[k], []), T_mb, weights,
+                    t_mx += rowwise_quant_s(gpu, sw, k, sum(_operand_widths(cfg, i, sw.quantize_input_once)[k], []), T_mb, weights,
                                             2.0 if i in recomputed else 1.0, m)
                     continue
                 quant += (QUANT_ROWS_BYTES if sw.bf16_wgrad(k) else qb) * sum(ops[k]) * T_mb * extra

@@ -151,10 +151,12 @@ def assert_trains_close_to_fp32(recipe_args, gemm_class: str, tmp_path, monkeypa
     assert abs(np.mean(low[-3:]) - np.mean(fp32[-3:])) < 0.01 * np.mean(fp32[-3:]), (low, fp32)
 
 
-@pytest.mark.parametrize("experts_backend", ["grouped_mm", "loop"])
-def test_tiny_moe_trains_in_mxfp8_emulated_close_to_fp32(tmp_path, monkeypatch, experts_backend):
+# the loop run also shares the q, k, v (and the dense / shared SwiGLUs' gate, up) input quantization
+@pytest.mark.parametrize("experts_backend, extra", [("grouped_mm", []), ("loop", ["--precision.quantize_input_once=true"])])
+def test_tiny_moe_trains_in_mxfp8_emulated_close_to_fp32(tmp_path, monkeypatch, experts_backend, extra):
     assert_trains_close_to_fp32(["--precision.recipe=mxfp8", "--precision.backend=emulated",
-                                 f"--model.moe.experts_backend={experts_backend}"], "EmulatedGemm", tmp_path, monkeypatch)
+                                 f"--model.moe.experts_backend={experts_backend}", *extra], "EmulatedGemm", tmp_path,
+                                monkeypatch)
 
 
 def test_swizzled_mx_scales_match_torchao_to_blocked():

@@ -716,3 +716,35 @@ def test_emulated_save_x_bf16_trades_the_dequantize_for_bf16_saved_inputs():
     assert on["peak_gib"] - off["peak_gib"] == pytest.approx(58.5 - 54.55, abs=0.6)
     with pytest.raises(ConfigError, match="emulated_save_x_bf16: an option of mxfp8 / fp8_blockwise on the emulated"):
         run(True, recipe="fp8_blockwise", backend="auto", copies=False)
+
+
+def test_quantize_input_once_counts_one_quantization_of_the_qkv_input():
+    """precision.quantize_input_once (session 24), mxfp8 emulated on OLMoE-8L: q, k and v quantize
+    their one input once, so the forward's fused kernel runs on D elements per token per layer
+    instead of 3 D, and the backward dequantizes one payload instead of three; eager, one saved
+    payload instead of three (compiled, the count already holds one: memory.activation_terms);
+    the bf16 recipe is refused as the run refuses it (check_input_once)."""
+    from moetron.core.config import ConfigError
+    from moetron.core.optim import OptimizerConfig
+    from moetron.core.precision import PrecisionConfig
+    from moetron.run.planner import hardware as hw
+
+    def run(on: bool, compiled=True, recipe="mxfp8"):
+        p = _olmoe8(gpu="h200", compiled=compiled, optimizer=OptimizerConfig(state_dtype="bf16"))
+        p.precision = PrecisionConfig(recipe=recipe, backend="emulated" if recipe != "bf16" else "auto",
+                                      quantize_input_once=on)
+        return planner.plan(p)
+
+    off, on = run(False), run(True)
+    T, D, hbm = 16384, 2048, 4.8e12
+    x = 8 * T * 2 * D  # the two quantizations of the qkv input no longer made, per layer
+    b = hw.MX_EMULATED_BYTES
+    quant = lambda r: r["microbatch_parts_s"]["recast_quant"]  # noqa: E731
+    want = b["input_fused"] * x / (hbm * hw.EFF_MX_FUSED) + b["input_dequant"] * x / (hbm * hw.EFF_MX_QUANT)
+    assert quant(off) - quant(on) == pytest.approx(want, rel=1e-9)
+    assert on["stages"][0]["activations_gib"] == off["stages"][0]["activations_gib"]
+    eager_off, eager_on = run(False, compiled=False), run(True, compiled=False)
+    assert (eager_off["stages"][0]["activations_gib"] - eager_on["stages"][0]["activations_gib"]) * GiB == \
+        pytest.approx((1 + 1 / 32) * x, rel=1e-9)
+    with pytest.raises(ConfigError, match="quantize_input_once: an option of fp8_rowwise"):
+        run(True, recipe="bf16")
