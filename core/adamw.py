@@ -32,7 +32,7 @@ the value), so a moment whose per-step decay 1 - beta is below 2^-8 would never 
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -111,6 +111,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         self.compute_copies: dict[torch.Tensor, torch.Tensor] = {}
         self._grad_copies: dict[int, torch.Tensor] = {}  # id(parameter) -> the copy holding its gradient
         self._copy_hooks: list = []
+        self._parts = None  # (parts, after_part) while step_parts runs step()
         self.add_compute_copies(compute_copies or {})
 
     def add_compute_copies(self, copies: dict[torch.Tensor, torch.Tensor], on_written=None, grads: bool = False) -> None:
@@ -203,17 +204,54 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         scale, self._grad_scale = self._grad_scale, None
+        if self._parts is not None:
+            (parts, after_part), self._parts = self._parts, None
+            self._step_in_parts(parts, after_part, scale)
+            return loss
         for group in self.param_groups:
             self._step_group(group, scale)
         for hook, params in self._copy_hooks:
             hook([(p, self.compute_copies[p]) for p in params if self._grad(p) is not None])
         return loss
 
-    def _step_group(self, group: dict[str, Any], grad_scale: torch.Tensor | None = None) -> None:
+    def step_parts(self, parts: list[list[torch.Tensor]], after_part: Callable[[int], None]) -> None:
+        """One step(), its updates launched part by part in the order given (``parts``: lists of
+        this optimizer's parameters, each in exactly one), ``after_part(i)`` called once part i's
+        updates and its compute copies are launched (core.overlap records its events there). The
+        same updates as step() bit for bit, as every update is elementwise within one parameter;
+        through step() itself, so its hooks and an LR scheduler's step count see it."""
+        index = {id(p) for part in parts for p in part}
+        params = [p for group in self.param_groups for p in group["params"]]
+        if len(index) != sum(len(part) for part in parts) or index != {id(p) for p in params}:
+            raise ValueError("step_parts: every parameter of the optimizer must be in exactly one part")
+        self._parts = (parts, after_part)
+        try:
+            self.step()
+        finally:
+            self._parts = None
+
+    def _step_in_parts(self, parts, after_part, scale: torch.Tensor | None) -> None:
+        if scale is not None and scale.is_cuda:  # read on this stream after its maker drops it
+            scale.record_stream(torch.cuda.current_stream(scale.device))
+        for i, part in enumerate(parts):
+            ids = {id(p) for p in part}
+            for group in self.param_groups:
+                self._step_group(group, scale, only=ids)
+            for hook, hooked in self._copy_hooks:
+                pairs = [(p, self.compute_copies[p]) for p in hooked if id(p) in ids and self._grad(p) is not None]
+                if pairs:
+                    hook(pairs)
+            after_part(i)
+
+    def _step_group(self, group: dict[str, Any], grad_scale: torch.Tensor | None = None,
+                    only: set[int] | None = None) -> None:
+        """Update ``group``'s parameters that have gradients (those whose id is in ``only``, if given)."""
         hyper = dict(lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
                      weight_decay=group["weight_decay"])
         buckets: dict[tuple[torch.device, torch.dtype], list[_Row]] = {}
         for p in group["params"]:
+            if only is not None and id(p) not in only:
+                continue
             grad = self._grad(p)
             if grad is None:
                 continue

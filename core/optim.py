@@ -55,6 +55,12 @@ class OptimizerConfig(Config):
     """Storage dtype of the Adam moments exp_avg and exp_avg_sq (see StateDtype); parameters stay fp32."""
     impl: OptimizerImpl = OptimizerImpl.auto
     """Which AdamW runs the step (see OptimizerImpl); the maths is torch's either way."""
+    overlap: bool = False
+    """The step on a side CUDA stream, unit by unit in forward order (embedding, blocks, final norm,
+    LM head), each unit's next forward waiting for its own update only (core/overlap.py): the
+    memory-bound updates overlap the compute-bound forward; bit-identical results, global-norm
+    clipping exact. One unsharded GPU (no FSDP2, expert or pipeline parallel) and this package's
+    AdamW (not impl=torch / fused). Off by default until measured on the GPU (docs/performance.md)."""
 
     def validate(self) -> None:
         # math.isfinite first: nan fails every comparison, so "nan <= 0" alone would let it through.
@@ -70,6 +76,9 @@ class OptimizerConfig(Config):
                 raise ConfigError(f"optimizer.{name} must be in [0, 1), got {getattr(self, name)}")
         if not math.isfinite(self.weight_decay) or self.weight_decay < 0:
             raise ConfigError(f"optimizer.weight_decay must be a finite number >= 0, got {self.weight_decay}")
+        if self.overlap and (self.impl == OptimizerImpl.torch or self.fused is not None):
+            raise ConfigError("optimizer.overlap=true steps this package's AdamW unit by unit: leave optimizer.impl "
+                              "auto or triton and optimizer.fused unset, or drop optimizer.overlap")
         if self.impl == OptimizerImpl.triton and self.fused:
             raise ConfigError("optimizer.fused=true is torch's fused AdamW: with optimizer.impl=triton leave "
                               "optimizer.fused unset")
@@ -108,7 +117,7 @@ class OptimizerConfig(Config):
         on_gpu = any(p.is_cuda for p in model.parameters())
         all_fp32 = all(p.dtype == torch.float32 for g in groups for p in g["params"])
         torch_adamw = self.impl == OptimizerImpl.torch or (
-            self.impl == OptimizerImpl.auto and (not on_gpu or self.fused is not None or not all_fp32))
+            self.impl == OptimizerImpl.auto and not self.overlap and (not on_gpu or self.fused is not None or not all_fp32))
         if self.state_dtype == StateDtype.fp32 and torch_adamw:
             fused = on_gpu if self.fused is None else self.fused
             return torch.optim.AdamW(groups, lr=self.lr, betas=betas, eps=self.eps, fused=fused or None)

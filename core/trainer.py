@@ -149,6 +149,7 @@ class Trainer:
         precision: PrecisionPolicy | None = None,
         grad_sync: Callable[[bool], None] | None = None,
         tracker: Tracker | None = None,
+        overlap_optimizer: bool = False,
     ):
         """``model``: the model, or the list of modules this rank runs (pipeline stages).
         ``loss_fn(logits, labels) -> mean loss`` over ``model(inputs)``'s logits, or None: the model
@@ -162,7 +163,9 @@ class Trainer:
         ``precision``: the run's PrecisionPolicy (its autocast wraps every forward; default fp32).
         ``grad_sync(enabled)``: the data strategy's switch for reducing gradients in a backward
         (ParallelState.grad_sync); with ``cfg.grad_sync=step`` only the last micro-batch reduces.
-        ``tracker``: also sends every log record and MoE load summary to TensorBoard / W&B."""
+        ``tracker``: also sends every log record and MoE load summary to TensorBoard / W&B.
+        ``overlap_optimizer`` (optimizer.overlap): the optimizer step on a side stream, overlapped
+        with the next forward unit by unit (core/overlap.py; one unsharded GPU)."""
         cfg.validate()
         self.cfg = cfg
         self.model_parts = list(model) if isinstance(model, (list, tuple)) else [model]
@@ -201,6 +204,24 @@ class Trainer:
         # none): updated on the device every step, read only where the loop syncs anyway.
         self.first_nonfinite = torch.full((), _NO_STEP, dtype=torch.long, device=device)
         self.skipped_steps = 0  # on_nonfinite=skip: updates dropped so far in this process
+        self.overlap = self._overlap() if overlap_optimizer else None
+
+    def _overlap(self):
+        """optimizer.overlap's OptimizerOverlap over the model's forward units; ConfigError where the
+        layout reads the parameters outside their forwards (FSDP2, expert or pipeline parallel)."""
+        from .overlap import OptimizerOverlap, forward_units
+
+        if self.step_fn is not None or len(self.model_parts) > 1 or any(isinstance(p, DTensor) for p in self.params):
+            raise ConfigError("optimizer.overlap=true overlaps the optimizer step with the next forward on one "
+                              "unsharded GPU; this run shards or pipelines the model (FSDP2, expert or pipeline "
+                              "parallel), whose own streams read the parameters: drop optimizer.overlap")
+        return OptimizerOverlap(self.optimizer, forward_units(self.model), self.device)
+
+    def wait_optimizer(self) -> None:
+        """Make the current stream wait for an overlapped optimizer step still in flight (before
+        reading the parameters outside a forward); nothing without optimizer.overlap."""
+        if self.overlap is not None:
+            self.overlap.wait_all()
 
     # ---- state ------------------------------------------------------------------------------
     def _extra_state(self) -> dict[str, Any]:
@@ -209,10 +230,12 @@ class Trainer:
     def save(self) -> str | None:
         if self.checkpointer is None:
             return None
+        self.wait_optimizer()
         meta = dict(self.run_metadata, step=self.step, world_size=self.world_size, torch=torch.__version__)
         return self.checkpointer.save(self.step, self._ckpt_model(), self.optimizer, self._extra_state(), meta)
 
     def load(self, path: str) -> None:
+        self.wait_optimizer()
         meta = self.checkpointer.load(path, self._ckpt_model(), self.optimizer, self._extra_state())
         # Compute copies of the weights (precision.expert_weight_copies=optimizer) still hold the
         # weights before the load: rewrite them from the loaded ones.
@@ -295,7 +318,10 @@ class Trainer:
                 print(f"step {self.step + 1}: non-finite loss or grad norm, update skipped "
                       f"(trainer.on_nonfinite=skip)", flush=True)
         else:
-            self.optimizer.step()
+            if self.overlap is not None:  # on a side stream: the next forward waits unit by unit
+                self.overlap.step([t.grad for t in self.grad_tensors if t.grad is not None])
+            else:
+                self.optimizer.step()
             self.precision.after_optimizer_step()  # backends holding weights quantized per step drop them
         self.optimizer.zero_grad(set_to_none=True)
         # No sync: the flag is read at the next log step or save (stop mode).
@@ -329,6 +355,7 @@ class Trainer:
             )
         self.first_nonfinite.fill_(_NO_STEP)
         if before_save:
+            self.wait_optimizer()
             local = [p.to_local() if isinstance(p, DTensor) else p for p in self.params]
             finite = torch.stack([torch.isfinite(t).all() for t in local]).all() if local else torch.ones((), dtype=torch.bool)
             if self._any_rank(~finite.to(self.device)):
@@ -447,6 +474,7 @@ class Trainer:
                 self._emit(record)
                 t_last, tokens_since = time.perf_counter(), 0
             if self.on_step_end is not None:
+                self.wait_optimizer()  # the callback may read the parameters
                 self.on_step_end(self.step, record or {})
             watchdog.beat(self.step)
 

@@ -81,6 +81,11 @@ class Transformer(nn.Module):
             block.compile()
         self.norm.compile()
 
+    def overlap_units(self) -> list[nn.Module]:
+        """The modules the forward uses in turn (embedding, blocks, final norm, LM head): the units
+        whose updates an overlapped optimizer step (core/overlap.py) finishes in this order."""
+        return [self.embed, *self.blocks.values(), self.norm, self.lm_head]
+
     def _ropes(self) -> list[RotaryEmbedding]:
         """The blocks' RoPE modules (looked up once: the module tree is fixed after build)."""
         if getattr(self, "_rope_modules", None) is None:

@@ -72,6 +72,7 @@ def build(cfg: PretrainConfig, device: torch.device, world: int, checkpointer: C
         grad_norm_groups=state.grad_norm_groups,
         precision=precision,
         grad_sync=state.grad_sync,
+        overlap_optimizer=cfg.optimizer.overlap,
         **trainer_kwargs,
     )
     return trainer, state

@@ -130,8 +130,9 @@ def build_trainer(model_cfg: ModelConfig, memory: MemoryConfig, data: TokenStrea
     memory.apply(model)
     if compile:
         model.compile_modules()
-    optimizer = (optimizer or OptimizerConfig()).build(model)
+    optim_cfg = optimizer or OptimizerConfig()
+    optimizer = optim_cfg.build(model)
     scheduler = SchedulerConfig(warmup_steps=0).build(optimizer, 10_000)
     tcfg = TrainerConfig(steps=10_000, micro_batch_size=micro_batch, run_dir="")
     return Trainer(tcfg, model, None, optimizer, scheduler, data,
-                   model_cfg.flops_per_token(seq_len), device, precision=recipe)
+                   model_cfg.flops_per_token(seq_len), device, precision=recipe, overlap_optimizer=optim_cfg.overlap)
