@@ -17,6 +17,8 @@ from moetron.core.precision.grouping import padded_source_rows
 from tests.core.test_precision_recipes import assert_trains_close_to_fp32
 from tests.interpreted import run_interpreted
 
+pytestmark = pytest.mark.slow  # among the longest modules: run first (tests/conftest.py)
+
 
 def _line_reference(v: list[float]) -> tuple[list[float], float]:
     """One line quantized with Python floats: scale 2^ceil(log2(amax / 448)) (2^-127 for a zero line),

@@ -10,6 +10,8 @@ import torch
 from moetron.core.precision.mx import E8M0_NAN, dequantize_mx, quantize_mx
 from tests.interpreted import run_interpreted
 
+pytestmark = pytest.mark.slow  # among the longest modules: run first (tests/conftest.py)
+
 E4M3_VALUES = sorted({float(v) for v in torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
                       if math.isfinite(float(v))})
 

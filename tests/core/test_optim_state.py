@@ -23,6 +23,8 @@ from moetron.core.config import ConfigError
 from moetron.core.optim import OptimizerConfig
 from tests.distributed import run_distributed
 
+pytestmark = pytest.mark.slow  # among the longest modules: run first (tests/conftest.py)
+
 SHAPES = [(7, 5), (300,), (3, 4, 5), (1,), (0, 4)]
 
 

@@ -16,6 +16,8 @@ from moetron.core.precision.emulated import BlockwiseFormat, EmulatedGemm, MXFor
 from moetron.core.precision.grouping import pad_groups
 from moetron.core.precision.mx import dequantize_mx, quantize_mx
 
+pytestmark = pytest.mark.slow  # among the longest modules: run first (tests/conftest.py)
+
 TOL = 2.0 ** -7
 
 
@@ -314,8 +316,8 @@ def _rows_and_cols_tiles_match_torch(device: str) -> None:
     """mx_rows_and_cols_triton under each tile that tools/bench_quantize.py --mx sweeps (columns per
     program, warps; mx_triton.TILES) equals the torch reference, bit for bit: a gathered grouped
     operand (4 experts, one empty, padded to 32-row blocks, rows past the last group) with the
-    columns as a payload and as bf16, and a dense operand whose rows are not a whole block; 640
-    columns, so no wide tile divides them. Each launch's grid is the tile's. On the GPU every tile;
+    columns as a payload and as bf16, and a dense operand whose rows are not a whole block; 320
+    columns, so the 64-column tile divides them and the wider ones end in a partial tile. Each launch's grid is the tile's. On the GPU every tile;
     interpreted, one per (columns, codes), the interpreter running each warps count the same."""
     import os
     import sys
@@ -334,12 +336,12 @@ def _rows_and_cols_tiles_match_torch(device: str) -> None:
             grids.append(tuple(grid))
             return kernel[grid]
 
-    x = wide(200, 640, seed=7).bfloat16().to(device)
-    ends = torch.tensor([50, 50, 130, 190], device=device, dtype=torch.int32)
-    src, _ = padded_source_rows(ends, 200, 32)
+    x = wide(100, 320, seed=7).bfloat16().to(device)
+    ends = torch.tensor([25, 25, 65, 95], device=device, dtype=torch.int32)
+    src, _ = padded_source_rows(ends, 100, 32)
     ref = MXFormat("rceil", kernels="torch")
     want_grouped = (ref.rows_and_cols(x, src, ends, True), ref.rows_and_cols(x, src, ends, False))
-    want_dense = ref.rows_and_cols(x[:70], None, None, True)
+    want_dense = ref.rows_and_cols(x[:35], None, None, True)
     saved = dict(mx_triton.TILES["both"])
     mx_triton._mx_rows_and_cols_kernel = Recorded()
     # the interpreter ignores num_warps: on the CPU one tile per (columns, codes) runs the same code
@@ -349,9 +351,9 @@ def _rows_and_cols_tiles_match_torch(device: str) -> None:
             mx_triton.TILES["both"] = {"cols": cols, "num_warps": warps, "codes_from_tile": codes}
             grids.clear()
             got_grouped = tuple(mx_triton.mx_rows_and_cols_triton(x, src, ends, "rceil", p) for p in (True, False))
-            got_dense = mx_triton.mx_rows_and_cols_triton(x[:70], None, None, "rceil", True)
-            col_tiles = -(-640 // cols)
-            assert grids == [(src.numel() // 32, col_tiles), (-(-200 // 32), col_tiles)] * 2 + [(96 // 32, col_tiles)]
+            got_dense = mx_triton.mx_rows_and_cols_triton(x[:35], None, None, "rceil", True)
+            col_tiles = -(-320 // cols)
+            assert grids == [(src.numel() // 32, col_tiles), (-(-100 // 32), col_tiles)] * 2 + [(64 // 32, col_tiles)]
             for got, want in zip((*got_grouped, got_dense), (*want_grouped, want_dense)):
                 assert len(got) == len(want)
                 for g, w in zip(got, want):

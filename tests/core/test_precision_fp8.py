@@ -14,6 +14,7 @@ import torch
 from tests.core.test_precision_emulated import FORMATS, TOL, check_grouped, close, rel_err, wide
 from tests.interpreted import run_interpreted
 
+pytestmark = pytest.mark.slow  # among the longest modules: run first (tests/conftest.py)
 
 
 def _bf16(t, axis=None):

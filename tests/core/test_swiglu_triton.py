@@ -16,6 +16,8 @@ import torch
 from moetron.core.layers.mlp import swiglu
 from tests.interpreted import run_interpreted
 
+pytestmark = pytest.mark.slow  # among the longest modules: run first (tests/conftest.py)
+
 
 def _close_bf16(a: torch.Tensor, b: torch.Tensor, what: str, max_frac: float = 0.02) -> None:
     diff = (a.float() - b.float()).abs()

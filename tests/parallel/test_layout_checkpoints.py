@@ -13,6 +13,8 @@ import torch
 from tests.distributed import run_distributed
 from tests.parallel.test_equivalence import TINY
 
+pytestmark = pytest.mark.slow  # among the longest modules: run first (tests/conftest.py)
+
 MICRO = ["--trainer.micro_batch_size=2"]
 LAYOUTS = {
     "single": (1, MICRO),

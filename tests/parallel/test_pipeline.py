@@ -32,6 +32,8 @@ from moetron.parallel.mesh import ParallelMesh  # noqa: E402
 from moetron.parallel.pipeline import PipelineParallel, split_stages  # noqa: E402
 from moetron.parallel.registry import ParallelState  # noqa: E402
 
+pytestmark = pytest.mark.slow  # among the longest modules: run first (tests/conftest.py)
+
 STEPS, BATCH, SEQ, LR = 3, 8, 16, 1e-2
 RTOL, ATOL = 1e-5, 1e-6
 """fp32 on CPU: the pipeline changes only the order of a few float additions."""

@@ -29,6 +29,8 @@ import torch.distributed as dist
 
 from tests.distributed import full_gradients, run_distributed, train_losses
 
+pytestmark = pytest.mark.slow  # among the longest modules: run first (tests/conftest.py)
+
 STEPS = 3
 MODEL = [
     "--model.d_model=256", "--model.n_layers=4", "--model.vocab_size=512", "--model.mlp_hidden=256",

@@ -6,7 +6,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.interpreted import skip_unless_interpreter_works
+
+pytestmark = pytest.mark.slow  # among the longest modules: run first (tests/conftest.py)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -13,6 +13,8 @@ import textwrap
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # among the longest modules: run first (tests/conftest.py)
+
 tf = pytest.importorskip("transformers")
 
 import convert_hf

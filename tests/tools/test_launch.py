@@ -7,8 +7,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.distributed import free_port
 from tests.tools.test_pretrain import ROOT, SMALL, losses
+
+pytestmark = pytest.mark.slow  # among the longest modules: run first (tests/conftest.py)
 
 SCRIPT = os.path.join(ROOT, "examples", "pretrain_moe_1t.sh")
 TINY_MOE = [a for a in SMALL if not a.startswith("--scheduler.warmup_steps")] + [

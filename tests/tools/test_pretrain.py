@@ -8,6 +8,8 @@ import sys
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # among the longest modules: run first (tests/conftest.py)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRETRAIN = os.path.join(ROOT, "tools", "pretrain.py")
 

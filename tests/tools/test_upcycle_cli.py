@@ -15,6 +15,8 @@ from moetron.core.weights import save_weights
 from moetron.models import ModelConfig
 from tests.hf_models import save_tiny_olmo3
 
+pytestmark = pytest.mark.slow  # among the longest modules: run first (tests/conftest.py)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 UPCYCLE = os.path.join(ROOT, "tools", "upcycle.py")
 PRETRAIN = os.path.join(ROOT, "tools", "pretrain.py")
