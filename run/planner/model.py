@@ -338,7 +338,9 @@ def plan(p: Plan) -> dict:
         "tokens_per_s_per_gpu": tokens_step / step / p.num_gpus, "tflops_per_gpu": tflops,
         "mfu_bf16": tflops * 1e12 / bf16_flops,
         "overlap": "FSDP all-gather/reduce-scatter overlap compute (excess exposed); EP all-to-all, pipeline "
-                   "sends, the DP all-reduce, the optimizer and fsdp_offload's host copies are not overlapped",
+                   "sends, the DP all-reduce, the optimizer and fsdp_offload's host copies are not overlapped"
+                   + (" (optimizer.overlap=true is not modelled yet: its step is planned as not overlapped)"
+                      if p.optimizer.overlap else ""),
         "assumptions": (f"fsdp_offload: PCIe {gpu.pcie_gbps:.0f} GB/s x {EFF_PCIE}, host optimizer at "
                         f"{HOST_GBPS:.0f} GB/s" if sw.offload else ""),
         "fits": fits, "tightest": tightest,

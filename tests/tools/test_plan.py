@@ -748,3 +748,13 @@ def test_quantize_input_once_counts_one_quantization_of_the_qkv_input():
         pytest.approx((1 + 1 / 32) * x, rel=1e-9)
     with pytest.raises(ConfigError, match="quantize_input_once: an option of fp8_rowwise"):
         run(True, recipe="bf16")
+
+
+def test_optimizer_overlap_is_named_as_not_modelled():
+    """optimizer.overlap (session 24, not measured yet): the plan says it keeps the step unoverlapped."""
+    from moetron.core.optim import OptimizerConfig
+
+    off = planner.plan(_olmoe8(gpu="h200", compiled=True, optimizer=OptimizerConfig(state_dtype="bf16")))
+    on = planner.plan(_olmoe8(gpu="h200", compiled=True, optimizer=OptimizerConfig(state_dtype="bf16", overlap=True)))
+    assert on["step_s"] == off["step_s"] and "optimizer.overlap=true is not modelled" in on["overlap"]
+    assert "not modelled" not in off["overlap"]
