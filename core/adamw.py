@@ -112,6 +112,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         self._grad_copies: dict[int, torch.Tensor] = {}  # id(parameter) -> the copy holding its gradient
         self._copy_hooks: list = []
         self._parts = None  # (parts, after_part) while step_parts runs step()
+        self._checked_parts = None  # the last partition step_parts validated
         self.add_compute_copies(compute_copies or {})
 
     def add_compute_copies(self, copies: dict[torch.Tensor, torch.Tensor], on_written=None, grads: bool = False) -> None:
@@ -220,10 +221,12 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         updates and its compute copies are launched (core.overlap records its events there). The
         same updates as step() bit for bit, as every update is elementwise within one parameter;
         through step() itself, so its hooks and an LR scheduler's step count see it."""
-        index = {id(p) for part in parts for p in part}
-        params = [p for group in self.param_groups for p in group["params"]]
-        if len(index) != sum(len(part) for part in parts) or index != {id(p) for p in params}:
-            raise ValueError("step_parts: every parameter of the optimizer must be in exactly one part")
+        if self._checked_parts is not parts:  # once per partition, not every step
+            index = {id(p) for part in parts for p in part}
+            params = [p for group in self.param_groups for p in group["params"]]
+            if len(index) != sum(len(part) for part in parts) or index != {id(p) for p in params}:
+                raise ValueError("step_parts: every parameter of the optimizer must be in exactly one part")
+            self._checked_parts = parts
         self._parts = (parts, after_part)
         try:
             self.step()

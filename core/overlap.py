@@ -50,7 +50,6 @@ class OptimizerOverlap:
                               f"and this run's is {type(optimizer).__name__}: use optimizer.impl=auto or triton, or "
                               f"drop optimizer.overlap")
         self.optimizer = optimizer
-        self.units = units
         owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
         seen: set[int] = set()
         self.parts: list[list[torch.Tensor]] = []

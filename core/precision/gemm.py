@@ -134,7 +134,7 @@ class GemmBackend:
         raise NotImplementedError
 
     quantize_input_once: bool = False
-    """precision.quantize_input_once (the low-precision backends that take it: config.takes_shared_input):
+    """precision.quantize_input_once (the low-precision backends that take it: config.takes_input_once):
     ``linears`` quantizes the one input of several linears once for all of them (attention's q, k, v;
     a dense SwiGLU's gate and up: core.layers.linear.shared_input)."""
 
