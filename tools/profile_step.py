@@ -11,7 +11,10 @@ The profiler skips --wait steps (compilation happens there), runs --warmup steps
 --active steps; every figure is per active step. On a GPU the kernels are the CUDA kernels, memsets
 and memcpys (their device time); on the CPU they are the CPU ops (their self time), so the tool runs
 anywhere. A category's share is of the summed kernel time (streams that overlap count twice);
-"busy" is that sum over the step's wall time. The headline is the share of kernel time that is
+"busy" is that sum over the step's wall time; on a GPU, "GPU idle" is the step's time with no kernel
+running (before its first kernel, between kernels, after its last), the between-kernel gaps listed
+by the kernel each one waited for and where that was launched (a host-bound stretch, or a sync,
+shows there). The headline is the share of kernel time that is
 neither GEMM nor attention. Overrides are --model.*, --memory.*, --optimizer.*, --precision.* (e.g.
 --optimizer.state_dtype=bf16 --precision.expert_weight_copies=optimizer) and (with --real-text) --data.*.
 """
@@ -132,34 +135,88 @@ def _launching_ops(events, annotation) -> dict:
     return found
 
 
+def _annotation(e) -> bool:
+    """A record_function range (ProfilerStep#, Optimizer.step#), on either side."""
+    return getattr(e, "is_user_annotation", False) or "annotation" in (getattr(e, "activity_type", None) or "")
+
+
+def device_kernels(events) -> list[tuple]:
+    """(device event, the CPU op that launched it or None) for every kernel, memset and memcpy
+    recorded on the GPU, each device event once; a range's device-side mirror is no kernel (by its
+    flag, or by its name on older torch). On torch <= 2.11, whose events carry no
+    linked_correlation_id, the launching op is found through the ops' kernel lists (_launching_ops)."""
+    linked = bool(events) and hasattr(events[0], "linked_correlation_id")
+    if linked:
+        ops = {e.id: e for e in events if e.device_type == DeviceType.CPU and e.linked_correlation_id == 0}
+    else:
+        ops = _launching_ops(events, _annotation)
+    ranges = {e.name for e in events if e.device_type == DeviceType.CPU and _annotation(e)}
+    out = []
+    for e in events:
+        if e.device_type != DeviceType.CUDA or _annotation(e) or e.name in ranges:
+            continue
+        out.append((e, ops.get(e.linked_correlation_id if linked else (e.name, e.time_range.elapsed_us()))))
+    return out
+
+
 def kernel_times(events, on_device: bool) -> list[tuple[str, float, str]]:
     """(name, microseconds, category) of every kernel recorded: device activity on a GPU, each device
     event once (classified with its launching op's dtypes and enclosing ranges), the CPU ops' self
     time otherwise."""
-    def annotation(e) -> bool:  # a record_function range (ProfilerStep#, Optimizer.step#), on either side
-        return getattr(e, "is_user_annotation", False) or "annotation" in (getattr(e, "activity_type", None) or "")
-
     if on_device:
-        linked = bool(events) and hasattr(events[0], "linked_correlation_id")
-        if linked:
-            ops = {e.id: e for e in events if e.device_type == DeviceType.CPU and e.linked_correlation_id == 0}
-        else:
-            ops = _launching_ops(events, annotation)
-        # a range's device-side mirror is no kernel (by its flag, or by its name on older torch)
-        ranges = {e.name for e in events if e.device_type == DeviceType.CPU and annotation(e)}
-        out = []
-        for e in events:
-            if e.device_type != DeviceType.CUDA or annotation(e) or e.name in ranges:
-                continue
-            us = e.time_range.elapsed_us()
-            op = ops.get(e.linked_correlation_id if linked else (e.name, us))
-            dtypes = getattr(op, "input_dtypes", None) if op is not None else None
-            out.append((e.name, us, classify(e.name, dtypes, _enclosing(op))))
-        return out
+        return [(e.name, e.time_range.elapsed_us(),
+                 classify(e.name, getattr(op, "input_dtypes", None) if op is not None else None, _enclosing(op)))
+                for e, op in device_kernels(events)]
     return [(e.name, e.self_cpu_time_total,
              classify(e.name, getattr(e, "input_dtypes", None), _enclosing(e.cpu_parent)))
-            for e in events if e.device_type == DeviceType.CPU and not annotation(e) and not e.is_async
+            for e in events if e.device_type == DeviceType.CPU and not _annotation(e) and not e.is_async
             and not e.name.startswith(("ProfilerStep", "[")) and not getattr(e, "is_python_function", False)]
+
+
+def _launch_site(op) -> str:
+    """Where a kernel was launched from, for the idle table: its launching op and the outermost range
+    around it below the profiler's step (e.g. 'aten::mm in Optimizer.step#...'), or 'unknown'."""
+    if op is None:
+        return "unknown"
+    names = [n for n in _enclosing(op) if not n.startswith("ProfilerStep")]
+    return names[0] if len(names) == 1 else f"{names[0]} in {names[-1]}"
+
+
+def idle_time(events, steps: int, top: int = 10) -> dict:
+    """Where the GPU has no kernel running inside the profiler's step windows (the CPU's ProfilerStep#
+    ranges; each step synchronizes before the next, so its kernels end inside its window), per step:
+    the idle milliseconds before the step's first kernel, between kernels (any stream: the kernels'
+    union) and after its last one, and the ``top`` launch sites that the between-kernel gaps wait
+    for, each gap put on the kernel that ends it (its category and _launch_site): a gap there is
+    the GPU waiting for the host to launch that kernel (or for a host sync before it)."""
+    windows = sorted((e.time_range.start, e.time_range.end) for e in events
+                     if e.device_type == DeviceType.CPU and e.name.startswith("ProfilerStep"))
+    kernels = sorted(((e.time_range.start, e.time_range.end), op, e.name) for e, op in device_kernels(events))
+    before = between = after = 0.0
+    sites: dict = collections.defaultdict(lambda: [0.0, 0])
+    for w0, w1 in windows:
+        inside = [k for k in kernels if w0 <= k[0][0] < w1]
+        if not inside:
+            before += w1 - w0
+            continue
+        before += max(inside[0][0][0] - w0, 0)
+        reach = inside[0][0][1]
+        for (start, end), op, name in inside[1:]:
+            if start > reach:
+                gap = start - reach
+                between += gap
+                key = (classify(name, getattr(op, "input_dtypes", None) if op is not None else None,
+                                _enclosing(op)), _launch_site(op))
+                sites[key][0] += gap
+                sites[key][1] += 1
+            reach = max(reach, end)
+        after += max(w1 - reach, 0)
+    n = max(steps, 1)
+    ranked = sorted(sites.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"before_ms": before / 1e3 / n, "between_ms": between / 1e3 / n, "after_ms": after / 1e3 / n,
+            "idle_ms": (before + between + after) / 1e3 / n,
+            "sites": [{"category": c, "site": site, "ms_per_step": us / 1e3 / n, "gaps_per_step": k / n}
+                      for (c, site), (us, k) in ranked]}
 
 
 def breakdown(kernels: list[tuple[str, float, str]], steps: int, step_ms: float, top: int = 20) -> dict:
@@ -231,6 +288,14 @@ def print_report(row: dict, header: str) -> None:
     for k in row["top_kernels"]:
         print(f"{k['ms_per_step']:>9.2f} {100 * k['share']:>6.1f}% {k['calls_per_step']:>6.0f}  {k['category']:<16} "
               f"{_short(k['name'], 100)}")
+    idle = row.get("idle")
+    if idle is not None:
+        print(f"\nGPU idle per step: {idle['idle_ms']:.2f} ms ({idle['before_ms']:.2f} before the first kernel, "
+              f"{idle['between_ms']:.2f} between kernels, {idle['after_ms']:.2f} after the last)")
+        if idle["sites"]:
+            print(f"{'ms/step':>9} {'gaps':>6}  {'category':<16} the kernel each gap waited for, launched from")
+            for g in idle["sites"]:
+                print(f"{g['ms_per_step']:>9.2f} {g['gaps_per_step']:>6.0f}  {g['category']:<16} {_short(g['site'], 100)}")
     if row["non_gemm_attention_share"] is not None:
         print(f"\nnon-GEMM, non-attention share of kernel time: {100 * row['non_gemm_attention_share']:.1f}% "
               f"(issue #13 target <= 15%)")
@@ -263,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     on_device = device.type == "cuda"
     row = {"preset": args.preset, "overrides": overrides, "real_text": args.real_text, "compile": args.compile,
            "source": "CUDA kernels" if on_device else "CPU ops (self time)",
-           **breakdown(kernel_times(events, on_device), args.active, step_ms, args.top)}
+           **breakdown(kernel_times(events, on_device), args.active, step_ms, args.top),
+           "idle": idle_time(events, args.active) if on_device else None}
     env = {**run_environment(device, 1, "tools/profile_step.py", argv),
            "preset": args.preset, "seq_len": args.seq_len, "batch": args.batch, "model": model_cfg.to_dict()}
     print_report(row, f"{env['device']} | torch {env['torch']} | {args.preset} {model_cfg.describe()} | "

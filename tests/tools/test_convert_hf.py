@@ -213,12 +213,12 @@ def _synthetic_olmo3(path, n_layers=24, d=1024, hidden=4096, vocab=16384) -> int
 
 def test_streaming_peak_rss_is_far_below_checkpoint_size(tmp_path):
     hf = str(tmp_path / "big_hf")
-    size = _synthetic_olmo3(hf)
-    assert size > 1.5e9
+    size = _synthetic_olmo3(hf, n_layers=12)  # 0.9 GB: loading it whole would be 3x the growth allowed
+    assert size > 0.85e9
     native, back = str(tmp_path / "big_native"), str(tmp_path / "big_back")
     base, peak = _measure(["import", hf, native])
     growth_import = peak - base
-    base, peak = _measure(["export", native, back, "--shard-size", "500MB"])
+    base, peak = _measure(["export", native, back, "--shard-size", "250MB"])
     growth_export = peak - base
     print(f"checkpoint {size / 1e9:.2f} GB; peak RSS growth import {growth_import / 1e6:.0f} MB, "
           f"export {growth_export / 1e6:.0f} MB")

@@ -235,6 +235,53 @@ def test_older_torch_counts_each_device_event_once():
     assert ops[(adam, 7)] is fused
 
 
+def _idle_events(old_torch: bool):
+    """Two 100-us steps: in the first, kernels at 10-30 (a GEMM), 40-50 (the optimizer's, launched
+    inside its range) and, on a second stream, 45-60 (overlapping it: no gap); in the second, one
+    kernel at 150-170 launched by an unknown op, then nothing until the window ends."""
+    step_a = _event(1, "ProfilerStep#1", 0, 100, is_user_annotation=True)
+    step_b = _event(2, "ProfilerStep#2", 100, 200, is_user_annotation=True)
+    opt = _event(3, "Optimizer.step#AdamW.step", 32, 44, is_user_annotation=True)
+    opt.set_cpu_parent(step_a)
+    mm = _event(4, "aten::mm", 2, 5)
+    mm.set_cpu_parent(step_a)
+    mul = _event(5, "aten::_foreach_mul_", 33, 36)
+    mul.set_cpu_parent(opt)
+    add = _event(6, "aten::add", 37, 38)
+    add.set_cpu_parent(step_a)
+    gemm = _event(10, "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n", 10, 30, DeviceType.CUDA, linked=4)
+    foreach = _event(11, "void at::native::multi_tensor_apply_kernel<Mul>", 40, 50, DeviceType.CUDA, linked=5)
+    elementwise = _event(12, "void at::native::vectorized_elementwise_kernel<4, Add>", 45, 60, DeviceType.CUDA, linked=6)
+    orphan = _event(13, "void at::native::vectorized_elementwise_kernel<4, Add>", 150, 170, DeviceType.CUDA, linked=99)
+    mirror = _event(14, "ProfilerStep#1", 0, 100, DeviceType.CUDA, is_user_annotation=True)
+    events = [step_a, step_b, opt, mm, mul, add, gemm, foreach, elementwise, orphan, mirror]
+    if old_torch:
+        for op, kernel in ((mm, gemm), (mul, foreach), (add, elementwise)):
+            op.append_kernel(kernel.name, 0, kernel.time_range.elapsed_us())
+        events = _old_torch(*events)
+    return events
+
+
+@pytest.mark.parametrize("old_torch", [False, True] if _LINKS else [True])
+def test_idle_time_splits_the_windows_and_names_what_each_gap_waited_for(old_torch):
+    idle = profile_step.idle_time(_idle_events(old_torch), steps=2)
+    # step 1: 10 us before its first kernel, one 10-us gap (30 -> 40), 40 us after 60; step 2: 50 before, 30 after
+    assert idle["before_ms"] == pytest.approx((10 + 50) / 1e3 / 2)
+    assert idle["between_ms"] == pytest.approx(10 / 1e3 / 2)
+    assert idle["after_ms"] == pytest.approx((40 + 30) / 1e3 / 2)
+    # idle + busy = the windows' 200 us: kernels 20 + 20 (the union of 40-50 and 45-60) + 20, idle 140
+    assert idle["idle_ms"] == pytest.approx(140 / 1e3 / 2)
+    (site,) = idle["sites"]
+    assert site == {"category": "optimizer", "site": "aten::_foreach_mul_ in Optimizer.step#AdamW.step",
+                    "ms_per_step": pytest.approx(0.005), "gaps_per_step": 0.5}
+
+
+def test_idle_time_without_kernels_is_all_before():
+    step = _event(1, "ProfilerStep#1", 0, 100, is_user_annotation=True)
+    idle = profile_step.idle_time([step], steps=1)
+    assert idle["before_ms"] == pytest.approx(0.1) and idle["between_ms"] == 0 and idle["sites"] == []
+
+
 def test_breakdown_per_step_shares_and_headline():
     kernels = [("gemm_a", 600.0, "gemm"), ("gemm_a", 600.0, "gemm"), ("flash_fwd_kernel", 200.0, "attention"),
                ("fill", 300.0, "fill"), ("copy", 300.0, "cast_copy")]
@@ -272,6 +319,7 @@ def test_cpu_run_writes_table_json_and_trace(tmp_path, capsys):
     assert profile_step.main([*SMALL, "--json", str(out), "--trace", str(trace)]) == 0
     result = _check_report(out, capsys.readouterr().out)
     assert result["rows"][0]["source"] == "CPU ops (self time)" and not result["rows"][0]["real_text"]
+    assert result["rows"][0]["idle"] is None  # no device timeline on the CPU
     assert result["env"]["command"].startswith("python tools/profile_step.py --preset tiny-moe")
     assert "traceEvents" in json.loads(trace.read_text())
 
