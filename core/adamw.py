@@ -111,17 +111,23 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         self.compute_copies: dict[torch.Tensor, torch.Tensor] = {}
         self._grad_copies: dict[int, torch.Tensor] = {}  # id(parameter) -> the copy holding its gradient
         self._copy_hooks: list = []
+        self._mx_cols: dict[int, tuple[torch.Tensor, str]] = {}  # id(parameter) -> (its MX dgrad operand, scale mode)
         self._parts = None  # (parts, after_part) while step_parts runs step()
         self._checked_parts = None  # the last partition step_parts validated
         self.add_compute_copies(compute_copies or {})
 
-    def add_compute_copies(self, copies: dict[torch.Tensor, torch.Tensor], on_written=None, grads: bool = False) -> None:
+    def add_compute_copies(self, copies: dict[torch.Tensor, torch.Tensor], on_written=None, grads: bool = False,
+                           mx_cols: dict[torch.Tensor, torch.Tensor] | None = None, mx_scale_mode: str = "rceil") -> None:
         """More {parameter: bf16 copy} pairs to overwrite after every step; ``on_written``: called
         after each step with the list of (parameter, copy) pairs just written (a cache that serves
         the copies re-validates them there). ``grads``: the copies are leaves the model computes
         with in the parameters' place, so the backward leaves the gradient on the copy (bf16) and
         none on the parameter; the step reads it as the parameter's gradient and zero_grad clears
-        it (see gradient_holders)."""
+        it (see gradient_holders). ``mx_cols`` (precision.quantized_expert_copies): {parameter [..., O, I]:
+        a second bf16 tensor of its shape}; for those parameters the copy receives bf16(p) quantized to
+        MXFP8 along I and dequantized, and the second tensor the same along O (``mx_scale_mode``):
+        the emulated mxfp8 GEMMs' forward and dgrad weight operands, made in the step's own pass
+        (core.adamw_triton.adamw_update_mx_pair_; the torch reference on the foreach path)."""
         known = {id(p) for group in self.param_groups for p in group["params"]}
         for p, copy in copies.items():
             if id(p) not in known:
@@ -129,6 +135,18 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             if copy.dtype != torch.bfloat16 or copy.shape != p.shape or copy.device != p.device:
                 raise ValueError(f"a compute copy must be bf16 of its parameter's shape {tuple(p.shape)} on "
                                  f"{p.device}, got {copy.dtype} {tuple(copy.shape)} on {copy.device}")
+        for p, cols in (mx_cols or {}).items():
+            if p not in copies:
+                raise ValueError("mx_cols has a parameter without a compute copy among these copies")
+            if cols.dtype != torch.bfloat16 or cols.shape != p.shape or cols.device != p.device or p.dim() < 2:
+                raise ValueError(f"an mx_cols tensor must be bf16 of its parameter's shape {tuple(p.shape)} (2-D "
+                                 f"or more) on {p.device}, got {cols.dtype} {tuple(cols.shape)} on {cols.device}")
+            if p.shape[-1] % 32 or p.shape[-2] % 32:
+                raise ValueError(f"mx_cols: MX blocks of 32 must divide both of the weight's last dims, got "
+                                 f"{tuple(p.shape)}")
+        if mx_cols and mx_scale_mode not in ("rceil", "floor"):
+            raise ValueError(f"mx_scale_mode must be rceil or floor, got {mx_scale_mode!r}")
+        self._mx_cols.update({id(p): (cols, mx_scale_mode) for p, cols in (mx_cols or {}).items()})
         self.compute_copies.update(copies)
         if grads:
             self._grad_copies.update((id(p), copy) for p, copy in copies.items())
@@ -169,6 +187,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         pairs = list(self.compute_copies.items())
         if pairs:
             torch._foreach_copy_([_local(c) for _, c in pairs], [_local(p) for p, _ in pairs])
+        self.write_mx_pairs([(p, c) for p, c in pairs if id(p) in self._mx_cols])
         for hook, params in self._copy_hooks:
             hook([(p, self.compute_copies[p]) for p in params])
 
@@ -272,7 +291,16 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
 
                 rest = []
                 for row in rows:
-                    if all(t is None or t.is_contiguous() for t in (*row[:4], row.copy)):
+                    mx = self._mx_cols.get(id(row.param))
+                    if mx is not None and all(t.is_contiguous() for t in (*row[:4], row.copy, mx[0])):
+                        from .adamw_triton import adamw_update_mx_pair_
+
+                        adamw_update_mx_pair_(*row[:4], rows=row.copy, cols=mx[0], scale_mode=mx[1],
+                                              step=row.step.item(), **hyper,
+                                              grad_scale=None if grad_scale is None else grad_scale.to(device))
+                        for written in (row.param, row.copy, mx[0]):
+                            torch.autograd.graph.increment_version(written)
+                    elif mx is None and all(t is None or t.is_contiguous() for t in (*row[:4], row.copy)):
                         adamw_update_(*row[:4], step=row.step.item(), out_bf16=row.copy,
                                       grad_scale=None if grad_scale is None else grad_scale.to(device), **hyper)
                         # The kernel wrote through pointers: tell autograd's version counters, as
@@ -312,6 +340,19 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         with_copies = [row for row in rows if row.copy is not None]
         if with_copies:
             torch._foreach_copy_([row.copy for row in with_copies], [row.param for row in with_copies])
+        self.write_mx_pairs([(row.param, row.copy) for row in with_copies if id(row.param) in self._mx_cols])
+
+    def write_mx_pairs(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The torch reference of adamw_update_mx_pair_'s outputs, for (parameter, copy) pairs with
+        mx_cols whose copies hold bf16(p): the copy quantized along I in place, its mx_cols along O."""
+        from .precision.mx import MX_BLOCK, dequantize_mx, quantize_mx
+
+        for p, copy in pairs:
+            cols, mode = self._mx_cols[id(p)]
+            w = _local(copy).clone()
+            for out, axis in ((_local(cols), -2), (_local(copy), -1)):
+                data, scale = quantize_mx(w, MX_BLOCK, axis, mode)
+                out.copy_(dequantize_mx(data, scale, MX_BLOCK, axis))
 
     def _chunks(self, rows: list[tuple[torch.Tensor, ...]]) -> Iterable[list[tuple[torch.Tensor, ...]]]:
         """Rows packed into chunks of at most chunk_numel elements; a larger contiguous tensor is

@@ -30,9 +30,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .precision.mx_triton import (HW_CONVERT, abs_bits, lean_block_scale, lean_qdq, lean_rows_qdq, store_bf16,
+                                   widen)
 from .triton_round import round_to_bf16
 
-__all__ = ["BLOCK", "adamw_update_"]
+__all__ = ["BLOCK", "MX_PAIR_TILE_COLS", "adamw_update_", "adamw_update_mx_pair_"]
 
 BLOCK = 1024
 """Elements per program when a call names none (read at each call; tools/bench_optim.py --block
@@ -64,18 +66,9 @@ def _store_state(ptr, offs, x, mask, IS_BF16: tl.constexpr):
 
 
 @triton.jit
-def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, scale_ptr, n, decay, lerp_weight, beta2, one_minus_beta2,
-                  bc2_sqrt, eps, neg_step_size,
-                  GRAD_BF16: tl.constexpr, STATE_BF16: tl.constexpr, LERP_SMALL: tl.constexpr,
-                  WRITE_OUT: tl.constexpr, GRAD_SCALE: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    p = tl.load(p_ptr + offs, mask=mask, other=0.0)
-    g = _load_fp32(g_ptr, offs, mask, GRAD_BF16)
-    if GRAD_SCALE:  # the clip coefficient, as torch._foreach_mul_(grads, coef) would apply it
-        g = g * tl.load(scale_ptr)
-    m = _load_fp32(m_ptr, offs, mask, STATE_BF16)
-    v = _load_fp32(v_ptr, offs, mask, STATE_BF16)
+def _adamw_math(p, g, m, v, decay, lerp_weight, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size,
+                LERP_SMALL: tl.constexpr):
+    """(p, m, v) after one AdamW step of fp32 values (the module docstring's operations, in order)."""
     p = p * decay
     # torch's lerp (ATen/native/Lerp.h): the form whose weight is small, for accuracy
     if LERP_SMALL:
@@ -85,11 +78,64 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, scale_ptr, n, decay, lerp
     v = tl.fma(one_minus_beta2, g * g, v * beta2)
     denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
     p = tl.fma(neg_step_size, tl.div_rn(m, denom), p)
+    return p, m, v
+
+
+@triton.jit
+def _adamw_at(p_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, offs, mask, decay, lerp_weight, beta2, one_minus_beta2, bc2_sqrt,
+              eps, neg_step_size, GRAD_BF16: tl.constexpr, STATE_BF16: tl.constexpr, LERP_SMALL: tl.constexpr,
+              GRAD_SCALE: tl.constexpr):
+    """One AdamW step of the elements at ``offs`` (loaded, updated by _adamw_math, stored); the new p."""
+    p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    g = _load_fp32(g_ptr, offs, mask, GRAD_BF16)
+    if GRAD_SCALE:  # the clip coefficient, as torch._foreach_mul_(grads, coef) would apply it
+        g = g * tl.load(scale_ptr)
+    m = _load_fp32(m_ptr, offs, mask, STATE_BF16)
+    v = _load_fp32(v_ptr, offs, mask, STATE_BF16)
+    p, m, v = _adamw_math(p, g, m, v, decay, lerp_weight, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size,
+                          LERP_SMALL)
     tl.store(p_ptr + offs, p, mask=mask)
     _store_state(m_ptr, offs, m, mask, STATE_BF16)
     _store_state(v_ptr, offs, v, mask, STATE_BF16)
+    return p
+
+
+@triton.jit
+def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, scale_ptr, n, decay, lerp_weight, beta2, one_minus_beta2,
+                  bc2_sqrt, eps, neg_step_size,
+                  GRAD_BF16: tl.constexpr, STATE_BF16: tl.constexpr, LERP_SMALL: tl.constexpr,
+                  WRITE_OUT: tl.constexpr, GRAD_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    p = _adamw_at(p_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, offs, mask, decay, lerp_weight, beta2, one_minus_beta2,
+                  bc2_sqrt, eps, neg_step_size, GRAD_BF16, STATE_BF16, LERP_SMALL, GRAD_SCALE)
     if WRITE_OUT:
         tl.store(out_ptr + offs, round_to_bf16(p), mask=mask)
+
+
+@triton.jit
+def _adamw_mx_pair_kernel(p_ptr, g_ptr, m_ptr, v_ptr, rows_ptr, cols_ptr, scale_ptr, P, C, decay, lerp_weight, beta2,
+                          one_minus_beta2, bc2_sqrt, eps, neg_step_size,
+                          GRAD_BF16: tl.constexpr, STATE_BF16: tl.constexpr, LERP_SMALL: tl.constexpr,
+                          GRAD_SCALE: tl.constexpr, FLOOR: tl.constexpr, HW: tl.constexpr, TC: tl.constexpr):
+    """_adamw_kernel's update of a [32, TC] tile of the 2-D view [P, C] (P, C multiples of 32), then
+    the updated weight rounded to bf16 and quantized to MX both ways from the tile (the lean
+    arithmetic of mx_triton's fused kernel, on the bf16 bits): along C into ``rows`` and along the
+    32 rows into ``cols``, each dequantized to bf16."""
+    pid_p, pid_c = tl.program_id(0), tl.program_id(1)
+    r = pid_p * 32 + tl.arange(0, 32)
+    c = pid_c * TC + tl.arange(0, TC)
+    mask = (r[:, None] < P) & (c[None, :] < C)
+    offs = r[:, None].to(tl.int64) * C + c[None, :]
+    p = _adamw_at(p_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, offs, mask, decay, lerp_weight, beta2, one_minus_beta2,
+                  bc2_sqrt, eps, neg_step_size, GRAD_BF16, STATE_BF16, LERP_SMALL, GRAD_SCALE)
+    bits = round_to_bf16(p).to(tl.int16, bitcast=True)  # the bf16 compute copy's bits
+    x = widen(bits, True, HW)
+    a = abs_bits(bits, True)
+    store_bf16(rows_ptr + offs, lean_rows_qdq(x, a, FLOOR, True, HW, TC), mask, HW)
+    e_c, _, fin_c = lean_block_scale(tl.max(a, axis=0), FLOOR, True)
+    _, deq_c = lean_qdq(x, e_c[None, :], fin_c[None, :], HW)
+    store_bf16(cols_ptr + offs, deq_c, mask, HW)
 
 
 def _fp32(x: float) -> float:
@@ -111,35 +157,76 @@ def adamw_update_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, ex
     device multiplying the gradient first (the gradient-clipping coefficient, read on the device:
     the same fp32 product torch._foreach_mul_ forms, without the pass over the gradients). No host
     sync: every other scalar is a host float."""
+    n = p.numel()
+    args = _scalars(p, grad, exp_avg, exp_avg_sq, [] if out_bf16 is None else [out_bf16], grad_scale, step=step, lr=lr,
+                    beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    if n == 0:
+        return
+    block = block or BLOCK
+    grid = (triton.cdiv(n, block),)
+    _adamw_kernel[grid](
+        p, grad, exp_avg, exp_avg_sq, p if out_bf16 is None else out_bf16,
+        p if grad_scale is None else grad_scale, n, *args,
+        GRAD_BF16=grad.dtype == torch.bfloat16, STATE_BF16=exp_avg.dtype == torch.bfloat16,
+        LERP_SMALL=abs(args[1]) < 0.5, WRITE_OUT=out_bf16 is not None,
+        GRAD_SCALE=grad_scale is not None, BLOCK=block,
+        num_warps=4 if block <= 2048 else 8, enable_fp_fusion=False,
+    )
+
+
+def _scalars(p, grad, exp_avg, exp_avg_sq, outs, grad_scale, *, step, lr, beta1, beta2, eps, weight_decay) -> tuple:
+    """The update's checks (TypeError / ValueError naming the tensor) and its fp32 scalars, in the
+    kernels' order: decay, lerp weight, beta2, 1 - beta2, sqrt(bias correction 2), eps, -step size."""
     if p.dtype != torch.float32:
         raise TypeError(f"adamw_update_ takes fp32 parameters, got {p.dtype}")
     if exp_avg.dtype != exp_avg_sq.dtype or exp_avg.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"moments must both be fp32 or bf16, got {exp_avg.dtype} and {exp_avg_sq.dtype}")
     if grad.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"grad must be fp32 or bf16, got {grad.dtype}")
-    tensors = [p, grad, exp_avg, exp_avg_sq] + ([] if out_bf16 is None else [out_bf16])
-    if out_bf16 is not None and out_bf16.dtype != torch.bfloat16:
-        raise TypeError(f"out_bf16 must be bf16, got {out_bf16.dtype}")
-    if any(t.shape != p.shape or t.device != p.device or not t.is_contiguous() for t in tensors):
+    for out in outs:
+        if out.dtype != torch.bfloat16:
+            raise TypeError(f"the bf16 outputs must be bf16, got {out.dtype}")
+    if any(t.shape != p.shape or t.device != p.device or not t.is_contiguous()
+           for t in (p, grad, exp_avg, exp_avg_sq, *outs)):
         raise ValueError("adamw_update_ needs contiguous tensors of the parameter's shape on its device")
     if grad_scale is not None and (grad_scale.dtype != torch.float32 or grad_scale.numel() != 1
                                    or grad_scale.device != p.device):
         raise ValueError("grad_scale must be a one-element fp32 tensor on the parameter's device")
-    n = p.numel()
-    if n == 0:
-        return
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
-    lerp_weight = _fp32(1 - beta1)
-    block = block or BLOCK
-    grid = (triton.cdiv(n, block),)
-    _adamw_kernel[grid](
-        p, grad, exp_avg, exp_avg_sq, p if out_bf16 is None else out_bf16,
-        p if grad_scale is None else grad_scale, n,
-        _fp32(1 - lr * weight_decay), lerp_weight, _fp32(beta2), _fp32(1 - beta2),
-        _fp32(bias_correction2**0.5), _fp32(eps), _fp32((lr / bias_correction1) * -1),
+    return (_fp32(1 - lr * weight_decay), _fp32(1 - beta1), _fp32(beta2), _fp32(1 - beta2),
+            _fp32(bias_correction2**0.5), _fp32(eps), _fp32((lr / bias_correction1) * -1))
+
+
+MX_PAIR_TILE_COLS = 128
+"""Columns per program of adamw_update_mx_pair_ (32 rows each; 4 warps). Not tuned on a GPU yet."""
+
+
+def adamw_update_mx_pair_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
+                          rows: torch.Tensor, cols: torch.Tensor, scale_mode: str, step: float, lr: float,
+                          beta1: float, beta2: float, eps: float, weight_decay: float,
+                          grad_scale: torch.Tensor | None = None) -> None:
+    """adamw_update_ (the same p and moments, bit for bit), then the updated weight's bf16 rounding
+    quantized to MXFP8 both ways and dequantized, in the same pass: ``rows`` (bf16, p's shape)
+    along the last dim (the forward GEMM's weight operand), ``cols`` along the second to last (the
+    dgrad's; blocks of 32 rows never cross the leading dims) -- mx_qdq(bf16(p), -1) and (.., -2),
+    what the emulated backend would make from a bf16 compute copy. ``scale_mode`` "rceil" or
+    "floor". p [..., O, I] with O and I multiples of 32."""
+    if scale_mode not in ("rceil", "floor"):
+        raise ValueError(f"scale_mode must be rceil or floor, got {scale_mode!r}")
+    if p.dim() < 2 or p.shape[-1] % 32 or p.shape[-2] % 32:
+        raise ValueError(f"adamw_update_mx_pair_ takes [..., O, I] weights with O and I multiples of 32, "
+                         f"got {tuple(p.shape)}")
+    args = _scalars(p, grad, exp_avg, exp_avg_sq, [rows, cols], grad_scale, step=step, lr=lr, beta1=beta1,
+                    beta2=beta2, eps=eps, weight_decay=weight_decay)
+    C = p.shape[-1]
+    P = p.numel() // C
+    if P == 0:
+        return
+    grid = (P // 32, triton.cdiv(C, MX_PAIR_TILE_COLS))
+    _adamw_mx_pair_kernel[grid](
+        p, grad, exp_avg, exp_avg_sq, rows, cols, p if grad_scale is None else grad_scale, P, C, *args,
         GRAD_BF16=grad.dtype == torch.bfloat16, STATE_BF16=exp_avg.dtype == torch.bfloat16,
-        LERP_SMALL=abs(lerp_weight) < 0.5, WRITE_OUT=out_bf16 is not None,
-        GRAD_SCALE=grad_scale is not None, BLOCK=block,
-        num_warps=4 if block <= 2048 else 8, enable_fp_fusion=False,
+        LERP_SMALL=abs(args[1]) < 0.5, GRAD_SCALE=grad_scale is not None, FLOOR=scale_mode == "floor",
+        HW=HW_CONVERT, TC=MX_PAIR_TILE_COLS, num_warps=4, enable_fp_fusion=False,
     )

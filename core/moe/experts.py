@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..config import ConfigError
 from ..layers.mlp import swiglu
 from ..precision.gemm import DEFAULT_GEMM, GemmBackend, compute_dtype, scale_rows
 from .config import ExpertsBackend
@@ -36,9 +37,14 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
-def loop_grouped_mm(gemm: GemmBackend, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+def loop_grouped_mm(gemm: GemmBackend, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor,
+                    w_dgrad: torch.Tensor | None = None) -> torch.Tensor:
     """grouped_mm as a Python loop of ``gemm.expert_linear`` over the groups, reading the offsets on the
     host: the CPU path and the reference, never the GPU hot path. Rows past offsets_E[-1] are 0."""
+    if w_dgrad is not None:
+        raise ConfigError("precision.quantized_expert_copies hands the grouped GEMMs weights already quantized, "
+                          "which the experts' loop path would quantize again: use model.moe.experts_backend=auto "
+                          "or grouped_mm, or drop precision.quantized_expert_copies")
     out_RO = x_RI.new_zeros(x_RI.shape[0], w_EOI.shape[1])
     start = 0
     for e, end in enumerate(offsets_E.tolist()):
@@ -48,26 +54,34 @@ def loop_grouped_mm(gemm: GemmBackend, x_RI: torch.Tensor, w_EOI: torch.Tensor, 
     return out_RO
 
 
-def _fused_grouped_mm(gemm: GemmBackend, x_RI, w_EOI, offsets_E):
-    return gemm.grouped_mm(x_RI, w_EOI, offsets_E)
+def _fused_grouped_mm(gemm: GemmBackend, x_RI, w_EOI, offsets_E, w_dgrad=None):
+    if w_dgrad is None:
+        return gemm.grouped_mm(x_RI, w_EOI, offsets_E)
+    return gemm.grouped_mm(x_RI, w_EOI, offsets_E, w_dgrad=w_dgrad)
 
 
-def _auto_grouped_mm(gemm: GemmBackend, x_RI, w_EOI, offsets_E):
+def _auto_grouped_mm(gemm: GemmBackend, x_RI, w_EOI, offsets_E, w_dgrad=None):
     # The device is known only when the rows arrive (a model may be built on the CPU, then moved).
-    return (_fused_grouped_mm if x_RI.is_cuda else loop_grouped_mm)(gemm, x_RI, w_EOI, offsets_E)
+    # Pre-quantized weights (w_dgrad) take the grouped op on any device (its CPU form loops inside).
+    fused = x_RI.is_cuda or w_dgrad is not None
+    return (_fused_grouped_mm if fused else loop_grouped_mm)(gemm, x_RI, w_EOI, offsets_E, w_dgrad)
 
 
-def _loop_swiglu_down(gemm: GemmBackend, h_R2F, w_EDF, offsets_E, act, row_scale_R=None):
+def _loop_swiglu_down(gemm: GemmBackend, h_R2F, w_EDF, offsets_E, act, row_scale_R=None, w_dgrad=None):
     gate_RF, up_RF = h_R2F.chunk(2, dim=-1)
-    return loop_grouped_mm(gemm, scale_rows(act(gate_RF, up_RF), row_scale_R), w_EDF, offsets_E)
+    return loop_grouped_mm(gemm, scale_rows(act(gate_RF, up_RF), row_scale_R), w_EDF, offsets_E, w_dgrad)
 
 
-def _fused_swiglu_down(gemm: GemmBackend, h_R2F, w_EDF, offsets_E, act, row_scale_R=None):
-    return gemm.grouped_swiglu_down(h_R2F, w_EDF, offsets_E, act, row_scale_R)
+def _fused_swiglu_down(gemm: GemmBackend, h_R2F, w_EDF, offsets_E, act, row_scale_R=None, w_dgrad=None):
+    if w_dgrad is None:
+        return gemm.grouped_swiglu_down(h_R2F, w_EDF, offsets_E, act, row_scale_R)
+    return gemm.grouped_swiglu_down(h_R2F, w_EDF, offsets_E, act, row_scale_R, w_dgrad=w_dgrad)
 
 
-def _auto_swiglu_down(gemm: GemmBackend, h_R2F, w_EDF, offsets_E, act, row_scale_R=None):
-    return (_fused_swiglu_down if h_R2F.is_cuda else _loop_swiglu_down)(gemm, h_R2F, w_EDF, offsets_E, act, row_scale_R)
+def _auto_swiglu_down(gemm: GemmBackend, h_R2F, w_EDF, offsets_E, act, row_scale_R=None, w_dgrad=None):
+    fused = h_R2F.is_cuda or w_dgrad is not None
+    return (_fused_swiglu_down if fused else _loop_swiglu_down)(gemm, h_R2F, w_EDF, offsets_E, act, row_scale_R,
+                                                               w_dgrad)
 
 
 # Per backend: (the gate/up grouped GEMM, the activation + down grouped GEMM).
@@ -102,6 +116,10 @@ class GroupedExperts(nn.Module):
         # the GEMMs use and differentiate in their place (their .grad is the masters' gradient;
         # core/precision/gemm.py TorchGemm.attach_optimizer sets them). None: the parameters.
         self.weight_copies: tuple[torch.Tensor, torch.Tensor] | None = None
+        # precision.quantized_expert_copies: the dgrad operands of (w_gate_up, w_down), written by the
+        # optimizer beside weight_copies, which then hold the forward operands (both MX-quantized and
+        # dequantized: core.precision.gemm.attach_expert_copies). None: the GEMMs quantize the weights.
+        self.weight_copies_dgrad: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x_RD: torch.Tensor, offsets_L: torch.Tensor, row_scale_R: torch.Tensor | None = None) -> torch.Tensor:
         """x_RD [R, D] expert-sorted rows, offsets_L int [E]: rows of expert e (the e-th held
@@ -111,11 +129,14 @@ class GroupedExperts(nn.Module):
         Rows past offsets_L[-1] (capacity padding) are left unspecified; nobody reads them.
         """
         x_RD = x_RD.to(compute_dtype(x_RD))
+        dgrad_gate_up = dgrad_down = None
         if self.weight_copies is not None:  # one unsharded GPU only: no DTensor, grad_scale 1
             w_gate_up_E2FD, w_down_EDF = self.weight_copies
+            if self.weight_copies_dgrad is not None:
+                dgrad_gate_up, dgrad_down = self.weight_copies_dgrad
         else:
             w_gate_up_E2FD = _local(self.w_gate_up, self.grad_scale)
             w_down_EDF = _local(self.w_down, self.grad_scale)
-        h_R2F = self._grouped_mm(self.gemm, x_RD, w_gate_up_E2FD, offsets_L)
+        h_R2F = self._grouped_mm(self.gemm, x_RD, w_gate_up_E2FD, offsets_L, dgrad_gate_up)
         # The activation goes into the down projection's call: a backend may fuse the two.
-        return self._swiglu_down(self.gemm, h_R2F, w_down_EDF, offsets_L, self.act, row_scale_R)
+        return self._swiglu_down(self.gemm, h_R2F, w_down_EDF, offsets_L, self.act, row_scale_R, dgrad_down)

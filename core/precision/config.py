@@ -12,7 +12,7 @@ from .gemm import Fp8Wgrad, gemm_backend
 from .policy import GemmModule, PrecisionPolicy
 
 __all__ = ["Bf16Experts", "Fp8Experts", "Fp8Wgrad", "GemmModule", "PrecisionBackend", "PrecisionConfig", "PrecisionRecipe",
-           "check_expert_copies", "takes_expert_copies"]
+           "check_expert_copies", "check_quantized_copies", "takes_expert_copies"]
 
 
 class PrecisionRecipe(StrEnum):
@@ -142,6 +142,24 @@ def check_emulated_saves(recipe: PrecisionRecipe | str, backend: PrecisionBacken
                           f"--precision.recipe=mxfp8 (or fp8_blockwise) --precision.backend=emulated, or drop it")
 
 
+def check_quantized_copies(recipe: PrecisionRecipe | str, backend: PrecisionBackend | str, quantized: bool,
+                           optimizer_copies: bool) -> None:
+    """ConfigError where precision.quantized_expert_copies meets anything but mxfp8 on the emulated
+    backend (auto may resolve to it) with the optimizer's expert copies holding the gradients
+    (expert_weight_copies=optimizer, expert_grads_bf16=true), naming the fix. The one rule the config,
+    the build and the planner apply."""
+    recipe, backend = PrecisionRecipe(recipe), PrecisionBackend(backend)
+    if not quantized:
+        return
+    if recipe != PrecisionRecipe.mxfp8 or backend not in (PrecisionBackend.emulated, PrecisionBackend.auto):
+        raise ConfigError(f"precision.quantized_expert_copies: an option of mxfp8 on the emulated backend, and this run "
+                          f"has precision.recipe={recipe} on precision.backend={backend}: use --precision.recipe=mxfp8 "
+                          f"--precision.backend=emulated, or drop it")
+    if not optimizer_copies:
+        raise ConfigError("precision.quantized_expert_copies has the optimizer write the expert copies quantized: it "
+                          "needs --precision.expert_weight_copies=optimizer --precision.expert_grads_bf16=true")
+
+
 def takes_input_once(recipe: PrecisionRecipe | str, backend: PrecisionBackend | str) -> bool:
     """Whether a recipe and backend take precision.quantize_input_once (their linears' ``linears``
     share one quantization of the input): fp8_rowwise, and mxfp8 / fp8_blockwise on the emulated
@@ -229,6 +247,16 @@ class PrecisionConfig(Config):
     in the GEMM (emulated) or added in bf16 (fp8_rowwise), so its last bits can differ from the
     separate linears' (autograd's bf16 adds in its own order). Off by default until measured on the
     GPU (not yet: docs/precision.md)."""
+    quantized_expert_copies: bool = False
+    """mxfp8 on the emulated backend with expert_weight_copies=optimizer and expert_grads_bf16: the
+    optimizer's step writes each expert weight's copy already quantized to MX along its input dim and
+    dequantized (the forward GEMM's operand, which receives the gradient) and a second bf16 copy
+    quantized along its output dim (the dgrad's), in its own pass over the weight
+    (core.adamw_triton.adamw_update_mx_pair_), so no GEMM quantizes an expert weight: under
+    torch.compile each forward and backward otherwise quantizes every expert weight again (two reads
+    and two writes of 2 B per element a step). The same values as without it, bit for bit (the same
+    quantization of the same bf16 copy); +2 B per expert weight element of memory (the second copy).
+    Off by default until measured on the GPU (not yet: docs/precision.md)."""
     bf16_experts: Bf16Experts = Bf16Experts.grouped_mm
     """How the routed experts' grouped bf16 GEMMs run (see Bf16Experts), in the bf16 recipe and in the
     emulated backends (whose GEMMs take the dequantized operands in bf16): torch's grouped kernel (no
@@ -297,6 +325,7 @@ class PrecisionConfig(Config):
             check_expert_copies(self.recipe, self.backend, copies == WeightCopies.optimizer)
         check_emulated_saves(self.recipe, self.backend, self.emulated_save_x_bf16)
         check_input_once(self.recipe, self.backend, self.quantize_input_once)
+        check_quantized_copies(self.recipe, self.backend, self.quantized_expert_copies, optimizer_copies)
         if self.expert_grads_bf16 and copies != WeightCopies.optimizer:
             raise ConfigError("precision.expert_grads_bf16=true keeps the experts' gradients on the optimizer's bf16 "
                               "weight copies: it needs --precision.expert_weight_copies=optimizer, got "
@@ -398,9 +427,11 @@ class PrecisionConfig(Config):
         check_expert_copies(recipe, backend, expert_copies)
         check_emulated_saves(recipe, backend, self.emulated_save_x_bf16)
         check_input_once(recipe, backend, self.quantize_input_once)
+        check_quantized_copies(recipe, backend, self.quantized_expert_copies, expert_copies and self.expert_grads_bf16)
         gemm = low_precision_gemm(recipe, backend, self.mx_scale, self.fp8_experts, wgrad, self.fp8_fast_accum,
                                   expert_copies=expert_copies, fp8_fused_amax=self.fp8_fused_amax,
-                                  save_x_bf16=self.emulated_save_x_bf16)
+                                  save_x_bf16=self.emulated_save_x_bf16,
+                                  quantized_copies=self.quantized_expert_copies)
         gemm.quantize_weights_once = bool(self.quantize_weights_once)
         gemm.quantize_input_once = bool(self.quantize_input_once)
         gemm.per_expert = per_expert
@@ -411,11 +442,12 @@ class PrecisionConfig(Config):
 def low_precision_gemm(recipe: PrecisionRecipe | str, backend: PrecisionBackend | str, mx_scale: str = "rceil",
                        fp8_experts: Fp8Experts | str = Fp8Experts.triton, fp8_wgrad: Fp8Wgrad | bool | str = Fp8Wgrad.all,
                        fp8_fast_accum: bool = False, expert_copies: bool = False, fp8_fused_amax: bool = True,
-                       save_x_bf16: bool = False):
+                       save_x_bf16: bool = False, quantized_copies: bool = False):
     """The GemmBackend instance of a low-precision recipe and a resolved backend (native / emulated);
     ``expert_copies``: the experts on the optimizer's bf16 weight copies (fp8_rowwise and the emulated
     backend; precision.expert_weight_copies=optimizer); ``fp8_fused_amax``: precision.fp8_fused_amax;
-    ``save_x_bf16``: precision.emulated_save_x_bf16 (mxfp8 / fp8_blockwise emulated, check_emulated_saves)."""
+    ``save_x_bf16``: precision.emulated_save_x_bf16 (mxfp8 / fp8_blockwise emulated, check_emulated_saves);
+    ``quantized_copies``: precision.quantized_expert_copies (mxfp8 emulated, check_quantized_copies)."""
     recipe, backend, wgrad = PrecisionRecipe(recipe), PrecisionBackend(backend), Fp8Wgrad(fp8_wgrad)
     if recipe == PrecisionRecipe.fp8_rowwise:  # its own emulation: the wgrad's scales are per expert, not blocks
         from .fp8_rowwise import Fp8RowwiseGemm
@@ -427,7 +459,7 @@ def low_precision_gemm(recipe: PrecisionRecipe | str, backend: PrecisionBackend 
         from .emulated import BlockwiseFormat, EmulatedGemm, MXFormat
 
         return EmulatedGemm(MXFormat(mx_scale) if recipe == PrecisionRecipe.mxfp8 else BlockwiseFormat(),
-                            expert_copies=expert_copies, save_x_bf16=save_x_bf16)
+                            expert_copies=expert_copies, save_x_bf16=save_x_bf16, quantized_copies=quantized_copies)
     if expert_copies:
         raise ValueError(f"expert_copies: the native {recipe} GEMMs do not take the optimizer's bf16 weight copies")
     if recipe == PrecisionRecipe.mxfp8:

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from .blockwise import FP8_BLOCK, dequantize_128x128, dequantize_1x128, quantize_128x128, quantize_1x128
 from .cache import WeightCache
-from .gemm import GemmBackend
+from .gemm import GemmBackend, attach_expert_copies
 from .grouping import gather_rows, pad_rows, grouped_mm_2d2d, grouped_mm_2d3d, host_ends, padded_host_ends, padded_source_rows
 from .mx import MX_BLOCK, dequantize_mx, quantize_mx
 
@@ -269,20 +269,26 @@ class _EmulatedLinear(torch.autograd.Function):
 
 
 class _EmulatedGroupedMM(torch.autograd.Function):
+    """x_RI through w_EOI, every operand quantized (the module docstring); with ``w_dgrad`` the
+    weights come quantized already (precision.quantized_expert_copies): w_EOI is the forward's
+    operand, w_dgrad the dgrad's, and w_EOI still receives the weight gradient."""
+
     @staticmethod
-    def forward(ctx, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor, gemm: "EmulatedGemm"):
+    def forward(ctx, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor, gemm: "EmulatedGemm",
+                w_dgrad: torch.Tensor | None = None):
         fmt = gemm.format
         # the wgrad operand: each expert's rows padded to whole blocks (pad_groups, read through an index)
         src_P, padded_offsets_E = padded_source_rows(offsets_E, x_RI.shape[0], fmt.block)
         x_hat_RI, x_saved = _quantize_x(gemm, x_RI, src_P, offsets_E)
-        y_RO = grouped_mm_2d3d(x_hat_RI, _weight(gemm, w_EOI, -1).transpose(-2, -1), offsets_E, gemm.per_expert)
-        ctx.save_for_backward(*x_saved, w_EOI, offsets_E, src_P, padded_offsets_E)
-        ctx.gemm, ctx.x_dtype = gemm, x_RI.dtype
+        w_fwd = w_EOI if w_dgrad is not None else _weight(gemm, w_EOI, -1)
+        y_RO = grouped_mm_2d3d(x_hat_RI, w_fwd.transpose(-2, -1), offsets_E, gemm.per_expert)
+        ctx.save_for_backward(*x_saved, w_EOI if w_dgrad is None else w_dgrad, offsets_E, src_P, padded_offsets_E)
+        ctx.gemm, ctx.x_dtype, ctx.w_dtype, ctx.prequantized = gemm, x_RI.dtype, w_EOI.dtype, w_dgrad is not None
         return y_RO
 
     @staticmethod
     def backward(ctx, dy_RO: torch.Tensor):
-        *x_saved, w_EOI, offsets_E, src_P, padded_offsets_E = ctx.saved_tensors
+        *x_saved, w_EOI, offsets_E, src_P, padded_offsets_E = ctx.saved_tensors  # w_dgrad where prequantized
         gemm = ctx.gemm
         fmt = gemm.format
         dx_RI = dw_EOI = None
@@ -294,14 +300,15 @@ class _EmulatedGroupedMM(torch.autograd.Function):
             dy_hat_RO, dy_hat_PO = fmt.rows_and_cols(dy_RO, src_P, offsets_E, False)
         if ctx.needs_input_grad[0]:
             dy_hat_RO = fmt.qdq(dy_RO, -1) if dy_hat_RO is None else dy_hat_RO
-            dx_RI = grouped_mm_2d3d(dy_hat_RO, _weight(gemm, w_EOI, -2), loops_E, gemm.per_expert).to(ctx.x_dtype)
+            w_dgrad = w_EOI if ctx.prequantized else _weight(gemm, w_EOI, -2)
+            dx_RI = grouped_mm_2d3d(dy_hat_RO, w_dgrad, loops_E, gemm.per_expert).to(ctx.x_dtype)
             del dy_hat_RO
         if ctx.needs_input_grad[1]:
             x_hat_PI = _saved_x(fmt, x_saved)
             dy_hat_PO = fmt.qdq(dy_RO, 0, src_P) if dy_hat_PO is None else dy_hat_PO
             dw_EOI = grouped_mm_2d2d(dy_hat_PO.t(), x_hat_PI, padded_loops_E, gemm.per_expert,
-                                     w_EOI.dtype if gemm.per_expert else None).to(w_EOI.dtype)
-        return dx_RI, dw_EOI, None, None
+                                     ctx.w_dtype if gemm.per_expert else None).to(ctx.w_dtype)
+        return dx_RI, dw_EOI, None, None, None
 
 
 class EmulatedGemm(GemmBackend):
@@ -319,10 +326,14 @@ class EmulatedGemm(GemmBackend):
     name = "emulated"
 
     def __init__(self, fmt: MXFormat | BlockwiseFormat | None = None, expert_copies: bool = False,
-                 save_x_bf16: bool = False) -> None:
+                 save_x_bf16: bool = False, quantized_copies: bool = False) -> None:
         self.format = fmt if fmt is not None else MXFormat()
         self.cache = WeightCache()
         self.expert_copies = bool(expert_copies)
+        self.quantized_copies = bool(quantized_copies)
+        """precision.quantized_expert_copies: the optimizer writes the expert copies MX-quantized both ways."""
+        if self.quantized_copies and not (self.expert_copies and isinstance(self.format, MXFormat)):
+            raise ValueError("quantized_copies is for mxfp8 (MXFormat) with expert_copies")
         self.save_x_bf16 = bool(save_x_bf16)
         """precision.emulated_save_x_bf16: each GEMM input's wgrad operand kept in bf16 (_quantize_x)."""
 
@@ -338,12 +349,20 @@ class EmulatedGemm(GemmBackend):
             return super().linears(x, ws)
         return self._linears(_EmulatedLinear, x, ws)
 
-    def grouped_mm(self, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-        return self._grouped(_EmulatedGroupedMM, x_RI, w_EOI, offsets_E, self)
+    def grouped_mm(self, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor,
+                   w_dgrad: torch.Tensor | None = None) -> torch.Tensor:
+        if w_dgrad is None:
+            return self._grouped(_EmulatedGroupedMM, x_RI, w_EOI, offsets_E, self)
+        return self._grouped(_EmulatedGroupedMM, x_RI, w_EOI, offsets_E, self, w_dgrad)
+
+    def attach_optimizer(self, optimizer, parts) -> None:
+        if self.expert_copies:
+            attach_expert_copies(optimizer, parts, grads=True,
+                                 mx_scale_mode=self.format.scale_mode if self.quantized_copies else None)
 
     def after_optimizer_step(self) -> None:
         self.cache.invalidate()
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({self.format!r}, expert_copies={self.expert_copies}, "
-                f"save_x_bf16={self.save_x_bf16})")
+                f"save_x_bf16={self.save_x_bf16}, quantized_copies={self.quantized_copies})")

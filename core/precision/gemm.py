@@ -149,16 +149,20 @@ class GemmBackend:
         return self.linear(x, w)
 
     def grouped_mm(self, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+        """x_RI [R, I] expert-sorted rows through w_EOI [E, O, I] -> [R, O]. A backend that takes
+        pre-quantized weights (EmulatedGemm with precision.quantized_expert_copies) also takes
+        ``w_dgrad``: w_EOI is then the forward's quantized operand and w_dgrad the dgrad's."""
         raise NotImplementedError
 
     def grouped_swiglu_down(self, h_R2F: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor,
                             act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                            row_scale_R: torch.Tensor | None = None) -> torch.Tensor:
+                            row_scale_R: torch.Tensor | None = None, w_dgrad: torch.Tensor | None = None) -> torch.Tensor:
         """The SwiGLU experts' down projection: ``act(gate, up)`` on h_R2F [R, 2F] (gate columns,
         then up), each row scaled by ``row_scale_R`` [R] if given, then ``grouped_mm`` with w_EDF
-        [E, D, F] -> [R, D]. A backend may fuse these (saving less for backward); this default
-        composes them, the SwiGLU itself in one Triton pass each way where ``triton_swiglu`` (the
-        plain swiglu or its recompute twin on bf16 CUDA rows, _is_swiglu: swiglu_triton.swiglu_rows)."""
+        [E, D, F] -> [R, D] (and ``w_dgrad``, passed on where given). A backend may fuse these
+        (saving less for backward); this default composes them, the SwiGLU itself in one Triton pass
+        each way where ``triton_swiglu`` (the plain swiglu or its recompute twin on bf16 CUDA rows,
+        _is_swiglu: swiglu_triton.swiglu_rows)."""
         if _is_swiglu(act) and bf16_grouped.use_triton_swiglu(h_R2F, self.triton_swiglu):
             from .swiglu_triton import swiglu_rows
 
@@ -166,7 +170,10 @@ class GemmBackend:
         else:
             gate_RF, up_RF = h_R2F.chunk(2, dim=-1)
             act_RF = act(gate_RF, up_RF)
-        return self.grouped_mm(scale_rows(act_RF, row_scale_R), w_EDF, offsets_E)
+        x_RF = scale_rows(act_RF, row_scale_R)
+        if w_dgrad is None:
+            return self.grouped_mm(x_RF, w_EDF, offsets_E)
+        return self.grouped_mm(x_RF, w_EDF, offsets_E, w_dgrad=w_dgrad)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -181,7 +188,8 @@ def _is_swiglu(act: Callable) -> bool:
     return getattr(act, "__wrapped__", act) is swiglu
 
 
-def attach_expert_copies(optimizer, parts, grads: bool, on_written=None) -> dict[torch.Tensor, torch.Tensor]:
+def attach_expert_copies(optimizer, parts, grads: bool, on_written=None,
+                         mx_scale_mode: str | None = None) -> dict[torch.Tensor, torch.Tensor]:
     """precision.expert_weight_copies=optimizer: bf16 copies of every routed expert weight in
     ``parts``, registered with ``optimizer`` (core.adamw.PrecisionAwareAdamW), which rewrites them in
     its step -> {parameter: copy}. ``grads`` (precision.expert_grads_bf16): the copies become leaves
@@ -189,7 +197,10 @@ def attach_expert_copies(optimizer, parts, grads: bool, on_written=None) -> dict
     gradients are bf16 on the copies; else ``on_written`` is called with the pairs after each step.
     ConfigError where the optimizer writes no copies or the weights are not unsharded fp32
     parameters. The bf16 recipe (TorchGemm), fp8_rowwise and the emulated backend (their weights
-    quantized from the copies) attach through here."""
+    quantized from the copies) attach through here. ``mx_scale_mode`` (precision.quantized_expert_copies,
+    with ``grads``): the optimizer writes each copy already MX-quantized along I and dequantized (the
+    forward's operand) and a second tensor along O (the dgrad's, GroupedExperts.weight_copies_dgrad),
+    in its step's pass (PrecisionAwareAdamW.add_compute_copies' mx_cols)."""
     from ..config import ConfigError
     from ..moe.experts import GroupedExperts
 
@@ -206,11 +217,18 @@ def attach_expert_copies(optimizer, parts, grads: bool, on_written=None) -> dict
         raise ConfigError("precision.expert_weight_copies=optimizer is for unsharded fp32 expert weights "
                           "(one GPU, no FSDP2 / expert parallel); use expert_weight_copies=step there")
     copies = {w: w.detach().to(torch.bfloat16) for w in weights}
+    cols = {w: torch.empty_like(c) for w, c in copies.items()} if mx_scale_mode is not None else None
     if grads:
         # The copies are leaves the GEMMs differentiate: their .grad (bf16) is the masters' gradient.
         for m in experts:
             m.weight_copies = (copies[m.w_gate_up].requires_grad_(True), copies[m.w_down].requires_grad_(True))
-    optimizer.add_compute_copies(copies, on_written=on_written, grads=grads)
+            if cols is not None:
+                m.weight_copies_dgrad = (cols[m.w_gate_up], cols[m.w_down])
+    optimizer.add_compute_copies(copies, on_written=on_written, grads=grads, mx_cols=cols,
+                                 mx_scale_mode=mx_scale_mode or "rceil")
+    if cols is not None:  # quantized before the first forward, as every step leaves them
+        with torch.no_grad():
+            optimizer.write_mx_pairs(list(copies.items()))
     return copies
 
 

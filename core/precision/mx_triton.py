@@ -16,7 +16,10 @@ Bits: the scale exponent comes from the bits of amax (floor) or of amax / 448 (r
 scaling is by exact powers of two built from bits; the only rounding is to E4M3, nearest even: on
 the GPU by its conversion instruction, under the interpreter by bit arithmetic (``round_to_e4m3``),
 the same values (``signed_e4m3``). The jit helpers here (``signed_e4m3``, ``round_to_e4m3``,
-``mx_exponent``, ``exp2_int``, ``load_fp32``, ``store_rounded``) are shared with blockwise_triton.
+``mx_exponent``, ``exp2_int``, ``load_fp32``, ``store_rounded``) are shared with blockwise_triton; the
+lean arithmetic's (``abs_bits``, ``widen``, ``lean_block_scale``, ``lean_qdq``, ``lean_rows_qdq``,
+``store_bf16``) with
+core/adamw_triton.py's MX-pair update.
 
 Legend: P rows of the view, C its columns, R rows of the source (gathered views), B blocks.
 """
@@ -34,8 +37,8 @@ from ..triton_round import round_to_bf16
 from .mx import E4M3_MAX, MX_BLOCK, SCALE_MODES
 
 __all__ = ["HW_CONVERT", "LEAN", "abs_bits", "amax_of_bits", "as_loadable", "dequantize_mx_triton", "exp2_int",
-           "load_fp32", "mx_exponent", "mx_qdq_triton", "mx_rows_and_cols_triton", "quantize_mx_triton", "round_to_e4m3", "signed_e4m3",
-           "store_rounded", "to_e4m3", "widen", "widen_fp32"]
+           "lean_block_scale", "lean_qdq", "lean_rows_qdq", "load_fp32", "mx_exponent", "mx_qdq_triton", "mx_rows_and_cols_triton", "quantize_mx_triton", "round_to_e4m3", "signed_e4m3",
+           "store_bf16", "store_rounded", "to_e4m3", "widen", "widen_fp32"]
 
 # The GPU rounds to E4M3 with its conversion instruction; the interpreter by bits (signed_e4m3)
 HW_CONVERT = os.environ.get("TRITON_INTERPRET") != "1"
@@ -302,7 +305,7 @@ def _mx_quantize_kernel(
 
 
 @triton.jit
-def _lean_block_scale(amax_bits, FLOOR: tl.constexpr, IN_BF16: tl.constexpr):
+def lean_block_scale(amax_bits, FLOOR: tl.constexpr, IN_BF16: tl.constexpr):
     """(exponent, E8M0 code, finite) of blocks whose largest abs_bits is ``amax_bits`` (the lean
     arithmetic: a NaN-scale block's exponent is 0, its data unspecified)."""
     amax, finite = amax_of_bits(amax_bits, IN_BF16)
@@ -312,19 +315,31 @@ def _lean_block_scale(amax_bits, FLOOR: tl.constexpr, IN_BF16: tl.constexpr):
 
 
 @triton.jit
-def _lean_qdq(x, e, finite, HW: tl.constexpr):
+def lean_qdq(x, e, finite, HW: tl.constexpr):
     """(e4m3 data, dequantized fp32) of fp32 x in blocks of exponent e (broadcast to x)."""
     q8 = to_e4m3(x, exp2_int(-e), HW)
     return q8, tl.where(finite, q8.to(tl.float32) * exp2_int(e), float("nan"))
 
 
 @triton.jit
-def _store_bf16(ptrs, v, mask, HW: tl.constexpr):
+def store_bf16(ptrs, v, mask, HW: tl.constexpr):
     """fp32 v stored as bf16, nearest even (the GPU's conversion; by bits under the interpreter)."""
     if HW:
         tl.store(ptrs, v.to(tl.bfloat16), mask=mask)
     else:
         store_rounded(ptrs, v, mask, True)
+
+
+@triton.jit
+def lean_rows_qdq(x, a, FLOOR: tl.constexpr, IN_BF16: tl.constexpr, HW: tl.constexpr, TC: tl.constexpr):
+    """A [32, TC] tile quantized along its rows (blocks of 32 columns) and dequantized, fp32 (the
+    lean arithmetic): ``x`` its values, ``a`` their abs_bits."""
+    NB: tl.constexpr = TC // 32
+    e_r, _, fin_r = lean_block_scale(tl.max(tl.reshape(a, (32, NB, 32)), axis=2), FLOOR, IN_BF16)
+    e_r = tl.reshape(tl.broadcast_to(e_r[:, :, None], (32, NB, 32)), (32, TC))
+    fin_r = tl.reshape(tl.broadcast_to(fin_r[:, :, None], (32, NB, 32)), (32, TC))
+    _, deq_r = lean_qdq(x, e_r, fin_r, HW)
+    return deq_r
 
 
 @triton.jit
@@ -343,7 +358,6 @@ def _mx_rows_and_cols_kernel(
     the columns' E8M0 codes stored from the tile's own layout by its first row's threads, not
     converted through shared memory byte by byte (TILES["both"]["codes_from_tile"]; the same bytes)."""
     pid_p, pid_c = tl.program_id(0), tl.program_id(1)
-    NB: tl.constexpr = TC // 32
     c = pid_c * TC + tl.arange(0, TC)[None, :]
     p = pid_p * 32 + tl.arange(0, 32)
     if TAIL:
@@ -358,14 +372,11 @@ def _mx_rows_and_cols_kernel(
     bits = tl.load(x_ptr + src[:, None].to(tl.int64) * s_xp + c * s_xc, mask=valid[:, None] & cmask, other=0)
     x = widen(bits, IN_BF16, HW)
     a = abs_bits(bits, IN_BF16)
-    e_r, _, fin_r = _lean_block_scale(tl.max(tl.reshape(a, (32, NB, 32)), axis=2), FLOOR, IN_BF16)
-    e_r = tl.reshape(tl.broadcast_to(e_r[:, :, None], (32, NB, 32)), (32, TC))
-    fin_r = tl.reshape(tl.broadcast_to(fin_r[:, :, None], (32, NB, 32)), (32, TC))
-    _, deq_r = _lean_qdq(x, e_r, fin_r, HW)
-    _store_bf16(rows_ptr + src[:, None].to(tl.int64) * s_rp + c * s_rc, deq_r, valid[:, None] & cmask, HW)
+    deq_r = lean_rows_qdq(x, a, FLOOR, IN_BF16, HW, TC)
+    store_bf16(rows_ptr + src[:, None].to(tl.int64) * s_rp + c * s_rc, deq_r, valid[:, None] & cmask, HW)
     if not TAIL:
-        e_c, code_c, fin_c = _lean_block_scale(tl.max(a, axis=0), FLOOR, IN_BF16)
-        q8, deq_c = _lean_qdq(x, e_c[None, :], fin_c[None, :], HW)
+        e_c, code_c, fin_c = lean_block_scale(tl.max(a, axis=0), FLOOR, IN_BF16)
+        q8, deq_c = lean_qdq(x, e_c[None, :], fin_c[None, :], HW)
         pmask = (p[:, None] < P) & cmask
         if COLS_PAYLOAD:
             tl.store(data_ptr + p[:, None].to(tl.int64) * s_dp + c * s_dc, q8, mask=pmask)
@@ -378,7 +389,7 @@ def _mx_rows_and_cols_kernel(
                 cc = pid_c * TC + tl.arange(0, TC)
                 tl.store(scale_ptr + pid_p.to(tl.int64) * s_sp + cc * s_sc, code_c.to(tl.uint8), mask=cc < C)
         else:
-            _store_bf16(cols_ptr + p[:, None].to(tl.int64) * s_cp + c * s_cc, deq_c, pmask, HW)
+            store_bf16(cols_ptr + p[:, None].to(tl.int64) * s_cp + c * s_cc, deq_c, pmask, HW)
 
 
 @triton.jit

@@ -171,7 +171,7 @@ def plan(p: Plan) -> dict:
         cache = sw.cache_bytes(linear, forward_only=True)  # the backward's entries: in its candidates below
         cache_backward = sw.cache_bytes(linear) - cache
         if sw.expert_weight_copies and not fsdp:  # [code] 2 B per local expert parameter, held through the step
-            cache += 2.0 * linear["experts"]
+            cache += 2.0 * linear["experts"] * (2 if sw.quantized_expert_copies else 1)  # (+ the dgrad's copy)
         # FSDP2: two gathered blocks in bf16 (reshard after forward); under pp the stage stays gathered
         # for the step and its unsharded fp32 grads accumulate over the micro-batches (torchtitan's
         # choice for pipelines: no per-micro-batch all-gather / reduce-scatter).
@@ -284,6 +284,8 @@ def plan(p: Plan) -> dict:
         t_grad_cast = -6.0 * expert_local / (gpu.hbm_tbps * 1e12)
         if grads_bf16:
             t_opt -= 2.0 * expert_local / (gpu.hbm_tbps * 1e12)
+        if sw.quantized_expert_copies:  # [code] the step writes a second bf16 copy (the dgrad's orientation)
+            t_opt += 2.0 * expert_local / (gpu.hbm_tbps * 1e12)
     exposed_fsdp = max(0.0, t_fsdp - t_compute)
     step = t_pipe + exposed_fsdp + t_ar + t_opt + t_offload + t_grad_cast
     a2a_bytes = 0.0

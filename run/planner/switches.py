@@ -14,7 +14,8 @@ from moetron.core.config import ConfigError
 from moetron.core.layers.loss import path_chunk_tokens
 from moetron.core.optim import OptimizerConfig
 from moetron.core.precision import Fp8Wgrad, PrecisionConfig, PrecisionRecipe, emulated
-from moetron.core.precision.config import check_emulated_saves, check_expert_copies, check_input_once, takes_expert_copies
+from moetron.core.precision.config import (check_emulated_saves, check_expert_copies, check_input_once,
+                                          check_quantized_copies, takes_expert_copies)
 from moetron.models import ModelConfig
 from moetron.parallel.config import ParallelConfig
 from .hardware import GPU, FP8_SAVED, FP8_WEIGHT_CACHED, FP8_WGRAD_BYTES, LOW_PRECISION
@@ -48,6 +49,10 @@ class Switches:
     """precision.expert_grads_bf16 (bf16, fp8_rowwise, the emulated backend): the experts' gradients held in bf16 on the optimizer's copies
     (2 B per local expert parameter instead of 4; no bf16 -> fp32 cast of the grouped GEMMs' weight
     gradients, read 2 + written 4 B per element; the optimizer reads 2 B less for each)."""
+    quantized_expert_copies: bool = False
+    """precision.quantized_expert_copies (mxfp8 emulated on the optimizer's expert copies): the optimizer
+    writes each expert weight quantized both ways in its step (2 B more written per element, a second
+    bf16 copy held), and no GEMM quantizes an expert weight."""
     quantize_weights_once: bool = False
     """precision.quantize_weights_once: compiled, the experts' low-precision GEMMs run outside the
     graph and their weights are quantized once per step (the WeightCache, held through the step)."""
@@ -176,6 +181,8 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
     check_expert_copies(recipe, backend, str(precision.expert_weight_copies) == "optimizer")
     check_emulated_saves(recipe, backend, precision.emulated_save_x_bf16)
     check_input_once(recipe, backend, precision.quantize_input_once)
+    check_quantized_copies(recipe, backend, precision.quantized_expert_copies,
+                           str(precision.expert_weight_copies) == "optimizer" and precision.expert_grads_bf16)
     if precision.expert_grads_bf16 and (parallel.dp_shard > 1 or parallel.ep > 1 or parallel.pp > 1):
         raise ConfigError("precision.expert_grads_bf16 (with expert_weight_copies=optimizer) is for one unsharded "
                           "GPU: no FSDP2, expert or pipeline parallelism; drop it for this layout")
@@ -195,5 +202,6 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
                     mx_fused=emulated.FUSED if mx_fused is None else bool(mx_fused),
                     emulated_save_x_bf16=bool(precision.emulated_save_x_bf16),
                     quantize_input_once=bool(precision.quantize_input_once),
+                    quantized_expert_copies=bool(precision.quantized_expert_copies),
                     optimizer_kernel="torch" if str(optimizer.impl) == "torch" or optimizer.fused is not None else "triton",
                     offload=parallel.fsdp_offload)

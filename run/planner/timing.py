@@ -96,6 +96,8 @@ def mx_emulated_quant_s(gpu: GPU, sw: Switches, module: str, inputs: float, outp
     separate = dequant * inputs
     # the experts on the optimizer's bf16 copies read 2 B of each weight element, not the fp32 master's 4
     lighter = 2.0 if module == "experts" and sw.expert_weight_copies else 0.0
+    if module == "experts" and sw.quantized_expert_copies:  # the optimizer's step quantizes them (model.py)
+        weights = 0.0
     if sw.caches_weights(module) and sw.mx_fused:  # one cache entry holds both orientations, one read
         paired += (b["weight_pair"] - lighter) * weights / microbatches
     else:

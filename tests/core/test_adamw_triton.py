@@ -101,6 +101,75 @@ def check_formula(device: str) -> None:
                 assert torch.equal(copy, mine[0].to(torch.bfloat16)), f"bf16 copy: {what}"
 
 
+def mx_qdq_reference(w: torch.Tensor, axis: int, scale_mode: str) -> torch.Tensor:
+    """w quantized to MX along ``axis`` and dequantized to bf16 by the torch reference (core.precision.mx)."""
+    from moetron.core.precision.mx import dequantize_mx, quantize_mx
+
+    data, scale = quantize_mx(w, 32, axis, scale_mode)
+    return dequantize_mx(data, scale, 32, axis).to(torch.bfloat16)
+
+
+def check_mx_pair(device: str) -> None:
+    """adamw_update_mx_pair_: p and the moments bit for bit adamw_update_'s; its two outputs the torch
+    reference's MX quantize-dequantize of bf16(p) along I and along O. Shapes with a partial column
+    tile and several experts; gradients from 1e-3 to 10 and a weight of wide range (2^-40 .. 2^20,
+    exact zeros in a whole block), both scale modes, fp32 and bf16 moments and gradients, a clip scale."""
+    from moetron.core.adamw_triton import adamw_update_, adamw_update_mx_pair_
+
+    gen = torch.Generator().manual_seed(0)
+    for shape, state_dtype, grad_dtype, mode in (((3, 64, 96), torch.bfloat16, torch.bfloat16, "rceil"),
+                                                 ((96, 256), torch.float32, torch.float32, "floor"),
+                                                 ((2, 32, 160), torch.bfloat16, torch.float32, "floor")):
+        hyper = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+        p = torch.randn(shape, generator=gen) * torch.exp2(torch.randint(-40, 20, shape, generator=gen).float())
+        p.view(-1, shape[-1])[:32, :32] = 0.0  # a zero block both ways
+        mine = [p.to(device), *(torch.zeros(shape, dtype=state_dtype, device=device) for _ in range(2))]
+        ref = [t.clone() for t in mine]
+        rows = torch.empty(shape, dtype=torch.bfloat16, device=device)
+        cols = torch.empty_like(rows)
+        for step in range(1, 4):
+            g = (torch.randn(shape, generator=gen) * 10.0 ** (step - 3)).to(device, grad_dtype)
+            scale = torch.tensor(0.5 if step == 2 else 1.0, device=device)
+            adamw_update_mx_pair_(mine[0], g, *mine[1:], rows=rows, cols=cols, scale_mode=mode, step=step,
+                                  grad_scale=scale, **hyper)
+            adamw_update_(ref[0], g, *ref[1:], step=step, grad_scale=scale, **hyper)
+            what = f"{shape} {state_dtype} moments, {grad_dtype} grad, {mode}, step {step}"
+            for name, got, want in zip(("p", "exp_avg", "exp_avg_sq"), mine, ref):
+                assert torch.equal(got, want), f"{name}: {what}"
+            w = mine[0].cpu().to(torch.bfloat16)
+            assert torch.equal(rows.cpu().view(torch.int16), mx_qdq_reference(w, -1, mode).view(torch.int16)), what
+            assert torch.equal(cols.cpu().view(torch.int16), mx_qdq_reference(w, -2, mode).view(torch.int16)), what
+    with pytest.raises(ValueError, match="multiples of 32"):
+        p = torch.zeros(48, 64, device=device)
+        adamw_update_mx_pair_(p, p, p, p, rows=p.bfloat16(), cols=p.bfloat16(), scale_mode="rceil", step=1, lr=1e-3,
+                              beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0)
+
+
+def check_optimizer_mx_pairs(device: str) -> None:
+    """PrecisionAwareAdamW(kernel='triton') with mx_cols against the same optimizer with plain copies:
+    the same parameters bit for bit, and its copies the reference's MX quantize-dequantize of the
+    plain copies along I and O (a clip scale deferred into the step, two steps)."""
+    gen = torch.Generator().manual_seed(3)
+    shape = (2, 64, 96)
+    runs = []
+    for mx in (False, True):
+        p = nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(4)).to(device))
+        copy, cols = torch.empty_like(p, dtype=torch.bfloat16), torch.empty_like(p, dtype=torch.bfloat16)
+        opt = PrecisionAwareAdamW([p], lr=1e-2, kernel="triton")
+        opt.add_compute_copies({p: copy}, mx_cols={p: cols} if mx else None, mx_scale_mode="floor")
+        runs.append((p, copy, cols, opt))
+    for step in range(2):
+        g = torch.randn(shape, generator=gen).to(device)
+        for p, _, _, opt in runs:
+            p.grad = g.clone()
+            opt.defer_grad_scale(torch.tensor(0.5, device=device))
+            opt.step()
+    (p0, plain, _, _), (p1, rows, cols, _) = runs
+    assert torch.equal(p0, p1)
+    assert torch.equal(rows.cpu(), mx_qdq_reference(plain.cpu(), -1, "floor"))
+    assert torch.equal(cols.cpu(), mx_qdq_reference(plain.cpu(), -2, "floor"))
+
+
 SHAPES = [(3001,), (7, 5), (1024,), (2, 1500), (5, 7)]
 
 
@@ -168,6 +237,8 @@ def check_optimizer(device: str) -> None:
 def check_interpreted() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     check_formula("cpu")
+    check_mx_pair("cpu")
+    check_optimizer_mx_pairs("cpu")
     check_optimizer("cpu")
     cfg = OptimizerConfig(impl="triton", state_dtype="bf16")
     assert PrecisionAwareAdamW is type(cfg.build(nn.Linear(4, 4)))
@@ -204,6 +275,8 @@ def test_impl_choices_and_errors(monkeypatch):
 @pytest.mark.gpu
 def test_triton_adamw_on_gpu():
     check_formula("cuda")
+    check_mx_pair("cuda")
+    check_optimizer_mx_pairs("cuda")
     check_optimizer("cuda")
     lr, steps = 1e-2, 10
     for fused in (True, False):  # torch's fused kernel, and its foreach one

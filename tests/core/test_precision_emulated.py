@@ -492,3 +492,109 @@ def test_codes_from_tile_compile_without_byte_stores_through_shared_memory():
              for k, v in ptx.items()}
     assert count[False]["st.shared.b8"] > 0 and count[True]["st.shared.b8"] == 0, count
     assert count[True]["bar.sync"] < count[False]["bar.sync"], count
+
+
+def test_quantized_expert_copies_train_bit_for_bit_as_the_plain_copies(monkeypatch):
+    """precision.quantized_expert_copies: the optimizer writes each expert copy MX-quantized along I
+    (the forward's operand, which takes the gradient) and a second copy along O (the dgrad's), and the
+    grouped GEMMs quantize no expert weight. Three steps give the losses and every parameter bit for
+    bit as the plain copies do (the same quantization of the same bf16 copy, made elsewhere); the
+    copies are the torch reference's quantize-dequantize of bf16(w) both ways, also after a refresh
+    (what a checkpoint load calls); the parameters get no gradient."""
+    from tests.core.test_adamw_triton import mx_qdq_reference
+    from tests.core.test_bf16_grouped import _copies_trainer
+
+    from moetron.core.moe.experts import GroupedExperts
+
+    weight_calls = []
+    real_weight = MXFormat.weight
+    monkeypatch.setattr(MXFormat, "weight", lambda self, w, axis: weight_calls.append(w.dim()) or real_weight(self, w, axis))
+    runs = {}
+    for quantized in (False, True):
+        torch.manual_seed(0)
+        weight_calls.clear()
+        trainer, data = _copies_trainer(True, recipe="mxfp8", backend="emulated", quantized_expert_copies=quantized)
+        assert trainer.precision.gemm.quantized_copies == quantized
+        experts = [m for m in trainer.model.modules() if isinstance(m, GroupedExperts)]
+        losses = [trainer.train_step(data.next_batch())[0].item() for _ in range(3)]
+        assert (3 in weight_calls) != quantized  # the expert weights [E, O, I] quantized by the GEMMs, or never
+        for m in experts:
+            assert m.w_gate_up.grad is None and m.w_down.grad is None
+            if quantized:
+                for w, c, d in zip((m.w_gate_up, m.w_down), m.weight_copies, m.weight_copies_dgrad):
+                    w16 = w.detach().to(torch.bfloat16)
+                    assert torch.equal(c.detach(), mx_qdq_reference(w16, -1, "rceil"))
+                    assert torch.equal(d, mx_qdq_reference(w16, -2, "rceil"))
+            else:
+                assert m.weight_copies_dgrad is None
+        if quantized:
+            trainer.optimizer.refresh_compute_copies()
+            m = experts[0]
+            assert torch.equal(m.weight_copies_dgrad[1], mx_qdq_reference(m.w_down.detach().to(torch.bfloat16), -2, "rceil"))
+        runs[quantized] = losses, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    (l0, p0), (l1, p1) = runs[False], runs[True]
+    assert l1 == l0 and l0[2] < l0[0]
+    assert p0.keys() == p1.keys() and all(torch.equal(p0[k], p1[k]) for k in p0)
+
+
+def test_quantized_expert_copies_rule():
+    """One ConfigError naming the fix where the switch meets another recipe, backend, or no copies."""
+    from moetron.core.config import ConfigError
+    from moetron.core.precision import PrecisionConfig
+
+    copies = dict(expert_weight_copies="optimizer", expert_grads_bf16=True)
+    PrecisionConfig(recipe="mxfp8", backend="emulated", quantized_expert_copies=True, **copies).validate()
+    with pytest.raises(ConfigError, match="--precision.recipe=mxfp8 --precision.backend=emulated"):
+        PrecisionConfig(recipe="fp8_blockwise", backend="emulated", quantized_expert_copies=True, **copies).validate()
+    with pytest.raises(ConfigError, match="--precision.recipe=mxfp8 --precision.backend=emulated"):
+        PrecisionConfig(recipe="mxfp8", backend="native", quantized_expert_copies=True).validate()
+    with pytest.raises(ConfigError, match="expert_weight_copies=optimizer --precision.expert_grads_bf16=true"):
+        PrecisionConfig(recipe="mxfp8", backend="emulated", quantized_expert_copies=True).validate()
+
+
+def test_the_mx_pair_update_compiles_for_sm90():
+    """adamw_update_mx_pair_'s kernel compiled for SM90 on the CPU (no GPU needed): the bf16 moments
+    and gradients of the experts' copies, the GPU's conversions (HW), 128 columns a program."""
+    import types
+
+    pytest.importorskip("triton")
+    from tests.core.test_precision_fp8 import _compile_sm90
+
+    from moetron.core import adamw_triton
+
+    values = dict(p_ptr="*fp32", g_ptr="*bf16", m_ptr="*bf16", v_ptr="*bf16", rows_ptr="*bf16", cols_ptr="*bf16",
+                  scale_ptr="*fp32", P=131072, C=2048,
+                  **{name: "fp32" for name in ("decay", "lerp_weight", "beta2", "one_minus_beta2", "bc2_sqrt", "eps",
+                                               "neg_step_size")})
+    constexprs = dict(GRAD_BF16=True, STATE_BF16=True, LERP_SMALL=True, GRAD_SCALE=True, FLOOR=False, HW=True,
+                      TC=adamw_triton.MX_PAIR_TILE_COLS)
+    config = types.SimpleNamespace(kwargs={}, num_warps=4, num_stages=1)
+    ptx = _compile_sm90(adamw_triton._adamw_mx_pair_kernel, config, values, constexprs).asm["ptx"]
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and ".target sm_90" in ptx
+
+
+def test_prequantized_grouped_mm_traces_as_eager():
+    """The grouped op with pre-quantized weights (w_dgrad, precision.quantized_expert_copies) in a
+    traced graph (torch.compile, aot_eager on the CPU): output and gradients equal eager's, and
+    equal the op quantizing the same bf16 weight itself (the weight gradient lands on w)."""
+    from tests.core.test_adamw_triton import mx_qdq_reference
+
+    gemm = EmulatedGemm(MXFormat(), expert_copies=True, quantized_copies=True)
+    offsets = torch.tensor([40, 40, 96])
+    x0 = wide(100, 64, seed=1).bfloat16()
+    w16 = wide(3, 32, 64, seed=2).bfloat16()
+    dy = wide(100, 32, seed=3).bfloat16()
+    runs = []
+    for mode in ("plain", "eager", "compiled"):
+        x = x0.clone().requires_grad_()
+        if mode == "plain":
+            w = w16.clone().requires_grad_()
+            y = EmulatedGemm(MXFormat()).grouped_mm(x, w, offsets)
+        else:
+            w = mx_qdq_reference(w16, -1, "rceil").requires_grad_()
+            fn = lambda x, w: gemm.grouped_mm(x, w, offsets, w_dgrad=mx_qdq_reference(w16, -2, "rceil"))  # noqa: E731
+            y = (torch.compile(fn, backend="aot_eager") if mode == "compiled" else fn)(x, w)
+        y.backward(dy)
+        runs.append((y[:96], x.grad[:96], w.grad))
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other))

@@ -750,6 +750,34 @@ def test_quantize_input_once_counts_one_quantization_of_the_qkv_input():
         run(True, recipe="bf16")
 
 
+def test_quantized_expert_copies_move_the_weight_quantization_into_the_optimizer():
+    """precision.quantized_expert_copies (session 25, not measured yet), mxfp8 emulated on OLMoE-8L's
+    optimizer copies, compiled: no GEMM quantizes an expert weight (the forward's and the backward's
+    pass over each bf16 copy gone: recast_quant), the optimizer writes 2 B more per expert weight
+    element, and the second copy is held (2 B each); refused without the copies, as the run refuses it."""
+    from moetron.core.config import ConfigError
+    from moetron.core.optim import OptimizerConfig
+    from moetron.core.precision import PrecisionConfig
+    from moetron.run.planner import hardware as hw
+
+    def run(on: bool, copies=True):
+        p = _olmoe8(gpu="h200", compiled=True, optimizer=OptimizerConfig(state_dtype="bf16"))
+        p.precision = PrecisionConfig(recipe="mxfp8", backend="emulated", expert_weight_copies="optimizer" if copies
+                                      else "none", expert_grads_bf16=copies, quantized_expert_copies=on)
+        return planner.plan(p)
+
+    off, on = run(False), run(True)
+    experts, hbm = 8 * 64 * 3 * 2048 * 1024, 4.8e12  # expert weight elements: 8 layers x 64 x (gate|up + down)
+    quant = lambda r: r["microbatch_parts_s"]["recast_quant"]  # noqa: E731
+    assert quant(off) - quant(on) == pytest.approx((hw.MX_EMULATED_BYTES["weight"] - 2) * experts * 2
+                                                   / (hbm * hw.EFF_MX_QUANT), rel=1e-9)
+    assert on["optimizer_s"] - off["optimizer_s"] == pytest.approx(2 * experts / hbm, rel=1e-9)
+    assert (on["peak_gib"] - off["peak_gib"]) * GiB == pytest.approx(2 * experts, rel=1e-6)
+    assert on["step_s"] < off["step_s"]
+    with pytest.raises(ConfigError, match="needs --precision.expert_weight_copies=optimizer"):
+        run(True, copies=False)
+
+
 def test_optimizer_overlap_is_named_as_not_modelled():
     """optimizer.overlap (session 24, not measured yet): the plan says it keeps the step unoverlapped."""
     from moetron.core.optim import OptimizerConfig
