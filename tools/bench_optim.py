@@ -12,6 +12,10 @@ them in turn (the values drift a little; timing does not depend on them). Varian
     triton_fp32         PrecisionAwareAdamW(kernel=triton), fp32 moments       28 B/param
     triton_bf16         PrecisionAwareAdamW(kernel=triton), bf16 moments       20 B/param
     triton_bf16_copy    triton_bf16 + a bf16 copy of each updated weight       22 B/param
+    triton_bf16_mxpair  triton_bf16 + each matrix's MX pair (two bf16 copies,  24 B/param
+                        quantized along I and O: precision.quantized_expert_copies'
+                        kernel, its own [32, 128] tile, not BLOCK); 1-D weights and
+                        dims not multiples of 32 get the plain copy
 
 B/param is each variant's least traffic (read p, g, m, v; write p, m, v; and the copy): GB/s and
 the floor (those bytes / --hbm-gbps, 4300 by default: the H200's 4.8 TB/s spec as copies reach it)
@@ -43,6 +47,7 @@ VARIANTS = {  # name -> (bytes per parameter moved at least, uses the Triton ker
     "triton_fp32": (28, True),
     "triton_bf16": (20, True),
     "triton_bf16_copy": (22, True),
+    "triton_bf16_mxpair": (24, False),  # adamw_update_mx_pair_'s own tile: no BLOCK sweep
 }
 GiB = 2**30
 
@@ -86,10 +91,15 @@ def build(variant: str, groups: list[dict]):
         return torch.optim.AdamW(groups, foreach=True, **kw)
     state_dtype = torch.float32 if variant == "triton_fp32" else torch.bfloat16
     copies = None
-    if variant == "triton_bf16_copy":
+    if variant in ("triton_bf16_copy", "triton_bf16_mxpair"):
         copies = {p: torch.empty_like(p, dtype=torch.bfloat16) for g in groups for p in g["params"]}
     kernel = "foreach" if variant == "foreach_bf16" else "triton"
-    return PrecisionAwareAdamW(groups, state_dtype=state_dtype, kernel=kernel, compute_copies=copies, **kw)
+    opt = PrecisionAwareAdamW(groups, state_dtype=state_dtype, kernel=kernel, **kw)
+    if copies:
+        mx = variant == "triton_bf16_mxpair"
+        opt.add_compute_copies(copies, mx_cols={p: torch.empty_like(c) for p, c in copies.items()
+                                                if mx and p.ndim >= 2 and p.shape[-1] % 32 == 0 and p.shape[-2] % 32 == 0})
+    return opt
 
 
 def measure(opt, device: torch.device, steps: int, warmup: int) -> dict:

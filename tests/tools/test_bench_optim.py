@@ -25,7 +25,8 @@ def test_tiny_rows(tmp_path):
     rows = report["rows"]
     assert [(r["variant"], r["block"]) for r in rows] == [
         ("torch_fused_fp32", None), ("torch_foreach_fp32", None), ("foreach_bf16", None),
-        *((v, b) for v in ("triton_fp32", "triton_bf16", "triton_bf16_copy") for b in (1024, 4096))]
+        *((v, b) for v in ("triton_fp32", "triton_bf16", "triton_bf16_copy") for b in (1024, 4096)),
+        ("triton_bf16_mxpair", None)]
     params = rows[0]["params"]
     assert params > 10_000 and all(r["params"] == params for r in rows)
     for r in rows:
