@@ -326,6 +326,10 @@ class PrecisionConfig(Config):
         check_emulated_saves(self.recipe, self.backend, self.emulated_save_x_bf16)
         check_input_once(self.recipe, self.backend, self.quantize_input_once)
         check_quantized_copies(self.recipe, self.backend, self.quantized_expert_copies, optimizer_copies)
+        if self.quantized_expert_copies and GemmModule.experts not in {GemmModule(m) for m in self.modules}:
+            raise ConfigError("precision.quantized_expert_copies quantizes the experts' weights for their mxfp8 GEMMs, "
+                              f"but precision.modules={list(self.modules)} leaves the experts in bf16: add experts to "
+                              "--precision.modules, or drop quantized_expert_copies")
         if self.expert_grads_bf16 and copies != WeightCopies.optimizer:
             raise ConfigError("precision.expert_grads_bf16=true keeps the experts' gradients on the optimizer's bf16 "
                               "weight copies: it needs --precision.expert_weight_copies=optimizer, got "

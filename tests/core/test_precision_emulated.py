@@ -550,6 +550,9 @@ def test_quantized_expert_copies_rule():
         PrecisionConfig(recipe="mxfp8", backend="native", quantized_expert_copies=True).validate()
     with pytest.raises(ConfigError, match="expert_weight_copies=optimizer --precision.expert_grads_bf16=true"):
         PrecisionConfig(recipe="mxfp8", backend="emulated", quantized_expert_copies=True).validate()
+    with pytest.raises(ConfigError, match="leaves the experts in bf16: add experts to --precision.modules"):
+        PrecisionConfig(recipe="mxfp8", backend="emulated", quantized_expert_copies=True, modules=["attention"],
+                        **copies).validate()
 
 
 def test_the_mx_pair_update_compiles_for_sm90():
