@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Benchmark full training steps (forward, backward, clip, AdamW) of a model config.
 
-Prints a table and writes JSON: tokens/s, model TFLOP/s per device (6 x active non-embedding
-params per token + attention, see docs/models.md), MFU against the device's dense bf16 peak,
+Prints a table and writes JSON: tokens/s and its ratio to the first variant's ("x 1st"), model
+TFLOP/s per device (6 x active non-embedding params per token + attention, see docs/models.md), MFU
+against the device's dense bf16 peak,
 peak memory, and the loss of the first warm-up step and of the last timed step. The step time is the
 mean over the timed steps; each step's own time is kept too (CUDA events at the step boundaries),
 with the median beside the mean, and a step over 1.2x the median is named on stderr (a one-off
@@ -189,6 +190,15 @@ def loss_outliers(rows: list[dict]) -> tuple[str | None, list[str]]:
                             if abs(r["loss_last"] - ref["loss_last"]) > LOSS_SPREAD * abs(ref["loss_last"])]
 
 
+def add_ratios(rows: list[dict]) -> None:
+    """Each measured row's tokens/s over the first measured row's (``tokens_per_s_vs_first``): the
+    issues' targets are such ratios (a switch against the row before it, a recipe against bf16)."""
+    first = next((r for r in rows if "error" not in r), None)
+    for r in rows:
+        if "error" not in r:
+            r["tokens_per_s_vs_first"] = r["tokens_per_s"] / first["tokens_per_s"]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -220,9 +230,11 @@ def main(argv: list[str] | None = None) -> int:
         torch._dynamo.reset()  # this variant's compiled graphs
         gc.collect()
         torch.cuda.empty_cache() if device.type == "cuda" else None
+    add_ratios(rows)
+    write_report(args.json, env, rows)
     print(f"{env['device']} | torch {env['torch']} | {args.preset} {base.model.describe()} | seq {args.seq_len} x {args.batch}")
-    print(f"{'variant':<12} {'step ms':>9} {'median':>8} {'tok/s':>10} {'TFLOP/s':>9} {'MFU':>7} {'mem GiB':>8} "
-          f"{'loss first -> last':>20} {'maxvio':>7} {'starved':>8}")
+    print(f"{'variant':<12} {'step ms':>9} {'median':>8} {'tok/s':>10} {'x 1st':>6} {'TFLOP/s':>9} {'MFU':>7} "
+          f"{'mem GiB':>8} {'loss first -> last':>20} {'maxvio':>7} {'starved':>8}")
     for r in rows:
         if "error" in r:
             print(f"{r['variant']:<12} {r['error'][:90]}")
@@ -233,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         maxvio = f"{r['moe_max_violation']:.2f}" if "moe_max_violation" in r else "-"
         starved = f"{r['moe_starved_experts']}/{r['moe_experts']}" if "moe_experts" in r else "-"
         print(f"{r['variant']:<12} {1e3 * r['step_s']:>9.1f} {1e3 * r['step_median_s']:>8.1f} {r['tokens_per_s']:>10,.0f} "
-              f"{r['tflops_per_device']:>9.1f} {mfu_s:>7} {mem:>8} {losses:>20} {maxvio:>7} {starved:>8}")
+              f"{r['tokens_per_s_vs_first']:>6.3f} {r['tflops_per_device']:>9.1f} {mfu_s:>7} {mem:>8} {losses:>20} "
+              f"{maxvio:>7} {starved:>8}")
     for r in rows:
         for line in row_warnings(r):
             print(line, file=sys.stderr)

@@ -21,7 +21,10 @@ def test_variants_with_memory_overrides(tmp_path, capsys):
     assert [r["variant"] for r in rows] == ["none", "sel"]
     assert rows[1]["overrides"] == ["--memory.recompute=selective", "--memory.recompute_modules=[norm,swiglu]"]
     assert all(r["tokens_per_s"] > 0 for r in rows)
-    assert "sel" in capsys.readouterr().out
+    assert rows[0]["tokens_per_s_vs_first"] == 1.0
+    assert rows[1]["tokens_per_s_vs_first"] == pytest.approx(rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"])
+    out = capsys.readouterr().out
+    assert "sel" in out and "x 1st" in out
 
 
 def test_bad_override_is_one_error():
