@@ -288,6 +288,13 @@ def plan(p: Plan) -> dict:
             t_opt += 2.0 * expert_local / (gpu.hbm_tbps * 1e12)
     exposed_fsdp = max(0.0, t_fsdp - t_compute)
     step = t_pipe + exposed_fsdp + t_ar + t_opt + t_offload + t_grad_cast
+    # optimizer.overlap (one unsharded GPU): the next forward waits for the embedding's and the first
+    # block's updates; the rest can hide behind the forward. A bound only (not measured): the step
+    # stays planned unoverlapped.
+    overlap_best = None
+    if p.optimizer.overlap and not sw.offload:
+        first = cfg.vocab_size * cfg.d_model + cfg.num_block_params(0)
+        overlap_best = step - t_opt * (1 - min(1.0, first / tl))
     a2a_bytes = 0.0
     if cfg.moe is not None and ep > 1:
         K = cfg.moe.router.top_k
@@ -341,8 +348,10 @@ def plan(p: Plan) -> dict:
         "mfu_bf16": tflops * 1e12 / bf16_flops,
         "overlap": "FSDP all-gather/reduce-scatter overlap compute (excess exposed); EP all-to-all, pipeline "
                    "sends, the DP all-reduce, the optimizer and fsdp_offload's host copies are not overlapped"
-                   + (" (optimizer.overlap=true is not modelled yet: its step is planned as not overlapped)"
-                      if p.optimizer.overlap else ""),
+                   + (f" (optimizer.overlap=true is not modelled yet: its step is planned as not overlapped; at "
+                      f"best, every update but the embedding's and the first block's hidden, "
+                      f"{1e3 * overlap_best:.1f} ms)" if overlap_best is not None else ""),
+        "step_overlap_best_s": overlap_best,
         "assumptions": (f"fsdp_offload: PCIe {gpu.pcie_gbps:.0f} GB/s x {EFF_PCIE}, host optimizer at "
                         f"{HOST_GBPS:.0f} GB/s" if sw.offload else ""),
         "fits": fits, "tightest": tightest,

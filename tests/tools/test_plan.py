@@ -785,4 +785,10 @@ def test_optimizer_overlap_is_named_as_not_modelled():
     off = planner.plan(_olmoe8(gpu="h200", compiled=True, optimizer=OptimizerConfig(state_dtype="bf16")))
     on = planner.plan(_olmoe8(gpu="h200", compiled=True, optimizer=OptimizerConfig(state_dtype="bf16", overlap=True)))
     assert on["step_s"] == off["step_s"] and "optimizer.overlap=true is not modelled" in on["overlap"]
-    assert "not modelled" not in off["overlap"]
+    assert "not modelled" not in off["overlap"] and off["step_overlap_best_s"] is None
+    # the bound: the embedding's (100352 x 2048) and the first block's updates stay exposed
+    cfg = _olmoe8(gpu="h200").model
+    first = 100352 * 2048 + cfg.num_block_params(0)
+    total = on["stages"][0]["params_local"]
+    assert on["step_overlap_best_s"] == pytest.approx(on["step_s"] - on["optimizer_s"] * (1 - first / total), rel=1e-9)
+    assert 0.15 < first / total < 0.2 and "at best" in on["overlap"]
