@@ -342,6 +342,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             torch._foreach_copy_([row.copy for row in with_copies], [row.param for row in with_copies])
         self.write_mx_pairs([(row.param, row.copy) for row in with_copies if id(row.param) in self._mx_cols])
 
+    @torch.no_grad()
     def write_mx_pairs(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """The torch reference of adamw_update_mx_pair_'s outputs, for (parameter, copy) pairs with
         mx_cols whose copies hold bf16(p): the copy quantized along I in place, its mx_cols along O."""

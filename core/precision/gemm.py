@@ -227,8 +227,7 @@ def attach_expert_copies(optimizer, parts, grads: bool, on_written=None,
     optimizer.add_compute_copies(copies, on_written=on_written, grads=grads, mx_cols=cols,
                                  mx_scale_mode=mx_scale_mode or "rceil")
     if cols is not None:  # quantized before the first forward, as every step leaves them
-        with torch.no_grad():
-            optimizer.write_mx_pairs(list(copies.items()))
+        optimizer.write_mx_pairs(list(copies.items()))
     return copies
 
 
