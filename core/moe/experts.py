@@ -37,10 +37,13 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
+@torch.compiler.disable
 def loop_grouped_mm(gemm: GemmBackend, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor,
                     w_dgrad: torch.Tensor | None = None) -> torch.Tensor:
     """grouped_mm as a Python loop of ``gemm.expert_linear`` over the groups, reading the offsets on the
-    host: the CPU path and the reference, never the GPU hot path. Rows past offsets_E[-1] are 0."""
+    host: the CPU path and the reference, never the GPU hot path. Rows past offsets_E[-1] are 0.
+    Eager even inside a compiled block (torch.compiler.disable): traced, its host-read group sizes
+    made torch.compile recompile at every step's routing."""
     if w_dgrad is not None:
         raise ConfigError("precision.quantized_expert_copies hands the grouped GEMMs weights already quantized, "
                           "which the experts' loop path would quantize again: use model.moe.experts_backend=auto "

@@ -102,6 +102,15 @@ def grouped_mm_2d3d(a_RK: torch.Tensor, b_EKN: torch.Tensor, offsets_E: Offsets,
     one kernel). Not differentiable: the callers are autograd Functions and custom ops."""
     if a_RK.is_cuda and not per_expert:
         return torch._grouped_mm(a_RK, b_EKN, offs=offsets_E.to(torch.int32))
+    return _loop_2d3d(a_RK, b_EKN, offsets_E)
+
+
+# The loops below read the group sizes on the host and split by them: traced, torch.compile would
+# specialize on every step's routing and recompile (it did, every step on the CPU, until its cache
+# limit). They run eagerly wherever a compiled region calls them (one graph break, no recompiles).
+@torch.compiler.disable
+def _loop_2d3d(a_RK: torch.Tensor, b_EKN: torch.Tensor, offsets_E: Offsets) -> torch.Tensor:
+    """grouped_mm_2d3d's loop (eager under torch.compile)."""
     sizes = host_sizes(offsets_E, a_RK.shape[0])
     out_RN = a_RK.new_empty(a_RK.shape[0], b_EKN.shape[-1])
     a_parts, out_parts = a_RK.split(sizes), out_RN.split(sizes)
@@ -123,6 +132,13 @@ def grouped_mm_2d2d(a_MR: torch.Tensor, b_RN: torch.Tensor, offsets_E: Offsets,
     follows; the one kernel ignores it (its output is cast by the caller)."""
     if a_MR.is_cuda and not per_expert:
         return torch._grouped_mm(a_MR, b_RN, offs=offsets_E.to(torch.int32))
+    return _loop_2d2d(a_MR, b_RN, offsets_E, out_dtype)
+
+
+@torch.compiler.disable
+def _loop_2d2d(a_MR: torch.Tensor, b_RN: torch.Tensor, offsets_E: Offsets,
+               out_dtype: torch.dtype | None) -> torch.Tensor:
+    """grouped_mm_2d2d's loop (eager under torch.compile, as _loop_2d3d)."""
     sizes = host_sizes(offsets_E, b_RN.shape[0])
     dt = out_dtype or a_MR.dtype
     widen = dt != a_MR.dtype

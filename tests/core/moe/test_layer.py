@@ -313,3 +313,62 @@ def test_weights_before_down_refuses_a_dispatcher_that_cannot_place_them():
     with pytest.raises(ConfigError, match="weights_before_down=false, or parallel.ep=1"):
         layer.set_dispatcher(RowsElsewhere())
     make_layer().set_dispatcher(RowsElsewhere())  # without the switch any dispatcher goes
+
+
+def test_compiled_grouped_gemm_loops_do_not_recompile_as_groups_change():
+    """grouping's per-group GEMM loops (the CPU's grouped GEMMs, the emulated recipes' included) run
+    eagerly inside a compiled function: new group sizes compile nothing new, and the results are
+    the loop's."""
+    from torch._dynamo.utils import counters
+
+    from moetron.core.precision.grouping import grouped_mm_2d2d, grouped_mm_2d3d
+
+    torch._dynamo.reset()
+    counters.clear()
+    fn = torch.compile(lambda a, b, offs: grouped_mm_2d3d(a, b, offs) + 1, backend="aot_eager")
+    wgrad = torch.compile(lambda a, b, offs: grouped_mm_2d2d(a.t(), b, offs) * 2, backend="aot_eager")
+    a, b = torch.randn(40, 8), torch.randn(3, 8, 4)
+    graphs = None
+    for ends in ([10, 20, 40], [0, 33, 40], [5, 5, 39]):
+        offs = torch.tensor(ends)
+        assert torch.equal(fn(a, b, offs), grouped_mm_2d3d(a, b, offs) + 1)
+        assert torch.equal(wgrad(a, a, offs), grouped_mm_2d2d(a.t(), a, offs) * 2)
+        graphs = graphs if graphs is not None else counters["stats"]["unique_graphs"]
+    assert graphs > 0 and counters["stats"]["unique_graphs"] == graphs
+
+
+def test_compiled_cpu_blocks_do_not_recompile_as_routing_changes():
+    """The CPU's per-expert loop (core.moe.experts.loop_grouped_mm; grouping's, above) reads the
+    group sizes on the host; traced, torch.compile specialized on them and recompiled at
+    every step's routing (until its cache limit: minutes a step on the CPU). They run eagerly now:
+    after the first step no new graph is compiled, and the losses follow eager's (the first one
+    equal; aot_eager's decompositions round a few bf16 values otherwise: 7e-5 apart by step 3)."""
+    import sys
+
+    from torch._dynamo.utils import counters
+
+    sys.path.insert(0, "tools")
+    from step_builder import RandomTokens, build_trainer
+
+    from moetron.core.memory import MemoryConfig
+    from moetron.core.optim import OptimizerConfig
+    from moetron.core.precision import PrecisionConfig
+
+    losses = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        cfg = ModelConfig.preset("tiny-moe")
+        cfg.apply_overrides(["n_layers=2"])  # (tiny-moe's first block is dense)
+        data = RandomTokens(cfg.vocab_size, 1, 32, torch.device("cpu"))
+        trainer = build_trainer(cfg, MemoryConfig(), data, torch.device("cpu"), seq_len=32,
+                                precision=PrecisionConfig(recipe="bf16"), optimizer=OptimizerConfig())
+        if compiled:
+            for block in trainer.model.blocks.values():
+                block.compile(backend="aot_eager")
+        losses[compiled] = [trainer.train_step(data.next_batch())[0].item()]
+        graphs = counters["stats"]["unique_graphs"]
+        losses[compiled] += [trainer.train_step(data.next_batch())[0].item() for _ in range(2)]
+        if compiled:
+            assert graphs > 0 and counters["stats"]["unique_graphs"] == graphs
+    assert losses[True][0] == losses[False][0] and losses[True] == pytest.approx(losses[False], rel=1e-3)
