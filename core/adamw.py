@@ -287,28 +287,25 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             buckets.setdefault((row.param.device, row.param.dtype), []).append(row)
         for (device, dtype), rows in buckets.items():
             if self._takes_triton(device, dtype):
-                from .adamw_triton import adamw_update_
+                from .adamw_triton import adamw_update_, adamw_update_mx_pair_
 
+                scale = None if grad_scale is None else grad_scale.to(device)
                 rest = []
                 for row in rows:
-                    mx = self._mx_cols.get(id(row.param))
-                    if mx is not None and all(t.is_contiguous() for t in (*row[:4], row.copy, mx[0])):
-                        from .adamw_triton import adamw_update_mx_pair_
-
-                        adamw_update_mx_pair_(*row[:4], rows=row.copy, cols=mx[0], scale_mode=mx[1],
-                                              step=row.step.item(), **hyper,
-                                              grad_scale=None if grad_scale is None else grad_scale.to(device))
-                        for written in (row.param, row.copy, mx[0]):
-                            torch.autograd.graph.increment_version(written)
-                    elif mx is None and all(t is None or t.is_contiguous() for t in (*row[:4], row.copy)):
-                        adamw_update_(*row[:4], step=row.step.item(), out_bf16=row.copy,
-                                      grad_scale=None if grad_scale is None else grad_scale.to(device), **hyper)
-                        # The kernel wrote through pointers: tell autograd's version counters, as
-                        # torch's in-place optimizers do (caches keyed on _version see the change).
-                        for written in (row.param,) if row.copy is None else (row.param, row.copy):
-                            torch.autograd.graph.increment_version(written)  # one tensor: every torch >= 2.1
-                    else:
+                    cols, mode = self._mx_cols.get(id(row.param), (None, None))
+                    written = [t for t in (row.param, row.copy, cols) if t is not None]
+                    if not all(t.is_contiguous() for t in (*row[1:4], *written)):
                         rest.append(row)
+                        continue
+                    if cols is None:
+                        adamw_update_(*row[:4], step=row.step.item(), out_bf16=row.copy, grad_scale=scale, **hyper)
+                    else:
+                        adamw_update_mx_pair_(*row[:4], rows=row.copy, cols=cols, scale_mode=mode,
+                                              step=row.step.item(), grad_scale=scale, **hyper)
+                    # The kernel wrote through pointers: tell autograd's version counters, as
+                    # torch's in-place optimizers do (caches keyed on _version see the change).
+                    for t in written:
+                        torch.autograd.graph.increment_version(t)  # one tensor: every torch >= 2.1
                 rows = rest
             # A bf16 gradient held on a copy (grads=True) goes through the foreach path upcast (exact),
             # before any clip scaling, so the update is the one an fp32 gradient of the same value gets.
@@ -350,8 +347,8 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
 
         for p, copy in pairs:
             cols, mode = self._mx_cols[id(p)]
-            w = _local(copy).clone()
-            for out, axis in ((_local(cols), -2), (_local(copy), -1)):
+            w = _local(copy)
+            for out, axis in ((_local(cols), -2), (w, -1)):  # along O first: the copy is overwritten last
                 data, scale = quantize_mx(w, MX_BLOCK, axis, mode)
                 out.copy_(dequantize_mx(data, scale, MX_BLOCK, axis))
 

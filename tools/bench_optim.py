@@ -96,9 +96,9 @@ def build(variant: str, groups: list[dict]):
     kernel = "foreach" if variant == "foreach_bf16" else "triton"
     opt = PrecisionAwareAdamW(groups, state_dtype=state_dtype, kernel=kernel, **kw)
     if copies:
-        mx = variant == "triton_bf16_mxpair"
+        pairs = variant == "triton_bf16_mxpair"  # every matrix whose last two dims hold whole MX blocks
         opt.add_compute_copies(copies, mx_cols={p: torch.empty_like(c) for p, c in copies.items()
-                                                if mx and p.ndim >= 2 and p.shape[-1] % 32 == 0 and p.shape[-2] % 32 == 0})
+                                                if pairs and p.ndim >= 2 and not (p.shape[-1] % 32 or p.shape[-2] % 32)})
     return opt
 
 

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from ..config import ConfigError
 from ..layers.mlp import swiglu
-from ..precision.gemm import DEFAULT_GEMM, GemmBackend, compute_dtype, scale_rows
+from ..precision.gemm import DEFAULT_GEMM, GemmBackend, compute_dtype, scale_rows, with_w_dgrad
 from .config import ExpertsBackend
 
 
@@ -58,9 +58,7 @@ def loop_grouped_mm(gemm: GemmBackend, x_RI: torch.Tensor, w_EOI: torch.Tensor, 
 
 
 def _fused_grouped_mm(gemm: GemmBackend, x_RI, w_EOI, offsets_E, w_dgrad=None):
-    if w_dgrad is None:
-        return gemm.grouped_mm(x_RI, w_EOI, offsets_E)
-    return gemm.grouped_mm(x_RI, w_EOI, offsets_E, w_dgrad=w_dgrad)
+    return with_w_dgrad(gemm.grouped_mm, x_RI, w_EOI, offsets_E, w_dgrad=w_dgrad)
 
 
 def _auto_grouped_mm(gemm: GemmBackend, x_RI, w_EOI, offsets_E, w_dgrad=None):
@@ -76,9 +74,7 @@ def _loop_swiglu_down(gemm: GemmBackend, h_R2F, w_EDF, offsets_E, act, row_scale
 
 
 def _fused_swiglu_down(gemm: GemmBackend, h_R2F, w_EDF, offsets_E, act, row_scale_R=None, w_dgrad=None):
-    if w_dgrad is None:
-        return gemm.grouped_swiglu_down(h_R2F, w_EDF, offsets_E, act, row_scale_R)
-    return gemm.grouped_swiglu_down(h_R2F, w_EDF, offsets_E, act, row_scale_R, w_dgrad=w_dgrad)
+    return with_w_dgrad(gemm.grouped_swiglu_down, h_R2F, w_EDF, offsets_E, act, row_scale_R, w_dgrad=w_dgrad)
 
 
 def _auto_swiglu_down(gemm: GemmBackend, h_R2F, w_EDF, offsets_E, act, row_scale_R=None, w_dgrad=None):

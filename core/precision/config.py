@@ -143,14 +143,14 @@ def check_emulated_saves(recipe: PrecisionRecipe | str, backend: PrecisionBacken
 
 
 def check_quantized_copies(recipe: PrecisionRecipe | str, backend: PrecisionBackend | str, quantized: bool,
-                           optimizer_copies: bool) -> None:
+                           optimizer_copies: bool, modules) -> None:
     """ConfigError where precision.quantized_expert_copies meets anything but mxfp8 on the emulated
     backend (auto may resolve to it) with the optimizer's expert copies holding the gradients
-    (expert_weight_copies=optimizer, expert_grads_bf16=true), naming the fix. The one rule the config,
-    the build and the planner apply."""
-    recipe, backend = PrecisionRecipe(recipe), PrecisionBackend(backend)
+    (expert_weight_copies=optimizer, expert_grads_bf16=true) and the experts among the low-precision
+    ``modules``, naming the fix. The one rule the config, the build and the planner apply."""
     if not quantized:
         return
+    recipe, backend = PrecisionRecipe(recipe), PrecisionBackend(backend)
     if recipe != PrecisionRecipe.mxfp8 or backend not in (PrecisionBackend.emulated, PrecisionBackend.auto):
         raise ConfigError(f"precision.quantized_expert_copies: an option of mxfp8 on the emulated backend, and this run "
                           f"has precision.recipe={recipe} on precision.backend={backend}: use --precision.recipe=mxfp8 "
@@ -158,6 +158,10 @@ def check_quantized_copies(recipe: PrecisionRecipe | str, backend: PrecisionBack
     if not optimizer_copies:
         raise ConfigError("precision.quantized_expert_copies has the optimizer write the expert copies quantized: it "
                           "needs --precision.expert_weight_copies=optimizer --precision.expert_grads_bf16=true")
+    if GemmModule.experts not in {GemmModule(m) for m in modules}:
+        raise ConfigError("precision.quantized_expert_copies quantizes the experts' weights for their mxfp8 GEMMs, "
+                          f"but precision.modules={[str(m) for m in modules]} leaves the experts in bf16: add experts "
+                          "to --precision.modules, or drop quantized_expert_copies")
 
 
 def takes_input_once(recipe: PrecisionRecipe | str, backend: PrecisionBackend | str) -> bool:
@@ -325,11 +329,7 @@ class PrecisionConfig(Config):
             check_expert_copies(self.recipe, self.backend, copies == WeightCopies.optimizer)
         check_emulated_saves(self.recipe, self.backend, self.emulated_save_x_bf16)
         check_input_once(self.recipe, self.backend, self.quantize_input_once)
-        check_quantized_copies(self.recipe, self.backend, self.quantized_expert_copies, optimizer_copies)
-        if self.quantized_expert_copies and GemmModule.experts not in {GemmModule(m) for m in self.modules}:
-            raise ConfigError("precision.quantized_expert_copies quantizes the experts' weights for their mxfp8 GEMMs, "
-                              f"but precision.modules={list(self.modules)} leaves the experts in bf16: add experts to "
-                              "--precision.modules, or drop quantized_expert_copies")
+        check_quantized_copies(self.recipe, self.backend, self.quantized_expert_copies, optimizer_copies, self.modules)
         if self.expert_grads_bf16 and copies != WeightCopies.optimizer:
             raise ConfigError("precision.expert_grads_bf16=true keeps the experts' gradients on the optimizer's bf16 "
                               "weight copies: it needs --precision.expert_weight_copies=optimizer, got "
@@ -431,7 +431,8 @@ class PrecisionConfig(Config):
         check_expert_copies(recipe, backend, expert_copies)
         check_emulated_saves(recipe, backend, self.emulated_save_x_bf16)
         check_input_once(recipe, backend, self.quantize_input_once)
-        check_quantized_copies(recipe, backend, self.quantized_expert_copies, expert_copies and self.expert_grads_bf16)
+        check_quantized_copies(recipe, backend, self.quantized_expert_copies, expert_copies and self.expert_grads_bf16,
+                               self.modules)
         gemm = low_precision_gemm(recipe, backend, self.mx_scale, self.fp8_experts, wgrad, self.fp8_fast_accum,
                                   expert_copies=expert_copies, fp8_fused_amax=self.fp8_fused_amax,
                                   save_x_bf16=self.emulated_save_x_bf16,

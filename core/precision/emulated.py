@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from .blockwise import FP8_BLOCK, dequantize_128x128, dequantize_1x128, quantize_128x128, quantize_1x128
 from .cache import WeightCache
-from .gemm import GemmBackend, attach_expert_copies
+from .gemm import GemmBackend
 from .grouping import gather_rows, pad_rows, grouped_mm_2d2d, grouped_mm_2d3d, host_ends, padded_host_ends, padded_source_rows
 from .mx import MX_BLOCK, dequantize_mx, quantize_mx
 
@@ -282,13 +282,14 @@ class _EmulatedGroupedMM(torch.autograd.Function):
         x_hat_RI, x_saved = _quantize_x(gemm, x_RI, src_P, offsets_E)
         w_fwd = w_EOI if w_dgrad is not None else _weight(gemm, w_EOI, -1)
         y_RO = grouped_mm_2d3d(x_hat_RI, w_fwd.transpose(-2, -1), offsets_E, gemm.per_expert)
+        # the weight the dgrad reads: w_dgrad itself where given, else w to quantize there
         ctx.save_for_backward(*x_saved, w_EOI if w_dgrad is None else w_dgrad, offsets_E, src_P, padded_offsets_E)
         ctx.gemm, ctx.x_dtype, ctx.w_dtype, ctx.prequantized = gemm, x_RI.dtype, w_EOI.dtype, w_dgrad is not None
         return y_RO
 
     @staticmethod
     def backward(ctx, dy_RO: torch.Tensor):
-        *x_saved, w_EOI, offsets_E, src_P, padded_offsets_E = ctx.saved_tensors  # w_dgrad where prequantized
+        *x_saved, w_saved, offsets_E, src_P, padded_offsets_E = ctx.saved_tensors
         gemm = ctx.gemm
         fmt = gemm.format
         dx_RI = dw_EOI = None
@@ -300,7 +301,7 @@ class _EmulatedGroupedMM(torch.autograd.Function):
             dy_hat_RO, dy_hat_PO = fmt.rows_and_cols(dy_RO, src_P, offsets_E, False)
         if ctx.needs_input_grad[0]:
             dy_hat_RO = fmt.qdq(dy_RO, -1) if dy_hat_RO is None else dy_hat_RO
-            w_dgrad = w_EOI if ctx.prequantized else _weight(gemm, w_EOI, -2)
+            w_dgrad = w_saved if ctx.prequantized else _weight(gemm, w_saved, -2)
             dx_RI = grouped_mm_2d3d(dy_hat_RO, w_dgrad, loops_E, gemm.per_expert).to(ctx.x_dtype)
             del dy_hat_RO
         if ctx.needs_input_grad[1]:
@@ -330,10 +331,10 @@ class EmulatedGemm(GemmBackend):
         self.format = fmt if fmt is not None else MXFormat()
         self.cache = WeightCache()
         self.expert_copies = bool(expert_copies)
-        self.quantized_copies = bool(quantized_copies)
-        """precision.quantized_expert_copies: the optimizer writes the expert copies MX-quantized both ways."""
-        if self.quantized_copies and not (self.expert_copies and isinstance(self.format, MXFormat)):
+        if quantized_copies and not (self.expert_copies and isinstance(self.format, MXFormat)):
             raise ValueError("quantized_copies is for mxfp8 (MXFormat) with expert_copies")
+        # precision.quantized_expert_copies: the optimizer writes the expert copies MX-quantized both ways
+        self.expert_copies_mx = self.format.scale_mode if quantized_copies else None
         self.save_x_bf16 = bool(save_x_bf16)
         """precision.emulated_save_x_bf16: each GEMM input's wgrad operand kept in bf16 (_quantize_x)."""
 
@@ -351,14 +352,7 @@ class EmulatedGemm(GemmBackend):
 
     def grouped_mm(self, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor,
                    w_dgrad: torch.Tensor | None = None) -> torch.Tensor:
-        if w_dgrad is None:
-            return self._grouped(_EmulatedGroupedMM, x_RI, w_EOI, offsets_E, self)
         return self._grouped(_EmulatedGroupedMM, x_RI, w_EOI, offsets_E, self, w_dgrad)
-
-    def attach_optimizer(self, optimizer, parts) -> None:
-        if self.expert_copies:
-            attach_expert_copies(optimizer, parts, grads=True,
-                                 mx_scale_mode=self.format.scale_mode if self.quantized_copies else None)
 
     def after_optimizer_step(self) -> None:
         self.cache.invalidate()
@@ -366,3 +360,8 @@ class EmulatedGemm(GemmBackend):
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({self.format!r}, expert_copies={self.expert_copies}, "
                 f"save_x_bf16={self.save_x_bf16}, quantized_copies={self.quantized_copies})")
+
+    @property
+    def quantized_copies(self) -> bool:
+        """precision.quantized_expert_copies (``expert_copies_mx`` set)."""
+        return self.expert_copies_mx is not None

@@ -28,7 +28,7 @@ from . import bf16_grouped
 from .cache import outside_graph
 from .bf16_grouped import scale_rows
 
-__all__ = ["GEMM_BACKENDS", "GemmBackend", "TorchGemm", "attach_expert_copies", "compute_dtype", "gemm_backend", "register_gemm_backend",
+__all__ = ["GEMM_BACKENDS", "GemmBackend", "TorchGemm", "attach_expert_copies", "compute_dtype", "gemm_backend", "register_gemm_backend", "with_w_dgrad",
            "scale_rows"]
 
 
@@ -118,13 +118,17 @@ class GemmBackend:
     """precision.expert_weight_copies=optimizer with expert_grads_bf16 on a low-precision backend that
     takes them (config.takes_expert_copies): the routed experts compute on the optimizer's bf16 weight
     copies, which attach_optimizer registers."""
+    expert_copies_mx: str | None = None
+    """precision.quantized_expert_copies (EmulatedGemm, mxfp8): the MX scale mode in which the optimizer
+    writes the expert copies quantized both ways (attach_expert_copies' ``mx_scale_mode``); None: plain."""
 
     def attach_optimizer(self, optimizer, parts) -> None:
         """Called once by the trainer with its optimizer and model parts (a backend that wants the
         optimizer to keep something current registers it here). By default: the optimizer's bf16
-        expert copies where ``expert_copies`` (the GEMMs differentiate the copies), else nothing."""
+        expert copies where ``expert_copies`` (the GEMMs differentiate the copies; quantized where
+        ``expert_copies_mx``), else nothing."""
         if self.expert_copies:
-            attach_expert_copies(optimizer, parts, grads=True)
+            attach_expert_copies(optimizer, parts, grads=True, mx_scale_mode=self.expert_copies_mx)
 
     def after_optimizer_step(self) -> None:
         """Called once the weights changed (PrecisionPolicy.after_optimizer_step): a backend that
@@ -170,13 +174,17 @@ class GemmBackend:
         else:
             gate_RF, up_RF = h_R2F.chunk(2, dim=-1)
             act_RF = act(gate_RF, up_RF)
-        x_RF = scale_rows(act_RF, row_scale_R)
-        if w_dgrad is None:
-            return self.grouped_mm(x_RF, w_EDF, offsets_E)
-        return self.grouped_mm(x_RF, w_EDF, offsets_E, w_dgrad=w_dgrad)
+        return with_w_dgrad(self.grouped_mm, scale_rows(act_RF, row_scale_R), w_EDF, offsets_E, w_dgrad=w_dgrad)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+def with_w_dgrad(fn: Callable, *args, w_dgrad: torch.Tensor | None = None):
+    """``fn(*args)``, with ``w_dgrad=`` only where given: the grouped GEMMs of a backend that takes
+    pre-quantized weights (EmulatedGemm.grouped_mm) receive it, and backends that do not (a user's
+    registered one included) keep their signature."""
+    return fn(*args) if w_dgrad is None else fn(*args, w_dgrad=w_dgrad)
 
 
 def _is_swiglu(act: Callable) -> bool:
@@ -204,6 +212,9 @@ def attach_expert_copies(optimizer, parts, grads: bool, on_written=None,
     from ..config import ConfigError
     from ..moe.experts import GroupedExperts
 
+    if mx_scale_mode is not None and not grads:
+        raise ValueError("attach_expert_copies: quantized copies (mx_scale_mode) are the GEMMs' operands, which "
+                         "needs grads=True (the copies in the parameters' place)")
     if not hasattr(optimizer, "add_compute_copies"):
         raise ConfigError(
             "precision.expert_weight_copies=optimizer needs an optimizer that writes bf16 copies in its "
@@ -217,16 +228,16 @@ def attach_expert_copies(optimizer, parts, grads: bool, on_written=None,
         raise ConfigError("precision.expert_weight_copies=optimizer is for unsharded fp32 expert weights "
                           "(one GPU, no FSDP2 / expert parallel); use expert_weight_copies=step there")
     copies = {w: w.detach().to(torch.bfloat16) for w in weights}
-    cols = {w: torch.empty_like(c) for w, c in copies.items()} if mx_scale_mode is not None else None
+    cols = {w: torch.empty_like(c) for w, c in copies.items()} if mx_scale_mode is not None else {}
     if grads:
         # The copies are leaves the GEMMs differentiate: their .grad (bf16) is the masters' gradient.
         for m in experts:
             m.weight_copies = (copies[m.w_gate_up].requires_grad_(True), copies[m.w_down].requires_grad_(True))
-            if cols is not None:
+            if cols:
                 m.weight_copies_dgrad = (cols[m.w_gate_up], cols[m.w_down])
     optimizer.add_compute_copies(copies, on_written=on_written, grads=grads, mx_cols=cols,
                                  mx_scale_mode=mx_scale_mode or "rceil")
-    if cols is not None:  # quantized before the first forward, as every step leaves them
+    if cols:  # quantized before the first forward, as every step leaves them
         optimizer.write_mx_pairs(list(copies.items()))
     return copies
 

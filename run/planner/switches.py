@@ -182,7 +182,8 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
     check_emulated_saves(recipe, backend, precision.emulated_save_x_bf16)
     check_input_once(recipe, backend, precision.quantize_input_once)
     check_quantized_copies(recipe, backend, precision.quantized_expert_copies,
-                           str(precision.expert_weight_copies) == "optimizer" and precision.expert_grads_bf16)
+                           str(precision.expert_weight_copies) == "optimizer" and precision.expert_grads_bf16,
+                           precision.modules)
     if precision.expert_grads_bf16 and (parallel.dp_shard > 1 or parallel.ep > 1 or parallel.pp > 1):
         raise ConfigError("precision.expert_grads_bf16 (with expert_weight_copies=optimizer) is for one unsharded "
                           "GPU: no FSDP2, expert or pipeline parallelism; drop it for this layout")

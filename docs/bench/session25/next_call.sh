@@ -5,9 +5,7 @@
 # OLMoE-8L, mxfp8 emulated on the optimizer's copies with emulated_save_x_bf16 (session 23's best,
 # 0.893x). Planned (tools/plan.py): mxcX 214.2 ms, mxcXI 213.4, mxcXQ 207.5.
 # Run from the repo root through the device tool: bash docs/bench/session25/next_call.sh (timeout 600).
-set -u
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
+source docs/bench/session25/common.sh
 t0=$(date +%s)
 timeout 80 python3 -m pytest -q -m gpu tests/core/test_adamw_triton.py tests/core/test_precision_input_once.py \
   2>&1 | grep -E "^E |passed|failed" | head -20
@@ -18,12 +16,6 @@ echo "tests $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
 timeout 60 python3 tools/bench_optim.py --variants triton_bf16_copy,triton_bf16_mxpair --steps 5 --warmup 2 \
   --json $OUT/optim.json 2>&1 | grep -v Warning | tail -3
 echo "optim $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
-B16=optimizer.state_dtype=bf16,precision.expert_weight_copies=optimizer,precision.expert_grads_bf16=true
-MXC=$B16,precision.recipe=mxfp8,precision.backend=emulated
-X=precision.emulated_save_x_bf16=true
-I=precision.quantize_input_once=true
-Q=precision.quantized_expert_copies=true
-S1="--preset olmoe-1b-7b --model.n_layers=8 --model.vocab_size=100352 --seq-len 4096 --batch 4 --compile --steps 6 --warmup 3"
-timeout 380 python3 tools/bench_train.py $S1 --variant b16:$B16 --variant mxcX:$MXC,$X --variant mxcXQ:$MXC,$X,$Q \
+timeout 380 python3 tools/bench_train.py $S1 --steps 6 --warmup 3 --variant b16:$B16 --variant mxcX:$MXC,$X --variant mxcXQ:$MXC,$X,$Q \
   --variant mxcXI:$MXC,$X,$I --variant mxcXQI:$MXC,$X,$Q,$I --json $OUT/olmoe8l.json 2>&1 | grep -v Warning | tail -7
 echo "train s1 $(( $(date +%s) - t0 )) s"
