@@ -34,7 +34,7 @@ from .precision.mx_triton import (HW_CONVERT, abs_bits, lean_block_scale, lean_q
                                    widen)
 from .triton_round import round_to_bf16
 
-__all__ = ["BLOCK", "MX_PAIR_TILE_COLS", "adamw_update_", "adamw_update_mx_pair_"]
+__all__ = ["BLOCK", "MX_PAIR_TILE_COLS", "MX_PAIR_WARPS", "adamw_update_", "adamw_update_mx_pair_"]
 
 BLOCK = 1024
 """Elements per program when a call names none (read at each call; tools/bench_optim.py --block
@@ -199,7 +199,10 @@ def _scalars(p, grad, exp_avg, exp_avg_sq, outs, grad_scale, *, step, lr, beta1,
 
 
 MX_PAIR_TILE_COLS = 128
-"""Columns per program of adamw_update_mx_pair_ (32 rows each; 4 warps). Not tuned on a GPU yet."""
+"""Columns per program of adamw_update_mx_pair_ (32 rows each), read at each call (tools/bench_optim.py
+--mx-tiles sweeps it with MX_PAIR_WARPS)."""
+MX_PAIR_WARPS = 4
+"""Warps per program of adamw_update_mx_pair_, read at each call."""
 
 
 def adamw_update_mx_pair_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
@@ -228,5 +231,5 @@ def adamw_update_mx_pair_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Te
         p, grad, exp_avg, exp_avg_sq, rows, cols, p if grad_scale is None else grad_scale, P, C, *args,
         GRAD_BF16=grad.dtype == torch.bfloat16, STATE_BF16=exp_avg.dtype == torch.bfloat16,
         LERP_SMALL=abs(args[1]) < 0.5, GRAD_SCALE=grad_scale is not None, FLOOR=scale_mode == "floor",
-        HW=HW_CONVERT, TC=MX_PAIR_TILE_COLS, num_warps=4, enable_fp_fusion=False,
+        HW=HW_CONVERT, TC=MX_PAIR_TILE_COLS, num_warps=MX_PAIR_WARPS, enable_fp_fusion=False,
     )

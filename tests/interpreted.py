@@ -3,6 +3,7 @@ the check runs in a fresh Python process (the one helper every kernel test share
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -29,13 +30,57 @@ def skip_unless_interpreter_works() -> None:
                     f"install numpy<2.3 or a newer triton to run the interpreted kernel tests")
 
 
+_BATCHES: dict[str, dict[str, list]] = {}  # module -> call -> [passed, output], in this pytest process
+_MARK = "@@interpreted-results@@"
+
+
 def run_interpreted(module: str, call: str, timeout: int = 600) -> None:
     """Import ``module`` (e.g. "tests.core.test_mx") in a subprocess with TRITON_INTERPRET=1 and
     evaluate ``call`` there (e.g. "check('cpu')"); a failure there fails the calling test with the
-    subprocess's output. Skips where the interpreter cannot run (skip_unless_interpreter_works)."""
+    subprocess's output. Skips where the interpreter cannot run (skip_unless_interpreter_works).
+
+    A module that lists its calls in ``INTERPRETED`` (a tuple of the exact strings) has them all run
+    in one subprocess, the first time one of them is asked for, each in its own try (a failure is
+    the failing call's alone): one start of Python, torch and triton (about 10 s on CI's machine)
+    instead of one a call. Each test still checks its own call's result."""
     skip_unless_interpreter_works()
-    name = call.split("(")[0]
-    code = f"import sys; sys.path.insert(0, {ROOT!r}); from {module} import {name}; {call}"
-    proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"),
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    batch = tuple(getattr(sys.modules.get(module), "INTERPRETED", ()))
+    if call not in batch:
+        name = call.split("(")[0]
+        code = f"import sys; sys.path.insert(0, {ROOT!r}); from {module} import {name}; {call}"
+        proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"),
+                              capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return
+    if module not in _BATCHES:
+        _BATCHES[module] = _run_batch(module, batch, timeout * len(batch))
+    passed, output = _BATCHES[module][call]
+    assert passed, output
+
+
+def _run_batch(module: str, calls: tuple[str, ...], timeout: int) -> dict[str, list]:
+    """Every call of ``calls`` evaluated in ``module``'s namespace in one interpreted subprocess:
+    call -> [passed, its traceback or the subprocess's output]."""
+    code = "\n".join([
+        "import importlib, json, sys, traceback",
+        f"sys.path.insert(0, {ROOT!r})",
+        f"namespace = vars(importlib.import_module({module!r}))",
+        "results = {}",
+        f"for call in {list(calls)!r}:",
+        "    try:",
+        "        eval(call, namespace)",
+        "        results[call] = [True, '']",
+        "    except Exception:",
+        "        results[call] = [False, traceback.format_exc()[-3000:]]",
+        f"print({_MARK!r} + json.dumps(results), flush=True)",
+    ])
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"),
+                              capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {c: [False, f"the interpreted batch of {module} ran past {timeout} s"] for c in calls}
+    for line in proc.stdout.splitlines():
+        if line.startswith(_MARK):
+            return json.loads(line[len(_MARK):])
+    failure = f"the interpreted batch of {module} ended (exit {proc.returncode}) before reporting:\n"
+    return {c: [False, failure + proc.stdout[-3000:] + proc.stderr[-3000:]] for c in calls}

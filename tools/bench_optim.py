@@ -25,6 +25,7 @@ moments' bytes.
 
     python tools/bench_optim.py                                 # on the GPU: the table and JSON
     python tools/bench_optim.py --block 1024,2048,4096          # Triton rows per BLOCK size
+    python tools/bench_optim.py --variants triton_bf16_mxpair --mx-tiles 128x4,64x4,256x8  # MX-pair tiles
     python tools/bench_optim.py --variants torch_fused_fp32,triton_bf16 --steps 20
     python tools/bench_optim.py --tiny                          # small shapes; on the CPU (Triton interpreted)
 
@@ -57,6 +58,8 @@ def parse(argv):
                                      allow_abbrev=False)
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, from: " + ", ".join(VARIANTS))
     parser.add_argument("--block", default="", help="Triton BLOCK sizes, comma-separated (default: the kernel's)")
+    parser.add_argument("--mx-tiles", default="", help="triton_bf16_mxpair's tiles, COLSxWARPS comma-separated "
+                        "(e.g. 128x4,64x2; default: the kernel's)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (the first allocates the state)")
     parser.add_argument("--hbm-gbps", type=float, default=4300.0, help="HBM bandwidth for the floor, GB/s")
@@ -148,6 +151,14 @@ def main(argv=None) -> int:
         blocks = [0]
     if any(b is not None and (b <= 0 or b & (b - 1)) for b in blocks):
         raise ConfigError(f"--block takes powers of two separated by commas, got {args.block!r}")
+    try:
+        tiles = [tuple(int(v) for v in t.split("x")) for t in args.mx_tiles.split(",") if t] or [None]
+    except ValueError:
+        tiles = [(0, 0)]
+    if any(t is not None and (len(t) != 2 or t[0] < 32 or t[0] & (t[0] - 1) or t[1] <= 0 or t[1] & (t[1] - 1))
+           for t in tiles):
+        raise ConfigError(f"--mx-tiles takes COLSxWARPS pairs of powers of two (COLS >= 32) separated by commas, "
+                          f"got {args.mx_tiles!r}")
     if args.steps <= 0 or args.warmup < 0:
         raise ConfigError("--steps must be positive and --warmup >= 0")
 
@@ -165,14 +176,20 @@ def main(argv=None) -> int:
     import moetron.core.adamw_triton as kernel_module
 
     default_block = kernel_module.BLOCK
+    default_tile = (kernel_module.MX_PAIR_TILE_COLS, kernel_module.MX_PAIR_WARPS)
     rows = []
     for variant in variants:
         bytes_per_param, triton_kernel = VARIANTS[variant]
-        for block in (blocks if triton_kernel else [None]):
+        settings = blocks if triton_kernel else tiles if variant == "triton_bf16_mxpair" else [None]
+        for setting in settings:
+            block = setting if triton_kernel else None
+            tile = (setting or default_tile) if variant == "triton_bf16_mxpair" else None
             row = {"variant": variant, "block": (block or default_block) if triton_kernel else None,
+                   "mx_tile": None if tile is None else f"{tile[0]}x{tile[1]}",
                    "params": numel, "tensors": len(params), "bytes_per_param": bytes_per_param}
             opt = None
             kernel_module.BLOCK = block or default_block  # read by every launch
+            kernel_module.MX_PAIR_TILE_COLS, kernel_module.MX_PAIR_WARPS = tile or default_tile
             try:
                 opt = build(variant, groups)
                 row.update(measure(opt, device, args.steps, args.warmup))
@@ -183,6 +200,7 @@ def main(argv=None) -> int:
                 row["oom"] = True
             finally:
                 kernel_module.BLOCK = default_block
+                kernel_module.MX_PAIR_TILE_COLS, kernel_module.MX_PAIR_WARPS = default_tile
             rows.append(row)
             del opt
             if device.type == "cuda":
@@ -196,7 +214,7 @@ def main(argv=None) -> int:
     print(f"{'variant':<20} {'block':>6} {'B/param':>7} {'ms':>9} {'launch ms':>9} {'GB/s':>7} {'floor ms':>9} "
           f"{'x floor':>7} {'state GiB':>9}")
     for r in rows:
-        block = "-" if r["block"] is None else str(r["block"])
+        block = r["mx_tile"] or ("-" if r["block"] is None else str(r["block"]))
         if r.get("oom"):
             print(f"{r['variant']:<20} {block:>6} out of memory")
             continue

@@ -183,6 +183,11 @@ def _triton_qdq_vs_reference(device: str) -> None:
         same(mx_qdq_triton(x, 0, mode, src_rows=src), dequantize_mx(want_d, want_s, axis=0).bfloat16(), "gathered")
 
 
+# Run in one interpreted subprocess (tests/interpreted.py), each test checking its own.
+INTERPRETED = (*(f"_with_lean({lean}, '{check}', 'cpu')" for check in ("_triton_qdq_vs_reference", "_triton_vs_reference")
+                 for lean in (False, True)), "_rows_and_cols_vs_reference('cpu')")
+
+
 def _with_lean(lean: bool, check: str, *args) -> None:
     """This module's ``check(*args)`` with mx_triton.LEAN set to ``lean`` (the MX kernel's two arithmetics)."""
     from moetron.core.precision import mx_triton

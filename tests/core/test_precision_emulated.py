@@ -159,6 +159,11 @@ def _run_save_x(fmt, grouped: bool, x_bf16: bool, device: str = "cpu"):
     return (y[:n], x.grad[:n], w.grad), saved
 
 
+# Run in one interpreted subprocess (tests/interpreted.py), each test checking its own.
+INTERPRETED = ("_check_save_x('mx_triton', False)", "_check_save_x('mx_triton', True)", "_fused_kernels_match_torch('cpu')",
+               "_rows_and_cols_tiles_match_torch('cpu')")
+
+
 def _check_save_x(fmt_name: str, grouped: bool, device: str = "cpu") -> None:
     """precision.emulated_save_x_bf16 keeps x's wgrad operand (its columns along the tokens, padded to
     whole blocks) as a bf16 tensor, its quantize-dequantize, and no fp8 payload: the output and both

@@ -122,6 +122,11 @@ def test_cublas_rows_refuses_a_without_spare_rows():
         torch.ops.moetron.fp8_cublas_rows(a_q, a_s, w_q, w_s, torch.tensor([4, 10]))
 
 
+# Run in one interpreted subprocess (tests/interpreted.py), each test checking its own.
+INTERPRETED = ("check_fp8('cpu', quant='torch')", "check_fp8('cpu', quant='triton')",
+               "check_fp8('cpu', quant='triton', wgrad='none')", "check_pipelined('cpu')")
+
+
 @pytest.mark.parametrize("quant", ["torch", "triton"])
 def test_triton_fp8_interpreted_matches_float64(quant):
     """The GEMM kernels with the torch quantization and with the fused quantization kernels."""

@@ -38,6 +38,10 @@ def _assert_same(got, want, tol):
         torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol, msg=what)
 
 
+# Run in one interpreted subprocess (tests/interpreted.py), each test checking its own.
+INTERPRETED = ("check('cpu')", "check_rows('cpu')")
+
+
 def check(device: str) -> None:
     from moetron.core.precision.bf16_grouped import grouped_swiglu_down
     from moetron.core.precision.swiglu_triton import swiglu_backward, swiglu_forward

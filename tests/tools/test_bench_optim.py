@@ -19,7 +19,8 @@ def _run(*args):
 
 def test_tiny_rows(tmp_path):
     out = tmp_path / "optim.json"
-    proc = _run("--tiny", "--steps", "1", "--warmup", "1", "--block", "1024,4096", "--json", str(out))
+    # one step each (interpreted), no warm-up: the first step allocates the state, which is all it changes
+    proc = _run("--tiny", "--steps", "1", "--warmup", "0", "--block", "1024,4096", "--mx-tiles", "64x2", "--json", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     rows = report["rows"]
@@ -27,6 +28,7 @@ def test_tiny_rows(tmp_path):
         ("torch_fused_fp32", None), ("torch_foreach_fp32", None), ("foreach_bf16", None),
         *((v, b) for v in ("triton_fp32", "triton_bf16", "triton_bf16_copy") for b in (1024, 4096)),
         ("triton_bf16_mxpair", None)]
+    assert [r["mx_tile"] for r in rows] == [None] * 9 + ["64x2"]
     params = rows[0]["params"]
     assert params > 10_000 and all(r["params"] == params for r in rows)
     for r in rows:
@@ -42,3 +44,5 @@ def test_bad_arguments():
     assert proc.returncode == 2 and "error: --variants: unknown ['adam8bit']" in proc.stderr
     proc = _run("--tiny", "--block", "1000")
     assert proc.returncode == 2 and "powers of two" in proc.stderr
+    proc = _run("--tiny", "--mx-tiles", "128x3")
+    assert proc.returncode == 2 and "--mx-tiles takes COLSxWARPS" in proc.stderr
