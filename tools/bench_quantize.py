@@ -71,6 +71,24 @@ ROWS_CHUNKS_TILES = [(8192, 8, 0), (8192, 4, 0), (8192, 16, 0), (8192, 8, 2), (8
 # one_pass_cols, sub_rows, warps (0: one per 512 columns); one_pass_cols below C: two passes of 1024 columns
 
 
+def sweep(tiles: list, interpreted: bool, launch) -> list:
+    """The tiles a sweep runs: all of them on a GPU; interpreted (--tiny on the CPU: TRITON_INTERPRET=1
+    ignores num_warps) the first of each group that ``launch(tile)`` (the tile without its warps)
+    makes the same, since the others would interpret the same program again."""
+    if not interpreted:
+        return list(tiles)
+    seen, out = set(), []
+    for tile in tiles:
+        if launch(tile) not in seen:
+            seen.add(launch(tile))
+            out.append(tile)
+    return out
+
+
+def rows_launch(tile):  # a ROWS_TILES entry without its warps
+    return tuple(sorted((k, v) for k, v in tile[1].items() if k != "num_warps"))
+
+
 def rowwise(args, device) -> list[dict]:
     from cli import median_ms  # tools/cli.py
 
@@ -98,23 +116,23 @@ def rowwise(args, device) -> list[dict]:
             src, padded = padded_source_rows(offsets, R, ALIGN)
             P = src.numel()
             row("copy", (R, C), "x.clone()", lambda: x.clone(), 4 * x.numel())
-            for label, tiles in ROWS_TILES:
+            for label, tiles in sweep(ROWS_TILES, device.type == "cpu", rows_launch):
                 kt.TILES["rows"] = tiles
                 row("rows", (R, C), label, lambda: kt.quantize_rows(x), 3 * x.numel())
             kt.TILES["rows"] = saved["rows"]
-            for k, c, w in CHUNK_TILES:
+            for k, c, w in sweep(CHUNK_TILES, device.type == "cpu", lambda t: t[:2]):
                 kt.TILES["chunk_amax"] = {"chunks": k, "cols": c, "num_warps": w}
                 row("chunk_amax", (P, C), f"{k}x{c} w{w}", lambda: kt.chunk_amax(x, src), 2 * P * C + 4 * P * C // kt.CHUNK)
             kt.TILES["chunk_amax"] = saved["chunk_amax"]
             partials, ends = kt.chunk_amax(x, src), padded // kt.CHUNK
-            for u, c, w in GROUP_TILES:
+            for u, c, w in sweep(GROUP_TILES, device.type == "cpu", lambda t: t[:2]):
                 kt.TILES["group_amax"] = {"unroll": u, "cols": c, "num_warps": w, "programs": saved["group_amax"]["programs"]}
                 row("group_amax", tuple(partials.shape), f"u{u}x{c} w{w}", lambda: kt.group_amax(partials, ends),
                     4 * partials.numel())
             kt.TILES["group_amax"] = saved["group_amax"]
             row("group_cols", (P, C), "default", lambda: quantize_group_cols(x, src, padded, "triton"),
                 2 * P * C * 2 + P * C + 8 * P * C // kt.CHUNK)
-            for o, sr, w in ROWS_CHUNKS_TILES:  # the rows and the chunks' column maxima in one read
+            for o, sr, w in sweep(ROWS_CHUNKS_TILES, device.type == "cpu", lambda t: t[:2]):  # the rows and the chunks' column maxima in one read
                 kt.TILES["rows_chunks"] = {**saved["rows_chunks"], "one_pass_cols": o, "sub_rows": sr, "num_warps": w}
                 row("rows_chunks", (P, C), f"1pass<={o} {sr}r w{w}", lambda: kt.quantize_rows_chunks(x, src),
                     3 * P * C + 4 * P * C // kt.CHUNK)
@@ -183,7 +201,7 @@ def mx(args, device) -> list[dict]:
                 P = src.numel()
             row(label, R, C, E, payload, "copy", lambda: x.clone(), 4 * R * C)
             traffic = 2 * R * C + 2 * R * C + (P * C + P * C // 32 if payload else 2 * P * C)
-            for cols, warps, codes in MX_TILES:
+            for cols, warps, codes in sweep(MX_TILES, device.type == "cpu", lambda t: (t[0], t[2])):
                 mx_triton.TILES["both"] = {"cols": cols, "num_warps": warps, "codes_from_tile": codes}
                 row(label, R, C, E, payload, mx_tile_label(cols, warps, codes),
                     lambda: mx_triton.mx_rows_and_cols_triton(x, src, ends, "rceil", payload), traffic)

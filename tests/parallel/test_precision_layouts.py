@@ -123,8 +123,13 @@ def references(tmp_path_factory, data_dir):
     return get
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("recipe", list(RECIPES))
+# Every recipe under every layout but one: expert parallelism over FSDP2 alone is the bf16 control's;
+# the FP8 recipes meet it inside pp=2,ep=2,dp_shard=2 (the same tolerance), which CI's time favours.
+CASES = [(recipe, layout) for recipe in RECIPES for layout in LAYOUTS
+         if recipe == "bf16" or layout != "ep=2,dp_shard=2"]
+
+
+@pytest.mark.parametrize("recipe,layout", CASES)
 def test_recipe_under_layout(recipe, layout, references, tmp_path, data_dir):
     world, args, micro, tolerance = LAYOUTS[layout]
     reference = references(recipe, micro)

@@ -33,17 +33,26 @@ def test_tiny_run_times_each_config(tmp_path):
 
 
 def test_tiny_rowwise_sweep_reports_every_tile(tmp_path):
-    """--rowwise: one row per kernel and tile of the sweep, each with a time and a rate."""
+    """--rowwise: one row per kernel and tile of the sweep (interpreted: per tile apart from its
+    warps, which the interpreter ignores), each with a time and a rate."""
     skip_unless_interpreter_works()
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     import bench_quantize
 
     rows = _tiny_rows(tmp_path, "--rowwise")
     tiles = {(r["kind"], r["tile"]) for r in rows}
-    assert {("rowwise_rows", label) for label, _ in bench_quantize.ROWS_TILES} <= tiles
-    assert {("rowwise_chunk_amax", f"{k}x{c} w{w}") for k, c, w in bench_quantize.CHUNK_TILES} <= tiles
-    assert {("rowwise_group_amax", f"u{u}x{c} w{w}") for u, c, w in bench_quantize.GROUP_TILES} <= tiles
-    assert {("rowwise_rows_chunks", f"1pass<={o} {sr}r w{w}") for o, sr, w in bench_quantize.ROWS_CHUNKS_TILES} <= tiles
+
+    def swept(tiles, launch):  # interpreted: one tile per launch apart from num_warps
+        kept = bench_quantize.sweep(tiles, True, launch)
+        assert len({launch(t) for t in tiles}) == len(kept) and len(kept) >= 4
+        return kept
+
+    assert {("rowwise_rows", label) for label, _ in swept(bench_quantize.ROWS_TILES, bench_quantize.rows_launch)} <= tiles
+    assert {("rowwise_chunk_amax", f"{k}x{c} w{w}") for k, c, w in swept(bench_quantize.CHUNK_TILES, lambda t: t[:2])} <= tiles
+    assert {("rowwise_group_amax", f"u{u}x{c} w{w}") for u, c, w in swept(bench_quantize.GROUP_TILES, lambda t: t[:2])} <= tiles
+    assert {("rowwise_rows_chunks", f"1pass<={o} {sr}r w{w}")
+            for o, sr, w in swept(bench_quantize.ROWS_CHUNKS_TILES, lambda t: t[:2])} <= tiles
+    assert ("rowwise_rows", "1pass 4k w8") not in tiles  # 1pass 4k w4's program, interpreted again
     assert {("rowwise_rows+cols", "separate"), ("rowwise_rows+cols", "fused")} <= tiles
     assert {"rowwise_group_cols", "rowwise_stacked_cols", "rowwise_copy"} <= {r["kind"] for r in rows}
     assert all(r["ms"] > 0 and r["tb_s"] > 0 for r in rows)
@@ -56,6 +65,8 @@ def test_tiny_mx_sweep_reports_every_tile(tmp_path):
     import bench_quantize
 
     rows = _tiny_rows(tmp_path, "--mx")
-    assert [r["tile"] for r in rows] == ["copy"] + [bench_quantize.mx_tile_label(*t) for t in bench_quantize.MX_TILES]
+    kept = bench_quantize.sweep(bench_quantize.MX_TILES, True, lambda t: (t[0], t[2]))
+    assert len(kept) == len({(c, codes) for c, _, codes in bench_quantize.MX_TILES}) >= 5
+    assert [r["tile"] for r in rows] == ["copy"] + [bench_quantize.mx_tile_label(*t) for t in kept]
     assert "128 cols w4 tile-codes" in {r["tile"] for r in rows}
     assert all(r["kind"] == "mx_rows_and_cols" and r["ms"] > 0 and r["tb_s"] > 0 for r in rows)

@@ -90,20 +90,63 @@ def test_two_ranks_gloo(tmp_path, data_dir):
         assert losses(d)[step] == pytest.approx(loss, rel=1e-4), (step, losses(d), losses(single))
 
 
-@pytest.mark.parametrize(
-    "args,message",
-    [
-        (["--model.n_layer=3"], "unknown config key 'model.n_layer'"),
-        (["--trainer.steps=ten"], "trainer.steps: expected an integer"),
-        (["--data.source=files", "--data.train_paths=[/nonexistent/x]"], "/nonexistent/x"),
-        (["--resume"], "holds no complete checkpoint"),
-    ],
-)
-def test_bad_input_is_one_clear_error(tmp_path, data_dir, args, message):
-    proc = run([*SMALL, f"--trainer.run_dir={tmp_path}/r", *args], data_dir, check=False)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert message in proc.stderr
-    assert "Traceback" not in proc.stderr
+BAD_INPUT = [  # (arguments, what stderr must say)
+    (["--model.n_layer=3"], "unknown config key 'model.n_layer'"),
+    (["--trainer.steps=ten"], "trainer.steps: expected an integer"),
+    (["--data.source=files", "--data.train_paths=[/nonexistent/x]"], "/nonexistent/x"),
+    (["--resume"], "holds no complete checkpoint"),
+    (["--trainer.grad_clip=-1"], "trainer.grad_clip must be"),
+    (["--trainer.eval_batch_size=0"], "trainer.eval_batch_size must be positive"),
+    (["--checkpoint.init_from=/nonexistent/ckpt"], "/nonexistent/ckpt does not exist"),
+    (["--trainer.device=cuda"], "CUDA is not available"),
+    (["--config", "/"], "is a directory"),
+]
+_MARK = "@@bad-input@@"
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs(tmp_path_factory, data_dir):
+    """Every BAD_INPUT case through tools/pretrain.py's own entry (``run_cli(main, ...)``, exactly
+    what ``python tools/pretrain.py`` runs) in one fresh process, each with its own run directory
+    and stderr: case index -> [exit code, stderr]. One process start (about 7 s on CI's machine)
+    instead of one a case; an exception that escapes run_cli is recorded as exit 1 with its traceback."""
+    root = tmp_path_factory.mktemp("bad_input")
+    cases = [[*SMALL, f"--trainer.run_dir={root}/r{i}", *args] for i, (args, _) in enumerate(BAD_INPUT)]
+    code = "\n".join([
+        "import contextlib, io, json, sys, traceback",
+        f"sys.path.insert(0, {os.path.join(ROOT, 'tools')!r})",
+        "import pretrain",
+        "from cli import USER_ERRORS, run_cli",
+        "results = []",
+        f"for argv in {cases!r}:",
+        "    err = io.StringIO()",
+        "    with contextlib.redirect_stderr(err):",
+        "        try:",
+        "            run_cli(lambda: pretrain.main(argv), USER_ERRORS + (pretrain.NonFiniteError,))",
+        "            status = 0",
+        "        except SystemExit as e:",
+        "            status = e.code",
+        "        except BaseException:",
+        "            traceback.print_exc()",
+        "            status = 1",
+        "    results.append([status, err.getvalue()])",
+        f"print({_MARK!r} + json.dumps(results))",
+    ])
+    env = dict(os.environ, MOETRON_DATA_DIR=data_dir, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(_MARK)]
+    assert lines, f"the bad-input process ended ({proc.returncode}) before reporting:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(lines[0][len(_MARK):])
+
+
+@pytest.mark.parametrize("case", range(len(BAD_INPUT)), ids=[m for _, m in BAD_INPUT])
+def test_bad_input_is_one_clear_error(case, bad_input_runs):
+    args, message = BAD_INPUT[case]
+    if "--trainer.device=cuda" in args and torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    status, stderr = bad_input_runs[case]
+    assert status == 2, stderr
+    assert message in stderr and "Traceback" not in stderr, stderr
 
 
 def test_existing_checkpoints_are_never_overwritten(tmp_path, data_dir):
@@ -242,22 +285,6 @@ def test_checkpoint_dir_null_and_unset_in_yaml(tmp_path):
     assert pretrain.parse_args(["--checkpoint.dir=null"])[0].checkpoint.dir is None
     cfg, _ = pretrain.parse_args(["--config", str(tmp_path / "unset.yaml"), "--trainer.run_dir=r"])
     assert cfg.checkpoint.dir == os.path.join("r", "checkpoints")
-
-
-@pytest.mark.parametrize(
-    "args,message",
-    [
-        (["--trainer.grad_clip=-1"], "trainer.grad_clip must be"),
-        (["--trainer.eval_batch_size=0"], "trainer.eval_batch_size must be positive"),
-        (["--checkpoint.init_from=/nonexistent/ckpt"], "/nonexistent/ckpt does not exist"),
-        (["--trainer.device=cuda"], "CUDA is not available"),
-        (["--config", "/"], "is a directory"),
-    ],
-)
-def test_more_bad_input_is_one_clear_error(tmp_path, data_dir, args, message):
-    if "--trainer.device=cuda" in args and torch.cuda.is_available():
-        pytest.skip("a GPU is visible")
-    test_bad_input_is_one_clear_error(tmp_path, data_dir, args, message)
 
 
 def test_resume_check_ignores_fields_that_keep_the_shapes(tmp_path):

@@ -8,14 +8,14 @@ source docs/bench/session25/common.sh
 t0=$(date +%s)
 # -v into a file: a test the timeout stops still leaves the ones before it (session25/next_call.sh's
 # emulated -k quantized pair ran out of its 90 s compiling and printed nothing)
-timeout 150 python3 -m pytest -v -m gpu tests/core/test_fp8_rowwise.py tests/core/test_precision_emulated.py \
+timeout 120 python3 -m pytest -v -m gpu tests/core/test_fp8_rowwise.py tests/core/test_precision_emulated.py \
   tests/core/test_mx.py > $OUT/gpu_tests.txt 2>&1
 grep -E "^E |PASSED|FAILED|ERROR|passed|failed" $OUT/gpu_tests.txt | sed 's/^tests.core.//' | cut -c1-110 | head -30
 echo "tests $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
-timeout 90 python3 tools/bench_optim.py --variants triton_bf16_copy,triton_bf16_mxpair --steps 5 --warmup 2 \
+timeout 80 python3 tools/bench_optim.py --variants triton_bf16_copy,triton_bf16_mxpair --steps 5 --warmup 2 \
   --mx-tiles 128x4,64x4,64x2,32x1,128x8,256x8 --json $OUT/optim.json 2>&1 | grep -v Warning | tail -8
 echo "optim $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
-timeout 160 python3 tools/bench_train.py $S2 --steps 6 --warmup 3 --variant b16:$B16 --variant mxcX:$MXC,$X \
+timeout 150 python3 tools/bench_train.py $S2 --steps 6 --warmup 3 --variant b16:$B16 --variant mxcX:$MXC,$X \
   --variant mxcXI:$MXC,$X,$I --variant f8rfc:$F8RFC --variant f8rfcI:$F8RFC,$I --json $OUT/olmoe3.json 2>&1 \
   | grep -v Warning | tail -7
 echo "train s2 $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
@@ -23,7 +23,7 @@ echo "train s2 $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
 # in-process): whether quantized_expert_copies pays once its kernel runs near the HBM floor
 TILE=$(python3 -c "import json; r=min((r for r in json.load(open('$OUT/optim.json'))['rows'] if r.get('mx_tile') and 'ms' in r), key=lambda r: r['ms']); print(r['mx_tile'])" 2>/dev/null || echo 128x4)
 echo "MX-pair tile for mxcXQI: $TILE"
-timeout 200 python3 -c "
+timeout 170 python3 -c "
 import runpy, sys; sys.path.insert(0, 'tools')
 import moetron.core.adamw_triton as k
 k.MX_PAIR_TILE_COLS, k.MX_PAIR_WARPS = (int(v) for v in '$TILE'.split('x'))
