@@ -249,8 +249,8 @@ class PrecisionConfig(Config):
     instead of once per linear: fewer quantization passes in the forward, one saved wgrad operand
     instead of three (two), one dequantize in the backward; dx is the sum of the dgrads, accumulated
     in the GEMM (emulated) or added in bf16 (fp8_rowwise), so its last bits can differ from the
-    separate linears' (autograd's bf16 adds in its own order). Off by default until measured on the
-    GPU (not yet: docs/precision.md)."""
+    separate linears' (autograd's bf16 adds in its own order). Measured on OLMoE-8L (mxfp8 emulated):
+    -2.6 ms a step, -1 GiB; off by default until olmoe3's rows are measured (docs/precision.md)."""
     quantized_expert_copies: bool = False
     """mxfp8 on the emulated backend with expert_weight_copies=optimizer and expert_grads_bf16: the
     optimizer's step writes each expert weight's copy already quantized to MX along its input dim and
@@ -260,7 +260,8 @@ class PrecisionConfig(Config):
     torch.compile each forward and backward otherwise quantizes every expert weight again (two reads
     and two writes of 2 B per element a step). The same values as without it, bit for bit (the same
     quantization of the same bf16 copy); +2 B per expert weight element of memory (the second copy).
-    Off by default until measured on the GPU (not yet: docs/precision.md)."""
+    Measured slower on OLMoE-8L (+3.5 ms a step: the optimizer's MX-pair kernel runs at 1.45x its HBM
+    floor, docs/precision.md): off by default."""
     bf16_experts: Bf16Experts = Bf16Experts.grouped_mm
     """How the routed experts' grouped bf16 GEMMs run (see Bf16Experts), in the bf16 recipe and in the
     emulated backends (whose GEMMs take the dequantized operands in bf16): torch's grouped kernel (no

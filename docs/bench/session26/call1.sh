@@ -13,7 +13,7 @@ timeout 120 python3 -m pytest -v -m gpu tests/core/test_fp8_rowwise.py tests/cor
 grep -E "^E |PASSED|FAILED|ERROR|passed|failed" $OUT/gpu_tests.txt | sed 's/^tests.core.//' | cut -c1-110 | head -30
 echo "tests $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
 timeout 80 python3 tools/bench_optim.py --variants triton_bf16_copy,triton_bf16_mxpair --steps 5 --warmup 2 \
-  --mx-tiles 128x4,64x4,64x2,32x1,128x8,256x8 --json $OUT/optim.json 2>&1 | grep -v Warning | tail -8
+  --mx-tiles 128x4,64x4,64x2,32x1,128x8,256x8,64x8,32x4 --json $OUT/optim.json 2>&1 | grep -v Warning | tail -12
 echo "optim $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
 timeout 150 python3 tools/bench_train.py $S2 --steps 6 --warmup 3 --variant b16:$B16 --variant mxcX:$MXC,$X \
   --variant mxcXI:$MXC,$X,$I --variant f8rfc:$F8RFC --variant f8rfcI:$F8RFC,$I --json $OUT/olmoe3.json 2>&1 \
