@@ -29,7 +29,8 @@ moments' bytes.
     python tools/bench_optim.py --variants torch_fused_fp32,triton_bf16 --steps 20
     python tools/bench_optim.py --tiny                          # small shapes; on the CPU (Triton interpreted)
 
-Prints a table and writes JSON (--json).
+Prints a table and writes JSON (--json). A row that raises (a swept tile that does not compile) is
+printed and written as failed, the others still run, and the tool exits 1.
 """
 
 from __future__ import annotations
@@ -198,6 +199,8 @@ def main(argv=None) -> int:
                 row["x_floor"] = row["ms"] / row["floor_ms"]
             except torch.cuda.OutOfMemoryError:
                 row["oom"] = True
+            except Exception as e:  # e.g. a swept tile that does not compile: the other rows still run
+                row["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
             finally:
                 kernel_module.BLOCK = default_block
                 kernel_module.MX_PAIR_TILE_COLS, kernel_module.MX_PAIR_WARPS = default_tile
@@ -215,12 +218,16 @@ def main(argv=None) -> int:
           f"{'x floor':>7} {'state GiB':>9}")
     for r in rows:
         block = r["mx_tile"] or ("-" if r["block"] is None else str(r["block"]))
-        if r.get("oom"):
-            print(f"{r['variant']:<20} {block:>6} out of memory")
+        if r.get("oom") or r.get("error"):
+            print(f"{r['variant']:<20} {block:>6} {'out of memory' if r.get('oom') else 'failed: ' + r['error']}")
             continue
         print(f"{r['variant']:<20} {block:>6} {r['bytes_per_param']:>7} {r['ms']:>9.2f} {r['launch_ms']:>9.2f} "
               f"{r['gbps']:>7.0f} {r['floor_ms']:>9.2f} {r['x_floor']:>7.2f} {r['state_gib']:>9.2f}")
     write_report(args.json, env, rows)
+    failed = [r for r in rows if r.get("error")]
+    if failed:
+        print(f"bench_optim: {len(failed)} row(s) failed (above)", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -46,3 +46,25 @@ def test_bad_arguments():
     assert proc.returncode == 2 and "powers of two" in proc.stderr
     proc = _run("--tiny", "--mx-tiles", "128x3")
     assert proc.returncode == 2 and "--mx-tiles takes COLSxWARPS" in proc.stderr
+
+
+def test_a_failing_row_is_reported_and_the_others_run(tmp_path):
+    """A row that raises (on a GPU: a swept tile that does not compile) is printed and written as
+    failed, the rows after it still run, and the tool exits 1."""
+    out = tmp_path / "optim.json"
+    code = (f"import sys; sys.path.insert(0, {os.path.join(ROOT, 'tools')!r}); import bench_optim\n"
+            "real = bench_optim.build\n"
+            "def build(variant, groups):\n"
+            "    if variant == 'torch_foreach_fp32':\n"
+            "        raise RuntimeError('no such tile')\n"
+            "    return real(variant, groups)\n"
+            "bench_optim.build = build\n"
+            f"sys.exit(bench_optim.main(['--tiny', '--variants', 'torch_foreach_fp32,foreach_bf16', '--steps', '1', "
+            f"'--warmup', '0', '--json', {str(out)!r}]))")
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "TRITON_INTERPRET")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert proc.returncode == 1 and "1 row(s) failed" in proc.stderr, proc.stdout + proc.stderr
+    assert "failed: RuntimeError: no such tile" in proc.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert rows[0]["error"] == "RuntimeError: no such tile" and "ms" not in rows[0]
+    assert rows[1]["variant"] == "foreach_bf16" and rows[1]["ms"] > 0 and "error" not in rows[1]
