@@ -149,34 +149,45 @@ def test_bad_input_is_one_clear_error(case, bad_input_runs):
     assert message in stderr and "Traceback" not in stderr, stderr
 
 
-def test_existing_checkpoints_are_never_overwritten(tmp_path, data_dir):
-    d = str(tmp_path / "run")
-    run([*SMALL, "--trainer.steps=2", f"--trainer.run_dir={d}"], data_dir)
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, data_dir):
+    """A finished 4-step SMALL run (checkpoints at steps 2 and 4, by the default interval or the
+    final save), made once; tests take a copy (``copy_of``), so one that changed it could not
+    change another's."""
+    d = str(tmp_path_factory.mktemp("finished") / "run")
+    run([*SMALL, "--trainer.steps=4", f"--trainer.run_dir={d}"], data_dir)
+    return d
+
+
+def copy_of(run_dir, tmp_path) -> str:
+    import shutil
+
+    return shutil.copytree(run_dir, str(tmp_path / "run"))
+
+
+def test_existing_checkpoints_are_never_overwritten(tmp_path, data_dir, finished_run):
+    d = copy_of(finished_run, tmp_path)
     before = sorted(os.listdir(f"{d}/checkpoints"))
-    proc = run([*SMALL, "--trainer.steps=2", f"--trainer.run_dir={d}"], data_dir, check=False)
+    proc = run([*SMALL, "--trainer.steps=4", f"--trainer.run_dir={d}"], data_dir, check=False)
     assert proc.returncode == 2 and "already holds checkpoints" in proc.stderr
     assert sorted(os.listdir(f"{d}/checkpoints")) == before
 
 
-def test_resume_with_another_model_is_refused(tmp_path, data_dir):
-    d = str(tmp_path / "run")
-    run([*SMALL, "--trainer.steps=2", f"--trainer.run_dir={d}"], data_dir)
-    proc = run([*SMALL, "--trainer.steps=4", "--model.n_layers=3", f"--trainer.run_dir={d}", "--resume"],
+def test_resume_with_another_model_is_refused(tmp_path, data_dir, finished_run):
+    d = copy_of(finished_run, tmp_path)
+    proc = run([*SMALL, "--trainer.steps=6", "--model.n_layers=3", f"--trainer.run_dir={d}", "--resume"],
                data_dir, check=False)
     assert proc.returncode == 2 and "different model" in proc.stderr and "n_layers" in proc.stderr
 
 
-def test_init_from_weights_starts_a_new_run(tmp_path, data_dir):
-    first = str(tmp_path / "first")
-    run([*SMALL, "--trainer.steps=4", f"--trainer.run_dir={first}"], data_dir)
-    ckpt = os.path.join(first, "checkpoints", "step_00000004")
+def test_init_from_weights_starts_a_new_run(tmp_path, data_dir, finished_run):
+    ckpt = os.path.join(finished_run, "checkpoints", "step_00000004")  # read only
     second = str(tmp_path / "second")
     out = run([*SMALL, "--trainer.steps=2", f"--trainer.run_dir={second}", f"--checkpoint.init_from={ckpt}"], data_dir)
     assert "initialized the model from" in out.stdout
-    fresh = str(tmp_path / "fresh")
-    run([*SMALL, "--trainer.steps=2", f"--trainer.run_dir={fresh}"], data_dir)
-    # starting from trained weights, the first loss is far below a fresh model's
-    assert losses(second)[1] < losses(fresh)[1] - 0.1
+    # starting from trained weights, the first loss is far below a fresh model's (the finished run's
+    # first loss: measured before any update)
+    assert losses(second)[1] < losses(finished_run)[1] - 0.1
     bad = run([*SMALL, "--trainer.steps=2", "--model.n_layers=3", f"--trainer.run_dir={tmp_path}/bad",
                f"--checkpoint.init_from={ckpt}"], data_dir, check=False)
     assert bad.returncode == 2 and "blocks.2" in bad.stderr, bad.stderr  # the tensor the model lacks is named
