@@ -51,13 +51,25 @@ def test_one_rank_without_torchrun(tmp_path):
     assert all(r["time_us"] > 0 and r["bus_factor"] == 0 and r["busbw_gbps"] == 0 for r in rows)
 
 
-@pytest.mark.parametrize("args, message", [
+BAD_INPUT = [
     (["--ops", "all_reduce", "broadcast"], "valid ops: all_to_all, all_reduce, reduce_scatter, all_gather"),
     (["--sizes", "1X"], "--sizes '1X' is not a positive size"),
     (["--sizes", "4097"], "does not divide for all_to_all"),
-])
-def test_bad_input_exits_2(args, message):
-    proc = _run(["--device", "cpu", "--json", "", *args], timeout=60)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "error: " in proc.stderr and message in proc.stderr, proc.stderr
-    assert "Traceback" not in proc.stderr
+]
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs():
+    """Every BAD_INPUT case as ``python tools/bench_comm.py ...`` runs it, in one process (tests/cli_runs.py)."""
+    from tests.cli_runs import run_in_one_process
+
+    return run_in_one_process([("bench_comm.py", ["--device", "cpu", "--json", "", *args]) for args, _ in BAD_INPUT],
+                              env=ENV, timeout=180)
+
+
+@pytest.mark.parametrize("case", range(len(BAD_INPUT)), ids=[m for _, m in BAD_INPUT])
+def test_bad_input_exits_2(case, bad_input_runs):
+    status, stdout, stderr = bad_input_runs[case]
+    assert status == 2, stdout + stderr
+    assert "error: " in stderr and BAD_INPUT[case][1] in stderr, stderr
+    assert "Traceback" not in stderr

@@ -40,12 +40,14 @@ def test_tiny_rows(tmp_path):
 
 
 def test_bad_arguments():
-    proc = _run("--tiny", "--variants", "adam8bit")
-    assert proc.returncode == 2 and "error: --variants: unknown ['adam8bit']" in proc.stderr
-    proc = _run("--tiny", "--block", "1000")
-    assert proc.returncode == 2 and "powers of two" in proc.stderr
-    proc = _run("--tiny", "--mx-tiles", "128x3")
-    assert proc.returncode == 2 and "--mx-tiles takes COLSxWARPS" in proc.stderr
+    from tests.cli_runs import run_in_one_process  # the three in one process
+
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "TRITON_INTERPRET")}
+    runs = run_in_one_process([("bench_optim.py", ["--tiny", *args]) for args in (
+        ["--variants", "adam8bit"], ["--block", "1000"], ["--mx-tiles", "128x3"])], env=env)
+    for (status, _, stderr), message in zip(runs, ("error: --variants: unknown ['adam8bit']", "powers of two",
+                                                  "--mx-tiles takes COLSxWARPS")):
+        assert status == 2 and message in stderr and "Traceback" not in stderr, stderr
 
 
 def test_a_failing_row_is_reported_and_the_others_run(tmp_path):

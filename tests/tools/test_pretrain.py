@@ -101,42 +101,17 @@ BAD_INPUT = [  # (arguments, what stderr must say)
     (["--trainer.device=cuda"], "CUDA is not available"),
     (["--config", "/"], "is a directory"),
 ]
-_MARK = "@@bad-input@@"
 
 
 @pytest.fixture(scope="module")
 def bad_input_runs(tmp_path_factory, data_dir):
-    """Every BAD_INPUT case through tools/pretrain.py's own entry (``run_cli(main, ...)``, exactly
-    what ``python tools/pretrain.py`` runs) in one fresh process, each with its own run directory
-    and stderr: case index -> [exit code, stderr]. One process start (about 7 s on CI's machine)
-    instead of one a case; an exception that escapes run_cli is recorded as exit 1 with its traceback."""
+    """Every BAD_INPUT case as ``python tools/pretrain.py ...`` runs it, all in one fresh process
+    (tests/cli_runs.py), each with its own run directory: [(exit status, stdout, stderr)]."""
+    from tests.cli_runs import run_in_one_process
+
     root = tmp_path_factory.mktemp("bad_input")
-    cases = [[*SMALL, f"--trainer.run_dir={root}/r{i}", *args] for i, (args, _) in enumerate(BAD_INPUT)]
-    code = "\n".join([
-        "import contextlib, io, json, sys, traceback",
-        f"sys.path.insert(0, {os.path.join(ROOT, 'tools')!r})",
-        "import pretrain",
-        "from cli import USER_ERRORS, run_cli",
-        "results = []",
-        f"for argv in {cases!r}:",
-        "    err = io.StringIO()",
-        "    with contextlib.redirect_stderr(err):",
-        "        try:",
-        "            run_cli(lambda: pretrain.main(argv), USER_ERRORS + (pretrain.NonFiniteError,))",
-        "            status = 0",
-        "        except SystemExit as e:",
-        "            status = e.code",
-        "        except BaseException:",
-        "            traceback.print_exc()",
-        "            status = 1",
-        "    results.append([status, err.getvalue()])",
-        f"print({_MARK!r} + json.dumps(results))",
-    ])
-    env = dict(os.environ, MOETRON_DATA_DIR=data_dir, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(_MARK)]
-    assert lines, f"the bad-input process ended ({proc.returncode}) before reporting:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(lines[0][len(_MARK):])
+    cases = [("pretrain.py", [*SMALL, f"--trainer.run_dir={root}/r{i}", *args]) for i, (args, _) in enumerate(BAD_INPUT)]
+    return run_in_one_process(cases, env=dict(os.environ, MOETRON_DATA_DIR=data_dir, OMP_NUM_THREADS="1"))
 
 
 @pytest.mark.parametrize("case", range(len(BAD_INPUT)), ids=[m for _, m in BAD_INPUT])
@@ -144,7 +119,7 @@ def test_bad_input_is_one_clear_error(case, bad_input_runs):
     args, message = BAD_INPUT[case]
     if "--trainer.device=cuda" in args and torch.cuda.is_available():
         pytest.skip("a GPU is visible")
-    status, stderr = bad_input_runs[case]
+    status, _, stderr = bad_input_runs[case]
     assert status == 2, stderr
     assert message in stderr and "Traceback" not in stderr, stderr
 
