@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_MARK = "@@cli-runs@@"
+from tests.reporting import ROOT, ended_early, report_line, run_reporting
+
 _CODE = f"""
 import contextlib, io, json, os, runpy, sys, traceback
 results = []
@@ -31,7 +29,7 @@ for script, argv in json.loads(sys.argv[1]):
             traceback.print_exc()
             status = 1
     results.append([status, out.getvalue(), err.getvalue()])
-print({_MARK!r} + json.dumps(results))
+{report_line("results")}
 """
 
 
@@ -40,8 +38,6 @@ def run_in_one_process(cases: list[tuple[str, list[str]]], env: dict | None = No
     """(exit status, stdout, stderr) of each (script under tools/, e.g. "pretrain.py"; its arguments),
     run in order in one subprocess started in the repo root with ``env`` (default: this process's)."""
     payload = json.dumps([[os.path.join(ROOT, "tools", script), list(argv)] for script, argv in cases])
-    proc = subprocess.run([sys.executable, "-c", _CODE, payload], capture_output=True, text=True, cwd=ROOT,
-                          env=env, timeout=timeout)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(_MARK)]
-    assert lines, f"the process ended ({proc.returncode}) before reporting:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return [tuple(r) for r in json.loads(lines[0][len(_MARK):])]
+    results, proc = run_reporting(_CODE, payload, env=env, timeout=timeout)
+    assert results is not None, ended_early(proc)
+    return [tuple(r) for r in results]

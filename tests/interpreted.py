@@ -3,14 +3,13 @@ the check runs in a fresh Python process (the one helper every kernel test share
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.reporting import ROOT, ended_early, report_line, run_reporting
 
 
 def skip_unless_interpreter_works() -> None:
@@ -31,7 +30,6 @@ def skip_unless_interpreter_works() -> None:
 
 
 _BATCHES: dict[str, dict[str, list]] = {}  # module -> call -> [passed, output], in this pytest process
-_MARK = "@@interpreted-results@@"
 
 
 def run_interpreted(module: str, call: str, timeout: int = 600) -> None:
@@ -62,7 +60,7 @@ def _run_batch(module: str, calls: tuple[str, ...], timeout: int) -> dict[str, l
     """Every call of ``calls`` evaluated in ``module``'s namespace in one interpreted subprocess:
     call -> [passed, its traceback or the subprocess's output]."""
     code = "\n".join([
-        "import importlib, json, sys, traceback",
+        "import importlib, sys, traceback",
         f"sys.path.insert(0, {ROOT!r})",
         f"namespace = vars(importlib.import_module({module!r}))",
         "results = {}",
@@ -72,15 +70,12 @@ def _run_batch(module: str, calls: tuple[str, ...], timeout: int) -> dict[str, l
         "        results[call] = [True, '']",
         "    except Exception:",
         "        results[call] = [False, traceback.format_exc()[-3000:]]",
-        f"print({_MARK!r} + json.dumps(results), flush=True)",
+        report_line("results"),
     ])
     try:
-        proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"),
-                              capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        results, proc = run_reporting(code, env=dict(os.environ, TRITON_INTERPRET="1"), timeout=timeout)
     except subprocess.TimeoutExpired:
         return {c: [False, f"the interpreted batch of {module} ran past {timeout} s"] for c in calls}
-    for line in proc.stdout.splitlines():
-        if line.startswith(_MARK):
-            return json.loads(line[len(_MARK):])
-    failure = f"the interpreted batch of {module} ended (exit {proc.returncode}) before reporting:\n"
-    return {c: [False, failure + proc.stdout[-3000:] + proc.stderr[-3000:]] for c in calls}
+    if results is None:
+        return {c: [False, f"the interpreted batch of {module}: {ended_early(proc)}"] for c in calls}
+    return results

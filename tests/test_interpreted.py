@@ -18,4 +18,4 @@ def test_a_batch_that_dies_fails_every_call(tmp_path, monkeypatch):
     (tmp_path / "dying_module.py").write_text("import os\n\ndef die():\n    os._exit(3)\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     results = _run_batch("dying_module", ("die()", "die() "), timeout=120)
-    assert all(not passed and "(exit 3) before reporting" in out for passed, out in results.values())
+    assert all(not passed and "ended (exit 3) before reporting" in out for passed, out in results.values())

@@ -42,14 +42,14 @@ import time
 
 import torch
 
-VARIANTS = {  # name -> (bytes per parameter moved at least, uses the Triton kernel)
-    "torch_fused_fp32": (28, False),
-    "torch_foreach_fp32": (28, False),
-    "foreach_bf16": (20, False),
-    "triton_fp32": (28, True),
-    "triton_bf16": (20, True),
-    "triton_bf16_copy": (22, True),
-    "triton_bf16_mxpair": (24, False),  # adamw_update_mx_pair_'s own tile: no BLOCK sweep
+VARIANTS = {  # name -> (bytes per parameter moved at least, what it sweeps: --block, --mx-tiles or nothing)
+    "torch_fused_fp32": (28, None),
+    "torch_foreach_fp32": (28, None),
+    "foreach_bf16": (20, None),
+    "triton_fp32": (28, "block"),
+    "triton_bf16": (20, "block"),
+    "triton_bf16_copy": (22, "block"),
+    "triton_bf16_mxpair": (24, "tile"),  # adamw_update_mx_pair_'s own tile, not BLOCK
 }
 GiB = 2**30
 
@@ -180,13 +180,11 @@ def main(argv=None) -> int:
     default_tile = (kernel_module.MX_PAIR_TILE_COLS, kernel_module.MX_PAIR_WARPS)
     rows = []
     for variant in variants:
-        bytes_per_param, triton_kernel = VARIANTS[variant]
-        settings = blocks if triton_kernel else tiles if variant == "triton_bf16_mxpair" else [None]
-        for setting in settings:
-            block = setting if triton_kernel else None
-            tile = (setting or default_tile) if variant == "triton_bf16_mxpair" else None
-            row = {"variant": variant, "block": (block or default_block) if triton_kernel else None,
-                   "mx_tile": None if tile is None else f"{tile[0]}x{tile[1]}",
+        bytes_per_param, sweeps = VARIANTS[variant]
+        for setting in {"block": blocks, "tile": tiles}.get(sweeps, [None]):
+            block = (setting or default_block) if sweeps == "block" else None
+            tile = (setting or default_tile) if sweeps == "tile" else None
+            row = {"variant": variant, "block": block, "mx_tile": None if tile is None else f"{tile[0]}x{tile[1]}",
                    "params": numel, "tensors": len(params), "bytes_per_param": bytes_per_param}
             opt = None
             kernel_module.BLOCK = block or default_block  # read by every launch

@@ -77,12 +77,10 @@ def sweep(tiles: list, interpreted: bool, launch) -> list:
     makes the same, since the others would interpret the same program again."""
     if not interpreted:
         return list(tiles)
-    seen, out = set(), []
+    first = {}
     for tile in tiles:
-        if launch(tile) not in seen:
-            seen.add(launch(tile))
-            out.append(tile)
-    return out
+        first.setdefault(launch(tile), tile)
+    return list(first.values())
 
 
 def rows_launch(tile):  # a ROWS_TILES entry without its warps

@@ -126,9 +126,8 @@ def test_bad_input_is_one_clear_error(case, bad_input_runs):
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory, data_dir):
-    """A finished 4-step SMALL run (checkpoints at steps 2 and 4, by the default interval or the
-    final save), made once; tests take a copy (``copy_of``), so one that changed it could not
-    change another's."""
+    """A finished 4-step SMALL run (its one checkpoint: step 4, the final save), made once; tests that
+    run on it take a copy (``copy_of``), so one that changed it could not change another's."""
     d = str(tmp_path_factory.mktemp("finished") / "run")
     run([*SMALL, "--trainer.steps=4", f"--trainer.run_dir={d}"], data_dir)
     return d

@@ -1,0 +1,35 @@
+"""Code run in a fresh Python process that reports its result as JSON on one marked line of stdout:
+the protocol tests/interpreted.py (a module's interpreted kernel checks) and tests/cli_runs.py (a
+tool's command lines) share, so that many checks pay one start of Python and torch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MARK = "@@report@@"
+
+
+def report_line(value_expr: str) -> str:
+    """The statement the code ends with to report ``value_expr`` (a JSON-able expression)."""
+    return f"print({MARK!r} + __import__('json').dumps({value_expr}), flush=True)"
+
+
+def run_reporting(code: str, *args: str, env: dict | None = None,
+                  timeout: float = 600) -> tuple[object | None, subprocess.CompletedProcess]:
+    """Run ``python -c code args`` in the repo root; (what it reported, or None where it ended
+    before reporting, and the completed process). TimeoutExpired propagates."""
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=ROOT,
+                          env=env, timeout=timeout)
+    for line in proc.stdout.splitlines():
+        if line.startswith(MARK):
+            return json.loads(line[len(MARK):]), proc
+    return None, proc
+
+
+def ended_early(proc: subprocess.CompletedProcess) -> str:
+    """What to say of a process that ended before reporting: its exit status and the tails of its output."""
+    return f"the process ended (exit {proc.returncode}) before reporting:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
