@@ -37,11 +37,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_distributed", "free_port", "full_gradients", "train_losses"]
+__all__ = ["run_distributed", "free_port", "full_gradients", "train_losses", "PRELOAD"]
 
 # What the fork server imports once for every gloo rank (the bulk of a rank's start-up); moetron's own
 # modules are left to each rank, so they read the environment the caller set.
-_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp",
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp",
             "torch.distributed.checkpoint", "torch.distributed.pipelining", "torch._dynamo"]
 
 
@@ -120,7 +120,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     store_path = os.path.join(store_dir, "store")  # created by the first rank
     start_method = "spawn" if backend == "nccl" else "forkserver"
     if start_method == "forkserver":
-        multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)  # read when it starts
+        multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)  # read when it starts
     caller = (dict(os.environ), os.getcwd(), list(sys.path), _CallerStdio(), torch.get_num_threads())
     try:
         ctx = mp.start_processes(_child, args=(fn, world_size, store_path, args, backend, caller), nprocs=world_size,

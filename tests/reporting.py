@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
+
+from tests.processes import run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MARK = "@@report@@"
@@ -22,8 +23,7 @@ def run_reporting(code: str, *args: str, env: dict | None = None,
                   timeout: float = 600) -> tuple[object | None, subprocess.CompletedProcess]:
     """Run ``python -c code args`` in the repo root; (what it reported, or None where it ended
     before reporting, and the completed process). TimeoutExpired propagates."""
-    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=ROOT,
-                          env=env, timeout=timeout)
+    proc = run_python(["-c", code, *args], cwd=ROOT, env=env, timeout=timeout)
     for line in proc.stdout.splitlines():
         if line.startswith(MARK):
             return json.loads(line[len(MARK):]), proc

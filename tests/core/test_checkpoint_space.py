@@ -13,7 +13,6 @@ import hashlib
 import os
 import shutil
 import signal
-import subprocess
 import sys
 from collections import namedtuple
 from typing import Iterator
@@ -26,6 +25,7 @@ from torch import nn
 import moetron.core.checkpoint.checkpointer as checkpointer_module
 from moetron.core.checkpoint import STALE_DIR_RE, CheckpointConfig, CheckpointError, Checkpointer
 from tests.distributed import run_distributed
+from tests.processes import run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -329,8 +329,8 @@ def test_pretrain_unwritable_checkpoint_dir_fails_before_training(tmp_path):
             "--data.corpus_max_bytes=400000", "--precision.recipe=fp32", "--scheduler.warmup_steps=1",
             "--trainer.device=cpu", "--trainer.steps=2", f"--trainer.run_dir={run_dir}",
             f"--checkpoint.dir={tmp_path / 'file' / 'ckpt'}"]
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "pretrain.py"), *args],
-                          capture_output=True, text=True, env=env, cwd=ROOT)
+    proc = run_python([os.path.join(ROOT, "tools", "pretrain.py"), *args],
+                      env=env, cwd=ROOT)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode == 2 and len(errors) == 1 and "is not writable" in errors[0], proc.stderr
     assert "Traceback" not in proc.stderr

@@ -3,10 +3,9 @@ three timings, the pipelined kernel's config and its agreement with the masked k
 
 import json
 import os
-import subprocess
-import sys
 
 from tests.interpreted import skip_unless_interpreter_works
+from tests.processes import run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -15,9 +14,9 @@ def test_tiny_run_compares_the_kernels(tmp_path):
     skip_unless_interpreter_works()
     out = tmp_path / "variants.json"
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_fp8_variants.py"), "--tiny",
-                           "--gemms", "gate_up,down", "--json", str(out)],
-                          capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+    proc = run_python([os.path.join(ROOT, "tools", "bench_fp8_variants.py"), "--tiny",
+                       "--gemms", "gate_up,down", "--json", str(out)],
+                      timeout=900, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert {(r["gemm"], r["pass"]) for r in rows} == {(g, p) for g in ("gate_up", "down")

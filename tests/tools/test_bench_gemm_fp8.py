@@ -3,12 +3,12 @@ table and the JSON have every backend of both kinds."""
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 from tests.interpreted import skip_unless_interpreter_works
+from tests.processes import run_python
 
 pytestmark = pytest.mark.slow  # among the longest modules: run first (tests/conftest.py)
 
@@ -19,8 +19,8 @@ def test_tiny_run_checks_and_reports(tmp_path):
     skip_unless_interpreter_works()
     out = tmp_path / "gemm.json"
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_gemm_fp8.py"), "--tiny", "--json", str(out)],
-                          capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+    proc = run_python([os.path.join(ROOT, "tools", "bench_gemm_fp8.py"), "--tiny", "--json", str(out)],
+                      timeout=900, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     checks = [r for r in rows if r["kind"] == "check"]
@@ -59,9 +59,9 @@ def test_backends_and_shapes_pick_rows(tmp_path):
     skip_unless_interpreter_works()
     out = tmp_path / "gemm.json"
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-    cmd = [sys.executable, os.path.join(ROOT, "tools", "bench_gemm_fp8.py"), "--tiny", "--skip-check", "--no-dense",
+    cmd = [os.path.join(ROOT, "tools", "bench_gemm_fp8.py"), "--tiny", "--skip-check", "--no-dense",
            "--backends", "fp8_blockwise cublas bf16-wgrad", "--profile", "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+    proc = run_python(cmd, timeout=900, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     backends = {"bf16", "fp8_blockwise cublas bf16-wgrad"}
@@ -69,6 +69,6 @@ def test_backends_and_shapes_pick_rows(tmp_path):
     # --profile: each backend's step split into quantize, GEMM and other kernel time, with its top kernels
     for r in (r for r in rows if r["kind"] == "profile"):
         assert abs(r["quantize_ms"] + r["gemm_ms"] + r["other_ms"] - r["ms"]) < 1e-6 * max(1.0, r["ms"]) and r["top"]
-    bad = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_gemm_fp8.py"), "--shapes", "olmo"],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    bad = run_python([os.path.join(ROOT, "tools", "bench_gemm_fp8.py"), "--shapes", "olmo"],
+                     timeout=300, cwd=ROOT, env=env)
     assert bad.returncode == 2 and "unknown --shapes ['olmo']" in bad.stderr

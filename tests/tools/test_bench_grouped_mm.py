@@ -3,11 +3,11 @@
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+from tests.processes import run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -44,8 +44,8 @@ def test_each_pass_is_the_experts_gemm_per_group(pass_):
 def test_tiny_run_reports_every_pass(tmp_path):
     out = tmp_path / "grouped_mm.json"
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_grouped_mm.py"), "--tiny", "--iters", "2",
-                           "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    proc = run_python([os.path.join(ROOT, "tools", "bench_grouped_mm.py"), "--tiny", "--iters", "2",
+                       "--json", str(out)], timeout=600, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert {(r["gemm"], r["pass_"]) for r in rows} == {(g, p) for g in ("gate_up", "down")

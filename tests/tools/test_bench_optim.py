@@ -4,8 +4,7 @@ traffic and floor; bad arguments fail with one error."""
 
 import json
 import os
-import subprocess
-import sys
+from tests.processes import run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tools", "bench_optim.py")
@@ -13,8 +12,7 @@ SCRIPT = os.path.join(ROOT, "tools", "bench_optim.py")
 
 def _run(*args):
     env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "TRITON_INTERPRET")}
-    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=600, cwd=ROOT,
-                          env=env)
+    return run_python([SCRIPT, *args], timeout=600, cwd=ROOT, env=env)
 
 
 def test_tiny_rows(tmp_path):
@@ -64,7 +62,7 @@ def test_a_failing_row_is_reported_and_the_others_run(tmp_path):
             f"sys.exit(bench_optim.main(['--tiny', '--variants', 'torch_foreach_fp32,foreach_bf16', '--steps', '1', "
             f"'--warmup', '0', '--json', {str(out)!r}]))")
     env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "TRITON_INTERPRET")}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    proc = run_python(["-c", code], timeout=600, cwd=ROOT, env=env)
     assert proc.returncode == 1 and "1 row(s) failed" in proc.stderr, proc.stdout + proc.stderr
     assert "failed: RuntimeError: no such tile" in proc.stdout
     rows = json.loads(out.read_text())["rows"]

@@ -3,12 +3,12 @@ per autotune config, the autotuned one and the config it chose."""
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 from tests.interpreted import skip_unless_interpreter_works
+from tests.processes import run_python
 
 pytestmark = pytest.mark.slow  # among the longest modules: run first (tests/conftest.py)
 
@@ -19,8 +19,8 @@ def _tiny_rows(tmp_path, *flags) -> list[dict]:
     """bench_quantize.py --tiny [flags] run in a subprocess (Triton interpreted): its JSON rows."""
     out = tmp_path / "quantize.json"
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_quantize.py"), "--tiny", *flags,
-                           "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    proc = run_python([os.path.join(ROOT, "tools", "bench_quantize.py"), "--tiny", *flags,
+                       "--json", str(out)], timeout=600, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())["rows"]
 

@@ -1,17 +1,16 @@
 """tools/preprocess_data.py as a script: bad input is one "error:" line and exit 2, like every tool."""
 
 import os
-import subprocess
-import sys
 
 import pytest
+from tests.processes import run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOOL = os.path.join(ROOT, "tools", "preprocess_data.py")
 
 
 def run_tool(*args):
-    return subprocess.run([sys.executable, TOOL, *map(str, args)], capture_output=True, text=True, timeout=120)
+    return run_python([TOOL, *map(str, args)], timeout=120)
 
 
 @pytest.mark.parametrize("case", ["missing_tokenizer", "bad_utf8", "existing_output", "existing_tokenizer"])

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from tests.processes import run_python
 
 pytestmark = pytest.mark.slow  # among the longest modules: run first (tests/conftest.py)
 
@@ -30,7 +31,7 @@ def data_dir(tmp_path_factory):
 def run(args, data_dir, check=True, env_extra=None):
     env = dict(os.environ, MOETRON_DATA_DIR=data_dir, OMP_NUM_THREADS="1")
     env.update(env_extra or {})
-    proc = subprocess.run([sys.executable, PRETRAIN, *args], capture_output=True, text=True, env=env, cwd=ROOT)
+    proc = run_python([PRETRAIN, *args], env=env, cwd=ROOT)
     if check and proc.returncode != 0:
         raise AssertionError(f"pretrain failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc

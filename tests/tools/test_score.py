@@ -4,8 +4,6 @@ log-prob per predicted token; HF directories score as transformers does; bad inp
 import math
 import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -19,6 +17,7 @@ from moetron.data.preprocess import tokenize_documents
 from moetron.core.moe.config import MoEConfig, RouterConfig
 from moetron.models import ModelConfig
 from tests.hf_models import save_tiny_olmo3
+from tests.processes import run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCORE = os.path.join(ROOT, "tools", "score.py")
@@ -138,7 +137,7 @@ def test_text_file_with_hf_tokenizer(setup):
 
 def run_cli(args):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, SCORE, *args], capture_output=True, text=True, env=env, cwd=ROOT)
+    return run_python([SCORE, *args], env=env, cwd=ROOT)
 
 
 def test_errors(setup, tmp_path):

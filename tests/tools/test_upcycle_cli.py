@@ -3,8 +3,6 @@
 
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,6 +12,7 @@ from moetron.core.config import ConfigError
 from moetron.core.weights import save_weights
 from moetron.models import ModelConfig
 from tests.hf_models import save_tiny_olmo3
+from tests.processes import run_python
 
 pytestmark = pytest.mark.slow  # among the longest modules: run first (tests/conftest.py)
 
@@ -42,7 +41,7 @@ def dense(tmp_path_factory):
 
 def run(args, env_extra=None):
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
-    return subprocess.run([sys.executable, UPCYCLE, *args], capture_output=True, text=True, env=env, cwd=ROOT)
+    return run_python([UPCYCLE, *args], env=env, cwd=ROOT)
 
 
 TOKENS = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(2))
@@ -128,12 +127,11 @@ def test_pretrain_continues_from_upcycled(dense, tmp_path):
     assert run([path, "--output", out, "--num-experts", "4", "--top-k", "2"]).returncode == 0
     run_dir = str(tmp_path / "run")
     env = dict(os.environ, MOETRON_DATA_DIR=str(tmp_path / "data"), OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, PRETRAIN, "--config", os.path.join(out, "pretrain.yaml"), "--trainer.steps=3",
-         f"--trainer.run_dir={run_dir}", "--data.seq_len=32", "--data.global_batch_size=4",
-         "--data.corpus_vocab_size=512", "--data.corpus_max_bytes=300000", "--trainer.eval_interval=0",
-         "--precision.recipe=fp32", "--scheduler.warmup_steps=1", "--trainer.device=cpu"],
-        capture_output=True, text=True, env=env, cwd=ROOT)
+    proc = run_python([PRETRAIN, "--config", os.path.join(out, "pretrain.yaml"), "--trainer.steps=3",
+                       f"--trainer.run_dir={run_dir}", "--data.seq_len=32", "--data.global_batch_size=4",
+                       "--data.corpus_vocab_size=512", "--data.corpus_max_bytes=300000", "--trainer.eval_interval=0",
+                       "--precision.recipe=fp32", "--scheduler.warmup_steps=1", "--trainer.device=cpu"],
+                      env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"initialized the model from {out}" in proc.stdout
     ckpts = os.path.join(run_dir, "checkpoints")

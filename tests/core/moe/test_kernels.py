@@ -10,7 +10,6 @@ Shape legend: T tokens, K top-k, E experts, D model dim, R buffer rows.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from typing import NamedTuple
 
@@ -280,10 +279,10 @@ def _seed(i: int) -> int:
 @pytest.fixture(scope="module")
 def triton_results(tmp_path_factory):
     path = tmp_path_factory.mktemp("triton") / "results.pt"
+    from tests.processes import run_python  # here: this file also runs as a script, without tests/ on its path
+
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), str(path)], env=env, capture_output=True, text=True, timeout=300
-    )
+    proc = run_python([os.path.abspath(__file__), str(path)], env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return torch.load(path)
 
