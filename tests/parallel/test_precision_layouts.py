@@ -18,7 +18,10 @@ quantized operands as on the GPU, dequantized into bf16 GEMMs). Checked:
 - the first step's loss (rel 1e-3), the loss after 3 steps (1%) and how much it fell (20%: weights
   that stopped reaching the GEMMs, a stale quantized copy, would learn slower).
 
-The bf16 recipe runs beside them as the control.
+The bf16 recipe runs beside them as the control. The model is the smallest the recipes take: every
+GEMM width a multiple of 128 (fp8_blockwise's tiles), so d_model 128 with four heads of 32 and as
+many KV heads (grouped-query attention, orthogonal to the recipes, is tested in tests/core/); its
+worst expert-parallel gradient error is 0.24%, as at d_model 256, and it runs in about 2/3 the time.
 """
 
 import os
@@ -33,8 +36,8 @@ pytestmark = pytest.mark.slow  # among the longest modules: run first (tests/con
 
 STEPS = 3
 MODEL = [
-    "--model.d_model=256", "--model.n_layers=4", "--model.vocab_size=512", "--model.mlp_hidden=256",
-    "--model.attention.n_heads=4", "--model.attention.n_kv_heads=2", "--model.sliding_window=8",
+    "--model.d_model=128", "--model.n_layers=4", "--model.vocab_size=512", "--model.mlp_hidden=128",
+    "--model.attention.n_heads=4", "--model.attention.n_kv_heads=4", "--model.sliding_window=8",
     "--model.moe.num_experts=4", "--model.moe.expert_hidden=128", "--model.moe.router.top_k=2",
     "--model.moe.router.lb_granularity=micro_batch", "--data.seq_len=32", "--data.global_batch_size=8",
     "--data.corpus_vocab_size=512", "--data.corpus_max_bytes=300000", f"--trainer.steps={STEPS}",
