@@ -10,6 +10,9 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 py="$(bash "$root/tools/setup_env.sh")"
 cd "$root"
+# Compiled bytecode is cached (__pycache__, git-ignored) even where PYTHONDONTWRITEBYTECODE is set:
+# each of the suite's few hundred processes would otherwise compile moetron's sources again
+unset PYTHONDONTWRITEBYTECODE
 workers="${MOETRON_TEST_WORKERS:-2}"
 targets=(tests)
 for a in "$@"; do
