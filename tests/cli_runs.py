@@ -1,7 +1,7 @@
 """Several command lines of the tools/ scripts run in one fresh Python process, each exactly as
 ``python SCRIPT ARGS`` would run it (its ``__main__`` block, through runpy), with its own stdout,
-stderr and exit status: one start of Python and torch (about 7 s on CI's machine) for all of them,
-for the command lines that fail fast (bad input), where that start is most of the time."""
+stderr and exit status: one process (tests/processes.py's run_python, forked warm) for all of them,
+for the command lines that fail fast (bad input), where the process's start is most of the time."""
 
 from __future__ import annotations
 

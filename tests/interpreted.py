@@ -1,5 +1,6 @@
-"""Running a check under TRITON_INTERPRET=1: the variable must be set before triton is imported, so
-the check runs in a fresh Python process (the one helper every kernel test shares)."""
+"""Running a check under TRITON_INTERPRET=1: triton reads it when a kernel is defined, so the check
+runs in a new Python process (tests/processes.py's run_python, served by its TRITON_INTERPRET=1
+server; the one helper every kernel test shares)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 
 import pytest
 
+from tests.processes import run_python
 from tests.reporting import ROOT, ended_early, report_line, run_reporting
 
 
@@ -39,15 +41,14 @@ def run_interpreted(module: str, call: str, timeout: int = 600) -> None:
 
     A module that lists its calls in ``INTERPRETED`` (a tuple of the exact strings) has them all run
     in one subprocess, the first time one of them is asked for, each in its own try (a failure is
-    the failing call's alone): one start of Python, torch and triton (about 10 s on CI's machine)
-    instead of one a call. Each test still checks its own call's result."""
+    the failing call's alone): one process, and one import of the module and its kernels, instead of
+    one a call. Each test still checks its own call's result."""
     skip_unless_interpreter_works()
     batch = tuple(getattr(sys.modules.get(module), "INTERPRETED", ()))
     if call not in batch:
         name = call.split("(")[0]
         code = f"import sys; sys.path.insert(0, {ROOT!r}); from {module} import {name}; {call}"
-        proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"),
-                              capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        proc = run_python(["-c", code], env=dict(os.environ, TRITON_INTERPRET="1"), timeout=timeout, cwd=ROOT)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         return
     if module not in _BATCHES:
