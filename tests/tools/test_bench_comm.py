@@ -3,10 +3,10 @@ algbw x the nccl-tests factor; a one-rank run without torchrun; bad input exits 
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+
+from tests.processes import run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCH = os.path.join(ROOT, "tools", "bench_comm.py")
@@ -15,10 +15,9 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
 
 def _run(args, nproc=None, timeout=120):
-    launch = [sys.executable] if nproc is None else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    return subprocess.run([*launch, BENCH, *args], capture_output=True, text=True, env=ENV, cwd=ROOT,
-                          timeout=timeout)
+    """The tool as ``python`` runs it, or under torchrun (its agent forked warm, its ranks new interpreters)."""
+    launch = [] if nproc is None else ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    return run_python([*launch, BENCH, *args], env=ENV, cwd=ROOT, timeout=timeout)
 
 
 def test_two_ranks_every_op_and_size(tmp_path):

@@ -3,8 +3,9 @@ launch, with the expert all-to-all's time and share of the step."""
 
 import json
 import os
-import subprocess
 import sys
+
+from tests.processes import run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCH = os.path.join(ROOT, "tools", "bench_parallel.py")
@@ -19,9 +20,9 @@ SMALL = [
 def test_two_variants_report_all_to_all_share(tmp_path):
     out = str(tmp_path / "bench.json")
     env = dict(os.environ, MOETRON_DATA_DIR=str(tmp_path / "corpus"), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", BENCH, *SMALL,
+    cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", BENCH, *SMALL,
            "--json", out, "--variants", "synced:parallel.ep_dispatch=synced", "sync_free:parallel.ep_dispatch=sync_free"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    proc = run_python(cmd, env=env, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.load(open(out))
     rows = {r["variant"]: r for r in result["rows"]}
@@ -68,10 +69,10 @@ def test_pipeline_bubble_theory_and_measured(tmp_path):
     out = str(tmp_path / "bench.json")
     env = dict(os.environ, MOETRON_DATA_DIR=str(tmp_path / "corpus"), OMP_NUM_THREADS="1")
     small = [a for a in SMALL if a != "--parallel.ep=2"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", BENCH, *small,
+    cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", BENCH, *small,
            "--json", out, "--data.global_batch_size=8", "--bubble-baseline", "dp",
            "--variants", "dp:parallel.dp_shard=2", "1f1b:parallel.pp=2,parallel.dp_shard=1,parallel.pp_microbatches=4"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    proc = run_python(cmd, env=env, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = {r["variant"]: r for r in json.load(open(out))["rows"]}
     assert rows["dp"]["bubble_measured"] is None and rows["dp"]["bubble_theory"] is None
@@ -88,6 +89,6 @@ def test_pipeline_bubble_theory_and_measured(tmp_path):
     bench_parallel.add_measured_bubbles([pipe], bench_parallel.baseline_row(f"{path}:one", []))
     assert pipe["bubble_measured"] == 1 - 5.0 / 6.0
 
-    bad = subprocess.run(cmd[:cmd.index("--bubble-baseline") + 1] + ["nope"] + cmd[cmd.index("--variants"):],
-                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    bad = run_python(cmd[:cmd.index("--bubble-baseline") + 1] + ["nope"] + cmd[cmd.index("--variants"):],
+                     env=env, cwd=ROOT, timeout=300)
     assert bad.returncode != 0 and "--bubble-baseline 'nope' names no variant" in bad.stderr
