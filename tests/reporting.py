@@ -1,6 +1,6 @@
 """Code run in a new Python process (tests/processes.py's run_python) that reports its result as
-JSON on one marked line of stdout: the protocol tests/interpreted.py (a module's interpreted kernel
-checks) and tests/cli_runs.py (a tool's command lines) share, so that many checks share one process."""
+JSON on one marked line of stdout: how tests/interpreted.py runs a module's interpreted kernel
+checks in one process, each reported on its own."""
 
 from __future__ import annotations
 

@@ -59,10 +59,10 @@ BAD_INPUT = [
 
 @pytest.fixture(scope="module")
 def bad_input_runs():
-    """Every BAD_INPUT case as ``python tools/bench_comm.py ...`` runs it, in one process (tests/cli_runs.py)."""
-    from tests.cli_runs import run_in_one_process
+    """Every BAD_INPUT case as ``python tools/bench_comm.py ...`` runs it (tests/cli_runs.py)."""
+    from tests.cli_runs import run_command_lines
 
-    return run_in_one_process([("bench_comm.py", ["--device", "cpu", "--json", "", *args]) for args, _ in BAD_INPUT],
+    return run_command_lines([("bench_comm.py", ["--device", "cpu", "--json", "", *args]) for args, _ in BAD_INPUT],
                               env=ENV, timeout=180)
 
 

@@ -38,10 +38,10 @@ def test_tiny_rows(tmp_path):
 
 
 def test_bad_arguments():
-    from tests.cli_runs import run_in_one_process  # the three in one process
+    from tests.cli_runs import run_command_lines
 
     env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "TRITON_INTERPRET")}
-    runs = run_in_one_process([("bench_optim.py", ["--tiny", *args]) for args in (
+    runs = run_command_lines([("bench_optim.py", ["--tiny", *args]) for args in (
         ["--variants", "adam8bit"], ["--block", "1000"], ["--mx-tiles", "128x3"])], env=env)
     for (status, _, stderr), message in zip(runs, ("error: --variants: unknown ['adam8bit']", "powers of two",
                                                   "--mx-tiles takes COLSxWARPS")):

@@ -1,4 +1,4 @@
-"""tools/pretrain.py end to end in fresh processes: resume is bit-exact, bad input fails clearly."""
+"""tools/pretrain.py end to end in new processes (tests/processes.py): resume is bit-exact, bad input fails clearly."""
 
 import json
 import os
@@ -106,13 +106,13 @@ BAD_INPUT = [  # (arguments, what stderr must say)
 
 @pytest.fixture(scope="module")
 def bad_input_runs(tmp_path_factory, data_dir):
-    """Every BAD_INPUT case as ``python tools/pretrain.py ...`` runs it, all in one fresh process
-    (tests/cli_runs.py), each with its own run directory: [(exit status, stdout, stderr)]."""
-    from tests.cli_runs import run_in_one_process
+    """Every BAD_INPUT case as ``python tools/pretrain.py ...`` runs it (tests/cli_runs.py), each with
+    its own run directory: [(exit status, stdout, stderr)]."""
+    from tests.cli_runs import run_command_lines
 
     root = tmp_path_factory.mktemp("bad_input")
     cases = [("pretrain.py", [*SMALL, f"--trainer.run_dir={root}/r{i}", *args]) for i, (args, _) in enumerate(BAD_INPUT)]
-    return run_in_one_process(cases, env=dict(os.environ, MOETRON_DATA_DIR=data_dir, OMP_NUM_THREADS="1"))
+    return run_command_lines(cases, env=dict(os.environ, MOETRON_DATA_DIR=data_dir, OMP_NUM_THREADS="1"))
 
 
 @pytest.mark.parametrize("case", range(len(BAD_INPUT)), ids=[m for _, m in BAD_INPUT])
