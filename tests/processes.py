@@ -170,8 +170,10 @@ class _Server:
         if interpret is not None:
             env["TRITON_INTERPRET"] = interpret
         code = f"import sys; sys.path.insert(0, {ROOT!r}); from tests.processes import _serve; _serve()"
+        # Unbuffered (bufsize=0): a buffered reader could take the exit-status line in with the pid
+        # line, and select() on the pipe would then wait for data already read
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     env=env, cwd=ROOT)
+                                     env=env, cwd=ROOT, bufsize=0)
         self.lock = threading.Lock()
 
     def _answer(self, deadline: float | None) -> dict | None:
@@ -191,15 +193,20 @@ class _Server:
     def run(self, request: dict, timeout: float | None) -> tuple[int, bool]:
         """(exit status, whether it ran past ``timeout`` and was killed)."""
         with self.lock:
-            self.proc.stdin.write(json.dumps(request).encode() + b"\n")
-            self.proc.stdin.flush()
+            data = memoryview(json.dumps(request).encode() + b"\n")
+            while data:  # a raw pipe may take part of a long request at a time
+                data = data[self.proc.stdin.write(data):]
             pid = self._answer(None)["pid"]
             deadline = None if timeout is None else time.monotonic() + timeout
             answer = self._answer(deadline)
             if answer is not None:
                 return answer["status"], False
-            os.kill(pid, signal.SIGKILL)
-            return self._answer(None)["status"], True
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed = True
+            except ProcessLookupError:  # it ended just now, on its own: the server has its status
+                killed = False
+            return self._answer(None)["status"], killed
 
 
 _SERVERS: dict[str | None, _Server] = {}
