@@ -201,8 +201,10 @@ def _scalars(p, grad, exp_avg, exp_avg_sq, outs, grad_scale, *, step, lr, beta1,
 MX_PAIR_TILE_COLS = 128
 """Columns per program of adamw_update_mx_pair_ (32 rows each), read at each call (tools/bench_optim.py
 --mx-tiles sweeps it with MX_PAIR_WARPS)."""
-MX_PAIR_WARPS = 4
-"""Warps per program of adamw_update_mx_pair_, read at each call."""
+MX_PAIR_WARPS = 8
+"""Warps per program of adamw_update_mx_pair_, read at each call. 8 with 128 columns: the fastest of
+eight tiles on an H100 (session 28, twice: 32.2 ms against 4 warps' 33.5 ms for 3.77B parameters;
+docs/performance.md); the H200 was not swept."""
 
 
 def adamw_update_mx_pair_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
