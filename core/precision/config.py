@@ -249,8 +249,10 @@ class PrecisionConfig(Config):
     instead of once per linear: fewer quantization passes in the forward, one saved wgrad operand
     instead of three (two), one dequantize in the backward; dx is the sum of the dgrads, accumulated
     in the GEMM (emulated) or added in bf16 (fp8_rowwise), so its last bits can differ from the
-    separate linears' (autograd's bf16 adds in its own order). Measured on OLMoE-8L (mxfp8 emulated):
-    -2.6 ms a step, -1 GiB; off by default until olmoe3's rows are measured (docs/precision.md)."""
+    separate linears' (autograd's bf16 adds in its own order). Measured with mxfp8 emulated: OLMoE-8L
+    -2.6 ms a step and -1.0 GiB (H200, session 26), olmoe3-4l-8e -1.6 ms (median +0.4: within noise)
+    and -1.5 GiB (H100, session 28); turn it on there. Off by default while fp8_rowwise's rows are
+    unmeasured (docs/precision.md)."""
     quantized_expert_copies: bool = False
     """mxfp8 on the emulated backend with expert_weight_copies=optimizer and expert_grads_bf16: the
     optimizer's step writes each expert weight's copy already quantized to MX along its input dim and
@@ -260,8 +262,10 @@ class PrecisionConfig(Config):
     torch.compile each forward and backward otherwise quantizes every expert weight again (two reads
     and two writes of 2 B per element a step). The same values as without it, bit for bit (the same
     quantization of the same bf16 copy); +2 B per expert weight element of memory (the second copy).
-    Measured slower on OLMoE-8L (+3.5 ms a step: the optimizer's MX-pair kernel runs at 1.45x its HBM
-    floor, docs/precision.md): off by default."""
+    Measured on OLMoE-8L: slower on the H200 (+4.5 ms a step with quantize_input_once, session 26:
+    the optimizer's MX-pair kernel at 1.45x its HBM floor, 4 warps), faster on the H100 (-5.3 ms,
+    session 28, 8 warps), +6 GiB either way (docs/precision.md): off by default until one GPU shows
+    both tiles."""
     bf16_experts: Bf16Experts = Bf16Experts.grouped_mm
     """How the routed experts' grouped bf16 GEMMs run (see Bf16Experts), in the bf16 recipe and in the
     emulated backends (whose GEMMs take the dequantized operands in bf16): torch's grouped kernel (no
