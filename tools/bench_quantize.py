@@ -144,7 +144,8 @@ def rowwise(args, device) -> list[dict]:
             fused_label = "fused" if kt.rows_chunks_fits(C) else "fused (training runs the two kernels)"
             row("rows+cols", (P, C), fused_label, lambda: quantize_group_cols(x, src, padded, "triton",
                                                                           chunks=kt.quantize_rows_chunks(x, src)[2]), both)
-        w = torch.randn(*((4, 256, 128) if args.tiny else (64, 2048, 2048)), device=device)
+        # --tiny: a few programs each (interpreted, the cost is per program: [4, 256, 128] was 1024 rows)
+        w = torch.randn(*((2, 64, 128) if args.tiny else (64, 2048, 2048)), device=device)
         row("stacked_cols", tuple(w.shape), "default", lambda: kt.quantize_stacked_cols(w), 9 * w.numel())
         xd = torch.randn(*((1, 256, 128) if args.tiny else (1, 16384, 2048)), device=device).bfloat16()  # a dense wgrad's x
         row("stacked_cols", tuple(xd.shape), "default", lambda: kt.quantize_stacked_cols(xd), 5 * xd.numel())
@@ -230,6 +231,7 @@ def main(argv=None) -> int:
     from moetron.core.precision.grouping import padded_source_rows
 
     iters = 1 if args.tiny else args.iters
+    warmup = 0 if args.tiny else 2  # --tiny checks that every cell runs (interpreted: one call each)
     candidates = bt._quantize_configs(device.type == "cpu")
     rows = []
     print(f"{'x':<16} {'copy ms':>8} " + " ".join(f"{'w%d' % c.num_warps:>14}" for c in candidates)
@@ -242,22 +244,22 @@ def main(argv=None) -> int:
         traffic = x.numel() * (2 + 1 + 1)
         quantize = lambda: bt.quantize_1x128_fused(x, True, True, src, R + ROW_SLACK)  # noqa: E731
         row = {"kind": "quantize_1x128", "rows": R, "cols": C, "experts": E,
-               "copy_ms": median_ms(lambda: x.clone(), device, warmup=2, iters=iters)}
+               "copy_ms": median_ms(lambda: x.clone(), device, warmup=warmup, iters=iters)}
         cells = []
         try:
             for c in candidates:
                 bt.use_quantize_configs([c])
-                ms = median_ms(quantize, device, warmup=2, iters=iters)
+                ms = median_ms(quantize, device, warmup=warmup, iters=iters)
                 row[f"w{c.num_warps}_ms"] = ms
                 cells.append(f"{ms:6.3f}/{traffic / ms / 1e9:5.2f}")
         finally:
             bt.use_quantize_configs(candidates)
-        row["autotuned_ms"] = median_ms(quantize, device, warmup=2, iters=iters)
+        row["autotuned_ms"] = median_ms(quantize, device, warmup=warmup, iters=iters)
         best = bt._fp8_quantize_1x128_kernel.best_config
         row["chosen"] = f"{best.num_warps} warps"
         row["autotuned_tb_s"] = traffic / row["autotuned_ms"] / 1e9
         row["rows_only_ms"] = median_ms(lambda: bt.quantize_1x128_fused(x, True, False, src, R + ROW_SLACK), device,
-                                        warmup=2, iters=iters)
+                                        warmup=warmup, iters=iters)
         row["rows_only_tb_s"] = x.numel() * (2 + 1) / row["rows_only_ms"] / 1e9
         rows.append(row)
         print(f"{f'[{R}, {C}]':<16} {row['copy_ms']:>8.3f} " + " ".join(f"{c:>14}" for c in cells)

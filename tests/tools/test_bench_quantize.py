@@ -28,8 +28,8 @@ def _tiny_rows(tmp_path, *flags) -> list[dict]:
 def test_tiny_run_times_each_config(tmp_path):
     """The [256, 256] row: the copy, each config, the autotuned kernel, the rows output alone and the
     config chosen. Two experts, not the default 8: the tokens output's padding index then has 512
-    rows (two 128-row tiles of x's rows, two of padding) instead of 1280, so each of the run's 9
-    interpreted launches (3 calls per timing: --tiny warms up twice) is 2 x 4 programs, not 2 x 10."""
+    rows (two 128-row tiles of x's rows, two of padding) instead of 1280, so each of the run's
+    interpreted launches (one a timing: --tiny does not warm up) is 2 x 4 programs, not 2 x 10."""
     skip_unless_interpreter_works()
     (row,) = _tiny_rows(tmp_path, "--experts", "2")
     assert (row["rows"], row["cols"], row["experts"]) == (256, 256, 2) and row["copy_ms"] > 0
