@@ -285,15 +285,20 @@ def print_profile(rows) -> None:
             print(f"    {k['ms']:>8.3f} ms  {k['phase']:<8} {k['name']}")
 
 
-def dense_rows(dense, device, iters, only=()):
+def dense_backends(device):
+    """The dense linears' backends by label: (GemmBackend, weight dtype), as ``backends`` for the grouped."""
     from moetron.core.precision import TorchGemm
     from moetron.core.precision.fp8_gemm import Fp8BlockwiseGemm
 
-    rows = []
     modes = {"bf16": (TorchGemm(), torch.bfloat16), "fp8_blockwise triton": (Fp8BlockwiseGemm("triton"), torch.float32)}
     if device.type == "cuda":
         modes["fp8_blockwise scaled_mm"] = (Fp8BlockwiseGemm("scaled_mm"), torch.float32)
         modes["fp8_blockwise scaled_mm bf16-wgrad"] = (Fp8BlockwiseGemm("scaled_mm", wgrad="none"), torch.float32)
+    return modes
+
+
+def dense_rows(dense, device, iters, only=()):
+    rows, modes = [], dense_backends(device)
     for T, I, O in dense:
         for label, (gemm, wdtype) in modes.items():
             if not wanted(label, only):
@@ -318,6 +323,11 @@ def main(argv=None) -> int:
 
     device = kernel_device(args.tiny, "bench_gemm_fp8")
     if device is None:
+        return 2
+    offered = sorted(set(backends(device)) | set(dense_backends(device)))
+    unknown = sorted(set(args.backends) - set(offered))
+    if unknown:
+        print(f"bench_gemm_fp8: unknown --backends {unknown} on {device.type}; choose from {offered}", file=sys.stderr)
         return 2
     from cli import write_report  # tools/cli.py
 

@@ -77,7 +77,7 @@ def test_phases_name_the_kernels():
 
 def test_backends_and_shapes_pick_rows(tmp_path):
     """--backends keeps bf16 and the named backends only (their grouped and --profile rows); --shapes
-    refuses an unknown shape."""
+    and --backends refuse an unknown name."""
     skip_unless_interpreter_works()
     out = tmp_path / "gemm.json"
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
@@ -94,3 +94,7 @@ def test_backends_and_shapes_pick_rows(tmp_path):
     bad = run_python([os.path.join(ROOT, "tools", "bench_gemm_fp8.py"), "--shapes", "olmo"],
                      timeout=300, cwd=ROOT, env=env)
     assert bad.returncode == 2 and "unknown --shapes ['olmo']" in bad.stderr
+    bad = run_python([os.path.join(ROOT, "tools", "bench_gemm_fp8.py"), "--tiny", "--backends", "fp8_blockwse"],
+                     timeout=300, cwd=ROOT, env=env)
+    assert bad.returncode == 2 and "unknown --backends ['fp8_blockwse'] on cpu" in bad.stderr, bad.stderr
+    assert "'fp8_blockwise cublas bf16-wgrad'" in bad.stderr and "'fp8_blockwise triton'" in bad.stderr
