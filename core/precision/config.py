@@ -251,7 +251,8 @@ class PrecisionConfig(Config):
     in the GEMM (emulated) or added in bf16 (fp8_rowwise), so its last bits can differ from the
     separate linears' (autograd's bf16 adds in its own order). Measured with mxfp8 emulated: OLMoE-8L
     -2.6 ms a step and -1.0 GiB (H200, session 26), olmoe3-4l-8e -1.6 ms (median +0.4: within noise)
-    and -1.5 GiB (H100, session 28); turn it on there. Off by default while fp8_rowwise's rows are
+    and -1.5 GiB (H100, session 28); fp8_rowwise on OLMoE-8L -6.4 ms (-3.2%) and -0.5 GiB (H100,
+    session 28): turn it on for both. Off by default while fp8_rowwise's olmoe3-4l-8e pair is
     unmeasured (docs/precision.md)."""
     quantized_expert_copies: bool = False
     """mxfp8 on the emulated backend with expert_weight_copies=optimizer and expert_grads_bf16: the
