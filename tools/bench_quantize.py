@@ -87,6 +87,12 @@ def rows_launch(tile):  # a ROWS_TILES entry without its warps
     return tuple(sorted((k, v) for k, v in tile[1].items() if k != "num_warps"))
 
 
+def timing(args) -> tuple[int, int]:
+    """(warm-up calls, timed calls) of every mode: --tiny checks that each row runs (interpreted, one
+    call each, no warm-up), otherwise 2 and --iters."""
+    return (0, 1) if args.tiny else (2, args.iters)
+
+
 def rowwise(args, device) -> list[dict]:
     from cli import median_ms  # tools/cli.py
 
@@ -94,8 +100,7 @@ def rowwise(args, device) -> list[dict]:
     from moetron.core.precision.fp8_rowwise import ALIGN, quantize_group_cols
     from moetron.core.precision.grouping import padded_source_rows
 
-    iters = 1 if args.tiny else args.iters
-    warmup = 0 if args.tiny else 2  # --tiny checks that every row runs (interpreted: one call each)
+    warmup, iters = timing(args)
     shapes = [(128, 256, 2)] if args.tiny else ROWWISE_SHAPES
     saved = {k: dict(v) for k, v in kt.TILES.items()}
     out = []
@@ -176,8 +181,7 @@ def mx(args, device) -> list[dict]:
     from moetron.core.precision import mx_triton
     from moetron.core.precision.grouping import padded_source_rows
 
-    iters = 1 if args.tiny else args.iters
-    warmup = 0 if args.tiny else 2
+    warmup, iters = timing(args)
     shapes = [("tiny", 256, 128, 4, True)] if args.tiny else MX_SHAPES
     saved = dict(mx_triton.TILES["both"])
     out = []
@@ -230,8 +234,7 @@ def main(argv=None) -> int:
     from moetron.core.precision.fp8_cublas import ROW_SLACK
     from moetron.core.precision.grouping import padded_source_rows
 
-    iters = 1 if args.tiny else args.iters
-    warmup = 0 if args.tiny else 2  # --tiny checks that every cell runs (interpreted: one call each)
+    warmup, iters = timing(args)
     candidates = bt._quantize_configs(device.type == "cpu")
     rows = []
     print(f"{'x':<16} {'copy ms':>8} " + " ".join(f"{'w%d' % c.num_warps:>14}" for c in candidates)

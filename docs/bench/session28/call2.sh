@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# call1.sh less its GPU test (about 200 s at most: the session had 401 s of device time left after
-# six refused starts): fp8_rowwise with and without quantize_input_once on both shapes.
+# fp8_rowwise with and without quantize_input_once on both shapes, about 200 s at most: call1.sh
+# runs it after its GPU test; alone, for a short budget.
 # Run from the repo root through the device tool: bash docs/bench/session28/call2.sh (timeout 230).
 source docs/bench/session25/common.sh
 NI=precision.quantize_input_once=false
