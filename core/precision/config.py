@@ -12,7 +12,7 @@ from .gemm import Fp8Wgrad, gemm_backend
 from .policy import GemmModule, PrecisionPolicy
 
 __all__ = ["Bf16Experts", "Fp8Experts", "Fp8Wgrad", "GemmModule", "PrecisionBackend", "PrecisionConfig", "PrecisionRecipe",
-           "check_expert_copies", "check_quantized_copies", "takes_expert_copies"]
+           "InputOnce", "check_expert_copies", "check_quantized_copies", "input_once_on", "takes_expert_copies"]
 
 
 class PrecisionRecipe(StrEnum):
@@ -175,15 +175,44 @@ def takes_input_once(recipe: PrecisionRecipe | str, backend: PrecisionBackend | 
         PrecisionBackend.emulated, PrecisionBackend.auto)
 
 
-def check_input_once(recipe: PrecisionRecipe | str, backend: PrecisionBackend | str, on: bool) -> None:
-    """ConfigError where precision.quantize_input_once meets a recipe and backend that do not take it
+class InputOnce(StrEnum):
+    """precision.quantize_input_once: whether linears that read one input quantize it once for all of
+    them (see PrecisionConfig.quantize_input_once). ``true`` / ``false`` as for a bool."""
+
+    auto = "auto"
+    """On where the recipe and backend take it (takes_input_once), off elsewhere (bf16 among them)."""
+    on = "true"
+    """On; a ConfigError where the recipe and backend do not take it."""
+    off = "false"
+    """Off: each linear quantizes its input itself."""
+
+    @classmethod
+    def _missing_(cls, value):
+        text = str(value).lower()
+        if value is True or text in ("1", "yes", "on"):
+            return cls.on
+        if value is False or text in ("0", "no", "off"):
+            return cls.off
+        return None
+
+
+def check_input_once(recipe: PrecisionRecipe | str, backend: PrecisionBackend | str, value: InputOnce | bool | str) -> None:
+    """ConfigError where precision.quantize_input_once=true meets a recipe and backend that do not take it
     (takes_input_once), naming the fix. The one rule the config, the build and the planner apply."""
-    if on and not takes_input_once(recipe, backend):
+    if InputOnce(value) == InputOnce.on and not takes_input_once(recipe, backend):
         raise ConfigError(f"precision.quantize_input_once: an option of fp8_rowwise, and of mxfp8 / fp8_blockwise on "
                           f"the emulated backend (bf16 has no input to quantize; the native mxfp8 / fp8_blockwise "
                           f"linears quantize per linear), and this run has precision.recipe={PrecisionRecipe(recipe)} "
                           f"on precision.backend={PrecisionBackend(backend)}: use --precision.recipe=fp8_rowwise, or "
-                          f"--precision.backend=emulated, or drop it")
+                          f"--precision.backend=emulated, or drop it (auto turns it on where the recipe takes it)")
+
+
+def input_once_on(recipe: PrecisionRecipe | str, backend: PrecisionBackend | str, value: InputOnce | bool | str) -> bool:
+    """precision.quantize_input_once resolved for a run's recipe and (resolved) backend: the one place
+    ``auto`` becomes on or off (the build and the planner both ask here). ConfigError as check_input_once."""
+    check_input_once(recipe, backend, value)
+    value = InputOnce(value)
+    return value == InputOnce.on or (value == InputOnce.auto and takes_input_once(recipe, backend))
 
 
 @dataclasses.dataclass
@@ -242,18 +271,19 @@ class PrecisionConfig(Config):
     values, no dequantize pass in the backward, and the forward's fused kernel writes bf16 columns
     (core/precision/emulated.py _quantize_x). Off by default: it buys speed with memory
     (docs/precision.md has the measured trade)."""
-    quantize_input_once: bool = False
+    quantize_input_once: InputOnce = InputOnce.off
     """fp8_rowwise, and mxfp8 / fp8_blockwise on the emulated backend: linears that read one input
     (attention's q, k and v; a dense SwiGLU's gate and up, the shared expert's too) quantize it once
     for all of them, in one autograd op (GemmBackend.linears, core.layers.linear.shared_input),
     instead of once per linear: fewer quantization passes in the forward, one saved wgrad operand
     instead of three (two), one dequantize in the backward; dx is the sum of the dgrads, accumulated
     in the GEMM (emulated) or added in bf16 (fp8_rowwise), so its last bits can differ from the
-    separate linears' (autograd's bf16 adds in its own order). Measured with mxfp8 emulated: OLMoE-8L
-    -2.6 ms a step and -1.0 GiB (H200, session 26), olmoe3-4l-8e -1.6 ms (median +0.4: within noise)
-    and -1.5 GiB (H100, session 28); fp8_rowwise on OLMoE-8L -6.4 ms (-3.2%) and -0.5 GiB (H100,
-    session 28): turn it on for both. Off by default while fp8_rowwise's olmoe3-4l-8e pair is
-    unmeasured (docs/precision.md)."""
+    separate linears' (autograd's bf16 adds in its own order). ``true``, ``false``, or ``auto``: on
+    where the recipe and backend take it, off elsewhere (see InputOnce). Measured with mxfp8 emulated:
+    OLMoE-8L -2.6 ms a step and -1.0 GiB (H200, session 26), olmoe3-4l-8e -1.6 ms (median +0.4:
+    within noise) and -1.5 GiB (H100, session 28); fp8_rowwise on OLMoE-8L -6.4 ms (-3.2%) and
+    -0.5 GiB (H100, session 28): turn it on for both. Off by default while fp8_rowwise's olmoe3-4l-8e
+    pair is unmeasured (docs/precision.md)."""
     quantized_expert_copies: bool = False
     """mxfp8 on the emulated backend with expert_weight_copies=optimizer and expert_grads_bf16: the
     optimizer's step writes each expert weight's copy already quantized to MX along its input dim and
@@ -436,7 +466,7 @@ class PrecisionConfig(Config):
         expert_copies = WeightCopies(self.expert_weight_copies) == WeightCopies.optimizer
         check_expert_copies(recipe, backend, expert_copies)
         check_emulated_saves(recipe, backend, self.emulated_save_x_bf16)
-        check_input_once(recipe, backend, self.quantize_input_once)
+        input_once = input_once_on(recipe, backend, self.quantize_input_once)
         check_quantized_copies(recipe, backend, self.quantized_expert_copies, expert_copies and self.expert_grads_bf16,
                                self.modules)
         gemm = low_precision_gemm(recipe, backend, self.mx_scale, self.fp8_experts, wgrad, self.fp8_fast_accum,
@@ -444,7 +474,7 @@ class PrecisionConfig(Config):
                                   save_x_bf16=self.emulated_save_x_bf16,
                                   quantized_copies=self.quantized_expert_copies)
         gemm.quantize_weights_once = bool(self.quantize_weights_once)
-        gemm.quantize_input_once = bool(self.quantize_input_once)
+        gemm.quantize_input_once = input_once
         gemm.per_expert = per_expert
         gemm.triton_swiglu = bool(self.triton_swiglu)
         return PrecisionPolicy(device_type, torch.bfloat16, gemm, modules=frozenset(GemmModule(m) for m in self.modules))

@@ -14,7 +14,7 @@ from moetron.core.config import ConfigError
 from moetron.core.layers.loss import path_chunk_tokens
 from moetron.core.optim import OptimizerConfig
 from moetron.core.precision import Fp8Wgrad, PrecisionConfig, PrecisionRecipe, emulated
-from moetron.core.precision.config import (check_emulated_saves, check_expert_copies, check_input_once,
+from moetron.core.precision.config import (check_emulated_saves, check_expert_copies, input_once_on,
                                           check_quantized_copies, takes_expert_copies)
 from moetron.models import ModelConfig
 from moetron.parallel.config import ParallelConfig
@@ -180,7 +180,7 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
     copies = str(precision.expert_weight_copies) != "none" and takes_expert_copies(recipe, backend)
     check_expert_copies(recipe, backend, str(precision.expert_weight_copies) == "optimizer")
     check_emulated_saves(recipe, backend, precision.emulated_save_x_bf16)
-    check_input_once(recipe, backend, precision.quantize_input_once)
+    input_once = input_once_on(recipe, backend, precision.quantize_input_once)
     check_quantized_copies(recipe, backend, precision.quantized_expert_copies,
                            str(precision.expert_weight_copies) == "optimizer" and precision.expert_grads_bf16,
                            precision.modules)
@@ -202,7 +202,7 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
                     quantize_weights_once=bool(precision.quantize_weights_once) and recipe in LOW_PRECISION,
                     mx_fused=emulated.FUSED if mx_fused is None else bool(mx_fused),
                     emulated_save_x_bf16=bool(precision.emulated_save_x_bf16),
-                    quantize_input_once=bool(precision.quantize_input_once),
+                    quantize_input_once=input_once,
                     quantized_expert_copies=bool(precision.quantized_expert_copies),
                     optimizer_kernel="torch" if str(optimizer.impl) == "torch" or optimizer.fused is not None else "triton",
                     offload=parallel.fsdp_offload)

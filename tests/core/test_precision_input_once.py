@@ -15,7 +15,7 @@ from moetron.core.config import ConfigError
 from moetron.core.layers.attention import Attention, AttentionConfig
 from moetron.core.layers.linear import shared_input
 from moetron.core.layers.mlp import SwiGLU
-from moetron.core.precision.config import PrecisionConfig
+from moetron.core.precision.config import PrecisionConfig, input_once_on
 from moetron.core.precision.emulated import EmulatedGemm, MXFormat
 from moetron.core.precision.fp8_rowwise import Fp8RowwiseGemm, dequantize_rows, quantize_rows
 from moetron.core.precision.gemm import TorchGemm
@@ -169,6 +169,15 @@ def test_config_rule_and_build():
         with pytest.raises(ConfigError, match="quantize_input_once: an option of fp8_rowwise.*drop it"):
             cfg(quantize_input_once=True, **bad).validate()
     assert not TorchGemm.quantize_input_once
+    # auto: on where the recipe and backend take it, off (and no error) where they do not
+    for recipe, backend, on in (("mxfp8", "emulated", True), ("fp8_blockwise", "emulated", True),
+                                ("fp8_rowwise", "auto", True), ("bf16", "auto", False)):
+        c = cfg(recipe=recipe, backend=backend, quantize_input_once="auto")
+        c.validate()
+        assert bool(getattr(c.build("cpu", verbose=False).gemm, "quantize_input_once", False)) is on, (recipe, backend)
+    for recipe in ("mxfp8", "fp8_blockwise"):  # the native linears quantize per linear (built on a GPU only)
+        cfg(recipe=recipe, backend="native", quantize_input_once="auto").validate()
+        assert not input_once_on(recipe, "native", "auto") and input_once_on(recipe, "emulated", "auto")
 
 
 def test_shared_linears_under_a_traced_graph_equal_eager():

@@ -748,6 +748,9 @@ def test_quantize_input_once_counts_one_quantization_of_the_qkv_input():
         pytest.approx((1 + 1 / 32) * x, rel=1e-9)
     with pytest.raises(ConfigError, match="quantize_input_once: an option of fp8_rowwise"):
         run(True, recipe="bf16")
+    # auto: the plan of on where the recipe takes it, of off for bf16 (as the run resolves it: input_once_on)
+    assert run("auto")["microbatch_parts_s"] == on["microbatch_parts_s"]
+    assert run("auto", recipe="bf16")["step_s"] == run(False, recipe="bf16")["step_s"]
 
 
 def test_quantized_expert_copies_move_the_weight_quantization_into_the_optimizer():
