@@ -31,6 +31,17 @@ class StrEnum(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+    @classmethod
+    def _bool_member(cls, value: Any, true: "StrEnum", false: "StrEnum") -> "StrEnum | None":
+        """For a choice that extends a switch (its ``_missing_``): ``true`` / ``false`` (the bools, or
+        text as a bool option reads it) as the members that mean on and off; None for anything else."""
+        text = str(value).lower()
+        if value is True or text in ("true", "1", "yes", "on"):
+            return true
+        if value is False or text in ("false", "0", "no", "off"):
+            return false
+        return None
+
 
 def _close(name: str, options: Iterable[str]) -> str:
     options = list(options)

@@ -188,12 +188,7 @@ class InputOnce(StrEnum):
 
     @classmethod
     def _missing_(cls, value):
-        text = str(value).lower()
-        if value is True or text in ("1", "yes", "on"):
-            return cls.on
-        if value is False or text in ("0", "no", "off"):
-            return cls.off
-        return None
+        return cls._bool_member(value, cls.on, cls.off)
 
 
 def check_input_once(recipe: PrecisionRecipe | str, backend: PrecisionBackend | str, value: InputOnce | bool | str) -> None:

@@ -55,12 +55,7 @@ class Fp8Wgrad(StrEnum):
 
     @classmethod
     def _missing_(cls, value):
-        text = str(value).lower()
-        if value is True or text in ("true", "1", "yes"):
-            return cls.all
-        if value is False or text in ("false", "0", "no"):
-            return cls.none
-        return None
+        return cls._bool_member(value, cls.all, cls.none)
 
     @property
     def dense_fp8(self) -> bool:
