@@ -206,9 +206,16 @@ def _bench_argv(env: dict) -> list[str]:
     return []
 
 
+# Defaults changed since reports were written: (the change's date, the old default as an override).
+# A report dated before a change (env.date; a report without one counts as older) is replayed with
+# the old default its rows ran with, unless its command or the row sets the field itself.
+CHANGED_DEFAULTS = [("2026-12-05 14:45:00", "--precision.quantize_input_once=false")]  # then auto (session 29)
+
+
 def bench_plan(env: dict, row: dict) -> Plan:
-    """The Plan of one benchmark row on one H200: the preset, the command's base overrides, the
-    row's overrides, its seq_len / batch / micro-batch / precision / compile flags."""
+    """The Plan of one benchmark row on one H200: the preset, the defaults of the report's day
+    (CHANGED_DEFAULTS), the command's base overrides, the row's overrides, its seq_len / batch /
+    micro-batch / precision / compile flags."""
     parser = argparse.ArgumentParser(allow_abbrev=False, add_help=False)
     parser.add_argument("--preset", default=env.get("preset", "tiny"))
     parser.add_argument("--seq-len", type=int, default=env.get("seq_len", 4096))
@@ -223,7 +230,8 @@ def bench_plan(env: dict, row: dict) -> Plan:
     args, overrides = parser.parse_known_args(_bench_argv(env))
     configs = Configs(model=ModelConfig.preset(args.preset),
                       precision=PrecisionConfig(recipe=PrecisionRecipe(PRECISION_FLAG.get(args.precision, args.precision))))
-    configs.apply([o for o in overrides if o.startswith("--")] + list(row.get("overrides", [])))
+    then = [old for since, old in CHANGED_DEFAULTS if str(env.get("date", "")) < since]
+    configs.apply(then + [o for o in overrides if o.startswith("--")] + list(row.get("overrides", [])))
     # MOETRON_MX_FUSED where the report recorded it (its env_vars), else as this process has it
     fused = env.get("env_vars", {}).get("MOETRON_MX_FUSED")
     return Plan(model=configs.model, parallel=configs.parallel, memory=configs.memory, seq_len=args.seq_len,

@@ -266,19 +266,19 @@ class PrecisionConfig(Config):
     values, no dequantize pass in the backward, and the forward's fused kernel writes bf16 columns
     (core/precision/emulated.py _quantize_x). Off by default: it buys speed with memory
     (docs/precision.md has the measured trade)."""
-    quantize_input_once: InputOnce = InputOnce.off
+    quantize_input_once: InputOnce = InputOnce.auto
     """fp8_rowwise, and mxfp8 / fp8_blockwise on the emulated backend: linears that read one input
     (attention's q, k and v; a dense SwiGLU's gate and up, the shared expert's too) quantize it once
     for all of them, in one autograd op (GemmBackend.linears, core.layers.linear.shared_input),
     instead of once per linear: fewer quantization passes in the forward, one saved wgrad operand
     instead of three (two), one dequantize in the backward; dx is the sum of the dgrads, accumulated
     in the GEMM (emulated) or added in bf16 (fp8_rowwise), so its last bits can differ from the
-    separate linears' (autograd's bf16 adds in its own order). ``true``, ``false``, or ``auto``: on
-    where the recipe and backend take it, off elsewhere (see InputOnce). Measured with mxfp8 emulated:
-    OLMoE-8L -2.6 ms a step and -1.0 GiB (H200, session 26), olmoe3-4l-8e -1.6 ms (median +0.4:
-    within noise) and -1.5 GiB (H100, session 28); fp8_rowwise on OLMoE-8L -6.4 ms (-3.2%) and
-    -0.5 GiB (H100, session 28): turn it on for both. Off by default while fp8_rowwise's olmoe3-4l-8e
-    pair is unmeasured (docs/precision.md)."""
+    separate linears' (autograd's bf16 adds in its own order). ``auto`` (default): on where the
+    recipe and backend take it, off elsewhere (bf16; see InputOnce); ``true`` asks for it (an error
+    where it cannot be had), ``false`` turns it off. Never slower where measured, always smaller:
+    mxfp8 emulated OLMoE-8L -2.6 ms a step, -1.0 GiB (H200, session 26), olmoe3-4l-8e -1.6 ms, -1.5
+    GiB (H100, session 28); fp8_rowwise OLMoE-8L -4.4 ms (-2.4%), -0.5 GiB, olmoe3-4l-8e -3.8 ms
+    (-1.6%), -0.6 GiB (H200, session 29; docs/precision.md)."""
     quantized_expert_copies: bool = False
     """mxfp8 on the emulated backend with expert_weight_copies=optimizer and expert_grads_bf16: the
     optimizer's step writes each expert weight's copy already quantized to MX along its input dim and
@@ -288,10 +288,9 @@ class PrecisionConfig(Config):
     torch.compile each forward and backward otherwise quantizes every expert weight again (two reads
     and two writes of 2 B per element a step). The same values as without it, bit for bit (the same
     quantization of the same bf16 copy); +2 B per expert weight element of memory (the second copy).
-    Measured on OLMoE-8L: slower on the H200 (+4.5 ms a step with quantize_input_once, session 26:
-    the optimizer's MX-pair kernel at 1.45x its HBM floor, 4 warps), faster on the H100 (-5.3 ms,
-    session 28, 8 warps), +6 GiB either way (docs/precision.md): off by default until one GPU shows
-    both tiles."""
+    Measured on OLMoE-8L with the MX pair on 8 warps: -5.3 ms a step on the H100 (session 28), -0.7 ms
+    on the H200 (session 29: within the repeats' noise; +4.5 ms there with 4 warps, session 26), +6 GiB
+    either way (docs/precision.md): off by default, as it buys little for its memory on the H200."""
     bf16_experts: Bf16Experts = Bf16Experts.grouped_mm
     """How the routed experts' grouped bf16 GEMMs run (see Bf16Experts), in the bf16 recipe and in the
     emulated backends (whose GEMMs take the dequantized operands in bf16): torch's grouped kernel (no

@@ -84,8 +84,8 @@ class Switches:
     wgrad operand kept in bf16 (2 B per element, saved_input) instead of the fp8 payload; mxfp8: its
     forward kernel writes bf16 columns and the backward has no dequantize pass (MX_EMULATED_BYTES)."""
     quantize_input_once: bool = False
-    """precision.quantize_input_once (fp8_rowwise; mxfp8 / fp8_blockwise emulated): attention's q, k, v
-    and a dense SwiGLU's gate and up quantize their shared input once (timing._operand_widths) and
+    """precision.quantize_input_once as the run resolves it (config.input_once_on: auto is on for
+    fp8_rowwise and mxfp8 / fp8_blockwise emulated): attention's q, k, v and a dense SwiGLU's gate and up quantize their shared input once (timing._operand_widths) and
     save one wgrad operand of it, not one per linear (memory.activation_terms, eager)."""
     optimizer_kernel: str = "triton"
     """The optimizer step's kernel on GPUs: triton (optimizer.impl auto or triton) or torch (impl=torch)."""

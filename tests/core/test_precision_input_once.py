@@ -163,7 +163,8 @@ def test_config_rule_and_build():
     for recipe in ("mxfp8", "fp8_blockwise", "fp8_rowwise"):
         gemm = cfg(recipe=recipe, backend="emulated", quantize_input_once=True).build("cpu", verbose=False).gemm
         assert gemm.quantize_input_once
-    assert not cfg(recipe="mxfp8", backend="emulated").build("cpu", verbose=False).gemm.quantize_input_once
+    assert cfg(recipe="mxfp8", backend="emulated").build("cpu", verbose=False).gemm.quantize_input_once  # auto
+    assert not cfg(recipe="mxfp8", backend="emulated", quantize_input_once=False).build("cpu", verbose=False).gemm.quantize_input_once
     for bad in ({"recipe": "bf16"}, {"recipe": "auto"}, {"recipe": "fp8_blockwise", "backend": "native"},
                 {"recipe": "mxfp8", "backend": "native"}):
         with pytest.raises(ConfigError, match="quantize_input_once: an option of fp8_rowwise.*drop it"):

@@ -503,7 +503,8 @@ def test_mxfp8_emulated_quantization_counted_from_its_kernels_fits_session9():
     from moetron.run.planner import hardware as hw
 
     def run(model, fused, once=False):
-        precision = PrecisionConfig(recipe="mxfp8", backend="emulated", quantize_weights_once=once)
+        precision = PrecisionConfig(recipe="mxfp8", backend="emulated", quantize_weights_once=once,
+                                    quantize_input_once=False)  # as session 9 ran (before auto)
         return planner.plan(planner.Plan(model=model, parallel=ParallelConfig(), memory=MemoryConfig(), seq_len=4096,
                                          global_batch=4, precision=precision,
                                          optimizer=OptimizerConfig(state_dtype="bf16"), mx_fused=fused))
@@ -578,7 +579,8 @@ def test_fp8_rowwise_native_rates_and_quantization_by_hand():
 
     def run(model, **kw):
         kw = {"fp8_fast_accum": True, **kw}
-        precision = PrecisionConfig(recipe="fp8_rowwise", expert_weight_copies="optimizer", expert_grads_bf16=True, **kw)
+        precision = PrecisionConfig(recipe="fp8_rowwise", expert_weight_copies="optimizer", expert_grads_bf16=True,
+                                    quantize_input_once=False, **kw)  # as session 11 ran (before auto)
         return planner.plan(planner.Plan(model=model, parallel=ParallelConfig(), memory=MemoryConfig(), seq_len=4096,
                                          global_batch=4, precision=precision,
                                          optimizer=OptimizerConfig(state_dtype="bf16")))
@@ -698,7 +700,8 @@ def test_emulated_save_x_bf16_trades_the_dequantize_for_bf16_saved_inputs():
     def run(on: bool, recipe="mxfp8", backend="emulated", copies=True):
         p = _olmoe8(gpu="h200", compiled=True, optimizer=OptimizerConfig(state_dtype="bf16"))
         p.precision = PrecisionConfig(recipe=recipe, backend=backend, expert_weight_copies="optimizer" if copies else "none",
-                                      expert_grads_bf16=copies, emulated_save_x_bf16=on)
+                                      expert_grads_bf16=copies, emulated_save_x_bf16=on,
+                                      quantize_input_once=False)  # as session 23 ran (before auto)
         return planner.plan(p)
 
     off, on = run(False), run(True)
@@ -751,6 +754,26 @@ def test_quantize_input_once_counts_one_quantization_of_the_qkv_input():
     # auto: the plan of on where the recipe takes it, of off for bf16 (as the run resolves it: input_once_on)
     assert run("auto")["microbatch_parts_s"] == on["microbatch_parts_s"]
     assert run("auto", recipe="bf16")["step_s"] == run(False, recipe="bf16")["step_s"]
+
+
+def test_validate_replays_a_report_with_the_defaults_of_its_day():
+    """precision.quantize_input_once became auto (on for mxfp8 emulated) in session 29: an mxfp8
+    emulated row of a report written before that ran with it off, and is planned so (CHANGED_DEFAULTS);
+    the same row in a report dated after it is planned with it on, and a row that sets it is planned
+    as it says whatever the date."""
+    cmd = ("python tools/bench_train.py --preset olmoe-1b-7b --model.n_layers=8 --model.vocab_size=100352 "
+           "--seq-len 4096 --batch 4 --compile")
+    mx = ["--optimizer.state_dtype=bf16", "--precision.recipe=mxfp8", "--precision.backend=emulated"]
+
+    def planned(date, extra=()):
+        env = {"command": cmd, "preset": "olmoe-1b-7b", "seq_len": 4096, "batch": 4, "compile": True, "date": date}
+        return planner.bench_plan(env, {"overrides": mx + list(extra)})
+
+    since = planner.CHANGED_DEFAULTS[0][0]
+    assert planner.plan(planned("2026-12-04 10:00:00"))["step_s"] == planner.plan(planned(since, ["--precision.quantize_input_once=false"]))["step_s"]
+    before, after = planner.plan(planned("2026-12-04 10:00:00")), planner.plan(planned(since))
+    assert after["step_s"] < before["step_s"]  # one quantization of the qkv input, not three
+    assert after["step_s"] == planner.plan(planned("2026-12-04 10:00:00", ["--precision.quantize_input_once=true"]))["step_s"]
 
 
 def test_quantized_expert_copies_move_the_weight_quantization_into_the_optimizer():
