@@ -85,8 +85,9 @@ class Switches:
     forward kernel writes bf16 columns and the backward has no dequantize pass (MX_EMULATED_BYTES)."""
     quantize_input_once: bool = False
     """precision.quantize_input_once as the run resolves it (config.input_once_on: auto is on for
-    fp8_rowwise and mxfp8 / fp8_blockwise emulated): attention's q, k, v and a dense SwiGLU's gate and up quantize their shared input once (timing._operand_widths) and
-    save one wgrad operand of it, not one per linear (memory.activation_terms, eager)."""
+    fp8_rowwise and mxfp8 / fp8_blockwise emulated): attention's q, k, v and a dense SwiGLU's gate
+    and up quantize their shared input once (timing._operand_widths) and save one wgrad operand of
+    it, not one per linear (memory.activation_terms, eager)."""
     optimizer_kernel: str = "triton"
     """The optimizer step's kernel on GPUs: triton (optimizer.impl auto or triton) or torch (impl=torch)."""
     offload: bool = False
