@@ -14,7 +14,8 @@ anywhere. A category's share is of the summed kernel time (streams that overlap 
 "busy" is that sum over the step's wall time; on a GPU, "GPU idle" is the step's time with no kernel
 running (before its first kernel, between kernels, after its last), the between-kernel gaps listed
 by the kernel each one waited for and where that was launched (a host-bound stretch, or a sync,
-shows there). The headline is the share of kernel time that is
+shows there; with --stack also the innermost line of this project's code on the launching op's
+Python stack). The headline is the share of kernel time that is
 neither GEMM nor attention. Overrides are --model.*, --memory.*, --optimizer.*, --precision.* (e.g.
 --optimizer.state_dtype=bf16 --precision.expert_weight_copies=optimizer) and (with --real-text) --data.*.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import re
 import sys
 from typing import Iterable
@@ -101,10 +103,13 @@ def classify(name: str, input_dtypes: Iterable[str] | None = None, enclosing: It
 
 
 def _enclosing(op) -> list[str]:
-    """Names of the CPU ops and ranges around ``op`` (a profiler event), innermost first, ``op`` included."""
+    """Names of the CPU ops and ranges around ``op`` (a profiler event), innermost first, ``op`` included;
+    not the Python frames --stack records (with_stack: ``is_python_function`` events), so categories
+    and sites read the same with it."""
     names = []
     while op is not None:
-        names.append(op.name)
+        if not getattr(op, "is_python_function", False):
+            names.append(op.name)
         op = op.cpu_parent
     return names
 
@@ -173,13 +178,33 @@ def kernel_times(events, on_device: bool) -> list[tuple[str, float, str]]:
             and not e.name.startswith(("ProfilerStep", "[")) and not getattr(e, "is_python_function", False)]
 
 
+# The project's source root (tools/..): frames under it are this project's code.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _project_frame(op) -> str | None:
+    """The innermost frame of this project's code on ``op``'s Python stack (recorded with --stack:
+    torch.profiler's with_stack), as 'core/layers/loss.py(153): forward', or None. The frames are the
+    Python-function events around the op (Kineto), or an op's own ``stack`` list (innermost first)."""
+    while op is not None:
+        frames = [op.name] if getattr(op, "is_python_function", False) else getattr(op, "stack", None) or []
+        for frame in frames:
+            if frame.startswith(_ROOT):
+                return frame[len(_ROOT):]
+        op = op.cpu_parent
+    return None
+
+
 def _launch_site(op) -> str:
     """Where a kernel was launched from, for the idle table: its launching op and the outermost range
-    around it below the profiler's step (e.g. 'aten::mm in Optimizer.step#...'), or 'unknown'."""
+    around it below the profiler's step (e.g. 'aten::mm in Optimizer.step#...'), or 'unknown'; with
+    a recorded stack, then ' at ' the innermost line of this project's code (_project_frame)."""
     if op is None:
         return "unknown"
     names = [n for n in _enclosing(op) if not n.startswith("ProfilerStep")]
-    return names[0] if len(names) == 1 else f"{names[0]} in {names[-1]}"
+    site = names[0] if len(names) == 1 else f"{names[0]} in {names[-1]}"
+    frame = _project_frame(op)
+    return site if frame is None else f"{site} at {frame}"
 
 
 def idle_time(events, steps: int, top: int = 10) -> dict:
@@ -247,8 +272,11 @@ def breakdown(kernels: list[tuple[str, float, str]], steps: int, step_ms: float,
     }
 
 
-def profile(trainer, data, device: torch.device, wait: int, warmup: int, active: int, trace: str = ""):
-    """Run wait + warmup + active train steps under torch.profiler; the recorded events (active steps only)."""
+def profile(trainer, data, device: torch.device, wait: int, warmup: int, active: int, trace: str = "",
+            stack: bool = False):
+    """Run wait + warmup + active train steps under torch.profiler; the recorded events (active steps
+    only). ``stack``: record each op's Python stack too (with_stack; slows the host, so the step's
+    idle time grows: for finding sites, not for sizing them)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -259,7 +287,7 @@ def profile(trainer, data, device: torch.device, wait: int, warmup: int, active:
 
     schedule = torch.profiler.schedule(wait=wait, warmup=warmup, active=active, repeat=1)
     # record_shapes gives each op its input dtypes (how an int32 fill is told from a float one).
-    with torch.profiler.profile(activities=activities, schedule=schedule, record_shapes=True,
+    with torch.profiler.profile(activities=activities, schedule=schedule, record_shapes=True, with_stack=stack,
                                 on_trace_ready=on_trace_ready) as prof:
         for _ in range(wait + warmup + active):
             trainer.train_step(data.next_batch())
@@ -295,7 +323,7 @@ def print_report(row: dict, header: str) -> None:
         if idle["sites"]:
             print(f"{'ms/step':>9} {'gaps':>6}  {'category':<16} the kernel each gap waited for, launched from")
             for g in idle["sites"]:
-                print(f"{g['ms_per_step']:>9.2f} {g['gaps_per_step']:>6.0f}  {g['category']:<16} {_short(g['site'], 100)}")
+                print(f"{g['ms_per_step']:>9.2f} {g['gaps_per_step']:>6.0f}  {g['category']:<16} {_short(g['site'], 160)}")
     if row["non_gemm_attention_share"] is not None:
         print(f"\nnon-GEMM, non-attention share of kernel time: {100 * row['non_gemm_attention_share']:.1f}% "
               f"(issue #13 target <= 15%)")
@@ -312,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=20, help="how many kernels to list by time")
     parser.add_argument("--json", default="runs/bench/profile_step.json")
     parser.add_argument("--trace", default="", help="also write the active steps' chrome trace here")
+    parser.add_argument("--stack", action="store_true",
+                        help="record Python stacks: the idle table names the project line that launched each "
+                             "waited-for kernel (slows the host: use it to find sites, not to size them)")
     args, overrides = parser.parse_known_args(argv)
     if args.active < 1 or args.wait < 0 or args.warmup < 0:
         parser.error("--active must be >= 1, --wait and --warmup >= 0")
@@ -322,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer = build_trainer(model_cfg, memory, data, device, seq_len=args.seq_len,
                             precision=precision, compile=args.compile, micro_batch=args.micro_batch,
                             optimizer=optim_cfg)
-    events = profile(trainer, data, device, args.wait, args.warmup, args.active, args.trace)
+    events = profile(trainer, data, device, args.wait, args.warmup, args.active, args.trace, args.stack)
     steps = [e for e in events if e.device_type == DeviceType.CPU and e.name.startswith("ProfilerStep")]
     step_ms = sum(e.time_range.elapsed_us() for e in steps) / 1e3 / max(len(steps), 1)
     on_device = device.type == "cuda"
