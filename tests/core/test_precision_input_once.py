@@ -15,7 +15,7 @@ from moetron.core.config import ConfigError
 from moetron.core.layers.attention import Attention, AttentionConfig
 from moetron.core.layers.linear import shared_input
 from moetron.core.layers.mlp import SwiGLU
-from moetron.core.precision.config import PrecisionConfig, input_once_on
+from moetron.core.precision.config import InputOnce, PrecisionConfig, input_once_on
 from moetron.core.precision.emulated import EmulatedGemm, MXFormat
 from moetron.core.precision.fp8_rowwise import Fp8RowwiseGemm, dequantize_rows, quantize_rows
 from moetron.core.precision.gemm import TorchGemm
@@ -156,7 +156,7 @@ def test_shared_input_falls_back_to_the_modules():
     assert len(calls) == 4  # one op for both, not the modules
 
 
-def test_config_rule_and_build():
+def test_config_rule_and_build(tmp_path):
     def cfg(**kw):
         return PrecisionConfig.from_dict(kw)
 
@@ -176,6 +176,11 @@ def test_config_rule_and_build():
         c = cfg(recipe=recipe, backend=backend, quantize_input_once="auto")
         c.validate()
         assert bool(getattr(c.build("cpu", verbose=False).gemm, "quantize_input_once", False)) is on, (recipe, backend)
+    for value in ("true", "false", "auto", True, False):  # a saved config reads back as it was written
+        c = cfg(quantize_input_once=value)
+        c.to_yaml(tmp_path / "precision.yaml")
+        assert PrecisionConfig.from_yaml(tmp_path / "precision.yaml").quantize_input_once == InputOnce(value)
+        assert c.quantize_input_once == InputOnce(value)
     for recipe in ("mxfp8", "fp8_blockwise"):  # the native linears quantize per linear (built on a GPU only)
         cfg(recipe=recipe, backend="native", quantize_input_once="auto").validate()
         assert not input_once_on(recipe, "native", "auto") and input_once_on(recipe, "emulated", "auto")
