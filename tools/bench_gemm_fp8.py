@@ -23,7 +23,7 @@ per precision backend, after a correctness check of the FP8 kernels on this devi
    F.linear vs fp8_blockwise (F.scaled_mm, and the Triton kernel with one group).
 
     python tools/bench_gemm_fp8.py --json runs/bench/gemm_fp8.json
-    python tools/bench_gemm_fp8.py --tiny           # tiny shapes; on the CPU under TRITON_INTERPRET=1
+    python tools/bench_gemm_fp8.py --tiny           # tiny shapes; on the CPU under TRITON_INTERPRET=1 (cached rows only)
     python tools/bench_gemm_fp8.py --profile        # + where the time goes: quantize / GEMM / other kernels
 
 ``--profile``: each grouped (shape, backend) step again under torch.profiler, its kernel time per
@@ -195,7 +195,9 @@ def bench_gemm(gemm, fn_kind, x, w, offsets, dy, device, iters, requantize: bool
     return median_ms(step, device, warmup=min(3, iters) if torch.device(device).type == "cuda" else 0, iters=iters)
 
 
-def grouped_rows(shapes, tokens, device, iters, only=()):
+def grouped_rows(shapes, tokens, device, iters, only=(), requantized=True):
+    """One row per shape, backend and weights mode (``cached``; and ``requantized`` where
+    ``requantized`` and the backend quantizes its weights)."""
     rows = []
     for name, s in shapes.items():
         D, E, K, F = s["d_model"], s["num_experts"], s["top_k"], s["hidden"]
@@ -204,7 +206,8 @@ def grouped_rows(shapes, tokens, device, iters, only=()):
         for label, (gemm, wdtype) in backends(device).items():
             if not wanted(label, only):
                 continue
-            for requant in ((False,) if label.startswith("bf16") else (False, True)):  # bf16: nothing to quantize
+            modes = (False, True) if requantized and not label.startswith("bf16") else (False,)  # bf16: nothing to quantize
+            for requant in modes:
                 ms, flops = 0.0, 0
                 for I, O in ((D, 2 * F), (F, D)):
                     x = torch.randn(R, I, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -345,7 +348,9 @@ def main(argv=None) -> int:
     iters = 1 if args.tiny else args.iters
     if args.shapes and not args.tiny:
         shapes = {k: v for k, v in SHAPES.items() if k in args.shapes}
-    rows = (grouped_rows(shapes, tokens, device, iters, args.backends)
+    # --tiny on the CPU times one call with no warm-up, so its cached row quantizes the weights as a
+    # requantized row would: the requantized rows would repeat the same work, and are left out there
+    rows = (grouped_rows(shapes, tokens, device, iters, args.backends, requantized=not (args.tiny and device.type != "cuda"))
             + ([] if args.no_dense else dense_rows(dense, device, iters, args.backends)))
     base = {(r["kind"], r["shape"]): r["tflops"] for r in rows if r["backend"] == "bf16"}
     dev = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreted: timings meaningless)"

@@ -34,8 +34,8 @@ GROUPED = {("bf16", "cached"), ("bf16 cublas", "cached"), ("fp8_blockwise", "cac
 
 def test_tiny_run_checks_and_reports(tmp_path):
     """Every check (the grouped GEMMs through the triton, cublas and gluon experts, the dense Triton
-    linear) passes; a grouped row for every backend but SKIPPED's, each weights mode; the dense bf16
-    and fp8_blockwise triton rows. GROUPED is the tool's whole list, SKIPPED's included."""
+    linear) passes; a grouped row for every backend but SKIPPED's, the cached weights mode (the CPU's); the dense bf16
+    and fp8_blockwise triton rows. GROUPED is the tool's whole list (on a GPU), SKIPPED's included."""
     skip_unless_interpreter_works()
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     import bench_gemm_fp8
@@ -52,7 +52,8 @@ def test_tiny_run_checks_and_reports(tmp_path):
     checks = [r for r in rows if r["kind"] == "check"]
     assert checks and all(r["ok"] for r in checks)
     grouped = {(r["backend"], r["weights"]) for r in rows if r["kind"] == "grouped"}
-    assert grouped == {(b, w) for b, w in GROUPED if b not in SKIPPED}
+    # one untimed call on the CPU: the cached rows only (a requantized row would do the same work)
+    assert grouped == {(b, w) for b, w in GROUPED if b not in SKIPPED and w == "cached"}
     passes = ("fwd", "dgrad", "wgrad")
     assert {r["check"] for r in checks} >= ({f"grouped {k} {p}" for k in ("triton", "cublas", "gluon") for p in passes}
                                             | {f"dense triton {p}" for p in passes})
