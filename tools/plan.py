@@ -25,7 +25,9 @@ bubble), planned from the same model: see plan_slice.
 
 --validate FILE.json ...: for every row of tools/bench_train.py / tools/bench_memory.py reports (the
 preset, the command's base overrides and the row's overrides, on --gpu h200 --num-gpus 1), the
-measured against the planned peak and step time (targets: peak within 10%, step within 20%).
+measured against the planned peak and step time (targets: peak within 10%, step within 20%). A
+report is replayed with the defaults of its day (CHANGED_DEFAULTS: e.g. precision.quantize_input_once
+was false before session 29, auto since).
 
 mxfp8 emulated is planned with the fused rows-and-columns quantization unless MOETRON_MX_FUSED=0 is
 set, as for a run (or recorded in a report's env_vars): `MOETRON_MX_FUSED=0 python tools/plan.py ...`.
