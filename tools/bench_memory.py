@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, variant in [split_variant(v) for v in args.variant] or [("base", [])]:
         model_cfg, memory, optimizer, precision, data_ovr = step_configs(args.preset, args.precision,
                                                                          overrides + variant, args.real_text)
-        rows.append({"variant": name, "overrides": variant,
+        rows.append({"variant": name, "overrides": variant, "precision": precision.to_dict(),  # as bench_train's
                      **measure(model_cfg, memory, optimizer, precision, args, device, data_ovr)})
     from moetron.core.metrics import run_environment
 

@@ -221,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, ovr in variants:
         cfg, memory, optim, precision, data_ovr = step_configs(args.preset, args.precision, overrides + ovr, args.real_text)
         try:
-            row = {"variant": name, "overrides": ovr, **measure(cfg, memory, optim, precision, args, device, data_ovr)}
+            # the precision section as it ran, every field: tools/plan.py --validate replays it whatever the defaults then
+            row = {"variant": name, "overrides": ovr, "precision": precision.to_dict(),
+                   **measure(cfg, memory, optim, precision, args, device, data_ovr)}
         except Exception as e:  # noqa: BLE001 - a variant that fails is a row saying why; the others still run
             traceback.print_exc()
             row = {"variant": name, "overrides": ovr, "error": f"{type(e).__name__}: {e}"[:500]}

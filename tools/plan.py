@@ -25,9 +25,10 @@ bubble), planned from the same model: see plan_slice.
 
 --validate FILE.json ...: for every row of tools/bench_train.py / tools/bench_memory.py reports (the
 preset, the command's base overrides and the row's overrides, on --gpu h200 --num-gpus 1), the
-measured against the planned peak and step time (targets: peak within 10%, step within 20%). A
-report is replayed with the defaults of its day (CHANGED_DEFAULTS: e.g. precision.quantize_input_once
-was false before session 29, auto since).
+measured against the planned peak and step time (targets: peak within 10%, step within 20%). A row
+that recorded its precision section (every field, as it ran: reports since session 29) is replayed
+with it; an older row with the precision defaults of its day (CHANGED_DEFAULTS: e.g.
+precision.quantize_input_once was false before session 29, auto since).
 
 mxfp8 emulated is planned with the fused rows-and-columns quantization unless MOETRON_MX_FUSED=0 is
 set, as for a run (or recorded in a report's env_vars): `MOETRON_MX_FUSED=0 python tools/plan.py ...`.
@@ -208,16 +209,17 @@ def _bench_argv(env: dict) -> list[str]:
     return []
 
 
-# Defaults changed since reports were written: (the change's date, the old default as an override).
-# A report dated before a change (env.date; a report without one counts as older) is replayed with
-# the old default its rows ran with, unless its command or the row sets the field itself.
+# Precision defaults changed before reports recorded their rows' precision sections: (the change's
+# date, the old default as an override). A row without a recorded section, in a report dated before a
+# change (env.date; a report without one counts as older), is replayed with the old default its run
+# had, unless its command or the row sets the field itself. Rows that record their section need none.
 CHANGED_DEFAULTS = [("2026-12-05 14:45:00", "--precision.quantize_input_once=false")]  # then auto (session 29)
 
 
 def bench_plan(env: dict, row: dict) -> Plan:
-    """The Plan of one benchmark row on one H200: the preset, the defaults of the report's day
-    (CHANGED_DEFAULTS), the command's base overrides, the row's overrides, its seq_len / batch /
-    micro-batch / precision / compile flags."""
+    """The Plan of one benchmark row on one H200: the preset, the command's base overrides, the row's
+    overrides, its seq_len / batch / micro-batch / precision / compile flags; the precision section
+    the row recorded, or for an older row the precision defaults of its report's day (CHANGED_DEFAULTS)."""
     parser = argparse.ArgumentParser(allow_abbrev=False, add_help=False)
     parser.add_argument("--preset", default=env.get("preset", "tiny"))
     parser.add_argument("--seq-len", type=int, default=env.get("seq_len", 4096))
@@ -232,8 +234,11 @@ def bench_plan(env: dict, row: dict) -> Plan:
     args, overrides = parser.parse_known_args(_bench_argv(env))
     configs = Configs(model=ModelConfig.preset(args.preset),
                       precision=PrecisionConfig(recipe=PrecisionRecipe(PRECISION_FLAG.get(args.precision, args.precision))))
-    then = [old for since, old in CHANGED_DEFAULTS if str(env.get("date", "")) < since]
+    recorded = row.get("precision")
+    then = [] if recorded else [old for since, old in CHANGED_DEFAULTS if str(env.get("date", "")) < since]
     configs.apply(then + [o for o in overrides if o.startswith("--")] + list(row.get("overrides", [])))
+    if recorded:
+        configs.precision = PrecisionConfig.from_dict(recorded)
     # MOETRON_MX_FUSED where the report recorded it (its env_vars), else as this process has it
     fused = env.get("env_vars", {}).get("MOETRON_MX_FUSED")
     return Plan(model=configs.model, parallel=configs.parallel, memory=configs.memory, seq_len=args.seq_len,

@@ -1,6 +1,7 @@
 """tools/bench_train.py on the CPU: every variant is measured and written, memory.* and optimizer.* overrides reach
 the run as variants, bad overrides fail with one error."""
 
+import dataclasses
 import json
 
 import torch
@@ -9,6 +10,7 @@ import pytest
 
 import bench_train
 from moetron.core.config import ConfigError
+from moetron.core.precision import PrecisionConfig
 
 
 def test_variants_with_memory_overrides(tmp_path, capsys):
@@ -41,6 +43,9 @@ def test_optimizer_overrides_are_variants(tmp_path):
                       "--variant", "a:optimizer.lr=1e-3", "--variant", "b:optimizer.lr=2e-3,optimizer.beta2=0.99"])
     rows = json.loads(out.read_text())["rows"]
     assert [r["overrides"] for r in rows] == [["--optimizer.lr=1e-3"], ["--optimizer.lr=2e-3", "--optimizer.beta2=0.99"]]
+    # each row records its precision section, every field as it ran (tools/plan.py --validate replays it)
+    assert rows[0]["precision"]["recipe"] == "auto" and rows[0]["precision"]["quantize_input_once"] == "auto"
+    assert set(rows[0]["precision"]) == {f.name for f in dataclasses.fields(PrecisionConfig)}
     with pytest.raises(ConfigError, match="optimizer.lr"):
         bench_train.main(["--preset", "tiny", "--steps", "1", "--variant", "bad:optimizer.lr=-1"])
 

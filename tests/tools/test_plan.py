@@ -760,20 +760,29 @@ def test_validate_replays_a_report_with_the_defaults_of_its_day():
     """precision.quantize_input_once became auto (on for mxfp8 emulated) in session 29: an mxfp8
     emulated row of a report written before that ran with it off, and is planned so (CHANGED_DEFAULTS);
     the same row in a report dated after it is planned with it on, and a row that sets it is planned
-    as it says whatever the date."""
+    as it says whatever the date. A row that recorded its precision section (bench_train since session
+    29) is planned with that section, whatever its date or today's defaults."""
     cmd = ("python tools/bench_train.py --preset olmoe-1b-7b --model.n_layers=8 --model.vocab_size=100352 "
            "--seq-len 4096 --batch 4 --compile")
     mx = ["--optimizer.state_dtype=bf16", "--precision.recipe=mxfp8", "--precision.backend=emulated"]
 
-    def planned(date, extra=()):
+    def planned(date, extra=(), recorded=None):
         env = {"command": cmd, "preset": "olmoe-1b-7b", "seq_len": 4096, "batch": 4, "compile": True, "date": date}
-        return planner.bench_plan(env, {"overrides": mx + list(extra)})
+        row = {"overrides": mx + list(extra)}
+        if recorded is not None:
+            row["precision"] = recorded
+        return planner.bench_plan(env, row)
 
     since, old = planner.CHANGED_DEFAULTS[0][0], "2026-12-04 10:00:00"
     step = lambda date, *extra: planner.plan(planned(date, extra))["step_s"]  # noqa: E731
     assert step(old) == step(since, "--precision.quantize_input_once=false")  # the old default
     assert step(since) < step(old)  # auto: one quantization of the qkv input, not three
     assert step(old, "--precision.quantize_input_once=true") == step(since)  # a row's own setting wins
+    from moetron.core.precision import PrecisionConfig
+
+    off = PrecisionConfig.from_dict({"recipe": "mxfp8", "backend": "emulated", "quantize_input_once": False}).to_dict()
+    assert planned(since, recorded=off).precision.to_dict() == off
+    assert planner.plan(planned(since, recorded=off))["step_s"] == step(old)  # as the run had it, not today's auto
 
 
 def test_quantized_expert_copies_move_the_weight_quantization_into_the_optimizer():
