@@ -184,13 +184,11 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 def _project_frame(op) -> str | None:
     """The innermost frame of this project's code on ``op``'s Python stack (recorded with --stack:
-    torch.profiler's with_stack), as 'core/layers/loss.py(153): forward', or None. The frames are the
-    Python-function events around the op (Kineto), or an op's own ``stack`` list (innermost first)."""
+    torch.profiler's with_stack, whose frames are Python-function events around the op, named
+    'path(line): function'), as 'core/layers/loss.py(153): forward', or None."""
     while op is not None:
-        frames = [op.name] if getattr(op, "is_python_function", False) else getattr(op, "stack", None) or []
-        for frame in frames:
-            if frame.startswith(_ROOT):
-                return frame[len(_ROOT):]
+        if getattr(op, "is_python_function", False) and op.name.startswith(_ROOT):
+            return op.name[len(_ROOT):]
         op = op.cpu_parent
     return None
 

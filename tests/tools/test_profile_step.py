@@ -278,29 +278,29 @@ def test_idle_time_splits_the_windows_and_names_what_each_gap_waited_for(old_tor
 
 @pytest.mark.parametrize("old_torch", [False, True] if _LINKS else [True])
 def test_idle_site_names_the_project_line_on_a_recorded_stack(old_torch):
-    """--stack (with_stack): the gap's site ends with the innermost frame of this project's code,
-    found on the launching op's stack or, where that op has none, its caller's; torch's own frames
-    are passed over."""
+    """--stack (with_stack): the frames are Python-function events around the launching op (Kineto;
+    ``FunctionEvent.stack`` stays empty). The gap's site ends with the innermost frame of this
+    project's code; torch's own frames are passed over, and no frame names a range."""
     events = _idle_events(old_torch)
     opt = next(e for e in events if e.name == "Optimizer.step#AdamW.step" and e.device_type == DeviceType.CPU)
-    opt.stack = ["/usr/lib/python3/site-packages/torch/optim/optimizer.py(490): wrapper",
-                 profile_step._ROOT + "core/adamw.py(396): _step", profile_step._ROOT + "core/trainer.py(300): train_step"]
-    (site,) = profile_step.idle_time(events, steps=2)["sites"]
-    assert site["site"] == "aten::_foreach_mul_ in Optimizer.step#AdamW.step at core/adamw.py(396): _step"
-    opt.stack = ["/usr/lib/python3/site-packages/torch/optim/optimizer.py(490): wrapper"]  # no project frame
-    (site,) = profile_step.idle_time(events, steps=2)["sites"]
-    assert site["site"] == "aten::_foreach_mul_ in Optimizer.step#AdamW.step"
-    # Kineto's form: the frames are Python-function events around the op; they name no range
     mul = next(e for e in events if e.name == "aten::_foreach_mul_")
-    frames = [_event(20 + i, name, 33, 36, is_python_function=True) for i, name in enumerate((
-        "/usr/lib/python3/site-packages/torch/utils/_foreach_utils.py(40): f",
-        profile_step._ROOT + "core/adamw.py(390): _chunk", profile_step._ROOT + "core/trainer.py(300): train_step"))]
-    frames[0].set_cpu_parent(frames[1]), frames[1].set_cpu_parent(frames[2]), frames[2].set_cpu_parent(opt)
-    mul.set_cpu_parent(frames[0])
-    opt.stack = []
+    torch_frame = "/usr/lib/python3/site-packages/torch/utils/_foreach_utils.py(40): f"
+
+    def frames_under_opt(*names):  # innermost first: mul's parent, then outward up to the optimizer's range
+        frames = [_event(20 + i, name, 33, 36, is_python_function=True) for i, name in enumerate(names)]
+        for inner, outer in zip(frames, frames[1:] + [opt]):
+            inner.set_cpu_parent(outer)
+        mul.set_cpu_parent(frames[0])
+
+    frames_under_opt(torch_frame, profile_step._ROOT + "core/adamw.py(390): _chunk",
+                     profile_step._ROOT + "core/trainer.py(300): train_step")
     (site,) = profile_step.idle_time(events, steps=2)["sites"]
+    assert site["site"] == "aten::_foreach_mul_ in Optimizer.step#AdamW.step at core/adamw.py(390): _chunk"
     assert site == {"category": "optimizer", "ms_per_step": pytest.approx(0.005), "gaps_per_step": 0.5,
                     "site": "aten::_foreach_mul_ in Optimizer.step#AdamW.step at core/adamw.py(390): _chunk"}
+    frames_under_opt(torch_frame, "/usr/lib/python3/site-packages/torch/optim/optimizer.py(490): wrapper")
+    (site,) = profile_step.idle_time(events, steps=2)["sites"]
+    assert site["site"] == "aten::_foreach_mul_ in Optimizer.step#AdamW.step"  # no project frame
 
 
 def test_idle_time_without_kernels_is_all_before():
