@@ -30,8 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .precision import mx_triton
 from .precision.mx_triton import (HW_CONVERT, abs_bits, lean_block_scale, lean_qdq, lean_rows_qdq, store_bf16,
-                                   widen)
+                                   tile_grid, tile_ids, widen)
 from .triton_round import round_to_bf16
 
 __all__ = ["BLOCK", "MX_PAIR_TILE_COLS", "MX_PAIR_WARPS", "adamw_update_", "adamw_update_mx_pair_"]
@@ -117,12 +118,14 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, scale_ptr, n, decay, lerp
 def _adamw_mx_pair_kernel(p_ptr, g_ptr, m_ptr, v_ptr, rows_ptr, cols_ptr, scale_ptr, P, C, decay, lerp_weight, beta2,
                           one_minus_beta2, bc2_sqrt, eps, neg_step_size,
                           GRAD_BF16: tl.constexpr, STATE_BF16: tl.constexpr, LERP_SMALL: tl.constexpr,
-                          GRAD_SCALE: tl.constexpr, FLOOR: tl.constexpr, HW: tl.constexpr, TC: tl.constexpr):
+                          GRAD_SCALE: tl.constexpr, FLOOR: tl.constexpr, HW: tl.constexpr, TC: tl.constexpr,
+                          COLS_FIRST: tl.constexpr):
     """_adamw_kernel's update of a [32, TC] tile of the 2-D view [P, C] (P, C multiples of 32), then
     the updated weight rounded to bf16 and quantized to MX both ways from the tile (the lean
     arithmetic of mx_triton's fused kernel, on the bf16 bits): along C into ``rows`` and along the
-    32 rows into ``cols``, each dequantized to bf16."""
-    pid_p, pid_c = tl.program_id(0), tl.program_id(1)
+    32 rows into ``cols``, each dequantized to bf16. COLS_FIRST: the tiles' order
+    (mx_triton.GRID_COLS_FIRST)."""
+    pid_p, pid_c = tile_ids(C, TC, COLS_FIRST)
     r = pid_p * 32 + tl.arange(0, 32)
     c = pid_c * TC + tl.arange(0, TC)
     mask = (r[:, None] < P) & (c[None, :] < C)
@@ -229,10 +232,12 @@ def adamw_update_mx_pair_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Te
     P = p.numel() // C
     if P == 0:
         return
-    grid = (P // 32, triton.cdiv(C, MX_PAIR_TILE_COLS))
+    cols_first = mx_triton.GRID_COLS_FIRST  # read at each call, as the tile
+    grid = tile_grid(P // 32, triton.cdiv(C, MX_PAIR_TILE_COLS), cols_first)
     _adamw_mx_pair_kernel[grid](
         p, grad, exp_avg, exp_avg_sq, rows, cols, p if grad_scale is None else grad_scale, P, C, *args,
         GRAD_BF16=grad.dtype == torch.bfloat16, STATE_BF16=exp_avg.dtype == torch.bfloat16,
         LERP_SMALL=abs(args[1]) < 0.5, GRAD_SCALE=grad_scale is not None, FLOOR=scale_mode == "floor",
-        HW=HW_CONVERT, TC=MX_PAIR_TILE_COLS, num_warps=MX_PAIR_WARPS, enable_fp_fusion=False,
+        HW=HW_CONVERT, TC=MX_PAIR_TILE_COLS, COLS_FIRST=cols_first, num_warps=MX_PAIR_WARPS,
+        enable_fp_fusion=False,
     )

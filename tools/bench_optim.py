@@ -26,6 +26,7 @@ moments' bytes.
     python tools/bench_optim.py                                 # on the GPU: the table and JSON
     python tools/bench_optim.py --block 1024,2048,4096          # Triton rows per BLOCK size
     python tools/bench_optim.py --variants triton_bf16_mxpair --mx-tiles 128x4,64x4,256x8  # MX-pair tiles
+    python tools/bench_optim.py --variants triton_bf16_mxpair --mx-order rows-first,cols-first  # tile order (r / c)
     python tools/bench_optim.py --variants torch_fused_fp32,triton_bf16 --steps 20
     python tools/bench_optim.py --tiny                          # small shapes; on the CPU (Triton interpreted)
 
@@ -61,6 +62,8 @@ def parse(argv):
     parser.add_argument("--block", default="", help="Triton BLOCK sizes, comma-separated (default: the kernel's)")
     parser.add_argument("--mx-tiles", default="", help="triton_bf16_mxpair's tiles, COLSxWARPS comma-separated "
                         "(e.g. 128x4,64x2; default: the kernel's)")
+    parser.add_argument("--mx-order", default="", help="triton_bf16_mxpair's tile orders, rows-first and/or "
+                        "cols-first comma-separated (mx_triton.GRID_COLS_FIRST; default: the kernel's)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (the first allocates the state)")
     parser.add_argument("--hbm-gbps", type=float, default=4300.0, help="HBM bandwidth for the floor, GB/s")
@@ -160,6 +163,9 @@ def main(argv=None) -> int:
            for t in tiles):
         raise ConfigError(f"--mx-tiles takes COLSxWARPS pairs of powers of two (COLS >= 32) separated by commas, "
                           f"got {args.mx_tiles!r}")
+    orders = [o for o in args.mx_order.split(",") if o] or [None]
+    if any(o not in (None, "rows-first", "cols-first") for o in orders):
+        raise ConfigError(f"--mx-order takes rows-first and/or cols-first separated by commas, got {args.mx_order!r}")
     if args.steps <= 0 or args.warmup < 0:
         raise ConfigError("--steps must be positive and --warmup >= 0")
 
@@ -175,20 +181,26 @@ def main(argv=None) -> int:
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
 
     import moetron.core.adamw_triton as kernel_module
+    from moetron.core.precision import mx_triton
 
     default_block = kernel_module.BLOCK
     default_tile = (kernel_module.MX_PAIR_TILE_COLS, kernel_module.MX_PAIR_WARPS)
+    default_order = mx_triton.GRID_COLS_FIRST
     rows = []
     for variant in variants:
         bytes_per_param, sweeps = VARIANTS[variant]
-        for setting in {"block": blocks, "tile": tiles}.get(sweeps, [None]):
+        settings = {"block": [(b, None) for b in blocks], "tile": [(t, o) for o in orders for t in tiles]}
+        for setting, order in settings.get(sweeps, [(None, None)]):
             block = (setting or default_block) if sweeps == "block" else None
             tile = (setting or default_tile) if sweeps == "tile" else None
+            cols_first = default_order if order is None else order == "cols-first"
             row = {"variant": variant, "block": block, "mx_tile": None if tile is None else f"{tile[0]}x{tile[1]}",
+                   "mx_order": None if tile is None else ("cols-first" if cols_first else "rows-first"),
                    "params": numel, "tensors": len(params), "bytes_per_param": bytes_per_param}
             opt = None
             kernel_module.BLOCK = block or default_block  # read by every launch
             kernel_module.MX_PAIR_TILE_COLS, kernel_module.MX_PAIR_WARPS = tile or default_tile
+            mx_triton.GRID_COLS_FIRST = cols_first
             try:
                 opt = build(variant, groups)
                 row.update(measure(opt, device, args.steps, args.warmup))
@@ -202,6 +214,7 @@ def main(argv=None) -> int:
             finally:
                 kernel_module.BLOCK = default_block
                 kernel_module.MX_PAIR_TILE_COLS, kernel_module.MX_PAIR_WARPS = default_tile
+                mx_triton.GRID_COLS_FIRST = default_order
             rows.append(row)
             del opt
             if device.type == "cuda":
@@ -212,14 +225,15 @@ def main(argv=None) -> int:
     where = env["device"] if device.type == "cuda" else "cpu (Triton interpreted: timings meaningless)"
     print(f"{where} | torch {torch.__version__} | {numel / 1e6:,.1f}M params in {len(params)} tensors | "
           f"floor at {args.hbm_gbps:.0f} GB/s")
-    print(f"{'variant':<20} {'block':>6} {'B/param':>7} {'ms':>9} {'launch ms':>9} {'GB/s':>7} {'floor ms':>9} "
+    print(f"{'variant':<20} {'block':>9} {'B/param':>7} {'ms':>9} {'launch ms':>9} {'GB/s':>7} {'floor ms':>9} "
           f"{'x floor':>7} {'state GiB':>9}")
     for r in rows:
-        block = r["mx_tile"] or ("-" if r["block"] is None else str(r["block"]))
+        block = (f"{r['mx_tile']} {r['mx_order'][0]}" if r["mx_tile"] else
+                 ("-" if r["block"] is None else str(r["block"])))
         if r.get("oom") or r.get("error"):
-            print(f"{r['variant']:<20} {block:>6} {'out of memory' if r.get('oom') else 'failed: ' + r['error']}")
+            print(f"{r['variant']:<20} {block:>9} {'out of memory' if r.get('oom') else 'failed: ' + r['error']}")
             continue
-        print(f"{r['variant']:<20} {block:>6} {r['bytes_per_param']:>7} {r['ms']:>9.2f} {r['launch_ms']:>9.2f} "
+        print(f"{r['variant']:<20} {block:>9} {r['bytes_per_param']:>7} {r['ms']:>9.2f} {r['launch_ms']:>9.2f} "
               f"{r['gbps']:>7.0f} {r['floor_ms']:>9.2f} {r['x_floor']:>7.2f} {r['state_gib']:>9.2f}")
     write_report(args.json, env, rows)
     failed = [r for r in rows if r.get("error")]

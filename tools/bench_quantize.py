@@ -25,7 +25,9 @@ its output gradient with bf16 columns (the backward's), and a dense linear's x; 
 traffic (the bf16 read, the bf16 rows write, the columns' write), beside a plain copy. Each sample is
 ``--loop`` back-to-back calls. Sessions 22-23 waited for every call, so each Python launch's host time
 (tens of microseconds against 0.1-0.7 ms kernels) was timed too; session 23's first sweep put two
-rows that run the same kernel (tile-codes changes only the payload form) 13% apart.
+rows that run the same kernel (tile-codes changes only the payload form) 13% apart. Each tile runs
+in each order of ``--mx-order`` (mx_triton.GRID_COLS_FIRST: rows-first, the tiles handed out down a
+column strip of row blocks; cols-first, along each block of 32 rows).
 
     python tools/bench_quantize.py --mx --json runs/bench/quantize_mx.json
 """
@@ -52,8 +54,14 @@ def parse(argv):
     kind = p.add_mutually_exclusive_group()
     kind.add_argument("--rowwise", action="store_true", help="the fp8_rowwise kernels and their tile sweep")
     kind.add_argument("--mx", action="store_true", help="mxfp8's fused rows + columns kernel and its tile sweep")
+    p.add_argument("--mx-order", default="rows-first,cols-first",
+                   help="--mx: the tile orders to sweep, comma-separated (mx_triton.GRID_COLS_FIRST)")
     p.add_argument("--json", default="", help="write the results here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.mx_order = [o for o in args.mx_order.split(",") if o]
+    if not args.mx_order or any(o not in ("rows-first", "cols-first") for o in args.mx_order):
+        p.error(f"--mx-order takes rows-first and/or cols-first, comma-separated; got {','.join(args.mx_order)!r}")
+    return args
 
 
 # OLMoE-8L's x (top-8 of 64), olmoe3-4l-8e's x (top-4 of 8) and its gate|up output gradient (8192 columns:
@@ -183,15 +191,16 @@ def mx(args, device) -> list[dict]:
 
     warmup, iters = timing(args)
     shapes = [("tiny", 256, 128, 4, True)] if args.tiny else MX_SHAPES
-    saved = dict(mx_triton.TILES["both"])
+    saved, saved_order = dict(mx_triton.TILES["both"]), mx_triton.GRID_COLS_FIRST
     out = []
-    print(f"{'operand':<10} {'shape':<16} {'tile':<14} {'ms':>8} {'TB/s':>6}")
+    print(f"{'operand':<10} {'shape':<16} {'tile':<25} {'ms':>8} {'TB/s':>6}")
 
-    def row(label, R, C, E, payload, tile, fn, traffic):
+    def row(label, R, C, E, payload, tile, fn, traffic, order=None):
         ms = median_ms(fn, device, warmup=warmup, iters=iters, loop=1 if args.tiny else args.loop)
         out.append({"kind": "mx_rows_and_cols", "operand": label, "shape": [R, C], "experts": E,
-                    "cols_payload": payload, "tile": tile, "ms": ms, "tb_s": traffic / ms / 1e9})
-        print(f"{label:<10} {str([R, C]):<16} {tile:<14} {ms:8.3f} {traffic / ms / 1e9:6.2f}", flush=True)
+                    "cols_payload": payload, "tile": tile, "order": order, "ms": ms, "tb_s": traffic / ms / 1e9})
+        name = tile if order is None else f"{tile} {order}"
+        print(f"{label:<10} {str([R, C]):<16} {name:<25} {ms:8.3f} {traffic / ms / 1e9:6.2f}", flush=True)
 
     try:
         for label, R, C, E, payload in shapes:
@@ -204,12 +213,15 @@ def mx(args, device) -> list[dict]:
                 P = src.numel()
             row(label, R, C, E, payload, "copy", lambda: x.clone(), 4 * R * C)
             traffic = 2 * R * C + 2 * R * C + (P * C + P * C // 32 if payload else 2 * P * C)
-            for cols, warps, codes in sweep(MX_TILES, device.type == "cpu", lambda t: (t[0], t[2])):
-                mx_triton.TILES["both"] = {"cols": cols, "num_warps": warps, "codes_from_tile": codes}
-                row(label, R, C, E, payload, mx_tile_label(cols, warps, codes),
-                    lambda: mx_triton.mx_rows_and_cols_triton(x, src, ends, "rceil", payload), traffic)
+            for order in args.mx_order:
+                mx_triton.GRID_COLS_FIRST = order == "cols-first"
+                for cols, warps, codes in sweep(MX_TILES, device.type == "cpu", lambda t: (t[0], t[2])):
+                    mx_triton.TILES["both"] = {"cols": cols, "num_warps": warps, "codes_from_tile": codes}
+                    row(label, R, C, E, payload, mx_tile_label(cols, warps, codes),
+                        lambda: mx_triton.mx_rows_and_cols_triton(x, src, ends, "rceil", payload), traffic, order)
     finally:
         mx_triton.TILES["both"] = saved
+        mx_triton.GRID_COLS_FIRST = saved_order
     return out
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import os
 import re
 import sys
@@ -182,13 +183,33 @@ def kernel_times(events, on_device: bool) -> list[tuple[str, float, str]]:
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
+_FRAME = re.compile(r"^(.*)\((\d+)\): (.*)$")
+
+
+@functools.lru_cache(maxsize=4096)
+def _project_file(path: str) -> str | None:
+    """A recorded frame's file as a path under the project's root, or None outside it. The profiler
+    names a file by its path with the longest sys.path entry cut off ('core/adamw.py' where the
+    root is on sys.path, as under tools/ and pytest), else absolute; installed packages (a
+    site-packages under the root, e.g. a .venv) are not the project's."""
+    root = os.path.realpath(_ROOT)
+    full = os.path.realpath(path if os.path.isabs(path) else os.path.join(root, path))
+    rel = os.path.relpath(full, root)
+    if rel.startswith(os.pardir) or {"site-packages", "dist-packages"} & set(rel.split(os.sep)):
+        return None
+    return rel if os.path.isfile(full) else None
+
+
 def _project_frame(op) -> str | None:
     """The innermost frame of this project's code on ``op``'s Python stack (recorded with --stack:
     torch.profiler's with_stack, whose frames are Python-function events around the op, named
     'path(line): function'), as 'core/layers/loss.py(153): forward', or None."""
     while op is not None:
-        if getattr(op, "is_python_function", False) and op.name.startswith(_ROOT):
-            return op.name[len(_ROOT):]
+        if getattr(op, "is_python_function", False):
+            m = _FRAME.match(op.name)
+            rel = _project_file(m.group(1)) if m else None
+            if rel is not None:
+                return f"{rel}({m.group(2)}): {m.group(3)}"
         op = op.cpu_parent
     return None
 

@@ -36,9 +36,9 @@ from ..triton_round import round_to_bf16
 
 from .mx import E4M3_MAX, MX_BLOCK, SCALE_MODES
 
-__all__ = ["HW_CONVERT", "LEAN", "abs_bits", "amax_of_bits", "as_loadable", "dequantize_mx_triton", "exp2_int",
+__all__ = ["GRID_COLS_FIRST", "HW_CONVERT", "LEAN", "abs_bits", "amax_of_bits", "as_loadable", "dequantize_mx_triton", "exp2_int",
            "lean_block_scale", "lean_qdq", "lean_rows_qdq", "load_fp32", "mx_exponent", "mx_qdq_triton", "mx_rows_and_cols_triton", "quantize_mx_triton", "round_to_e4m3", "signed_e4m3",
-           "store_bf16", "store_rounded", "to_e4m3", "widen", "widen_fp32"]
+           "store_bf16", "store_rounded", "tile_grid", "tile_ids", "to_e4m3", "widen", "widen_fp32"]
 
 # The GPU rounds to E4M3 with its conversion instruction; the interpreter by bits (signed_e4m3)
 HW_CONVERT = os.environ.get("TRITON_INTERPRET") != "1"
@@ -68,6 +68,49 @@ def _both_tile(spec: str) -> dict:
         raise ValueError(f"MOETRON_MX_BOTH_TILE={spec!r}: want 'cols,warps' or 'cols,warps,tile-codes', cols a power "
                          f"of two from 32 to 1024, warps 1, 2, 4, 8 or 16 (e.g. '128,4,tile-codes', the default)")
     return {"cols": cols, "num_warps": warps, "codes_from_tile": codes}
+
+
+def _grid_order(spec: str) -> bool:
+    """MOETRON_MX_GRID's value -> GRID_COLS_FIRST (ValueError naming the choices otherwise)."""
+    if spec not in ("rows-first", "cols-first"):
+        raise ValueError(f"MOETRON_MX_GRID={spec!r}: want 'rows-first' or 'cols-first'")
+    return spec == "cols-first"
+
+
+GRID_COLS_FIRST = _grid_order(os.environ.get("MOETRON_MX_GRID", "cols-first"))
+"""The order in which the [32, TC]-tile kernels (``_mx_rows_and_cols_kernel`` here and
+core/adamw_triton.py's MX-pair update) hand out their tiles. False (``rows-first``, before session
+30): a 2-D grid whose first axis walks down the blocks of 32 rows, so programs launched together read
+one column strip of many row blocks (TC columns of each row: 256 bytes of a bf16 row at 128
+columns, rows C elements apart). True (``cols-first``, the default): a 1-D grid in which consecutive
+programs take consecutive column tiles of one block of 32 rows, so programs launched together read
+whole rows, contiguous memory. The same bits either way (tests). On an H100 (session 30,
+docs/performance.md) cols-first took the MX pair's 3.77B parameters from 32.30 to 31.14 ms (its
+32-column tile from 44.7 to 33.8) and the fused kernel's OLMoE-8L operands from 0.624 / 0.627 /
+0.076 ms to 0.599 / 0.602 / 0.076 (routed x, its gradient, a dense x); the step -0.4 ms (mxcXI) and
+-0.8 ms (with quantized_expert_copies), within its noise. Read at each call
+(tools/bench_quantize.py --mx and tools/bench_optim.py --mx-order sweep it);
+``MOETRON_MX_GRID=rows-first|cols-first`` at import sets it for a process."""
+
+
+@triton.jit
+def tile_ids(C, TC: tl.constexpr, COLS_FIRST: tl.constexpr):
+    """(pid_p, pid_c): this program's block of 32 rows and its tile of TC columns, in the order of
+    ``tile_grid`` (GRID_COLS_FIRST's)."""
+    if COLS_FIRST:
+        n_c = tl.cdiv(C, TC)
+        pid = tl.program_id(0)
+        pid_p = pid // n_c
+        pid_c = pid % n_c
+    else:
+        pid_p = tl.program_id(0)
+        pid_c = tl.program_id(1)
+    return pid_p, pid_c
+
+
+def tile_grid(n_p: int, n_c: int, cols_first: bool) -> tuple:
+    """The launch grid of ``n_p`` row blocks x ``n_c`` column tiles that ``tile_ids`` reads."""
+    return (n_p * n_c,) if cols_first else (n_p, n_c)
 
 
 TILES = {"both": _both_tile(os.environ.get("MOETRON_MX_BOTH_TILE", "128,4,tile-codes"))}
@@ -348,6 +391,7 @@ def _mx_rows_and_cols_kernel(
     s_xp, s_xc, s_rp, s_rc, s_cp, s_cc, s_dp, s_dc, s_sp, s_sc,
     TAIL: tl.constexpr, GATHER: tl.constexpr, COLS_PAYLOAD: tl.constexpr, FLOOR: tl.constexpr,
     IN_BF16: tl.constexpr, HW: tl.constexpr, TC: tl.constexpr, CODES_FROM_TILE: tl.constexpr = False,
+    COLS_FIRST: tl.constexpr = False,
 ):
     """One [32, TC] tile of x read once, quantized both ways (the lean arithmetic): along C (blocks
     of 32 in each row) to the bf16 rows output at the source rows, and along the 32 rows (one block
@@ -356,8 +400,9 @@ def _mx_rows_and_cols_kernel(
     32 * pid .. and writes only the rows output of rows from ends[-1] on (rows past the last group,
     which no view row reads); programs whose rows all lie before it return at once. CODES_FROM_TILE:
     the columns' E8M0 codes stored from the tile's own layout by its first row's threads, not
-    converted through shared memory byte by byte (TILES["both"]["codes_from_tile"]; the same bytes)."""
-    pid_p, pid_c = tl.program_id(0), tl.program_id(1)
+    converted through shared memory byte by byte (TILES["both"]["codes_from_tile"]; the same bytes).
+    COLS_FIRST: the tiles' order (GRID_COLS_FIRST)."""
+    pid_p, pid_c = tile_ids(C, TC, COLS_FIRST)
     c = pid_c * TC + tl.arange(0, TC)[None, :]
     p = pid_p * 32 + tl.arange(0, 32)
     if TAIL:
@@ -500,12 +545,13 @@ def mx_rows_and_cols_triton(x: torch.Tensor, src_rows: torch.Tensor | None = Non
     strides = (x.stride(0), x.stride(1), rows.stride(0), rows.stride(1), cols.stride(0), cols.stride(1),
                data.stride(0), data.stride(1), scale.stride(0), scale.stride(1))
     common = dict(COLS_PAYLOAD=cols_payload, FLOOR=scale_mode == "floor", IN_BF16=in_bf16, HW=HW_CONVERT, TC=TC,
-                  CODES_FROM_TILE=bool(tile.get("codes_from_tile", False)), num_warps=warps)
+                  CODES_FROM_TILE=bool(tile.get("codes_from_tile", False)), COLS_FIRST=GRID_COLS_FIRST,
+                  num_warps=warps)
     if P and C:
-        _mx_rows_and_cols_kernel[(P // MX_BLOCK, triton.cdiv(C, TC))](
+        _mx_rows_and_cols_kernel[tile_grid(P // MX_BLOCK, triton.cdiv(C, TC), GRID_COLS_FIRST)](
             xk, src, end, rows, cols, data, scale, P, R, C, *strides, TAIL=False, GATHER=src_rows is not None, **common)
     if src_rows is not None and R and C:
-        _mx_rows_and_cols_kernel[(triton.cdiv(R, MX_BLOCK), triton.cdiv(C, TC))](
+        _mx_rows_and_cols_kernel[tile_grid(triton.cdiv(R, MX_BLOCK), triton.cdiv(C, TC), GRID_COLS_FIRST)](
             xk, src, end, rows, cols, data, scale, P, R, C, *strides, TAIL=True, GATHER=False, **common)
     return (rows, data, scale) if cols_payload else (rows, cols)
 

@@ -113,10 +113,26 @@ def check_mx_pair(device: str) -> None:
     """adamw_update_mx_pair_: p and the moments bit for bit adamw_update_'s; its two outputs the torch
     reference's MX quantize-dequantize of bf16(p) along I and along O. Shapes with a partial column
     tile and several experts; gradients from 1e-3 to 10 and a weight of wide range (2^-40 .. 2^20,
-    exact zeros in a whole block), both scale modes, fp32 and bf16 moments and gradients, a clip scale."""
+    exact zeros in a whole block), both scale modes, fp32 and bf16 moments and gradients, a clip scale;
+    the tiles handed out in both orders (mx_triton.GRID_COLS_FIRST), several tiles along each axis."""
     from moetron.core.adamw_triton import adamw_update_, adamw_update_mx_pair_
+    from moetron.core.precision import mx_triton
 
     gen = torch.Generator().manual_seed(0)
+    saved = mx_triton.GRID_COLS_FIRST
+    try:
+        for cols_first in (False, True):
+            mx_triton.GRID_COLS_FIRST = cols_first
+            _check_mx_pair_cases(device, gen, adamw_update_, adamw_update_mx_pair_, f"cols_first={cols_first}")
+    finally:
+        mx_triton.GRID_COLS_FIRST = saved
+    with pytest.raises(ValueError, match="multiples of 32"):
+        p = torch.zeros(48, 64, device=device)
+        adamw_update_mx_pair_(p, p, p, p, rows=p.bfloat16(), cols=p.bfloat16(), scale_mode="rceil", step=1, lr=1e-3,
+                              beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0)
+
+
+def _check_mx_pair_cases(device, gen, adamw_update_, adamw_update_mx_pair_, order: str) -> None:
     for shape, state_dtype, grad_dtype, mode in (((3, 64, 96), torch.bfloat16, torch.bfloat16, "rceil"),
                                                  ((96, 256), torch.float32, torch.float32, "floor"),
                                                  ((2, 32, 160), torch.bfloat16, torch.float32, "floor")):
@@ -133,16 +149,12 @@ def check_mx_pair(device: str) -> None:
             adamw_update_mx_pair_(mine[0], g, *mine[1:], rows=rows, cols=cols, scale_mode=mode, step=step,
                                   grad_scale=scale, **hyper)
             adamw_update_(ref[0], g, *ref[1:], step=step, grad_scale=scale, **hyper)
-            what = f"{shape} {state_dtype} moments, {grad_dtype} grad, {mode}, step {step}"
+            what = f"{shape} {state_dtype} moments, {grad_dtype} grad, {mode}, step {step}, {order}"
             for name, got, want in zip(("p", "exp_avg", "exp_avg_sq"), mine, ref):
                 assert torch.equal(got, want), f"{name}: {what}"
             w = mine[0].cpu().to(torch.bfloat16)
             assert torch.equal(rows.cpu().view(torch.int16), mx_qdq_reference(w, -1, mode).view(torch.int16)), what
             assert torch.equal(cols.cpu().view(torch.int16), mx_qdq_reference(w, -2, mode).view(torch.int16)), what
-    with pytest.raises(ValueError, match="multiples of 32"):
-        p = torch.zeros(48, 64, device=device)
-        adamw_update_mx_pair_(p, p, p, p, rows=p.bfloat16(), cols=p.bfloat16(), scale_mode="rceil", step=1, lr=1e-3,
-                              beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0)
 
 
 def check_optimizer_mx_pairs(device: str) -> None:

@@ -347,26 +347,32 @@ def _rows_and_cols_tiles_match_torch(device: str) -> None:
     ref = MXFormat("rceil", kernels="torch")
     want_grouped = (ref.rows_and_cols(x, src, ends, True), ref.rows_and_cols(x, src, ends, False))
     want_dense = ref.rows_and_cols(x[:35], None, None, True)
-    saved = dict(mx_triton.TILES["both"])
+    saved, saved_order = dict(mx_triton.TILES["both"]), mx_triton.GRID_COLS_FIRST
     mx_triton._mx_rows_and_cols_kernel = Recorded()
     # the interpreter ignores num_warps: on the CPU one tile per (columns, codes) runs the same code
     tiles = MX_TILES if device != "cpu" else list({(c, k): (c, w, k) for c, w, k in reversed(MX_TILES)}.values())
+    # each tile in the default order, and the smallest and largest in the other (GRID_COLS_FIRST)
+    runs = [(t, saved_order) for t in tiles] + [(t, not saved_order) for t in (tiles[0], tiles[-1])]
     try:
-        for cols, warps, codes in tiles:
+        for (cols, warps, codes), cols_first in runs:
             mx_triton.TILES["both"] = {"cols": cols, "num_warps": warps, "codes_from_tile": codes}
+            mx_triton.GRID_COLS_FIRST = cols_first
             grids.clear()
             got_grouped = tuple(mx_triton.mx_rows_and_cols_triton(x, src, ends, "rceil", p) for p in (True, False))
             got_dense = mx_triton.mx_rows_and_cols_triton(x[:35], None, None, "rceil", True)
             col_tiles = -(-192 // cols)
-            assert grids == [(src.numel() // 32, col_tiles), (-(-100 // 32), col_tiles)] * 2 + [(64 // 32, col_tiles)]
+            want_grids = [(src.numel() // 32, col_tiles), (-(-100 // 32), col_tiles)] * 2 + [(64 // 32, col_tiles)]
+            assert grids == [(p * c,) if cols_first else (p, c) for p, c in want_grids]
             for got, want in zip((*got_grouped, got_dense), (*want_grouped, want_dense)):
                 assert len(got) == len(want)
                 for g, w in zip(got, want):
                     # rows of the grouped rows output past the last group are quantized too (the TAIL launch)
                     assert torch.equal(g.view(torch.uint8) if g.dtype == torch.float8_e4m3fn else g,
-                                       w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w), (cols, warps, codes)
+                                       w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w), \
+                        (cols, warps, codes, cols_first)
     finally:
         mx_triton.TILES["both"] = saved
+        mx_triton.GRID_COLS_FIRST = saved_order
         mx_triton._mx_rows_and_cols_kernel = kernel
 
 
@@ -378,6 +384,15 @@ def test_both_tile_setting_is_checked():
     for bad in ("128", "96,4", "128,3", "2048,4", "a,b", "128,4,codes", "128,4,tile-codes,1"):
         with pytest.raises(ValueError, match="want 'cols,warps'"):
             _both_tile(bad)
+
+
+def test_grid_order_setting_is_checked():
+    from moetron.core.precision.mx_triton import _grid_order
+
+    assert _grid_order("cols-first") is True and _grid_order("rows-first") is False
+    for bad in ("cols", "", "Cols-First"):
+        with pytest.raises(ValueError, match="want 'rows-first' or 'cols-first'"):
+            _grid_order(bad)
 
 
 def test_rows_and_cols_tiles_match_the_torch_ops_interpreted():
@@ -574,11 +589,14 @@ def test_the_mx_pair_update_compiles_for_sm90():
                   scale_ptr="*fp32", P=131072, C=2048,
                   **{name: "fp32" for name in ("decay", "lerp_weight", "beta2", "one_minus_beta2", "bc2_sqrt", "eps",
                                                "neg_step_size")})
-    constexprs = dict(GRAD_BF16=True, STATE_BF16=True, LERP_SMALL=True, GRAD_SCALE=True, FLOOR=False, HW=True,
-                      TC=adamw_triton.MX_PAIR_TILE_COLS)
     config = types.SimpleNamespace(kwargs={}, num_warps=4, num_stages=1)
-    ptx = _compile_sm90(adamw_triton._adamw_mx_pair_kernel, config, values, constexprs).asm["ptx"]
-    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and ".target sm_90" in ptx
+    for cols_first in (False, True):
+        constexprs = dict(GRAD_BF16=True, STATE_BF16=True, LERP_SMALL=True, GRAD_SCALE=True, FLOOR=False, HW=True,
+                          TC=adamw_triton.MX_PAIR_TILE_COLS, COLS_FIRST=cols_first)
+        ptx = _compile_sm90(adamw_triton._adamw_mx_pair_kernel, config, values, constexprs).asm["ptx"]
+        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and ".target sm_90" in ptx
+        # the 1-D grid's tile ids: one program id read, divided by the column tiles
+        assert ("%ctaid.y" in ptx) is not cols_first
 
 
 def _prequantized_grouped_mm_traces_as_eager(device: str, backend: str) -> None:

@@ -8,6 +8,7 @@ import os
 import re
 
 import pytest
+import torch
 from torch.autograd import DeviceType
 from torch.autograd.profiler_util import FunctionEvent
 
@@ -301,6 +302,28 @@ def test_idle_site_names_the_project_line_on_a_recorded_stack(old_torch):
     frames_under_opt(torch_frame, "/usr/lib/python3/site-packages/torch/optim/optimizer.py(490): wrapper")
     (site,) = profile_step.idle_time(events, steps=2)["sites"]
     assert site["site"] == "aten::_foreach_mul_ in Optimizer.step#AdamW.step"  # no project frame
+    # as the profiler names them where the root is on sys.path: relative; torch's own stay out
+    frames_under_opt("torch/optim/optimizer.py(490): wrapper", "core/adamw.py(390): _chunk")
+    (site,) = profile_step.idle_time(events, steps=2)["sites"]
+    assert site["site"] == "aten::_foreach_mul_ in Optimizer.step#AdamW.step at core/adamw.py(390): _chunk"
+
+
+def test_project_frame_on_a_stack_the_profiler_recorded():
+    """The profiler's own with_stack frames (not built by hand): an op launched by this project's
+    code is put on its line; installed packages under the root (a .venv) are not the project's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from moetron.core.precision.mx import quantize_mx
+
+    x = torch.randn(4, 64)
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        quantize_mx(x)
+    ops = [e for e in prof.events() if e.name.startswith("aten::") and not getattr(e, "is_python_function", False)]
+    frames = {profile_step._project_frame(op) for op in ops}
+    assert any(f and re.fullmatch(r"core/precision/mx\.py\(\d+\): \w+", f) for f in frames), frames
+    assert profile_step._project_file(".venv/lib/python3.11/site-packages/torch/__init__.py") is None
+    assert profile_step._project_file("torch/__init__.py") is None
+    assert profile_step._project_file(profile_step._ROOT + "core/adamw.py") == os.path.join("core", "adamw.py")
 
 
 def test_idle_time_without_kernels_is_all_before():
