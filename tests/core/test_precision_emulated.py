@@ -505,7 +505,7 @@ def test_codes_from_tile_compile_without_byte_stores_through_shared_memory():
     ptx = {}
     for codes in (False, True):
         constexprs = dict(TAIL=False, GATHER=True, COLS_PAYLOAD=True, FLOOR=False, IN_BF16=True, HW=True, TC=128,
-                          CODES_FROM_TILE=codes)
+                          CODES_FROM_TILE=codes, COLS_FIRST=mx_triton.GRID_COLS_FIRST)
         config = types.SimpleNamespace(kwargs={}, num_warps=4, num_stages=1)
         ptx[codes] = _compile_sm90(mx_triton._mx_rows_and_cols_kernel, config, values, constexprs).asm["ptx"]
     count = {k: {op: len(re.findall(rf"\b{re.escape(op)}\b", v)) for op in ("st.shared.b8", "bar.sync")}

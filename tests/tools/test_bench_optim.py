@@ -32,6 +32,7 @@ def test_tiny_rows(tmp_path):
         *((v, b) for v in ("triton_fp32", "triton_bf16", "triton_bf16_copy") for b in (4096, 16384)),
         ("triton_bf16_mxpair", None)]
     assert [r["mx_tile"] for r in rows] == [None] * 9 + ["64x2"]
+    assert [r["mx_order"] for r in rows] == [None] * 9 + ["cols-first"]  # the kernel's default order
     params = rows[0]["params"]
     assert params > 10_000 and all(r["params"] == params for r in rows)
     for r in rows:
@@ -47,9 +48,10 @@ def test_bad_arguments():
 
     env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "TRITON_INTERPRET")}
     runs = run_command_lines([("bench_optim.py", ["--tiny", *args]) for args in (
-        ["--variants", "adam8bit"], ["--block", "1000"], ["--mx-tiles", "128x3"])], env=env)
+        ["--variants", "adam8bit"], ["--block", "1000"], ["--mx-tiles", "128x3"], ["--mx-order", "cols"])], env=env)
     for (status, _, stderr), message in zip(runs, ("error: --variants: unknown ['adam8bit']", "powers of two",
-                                                  "--mx-tiles takes COLSxWARPS")):
+                                                  "--mx-tiles takes COLSxWARPS",
+                                                  "--mx-order takes rows-first and/or cols-first")):
         assert status == 2 and message in stderr and "Traceback" not in stderr, stderr
 
 

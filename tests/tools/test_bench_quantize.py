@@ -63,7 +63,8 @@ def test_tiny_rowwise_sweep_reports_every_tile(tmp_path):
 
 
 def test_tiny_mx_sweep_reports_every_tile(tmp_path):
-    """--mx: a copy row and one row per tile of the sweep, each with a time and a rate."""
+    """--mx: a copy row and one row per tile of the sweep in each order (--mx-order's default: both),
+    each with a time and a rate."""
     skip_unless_interpreter_works()
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     import bench_quantize
@@ -71,6 +72,8 @@ def test_tiny_mx_sweep_reports_every_tile(tmp_path):
     rows = _tiny_rows(tmp_path, "--mx")
     kept = bench_quantize.sweep(bench_quantize.MX_TILES, True, lambda t: (t[0], t[2]))
     assert len(kept) == len({(c, codes) for c, _, codes in bench_quantize.MX_TILES}) >= 5
-    assert [r["tile"] for r in rows] == ["copy"] + [bench_quantize.mx_tile_label(*t) for t in kept]
+    orders = ["rows-first", "cols-first"]
+    assert [(r["tile"], r["order"]) for r in rows] == [("copy", None)] + [
+        (bench_quantize.mx_tile_label(*t), o) for o in orders for t in kept]
     assert "128 cols w4 tile-codes" in {r["tile"] for r in rows}
     assert all(r["kind"] == "mx_rows_and_cols" and r["ms"] > 0 and r["tb_s"] > 0 for r in rows)
