@@ -214,6 +214,17 @@ def _project_frame(op) -> str | None:
     return None
 
 
+def stack_frames_note(events) -> tuple[int, str | None]:
+    """(how many Python frames --stack recorded, a note when none): some builds record none (torch
+    2.11 with Python 3.12 on the GPU machine, session 30: no Python-function events and an empty
+    ``FunctionEvent.stack`` with with_stack=True), and the idle table then names ops only."""
+    frames = sum(1 for e in events if getattr(e, "is_python_function", False))
+    if frames:
+        return frames, None
+    return 0, (f"--stack: torch {torch.__version__} on Python {sys.version.split()[0]} recorded no Python frames "
+               f"(with_stack gave no Python-function events), so the idle table names the launching ops only")
+
+
 def _launch_site(op) -> str:
     """Where a kernel was launched from, for the idle table: its launching op and the outermost range
     around it below the profiler's step (e.g. 'aten::mm in Optimizer.step#...'), or 'unknown'; with
@@ -385,6 +396,10 @@ def main(argv: list[str] | None = None) -> int:
     print_report(row, f"{env['device']} | torch {env['torch']} | {args.preset} {model_cfg.describe()} | "
                       f"seq {args.seq_len} x {args.batch}{' | compiled' if args.compile else ''}"
                       f"{' | real text' if args.real_text else ''}")
+    if args.stack:
+        row["stack_frames"], note = stack_frames_note(events)
+        if note:
+            print(note, file=sys.stderr)
     if args.trace:
         print(f"wrote {args.trace}")
     write_report(args.json, env, [row])

@@ -308,6 +308,14 @@ def test_idle_site_names_the_project_line_on_a_recorded_stack(old_torch):
     assert site["site"] == "aten::_foreach_mul_ in Optimizer.step#AdamW.step at core/adamw.py(390): _chunk"
 
 
+def test_stack_frames_note_says_when_none_were_recorded():
+    events = _idle_events(old_torch=not _LINKS)
+    frames, note = profile_step.stack_frames_note(events)
+    assert frames == 0 and "recorded no Python frames" in note and torch.__version__ in note
+    events.append(_event(99, "core/adamw.py(390): _chunk", 33, 36, is_python_function=True))
+    assert profile_step.stack_frames_note(events) == (1, None)
+
+
 def test_project_frame_on_a_stack_the_profiler_recorded():
     """The profiler's own with_stack frames (not built by hand): an op launched by this project's
     code is put on its line; installed packages under the root (a .venv) are not the project's."""
