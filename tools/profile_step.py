@@ -217,7 +217,8 @@ def _project_frame(op) -> str | None:
 def stack_frames_note(events) -> tuple[int, str | None]:
     """(how many Python frames --stack recorded, a note when none): some builds record none (torch
     2.11 with Python 3.12 on the GPU machine, session 30: no Python-function events and an empty
-    ``FunctionEvent.stack`` with with_stack=True), and the idle table then names ops only."""
+    ``FunctionEvent.stack`` with with_stack=True alone; stack_config now adds the verbose config),
+    and the idle table then names ops only."""
     frames = sum(1 for e in events if getattr(e, "is_python_function", False))
     if frames:
         return frames, None
@@ -302,6 +303,18 @@ def breakdown(kernels: list[tuple[str, float, str]], steps: int, step_ms: float,
     }
 
 
+def stack_config(stack: bool) -> dict:
+    """The profiler's extra arguments for --stack: the verbose experimental config, without which
+    some builds keep no Python frames under with_stack (pytorch/pytorch #100253 and #127951; the GPU
+    machine's torch 2.11 on Python 3.12 recorded none with with_stack alone, session 30). The same
+    frames otherwise (torch 2.13 on the CPU records them either way)."""
+    if not stack:
+        return {}
+    from torch._C._profiler import _ExperimentalConfig
+
+    return {"experimental_config": _ExperimentalConfig(verbose=True)}
+
+
 def profile(trainer, data, device: torch.device, wait: int, warmup: int, active: int, trace: str = "",
             stack: bool = False):
     """Run wait + warmup + active train steps under torch.profiler; the recorded events (active steps
@@ -318,7 +331,7 @@ def profile(trainer, data, device: torch.device, wait: int, warmup: int, active:
     schedule = torch.profiler.schedule(wait=wait, warmup=warmup, active=active, repeat=1)
     # record_shapes gives each op its input dtypes (how an int32 fill is told from a float one).
     with torch.profiler.profile(activities=activities, schedule=schedule, record_shapes=True, with_stack=stack,
-                                on_trace_ready=on_trace_ready) as prof:
+                                on_trace_ready=on_trace_ready, **stack_config(stack)) as prof:
         for _ in range(wait + warmup + active):
             trainer.train_step(data.next_batch())
             if device.type == "cuda":

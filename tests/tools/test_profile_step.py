@@ -308,6 +308,14 @@ def test_idle_site_names_the_project_line_on_a_recorded_stack(old_torch):
     assert site["site"] == "aten::_foreach_mul_ in Optimizer.step#AdamW.step at core/adamw.py(390): _chunk"
 
 
+def test_stack_config_only_with_stack():
+    assert profile_step.stack_config(False) == {}
+    from torch._C._profiler import _ExperimentalConfig
+
+    assert set(profile_step.stack_config(True)) == {"experimental_config"}
+    assert isinstance(profile_step.stack_config(True)["experimental_config"], _ExperimentalConfig)
+
+
 def test_stack_frames_note_says_when_none_were_recorded():
     events = _idle_events(old_torch=not _LINKS)
     frames, note = profile_step.stack_frames_note(events)
@@ -317,14 +325,15 @@ def test_stack_frames_note_says_when_none_were_recorded():
 
 
 def test_project_frame_on_a_stack_the_profiler_recorded():
-    """The profiler's own with_stack frames (not built by hand): an op launched by this project's
-    code is put on its line; installed packages under the root (a .venv) are not the project's."""
+    """The profiler's own with_stack frames (not built by hand), with the arguments --stack passes: an
+    op launched by this project's code is put on its line; installed packages under the root (a
+    .venv) are not the project's."""
     from torch.profiler import ProfilerActivity, profile
 
     from moetron.core.precision.mx import quantize_mx
 
     x = torch.randn(4, 64)
-    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True, **profile_step.stack_config(True)) as prof:
         quantize_mx(x)
     ops = [e for e in prof.events() if e.name.startswith("aten::") and not getattr(e, "is_python_function", False)]
     frames = {profile_step._project_frame(op) for op in ops}
