@@ -104,10 +104,11 @@ class MetricsLog:
 
 # Environment variables a benchmark's figures depend on: these, and every one starting with a
 # BENCH_ENV_PREFIXES entry (NCCL's settings; inductor's, e.g. TORCHINDUCTOR_MAX_AUTOTUNE_GEMM, which
-# change the compiled step's kernels).
+# change the compiled step's kernels; the MX kernels' switches read at import: MOETRON_MX_LEAN,
+# MOETRON_MX_FUSED, MOETRON_MX_BOTH_TILE, MOETRON_MX_GRID).
 BENCH_ENV_KEYS = ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "CUDA_DEVICE_MAX_CONNECTIONS",
-                  "OMP_NUM_THREADS", "MOETRON_MX_LEAN", "MOETRON_MX_FUSED", "MOETRON_MX_BOTH_TILE")
-BENCH_ENV_PREFIXES = ("NCCL_", "TORCHINDUCTOR_")
+                  "OMP_NUM_THREADS")
+BENCH_ENV_PREFIXES = ("NCCL_", "TORCHINDUCTOR_", "MOETRON_MX_")
 
 
 def gpu_topology() -> str | None:

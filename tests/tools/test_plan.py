@@ -546,10 +546,11 @@ def test_bench_reports_record_the_mx_kernel_switches(monkeypatch):
 
     monkeypatch.setenv("MOETRON_MX_FUSED", "0")
     monkeypatch.setenv("MOETRON_MX_LEAN", "1")
+    monkeypatch.setenv("MOETRON_MX_GRID", "rows-first")
     monkeypatch.setenv("MOETRON_SOMETHING_ELSE", "1")
     monkeypatch.setenv("TORCHINDUCTOR_MAX_AUTOTUNE_GEMM", "1")  # inductor's switches change the kernels
     env = run_environment(torch.device("cpu"), 1, "tools/bench_train.py", [])["env_vars"]
-    assert env["MOETRON_MX_FUSED"] == "0" and env["MOETRON_MX_LEAN"] == "1"
+    assert env["MOETRON_MX_FUSED"] == "0" and env["MOETRON_MX_LEAN"] == "1" and env["MOETRON_MX_GRID"] == "rows-first"
     assert env["TORCHINDUCTOR_MAX_AUTOTUNE_GEMM"] == "1"
     assert "MOETRON_SOMETHING_ELSE" not in env
     row = {"overrides": ["--precision.recipe=mxfp8", "--precision.backend=emulated"]}
