@@ -208,7 +208,8 @@ MX_PAIR_WARPS = 8
 """Warps per program of adamw_update_mx_pair_, read at each call. 8 with 128 columns: the fastest of
 eight tiles on an H100 (session 28, twice: 32.2 ms against 4 warps' 33.5 ms for 3.77B parameters) and
 on the H200 within 1% of the best of four (session 29: 26.4 ms against 4 warps' 30.4, 64 x 8 26.2;
-the plain copy 20.1; docs/performance.md)."""
+the plain copy 20.1; docs/performance.md), all in the old rows-first order. In the cols-first order
+(mx_triton.GRID_COLS_FIRST, session 30, an H100): 31.14 ms, 64 x 4 31.62, the plain copy 28.01."""
 
 
 def adamw_update_mx_pair_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
