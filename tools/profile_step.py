@@ -15,7 +15,9 @@ anywhere. A category's share is of the summed kernel time (streams that overlap 
 running (before its first kernel, between kernels, after its last), the between-kernel gaps listed
 by the kernel each one waited for and where that was launched (a host-bound stretch, or a sync,
 shows there; with --stack also the innermost line of this project's code on the launching op's
-Python stack). The headline is the share of kernel time that is
+Python stack). A GEMM table gives the step's GEMMs by op and operand shapes (record_shapes): calls,
+ms and achieved TFLOP/s (2MKN from the shapes; each grouped form counted as torch._grouped_mm runs
+it), so a GEMM family below its rate shows. The headline is the share of kernel time that is
 neither GEMM nor attention. Overrides are --model.*, --memory.*, --optimizer.*, --precision.* (e.g.
 --optimizer.state_dtype=bf16 --precision.expert_weight_copies=optimizer) and (with --real-text) --data.*.
 """
@@ -303,6 +305,76 @@ def breakdown(kernels: list[tuple[str, float, str]], steps: int, step_ms: float,
     }
 
 
+# The ops whose kernels are GEMMs, and where their two operands sit among the recorded input shapes.
+_GEMM_OPERANDS = {"aten::mm": (0, 1), "aten::bmm": (0, 1), "aten::addmm": (1, 2), "aten::baddbmm": (1, 2),
+                  "aten::_grouped_mm": (0, 1), "aten::_scaled_mm": (0, 1), "aten::_scaled_grouped_mm": (0, 1)}
+
+
+def gemm_flops(name: str, shapes) -> float | None:
+    """FLOPs of one call of GEMM op ``name`` from its recorded input shapes (record_shapes), or None
+    (not a GEMM op, shapes missing): _mm_flops of its two operands."""
+    where = _GEMM_OPERANDS.get(name)
+    if where is None or shapes is None or len(shapes) <= max(where):
+        return None
+    return _mm_flops(shapes[where[0]], shapes[where[1]])
+
+
+def _mm_flops(a, b) -> float | None:
+    """a [M, K] @ b [K, N]: 2MKN; batched [B, M, K] @ [B, K, N]: 2BMKN; grouped (torch._grouped_mm,
+    groups by offsets): 2-D x 3-D [M, K] @ [G, K, N] (each row meets one group) 2MKN, 2-D x 2-D
+    [M, T] @ [T, N] (groups along T, the weight gradient) 2MTN, 3-D x 2-D [G, M, K] @ [K, N] 2MKN.
+    Rows past the last offset count too (the routed rows fill the operand)."""
+    a, b = list(a), list(b)
+    if len(a) == 2 and len(b) == 2:
+        return 2.0 * a[0] * a[1] * b[1]
+    if len(a) == 2 and len(b) == 3:
+        return 2.0 * a[0] * a[1] * b[2]
+    if len(a) == 3 and len(b) == 3:
+        return 2.0 * a[0] * a[1] * a[2] * b[2]
+    if len(a) == 3 and len(b) == 2:
+        return 2.0 * a[1] * a[2] * b[1]
+    return None
+
+
+def _outermost_gemm(op):
+    """The outermost GEMM op around ``op`` (itself included; e.g. a grouped GEMM that loops over mm),
+    or None."""
+    found = None
+    while op is not None:
+        if op.name in _GEMM_OPERANDS:
+            found = op
+        op = op.cpu_parent
+    return found
+
+
+def gemm_table(events, on_device: bool, steps: int, top: int = 12) -> list[dict]:
+    """The step's GEMMs by op and operand shapes, per step: calls, ms (on a GPU the kernels each op
+    launched, split-K reductions included; on the CPU the op's total time) and achieved TFLOP/s
+    (gemm_flops), slowest total first. Shapes need the profile's record_shapes."""
+    acc: dict = collections.defaultdict(lambda: [0.0, set()])
+    if on_device:
+        timed = [(e.time_range.elapsed_us(), _outermost_gemm(op)) for e, op in device_kernels(events)
+                 if op is not None]
+    else:
+        timed = [(e.cpu_time_total, e) for e in events
+                 if e.device_type == DeviceType.CPU and e.name in _GEMM_OPERANDS and _outermost_gemm(e) is e]
+    for us, op in timed:
+        if op is None:
+            continue
+        where = _GEMM_OPERANDS[op.name]
+        shapes = getattr(op, "input_shapes", None) or []
+        key = (op.name, tuple(tuple(shapes[i]) for i in where if i < len(shapes)))
+        acc[key][0] += us
+        acc[key][1].add(op.id)
+    rows = []
+    for (name, operands), (us, ids) in sorted(acc.items(), key=lambda kv: -kv[1][0])[:top]:
+        flops = _mm_flops(*operands) if len(operands) == 2 else None
+        rows.append({"op": name, "operands": [list(o) for o in operands], "calls_per_step": len(ids) / steps,
+                     "ms_per_step": us / 1e3 / steps,
+                     "tflops": flops * len(ids) / (us * 1e-6) / 1e12 if flops and us > 0 else None})
+    return rows
+
+
 def stack_config(stack: bool) -> dict:
     """The profiler's extra arguments for --stack: the verbose experimental config, without which
     some builds keep no Python frames under with_stack (pytorch/pytorch #100253 and #127951; the GPU
@@ -367,6 +439,13 @@ def print_report(row: dict, header: str) -> None:
             print(f"{'ms/step':>9} {'gaps':>6}  {'category':<16} the kernel each gap waited for, launched from")
             for g in idle["sites"]:
                 print(f"{g['ms_per_step']:>9.2f} {g['gaps_per_step']:>6.0f}  {g['category']:<16} {_short(g['site'], 160)}")
+    if row.get("gemms"):
+        print("\nGEMMs by op and operand shapes, per step")
+        print(f"{'ms/step':>9} {'calls':>6} {'TFLOP/s':>8}  op and operands")
+        for g in row["gemms"]:
+            rate = f"{g['tflops']:8.4g}" if g["tflops"] is not None else f"{'-':>8}"
+            operands = " x ".join(str(o) for o in g["operands"])
+            print(f"{g['ms_per_step']:>9.2f} {g['calls_per_step']:>6.0f} {rate}  {g['op']} {operands}")
     if row["non_gemm_attention_share"] is not None:
         print(f"\nnon-GEMM, non-attention share of kernel time: {100 * row['non_gemm_attention_share']:.1f}% "
               f"(issue #13 target <= 15%)")
@@ -403,7 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     row = {"preset": args.preset, "overrides": overrides, "real_text": args.real_text, "compile": args.compile,
            "source": "CUDA kernels" if on_device else "CPU ops (self time)",
            **breakdown(kernel_times(events, on_device), args.active, step_ms, args.top),
-           "idle": idle_time(events, args.active) if on_device else None}
+           "idle": idle_time(events, args.active) if on_device else None,
+           "gemms": gemm_table(events, on_device, args.active)}
     env = {**run_environment(device, 1, "tools/profile_step.py", argv),
            "preset": args.preset, "seq_len": args.seq_len, "batch": args.batch, "model": model_cfg.to_dict()}
     print_report(row, f"{env['device']} | torch {env['torch']} | {args.preset} {model_cfg.describe()} | "

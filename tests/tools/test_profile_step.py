@@ -236,6 +236,55 @@ def test_older_torch_counts_each_device_event_once():
     assert ops[(adam, 7)] is fused
 
 
+def test_gemm_flops_from_the_recorded_shapes():
+    """Dense, batched and each grouped form, the operands found where each op records them."""
+    assert profile_step.gemm_flops("aten::mm", [[64, 32], [32, 16]]) == 2 * 64 * 32 * 16
+    assert profile_step.gemm_flops("aten::addmm", [[16], [64, 32], [32, 16], [], []]) == 2 * 64 * 32 * 16
+    assert profile_step.gemm_flops("aten::bmm", [[4, 64, 32], [4, 32, 16]]) == 2 * 4 * 64 * 32 * 16
+    # grouped: routed rows through each expert's weight; the weight gradient grouped along the tokens
+    assert profile_step.gemm_flops("aten::_grouped_mm", [[64, 32], [4, 32, 16], [4], [], []]) == 2 * 64 * 32 * 16
+    assert profile_step.gemm_flops("aten::_grouped_mm", [[32, 64], [64, 16], [4], [], []]) == 2 * 32 * 64 * 16
+    assert profile_step.gemm_flops("aten::_grouped_mm", [[4, 8, 32], [32, 64], [4]]) == 2 * 8 * 32 * 64
+    assert profile_step.gemm_flops("aten::add", [[4], [4]]) is None
+    assert profile_step.gemm_flops("aten::mm", []) is None
+
+
+def test_gemm_table_on_a_profile_the_cpu_recorded():
+    """torch.profiler's own CPU records: two calls of one mm shape as one row, a grouped GEMM once
+    (not the per-group mm ops its CPU fallback runs inside it), each with its FLOP rate."""
+    from torch.profiler import ProfilerActivity, profile
+
+    a, w = torch.randn(64, 32), torch.randn(4, 32, 16)
+    offs = torch.tensor([16, 32, 48, 64], dtype=torch.int32)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(2):
+            torch.mm(a, w[0])
+        grouped = hasattr(torch, "_grouped_mm")
+        if grouped:
+            torch._grouped_mm(a.bfloat16(), w.bfloat16(), offs=offs)
+    rows = {(r["op"], str(r["operands"])): r for r in profile_step.gemm_table(prof.events(), False, steps=1)}
+    mm = rows[("aten::mm", str([[64, 32], [32, 16]]))]
+    assert mm["calls_per_step"] == 2
+    assert mm["tflops"] == pytest.approx(2 * (2 * 64 * 32 * 16) / (mm["ms_per_step"] * 1e-3) / 1e12)
+    if grouped:
+        assert rows[("aten::_grouped_mm", str([[64, 32], [4, 32, 16]]))]["calls_per_step"] == 1
+        assert not any(op == "aten::mm" and operands != str([[64, 32], [32, 16]]) for op, operands in rows)
+
+
+def test_gemm_table_on_the_gpu_counts_an_op_once_over_its_kernels():
+    """On a GPU (events as torch <= 2.11 makes them): a GEMM op's kernels, a split-K reduction
+    included, add their time to one call of its shapes."""
+    mm = _event(1, "aten::mm", 0, 5, input_shapes=[[4096, 2048], [2048, 1024]])
+    gemm = _event(2, "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n", 10, 30, DeviceType.CUDA)
+    reduce = _event(3, "splitKreduce_kernel", 30, 32, DeviceType.CUDA)
+    for kernel in (gemm, reduce):
+        mm.append_kernel(kernel.name, 0, kernel.time_range.elapsed_us())
+    (row,) = profile_step.gemm_table(_old_torch(mm, gemm, reduce), True, steps=1)
+    assert row["op"] == "aten::mm" and row["operands"] == [[4096, 2048], [2048, 1024]]
+    assert row["calls_per_step"] == 1 and row["ms_per_step"] == pytest.approx(0.022)
+    assert row["tflops"] == pytest.approx(2 * 4096 * 2048 * 1024 / 22e-6 / 1e12)
+
+
 def _idle_events(old_torch: bool):
     """Two 100-us steps: in the first, kernels at 10-30 (a GEMM), 40-50 (the optimizer's, launched
     inside its range) and, on a second stream, 45-60 (overlapping it: no gap); in the second, one
