@@ -390,8 +390,8 @@ def _mx_rows_and_cols_kernel(
     x_ptr, src_ptr, end_ptr, rows_ptr, cols_ptr, data_ptr, scale_ptr, P, R, C,
     s_xp, s_xc, s_rp, s_rc, s_cp, s_cc, s_dp, s_dc, s_sp, s_sc,
     TAIL: tl.constexpr, GATHER: tl.constexpr, COLS_PAYLOAD: tl.constexpr, FLOOR: tl.constexpr,
-    IN_BF16: tl.constexpr, HW: tl.constexpr, TC: tl.constexpr, CODES_FROM_TILE: tl.constexpr = False,
-    COLS_FIRST: tl.constexpr = False,
+    IN_BF16: tl.constexpr, HW: tl.constexpr, TC: tl.constexpr, CODES_FROM_TILE: tl.constexpr,
+    COLS_FIRST: tl.constexpr,
 ):
     """One [32, TC] tile of x read once, quantized both ways (the lean arithmetic): along C (blocks
     of 32 in each row) to the bf16 rows output at the source rows, and along the 32 rows (one block
