@@ -310,13 +310,20 @@ _GEMM_OPERANDS = {"aten::mm": (0, 1), "aten::bmm": (0, 1), "aten::addmm": (1, 2)
                   "aten::_grouped_mm": (0, 1), "aten::_scaled_mm": (0, 1), "aten::_scaled_grouped_mm": (0, 1)}
 
 
-def gemm_flops(name: str, shapes) -> float | None:
-    """FLOPs of one call of GEMM op ``name`` from its recorded input shapes (record_shapes), or None
-    (not a GEMM op, shapes missing): _mm_flops of its two operands."""
+def _operands(name: str, shapes) -> tuple | None:
+    """The two operand shapes of GEMM op ``name`` among its recorded input shapes (record_shapes), or
+    None (not a GEMM op, shapes missing)."""
     where = _GEMM_OPERANDS.get(name)
-    if where is None or shapes is None or len(shapes) <= max(where):
+    if where is None or not shapes or len(shapes) <= max(where):
         return None
-    return _mm_flops(shapes[where[0]], shapes[where[1]])
+    return tuple(tuple(shapes[i]) for i in where)
+
+
+def gemm_flops(name: str, shapes) -> float | None:
+    """FLOPs of one call of GEMM op ``name`` from its recorded input shapes, or None: _mm_flops of its
+    two operands."""
+    operands = _operands(name, shapes)
+    return None if operands is None else _mm_flops(*operands)
 
 
 def _mm_flops(a, b) -> float | None:
@@ -361,14 +368,12 @@ def gemm_table(events, on_device: bool, steps: int, top: int = 12) -> list[dict]
     for us, op in timed:
         if op is None:
             continue
-        where = _GEMM_OPERANDS[op.name]
-        shapes = getattr(op, "input_shapes", None) or []
-        key = (op.name, tuple(tuple(shapes[i]) for i in where if i < len(shapes)))
+        key = (op.name, _operands(op.name, getattr(op, "input_shapes", None)) or ())
         acc[key][0] += us
         acc[key][1].add(op.id)
     rows = []
     for (name, operands), (us, ids) in sorted(acc.items(), key=lambda kv: -kv[1][0])[:top]:
-        flops = _mm_flops(*operands) if len(operands) == 2 else None
+        flops = _mm_flops(*operands) if operands else None
         rows.append({"op": name, "operands": [list(o) for o in operands], "calls_per_step": len(ids) / steps,
                      "ms_per_step": us / 1e3 / steps,
                      "tflops": flops * len(ids) / (us * 1e-6) / 1e12 if flops and us > 0 else None})
