@@ -162,7 +162,7 @@ def plot(groups: dict[str, list[str]], path: str, reference: str | None = None, 
     curves = group_curves(groups, reference, series)
     fig, (ax, rel) = plt.subplots(2, 1, figsize=(7.5, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
 
-    def short(name):  # a run given by its directory: its base name, as the table's 40 columns would cut it
+    def short(name):  # a run given by its directory: its base name
         return os.path.basename(os.path.normpath(name)) if groups[name] == [name] else name
 
     for i, (name, c) in enumerate(curves.items()):
@@ -229,10 +229,15 @@ def main(argv: list[str] | None = None) -> int:
     def pct(x):
         return "-" if math.isnan(x) else f"{100 * x:+.2f}%"
 
-    print(f"{'run':<40} {'runs':>4} {'step':>6} {'train':>8} {'spread':>7} {'vs ref':>8} {'held-out':>9} {'spread':>7} "
+    width = min(72, max([3] + [len(r["run"]) for r in rows]))  # long run directories keep their tail
+
+    def cut(name):
+        return name if len(name) <= width else "..." + name[-(width - 3):]
+
+    print(f"{'run':<{width}} {'runs':>4} {'step':>6} {'train':>8} {'spread':>7} {'vs ref':>8} {'held-out':>9} {'spread':>7} "
           f"{'vs ref':>8}  within {100 * args.tolerance:g}%")
     for r in rows:
-        print(f"{r['run'][-40:]:<40} {len(r['runs']):>4} {r['final_step']:>6} {r['train_loss']:>8.4f} "
+        print(f"{cut(r['run']):<{width}} {len(r['runs']):>4} {r['final_step']:>6} {r['train_loss']:>8.4f} "
               f"{100 * r['train_spread']:>6.2f}% {pct(r['train_vs_reference']):>8} {r['eval_loss']:>9.4f} "
               f"{100 * r['eval_spread']:>6.2f}% {pct(r['eval_vs_reference']):>8}  "
               f"{'(reference)' if r['reference'] else ('yes' if r['within_tolerance'] else 'NO')}")

@@ -73,6 +73,11 @@ def test_groups_compare_means_over_seeds(tmp_path, capsys):
     assert compare_runs.main(["--group", f"bf16={r0},{r1}", "--group", f"mx={m0},{m1}", "--last", "1",
                               "--json", str(out)]) == 0
     assert "mx" in capsys.readouterr().out
+    long = "bf16 + bias (session 20, H200, seeds 0-2), the reference"  # over 40 characters: printed whole
+    assert compare_runs.main(["--group", f"{long}={r0},{r1}", "--group", f"mx={m0},{m1}", "--last", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith(long + " ") and lines[2].startswith("mx ")
+    assert lines[1].index(" 10 ") == lines[2].index(" 10 ")  # the columns line up
     with pytest.raises(ConfigError, match="NAME=DIR"):
         compare_runs.main(["--group", "bf16"])
     with pytest.raises(ConfigError, match="given twice"):
