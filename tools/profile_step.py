@@ -357,7 +357,9 @@ def _outermost_gemm(op):
 def gemm_table(events, on_device: bool, steps: int, top: int = 12) -> list[dict]:
     """The step's GEMMs by op and operand shapes, per step: calls, ms (on a GPU the kernels each op
     launched, split-K reductions included; on the CPU the op's total time) and achieved TFLOP/s
-    (gemm_flops), slowest total first. Shapes need the profile's record_shapes."""
+    (gemm_flops), slowest total first; past the ``top`` slowest, one last row "the other shapes"
+    sums the rest (its "shapes" their count, its rate over those whose FLOPs are known). Shapes need
+    the profile's record_shapes."""
     acc: dict = collections.defaultdict(lambda: [0.0, set()])
     if on_device:
         timed = [(e.time_range.elapsed_us(), _outermost_gemm(op)) for e, op in device_kernels(events)
@@ -371,12 +373,24 @@ def gemm_table(events, on_device: bool, steps: int, top: int = 12) -> list[dict]
         key = (op.name, _operands(op.name, getattr(op, "input_shapes", None)) or ())
         acc[key][0] += us
         acc[key][1].add(op.id)
-    rows = []
-    for (name, operands), (us, ids) in sorted(acc.items(), key=lambda kv: -kv[1][0])[:top]:
+    rows, rest = [], {"op": "the other shapes", "operands": [], "calls_per_step": 0.0, "ms_per_step": 0.0,
+                      "tflops": None, "shapes": 0}
+    rest_flops, rest_us = 0.0, 0.0
+    for i, ((name, operands), (us, ids)) in enumerate(sorted(acc.items(), key=lambda kv: -kv[1][0])):
         flops = _mm_flops(*operands) if operands else None
+        if i >= top:  # summed into one last row, so the table accounts for all the GEMMs' time
+            rest["shapes"] += 1
+            rest["calls_per_step"] += len(ids) / steps
+            rest["ms_per_step"] += us / 1e3 / steps
+            if flops:
+                rest_flops, rest_us = rest_flops + flops * len(ids), rest_us + us
+            continue
         rows.append({"op": name, "operands": [list(o) for o in operands], "calls_per_step": len(ids) / steps,
                      "ms_per_step": us / 1e3 / steps,
                      "tflops": flops * len(ids) / (us * 1e-6) / 1e12 if flops and us > 0 else None})
+    if rest["shapes"]:
+        rest["tflops"] = rest_flops / (rest_us * 1e-6) / 1e12 if rest_us > 0 else None  # of those with shapes
+        rows.append(rest)
     return rows
 
 
@@ -449,7 +463,7 @@ def print_report(row: dict, header: str) -> None:
         print(f"{'ms/step':>9} {'calls':>6} {'TFLOP/s':>8}  op and operands")
         for g in row["gemms"]:
             rate = f"{g['tflops']:8.4g}" if g["tflops"] is not None else f"{'-':>8}"
-            operands = " x ".join(str(o) for o in g["operands"])
+            operands = " x ".join(str(o) for o in g["operands"]) or f"({g['shapes']})"
             print(f"{g['ms_per_step']:>9.2f} {g['calls_per_step']:>6.0f} {rate}  {g['op']} {operands}")
     if row["non_gemm_attention_share"] is not None:
         print(f"\nnon-GEMM, non-attention share of kernel time: {100 * row['non_gemm_attention_share']:.1f}% "

@@ -269,6 +269,13 @@ def test_gemm_table_on_a_profile_the_cpu_recorded():
     if grouped:
         assert rows[("aten::_grouped_mm", str([[64, 32], [4, 32, 16]]))]["calls_per_step"] == 1
         assert not any(op == "aten::mm" and operands != str([[64, 32], [32, 16]]) for op, operands in rows)
+        # Past ``top`` the rest is one row, so the table sums to all the GEMMs' time.
+        every = profile_step.gemm_table(prof.events(), False, steps=1)
+        head, rest = profile_step.gemm_table(prof.events(), False, steps=1, top=1)
+        assert head == every[0] and rest["op"] == "the other shapes" and rest["shapes"] == len(every) - 1
+        assert rest["ms_per_step"] == pytest.approx(sum(r["ms_per_step"] for r in every[1:]))
+        assert rest["calls_per_step"] == sum(r["calls_per_step"] for r in every[1:])
+        assert rest["tflops"] == pytest.approx(every[1]["tflops"]) if len(every) == 2 else rest["tflops"] > 0
 
 
 def test_gemm_table_on_the_gpu_counts_an_op_once_over_its_kernels():
