@@ -190,7 +190,7 @@ class Trainer:
         self.precision = precision or PrecisionPolicy.full(device.type)
         self.precision.attach_optimizer(optimizer, self.model_parts)  # e.g. bf16 weight copies the step writes
         # What holds the gradients: the parameters, and tensors computing in some parameters' place
-        # whose .grad is theirs (precision.expert_grads_bf16: the optimizer's bf16 expert copies).
+        # whose .grad is theirs (precision.expert_grads_bf16, dense_weight_copies: the optimizer's bf16 copies).
         self._grad_holders = list(getattr(optimizer, "gradient_holders", list)())
         self.grad_tensors = self.params + self._grad_holders
         self.grad_sync = grad_sync
@@ -272,10 +272,10 @@ class Trainer:
             return self._optimizer_step(self.step_fn(batch.to(self.device, non_blocking=True)))
         micro = self._micro_batches(batch.to(self.device, non_blocking=True))
         if len(micro) > 1 and self._grad_holders:
-            raise ConfigError(f"precision.expert_grads_bf16=true keeps the experts' gradients in bf16, and this step "
-                              f"accumulates {len(micro)} micro-batches, which would sum them in bf16: use one "
-                              f"micro-batch per step (trainer.micro_batch_size = the batch) or "
-                              f"--precision.expert_grads_bf16=false")
+            raise ConfigError(f"precision.expert_grads_bf16=true or precision.dense_weight_copies=true keeps weight "
+                              f"gradients in bf16 on the optimizer's copies, and this step accumulates {len(micro)} "
+                              f"micro-batches, which would sum them in bf16: use one micro-batch per step "
+                              f"(trainer.micro_batch_size = the batch) or set them false")
         total_tokens = batch.shape[0] * (batch.shape[1] - 1)
         loss_sum = torch.zeros((), device=self.device)
         for i, mb in enumerate(micro):

@@ -241,6 +241,20 @@ class PrecisionConfig(Config):
     With one micro-batch per step the update is bit-identical to fp32 gradients (the GEMM rounds its
     output to bf16 either way); gradient accumulation over micro-batches would sum in bf16, so it
     is refused (core/trainer.py)."""
+    dense_weight_copies: bool = False
+    """bf16 recipe, one GPU (unsharded fp32 weights): the dense linears (attention's q / k / v / o, the
+    dense SwiGLUs, the shared experts; not the LM head) compute on bf16 copies of their weights that
+    the optimizer's step writes (core.adamw.PrecisionAwareAdamW.add_compute_copies), their weight
+    gradients kept in bf16 on the copies and read by the optimizer (as expert_grads_bf16 does for the
+    experts): no fp32 -> bf16 cast of these weights in the forward (read 4 + write 2 B an element) and
+    no bf16 -> fp32 cast of their gradients in the backward (read 2 + write 4 B), for 2 B an element
+    more written by the optimizer and 2 B less read. The same bits as without it with one micro-batch
+    per step (autocast rounds each weight and its gradient to bf16 either way;
+    tests/core/test_dense_copies.py); gradient accumulation would sum the gradients in bf16 and is
+    refused, as for expert_grads_bf16. Memory: the copies take the place of autograd's bf16 casts,
+    which the backward keeps anyway; the dense gradients take 2 B an element instead of 4. Bound by
+    the casts in olmoe3-4l-8e's measured step (about 2.7 ms of cast kernels on the H100,
+    docs/performance.md, session 31); **not yet measured on a GPU**: off by default."""
     triton_swiglu: bool = True
     """The routed experts' SwiGLU (silu(gate) * up) and its backward in one Triton pass each on CUDA
     (core/precision/swiglu_triton.py) instead of seven torch elementwise passes (eager) or inductor's
@@ -360,6 +374,10 @@ class PrecisionConfig(Config):
         check_emulated_saves(self.recipe, self.backend, self.emulated_save_x_bf16)
         check_input_once(self.recipe, self.backend, self.quantize_input_once)
         check_quantized_copies(self.recipe, self.backend, self.quantized_expert_copies, optimizer_copies, self.modules)
+        if self.dense_weight_copies and self.recipe not in (PrecisionRecipe.bf16, PrecisionRecipe.auto):
+            raise ConfigError(f"precision.dense_weight_copies=true has the dense linears compute on the optimizer's bf16 "
+                              f"weight copies, a bf16-recipe option, and this run has precision.recipe={self.recipe}: "
+                              f"use --precision.recipe=bf16, or drop dense_weight_copies")
         if self.expert_grads_bf16 and copies != WeightCopies.optimizer:
             raise ConfigError("precision.expert_grads_bf16=true keeps the experts' gradients on the optimizer's bf16 "
                               "weight copies: it needs --precision.expert_weight_copies=optimizer, got "
@@ -419,13 +437,17 @@ class PrecisionConfig(Config):
         recipe = self.resolved_recipe(device_type)
         per_expert = Bf16Experts(self.bf16_experts) == Bf16Experts.cublas
         if recipe == PrecisionRecipe.fp32:
+            if self.dense_weight_copies:
+                raise ConfigError(f"precision.dense_weight_copies=true computes the dense linears on bf16 weight copies, "
+                                  f"and this run resolved precision.recipe=fp32 (recipe {self.recipe} on {device_type}): "
+                                  f"use --precision.recipe=bf16, or drop dense_weight_copies")
             return PrecisionPolicy(device_type, None, gemm_backend("torch"))
         if recipe == PrecisionRecipe.bf16:
             from .gemm import TorchGemm
 
             gemm = TorchGemm(weight_copies=self.expert_weight_copies, triton_swiglu=self.triton_swiglu,
                              grads_on_copies=self.expert_grads_bf16,
-                             per_expert=per_expert)
+                             per_expert=per_expert, dense_copies=self.dense_weight_copies)
             return PrecisionPolicy(device_type, torch.bfloat16, gemm)
         backend = self.resolved_backend(device_type, verbose=verbose)
         if recipe == PrecisionRecipe.mxfp8 and backend == PrecisionBackend.native and GemmModule.experts in self.modules:

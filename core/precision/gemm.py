@@ -28,7 +28,7 @@ from . import bf16_grouped
 from .cache import outside_graph
 from .bf16_grouped import scale_rows
 
-__all__ = ["GEMM_BACKENDS", "GemmBackend", "TorchGemm", "attach_expert_copies", "compute_dtype", "gemm_backend", "register_gemm_backend", "with_w_dgrad",
+__all__ = ["GEMM_BACKENDS", "GemmBackend", "TorchGemm", "attach_dense_copies", "attach_expert_copies", "compute_dtype", "gemm_backend", "register_gemm_backend", "with_w_dgrad",
            "scale_rows"]
 
 
@@ -237,6 +237,35 @@ def attach_expert_copies(optimizer, parts, grads: bool, on_written=None,
     return copies
 
 
+def attach_dense_copies(optimizer, parts) -> dict[torch.Tensor, torch.Tensor]:
+    """precision.dense_weight_copies: bf16 copies of every dense Linear's weight in ``parts`` but the
+    LM head's, written by ``optimizer`` (core.adamw.PrecisionAwareAdamW) in its step -> {parameter:
+    copy}. Each Linear (attention, the dense and shared SwiGLUs) computes on its copy in the
+    parameter's place (Linear.weight_copy: a leaf whose bf16 .grad the optimizer reads as the
+    parameter's gradient). The LM head keeps casting its fp32 weight inside the fused loss (a copy
+    held all step would add 2 B x V x D at the backward's peak for one cast pass). ConfigError where
+    the optimizer writes no copies or a weight is not an unsharded fp32 parameter (FSDP2 gathers its
+    own bf16 weights)."""
+    from ..config import ConfigError
+    from ..layers.linear import Linear
+    from ..layers.loss import LMHead
+
+    if not hasattr(optimizer, "add_compute_copies"):
+        raise ConfigError(
+            "precision.dense_weight_copies=true needs an optimizer that writes bf16 copies in its step "
+            f"(core.adamw.PrecisionAwareAdamW), but this run's is {type(optimizer).__name__}: use "
+            "optimizer.impl=triton (or auto on a GPU), or drop dense_weight_copies")
+    linears = [m for part in parts for m in part.modules() if isinstance(m, Linear) and not isinstance(m, LMHead)]
+    if any(type(m.weight) is not torch.nn.Parameter or m.weight.dtype != torch.float32 for m in linears):
+        raise ConfigError("precision.dense_weight_copies=true is for unsharded fp32 weights (one GPU, no FSDP2, "
+                          "expert or pipeline parallelism): drop it for this layout")
+    copies = {m.weight: m.weight.detach().to(torch.bfloat16).requires_grad_(True) for m in linears}
+    for m in linears:
+        m.weight_copy = copies[m.weight]
+    optimizer.add_compute_copies(copies, grads=True)
+    return copies
+
+
 class TorchGemm(GemmBackend):
     """PyTorch's own GEMMs in the compute dtype: bf16 under autocast with fp32 master weights, or
     fp32 without it. Dense: F.linear (autocast casts). Grouped: torch._grouped_mm in the compute
@@ -247,7 +276,7 @@ class TorchGemm(GemmBackend):
     name = "torch"
 
     def __init__(self, weight_copies: str = "none", triton_swiglu: bool = False, grads_on_copies: bool = False,
-                 per_expert: bool = False):
+                 per_expert: bool = False, dense_copies: bool = False):
         # precision.expert_weight_copies: the grouped GEMMs' bf16 weight copies, none, made once per
         # step ("step") or written by the optimizer and pinned in the cache ("optimizer").
         self.optimizer_copies = str(weight_copies) == "optimizer"
@@ -258,8 +287,11 @@ class TorchGemm(GemmBackend):
                              else bf16_grouped.register_cache())
         self.triton_swiglu = triton_swiglu  # precision.triton_swiglu
         self.per_expert = bool(per_expert)  # precision.bf16_experts=cublas: one cuBLAS GEMM per expert
+        self.dense_copies = bool(dense_copies)  # precision.dense_weight_copies
 
     def attach_optimizer(self, optimizer, parts) -> None:
+        if self.dense_copies:
+            attach_dense_copies(optimizer, parts)
         if not self.optimizer_copies:
             return
         copies = attach_expert_copies(optimizer, parts, grads=self.grads_on_copies,

@@ -49,6 +49,12 @@ class Switches:
     """precision.expert_grads_bf16 (bf16, fp8_rowwise, the emulated backend): the experts' gradients held in bf16 on the optimizer's copies
     (2 B per local expert parameter instead of 4; no bf16 -> fp32 cast of the grouped GEMMs' weight
     gradients, read 2 + written 4 B per element; the optimizer reads 2 B less for each)."""
+    dense_weight_copies: bool = False
+    """precision.dense_weight_copies (bf16, one unsharded GPU): the dense linears but the LM head compute
+    on the optimizer's bf16 copies (replacing autograd's casts: the same 2 B held), their gradients 2 B
+    instead of 4; no fp32 -> bf16 weight casts in the forward (read 4 + write 2 B) nor bf16 -> fp32
+    gradient casts in the backward (read 2 + write 4 B); the optimizer writes 2 B more per copied
+    element and reads 2 B less per dense gradient."""
     quantized_expert_copies: bool = False
     """precision.quantized_expert_copies (mxfp8 emulated on the optimizer's expert copies): the optimizer
     writes each expert weight quantized both ways in its step (2 B more written per element, a second
@@ -188,6 +194,13 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
     if precision.expert_grads_bf16 and (parallel.dp_shard > 1 or parallel.ep > 1 or parallel.pp > 1):
         raise ConfigError("precision.expert_grads_bf16 (with expert_weight_copies=optimizer) is for one unsharded "
                           "GPU: no FSDP2, expert or pipeline parallelism; drop it for this layout")
+    dense_copies = bool(precision.dense_weight_copies)
+    if dense_copies and recipe != PrecisionRecipe.bf16:
+        raise ConfigError(f"precision.dense_weight_copies=true is a bf16-recipe option, and this plan has "
+                          f"precision.recipe={recipe}: drop it")
+    if dense_copies and (parallel.dp_shard > 1 or parallel.ep > 1 or parallel.pp > 1):
+        raise ConfigError("precision.dense_weight_copies=true is for one unsharded GPU: no FSDP2, expert or "
+                          "pipeline parallelism; drop it for this layout")
     return Switches(compiled=compiled, fused_loss=model.fused_loss,
                     loss_chunk_tokens=model.loss_chunk_tokens or path_chunk_tokens(model.vocab_size, torch.device("cuda"), torch.bfloat16),
                     recipe=str(recipe), backend=str(backend) if recipe in LOW_PRECISION else "native",
@@ -205,5 +218,6 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
                     emulated_save_x_bf16=bool(precision.emulated_save_x_bf16),
                     quantize_input_once=input_once,
                     quantized_expert_copies=bool(precision.quantized_expert_copies),
+                    dense_weight_copies=dense_copies,
                     optimizer_kernel="torch" if str(optimizer.impl) == "torch" or optimizer.fused is not None else "triton",
                     offload=parallel.fsdp_offload)

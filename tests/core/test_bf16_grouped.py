@@ -221,8 +221,6 @@ def test_weights_before_down_keeps_no_expert_output_rows():
     float64 truth (the same layer in float64 on the loop path) as weighting in the combine is, and
     one [rows, D] tensor fewer saved for backward (the expert outputs the combine kept for its
     weights' gradient)."""
-    import copy
-
     from moetron.core.moe import MoELayer
     from moetron.core.moe.config import MoEConfig, RouterConfig
 
@@ -365,15 +363,22 @@ def test_expert_grads_bf16_refuses_what_it_cannot_serve():
 def test_resume_rewrites_the_optimizer_copies(tmp_path, grads_bf16):
     """After Trainer.load the optimizer's bf16 expert copies hold the loaded weights, not the ones
     they were made from: a resumed trainer's next step equals the uninterrupted trainer's."""
+    assert_resume_rewrites_copies(lambda: _copies_trainer(grads_bf16), tmp_path)
+
+
+def assert_resume_rewrites_copies(make, tmp_path):
+    """``make()`` -> (trainer, data), a trainer whose optimizer writes compute copies: two steps,
+    save, then a fresh trainer (its copies made from the initial weights) loads the checkpoint; its
+    next step must equal the uninterrupted trainer's."""
     from moetron.core.checkpoint import CheckpointConfig, Checkpointer
 
-    first, data = _copies_trainer(grads_bf16)
+    first, data = make()
     first.checkpointer = Checkpointer(CheckpointConfig(dir=str(tmp_path / "ckpt")))
     for _ in range(2):
         first.train_step(data.next_batch())
     first.step = 2
     path = first.save()
-    resumed, _ = _copies_trainer(grads_bf16)  # fresh: its copies hold the initial weights
+    resumed, _ = make()  # fresh: its copies hold the initial weights
     resumed.checkpointer = first.checkpointer
     resumed.load(path)
     batch = data.next_batch()

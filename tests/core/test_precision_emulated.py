@@ -637,30 +637,36 @@ def test_prequantized_grouped_mm_compiles_as_eager_on_gpu():
     _prequantized_grouped_mm_traces_as_eager("cuda", "inductor")
 
 
+def cuda_losses_on_one_batch(precision, steps: int = 3, check=None) -> list[float]:
+    """A tiny MoE (2 layers) compiled on CUDA with ``precision`` and bf16 optimizer state: the losses
+    of ``steps`` steps on one batch (so they must fall). ``check(trainer)``: called once built."""
+    from step_builder import RandomTokens, build_trainer
+
+    from moetron.core.memory import MemoryConfig
+    from moetron.core.optim import OptimizerConfig
+    from moetron.models import ModelConfig
+
+    cfg = ModelConfig.preset("tiny-moe")
+    cfg.apply_overrides(["n_layers=2"])
+    dev = torch.device("cuda")
+    data = RandomTokens(cfg.vocab_size, 2, 64, dev)
+    trainer = build_trainer(cfg, MemoryConfig(), data, dev, seq_len=64, compile=True, precision=precision,
+                            optimizer=OptimizerConfig(state_dtype="bf16"))
+    if check is not None:
+        check(trainer)
+    batch = data.next_batch()
+    return [trainer.train_step(batch)[0].item() for _ in range(steps)]
+
+
 @pytest.mark.gpu
 def test_quantized_expert_copies_train_as_the_plain_copies_on_gpu():
     """On CUDA (the optimizer's Triton MX-pair kernel, the emulated Triton kernels, compiled blocks):
     three steps with and without precision.quantized_expert_copies. The same values by construction;
     the losses compared to 1e-4 because a CUDA step is not bit-reproducible run to run. One batch,
     three times: its loss must fall (on fresh random batches it need not, and on the H100 it rose)."""
-    from step_builder import RandomTokens, build_trainer
-
-    from moetron.core.memory import MemoryConfig
-    from moetron.core.optim import OptimizerConfig
     from moetron.core.precision import PrecisionConfig
-    from moetron.models import ModelConfig
 
-    runs = {}
-    for quantized in (False, True):
-        cfg = ModelConfig.preset("tiny-moe")
-        cfg.apply_overrides(["n_layers=2"])
-        dev = torch.device("cuda")
-        data = RandomTokens(cfg.vocab_size, 2, 64, dev)
-        trainer = build_trainer(cfg, MemoryConfig(), data, dev, seq_len=64, compile=True,
-                                precision=PrecisionConfig(recipe="mxfp8", backend="emulated",
-                                                          expert_weight_copies="optimizer", expert_grads_bf16=True,
-                                                          quantized_expert_copies=quantized),
-                                optimizer=OptimizerConfig(state_dtype="bf16"))
-        batch = data.next_batch()
-        runs[quantized] = [trainer.train_step(batch)[0].item() for _ in range(3)]
+    runs = {quantized: cuda_losses_on_one_batch(PrecisionConfig(
+        recipe="mxfp8", backend="emulated", expert_weight_copies="optimizer", expert_grads_bf16=True,
+        quantized_expert_copies=quantized)) for quantized in (False, True)}
     assert runs[True] == pytest.approx(runs[False], rel=1e-4) and runs[False][2] < runs[False][0]

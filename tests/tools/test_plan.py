@@ -8,7 +8,7 @@ import torch
 import plan as planner  # tools/plan.py
 from moetron.core.config import ConfigError
 from moetron.core.memory import MemoryConfig
-from moetron.models import ModelConfig
+from moetron.models import ModelConfig, Transformer
 from moetron.parallel.config import ParallelConfig
 
 GiB = 2**30
@@ -348,6 +348,33 @@ def test_expert_grads_bf16_and_triton_swiglu_terms():
     assert top == cfg.n_layers - 1
     assert (t["peak_candidates_gib"][key] - f["peak_candidates_gib"][key]) * GiB == pytest.approx(
         2 * 2 * rows * cfg.moe.expert_hidden)
+
+
+def test_dense_weight_copies_terms():
+    """precision.dense_weight_copies: 2 B less per dense linear gradient (attention, dense and shared
+    SwiGLUs; not the head), 12 B of HBM traffic less per such element in the step (the forward's weight
+    cast and the backward's gradient cast gone, the optimizer's copy write against its 2 B less read),
+    the peak no higher; refused outside the bf16 recipe and under a sharded layout."""
+    from moetron.core.precision import PrecisionConfig
+    from moetron.run.planner.hardware import GPUS
+    from moetron.run.planner.memory import _linear_params
+
+    cfg = ModelConfig.tiny_moe()
+    base, dense = _plan(), _plan()
+    base.precision = PrecisionConfig(recipe="bf16")
+    dense.precision = PrecisionConfig(recipe="bf16", dense_weight_copies=True)
+    rb, rd = planner.plan(base), planner.plan(dense)
+    n_dense = sum(_linear_params(cfg, i)["attention"] + _linear_params(cfg, i)["mlp"] for i in range(cfg.n_layers))
+    assert n_dense == sum(p.numel() for n, p in Transformer(cfg, device="meta").named_parameters()
+                          if n.endswith("_proj.weight"))  # q/k/v/o and the SwiGLUs' gate/up/down
+    assert (rb["stages"][0]["grads_gib"] - rd["stages"][0]["grads_gib"]) * GiB == 2 * n_dense
+    assert rb["step_s"] - rd["step_s"] == pytest.approx(12.0 * n_dense / (GPUS[base.gpu].hbm_tbps * 1e12))
+    assert rd["stages"][0]["peak_gib"] <= rb["stages"][0]["peak_gib"]
+    for recipe, layout in (("fp8_rowwise", {}), ("bf16", {"num_gpus": 2, "dp_shard": 2})):
+        bad = _plan(**layout)
+        bad.precision = PrecisionConfig(recipe=recipe, dense_weight_copies=True)
+        with pytest.raises(ConfigError, match="dense_weight_copies"):
+            planner.plan(bad)
 
 
 def test_fp8_cublas_experts_at_the_gpu_rate_or_the_cpu_floor():

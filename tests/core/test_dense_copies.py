@@ -1,0 +1,157 @@
+"""precision.dense_weight_copies: the dense linears compute on the optimizer's bf16 weight copies.
+
+Oracle: the same run without the switch (autocast casting the fp32 master weights), which with one
+micro-batch per step must give the same losses and weights bit for bit: autocast rounds each weight
+to bf16 for the GEMM and its bf16 gradient to fp32 for the optimizer, which is exactly what the
+copies and their bf16 gradients hold. Also where the gradients go, resume, and the refusals.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moetron.core.config import ConfigError
+from moetron.core.layers.linear import Linear
+from moetron.core.layers.loss import LMHead
+from moetron.models import ModelConfig
+from tests.core.test_bf16_grouped import assert_resume_rewrites_copies
+from tests.core.test_precision_emulated import cuda_losses_on_one_batch
+
+
+def _trainer(dense: bool, micro_batch=None, model_overrides=(), **precision):
+    """A tiny MoE (a dense first layer, attention, a shared expert, the fused loss) on the CPU in
+    bf16, PrecisionAwareAdamW's foreach path (it writes compute copies) for both modes."""
+    from step_builder import RandomTokens, build_trainer  # tools/ (tests/conftest.py puts it on the path)
+
+    from moetron.core.memory import MemoryConfig
+    from moetron.core.optim import OptimizerConfig
+    from moetron.core.precision import PrecisionConfig
+
+    cfg = ModelConfig.preset("tiny-moe")
+    cfg.apply_overrides(["n_layers=2", "moe.experts_backend=grouped_mm", *model_overrides])
+    data = RandomTokens(cfg.vocab_size, 2, 32, torch.device("cpu"))
+    trainer = build_trainer(cfg, MemoryConfig(), data, torch.device("cpu"), seq_len=32, micro_batch=micro_batch,
+                            precision=PrecisionConfig(**{"recipe": "bf16", "dense_weight_copies": dense, **precision}),
+                            optimizer=OptimizerConfig(state_dtype="bf16", impl="torch"))
+    return trainer, data
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.05], ids=["unclipped", "clipped"])
+def test_dense_copies_train_as_the_fp32_masters_bit_for_bit(clip):
+    """Three steps with and without the copies: the same losses and the same weights, bit for bit,
+    unclipped; clipped (0.05, below the tiny model's gradient norm: every step scales), the norm of bf16
+    gradients is reduced in another order, so the updates agree to a few ulps from the second step on."""
+    runs = {}
+    for dense in (False, True):
+        trainer, data = _trainer(dense)
+        trainer.cfg.grad_clip = clip
+        history = [tuple(t.item() for t in trainer.train_step(data.next_batch())) for _ in range(3)]
+        runs[dense] = history, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    (h32, p32), (h16, p16) = runs[False], runs[True]
+    assert h32[2][0] != h32[0][0] and p32.keys() == p16.keys()
+    if clip == 0.0:
+        assert [h[0] for h in h16] == [h[0] for h in h32]
+        assert all(torch.equal(p16[k], p32[k]) for k in p32)
+        for (_, n32), (_, n16) in zip(h32, h16):
+            assert n16 == pytest.approx(n32, rel=1e-6)
+    else:
+        assert all(h[1] > clip for h in h32)
+        assert [h[0] for h in h16] == pytest.approx([h[0] for h in h32], rel=1e-4)
+        assert max(float((p16[k] - p32[k]).abs().max()) for k in p32) <= 1e-3
+
+
+def test_dense_copies_hold_the_gradients_and_the_optimizer_rewrites_them():
+    """Where things live: every Linear but the LM head computes on a bf16 leaf that receives its
+    gradient (its fp32 weight gets none); the head keeps its fp32 weight and gradient; after a step
+    each copy is the bf16 rounding of its updated weight."""
+    trainer, data = _trainer(True)
+    model = trainer.model
+    linears = [m for m in model.modules() if isinstance(m, Linear) and not isinstance(m, LMHead)]
+    (head,) = [m for m in model.modules() if isinstance(m, LMHead)]
+    assert len(linears) >= 2 * 4 + 3 + 3  # 2 layers' q/k/v/o, the dense SwiGLU, the shared expert
+    assert all(m.weight_copy.dtype == torch.bfloat16 and m.weight_copy.requires_grad for m in linears)
+    assert head.weight_copy is None
+    holders = trainer.optimizer.gradient_holders()
+    assert {id(h) for h in holders} >= {id(m.weight_copy) for m in linears}
+    batch = data.next_batch()
+    with trainer.precision.autocast():
+        model(batch[:, :-1], batch[:, 1:]).backward()
+    assert all(m.weight.grad is None and m.weight_copy.grad.dtype == torch.bfloat16 for m in linears)
+    assert head.weight.grad is not None and head.weight.grad.dtype == torch.float32
+    trainer.optimizer.zero_grad()
+    assert all(m.weight_copy.grad is None for m in linears)
+    before = [m.weight.detach().clone() for m in linears]
+    trainer.train_step(data.next_batch())
+    assert all(not torch.equal(m.weight, b) for m, b in zip(linears, before))  # they trained
+    assert all(torch.equal(m.weight_copy, m.weight.detach().to(torch.bfloat16)) for m in linears)
+
+
+def test_resume_rewrites_the_dense_copies(tmp_path):
+    """After Trainer.load the copies hold the loaded weights: the resumed trainer's next step equals
+    the uninterrupted one's."""
+    assert_resume_rewrites_copies(lambda: _trainer(True), tmp_path)
+
+
+def test_dense_copies_refuse_what_they_cannot_serve():
+    from moetron.core.precision import PrecisionConfig
+
+    with pytest.raises(ConfigError, match="bf16-recipe option"):
+        PrecisionConfig(recipe="mxfp8", dense_weight_copies=True).validate()
+    with pytest.raises(ConfigError, match="resolved precision.recipe=fp32"):
+        PrecisionConfig(dense_weight_copies=True).build("cpu")  # auto on the CPU: fp32
+    with pytest.raises(ConfigError, match="needs an optimizer that writes bf16 copies"):
+        _plain_optimizer_trainer()
+    trainer, data = _trainer(True, micro_batch=1)
+    with pytest.raises(ConfigError, match="accumulates 2 micro-batches"):
+        trainer.train_step(data.next_batch())
+
+
+def _plain_optimizer_trainer():
+    """build_trainer's default optimizer (torch's AdamW: no compute copies) with the switch on."""
+    from step_builder import RandomTokens, build_trainer
+
+    from moetron.core.memory import MemoryConfig
+    from moetron.core.precision import PrecisionConfig
+
+    cfg = ModelConfig.preset("tiny-moe")
+    cfg.apply_overrides(["n_layers=1"])
+    data = RandomTokens(cfg.vocab_size, 2, 32, torch.device("cpu"))
+    return build_trainer(cfg, MemoryConfig(), data, torch.device("cpu"), seq_len=32,
+                         precision=PrecisionConfig(recipe="bf16", dense_weight_copies=True))
+
+
+def test_dense_copies_refuse_weights_that_are_not_unsharded_fp32_parameters():
+    """A bf16 weight (what FSDP2's or a cast model's linears would hand over) gets the layout error,
+    before anything is attached."""
+    from moetron.core.adamw import PrecisionAwareAdamW
+    from moetron.core.precision.gemm import attach_dense_copies
+
+    model = torch.nn.Sequential(Linear(8, 8), Linear(8, 8))
+    optimizer = PrecisionAwareAdamW(model.parameters(), kernel="foreach")
+    model[1].weight.data = model[1].weight.data.bfloat16()
+    with pytest.raises(ConfigError, match="unsharded fp32 weights"):
+        attach_dense_copies(optimizer, [model])
+    assert model[0].weight_copy is None and not optimizer.compute_copies
+    model[1].weight.data = model[1].weight.data.float()
+    copies = attach_dense_copies(optimizer, [model])
+    assert len(copies) == 2 and all(m.weight_copy is copies[m.weight] for m in model)
+
+
+@pytest.mark.gpu
+def test_dense_copies_train_as_the_fp32_masters_on_gpu():
+    """On CUDA (the optimizer's Triton kernel writing the copies, compiled blocks): three steps on one
+    batch with and without the copies. The same values by construction; compared to 1e-5 because a
+    CUDA step is not bit-reproducible run to run; the loss must fall."""
+    from moetron.core.precision import PrecisionConfig
+
+    copied = {}
+
+    def record(trainer):
+        copied[len(copied)] = any(getattr(m, "weight_copy", None) is not None for m in trainer.model.modules())
+
+    runs = {dense: cuda_losses_on_one_batch(PrecisionConfig(
+        recipe="bf16", expert_weight_copies="optimizer", expert_grads_bf16=True, dense_weight_copies=dense),
+        check=record) for dense in (False, True)}
+    assert copied == {0: False, 1: True}
+    assert runs[True] == pytest.approx(runs[False], rel=1e-5) and runs[False][2] < runs[False][0]
