@@ -130,6 +130,23 @@ def check_expert_copies(recipe: PrecisionRecipe | str, backend: PrecisionBackend
                           f"do): add --precision.backend=emulated, or drop expert_weight_copies and expert_grads_bf16")
 
 
+def check_dense_copies(recipe: PrecisionRecipe | str, copies: bool, sharded: bool = False) -> None:
+    """ConfigError where ``copies`` (precision.dense_weight_copies) meet a recipe other than bf16 (auto
+    passes until resolved: fp32 on the CPU) or a ``sharded`` layout (FSDP2, expert or pipeline
+    parallelism: the weights are not one GPU's fp32 parameters), naming the fix. The one rule the
+    config, the build and the planner apply."""
+    if not copies:
+        return
+    recipe = PrecisionRecipe(recipe)
+    if recipe not in (PrecisionRecipe.bf16, PrecisionRecipe.auto):
+        raise ConfigError(f"precision.dense_weight_copies=true has the dense linears compute on the optimizer's bf16 "
+                          f"weight copies, a bf16-recipe option, and this run has precision.recipe={recipe}: use "
+                          f"--precision.recipe=bf16, or drop dense_weight_copies")
+    if sharded:
+        raise ConfigError("precision.dense_weight_copies=true is for one unsharded GPU (its fp32 weights are the "
+                          "copies' masters): no FSDP2, expert or pipeline parallelism; drop it for this layout")
+
+
 def check_emulated_saves(recipe: PrecisionRecipe | str, backend: PrecisionBackend | str, x_bf16: bool) -> None:
     """ConfigError where precision.emulated_save_x_bf16 meets a recipe and backend other than mxfp8 /
     fp8_blockwise on the emulated backend (the only GEMMs it changes; auto may still resolve to it),
@@ -374,10 +391,7 @@ class PrecisionConfig(Config):
         check_emulated_saves(self.recipe, self.backend, self.emulated_save_x_bf16)
         check_input_once(self.recipe, self.backend, self.quantize_input_once)
         check_quantized_copies(self.recipe, self.backend, self.quantized_expert_copies, optimizer_copies, self.modules)
-        if self.dense_weight_copies and self.recipe not in (PrecisionRecipe.bf16, PrecisionRecipe.auto):
-            raise ConfigError(f"precision.dense_weight_copies=true has the dense linears compute on the optimizer's bf16 "
-                              f"weight copies, a bf16-recipe option, and this run has precision.recipe={self.recipe}: "
-                              f"use --precision.recipe=bf16, or drop dense_weight_copies")
+        check_dense_copies(self.recipe, self.dense_weight_copies)
         if self.expert_grads_bf16 and copies != WeightCopies.optimizer:
             raise ConfigError("precision.expert_grads_bf16=true keeps the experts' gradients on the optimizer's bf16 "
                               "weight copies: it needs --precision.expert_weight_copies=optimizer, got "
@@ -436,11 +450,8 @@ class PrecisionConfig(Config):
         device_type = torch.device(device).type
         recipe = self.resolved_recipe(device_type)
         per_expert = Bf16Experts(self.bf16_experts) == Bf16Experts.cublas
+        check_dense_copies(recipe, self.dense_weight_copies)  # auto resolved: fp32 on the CPU
         if recipe == PrecisionRecipe.fp32:
-            if self.dense_weight_copies:
-                raise ConfigError(f"precision.dense_weight_copies=true computes the dense linears on bf16 weight copies, "
-                                  f"and this run resolved precision.recipe=fp32 (recipe {self.recipe} on {device_type}): "
-                                  f"use --precision.recipe=bf16, or drop dense_weight_copies")
             return PrecisionPolicy(device_type, None, gemm_backend("torch"))
         if recipe == PrecisionRecipe.bf16:
             from .gemm import TorchGemm

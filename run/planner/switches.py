@@ -14,7 +14,7 @@ from moetron.core.config import ConfigError
 from moetron.core.layers.loss import path_chunk_tokens
 from moetron.core.optim import OptimizerConfig
 from moetron.core.precision import Fp8Wgrad, PrecisionConfig, PrecisionRecipe, emulated
-from moetron.core.precision.config import (check_emulated_saves, check_expert_copies, input_once_on,
+from moetron.core.precision.config import (check_dense_copies, check_emulated_saves, check_expert_copies, input_once_on,
                                           check_quantized_copies, takes_expert_copies)
 from moetron.models import ModelConfig
 from moetron.parallel.config import ParallelConfig
@@ -195,12 +195,7 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
         raise ConfigError("precision.expert_grads_bf16 (with expert_weight_copies=optimizer) is for one unsharded "
                           "GPU: no FSDP2, expert or pipeline parallelism; drop it for this layout")
     dense_copies = bool(precision.dense_weight_copies)
-    if dense_copies and recipe != PrecisionRecipe.bf16:
-        raise ConfigError(f"precision.dense_weight_copies=true is a bf16-recipe option, and this plan has "
-                          f"precision.recipe={recipe}: drop it")
-    if dense_copies and (parallel.dp_shard > 1 or parallel.ep > 1 or parallel.pp > 1):
-        raise ConfigError("precision.dense_weight_copies=true is for one unsharded GPU: no FSDP2, expert or "
-                          "pipeline parallelism; drop it for this layout")
+    check_dense_copies(recipe, dense_copies, sharded=parallel.dp_shard > 1 or parallel.ep > 1 or parallel.pp > 1)
     return Switches(compiled=compiled, fused_loss=model.fused_loss,
                     loss_chunk_tokens=model.loss_chunk_tokens or path_chunk_tokens(model.vocab_size, torch.device("cuda"), torch.bfloat16),
                     recipe=str(recipe), backend=str(backend) if recipe in LOW_PRECISION else "native",

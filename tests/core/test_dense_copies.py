@@ -98,7 +98,7 @@ def test_dense_copies_refuse_what_they_cannot_serve():
 
     with pytest.raises(ConfigError, match="bf16-recipe option"):
         PrecisionConfig(recipe="mxfp8", dense_weight_copies=True).validate()
-    with pytest.raises(ConfigError, match="resolved precision.recipe=fp32"):
+    with pytest.raises(ConfigError, match="precision.recipe=fp32"):
         PrecisionConfig(dense_weight_copies=True).build("cpu")  # auto on the CPU: fp32
     with pytest.raises(ConfigError, match="needs an optimizer that writes bf16 copies"):
         _plain_optimizer_trainer()
