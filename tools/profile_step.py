@@ -463,7 +463,8 @@ def print_report(row: dict, header: str) -> None:
         print(f"{'ms/step':>9} {'calls':>6} {'TFLOP/s':>8}  op and operands")
         for g in row["gemms"]:
             rate = f"{g['tflops']:8.4g}" if g["tflops"] is not None else f"{'-':>8}"
-            operands = " x ".join(str(o) for o in g["operands"]) or f"({g['shapes']})"
+            operands = (" x ".join(str(o) for o in g["operands"]) if g["operands"]
+                        else f"({g['shapes']} shapes)" if "shapes" in g else "(shapes not recorded)")
             print(f"{g['ms_per_step']:>9.2f} {g['calls_per_step']:>6.0f} {rate}  {g['op']} {operands}")
     if row["non_gemm_attention_share"] is not None:
         print(f"\nnon-GEMM, non-attention share of kernel time: {100 * row['non_gemm_attention_share']:.1f}% "

@@ -27,13 +27,36 @@ def _env(**kw):
     return env
 
 
+def _outputs_stopping_at_first_failure(procs, timeout: float) -> list[str]:
+    """Each process' output. Where one exits non-zero the others are killed (their whole process
+    groups: the script's torchrun and its ranks) instead of left waiting in the rendezvous for a peer
+    that is gone, which would hold the suite until ``timeout`` (once: a rank aborted in phase 2 under
+    the suite's load, and node 0 waited its 600 s)."""
+    import concurrent.futures as cf
+    import signal
+
+    with cf.ThreadPoolExecutor(len(procs)) as pool:
+        futures = {pool.submit(p.communicate, timeout=timeout): p for p in procs}
+        pending = set(futures)
+        while pending:
+            done, pending = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
+            if any(futures[f].returncode != 0 for f in done):
+                for f in pending:
+                    try:
+                        os.killpg(futures[f].pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+        return [f.result()[0] for f in futures]
+
+
 def test_two_nodes_train_checkpoint_and_resume(tmp_path):
     run_dir, port = tmp_path / "run", free_port()
     common = dict(STEPS=4, NNODES=2, NPROC=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RUN_DIR=run_dir,
                   MOETRON_DATA_DIR=tmp_path / "data")
     procs = [subprocess.Popen(["bash", SCRIPT, *TINY_MOE], cwd=ROOT, env=_env(NODE_RANK=r, **common),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
-    outs = [p.communicate(timeout=600)[0] for p in procs]
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for r in (0, 1)]
+    outs = _outputs_stopping_at_first_failure(procs, timeout=600)
     for r, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"node {r}:\n{out[-4000:]}"
         assert f"== launch: multi-node: 2 node(s) x 1 rank(s), this is node {r}" in out

@@ -460,3 +460,20 @@ def test_bad_overrides_are_one_error():
         profile_step.main(["--preset", "tiny", "--trainer.steps=3"])
     with pytest.raises(ConfigError, match="only apply with --real-text"):
         profile_step.main([*SMALL, "--data.seq_len=8", "--json", ""])
+
+
+def test_report_prints_gemm_rows_without_shapes_and_the_rest(capsys):
+    """print_report on a GPU profile's row (session 31's olmoe3-4l-8e JSON) whose GEMM table holds a
+    row without recorded shapes and the summed rest: each printed, none a KeyError."""
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "bench", "session31", "call2",
+                        "profile_S2_b16.json")
+    with open(path) as f:
+        row = json.load(f)["rows"][0]
+    row["gemms"] = row["gemms"][:2] + [
+        {"op": "aten::mm", "operands": [], "calls_per_step": 2.0, "ms_per_step": 1.5, "tflops": None},
+        {"op": "the other shapes", "operands": [], "calls_per_step": 9.0, "ms_per_step": 25.4, "tflops": 610.0,
+         "shapes": 7}]
+    profile_step.print_report(row, "header")
+    out = capsys.readouterr().out
+    assert "aten::mm (shapes not recorded)" in out and "the other shapes (7 shapes)" in out
+    assert "aten::mm [16384, 4096] x [4096, 4096]" in out
