@@ -19,7 +19,7 @@ from tests.core.test_bf16_grouped import assert_resume_rewrites_copies
 from tests.core.test_precision_emulated import cuda_losses_on_one_batch
 
 
-def _trainer(dense: bool, micro_batch=None, model_overrides=(), **precision):
+def _trainer(dense: bool, micro_batch=None, model_overrides=(), compile=False, **precision):
     """A tiny MoE (a dense first layer, attention, a shared expert, the fused loss) on the CPU in
     bf16, PrecisionAwareAdamW's foreach path (it writes compute copies) for both modes."""
     from step_builder import RandomTokens, build_trainer  # tools/ (tests/conftest.py puts it on the path)
@@ -32,6 +32,7 @@ def _trainer(dense: bool, micro_batch=None, model_overrides=(), **precision):
     cfg.apply_overrides(["n_layers=2", "moe.experts_backend=grouped_mm", *model_overrides])
     data = RandomTokens(cfg.vocab_size, 2, 32, torch.device("cpu"))
     trainer = build_trainer(cfg, MemoryConfig(), data, torch.device("cpu"), seq_len=32, micro_batch=micro_batch,
+                            compile=compile,
                             precision=PrecisionConfig(**{"recipe": "bf16", "dense_weight_copies": dense, **precision}),
                             optimizer=OptimizerConfig(state_dtype="bf16", impl="torch"))
     return trainer, data
@@ -59,6 +60,21 @@ def test_dense_copies_train_as_the_fp32_masters_bit_for_bit(clip):
         assert all(h[1] > clip for h in h32)
         assert [h[0] for h in h16] == pytest.approx([h[0] for h in h32], rel=1e-4)
         assert max(float((p16[k] - p32[k]).abs().max()) for k in p32) <= 1e-3
+
+
+def test_dense_copies_compiled_equal_the_fp32_masters_bit_for_bit():
+    """The same under torch.compile (inductor on the CPU): the copies are graph inputs, and two steps
+    on one batch give the losses of the run without them, bit for bit."""
+    runs = {}
+    for dense in (False, True):
+        trainer, data = _trainer(dense, compile=True)
+        batch = data.next_batch()
+        runs[dense] = [trainer.train_step(batch)[0].item() for _ in range(2)]
+    assert runs[True] == runs[False] and runs[False][1] < runs[False][0]
+    with trainer.precision.autocast():  # the compiled graph differentiates the copies, not the masters
+        trainer.model(batch[:, :-1], batch[:, 1:]).backward()
+    linears = [m for m in trainer.model.modules() if isinstance(m, Linear) and not isinstance(m, LMHead)]
+    assert linears and all(m.weight.grad is None and m.weight_copy.grad is not None for m in linears)
 
 
 def test_dense_copies_hold_the_gradients_and_the_optimizer_rewrites_them():
