@@ -65,8 +65,7 @@ esac
 #   SLURM (SLURM_JOB_ID and SLURM_NNODES set, e.g. under srun from examples/slurm/): one torchrun per
 #     node, the node count, node rank and rendezvous host from SLURM (MASTER_ADDR: the first node of
 #     SLURM_JOB_NODELIST unless set);
-#   NNODES > 1 (set by hand): one torchrun per node with NODE_RANK, MASTER_ADDR and MASTER_PORT (the
-#     proxy's second phase rendezvous on MASTER_PORT + 1: both ports must be open between the nodes);
+#   NNODES > 1 (set by hand): one torchrun per node with NODE_RANK, MASTER_ADDR and MASTER_PORT;
 #   NPROC > 1 on one machine: torchrun --standalone; else one plain process.
 NNODES="${NNODES:-1}"
 NODE_RANK="${NODE_RANK:-0}"
@@ -92,19 +91,17 @@ if [ -z "$RUN_DIR" ]; then  # every node must name the same run dir (on a file s
   else RUN_DIR="runs/pretrain_moe_1t_local-$(date +%Y%m%d-%H%M%S)"; fi
 fi
 if [ "$NNODES" -gt 1 ]; then
-  # c10d rendezvous, the run id and the port apart for the proxy's two phases: a node that starts
-  # phase 2 while another node's phase-1 launcher still holds its rendezvous store on MASTER_PORT
-  # would join that store and lose it when it closes; phase 2 meets on MASTER_PORT + 1
+  # c10d rendezvous; the run id keeps the two phases' rendezvous apart
   launch_for() { echo "$py" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK" \
-    --nproc-per-node "$NPROC" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$2" --rdzv-id "$1"; }
+    --nproc-per-node "$NPROC" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$1"; }
 elif [ "$NPROC" -gt 1 ]; then
   launch_for() { echo "$py" -m torch.distributed.run --standalone --nproc-per-node "$NPROC"; }
 else
   launch_for() { echo "$py"; }
 fi
 run_id="$(basename "$RUN_DIR")"
-read -r -a launch <<< "$(launch_for "$run_id-1" "$MASTER_PORT")"
-read -r -a relaunch <<< "$(launch_for "$run_id-2" "$((MASTER_PORT + 1))")"
+read -r -a launch <<< "$(launch_for "$run_id-1")"
+read -r -a relaunch <<< "$(launch_for "$run_id-2")"
 common=("${model[@]}" --name=moe-1t-proxy --trainer.run_dir="$RUN_DIR" --trainer.steps="$STEPS"
         --trainer.eval_interval=$((STEPS / 4)) --scheduler.warmup_steps="$warmup")
 

@@ -45,25 +45,11 @@ PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.dist
             "torch.distributed.checkpoint", "torch.distributed.pipelining", "torch._dynamo"]
 
 
-def free_port(count: int = 1) -> int:
-    """A TCP port on localhost that was free a moment ago (the OS picks it), with the ``count - 1``
-    ports after it free too (a launch that uses port, port + 1, ...)."""
-    for _ in range(100):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + count - 1 <= 65535 and all(_free(port + i) for i in range(1, count)):
-            return port
-    raise RuntimeError(f"no {count} consecutive free ports found on localhost")
-
-
-def _free(port: int) -> bool:
+def free_port() -> int:
+    """A TCP port on localhost that was free a moment ago (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _stdio_fds(out: Any, err: Any) -> tuple[int, int]:
