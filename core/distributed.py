@@ -73,6 +73,27 @@ def barrier() -> None:
         dist.barrier()
 
 
+def finish_distributed() -> None:
+    """End a distributed run's process once its work is done: a barrier, destroy_process_group, then
+    the process exits with status 0 **without the interpreter's finalization** (os._exit, after
+    flushing stdio and logging). Objects that still hold the destroyed process groups (device meshes,
+    DTensors) would otherwise be torn down there, and gloo's C++ worker threads can then end a run
+    that succeeded with std::terminate (SIGABRT, "terminate called without an active exception",
+    no Python frame: seen in about one of four full CPU suite runs, tests/tools/test_launch.py;
+    pytorch/pytorch#179291 describes the teardown). Call it only when everything the run writes is
+    closed. A process that never initialized torch.distributed returns normally."""
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    dist.destroy_process_group()
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 class StepWatchdog:
     """A daemon thread that ends the process when no training step completes for ``timeout_s``.
 

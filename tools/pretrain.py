@@ -17,11 +17,9 @@ import argparse
 import os
 from typing import Any
 
-import torch
-
 from moetron.core.checkpoint import Checkpointer, CheckpointError
 from moetron.core.config import ConfigError
-from moetron.core.distributed import barrier, init_distributed, is_main, pick_device
+from moetron.core.distributed import finish_distributed, init_distributed, is_main, pick_device
 from moetron.core.trainer import NonFiniteError
 from moetron.models import ModelConfig
 from moetron.run import RECIPES, PretrainConfig, build, recipe  # PretrainConfig, build: also pretrain.X
@@ -126,9 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer.fit()
     finally:
         tracker.close()
-    barrier()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    finish_distributed()  # a distributed rank exits here (status 0), skipping the interpreter's teardown
     return 0
 
 
