@@ -22,8 +22,8 @@ TINY_MOE = [a for a in SMALL if not a.startswith("--scheduler.warmup_steps")] + 
 
 def _env(**kw):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}  # not this machine's own job
-    # PYTHONFAULTHANDLER: a rank that aborts (SIGABRT, seen under the full suite's load) prints its
-    # threads' Python stacks into the output the test shows
+    # PYTHONFAULTHANDLER: a rank that aborts (SIGABRT) prints its threads' Python stacks into the
+    # output the test shows
     env.update(OMP_NUM_THREADS="1", MOETRON_PYTHON=sys.executable, PYTHONFAULTHANDLER="1")
     env.update({k: str(v) for k, v in kw.items()})
     return env
@@ -32,9 +32,9 @@ def _env(**kw):
 def _outputs_stopping_at_first_failure(procs, timeout: float) -> list[str]:
     """Each process' output. Where one exits non-zero the others are killed (their whole process
     groups: the script's torchrun and its ranks) instead of left waiting in the rendezvous for a peer
-    that is gone, which would hold the suite until ``timeout`` (a rank has aborted under the full
-    suite's load, SIGABRT "terminate called without an active exception", in either phase: 3 of 11
-    runs in session 31; cause not found; node 0 once waited its 600 s)."""
+    that is gone, which would hold the suite until ``timeout`` (session 31: a rank aborted at the
+    interpreter's finalization, gloo's teardown, in 4 of 15 full suite runs, and node 0 once waited
+    its 600 s; core.distributed.finish_distributed ends ranks before it since)."""
     import concurrent.futures as cf
     import signal
 
