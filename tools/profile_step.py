@@ -218,9 +218,9 @@ def _project_frame(op) -> str | None:
 
 def stack_frames_note(events) -> tuple[int, str | None]:
     """(how many Python frames --stack recorded, a note when none): some builds record none (torch
-    2.11 with Python 3.12 on the GPU machine, session 30: no Python-function events and an empty
-    ``FunctionEvent.stack`` with with_stack=True alone; stack_config now adds the verbose config),
-    and the idle table then names ops only."""
+    2.11 with Python 3.12 on the GPU machine: no Python-function events and an empty
+    ``FunctionEvent.stack``, with with_stack=True alone in session 30 and with stack_config's verbose
+    config too in session 31), and the idle table then names ops only."""
     frames = sum(1 for e in events if getattr(e, "is_python_function", False))
     if frames:
         return frames, None
@@ -373,32 +373,29 @@ def gemm_table(events, on_device: bool, steps: int, top: int = 12) -> list[dict]
         key = (op.name, _operands(op.name, getattr(op, "input_shapes", None)) or ())
         acc[key][0] += us
         acc[key][1].add(op.id)
-    rows, rest = [], {"op": "the other shapes", "operands": [], "calls_per_step": 0.0, "ms_per_step": 0.0,
-                      "tflops": None, "shapes": 0}
-    rest_flops, rest_us = 0.0, 0.0
-    for i, ((name, operands), (us, ids)) in enumerate(sorted(acc.items(), key=lambda kv: -kv[1][0])):
+    rows = []
+    for (name, operands), (us, ids) in sorted(acc.items(), key=lambda kv: -kv[1][0]):
         flops = _mm_flops(*operands) if operands else None
-        if i >= top:  # summed into one last row, so the table accounts for all the GEMMs' time
-            rest["shapes"] += 1
-            rest["calls_per_step"] += len(ids) / steps
-            rest["ms_per_step"] += us / 1e3 / steps
-            if flops:
-                rest_flops, rest_us = rest_flops + flops * len(ids), rest_us + us
-            continue
         rows.append({"op": name, "operands": [list(o) for o in operands], "calls_per_step": len(ids) / steps,
                      "ms_per_step": us / 1e3 / steps,
                      "tflops": flops * len(ids) / (us * 1e-6) / 1e12 if flops and us > 0 else None})
-    if rest["shapes"]:
-        rest["tflops"] = rest_flops / (rest_us * 1e-6) / 1e12 if rest_us > 0 else None  # of those with shapes
-        rows.append(rest)
-    return rows
+    if len(rows) <= top:
+        return rows
+    rest = rows[top:]  # summed into one last row, so the table accounts for all the GEMMs' time
+    rated_ms = sum(r["ms_per_step"] for r in rest if r["tflops"] is not None)
+    return rows[:top] + [{
+        "op": "the other shapes", "operands": [], "shapes": len(rest),
+        "calls_per_step": sum(r["calls_per_step"] for r in rest), "ms_per_step": sum(r["ms_per_step"] for r in rest),
+        # FLOPs over time of the shapes with a rate: each rate weighted by its time
+        "tflops": sum(r["tflops"] * r["ms_per_step"] for r in rest if r["tflops"] is not None) / rated_ms
+        if rated_ms > 0 else None}]
 
 
 def stack_config(stack: bool) -> dict:
     """The profiler's extra arguments for --stack: the verbose experimental config, without which
-    some builds keep no Python frames under with_stack (pytorch/pytorch #100253 and #127951; the GPU
-    machine's torch 2.11 on Python 3.12 recorded none with with_stack alone, session 30). The same
-    frames otherwise (torch 2.13 on the CPU records them either way)."""
+    some builds keep no Python frames under with_stack (pytorch/pytorch #100253 and #127951). It did
+    not bring them back on the GPU machine's torch 2.11 with Python 3.12 (session 31: still none);
+    torch 2.13 on the CPU records the same frames with it or without."""
     if not stack:
         return {}
     from torch._C._profiler import _ExperimentalConfig
