@@ -60,7 +60,7 @@ from moetron.parallel.pipeline.runtime import n_microbatches
 from moetron.run.config import PretrainConfig, check_layout
 from .hardware import GiB, GPUS, RESERVED_GIB, EFF_PCIE, HOST_GBPS, OPTIMIZER_BYTES, HOST_OPTIMIZER_BYTES
 from .memory import (
-    SLICE_FREED, SLICE_FREED_AT_GATE_UP, _expert_params, _linear_params, _swiglu_backward_rows, activation_terms,
+    SLICE_FREED, SLICE_FREED_AT_GATE_UP, _expert_params, _swiglu_backward_rows, activation_terms,
     block_activation_bytes, block_backward_transient, gate_up_wgrad_transient, loss_memory, stage_linear,
 )
 from .switches import Switches, switches
@@ -292,8 +292,8 @@ def plan(p: Plan) -> dict:
         # [code] no forward cast of the dense weights (read 4 + write 2 B) nor backward cast of their
         # gradients (read 2 + write 4 B); the optimizer writes each copy (2 B) and reads 2 B less per
         # gradient: -12 B a dense element (inside the fitted elementwise traffic otherwise)
-        dense_local = sum(sum(_linear_params(cfg, i)[k] for k in ("attention", "mlp")) for i in range(cfg.n_layers))
-        t_grad_cast -= 12.0 * dense_local / (gpu.hbm_tbps * 1e12)
+        dense = stage_linear(cfg, list(range(cfg.n_layers)), 1)  # one unsharded GPU: every layer
+        t_grad_cast -= 12.0 * (dense["attention"] + dense["mlp"]) / (gpu.hbm_tbps * 1e12)
     exposed_fsdp = max(0.0, t_fsdp - t_compute)
     step = t_pipe + exposed_fsdp + t_ar + t_opt + t_offload + t_grad_cast
     # optimizer.overlap (one unsharded GPU): the next forward waits for the embedding's and the first

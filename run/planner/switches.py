@@ -191,11 +191,12 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
     check_quantized_copies(recipe, backend, precision.quantized_expert_copies,
                            str(precision.expert_weight_copies) == "optimizer" and precision.expert_grads_bf16,
                            precision.modules)
-    if precision.expert_grads_bf16 and (parallel.dp_shard > 1 or parallel.ep > 1 or parallel.pp > 1):
+    sharded = parallel.dp_shard > 1 or parallel.ep > 1 or parallel.pp > 1  # the weights are not one GPU's fp32 parameters
+    if precision.expert_grads_bf16 and sharded:
         raise ConfigError("precision.expert_grads_bf16 (with expert_weight_copies=optimizer) is for one unsharded "
                           "GPU: no FSDP2, expert or pipeline parallelism; drop it for this layout")
     dense_copies = bool(precision.dense_weight_copies)
-    check_dense_copies(recipe, dense_copies, sharded=parallel.dp_shard > 1 or parallel.ep > 1 or parallel.pp > 1)
+    check_dense_copies(recipe, dense_copies, sharded=sharded)
     return Switches(compiled=compiled, fused_loss=model.fused_loss,
                     loss_chunk_tokens=model.loss_chunk_tokens or path_chunk_tokens(model.vocab_size, torch.device("cuda"), torch.bfloat16),
                     recipe=str(recipe), backend=str(backend) if recipe in LOW_PRECISION else "native",
