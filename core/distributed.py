@@ -84,7 +84,7 @@ def finish_distributed() -> None:
     closed. A process that never initialized torch.distributed returns normally."""
     if not dist.is_initialized():
         return
-    dist.barrier()
+    barrier()
     dist.destroy_process_group()
     import logging
 

@@ -191,6 +191,23 @@ def _is_swiglu(act: Callable) -> bool:
     return getattr(act, "__wrapped__", act) is swiglu
 
 
+def _check_copyable(optimizer, weights, switch: str, fix: str) -> None:
+    """ConfigError unless ``optimizer`` writes compute copies in its step (core.adamw.PrecisionAwareAdamW)
+    and every one of ``weights`` is an unsharded fp32 parameter: FSDP2 and expert parallelism hand the
+    GEMMs other tensors (bf16 gathers, local shards), so copies of the parameters would never be read.
+    ``switch`` names the setting asking for copies, ``fix`` what to do instead. The one check behind
+    the expert and the dense copies."""
+    from ..config import ConfigError
+
+    if not hasattr(optimizer, "add_compute_copies"):
+        raise ConfigError(f"{switch} needs an optimizer that writes bf16 copies in its step "
+                          f"(core.adamw.PrecisionAwareAdamW), but this run's is {type(optimizer).__name__}: use "
+                          f"optimizer.impl=triton (or auto on a GPU), or {fix}")
+    if any(type(w) is not torch.nn.Parameter or w.dtype != torch.float32 for w in weights):
+        raise ConfigError(f"{switch} is for unsharded fp32 weights (one GPU, no FSDP2, expert or pipeline "
+                          f"parallelism): {fix} for this layout")
+
+
 def attach_expert_copies(optimizer, parts, grads: bool, on_written=None,
                          mx_scale_mode: str | None = None) -> dict[torch.Tensor, torch.Tensor]:
     """precision.expert_weight_copies=optimizer: bf16 copies of every routed expert weight in
@@ -204,24 +221,14 @@ def attach_expert_copies(optimizer, parts, grads: bool, on_written=None,
     with ``grads``): the optimizer writes each copy already MX-quantized along I and dequantized (the
     forward's operand) and a second tensor along O (the dgrad's, GroupedExperts.weight_copies_dgrad),
     in its step's pass (PrecisionAwareAdamW.add_compute_copies' mx_cols)."""
-    from ..config import ConfigError
     from ..moe.experts import GroupedExperts
 
     if mx_scale_mode is not None and not grads:
         raise ValueError("attach_expert_copies: quantized copies (mx_scale_mode) are the GEMMs' operands, which "
                          "needs grads=True (the copies in the parameters' place)")
-    if not hasattr(optimizer, "add_compute_copies"):
-        raise ConfigError(
-            "precision.expert_weight_copies=optimizer needs an optimizer that writes bf16 copies in its "
-            f"step (core.adamw.PrecisionAwareAdamW), but this run's is {type(optimizer).__name__}: use "
-            "optimizer.impl=triton (or auto on a GPU), or expert_weight_copies=step")
     experts = [m for part in parts for m in part.modules() if isinstance(m, GroupedExperts)]
     weights = [w for m in experts for w in (m.w_gate_up, m.w_down)]
-    # FSDP2 / expert parallel hand the GEMMs other tensors than these parameters (bf16 gathers,
-    # local shards): copies of the parameters would never be read there.
-    if any(type(w) is not torch.nn.Parameter or w.dtype != torch.float32 for w in weights):
-        raise ConfigError("precision.expert_weight_copies=optimizer is for unsharded fp32 expert weights "
-                          "(one GPU, no FSDP2 / expert parallel); use expert_weight_copies=step there")
+    _check_copyable(optimizer, weights, "precision.expert_weight_copies=optimizer", "use expert_weight_copies=step")
     copies = {w: w.detach().to(torch.bfloat16) for w in weights}
     cols = {w: torch.empty_like(c) for w, c in copies.items()} if mx_scale_mode is not None else {}
     if grads:
@@ -246,19 +253,12 @@ def attach_dense_copies(optimizer, parts) -> dict[torch.Tensor, torch.Tensor]:
     held all step would add 2 B x V x D at the backward's peak for one cast pass). ConfigError where
     the optimizer writes no copies or a weight is not an unsharded fp32 parameter (FSDP2 gathers its
     own bf16 weights)."""
-    from ..config import ConfigError
     from ..layers.linear import Linear
     from ..layers.loss import LMHead
 
-    if not hasattr(optimizer, "add_compute_copies"):
-        raise ConfigError(
-            "precision.dense_weight_copies=true needs an optimizer that writes bf16 copies in its step "
-            f"(core.adamw.PrecisionAwareAdamW), but this run's is {type(optimizer).__name__}: use "
-            "optimizer.impl=triton (or auto on a GPU), or drop dense_weight_copies")
     linears = [m for part in parts for m in part.modules() if isinstance(m, Linear) and not isinstance(m, LMHead)]
-    if any(type(m.weight) is not torch.nn.Parameter or m.weight.dtype != torch.float32 for m in linears):
-        raise ConfigError("precision.dense_weight_copies=true is for unsharded fp32 weights (one GPU, no FSDP2, "
-                          "expert or pipeline parallelism): drop it for this layout")
+    _check_copyable(optimizer, [m.weight for m in linears], "precision.dense_weight_copies=true",
+                    "drop dense_weight_copies")
     copies = {m.weight: m.weight.detach().to(torch.bfloat16).requires_grad_(True) for m in linears}
     for m in linears:
         m.weight_copy = copies[m.weight]
