@@ -19,9 +19,10 @@ from tests.core.test_bf16_grouped import assert_resume_rewrites_copies
 from tests.core.test_precision_emulated import cuda_losses_on_one_batch
 
 
-def _trainer(dense: bool, micro_batch=None, model_overrides=(), compile=False, **precision):
+def _trainer(dense: bool, micro_batch=None, compile=False, optimizer=None):
     """A tiny MoE (a dense first layer, attention, a shared expert, the fused loss) on the CPU in
-    bf16, PrecisionAwareAdamW's foreach path (it writes compute copies) for both modes."""
+    bf16; ``optimizer`` (an OptimizerConfig) defaults to PrecisionAwareAdamW's foreach path (it writes
+    compute copies) for both modes."""
     from step_builder import RandomTokens, build_trainer  # tools/ (tests/conftest.py puts it on the path)
 
     from moetron.core.memory import MemoryConfig
@@ -29,12 +30,11 @@ def _trainer(dense: bool, micro_batch=None, model_overrides=(), compile=False, *
     from moetron.core.precision import PrecisionConfig
 
     cfg = ModelConfig.preset("tiny-moe")
-    cfg.apply_overrides(["n_layers=2", "moe.experts_backend=grouped_mm", *model_overrides])
+    cfg.apply_overrides(["n_layers=2", "moe.experts_backend=grouped_mm"])
     data = RandomTokens(cfg.vocab_size, 2, 32, torch.device("cpu"))
     trainer = build_trainer(cfg, MemoryConfig(), data, torch.device("cpu"), seq_len=32, micro_batch=micro_batch,
-                            compile=compile,
-                            precision=PrecisionConfig(**{"recipe": "bf16", "dense_weight_copies": dense, **precision}),
-                            optimizer=OptimizerConfig(state_dtype="bf16", impl="torch"))
+                            compile=compile, precision=PrecisionConfig(recipe="bf16", dense_weight_copies=dense),
+                            optimizer=optimizer or OptimizerConfig(state_dtype="bf16", impl="torch"))
     return trainer, data
 
 
@@ -116,25 +116,13 @@ def test_dense_copies_refuse_what_they_cannot_serve():
         PrecisionConfig(recipe="mxfp8", dense_weight_copies=True).validate()
     with pytest.raises(ConfigError, match="precision.recipe=fp32"):
         PrecisionConfig(dense_weight_copies=True).build("cpu")  # auto on the CPU: fp32
+    from moetron.core.optim import OptimizerConfig
+
     with pytest.raises(ConfigError, match="needs an optimizer that writes bf16 copies"):
-        _plain_optimizer_trainer()
+        _trainer(True, optimizer=OptimizerConfig())  # the default on the CPU: torch's AdamW, no copies
     trainer, data = _trainer(True, micro_batch=1)
     with pytest.raises(ConfigError, match="accumulates 2 micro-batches"):
         trainer.train_step(data.next_batch())
-
-
-def _plain_optimizer_trainer():
-    """build_trainer's default optimizer (torch's AdamW: no compute copies) with the switch on."""
-    from step_builder import RandomTokens, build_trainer
-
-    from moetron.core.memory import MemoryConfig
-    from moetron.core.precision import PrecisionConfig
-
-    cfg = ModelConfig.preset("tiny-moe")
-    cfg.apply_overrides(["n_layers=1"])
-    data = RandomTokens(cfg.vocab_size, 2, 32, torch.device("cpu"))
-    return build_trainer(cfg, MemoryConfig(), data, torch.device("cpu"), seq_len=32,
-                         precision=PrecisionConfig(recipe="bf16", dense_weight_copies=True))
 
 
 def test_dense_copies_refuse_weights_that_are_not_unsharded_fp32_parameters():
