@@ -51,7 +51,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from moetron.core.config import SIZE_UNITS, ConfigError, StrEnum, parse_size  # noqa: E402
-from moetron.core.distributed import env_world, init_distributed, is_main, pick_device  # noqa: E402
+from moetron.core.distributed import env_world, finish_distributed, init_distributed, is_main, pick_device  # noqa: E402
 from moetron.core.metrics import run_environment  # noqa: E402
 
 from cli import write_report  # noqa: E402  (tools/cli.py)
@@ -312,8 +312,10 @@ def main(argv: list[str] | None = None) -> int:
         if is_main():
             print_table(env, rows)
             write_report(args.json, env, rows)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    finish_distributed()  # barrier, destroy, exit without the interpreter's teardown (gloo's threads)
     return 0
 
 

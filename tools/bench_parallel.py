@@ -67,7 +67,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from moetron.core.config import ConfigError  # noqa: E402
-from moetron.core.distributed import init_distributed, is_main, pick_device  # noqa: E402
+from moetron.core.distributed import finish_distributed, init_distributed, is_main, pick_device  # noqa: E402
 from moetron.core.metrics import mfu, model_tflops_per_device, peak_tflops, run_environment  # noqa: E402
 from moetron.parallel import expert as expert_module  # noqa: E402
 from moetron.parallel.expert import resolve_dispatch  # noqa: E402
@@ -399,14 +399,14 @@ def main(argv: list[str] | None = None) -> int:
             env = environment(device, world, argv)
             print_table(env, rows)
             write_report(args.json, env, rows)
-        # Tear the group down together: a gloo rank that destroys it while a peer is still on its
-        # way there aborted once (SIGABRT, "terminate called without an active exception") after
-        # a finished run on CPU (session 17's suite).
-        if dist.is_initialized():
-            dist.barrier()
-    finally:
+    except BaseException:
         if dist.is_initialized():
             dist.destroy_process_group()
+        raise
+    # Barrier, destroy, exit without the interpreter's teardown, where gloo's threads aborted finished
+    # runs (SIGABRT, "terminate called without an active exception": session 17, and session 31's
+    # two-node pretrain).
+    finish_distributed()
     return 0
 
 
