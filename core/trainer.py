@@ -28,6 +28,7 @@ from .metrics import MetricsLog, mfu, model_tflops_per_device, peak_tflops
 from .grad import DTensor, clip_grad_norm_
 from .moe.layer import MoELayer, moe_layers
 from .moe.aux_loss import aux_loss_scale
+from .layers.loss import declared_loss_grad
 from .moe.metrics import AUX_LOSSES, LoadLog, StarvedExpertWatch, summarize
 from .tracking import Tracker
 
@@ -286,7 +287,9 @@ class Trainer:
             # accumulated gradient is that of the mean over the whole batch; the MoE layers' aux
             # losses (per-token means too, attached to their outputs) get the same weight.
             share = labels_BS.numel() / total_tokens
-            with aux_loss_scale(share):
+            # The fused LM loss may compute its gradients already at that weight (its backward
+            # receives exactly ``share``; model.fused_loss_prescale).
+            with aux_loss_scale(share), declared_loss_grad(share):
                 loss = self._loss(inputs_BS, labels_BS) * share
                 loss.backward()
             loss_sum += loss.detach()

@@ -90,6 +90,15 @@ class ModelConfig(Config):
     fp32 cross entropy (the reference). Default on: the same GEMMs with 10 bytes x tokens x vocab
     less memory at the start of the backward; the step-time measurement on GPUs is tools/bench_loss.py.
     Forward without labels (scoring, HF comparisons) gives logits either way."""
+    fused_loss_prescale: bool = True
+    """The fused loss takes the gradient its backward will receive where the training loop declares
+    it (the micro-batch's weight; core.layers.loss.declared_loss_grad) and computes its gradients
+    already at that weight, handing them on as they are: no scaling pass over the [V, D] fp32 head
+    gradient in the backward (3.3 GB of HBM traffic at V 100352 x D 4096) and no second copy of it
+    held during that pass. At weight 1 (one micro-batch) or any power of two, the same bits as off;
+    otherwise the weight is folded in before the bf16 rounding of the logits' gradient (a few ulps
+    apart). Only the built-in training loop declares (not step_fn or pipeline schedules: they scale
+    in the backward, as off does)."""
     loss_chunk_tokens: int | None = None
     """Tokens per chunk of the fused loss; None: about 1 GiB of transient logits (5120 tokens at vocab 100352 on CUDA's Triton path, 1536 on the torch path; core/layers/loss.default_chunk_tokens)."""
     hf_metadata: HFMetadata | None = None

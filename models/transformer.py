@@ -46,7 +46,7 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleDict({str(i): Block(cfg, i, device) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, device)
         self.lm_head = LMHead(cfg.d_model, cfg.vocab_size, device, fused=cfg.fused_loss,
-                              chunk_tokens=cfg.loss_chunk_tokens)
+                              chunk_tokens=cfg.loss_chunk_tokens, prescale=cfg.fused_loss_prescale)
         if device is None or torch.device(device).type != "meta":
             self.init_weights()
 

@@ -6,13 +6,19 @@ The fused loss computes, per chunk of C tokens, the logits in the compute dtype 
 autocast), logsumexp and softmax in fp32 (or wider), and, when gradients are wanted, the gradients
 right there in the forward: dlogits = (softmax - onehot) / N, grad_h = dlogits @ W,
 grad_W += dlogits^T @ h (accumulated in fp32). Only grad_h [T, D] and grad_W [V, D] are kept for
-the backward, which scales them by the incoming gradient. The plain path instead holds, at the
-start of the backward, the logits, their fp32 copy and the fp32 log-softmax: 10 bytes x T x V.
+the backward, which scales them by the incoming gradient; or, where the caller has declared the
+gradient its backward will receive (``declared_loss_grad``: the trainer's micro-batch weight), they
+are computed already scaled and the backward hands them on as they are (no pass over the [V, D]
+fp32 grad_W, no second copy of it). The plain path instead holds, at the start of the backward, the
+logits, their fp32 copy and the fp32 log-softmax: 10 bytes x T x V.
 
 Legend: T tokens (leading dims flattened), D model dim, V vocab, C tokens of one chunk.
 """
 
 from __future__ import annotations
+
+import contextlib
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -21,8 +27,8 @@ from ..config import ConfigError
 from ..precision.gemm import compute_dtype
 from .linear import Linear
 
-__all__ = ["CHUNK_ALIGN", "DEFAULT_CHUNK_BYTES", "LMHead", "chunk_bounds", "cross_entropy", "default_chunk_tokens",
-           "linear_cross_entropy", "logit_bytes", "path_chunk_tokens"]
+__all__ = ["CHUNK_ALIGN", "DEFAULT_CHUNK_BYTES", "LMHead", "chunk_bounds", "cross_entropy", "declared_loss_grad",
+           "default_chunk_tokens", "linear_cross_entropy", "logit_bytes", "path_chunk_tokens"]
 
 DEFAULT_CHUNK_BYTES = 1 << 30
 """Default size of one chunk's transient logits (1 GiB): on the Triton path (CUDA) a chunk holds one
@@ -67,6 +73,27 @@ def chunk_bounds(tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:
     return [(start, min(start + size, tokens)) for start in range(0, tokens, size)]
 
 
+_declared_grad: float | None = None
+"""The gradient the fused loss' backward will receive, where its caller has declared it (None:
+unknown, scale in the backward). A module global, read by the eager loss only."""
+
+
+@contextlib.contextmanager
+def declared_loss_grad(grad: float | None) -> Iterator[None]:
+    """Fused losses made in this block will receive exactly ``grad`` as their backward's incoming
+    gradient (the trainer's ``loss * share``: ``share``), so they compute their gradients already
+    multiplied by it and their backward passes them on unscaled. The backward checks on the device,
+    without a host sync, that the gradient it gets is ``grad`` (a mismatch raises there: a CUDA
+    device-side assert). Not for graphs run backward twice (retain_graph): the gradients are handed
+    on, not copied. ``None``: nothing declared (the general path)."""
+    global _declared_grad
+    previous, _declared_grad = _declared_grad, None if grad is None else float(grad)
+    try:
+        yield
+    finally:
+        _declared_grad = previous
+
+
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     """Mean next-token cross entropy of logits [..., V] against labels [...], in fp32 (or wider),
     over the tokens whose label is not ignore_index. The reference for linear_cross_entropy."""
@@ -77,7 +104,7 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int 
 
 def linear_cross_entropy(h: torch.Tensor, weight_VD: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100,
                          z_loss_weight: float = 0.0, chunk_tokens: int | None = None,
-                         return_z_loss: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                         return_z_loss: bool = False, prescale: bool = True) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Mean cross entropy of the logits h @ weight^T without materialising them.
 
     ``h`` [..., D] (the final-normed hidden), ``weight_VD`` [V, D] (the LM head's; an fp32 master
@@ -85,7 +112,9 @@ def linear_cross_entropy(h: torch.Tensor, weight_VD: torch.Tensor, labels: torch
     Returns the mean over the tokens whose label is not ``ignore_index`` (counted over the whole
     call, as F.cross_entropy does; NaN if every token is ignored, with zero gradients), plus
     ``z_loss_weight`` x mean(logsumexp^2) when positive. With ``return_z_loss`` also returns the
-    unweighted mean(logsumexp^2) over those tokens (detached, for logging).
+    unweighted mean(logsumexp^2) over those tokens (detached, for logging). ``prescale``: where the
+    caller declared the backward's incoming gradient (declared_loss_grad), compute the gradients
+    already at it (false: scale them in the backward regardless).
     ``chunk_tokens``: at most this many tokens per chunk, the chunks balanced (chunk_bounds; default:
     default_chunk_tokens(V, logit_bytes(...)), about 1 GiB of transient logits on the path taken).
     The GEMMs run in the compute dtype (autocast's, else h's) whatever the GEMM backend; softmax
@@ -104,32 +133,44 @@ def linear_cross_entropy(h: torch.Tensor, weight_VD: torch.Tensor, labels: torch
     h_TD, labels_T = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
     args = (h_TD, weight_VD, labels_T, ignore_index, float(z_loss_weight), chunk_tokens, dtype)
     if torch.is_grad_enabled() and (h.requires_grad or weight_VD.requires_grad):
-        loss, z = _LinearCrossEntropy.apply(*args)
+        loss, z = _LinearCrossEntropy.apply(*args, _declared_grad if prescale else None)
     else:
         with torch.no_grad():
-            loss, z, _, _ = _chunked(*args, grad_h=False, grad_w=False)
+            loss, z, _, _ = _chunked(*args, grad_h=False, grad_w=False, grad_scale=1.0)
     return (loss, z) if return_z_loss else loss
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """forward(h_TD, w_VD, labels_T, ...) -> (loss, z); the gradients are computed in the forward
-    (see _chunked) and only scaled in the backward."""
+    """forward(h_TD, w_VD, labels_T, ..., declared) -> (loss, z); the gradients are computed in the
+    forward (see _chunked), then scaled in the backward by the gradient it receives; or, with a
+    ``declared`` gradient (declared_loss_grad), computed already scaled by it and handed on as
+    they are: the engine frees this node's saved tensors before the gradient reaches the weight's
+    accumulator, which then keeps the tensor itself as ``.grad`` (no copy)."""
 
     @staticmethod
-    def forward(ctx, h_TD, w_VD, labels_T, ignore_index, z_loss_weight, chunk_tokens, dtype):
+    def forward(ctx, h_TD, w_VD, labels_T, ignore_index, z_loss_weight, chunk_tokens, dtype, declared):
         loss, z, grad_h_TD, grad_w_VD = _chunked(h_TD, w_VD, labels_T, ignore_index, z_loss_weight, chunk_tokens,
                                                  dtype, grad_h=ctx.needs_input_grad[0],
-                                                 grad_w=ctx.needs_input_grad[1])
+                                                 grad_w=ctx.needs_input_grad[1],
+                                                 grad_scale=1.0 if declared is None else declared)
         ctx.save_for_backward(grad_h_TD, grad_w_VD)
         ctx.mark_non_differentiable(z)
+        ctx.declared = declared
         return loss, z
 
     @staticmethod
     def backward(ctx, grad_loss, grad_z):
         grad_h_TD, grad_w_VD = ctx.saved_tensors
+        if ctx.declared is not None:
+            torch._assert_async(grad_loss == ctx.declared,
+                                f"linear_cross_entropy: the loss' backward received a gradient other than the "
+                                f"{ctx.declared!r} declared (declared_loss_grad): scale the loss by exactly "
+                                f"the declared weight, or declare nothing")
+            return (grad_h_TD if ctx.needs_input_grad[0] else None, grad_w_VD if ctx.needs_input_grad[1] else None,
+                    None, None, None, None, None, None)
         grad_h = _scaled(grad_h_TD, grad_loss) if ctx.needs_input_grad[0] else None
         grad_w = _scaled(grad_w_VD, grad_loss) if ctx.needs_input_grad[1] else None
-        return grad_h, grad_w, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None
 
 
 def _scaled(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -141,8 +182,11 @@ def _scaled(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def _chunked(h_TD: torch.Tensor, w_VD: torch.Tensor, labels_T: torch.Tensor, ignore_index: int,
-             z_loss_weight: float, chunk_tokens: int, dtype: torch.dtype, grad_h: bool, grad_w: bool):
-    """(loss, z, grad_h_TD or None, grad_w_VD or None) of the mean loss, chunk by chunk; no host sync."""
+             z_loss_weight: float, chunk_tokens: int, dtype: torch.dtype, grad_h: bool, grad_w: bool,
+             grad_scale: float):
+    """(loss, z, grad_h_TD or None, grad_w_VD or None) of the mean loss, chunk by chunk, the
+    gradients multiplied by ``grad_scale`` (folded into the per-row coefficient: at 1.0 the same bits
+    as unscaled); no host sync."""
     with torch.autocast(h_TD.device.type, enabled=False):  # explicit dtypes below
         acc = torch.promote_types(dtype, torch.float32)
         w_cast = w_VD.detach().to(dtype)  # once per call (an fp32 master weight -> bf16)
@@ -150,6 +194,7 @@ def _chunked(h_TD: torch.Tensor, w_VD: torch.Tensor, labels_T: torch.Tensor, ign
         valid_T = labels_T != ignore_index
         n_valid = valid_T.sum().to(acc)
         inv_n = 1.0 / n_valid.clamp(min=1)  # all ignored: NaN loss (0 / 0), zero gradients
+        grad_inv_n = inv_n if grad_scale == 1.0 else inv_n * grad_scale
         loss_sum = torch.zeros((), dtype=acc, device=h_TD.device)
         z_sum = torch.zeros((), dtype=acc, device=h_TD.device)
         out_h = torch.empty_like(h_TD, memory_format=torch.contiguous_format) if grad_h else None
@@ -165,7 +210,7 @@ def _chunked(h_TD: torch.Tensor, w_VD: torch.Tensor, labels_T: torch.Tensor, ign
                 from .cross_entropy_triton import ce_rows_
 
                 dlogits_CV = h_CD @ w_cast.t()
-                lse_C, target_logit_C = ce_rows_(dlogits_CV, target_C[:, 0], mask_C * inv_n, z_loss_weight,
+                lse_C, target_logit_C = ce_rows_(dlogits_CV, target_C[:, 0], mask_C * grad_inv_n, z_loss_weight,
                                                  grad=grad_h or grad_w)
                 loss_sum += ((lse_C - target_logit_C) * mask_C).sum()
                 z_sum += (lse_C.square() * mask_C).sum()
@@ -186,7 +231,7 @@ def _chunked(h_TD: torch.Tensor, w_VD: torch.Tensor, labels_T: torch.Tensor, ign
             if not (grad_h or grad_w):
                 continue
             # d(mean CE)/dlogits = (softmax - onehot) / N; z-loss adds 2 w lse softmax / N.
-            coef_C = mask_C * inv_n
+            coef_C = mask_C * grad_inv_n
             row_C = coef_C * (1.0 + 2.0 * z_loss_weight * lse_C) if z_loss_weight > 0 else coef_C
             logits_CV.mul_((row_C / sum_exp_C)[:, None])
             logits_CV.scatter_add_(1, target_C, -coef_C[:, None])
@@ -257,20 +302,21 @@ class LMHead(Linear):
     forward(h [..., D], labels [...]) -> mean cross entropy over labels != -100: fused and chunked
     (linear_cross_entropy, never materialising the logits) when ``fused``, else the logits then
     cross_entropy (the reference). ``chunk_tokens``: the fused loss' most tokens per chunk (None:
-    ~1 GiB of transient logits, default_chunk_tokens).
+    ~1 GiB of transient logits, default_chunk_tokens). ``prescale``: linear_cross_entropy's.
     """
 
     def __init__(self, in_features: int, out_features: int, device: torch.device | None = None, fused: bool = True,
-                 chunk_tokens: int | None = None):
+                 chunk_tokens: int | None = None, prescale: bool = True):
         super().__init__(in_features, out_features, device)
-        self.fused, self.chunk_tokens = fused, chunk_tokens
+        self.fused, self.chunk_tokens, self.prescale = fused, chunk_tokens, prescale
 
     def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         if labels is None:
             return super().forward(h)
         if self.fused:
-            return linear_cross_entropy(h, self.weight, labels, chunk_tokens=self.chunk_tokens)
+            return linear_cross_entropy(h, self.weight, labels, chunk_tokens=self.chunk_tokens, prescale=self.prescale)
         return cross_entropy(super().forward(h), labels)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, fused_loss={self.fused}, chunk_tokens={self.chunk_tokens}"
+        return (f"{super().extra_repr()}, fused_loss={self.fused}, chunk_tokens={self.chunk_tokens}, "
+                f"prescale={self.prescale}")

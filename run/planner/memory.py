@@ -153,7 +153,8 @@ def loss_memory(cfg: ModelConfig, sw: Switches, tokens: int) -> dict[str, float]
     [V, D] are kept; its forward's last chunk also holds the bf16 weight and hidden casts and one
     chunk's bf16 logits, turned into dlogits in place by the Triton kernel that CUDA runs (2 B x C x V;
     C the largest of the balanced chunks, chunk_bounds);
-    its backward holds both kept gradients and their scaled copies. plain: the fp32 log-softmax
+    its backward holds both kept gradients and their scaled copies, or, with fused_loss_prescale,
+    hands the kept ones on (nothing more). plain: the fp32 log-softmax
     [T, V] and the head's bf16 input are kept; inside its backward the nll gradient, the log-softmax
     gradient (fp32) and the bf16 logits' gradient join them: 10 B per logit, which is what the
     OLMoE-8L measurement holds at its peak (15.37 GiB at 16384 x 100352) [measured]."""
@@ -163,7 +164,7 @@ def loss_memory(cfg: ModelConfig, sw: Switches, tokens: int) -> dict[str, float]
         saved = norm + 4.0 * T * D + 4.0 * V * D
         C = max((end - start for start, end in chunk_bounds(T, sw.loss_chunk_tokens)), default=0)
         in_forward = saved + 2.0 * V * D + 2.0 * T * D + logit_bytes(torch.bfloat16, triton=True) * C * V
-        in_backward = saved + 4.0 * T * D + 4.0 * V * D
+        in_backward = saved + (0.0 if sw.fused_loss_prescale else 4.0 * T * D + 4.0 * V * D)
         where = "loss forward (last chunk)" if in_forward >= in_backward else "loss backward"
         return {"saved": saved, "peak": max(in_forward, in_backward), "where": where}
     saved = norm + 2.0 * T * D + 4.0 * T * V

@@ -276,7 +276,7 @@ def plan(p: Plan) -> dict:
         t_opt = HOST_OPTIMIZER_BYTES[sw.state_dtype] * tl / (HOST_GBPS * 1e9)
     else:
         t_opt = OPTIMIZER_BYTES[(sw.state_dtype, sw.optimizer_kernel)] * tl / (gpu.hbm_tbps * 1e12)
-    t_grad_cast = 0.0  # [code] saved by expert_grads_bf16 or bf16_experts=cublas: a negative time
+    t_grad_cast = 0.0  # [code] passes the switches remove (expert_grads_bf16, bf16_experts=cublas, ...): a negative time
     grads_bf16 = sw.expert_grads_bf16 and not sw.offload
     if cfg.moe is not None and (grads_bf16 or sw.cublas_bf16_experts):
         # no cast pass after the wgrad GEMM (read 2 + write 4 B per element; inside the fitted
@@ -294,6 +294,10 @@ def plan(p: Plan) -> dict:
         # gradient: -12 B a dense element (inside the fitted elementwise traffic otherwise)
         dense = stage_linear(cfg, list(range(cfg.n_layers)), 1)  # one unsharded GPU: every layer
         t_grad_cast -= 12.0 * (dense["attention"] + dense["mlp"]) / (gpu.hbm_tbps * 1e12)
+    if sw.fused_loss_prescale:
+        # [code] no scaling pass in the loss' backward, each micro-batch: the fp32 grad_W [V, D] and
+        # grad_h [T, D] (the fp32 residual's dtype) read and written (inside the fitted traffic otherwise)
+        t_grad_cast -= m * 8.0 * cfg.d_model * (cfg.vocab_size + T_mb) / (gpu.hbm_tbps * 1e12)
     exposed_fsdp = max(0.0, t_fsdp - t_compute)
     step = t_pipe + exposed_fsdp + t_ar + t_opt + t_offload + t_grad_cast
     # optimizer.overlap (one unsharded GPU): the next forward waits for the embedding's and the first

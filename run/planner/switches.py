@@ -28,6 +28,10 @@ class Switches:
     compiled: bool = True
     fused_loss: bool = True
     """model.fused_loss: the chunked LM-head loss (core/layers/loss.py), else full logits."""
+    fused_loss_prescale: bool = True
+    """model.fused_loss_prescale where the built-in loop declares the loss' gradient (no pipeline
+    schedule): the fused loss' gradients computed at the micro-batch's weight, no scaling pass over
+    grad_W and grad_h in its backward, no scaled copies of them held."""
     loss_chunk_tokens: int = 5120
     """model.loss_chunk_tokens, else the fused loss' own default on a CUDA bf16 run (path_chunk_tokens:
     5120 at V 100352)."""
@@ -198,6 +202,7 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
     dense_copies = bool(precision.dense_weight_copies)
     check_dense_copies(recipe, dense_copies, sharded=sharded)
     return Switches(compiled=compiled, fused_loss=model.fused_loss,
+                    fused_loss_prescale=bool(model.fused_loss and model.fused_loss_prescale and parallel.pp == 1),
                     loss_chunk_tokens=model.loss_chunk_tokens or path_chunk_tokens(model.vocab_size, torch.device("cuda"), torch.bfloat16),
                     recipe=str(recipe), backend=str(backend) if recipe in LOW_PRECISION else "native",
                     low_modules=frozenset(str(m) for m in precision.modules) if recipe in LOW_PRECISION else frozenset(),

@@ -15,8 +15,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moetron.core.config import ConfigError
-from moetron.core.layers.loss import (LMHead, chunk_bounds, cross_entropy, default_chunk_tokens, linear_cross_entropy,
-                                      logit_bytes)
+from moetron.core.layers import loss as L
+from moetron.core.layers.loss import (LMHead, chunk_bounds, cross_entropy, declared_loss_grad, default_chunk_tokens,
+                                      linear_cross_entropy, logit_bytes)
 from moetron.core.optim import OptimizerConfig, SchedulerConfig
 from moetron.core.precision import PrecisionPolicy
 from moetron.core.precision.gemm import DEFAULT_GEMM
@@ -66,6 +67,57 @@ def test_fused_matches_plain_loss_and_grads(dtype, chunk, z_loss_weight):
     for g, r, name in zip(grads, ref_grads, ("h", "weight")):
         assert g.dtype == dtype
         torch.testing.assert_close(g, r, **TOL[dtype], msg=lambda m, name=name: f"grad {name}: {m}")
+
+
+# ---- a declared incoming gradient (model.fused_loss_prescale) ---------------------------------------
+
+@pytest.mark.parametrize("grad", [1.0, 0.25])
+@pytest.mark.parametrize("z_loss_weight", [0.0, 0.1])
+def test_declared_power_of_two_gradient_gives_the_same_bits(grad, z_loss_weight):
+    """Declaring the gradient folds it into the per-row coefficient instead of scaling afterwards: at
+    1 or any power of two both are exact, so the gradients are the same bits."""
+    h, w, y = _inputs(torch.float32)
+    ref = torch.autograd.grad(linear_cross_entropy(h, w, y, chunk_tokens=7, z_loss_weight=z_loss_weight) * grad, (h, w))
+    with declared_loss_grad(grad):
+        loss = linear_cross_entropy(h, w, y, chunk_tokens=7, z_loss_weight=z_loss_weight)
+    got = torch.autograd.grad(loss * grad, (h, w))
+    for g, r in zip(got, ref):
+        assert torch.equal(g, r)
+
+
+def test_declared_gradient_is_folded_in_and_checked():
+    """Any weight: the gradients match the plain loss' in float64; the backward refuses a gradient
+    other than the one declared; the declaration ends with its block."""
+    h, w, y = _inputs(torch.float64)
+    ref = torch.autograd.grad(_plain(h, w, y, 0.1) * 0.37, (h, w))
+    with declared_loss_grad(0.37):
+        loss = linear_cross_entropy(h, w, y, chunk_tokens=5, z_loss_weight=0.1)
+        wrong = linear_cross_entropy(h, w, y, chunk_tokens=5)
+    assert L._declared_grad is None
+    for g, r in zip(torch.autograd.grad(loss * 0.37, (h, w)), ref):
+        torch.testing.assert_close(g, r, **TOL[torch.float64])
+    with pytest.raises(RuntimeError, match="other than the 0.37 declared"):
+        torch.autograd.grad(wrong * 0.5, (h, w))
+
+
+def test_declared_gradient_becomes_the_weight_grad_without_a_copy(monkeypatch):
+    """With a declared gradient the weight's .grad is the very tensor the forward computed (the
+    autograd engine frees the saved one first, so the accumulator keeps it): no scaled second copy
+    of the [V, D] gradient exists at any time. Undeclared, the backward's scaled copy is."""
+    made = []
+    chunked = L._chunked
+
+    def spy(*args, **kwargs):
+        out = chunked(*args, **kwargs)
+        made.append(out[3].data_ptr())
+        return out
+
+    monkeypatch.setattr(L, "_chunked", spy)
+    for declared in (1.0, None):
+        h, w, y = _inputs(torch.float32)
+        with declared_loss_grad(declared):
+            linear_cross_entropy(h, w, y, chunk_tokens=7).backward()
+        assert (w.grad.data_ptr() == made[-1]) == (declared is not None)
 
 
 def test_z_value_for_logging_and_leading_dims():
@@ -286,6 +338,25 @@ def test_train_step_fused_on_and_off(moe):
                                            msg=lambda m, k=k: f"{name} step {step} grad {k}: {m}")
         for k, p in params.items():
             torch.testing.assert_close(p, ref_params[k], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("micro_batch_size", [4, 2])
+def test_train_step_prescaled_loss_grads_on_and_off(micro_batch_size):
+    """model.fused_loss_prescale: one micro-batch (weight 1) or two (weight 1/2, a power of two)
+    give the same bits on and off, gradients and parameters over two steps, the MoE model in bf16."""
+    precision = PrecisionPolicy("cpu", torch.bfloat16, DEFAULT_GEMM)
+    out = {}
+    for on in (True, False):
+        trainer, grads = _trainer(_tiny(True, loss_chunk_tokens=16, fused_loss_prescale=on), None, precision)
+        trainer.cfg.micro_batch_size = micro_batch_size
+        losses = [trainer.train_step(trainer.data.next_batch())[0] for _ in range(2)]
+        out[on] = (torch.stack(losses), grads, {k: p.detach().clone() for k, p in trainer.model.named_parameters()})
+    assert torch.equal(out[True][0], out[False][0])
+    for step in range(2):
+        for k, g in out[False][1][step].items():
+            assert torch.equal(out[True][1][step][k], g), (step, k)
+    for k, p in out[False][2].items():
+        assert torch.equal(out[True][2][k], p), k
 
 
 def test_train_step_bf16_autocast_fused_on_and_off():

@@ -5,7 +5,7 @@ be set before triton is imported) and on the GPU.
 Oracles: float64 cross entropy (F.cross_entropy on float64 logits of the same bf16 operands) and
 the torch chunk path (CE_KERNEL="torch"), for the loss and both gradients; ignored tokens, z-loss,
 a chunk that does not divide T, a vocabulary that is not a multiple of the kernel's block, the
-gradient written in place in bf16 and fp32.
+gradient written in place in bf16 and fp32, a declared incoming gradient folded into the kernel.
 """
 
 from __future__ import annotations
@@ -54,6 +54,14 @@ def check(device: str) -> None:
                 loss = L.linear_cross_entropy(hh, ww, labels, z_loss_weight=z, chunk_tokens=32)
                 gh, gw = torch.autograd.grad(loss * 2.0, (hh, ww))  # a grad_output != 1
                 results[kernel] = (loss, gh, gw)
+            # The same gradient declared (model.fused_loss_prescale): folded into the
+            # kernel's row coefficient; a power of two, so the same bits as scaling afterwards.
+            L.CE_KERNEL = "triton"
+            hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+            with L.declared_loss_grad(2.0):
+                loss = L.linear_cross_entropy(hh, ww, labels, z_loss_weight=z, chunk_tokens=32)
+            for got, want in zip(torch.autograd.grad(loss * 2.0, (hh, ww)), results["triton"][1:]):
+                assert torch.equal(got, want), (dtype, z)
             L.CE_KERNEL = "auto"
             ref_loss, ref_gh, ref_gw = _reference(h, w, labels, z)
             # bf16: the logits themselves are rounded to bf16 (the GEMM's output) on both paths.

@@ -350,6 +350,36 @@ def test_expert_grads_bf16_and_triton_swiglu_terms():
         2 * 2 * rows * cfg.moe.expert_hidden)
 
 
+def test_fused_loss_prescale_terms():
+    """model.fused_loss_prescale (default on): the loss' backward neither makes nor holds scaled copies
+    of grad_h [T, D] and grad_W [V, D] (fp32 both: 4 B each less at its peak, which is then its
+    forward's last chunk) and skips their scaling pass (read and write, 8 B per element, each
+    micro-batch); off under a pipeline schedule (the loop that declares the gradient is not running)."""
+    from moetron.run.planner.hardware import GPUS
+
+    T, D, V = 16384, 2048, 100352
+    from moetron.core.optim import OptimizerConfig
+    from moetron.core.precision import PrecisionConfig
+    from moetron.run.planner.memory import loss_memory
+    from moetron.run.planner.switches import Switches, switches
+
+    on = planner.plan(_olmoe8())
+    off = planner.plan(_olmoe8(model={"fused_loss_prescale": False}))
+    assert off["step_s"] - on["step_s"] == pytest.approx(8.0 * D * (V + T) / (GPUS["h200"].hbm_tbps * 1e12))
+    # olmoe3's D 4096: there the scaled copies make the loss' backward its peak
+    olmoe3 = ModelConfig.preset("olmo3-moe-8e")
+    olmoe3.n_layers, olmoe3.vocab_size, D = 4, V, 4096
+    m_on, m_off = (loss_memory(olmoe3, Switches(fused_loss_prescale=p), T) for p in (True, False))
+    assert m_on["saved"] == m_off["saved"]
+    assert m_off["where"] == "loss backward" and m_off["peak"] - m_off["saved"] == 4 * T * D + 4 * V * D
+    assert m_on["where"] == "loss forward (last chunk)" and m_on["peak"] < m_off["peak"]
+
+    args = (PrecisionConfig(recipe="bf16"), OptimizerConfig(), GPUS["h200"], True)
+    cfg = ModelConfig.tiny_moe()
+    assert switches(cfg, ParallelConfig(), *args).fused_loss_prescale
+    assert not switches(cfg, ParallelConfig(pp=2), *args).fused_loss_prescale
+
+
 def test_dense_weight_copies_terms():
     """precision.dense_weight_copies: 2 B less per dense linear gradient (attention, dense and shared
     SwiGLUs; not the head), 12 B of HBM traffic less per such element in the step (the forward's weight
