@@ -104,7 +104,8 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int 
 
 def linear_cross_entropy(h: torch.Tensor, weight_VD: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100,
                          z_loss_weight: float = 0.0, chunk_tokens: int | None = None,
-                         return_z_loss: bool = False, prescale: bool = True) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                         return_z_loss: bool = False, prescale: bool = True,
+                         weight_bf16: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Mean cross entropy of the logits h @ weight^T without materialising them.
 
     ``h`` [..., D] (the final-normed hidden), ``weight_VD`` [V, D] (the LM head's; an fp32 master
@@ -114,7 +115,9 @@ def linear_cross_entropy(h: torch.Tensor, weight_VD: torch.Tensor, labels: torch
     ``z_loss_weight`` x mean(logsumexp^2) when positive. With ``return_z_loss`` also returns the
     unweighted mean(logsumexp^2) over those tokens (detached, for logging). ``prescale``: where the
     caller declared the backward's incoming gradient (declared_loss_grad), compute the gradients
-    already at it (false: scale them in the backward regardless).
+    already at it (false: scale them in the backward regardless). ``weight_bf16``: a copy of
+    ``weight_VD`` in the compute dtype (the optimizer's, precision.head_weight_copy) that the GEMMs
+    use instead of casting it; the gradient still goes to ``weight_VD``.
     ``chunk_tokens``: at most this many tokens per chunk, the chunks balanced (chunk_bounds; default:
     default_chunk_tokens(V, logit_bytes(...)), about 1 GiB of transient logits on the path taken).
     The GEMMs run in the compute dtype (autocast's, else h's) whatever the GEMM backend; softmax
@@ -130,8 +133,12 @@ def linear_cross_entropy(h: torch.Tensor, weight_VD: torch.Tensor, labels: torch
         raise ValueError(f"linear_cross_entropy: labels {tuple(labels.shape)} must be h's leading shape "
                          f"{tuple(h.shape[:-1])} (h {tuple(h.shape)}), and weight [V, D={h.shape[-1]}], got "
                          f"{tuple(weight_VD.shape)}: pass the labels of the same [B, S] tokens as h")
+    if weight_bf16 is not None and (weight_bf16.shape != weight_VD.shape or weight_bf16.requires_grad):
+        raise ValueError(f"linear_cross_entropy: weight_bf16 must be a copy of weight {tuple(weight_VD.shape)} that "
+                         f"takes no gradient, got {tuple(weight_bf16.shape)}, requires_grad={weight_bf16.requires_grad}")
     h_TD, labels_T = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
-    args = (h_TD, weight_VD, labels_T, ignore_index, float(z_loss_weight), chunk_tokens, dtype)
+    w_cast = weight_bf16 if weight_bf16 is not None and weight_bf16.dtype == dtype else None
+    args = (h_TD, weight_VD, labels_T, ignore_index, float(z_loss_weight), chunk_tokens, dtype, w_cast)
     if torch.is_grad_enabled() and (h.requires_grad or weight_VD.requires_grad):
         loss, z = _LinearCrossEntropy.apply(*args, _declared_grad if prescale else None)
     else:
@@ -148,9 +155,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     accumulator, which then keeps the tensor itself as ``.grad`` (no copy)."""
 
     @staticmethod
-    def forward(ctx, h_TD, w_VD, labels_T, ignore_index, z_loss_weight, chunk_tokens, dtype, declared):
+    def forward(ctx, h_TD, w_VD, labels_T, ignore_index, z_loss_weight, chunk_tokens, dtype, w_cast, declared):
         loss, z, grad_h_TD, grad_w_VD = _chunked(h_TD, w_VD, labels_T, ignore_index, z_loss_weight, chunk_tokens,
-                                                 dtype, grad_h=ctx.needs_input_grad[0],
+                                                 dtype, w_cast, grad_h=ctx.needs_input_grad[0],
                                                  grad_w=ctx.needs_input_grad[1],
                                                  grad_scale=1.0 if declared is None else declared)
         ctx.save_for_backward(grad_h_TD, grad_w_VD)
@@ -167,10 +174,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
                                 f"{ctx.declared!r} declared (declared_loss_grad): scale the loss by exactly "
                                 f"the declared weight, or declare nothing")
             return (grad_h_TD if ctx.needs_input_grad[0] else None, grad_w_VD if ctx.needs_input_grad[1] else None,
-                    None, None, None, None, None, None)
+                    None, None, None, None, None, None, None)
         grad_h = _scaled(grad_h_TD, grad_loss) if ctx.needs_input_grad[0] else None
         grad_w = _scaled(grad_w_VD, grad_loss) if ctx.needs_input_grad[1] else None
-        return grad_h, grad_w, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None
 
 
 def _scaled(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -182,14 +189,15 @@ def _scaled(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def _chunked(h_TD: torch.Tensor, w_VD: torch.Tensor, labels_T: torch.Tensor, ignore_index: int,
-             z_loss_weight: float, chunk_tokens: int, dtype: torch.dtype, grad_h: bool, grad_w: bool,
-             grad_scale: float):
+             z_loss_weight: float, chunk_tokens: int, dtype: torch.dtype, w_cast: torch.Tensor | None,
+             grad_h: bool, grad_w: bool, grad_scale: float):
     """(loss, z, grad_h_TD or None, grad_w_VD or None) of the mean loss, chunk by chunk, the
     gradients multiplied by ``grad_scale`` (folded into the per-row coefficient: at 1.0 the same bits
-    as unscaled); no host sync."""
+    as unscaled); ``w_cast``: w_VD already in ``dtype`` (else cast here); no host sync."""
     with torch.autocast(h_TD.device.type, enabled=False):  # explicit dtypes below
         acc = torch.promote_types(dtype, torch.float32)
-        w_cast = w_VD.detach().to(dtype)  # once per call (an fp32 master weight -> bf16)
+        if w_cast is None:
+            w_cast = w_VD.detach().to(dtype)  # once per call (an fp32 master weight -> bf16)
         h_cast = h_TD.detach().to(dtype)
         valid_T = labels_T != ignore_index
         n_valid = valid_T.sum().to(acc)
@@ -309,12 +317,16 @@ class LMHead(Linear):
                  chunk_tokens: int | None = None, prescale: bool = True):
         super().__init__(in_features, out_features, device)
         self.fused, self.chunk_tokens, self.prescale = fused, chunk_tokens, prescale
+        # The optimizer's bf16 copy of ``weight`` that the fused loss computes on (precision.head_weight_copy,
+        # core.precision.gemm.attach_head_copy). None: the loss casts the weight.
+        self.weight_bf16: torch.Tensor | None = None
 
     def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         if labels is None:
             return super().forward(h)
         if self.fused:
-            return linear_cross_entropy(h, self.weight, labels, chunk_tokens=self.chunk_tokens, prescale=self.prescale)
+            return linear_cross_entropy(h, self.weight, labels, chunk_tokens=self.chunk_tokens, prescale=self.prescale,
+                                        weight_bf16=self.weight_bf16)
         return cross_entropy(super().forward(h), labels)
 
     def extra_repr(self) -> str:

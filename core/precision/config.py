@@ -130,21 +130,23 @@ def check_expert_copies(recipe: PrecisionRecipe | str, backend: PrecisionBackend
                           f"do): add --precision.backend=emulated, or drop expert_weight_copies and expert_grads_bf16")
 
 
-def check_dense_copies(recipe: PrecisionRecipe | str, copies: bool, sharded: bool = False) -> None:
-    """ConfigError where ``copies`` (precision.dense_weight_copies) meet a recipe other than bf16 (auto
-    passes until resolved: fp32 on the CPU) or a ``sharded`` layout (FSDP2, expert or pipeline
-    parallelism: the weights are not one GPU's fp32 parameters), naming the fix. The one rule the
-    config, the build and the planner apply."""
+def check_dense_copies(recipe: PrecisionRecipe | str, copies: bool, sharded: bool = False,
+                       switch: str = "dense_weight_copies") -> None:
+    """ConfigError where ``copies`` (precision.dense_weight_copies, or the ``switch`` head_weight_copy)
+    meet a recipe other than bf16 (auto passes until resolved: fp32 on the CPU) or a ``sharded``
+    layout (FSDP2, expert or pipeline parallelism: the weights are not one GPU's fp32 parameters),
+    naming the fix. The one rule the config, the build and the planner apply to both."""
     if not copies:
         return
     recipe = PrecisionRecipe(recipe)
+    what = "the LM head computes" if switch == "head_weight_copy" else "the dense linears compute"
     if recipe not in (PrecisionRecipe.bf16, PrecisionRecipe.auto):
-        raise ConfigError(f"precision.dense_weight_copies=true has the dense linears compute on the optimizer's bf16 "
-                          f"weight copies, a bf16-recipe option, and this run has precision.recipe={recipe}: use "
-                          f"--precision.recipe=bf16, or drop dense_weight_copies")
+        raise ConfigError(f"precision.{switch}=true has {what} on the optimizer's bf16 weight copies, a bf16-recipe "
+                          f"option, and this run has precision.recipe={recipe}: use --precision.recipe=bf16, or drop "
+                          f"{switch}")
     if sharded:
-        raise ConfigError("precision.dense_weight_copies=true is for one unsharded GPU (its fp32 weights are the "
-                          "copies' masters): no FSDP2, expert or pipeline parallelism; drop it for this layout")
+        raise ConfigError(f"precision.{switch}=true is for one unsharded GPU (its fp32 weights are the copies' "
+                          f"masters): no FSDP2, expert or pipeline parallelism; drop it for this layout")
 
 
 def check_emulated_saves(recipe: PrecisionRecipe | str, backend: PrecisionBackend | str, x_bf16: bool) -> None:
@@ -272,6 +274,16 @@ class PrecisionConfig(Config):
     which the backward keeps anyway; the dense gradients take 2 B an element instead of 4. Bound by
     the casts in olmoe3-4l-8e's measured step (about 2.7 ms of cast kernels on the H100,
     docs/performance.md, session 31); **not yet measured on a GPU**: off by default."""
+    head_weight_copy: bool = False
+    """bf16 recipe, one GPU (unsharded fp32 weights): the fused LM loss computes on a bf16 copy of the
+    head's weight that the optimizer's step writes, instead of casting the fp32 weight in every forward
+    (read 4 + write 2 B an element: 2.5 GB, about 0.9 ms a step at V 100352 x D 4096 on the H100,
+    session 31's profile), for 2 B an element more written by the optimizer. The gradient stays fp32
+    on the master weight (the loss accumulates it over chunks in fp32), so gradient accumulation is
+    allowed. The same bits as without it (the copy is the cast's rounding). Memory: the copy, 2 B x
+    V x D (0.77 GiB at that shape), is held all step instead of only during the loss' forward: the
+    step's peak rises by about that where it is outside the loss. Apart from dense_weight_copies, which
+    leaves the head out, so each is measured on its own; **not yet measured on a GPU**: off by default."""
     triton_swiglu: bool = True
     """The routed experts' SwiGLU (silu(gate) * up) and its backward in one Triton pass each on CUDA
     (core/precision/swiglu_triton.py) instead of seven torch elementwise passes (eager) or inductor's
@@ -392,6 +404,7 @@ class PrecisionConfig(Config):
         check_input_once(self.recipe, self.backend, self.quantize_input_once)
         check_quantized_copies(self.recipe, self.backend, self.quantized_expert_copies, optimizer_copies, self.modules)
         check_dense_copies(self.recipe, self.dense_weight_copies)
+        check_dense_copies(self.recipe, self.head_weight_copy, switch="head_weight_copy")
         if self.expert_grads_bf16 and copies != WeightCopies.optimizer:
             raise ConfigError("precision.expert_grads_bf16=true keeps the experts' gradients on the optimizer's bf16 "
                               "weight copies: it needs --precision.expert_weight_copies=optimizer, got "
@@ -451,6 +464,7 @@ class PrecisionConfig(Config):
         recipe = self.resolved_recipe(device_type)
         per_expert = Bf16Experts(self.bf16_experts) == Bf16Experts.cublas
         check_dense_copies(recipe, self.dense_weight_copies)  # auto resolved: fp32 on the CPU
+        check_dense_copies(recipe, self.head_weight_copy, switch="head_weight_copy")
         if recipe == PrecisionRecipe.fp32:
             return PrecisionPolicy(device_type, None, gemm_backend("torch"))
         if recipe == PrecisionRecipe.bf16:
@@ -458,7 +472,8 @@ class PrecisionConfig(Config):
 
             gemm = TorchGemm(weight_copies=self.expert_weight_copies, triton_swiglu=self.triton_swiglu,
                              grads_on_copies=self.expert_grads_bf16,
-                             per_expert=per_expert, dense_copies=self.dense_weight_copies)
+                             per_expert=per_expert, dense_copies=self.dense_weight_copies,
+                             head_copy=self.head_weight_copy)
             return PrecisionPolicy(device_type, torch.bfloat16, gemm)
         backend = self.resolved_backend(device_type, verbose=verbose)
         if recipe == PrecisionRecipe.mxfp8 and backend == PrecisionBackend.native and GemmModule.experts in self.modules:

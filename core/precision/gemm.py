@@ -28,7 +28,7 @@ from . import bf16_grouped
 from .cache import outside_graph
 from .bf16_grouped import scale_rows
 
-__all__ = ["GEMM_BACKENDS", "GemmBackend", "TorchGemm", "attach_dense_copies", "attach_expert_copies", "compute_dtype", "gemm_backend", "register_gemm_backend", "with_w_dgrad",
+__all__ = ["GEMM_BACKENDS", "GemmBackend", "TorchGemm", "attach_dense_copies", "attach_expert_copies", "attach_head_copy", "compute_dtype", "gemm_backend", "register_gemm_backend", "with_w_dgrad",
            "scale_rows"]
 
 
@@ -266,6 +266,27 @@ def attach_dense_copies(optimizer, parts) -> dict[torch.Tensor, torch.Tensor]:
     return copies
 
 
+def attach_head_copy(optimizer, parts) -> dict[torch.Tensor, torch.Tensor]:
+    """precision.head_weight_copy: a bf16 copy of each LM head's weight in ``parts``, written by
+    ``optimizer`` in its step (LMHead.weight_bf16) -> {parameter: copy}. The fused loss computes on
+    it instead of casting the fp32 weight; the gradient stays fp32 on the weight (no copy receives
+    it). ConfigError without the fused loss, and as for the other copies (_check_copyable)."""
+    from ..layers.loss import LMHead
+
+    from ..config import ConfigError
+
+    heads = [m for part in parts for m in part.modules() if isinstance(m, LMHead)]
+    if any(not m.fused for m in heads):
+        raise ConfigError("precision.head_weight_copy=true serves the fused LM loss, and this model has "
+                          "model.fused_loss=false: set model.fused_loss=true, or drop head_weight_copy")
+    _check_copyable(optimizer, [m.weight for m in heads], "precision.head_weight_copy=true", "drop head_weight_copy")
+    copies = {m.weight: m.weight.detach().to(torch.bfloat16) for m in heads}
+    for m in heads:
+        m.weight_bf16 = copies[m.weight]
+    optimizer.add_compute_copies(copies)
+    return copies
+
+
 class TorchGemm(GemmBackend):
     """PyTorch's own GEMMs in the compute dtype: bf16 under autocast with fp32 master weights, or
     fp32 without it. Dense: F.linear (autocast casts). Grouped: torch._grouped_mm in the compute
@@ -276,7 +297,7 @@ class TorchGemm(GemmBackend):
     name = "torch"
 
     def __init__(self, weight_copies: str = "none", triton_swiglu: bool = False, grads_on_copies: bool = False,
-                 per_expert: bool = False, dense_copies: bool = False):
+                 per_expert: bool = False, dense_copies: bool = False, head_copy: bool = False):
         # precision.expert_weight_copies: the grouped GEMMs' bf16 weight copies, none, made once per
         # step ("step") or written by the optimizer and pinned in the cache ("optimizer").
         self.optimizer_copies = str(weight_copies) == "optimizer"
@@ -288,10 +309,13 @@ class TorchGemm(GemmBackend):
         self.triton_swiglu = triton_swiglu  # precision.triton_swiglu
         self.per_expert = bool(per_expert)  # precision.bf16_experts=cublas: one cuBLAS GEMM per expert
         self.dense_copies = bool(dense_copies)  # precision.dense_weight_copies
+        self.head_copy = bool(head_copy)  # precision.head_weight_copy
 
     def attach_optimizer(self, optimizer, parts) -> None:
         if self.dense_copies:
             attach_dense_copies(optimizer, parts)
+        if self.head_copy:
+            attach_head_copy(optimizer, parts)
         if not self.optimizer_copies:
             return
         copies = attach_expert_copies(optimizer, parts, grads=self.grads_on_copies,

@@ -150,7 +150,8 @@ def loss_memory(cfg: ModelConfig, sw: Switches, tokens: int) -> dict[str, float]
     saved included) and ``where`` that peak is.
 
     fused (core/layers/loss.py): grad_h [T, D] (h's dtype: the fp32 residual) and the fp32 grad_W
-    [V, D] are kept; its forward's last chunk also holds the bf16 weight and hidden casts and one
+    [V, D] are kept; its forward's last chunk also holds the bf16 weight (unless head_weight_copy: the
+    optimizer's copy, counted with the step's copies) and hidden casts and one
     chunk's bf16 logits, turned into dlogits in place by the Triton kernel that CUDA runs (2 B x C x V;
     C the largest of the balanced chunks, chunk_bounds);
     its backward holds both kept gradients and their scaled copies, or, with fused_loss_prescale,
@@ -163,7 +164,8 @@ def loss_memory(cfg: ModelConfig, sw: Switches, tokens: int) -> dict[str, float]
     if sw.fused_loss:
         saved = norm + 4.0 * T * D + 4.0 * V * D
         C = max((end - start for start, end in chunk_bounds(T, sw.loss_chunk_tokens)), default=0)
-        in_forward = saved + 2.0 * V * D + 2.0 * T * D + logit_bytes(torch.bfloat16, triton=True) * C * V
+        w_cast = 0.0 if sw.head_weight_copy else 2.0 * V * D  # head_weight_copy: the step's copy (held elsewhere)
+        in_forward = saved + w_cast + 2.0 * T * D + logit_bytes(torch.bfloat16, triton=True) * C * V
         in_backward = saved + (0.0 if sw.fused_loss_prescale else 4.0 * T * D + 4.0 * V * D)
         where = "loss forward (last chunk)" if in_forward >= in_backward else "loss backward"
         return {"saved": saved, "peak": max(in_forward, in_backward), "where": where}

@@ -172,6 +172,8 @@ def plan(p: Plan) -> dict:
         cache_backward = sw.cache_bytes(linear) - cache
         if sw.expert_weight_copies and not fsdp:  # [code] 2 B per local expert parameter, held through the step
             cache += 2.0 * linear["experts"] * (2 if sw.quantized_expert_copies else 1)  # (+ the dgrad's copy)
+        if last and sw.fused_loss and sw.head_weight_copy:  # [code] the head's bf16 copy, held through the step
+            cache += 2.0 * cfg.vocab_size * cfg.d_model
         # FSDP2: two gathered blocks in bf16 (reshard after forward); under pp the stage stays gathered
         # for the step and its unsharded fp32 grads accumulate over the micro-batches (torchtitan's
         # choice for pipelines: no per-micro-batch all-gather / reduce-scatter).
@@ -294,6 +296,10 @@ def plan(p: Plan) -> dict:
         # gradient: -12 B a dense element (inside the fitted elementwise traffic otherwise)
         dense = stage_linear(cfg, list(range(cfg.n_layers)), 1)  # one unsharded GPU: every layer
         t_grad_cast -= 12.0 * (dense["attention"] + dense["mlp"]) / (gpu.hbm_tbps * 1e12)
+    if sw.fused_loss and sw.head_weight_copy:
+        # [code] no cast of the head weight in each micro-batch's loss forward (read 4 + write 2 B an
+        # element); the optimizer writes the copy (2 B) once a step
+        t_grad_cast -= (6.0 * m - 2.0) * cfg.vocab_size * cfg.d_model / (gpu.hbm_tbps * 1e12)
     if sw.fused_loss_prescale:
         # [code] no scaling pass in the loss' backward, each micro-batch: the fp32 grad_W [V, D] and
         # grad_h [T, D] (the fp32 residual's dtype) read and written (inside the fitted traffic otherwise)

@@ -59,6 +59,10 @@ class Switches:
     instead of 4; no fp32 -> bf16 weight casts in the forward (read 4 + write 2 B) nor bf16 -> fp32
     gradient casts in the backward (read 2 + write 4 B); the optimizer writes 2 B more per copied
     element and reads 2 B less per dense gradient."""
+    head_weight_copy: bool = False
+    """precision.head_weight_copy (bf16, one unsharded GPU): the fused loss computes on the optimizer's
+    bf16 copy of the head weight, held all step (2 B x V x D) instead of cast in the loss' forward
+    (read 4 + write 2 B an element); the optimizer writes 2 B more per element."""
     quantized_expert_copies: bool = False
     """precision.quantized_expert_copies (mxfp8 emulated on the optimizer's expert copies): the optimizer
     writes each expert weight quantized both ways in its step (2 B more written per element, a second
@@ -201,6 +205,8 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
                           "GPU: no FSDP2, expert or pipeline parallelism; drop it for this layout")
     dense_copies = bool(precision.dense_weight_copies)
     check_dense_copies(recipe, dense_copies, sharded=sharded)
+    head_copy = bool(precision.head_weight_copy)
+    check_dense_copies(recipe, head_copy, sharded=sharded, switch="head_weight_copy")
     return Switches(compiled=compiled, fused_loss=model.fused_loss,
                     fused_loss_prescale=bool(model.fused_loss and model.fused_loss_prescale and parallel.pp == 1),
                     loss_chunk_tokens=model.loss_chunk_tokens or path_chunk_tokens(model.vocab_size, torch.device("cuda"), torch.bfloat16),
@@ -219,6 +225,6 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
                     emulated_save_x_bf16=bool(precision.emulated_save_x_bf16),
                     quantize_input_once=input_once,
                     quantized_expert_copies=bool(precision.quantized_expert_copies),
-                    dense_weight_copies=dense_copies,
+                    dense_weight_copies=dense_copies, head_weight_copy=head_copy,
                     optimizer_kernel="torch" if str(optimizer.impl) == "torch" or optimizer.fused is not None else "triton",
                     offload=parallel.fsdp_offload)

@@ -1,4 +1,5 @@
-"""precision.dense_weight_copies: the dense linears compute on the optimizer's bf16 weight copies.
+"""precision.dense_weight_copies: the dense linears compute on the optimizer's bf16 weight copies;
+precision.head_weight_copy: the fused LM loss computes on the optimizer's bf16 copy of the head weight.
 
 Oracle: the same run without the switch (autocast casting the fp32 master weights), which with one
 micro-batch per step must give the same losses and weights bit for bit: autocast rounds each weight
@@ -19,7 +20,7 @@ from tests.core.test_bf16_grouped import assert_resume_rewrites_copies
 from tests.core.test_precision_emulated import cuda_losses_on_one_batch
 
 
-def _trainer(dense: bool, micro_batch=None, compile=False, optimizer=None):
+def _trainer(dense: bool, micro_batch=None, compile=False, optimizer=None, head: bool = False):
     """A tiny MoE (a dense first layer, attention, a shared expert, the fused loss) on the CPU in
     bf16; ``optimizer`` (an OptimizerConfig) defaults to PrecisionAwareAdamW's foreach path (it writes
     compute copies) for both modes."""
@@ -33,7 +34,8 @@ def _trainer(dense: bool, micro_batch=None, compile=False, optimizer=None):
     cfg.apply_overrides(["n_layers=2", "moe.experts_backend=grouped_mm"])
     data = RandomTokens(cfg.vocab_size, 2, 32, torch.device("cpu"))
     trainer = build_trainer(cfg, MemoryConfig(), data, torch.device("cpu"), seq_len=32, micro_batch=micro_batch,
-                            compile=compile, precision=PrecisionConfig(recipe="bf16", dense_weight_copies=dense),
+                            compile=compile, precision=PrecisionConfig(recipe="bf16", dense_weight_copies=dense,
+                                                             head_weight_copy=head),
                             optimizer=optimizer or OptimizerConfig(state_dtype="bf16", impl="torch"))
     return trainer, data
 
@@ -142,10 +144,89 @@ def test_dense_copies_refuse_weights_that_are_not_unsharded_fp32_parameters():
     assert len(copies) == 2 and all(m.weight_copy is copies[m.weight] for m in model)
 
 
+# ---- precision.head_weight_copy ----------------------------------------------------------------
+
+@pytest.mark.parametrize("dense,micro_batch", [(False, None), (True, None), (False, 1)],
+                         ids=["head", "head+dense", "head, 2 micro-batches"])
+def test_head_copy_trains_as_the_fp32_master_bit_for_bit(dense, micro_batch):
+    """Three steps with the head's copy (alone, with the dense copies, and over two micro-batches,
+    which the head's copy allows: its gradient stays fp32 on the master) against the same run
+    without it: the same losses and weights, bit for bit (the copy is the cast's rounding)."""
+    runs = {}
+    for head in (False, True):
+        trainer, data = _trainer(dense, micro_batch=micro_batch, head=head)
+        losses = [trainer.train_step(data.next_batch())[0].item() for _ in range(3)]
+        runs[head] = losses, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    assert runs[True][0] == runs[False][0] and runs[False][0][2] != runs[False][0][0]
+    assert all(torch.equal(runs[True][1][k], v) for k, v in runs[False][1].items())
+
+
+def test_head_copy_is_what_the_loss_computes_on_and_the_optimizer_rewrites(monkeypatch):
+    """The fused loss takes the copy instead of casting (the tensor handed to its chunks is the copy
+    itself); the copy takes no gradient, the fp32 weight does; after a step the copy is the bf16
+    rounding of the updated weight; an optimizer without copies is refused by name."""
+    from moetron.core.layers import loss as L
+
+    trainer, data = _trainer(False, head=True)
+    (head,) = [m for m in trainer.model.modules() if isinstance(m, LMHead)]
+    assert head.weight_bf16.dtype == torch.bfloat16 and not head.weight_bf16.requires_grad
+    assert head.weight_copy is None  # compute_weight (the logits path) stays the fp32 master
+    handed = []
+    chunked = L._chunked
+
+    def spy(h, w, labels, ignore, z, chunk, dtype, w_cast, **kw):
+        handed.append(w_cast)
+        return chunked(h, w, labels, ignore, z, chunk, dtype, w_cast, **kw)
+
+    monkeypatch.setattr(L, "_chunked", spy)
+    batch = data.next_batch()
+    with trainer.precision.autocast():
+        trainer.model(batch[:, :-1], batch[:, 1:]).backward()
+    assert handed and handed[0] is head.weight_bf16
+    assert head.weight.grad.dtype == torch.float32 and head.weight_bf16.grad is None
+    trainer.optimizer.zero_grad()
+    before = head.weight.detach().clone()
+    trainer.train_step(data.next_batch())
+    assert not torch.equal(head.weight, before)
+    assert torch.equal(head.weight_bf16, head.weight.detach().to(torch.bfloat16))
+    from moetron.core.optim import OptimizerConfig
+
+    with pytest.raises(ConfigError, match="head_weight_copy=true needs an optimizer"):
+        _trainer(False, head=True, optimizer=OptimizerConfig())
+    from moetron.core.adamw import PrecisionAwareAdamW
+    from moetron.core.precision.gemm import attach_head_copy
+
+    plain = LMHead(8, 16, fused=False)
+    with pytest.raises(ConfigError, match="model.fused_loss=false"):
+        attach_head_copy(PrecisionAwareAdamW(plain.parameters(), kernel="foreach"), [plain])
+
+
+def test_resume_rewrites_the_head_copy(tmp_path):
+    assert_resume_rewrites_copies(lambda: _trainer(False, head=True), tmp_path)
+
+
+def test_head_copy_refuses_other_recipes_and_sharded_layouts():
+    from moetron.core.optim import OptimizerConfig
+    from moetron.core.precision import PrecisionConfig
+    from moetron.parallel.config import ParallelConfig
+    from moetron.run.planner.hardware import GPUS
+    from moetron.run.planner.switches import switches
+
+    with pytest.raises(ConfigError, match="head_weight_copy=true has the LM head compute"):
+        PrecisionConfig(recipe="fp8_rowwise", head_weight_copy=True).validate()
+    with pytest.raises(ConfigError, match="precision.recipe=fp32"):
+        PrecisionConfig(head_weight_copy=True).build("cpu")
+    precision = PrecisionConfig(recipe="bf16", head_weight_copy=True)
+    args = (OptimizerConfig(), GPUS["h100"], True)
+    assert switches(ModelConfig.tiny_moe(), ParallelConfig(), precision, *args).head_weight_copy
+    with pytest.raises(ConfigError, match="head_weight_copy=true is for one unsharded GPU"):
+        switches(ModelConfig.tiny_moe(), ParallelConfig(dp_shard=2), precision, *args)
+
+
 @pytest.mark.gpu
 def test_dense_copies_train_as_the_fp32_masters_on_gpu():
     """On CUDA (the optimizer's Triton kernel writing the copies, compiled blocks): three steps on one
-    batch with and without the copies. The same values by construction; compared to 1e-5 because a
+    batch with and without the copies (the dense ones and the head's). The same values by construction; compared to 1e-5 because a
     CUDA step is not bit-reproducible run to run; the loss must fall."""
     from moetron.core.precision import PrecisionConfig
 
@@ -155,7 +236,7 @@ def test_dense_copies_train_as_the_fp32_masters_on_gpu():
         copied[len(copied)] = any(getattr(m, "weight_copy", None) is not None for m in trainer.model.modules())
 
     runs = {dense: cuda_losses_on_one_batch(PrecisionConfig(
-        recipe="bf16", expert_weight_copies="optimizer", expert_grads_bf16=True, dense_weight_copies=dense),
-        check=record) for dense in (False, True)}
+        recipe="bf16", expert_weight_copies="optimizer", expert_grads_bf16=True, dense_weight_copies=dense,
+        head_weight_copy=dense), check=record) for dense in (False, True)}
     assert copied == {0: False, 1: True}
     assert runs[True] == pytest.approx(runs[False], rel=1e-5) and runs[False][2] < runs[False][0]
