@@ -90,6 +90,13 @@ class ModelConfig(Config):
     fp32 cross entropy (the reference). Default on: the same GEMMs with 10 bytes x tokens x vocab
     less memory at the start of the backward; the step-time measurement on GPUs is tools/bench_loss.py.
     Forward without labels (scoring, HF comparisons) gives logits either way."""
+    triton_embedding_grad: bool = False
+    """The token embedding's weight gradient from one deterministic Triton pass over the vocabulary
+    (core/layers/embedding.py) on CUDA, instead of torch's zero-fill and sort-and-segment kernels
+    (about 2 ms a step on olmoe3-4l-8e on the H100, session 31's profile; the pass's floor is writing
+    the [V, D] fp32 gradient once, about 0.55 ms). Each row is summed in increasing token order in
+    fp32: the same bits run to run, fp32 rounding apart from torch's order. Elsewhere (the CPU) torch's
+    backward either way. **Not yet measured on a GPU**: off by default."""
     fused_loss_prescale: bool = True
     """The fused loss takes the gradient its backward will receive where the training loop declares
     it (the micro-batch's weight; core.layers.loss.declared_loss_grad) and computes its gradients

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moetron.core.layers import Attention, LMHead, RMSNorm, SwiGLU
+from moetron.core.layers import Attention, Embedding, LMHead, RMSNorm, SwiGLU
 from moetron.core.layers.loss import cross_entropy
 from moetron.core.layers.rope import RotaryEmbedding, prefill_ropes, rope_modules
 from moetron.core.moe import MoELayer, moe_layers
@@ -40,7 +40,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, device=None):
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model, device=device)
+        self.embed = Embedding(cfg.vocab_size, cfg.d_model, device=device, triton_grad=cfg.triton_embedding_grad)
         # A ModuleDict keyed by layer index keeps parameter names stable when pipeline stages
         # hold only some of the blocks.
         self.blocks = nn.ModuleDict({str(i): Block(cfg, i, device) for i in range(cfg.n_layers)})

@@ -14,6 +14,15 @@ are bytes above what h, the weight and the labels take (CUDA only).
     python tools/bench_loss.py --tokens 256 --vocab 512 --d-model 64 --steps 2 --warmup 1   # CPU smoke
     python tools/bench_loss.py --gemms --chunk-tokens 4096,8192  # the head's three GEMMs of one chunk
 
+``--rows``: instead of whole losses, the fused loss' Triton row kernel alone
+(core/layers/cross_entropy_triton.ce_rows_: logsumexp and the logits' gradient in place) on one
+chunk's bf16 logits [C, V], at each setting of --row-blocks x --row-warps x the gradient pass's
+direction (forward, or from the row's end back: REVERSED): ms, and GB/s of the three passes' bytes
+(two reads and a write of the logits; a second read that hits L2 shows as more than HBM's rate).
+On the CPU only under TRITON_INTERPRET=1 (slow; for checking the tool).
+
+    python tools/bench_loss.py --rows --chunk-tokens 4096,8192
+
 ``--gemms``: instead of whole losses, one chunk's three GEMMs in the layouts the fused loss runs
 (``used``: the logits h @ W^T in bf16; grad_h = dlogits @ W written in fp32; grad_W += dlogits^T @ h
 added into the fp32 [V, D] accumulator by the GEMM, core.layers.loss._mm_into) beside the
@@ -163,6 +172,37 @@ def gemm_rows(args, device: torch.device, chunks: list[int]) -> list[dict]:
     return rows
 
 
+def ce_rows_sweep(args, device: torch.device, chunks: list[int]) -> list[dict]:
+    """--rows: the Triton row kernel alone at each setting (see the module docstring)."""
+    import os
+
+    from moetron.core.layers import cross_entropy_triton as K
+
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError("--rows times the fused loss' Triton kernel: run it on a GPU (or, to check the tool, "
+                          "on the CPU with TRITON_INTERPRET=1)")
+    rows = []
+    for chunk in chunks:
+        gen = torch.Generator(device=device).manual_seed(0)
+        logits = (torch.randn(chunk, args.vocab, device=device, generator=gen) * 2).to(torch.bfloat16)
+        target = torch.randint(0, args.vocab, (chunk,), device=device, generator=gen)
+        coef = torch.full((chunk,), 1.0 / chunk, device=device)
+        moved = 3.0 * logits.numel() * logits.element_size()
+        for block in args.row_blocks:
+            for warps in args.row_warps:
+                for reverse in (False, True):
+                    work = logits.clone()  # overwritten in place by every call: gradients, still finite
+                    ms = _time_ms(lambda: K.ce_rows_(work, target, coef, 0.0, grad=True, block=block,
+                                                     num_warps=warps, reversed_grad=reverse), args, device)
+                    default = (block, warps, reverse) == (K.BLOCK_V, K.NUM_WARPS, K.REVERSED)
+                    rows.append({"chunk_tokens": chunk, "vocab": args.vocab, "block": block, "num_warps": warps,
+                                 "reversed": reverse, "default": default, "ms": ms,
+                                 "gbps": None if ms is None else moved / ms / 1e6})
+                    del work
+        del logits
+    return rows
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
 
@@ -182,6 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--gemms", action="store_true",
                         help="time one chunk's three head GEMMs in each layout instead of whole losses")
+    parser.add_argument("--rows", action="store_true",
+                        help="time the fused loss' Triton row kernel alone at each setting instead of whole losses")
+    parser.add_argument("--row-blocks", type=_ints, default=[2048, 4096, 8192], help="--rows: elements per iteration")
+    parser.add_argument("--row-warps", type=_ints, default=[4, 8, 16], help="--rows: warps per program")
     parser.add_argument("--json", default="runs/bench/bench_loss.json")
     args = parser.parse_args(argv)
     if args.tokens <= 0 or args.vocab <= 0 or args.steps <= 0 or args.warmup < 0:
@@ -189,6 +233,19 @@ def main(argv: list[str] | None = None) -> int:
     args.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     chunks = args.chunk_tokens or [path_chunk_tokens(args.vocab, device, args.dtype)]
+    if args.rows:
+        rows = ce_rows_sweep(args, device, chunks)
+        env = {**run_environment(device, 1, "tools/bench_loss.py", argv), "dtype": "torch.bfloat16"}
+        print(f"{env['device']} | torch {env['torch']} | V {args.vocab} | bf16 logits | the Triton row kernel "
+              f"(GB/s of two reads and a write)")
+        print(f"{'chunk':>6} {'block':>6} {'warps':>5} {'grad pass':<10} {'ms':>8} {'GB/s':>8}")
+        for r in rows:
+            ms, bw = ("n/a", "n/a") if r["ms"] is None else (f"{r['ms']:.3f}", f"{r['gbps']:.0f}")
+            mark = " (default)" if r["default"] else ""
+            print(f"{r['chunk_tokens']:>6} {r['block']:>6} {r['num_warps']:>5} "
+                  f"{'backward' if r['reversed'] else 'forward':<10} {ms:>8} {bw:>8}{mark}")
+        write_report(args.json, env, rows)
+        return 0
     if args.gemms:
         rows = gemm_rows(args, device, chunks)
         env = {**run_environment(device, 1, "tools/bench_loss.py", argv), "dtype": str(args.dtype)}

@@ -54,6 +54,10 @@ RULES: list[tuple[str, str]] = [
     ("routing", r"_(?:route|scatter_rows|zero_unwritten_rows|combine_rows)\w*_kernel|^moetron::|topk|TopK|[Ss]ort"),
     # The loss kernels, moetron's fused one (core/layers/cross_entropy_triton.py) included.
     ("loss", r"log_softmax|LogSoftMax|nll_loss|cross_entropy|logsumexp|^_ce_\w*_kernel$"),
+    # The token embedding's weight gradient: torch's (sort, segment sums) and moetron's Triton pass
+    # (core/layers/embedding_triton.py); its zero-fill and sort through ENCLOSING below.
+    ("embedding", r"sum_and_scatter|compute_grad_weight|krn_partial|partials_per_segment|num_of_partial_segments|"
+                  r"embedding_backward|^_embedding_\w*_kernel$"),
     # Inductor kernels fused into a scaled GEMM's operands (fp8_rowwise's quantization traced into the
     # graph: their names list the GEMM they feed, e.g. triton_poi_fused__scaled_grouped_mm__to_copy_...).
     ("cast_copy", r"^triton_(?:poi|red|per)_fused_\w*_scaled_(?:grouped_)?mm"),
@@ -78,10 +82,11 @@ RULES: list[tuple[str, str]] = [
 ]
 # (category, pattern of an enclosing op or range): a kernel launched inside one is that category unless
 # its name says GEMM or attention: the unfused optimizer's lerp/addcdiv/sqrt, the chunked fused loss's
-# exp/sum/casts (its matmuls stay gemm). Routing has none, so the int32 fills inside it stay visible.
+# exp/sum/casts (its matmuls stay gemm), the embedding backward's zero-fill and sort. Routing has none, so the int32 fills inside it stay visible.
 ENCLOSING: list[tuple[str, str]] = [
     ("optimizer", r"^Optimizer\.(?:step|zero_grad)#"),
     ("loss", r"CrossEntropy|^aten::cross_entropy_loss$"),
+    ("embedding", r"EmbeddingBackward|^aten::embedding_(?:dense_)?backward$"),
 ]
 CATEGORIES: list[str] = list(dict.fromkeys(c for c, _ in RULES))
 _COMPILED = [(c, re.compile(p)) for c, p in RULES]

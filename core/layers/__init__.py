@@ -1,6 +1,8 @@
-"""Model-agnostic transformer layers: norms, rotary embeddings, attention, MLPs, the LM head and its loss."""
+"""Model-agnostic transformer layers: the token embedding, norms, rotary embeddings, attention, MLPs, the LM
+head and its loss."""
 
 from .attention import Attention, AttentionBackend, AttentionConfig, sliding_window_causal_mask
+from .embedding import Embedding
 from .linear import Linear
 from .loss import LMHead, cross_entropy, linear_cross_entropy
 from .mlp import SwiGLU
@@ -11,6 +13,7 @@ __all__ = [
     "Attention",
     "AttentionBackend",
     "AttentionConfig",
+    "Embedding",
     "LMHead",
     "Linear",
     "RMSNorm",

@@ -10,6 +10,16 @@ never exists.
 
     lse, target_logit = ce_rows_(logits_CV, target_C, coef_C, z_loss_weight, grad=True)
 
+The second read is the floor's third (two reads and a write: 2.5 GB a 4096-token chunk at V 100352,
+0.88 ms at the H100's 2.8-3 TB/s, about the 3.5 ms of the step's four chunks measured in session
+31). It comes from L2 only where the row was read recently: the rows in flight (a few programs per
+SM, each a 200 KB row at that V: about 80 MB) outrun the 50 MB L2. ``REVERSED`` walks the gradient
+pass from the row's end back, so it starts on the blocks the first pass read last, the ones still in
+L2; ``NUM_WARPS`` (more warps, fewer programs per SM) shrinks the rows in flight. Both change the
+order of independent element-wise work only: the same bits (tests/core/test_loss_triton.py).
+``tools/bench_loss.py --rows`` times each setting; the defaults stay the measured ones until a GPU
+says otherwise.
+
 Legend: C tokens of the chunk, V vocab.
 """
 
@@ -22,11 +32,16 @@ import triton.language as tl
 __all__ = ["ce_rows_"]
 
 BLOCK_V = 4096
+"""Elements of a row per loop iteration."""
+NUM_WARPS = 8
+"""Warps per program (one program per row)."""
+REVERSED = False
+"""The gradient pass from the row's end back (see the module docstring); not yet measured on a GPU."""
 
 
 @triton.jit
 def _ce_rows_kernel(logits_ptr, target_ptr, coef_ptr, lse_ptr, tgt_logit_ptr, V, stride, z_loss_weight,
-                    GRAD: tl.constexpr, BLOCK: tl.constexpr):
+                    GRAD: tl.constexpr, BLOCK: tl.constexpr, REVERSE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride
     cols = tl.arange(0, BLOCK)
@@ -49,8 +64,9 @@ def _ce_rows_kernel(logits_ptr, target_ptr, coef_ptr, lse_ptr, tgt_logit_ptr, V,
         # d/dlogits of coef * (lse - x_t) + coef * z * lse^2 = coef * (1 + 2 z lse) softmax - coef onehot.
         coef = tl.load(coef_ptr + row)
         scale = coef * (1.0 + 2.0 * z_loss_weight * lse)
-        for start in range(0, V, BLOCK):
-            idx = start + cols
+        n_blocks = tl.cdiv(V, BLOCK)
+        for k in range(0, n_blocks):
+            idx = ((n_blocks - 1 - k) if REVERSE else k) * BLOCK + cols
             inside = idx < V
             x = tl.load(base + idx, mask=inside, other=0.0).to(tl.float32)
             d = tl.exp(x - lse) * scale - tl.where(idx == target, coef, 0.0)
@@ -58,11 +74,14 @@ def _ce_rows_kernel(logits_ptr, target_ptr, coef_ptr, lse_ptr, tgt_logit_ptr, V,
 
 
 def ce_rows_(logits_CV: torch.Tensor, target_C: torch.Tensor, coef_C: torch.Tensor | None,
-             z_loss_weight: float, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+             z_loss_weight: float, grad: bool, *, block: int | None = None, num_warps: int | None = None,
+             reversed_grad: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """For each row of logits_CV [C, V] (bf16/fp16/fp32, rows contiguous): (logsumexp [C] fp32,
     the logit at target_C [C] (int, in [0, V)) fp32). With ``grad``, also overwrites the logits
     with their gradient coef_C[c] * ((1 + 2 z lse) softmax - onehot(target)) (coef_C fp32 [C]: the
-    row's weight in the mean, 0 for ignored tokens; z = z_loss_weight), in the logits' dtype."""
+    row's weight in the mean, 0 for ignored tokens; z = z_loss_weight), in the logits' dtype.
+    ``block``, ``num_warps``, ``reversed_grad``: the kernel's settings (None: BLOCK_V, NUM_WARPS,
+    REVERSED; tools/bench_loss.py --rows sweeps them)."""
     C, V = logits_CV.shape
     if logits_CV.stride(1) != 1:
         raise ValueError("ce_rows_: the logits' rows must be contiguous")
@@ -72,6 +91,8 @@ def ce_rows_(logits_CV: torch.Tensor, target_C: torch.Tensor, coef_C: torch.Tens
         return lse_C, tgt_C
     coef = coef_C.to(torch.float32).contiguous() if grad else lse_C  # unread without grad
     _ce_rows_kernel[(C,)](logits_CV, target_C.contiguous(), coef, lse_C, tgt_C, V, logits_CV.stride(0),
-                          float(z_loss_weight), GRAD=grad, BLOCK=min(BLOCK_V, triton.next_power_of_2(V)),
-                          num_warps=8)
+                          float(z_loss_weight), GRAD=grad,
+                          BLOCK=min(block or BLOCK_V, triton.next_power_of_2(V)),
+                          REVERSE=REVERSED if reversed_grad is None else bool(reversed_grad),
+                          num_warps=num_warps or NUM_WARPS)
     return lse_C, tgt_C

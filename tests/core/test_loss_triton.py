@@ -5,7 +5,8 @@ be set before triton is imported) and on the GPU.
 Oracles: float64 cross entropy (F.cross_entropy on float64 logits of the same bf16 operands) and
 the torch chunk path (CE_KERNEL="torch"), for the loss and both gradients; ignored tokens, z-loss,
 a chunk that does not divide T, a vocabulary that is not a multiple of the kernel's block, the
-gradient written in place in bf16 and fp32, a declared incoming gradient folded into the kernel.
+gradient written in place in bf16 and fp32, a declared incoming gradient folded into the kernel, and the kernel's settings (block, warps, the
+gradient pass's direction) giving the same bits.
 """
 
 from __future__ import annotations
@@ -84,6 +85,25 @@ def check(device: str) -> None:
     assert torch.equal(logits, before)
     torch.testing.assert_close(lse, torch.logsumexp(logits.float(), -1), rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(tgt, logits.float().gather(1, target[:, None])[:, 0])
+    # The kernel's settings: the gradient pass walked backwards reorders independent element-wise
+    # work only (the same bits); block and warps also regroup the row's max / sum (fp32 rounding
+    # only). A row that no block divides and an ignored row included.
+    coef = torch.tensor([0.25, 0.0, 0.5, 0.125, 1.0], device=device)
+    outputs = {}
+    for block, warps in ((4096, 8), (1024, 4)):
+        for reverse in (False, True):
+            g = before.clone()
+            lse, tgt = ce_rows_(g, target, coef, 1e-3, grad=True, block=block, num_warps=warps,
+                                reversed_grad=reverse)
+            outputs[block, reverse] = (g, lse, tgt)
+    for block in (4096, 1024):
+        assert all(torch.equal(a, b) for a, b in zip(outputs[block, False], outputs[block, True]))
+    g, lse, tgt = outputs[4096, False]
+    torch.testing.assert_close(outputs[1024, True][1], lse, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(outputs[1024, True][0].float(), g.float(), rtol=1e-2, atol=1e-8)
+    p = torch.softmax(before.float(), -1) * (coef * (1 + 2e-3 * lse))[:, None]
+    p[torch.arange(5), target] -= coef
+    torch.testing.assert_close(g.float(), p, rtol=1e-2, atol=1e-6)
 
 
 def check_interpreted() -> None:

@@ -65,6 +65,10 @@ NAMES = {
     "at::native::(anonymous namespace)::LogSoftMaxForwardEpilogue>(float*, float const*, int)": "loss",
     "void at::native::(anonymous namespace)::nll_loss_forward_reduce_cuda_kernel_2d<float, float, long>": "loss",
     "aten::log_softmax": "loss",
+    "void at::native::(anonymous namespace)::sum_and_scatter<float, long>(long const*, float*, long, long const*)":
+        "embedding",
+    "void at::native::(anonymous namespace)::compute_grad_weight<float, long>(long const*, float const*)": "embedding",
+    "_embedding_grad_kernel": "embedding",
     "_route_count_kernel": "routing",
     "_combine_rows_backward_kernel": "routing",
     "moetron::scatter_rows": "routing",
@@ -99,6 +103,7 @@ TRITON_KERNEL_CATEGORIES = {
     "core/adamw_triton.py": "optimizer",
     "core/moe/kernels/": "routing",
     "core/layers/cross_entropy_triton.py": "loss",
+    "core/layers/embedding_triton.py": "embedding",
     "core/precision/fp8_triton.py": "gemm",
     "core/precision/blockwise_triton.py": "cast_copy",  # quantization
     "core/precision/mx_triton.py": "cast_copy",  # quantization
@@ -135,6 +140,13 @@ def test_op_record_decides_fill_dtype_and_optimizer_range():
     fused_loss = ["_LinearCrossEntropyBackward", "autograd::engine::evaluate_function: _LinearCrossEntropyBackward"]
     assert profile_step.classify("aten::exp_", enclosing=fused_loss) == "loss"
     assert profile_step.classify("aten::mm", enclosing=fused_loss) == "gemm"  # its matmuls stay GEMMs
+    # The embedding's backward, torch's or moetron's: its zero-fill and sort count as the embedding's.
+    for node in ("EmbeddingBackward0", "_TritonGradEmbeddingBackward"):
+        embedding = [f"autograd::engine::evaluate_function: {node}", "ProfilerStep*"]
+        assert profile_step.classify("Memset (Device)", enclosing=embedding) == "embedding"
+        assert profile_step.classify("void at_cuda_detail::cub::DeviceRadixSortOnesweepKernel",
+                                     enclosing=embedding) == "embedding"
+    assert profile_step.classify("void at_cuda_detail::cub::DeviceRadixSortOnesweepKernel") == "routing"
 
 
 # torch >= 2.12's events link each kernel to its op (linked_correlation_id); torch <= 2.11 has no

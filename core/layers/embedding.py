@@ -1,0 +1,74 @@
+"""The token embedding: an ``nn.Embedding`` (the same ``weight``, init and checkpoint names, and still
+what code looking for embeddings finds) whose weight gradient can come from one deterministic Triton
+pass (``triton_grad``: model.triton_embedding_grad; core/layers/embedding_triton.py) instead of
+torch's zero-fill and sort-and-segment kernels.
+
+Legend: T tokens (leading dims flattened), V vocabulary, D embedding dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["Embedding", "embedding_grad"]
+
+KERNEL = "auto"
+"""Where the Triton gradient runs when asked for: "auto" (CUDA tensors), "triton" (also CPU ones,
+under TRITON_INTERPRET=1: the tests)."""
+
+
+def _use_triton(device: torch.device) -> bool:
+    return KERNEL == "triton" or device.type == "cuda"
+
+
+def embedding_grad(ids: torch.Tensor, grad: torch.Tensor, num_embeddings: int, dtype: torch.dtype) -> torch.Tensor:
+    """The gradient of F.embedding(ids, weight) with respect to weight [V = num_embeddings, D], in
+    ``dtype``, for the incoming ``grad`` [*ids.shape, D]: row v is the sum, in fp32 and in increasing
+    token order, of the rows of the tokens whose id is v; zeros for ids absent. Deterministic, no
+    host sync (a stable sort of the ids, two searchsorted over the vocabulary, one Triton pass)."""
+    from .embedding_triton import embedding_grad_
+
+    ids_T = ids.reshape(-1)
+    grad_TD = grad.reshape(ids_T.numel(), grad.shape[-1]).contiguous()
+    sorted_T, order_T = torch.sort(ids_T, stable=True)
+    vocab_V = torch.arange(num_embeddings, device=ids.device, dtype=sorted_T.dtype)
+    starts_V = torch.searchsorted(sorted_T, vocab_V)
+    ends_V = torch.searchsorted(sorted_T, vocab_V, right=True)
+    out_VD = torch.empty(num_embeddings, grad_TD.shape[1], device=grad.device, dtype=dtype)
+    return embedding_grad_(order_T, starts_V, ends_V, grad_TD, out_VD)
+
+
+class _TritonGradEmbedding(torch.autograd.Function):
+    """forward(ids, weight) = F.embedding(ids, weight); backward: embedding_grad."""
+
+    @staticmethod
+    def forward(ctx, ids, weight):
+        ctx.save_for_backward(ids)
+        ctx.vocab, ctx.dtype = weight.shape[0], weight.dtype
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (ids,) = ctx.saved_tensors
+        return None, embedding_grad(ids, grad, ctx.vocab, ctx.dtype)
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding(V, D) (no padding index, max norm or sparse gradient); ``triton_grad``: its
+    weight gradient from embedding_grad where Triton runs (CUDA), torch's backward elsewhere."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, device: torch.device | None = None,
+                 triton_grad: bool = False):
+        super().__init__(num_embeddings, embedding_dim, device=device)
+        self.triton_grad = bool(triton_grad)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if (self.triton_grad and torch.is_grad_enabled() and self.weight.requires_grad
+                and _use_triton(self.weight.device)):
+            return _TritonGradEmbedding.apply(ids, self.weight)
+        return super().forward(ids)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, triton_grad={self.triton_grad}"
