@@ -166,7 +166,7 @@ def gemm_rows(args, device: torch.device, chunks: list[int]) -> list[dict]:
                 ms = _time_ms(fn, args, device)
                 rows.append({"d_model": d_model, "chunk_tokens": chunk, "vocab": args.vocab, "gemm": gemm,
                              "layout": layout, "ms": ms, "tflops": None if ms is None else flops / ms / 1e9})
-            del h, w, g, out_h, out_w, out_wt
+            h = w = g = out_h = out_w = out_wt = cases = None  # freed before the next size
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return rows
@@ -192,13 +192,13 @@ def ce_rows_sweep(args, device: torch.device, chunks: list[int]) -> list[dict]:
             for warps in args.row_warps:
                 for reverse in (False, True):
                     work = logits.clone()  # overwritten in place by every call: gradients, still finite
+                    # (the lambda runs inside _time_ms, at this iteration's block / warps / direction)
                     ms = _time_ms(lambda: K.ce_rows_(work, target, coef, 0.0, grad=True, block=block,
                                                      num_warps=warps, reversed_grad=reverse), args, device)
                     default = (block, warps, reverse) == (K.BLOCK_V, K.NUM_WARPS, K.REVERSED)
                     rows.append({"chunk_tokens": chunk, "vocab": args.vocab, "block": block, "num_warps": warps,
                                  "reversed": reverse, "default": default, "ms": ms,
                                  "gbps": None if ms is None else moved / ms / 1e6})
-                    del work
         del logits
     return rows
 
