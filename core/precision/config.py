@@ -130,7 +130,7 @@ def check_expert_copies(recipe: PrecisionRecipe | str, backend: PrecisionBackend
                           f"do): add --precision.backend=emulated, or drop expert_weight_copies and expert_grads_bf16")
 
 
-def check_dense_copies(recipe: PrecisionRecipe | str, copies: bool, sharded: bool = False,
+def check_bf16_copies(recipe: PrecisionRecipe | str, copies: bool, sharded: bool = False,
                        switch: str = "dense_weight_copies") -> None:
     """ConfigError where ``copies`` (precision.dense_weight_copies, or the ``switch`` head_weight_copy)
     meet a recipe other than bf16 (auto passes until resolved: fp32 on the CPU) or a ``sharded``
@@ -403,8 +403,8 @@ class PrecisionConfig(Config):
         check_emulated_saves(self.recipe, self.backend, self.emulated_save_x_bf16)
         check_input_once(self.recipe, self.backend, self.quantize_input_once)
         check_quantized_copies(self.recipe, self.backend, self.quantized_expert_copies, optimizer_copies, self.modules)
-        check_dense_copies(self.recipe, self.dense_weight_copies)
-        check_dense_copies(self.recipe, self.head_weight_copy, switch="head_weight_copy")
+        check_bf16_copies(self.recipe, self.dense_weight_copies)
+        check_bf16_copies(self.recipe, self.head_weight_copy, switch="head_weight_copy")
         if self.expert_grads_bf16 and copies != WeightCopies.optimizer:
             raise ConfigError("precision.expert_grads_bf16=true keeps the experts' gradients on the optimizer's bf16 "
                               "weight copies: it needs --precision.expert_weight_copies=optimizer, got "
@@ -463,8 +463,8 @@ class PrecisionConfig(Config):
         device_type = torch.device(device).type
         recipe = self.resolved_recipe(device_type)
         per_expert = Bf16Experts(self.bf16_experts) == Bf16Experts.cublas
-        check_dense_copies(recipe, self.dense_weight_copies)  # auto resolved: fp32 on the CPU
-        check_dense_copies(recipe, self.head_weight_copy, switch="head_weight_copy")
+        check_bf16_copies(recipe, self.dense_weight_copies)  # auto resolved: fp32 on the CPU
+        check_bf16_copies(recipe, self.head_weight_copy, switch="head_weight_copy")
         if recipe == PrecisionRecipe.fp32:
             return PrecisionPolicy(device_type, None, gemm_backend("torch"))
         if recipe == PrecisionRecipe.bf16:

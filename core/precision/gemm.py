@@ -271,9 +271,8 @@ def attach_head_copy(optimizer, parts) -> dict[torch.Tensor, torch.Tensor]:
     ``optimizer`` in its step (LMHead.weight_bf16) -> {parameter: copy}. The fused loss computes on
     it instead of casting the fp32 weight; the gradient stays fp32 on the weight (no copy receives
     it). ConfigError without the fused loss, and as for the other copies (_check_copyable)."""
-    from ..layers.loss import LMHead
-
     from ..config import ConfigError
+    from ..layers.loss import LMHead
 
     heads = [m for part in parts for m in part.modules() if isinstance(m, LMHead)]
     if any(not m.fused for m in heads):

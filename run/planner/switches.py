@@ -14,7 +14,7 @@ from moetron.core.config import ConfigError
 from moetron.core.layers.loss import path_chunk_tokens
 from moetron.core.optim import OptimizerConfig
 from moetron.core.precision import Fp8Wgrad, PrecisionConfig, PrecisionRecipe, emulated
-from moetron.core.precision.config import (check_dense_copies, check_emulated_saves, check_expert_copies, input_once_on,
+from moetron.core.precision.config import (check_bf16_copies, check_emulated_saves, check_expert_copies, input_once_on,
                                           check_quantized_copies, takes_expert_copies)
 from moetron.models import ModelConfig
 from moetron.parallel.config import ParallelConfig
@@ -204,9 +204,9 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
         raise ConfigError("precision.expert_grads_bf16 (with expert_weight_copies=optimizer) is for one unsharded "
                           "GPU: no FSDP2, expert or pipeline parallelism; drop it for this layout")
     dense_copies = bool(precision.dense_weight_copies)
-    check_dense_copies(recipe, dense_copies, sharded=sharded)
+    check_bf16_copies(recipe, dense_copies, sharded=sharded)
     head_copy = bool(precision.head_weight_copy)
-    check_dense_copies(recipe, head_copy, sharded=sharded, switch="head_weight_copy")
+    check_bf16_copies(recipe, head_copy, sharded=sharded, switch="head_weight_copy")
     return Switches(compiled=compiled, fused_loss=model.fused_loss,
                     fused_loss_prescale=bool(model.fused_loss and model.fused_loss_prescale and parallel.pp == 1),
                     loss_chunk_tokens=model.loss_chunk_tokens or path_chunk_tokens(model.vocab_size, torch.device("cuda"), torch.bfloat16),
