@@ -26,20 +26,28 @@ __all__ = ["embedding_grad_"]
 
 BLOCK_D = 1024
 """Embedding columns per program."""
+UNROLL = 8
+"""A row's tokens loaded together (their sum still in order)."""
 
 
 @triton.jit
 def _embedding_grad_kernel(grad_ptr, order_ptr, starts_ptr, ends_ptr, out_ptr, D, stride_grad, stride_out,
-                           BLOCK: tl.constexpr, OUT_BF16: tl.constexpr):
+                           BLOCK: tl.constexpr, UNROLL: tl.constexpr, OUT_BF16: tl.constexpr):
     v = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = cols < D
     start = tl.load(starts_ptr + v)
     end = tl.load(ends_ptr + v)
     acc = tl.zeros([BLOCK], tl.float32)
-    for i in range(start, end):  # this id's tokens, in increasing position (a stable sort)
-        t = tl.load(order_ptr + i).to(tl.int64)
-        acc += tl.load(grad_ptr + t * stride_grad + cols, mask=inside, other=0.0).to(tl.float32)
+    # This id's tokens in increasing position (a stable sort), UNROLL at a time: the unrolled loads do
+    # not depend on the sums, so they are in flight together (a frequent token's long run of rows is
+    # not one dependent load after another), while the adds keep the sequential order. A load past
+    # the run adds 0.0, which leaves the sum exact (begun at +0.0, it is never -0.0).
+    for base in range(start, end, UNROLL):
+        for j in tl.static_range(UNROLL):
+            t = tl.load(order_ptr + tl.minimum(base + j, end - 1)).to(tl.int64)  # in the run, read or not
+            in_run = base + j + tl.zeros([BLOCK], tl.int64) < end  # a [BLOCK] mask (the interpreter wants one)
+            acc += tl.load(grad_ptr + t * stride_grad + cols, mask=inside & in_run, other=0.0).to(tl.float32)
     if OUT_BF16:  # nearest even on the GPU and under the interpreter alike (core/triton_round.py)
         tl.store(out_ptr + v * stride_out + cols, round_to_bf16(acc), mask=inside)
     else:
@@ -60,5 +68,5 @@ def embedding_grad_(order_T: torch.Tensor, starts_V: torch.Tensor, ends_V: torch
     block = min(BLOCK_D, triton.next_power_of_2(D))
     _embedding_grad_kernel[(V, triton.cdiv(D, block))](grad_TD, order_T, starts_V, ends_V, out_VD, D,
                                                        grad_TD.stride(0), out_VD.stride(0), BLOCK=block,
-                                                       OUT_BF16=out_VD.dtype == torch.bfloat16, num_warps=4)
+                                                       UNROLL=UNROLL, OUT_BF16=out_VD.dtype == torch.bfloat16, num_warps=4)
     return out_VD

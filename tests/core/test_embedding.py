@@ -2,8 +2,8 @@
 under TRITON_INTERPRET=1 on the CPU (a subprocess: the variable must be set before triton is imported)
 and on the GPU.
 
-Oracles: a sequential fp32 loop over the tokens in order (the kernel's own summation order: the same
-bits), float64 sums, and torch's own embedding backward (fp32 rounding apart); ids absent from the
+Oracles: a sequential fp32 loop over the tokens in order (the kernel's own summation order, its
+unrolled loads included: the same bits), float64 sums, and torch's own embedding backward (fp32 rounding apart); ids absent from the
 batch, repeated ones, a D that no block divides, bf16 gradients; the module's forward equals
 nn.Embedding's and its parameters keep their names.
 """
@@ -34,6 +34,7 @@ def check(device: str) -> None:
     for vocab, D, grad_dtype in ((50, 40, torch.float32), (37, 1500, torch.float32), (50, 96, torch.bfloat16)):
         ids = torch.randint(0, vocab // 2, (3, 21), generator=g)  # half the vocabulary absent, ids repeated
         ids[0, :5] = vocab - 1  # the last row, five times
+        ids[1, 3:] = 3  # a run of 18 and more: past two of the kernel's unrolled loads of 8
         grad = torch.randn(3, 21, D, generator=g).to(grad_dtype)
         got = E.embedding_grad(ids.to(device), grad.to(device), vocab, torch.float32)
         assert got.shape == (vocab, D) and got.dtype == torch.float32
