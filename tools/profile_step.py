@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Where a training step's kernel time goes: torch.profiler over the step tools/bench_train.py
 measures, every kernel put in one category (GEMM, attention, optimizer, casts and copies, fills,
-loss, routing, norm, fused pointwise, ...), printed as a table per category and the top kernels.
+loss, routing, the embedding's backward, norm, fused pointwise, ...), printed as a table per
+category and the top kernels.
 
     python tools/profile_step.py --preset olmoe-1b-7b --model.n_layers=8 --model.vocab_size=100352 \
         --seq-len 4096 --batch 4 --compile

@@ -175,7 +175,8 @@ def use_triton_swiglu(h: Tensor, wanted: bool) -> bool:
 
 @torch.library.custom_op("moetron::grouped_swiglu_down", mutates_args=())
 def _swiglu_down_op(h: Tensor, w: Tensor, offsets: Tensor, scale: Tensor | None, dtype: str, cache_id: int,
-                    triton_swiglu: bool, per_expert: bool) -> Tensor:
+                    triton_swiglu: bool, per_expert: bool, save_product: bool) -> tuple[Tensor, Tensor]:
+    """(the output [R, D], the unscaled product [R, F] where ``save_product``, else an empty tensor)."""
     dt = _DTYPES[dtype]
     h = h.to(dt)
     if use_triton_swiglu(h, triton_swiglu):
@@ -184,31 +185,38 @@ def _swiglu_down_op(h: Tensor, w: Tensor, offsets: Tensor, scale: Tensor | None,
         act = swiglu_forward(h.contiguous())
     else:
         act = _swiglu(h)
-    return _gmm(scale_rows(act, scale), _weight(w, dt, cache_id), offsets, per_expert)
+    y = _gmm(scale_rows(act, scale), _weight(w, dt, cache_id), offsets, per_expert)
+    return y, (act if save_product else act.new_empty(0))
 
 
 @_swiglu_down_op.register_fake
-def _(h, w, offsets, scale, dtype, cache_id, triton_swiglu, per_expert):
-    return h.new_empty(h.shape[0], w.shape[1], dtype=_DTYPES[dtype])
+def _(h, w, offsets, scale, dtype, cache_id, triton_swiglu, per_expert, save_product):
+    dt = _DTYPES[dtype]
+    return (h.new_empty(h.shape[0], w.shape[1], dtype=dt),
+            h.new_empty(h.shape[0], h.shape[1] // 2, dtype=dt) if save_product else h.new_empty(0, dtype=dt))
 
 
 @torch.library.custom_op("moetron::grouped_swiglu_down_backward", mutates_args=())
-def _swiglu_down_backward_op(grad: Tensor, h: Tensor, w: Tensor, offsets: Tensor, scale: Tensor | None, dtype: str,
-                             cache_id: int, triton_swiglu: bool, per_expert: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _swiglu_down_backward_op(grad: Tensor, h: Tensor, w: Tensor, offsets: Tensor, scale: Tensor | None, act: Tensor,
+                             dtype: str, cache_id: int, triton_swiglu: bool,
+                             per_expert: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``act``: the forward's product where it was saved (precision.save_swiglu_product), else empty
+    (recomputed here)."""
     dt = _DTYPES[dtype]
     no_scale = h.new_empty(0, dtype=torch.float32)
+    saved = act.dim() == 2  # the product [R, F]; not saved: a 1-D empty placeholder
     if per_expert:  # one host sync for the dgrad and the wgrad
         offsets = host_ends(offsets)
     grad_act, _ = grouped_grads(grad, None, w, offsets, dt, True, False, cache_id, per_expert)  # dgrad [R, F] (of the scaled product)
     if scale is None and use_triton_swiglu(h, triton_swiglu):
         from .swiglu_triton import swiglu_backward
 
-        act, grad_h = swiglu_backward(h.to(dt).contiguous(), grad_act.contiguous())
-        _, grad_w = grouped_grads(grad, act, w, offsets, dt, False, True, cache_id, per_expert)
+        recomputed, grad_h = swiglu_backward(h.to(dt).contiguous(), grad_act.contiguous(), want_act=not saved)
+        _, grad_w = grouped_grads(grad, act if saved else recomputed, w, offsets, dt, False, True, cache_id, per_expert)
         return grad_h.to(h.dtype), grad_w, no_scale
     gate_RF, up_RF = h.to(dt).chunk(2, dim=-1)
-    silu_RF = F.silu(gate_RF)  # the product again, op for op as swiglu() computes it
-    act_RF = silu_RF * up_RF
+    silu_RF = F.silu(gate_RF)  # the product again, op for op as swiglu() computes it (silu_RF: its backward's too)
+    act_RF = act if saved else silu_RF * up_RF
     grad_scale = no_scale
     if scale is not None:  # d/dscale_r = <grad of the scaled row, the unscaled row>, in fp32
         acc = torch.promote_types(grad_act.dtype, torch.float32)
@@ -221,24 +229,29 @@ def _swiglu_down_backward_op(grad: Tensor, h: Tensor, w: Tensor, offsets: Tensor
 
 
 @_swiglu_down_backward_op.register_fake
-def _(grad, h, w, offsets, scale, dtype, cache_id, triton_swiglu, per_expert):
+def _(grad, h, w, offsets, scale, act, dtype, cache_id, triton_swiglu, per_expert):
     grad_scale = (scale.new_empty(scale.shape, dtype=torch.promote_types(_DTYPES[dtype], torch.float32))
                   if scale is not None else h.new_empty(0, dtype=torch.float32))
     return torch.empty_like(h), torch.empty_like(w), grad_scale
 
 
 def _swiglu_down_setup(ctx, inputs, output):
-    h, w, offsets, scale, dtype, cache_id, triton_swiglu, per_expert = inputs
-    ctx.save_for_backward(h, w, offsets, scale)
+    h, w, offsets, scale, dtype, cache_id, triton_swiglu, per_expert, save_product = inputs
+    _, act = output  # the saved product (or empty): no gradient flows into it
+    ctx.mark_non_differentiable(act)
+    ctx.set_materialize_grads(False)  # so its (absent) gradient is None, not a zero-filled [R, F]
+    ctx.save_for_backward(h, w, offsets, scale, act)
     ctx.dtype, ctx.cache_id, ctx.triton_swiglu, ctx.per_expert = dtype, cache_id, triton_swiglu, per_expert
 
 
-def _swiglu_down_backward(ctx, grad):
-    h, w, offsets, scale = ctx.saved_tensors
-    grad_h, grad_w, grad_scale = _swiglu_down_backward_op(grad, h, w, offsets, scale, ctx.dtype, ctx.cache_id,
+def _swiglu_down_backward(ctx, grad, _grad_act):
+    h, w, offsets, scale, act = ctx.saved_tensors
+    if grad is None:  # the output unused (materialize_grads is off)
+        grad = h.new_zeros(h.shape[0], w.shape[1], dtype=_DTYPES[ctx.dtype])
+    grad_h, grad_w, grad_scale = _swiglu_down_backward_op(grad, h, w, offsets, scale, act, ctx.dtype, ctx.cache_id,
                                                           ctx.triton_swiglu, ctx.per_expert)
     grad_scale = grad_scale.to(scale.dtype) if scale is not None else None
-    return grad_h, grad_w, None, grad_scale, None, None, None, None
+    return grad_h, grad_w, None, grad_scale, None, None, None, None, None
 
 
 _swiglu_down_op.register_autograd(_swiglu_down_backward, setup_context=_swiglu_down_setup)
@@ -246,13 +259,18 @@ _swiglu_down_op.register_autograd(_swiglu_down_backward, setup_context=_swiglu_d
 
 def grouped_swiglu_down(h_R2F: Tensor, w_EDF: Tensor, offsets_E: Tensor, dtype: torch.dtype,
                         cache_id: int | None = None, triton_swiglu: bool = False,
-                        row_scale_R: Tensor | None = None, per_expert: bool = False) -> Tensor:
+                        row_scale_R: Tensor | None = None, per_expert: bool = False,
+                        save_product: bool = False) -> Tensor:
     """The SwiGLU experts' down projection with the activation inside: h_R2F [R, 2F] (gate columns,
     then up) -> silu(gate) * up [R, F] -> times w_EDF[e]^T per group -> [R, D] in ``dtype``.
-    Differentiable in h and w; saves h and w, not the [R, F] product (recomputed in backward);
+    Differentiable in h and w; saves h and w, not the [R, F] product (recomputed in backward), unless
+    ``save_product`` (precision.save_swiglu_product: the product kept too, 2 B x R x F more held, and
+    the backward neither recomputes nor writes it; the same values either way);
     ``cache_id`` as in grouped_mm; ``triton_swiglu``: the activation and its backward in one Triton
     pass each (core/precision/swiglu_triton.py) on CUDA tensors; ``row_scale_R`` [R]: each row's
     product scaled by it (in fp32, rounded to ``dtype``) before the GEMM, differentiable in it too
     (model.moe.weights_before_down); ``per_expert`` as in grouped_mm."""
-    return _swiglu_down_op(h_R2F.to(dtype), w_EDF, offsets_E.to(torch.int32), row_scale_R, _dtype_name(dtype),
-                           NO_CACHE if cache_id is None else cache_id, bool(triton_swiglu), bool(per_expert))
+    y, _ = _swiglu_down_op(h_R2F.to(dtype), w_EDF, offsets_E.to(torch.int32), row_scale_R, _dtype_name(dtype),
+                           NO_CACHE if cache_id is None else cache_id, bool(triton_swiglu), bool(per_expert),
+                           bool(save_product))
+    return y

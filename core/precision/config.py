@@ -149,6 +149,17 @@ def check_bf16_copies(recipe: PrecisionRecipe | str, copies: bool, sharded: bool
                           f"masters): no FSDP2, expert or pipeline parallelism; drop it for this layout")
 
 
+def check_save_product(recipe: PrecisionRecipe | str, on: bool) -> None:
+    """ConfigError where precision.save_swiglu_product meets a recipe other than bf16 (auto passes
+    until resolved: fp32 on the CPU), whose experts compose their own SwiGLU. The config, the build
+    and the planner's one rule."""
+    recipe = PrecisionRecipe(recipe)
+    if on and recipe not in (PrecisionRecipe.bf16, PrecisionRecipe.auto):
+        raise ConfigError(f"precision.save_swiglu_product=true keeps the product in the bf16 experts' fused "
+                          f"SwiGLU-down op, and this run has precision.recipe={recipe}: use --precision.recipe=bf16, "
+                          f"or drop save_swiglu_product")
+
+
 def check_emulated_saves(recipe: PrecisionRecipe | str, backend: PrecisionBackend | str, x_bf16: bool) -> None:
     """ConfigError where precision.emulated_save_x_bf16 meets a recipe and backend other than mxfp8 /
     fp8_blockwise on the emulated backend (the only GEMMs it changes; auto may still resolve to it),
@@ -284,6 +295,13 @@ class PrecisionConfig(Config):
     V x D (0.77 GiB at that shape), is held all step instead of only during the loss' forward: the
     step's peak rises by about that where it is outside the loss. Apart from dense_weight_copies, which
     leaves the head out, so each is measured on its own; **not yet measured on a GPU**: off by default."""
+    save_swiglu_product: bool = False
+    """bf16 recipe: the routed experts' fused SwiGLU-down op (core/precision/bf16_grouped.py) keeps the
+    product silu(gate) * up [R, F] (R = tokens x top-k) for its backward instead of recomputing it
+    there: 2 B x R x F more held per MoE layer (0.5 GiB a layer on olmoe3-4l-8e at 16,384 tokens),
+    and the backward's SwiGLU pass no longer writes it (the same 2 B x R x F of HBM traffic less: about
+    0.18 ms a layer there on the H100). The same values either way (the recompute is the forward's
+    own ops). A memory-for-time trade for runs with room; **not yet measured on a GPU**: off by default."""
     triton_swiglu: bool = True
     """The routed experts' SwiGLU (silu(gate) * up) and its backward in one Triton pass each on CUDA
     (core/precision/swiglu_triton.py) instead of seven torch elementwise passes (eager) or inductor's
@@ -405,6 +423,7 @@ class PrecisionConfig(Config):
         check_quantized_copies(self.recipe, self.backend, self.quantized_expert_copies, optimizer_copies, self.modules)
         check_bf16_copies(self.recipe, self.dense_weight_copies)
         check_bf16_copies(self.recipe, self.head_weight_copy, switch="head_weight_copy")
+        check_save_product(self.recipe, self.save_swiglu_product)
         if self.expert_grads_bf16 and copies != WeightCopies.optimizer:
             raise ConfigError("precision.expert_grads_bf16=true keeps the experts' gradients on the optimizer's bf16 "
                               "weight copies: it needs --precision.expert_weight_copies=optimizer, got "
@@ -465,6 +484,7 @@ class PrecisionConfig(Config):
         per_expert = Bf16Experts(self.bf16_experts) == Bf16Experts.cublas
         check_bf16_copies(recipe, self.dense_weight_copies)  # auto resolved: fp32 on the CPU
         check_bf16_copies(recipe, self.head_weight_copy, switch="head_weight_copy")
+        check_save_product(recipe, self.save_swiglu_product)
         if recipe == PrecisionRecipe.fp32:
             return PrecisionPolicy(device_type, None, gemm_backend("torch"))
         if recipe == PrecisionRecipe.bf16:
@@ -473,7 +493,7 @@ class PrecisionConfig(Config):
             gemm = TorchGemm(weight_copies=self.expert_weight_copies, triton_swiglu=self.triton_swiglu,
                              grads_on_copies=self.expert_grads_bf16,
                              per_expert=per_expert, dense_copies=self.dense_weight_copies,
-                             head_copy=self.head_weight_copy)
+                             head_copy=self.head_weight_copy, save_swiglu_product=self.save_swiglu_product)
             return PrecisionPolicy(device_type, torch.bfloat16, gemm)
         backend = self.resolved_backend(device_type, verbose=verbose)
         if recipe == PrecisionRecipe.mxfp8 and backend == PrecisionBackend.native and GemmModule.experts in self.modules:

@@ -296,7 +296,8 @@ class TorchGemm(GemmBackend):
     name = "torch"
 
     def __init__(self, weight_copies: str = "none", triton_swiglu: bool = False, grads_on_copies: bool = False,
-                 per_expert: bool = False, dense_copies: bool = False, head_copy: bool = False):
+                 per_expert: bool = False, dense_copies: bool = False, head_copy: bool = False,
+                 save_swiglu_product: bool = False):
         # precision.expert_weight_copies: the grouped GEMMs' bf16 weight copies, none, made once per
         # step ("step") or written by the optimizer and pinned in the cache ("optimizer").
         self.optimizer_copies = str(weight_copies) == "optimizer"
@@ -309,6 +310,7 @@ class TorchGemm(GemmBackend):
         self.per_expert = bool(per_expert)  # precision.bf16_experts=cublas: one cuBLAS GEMM per expert
         self.dense_copies = bool(dense_copies)  # precision.dense_weight_copies
         self.head_copy = bool(head_copy)  # precision.head_weight_copy
+        self.save_swiglu_product = bool(save_swiglu_product)  # precision.save_swiglu_product
 
     def attach_optimizer(self, optimizer, parts) -> None:
         if self.dense_copies:
@@ -341,11 +343,13 @@ class TorchGemm(GemmBackend):
                                        self.per_expert)
 
     def grouped_swiglu_down(self, h_R2F, w_EDF, offsets_E, act, row_scale_R=None):
-        # The fused op recomputes the product in backward; it knows only the plain SwiGLU.
+        # The fused op recomputes the product in backward (or keeps it: save_swiglu_product); it knows
+        # only the plain SwiGLU.
         if not _is_swiglu(act):
             return super().grouped_swiglu_down(h_R2F, w_EDF, offsets_E, act, row_scale_R)
         return bf16_grouped.grouped_swiglu_down(h_R2F, w_EDF, offsets_E, compute_dtype(h_R2F), self.weight_cache,
-                                                self.triton_swiglu, row_scale_R, self.per_expert)
+                                                self.triton_swiglu, row_scale_R, self.per_expert,
+                                                self.save_swiglu_product)
 
 
 GEMM_BACKENDS: Registry[type[GemmBackend]] = Registry("GEMM backend")

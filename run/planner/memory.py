@@ -32,7 +32,8 @@ def activation_terms(cfg: ModelConfig, layer: int, sw: Switches = Switches(),
     dense SwiGLU's gate and up); rope multiplies by constant tables (nothing per token);
     SDPA keeps q, k, v, out; the MoE layer keeps x_TD, the T*K dispatched rows x_RD, the gate|up
     output h and the expert outputs y_RD (the combine's weight gradient); the bf16 experts' fused
-    SwiGLU-down op recomputes the product (core/precision/bf16_grouped.py), a low-precision backend
+    SwiGLU-down op recomputes the product (core/precision/bf16_grouped.py; keeps it, 2 B x K x F, with
+    save_swiglu_product), a low-precision backend
     composes it (silu(gate) and the product, fp8, kept); a dense SwiGLU keeps gate, up, silu, product.
 
     Compiled, from the measured OLMoE-8L breakdown (tools/bench_memory.py, 143 KiB/token/block once
@@ -68,6 +69,8 @@ def activation_terms(cfg: ModelConfig, layer: int, sw: Switches = Switches(),
             terms["expert_hidden"] = ("experts", K * 4.0 * F)  # gate|up output of the grouped GEMM
             if sw.low("experts"):  # composed SwiGLU: silu(gate) and the product (w_down's input)
                 terms["expert_swiglu"] = ("swiglu", K * (2.0 * F + g_exp * F))
+            elif sw.save_swiglu_product:  # the fused op keeps its product (precision.save_swiglu_product)
+                terms["expert_product"] = ("swiglu", K * 2.0 * F)
             if not moe.weights_before_down:  # the weights applied before the down projection: no y_RD kept
                 terms["expert_out"] = ("experts", 2.0 * K * D)  # y_RD for the combine's weight gradient
             if moe.shared_width():
@@ -93,6 +96,8 @@ def activation_terms(cfg: ModelConfig, layer: int, sw: Switches = Switches(),
         terms["expert_hidden"] = ("experts", K * 4.0 * F)
         if sw.low("experts"):
             terms["expert_swiglu"] = ("swiglu", K * g_exp * F)
+        elif sw.save_swiglu_product:
+            terms["expert_product"] = ("swiglu", K * 2.0 * F)
         if not moe.weights_before_down:
             terms["expert_out"] = ("experts", 2.0 * K * D)
         if moe.shared_width():

@@ -138,7 +138,6 @@ def plan(p: Plan) -> dict:
     # [code] trainer.grad_sync=step acts under FSDP2 with accumulation and no pipeline (core/trainer.py)
     step_sync = grad_sync == GradSync.step and fsdp and par.dp_shard > 1 and par.pp == 1 and m > 1 and not sw.offload
     stages = _stage_layers(cfg.n_layers, par.pp)
-    modules = ("attention", "mlp", "experts")
 
     def expert_params(layer: int) -> int:
         return _expert_params(cfg, layer)

@@ -14,7 +14,8 @@ from moetron.core.config import ConfigError
 from moetron.core.layers.loss import path_chunk_tokens
 from moetron.core.optim import OptimizerConfig
 from moetron.core.precision import Fp8Wgrad, PrecisionConfig, PrecisionRecipe, emulated
-from moetron.core.precision.config import (check_bf16_copies, check_emulated_saves, check_expert_copies, input_once_on,
+from moetron.core.precision.config import (check_bf16_copies, check_emulated_saves, check_expert_copies, check_save_product,
+                                           input_once_on,
                                           check_quantized_copies, takes_expert_copies)
 from moetron.models import ModelConfig
 from moetron.parallel.config import ParallelConfig
@@ -59,6 +60,10 @@ class Switches:
     instead of 4; no fp32 -> bf16 weight casts in the forward (read 4 + write 2 B) nor bf16 -> fp32
     gradient casts in the backward (read 2 + write 4 B); the optimizer writes 2 B more per copied
     element and reads 2 B less per dense gradient."""
+    save_swiglu_product: bool = False
+    """precision.save_swiglu_product (bf16): the routed experts' SwiGLU product [T*K, F] bf16 kept for the
+    backward (2 B x K x F a token more saved per MoE layer), which then neither recomputes nor writes it
+    (2 B x K x F a token less traffic)."""
     head_weight_copy: bool = False
     """precision.head_weight_copy (bf16, one unsharded GPU): the fused loss computes on the optimizer's
     bf16 copy of the head weight, held all step (2 B x V x D) instead of cast in the loss' forward
@@ -206,6 +211,7 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
     dense_copies = bool(precision.dense_weight_copies)
     check_bf16_copies(recipe, dense_copies, sharded=sharded)
     head_copy = bool(precision.head_weight_copy)
+    check_save_product(recipe, precision.save_swiglu_product)
     check_bf16_copies(recipe, head_copy, sharded=sharded, switch="head_weight_copy")
     return Switches(compiled=compiled, fused_loss=model.fused_loss,
                     fused_loss_prescale=bool(model.fused_loss and model.fused_loss_prescale and parallel.pp == 1),
@@ -226,5 +232,6 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
                     quantize_input_once=input_once,
                     quantized_expert_copies=bool(precision.quantized_expert_copies),
                     dense_weight_copies=dense_copies, head_weight_copy=head_copy,
+                    save_swiglu_product=bool(precision.save_swiglu_product) and recipe == PrecisionRecipe.bf16,
                     optimizer_kernel="torch" if str(optimizer.impl) == "torch" or optimizer.fused is not None else "triton",
                     offload=parallel.fsdp_offload)

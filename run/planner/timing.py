@@ -246,13 +246,14 @@ def stage_time(cfg: ModelConfig, layers: list[int], *, sw: Switches, memory: Mem
     ref_bytes = sum(reference_activation_bytes(cfg, i) for i in layers)
     traffic = HBM_TRAFFIC["compiled" if compiled else "eager"] * ref_bytes * T_mb * extra
     # [code] the bf16 experts recast their fp32 weights in backward (read 4 + write 2 B per
-    # element) and recompute the SwiGLU product (read gate|up, write silu and product: ~10 B x F per row).
+    # element) and recompute the SwiGLU product (read gate|up, write silu and product: ~10 B x F per row;
+    # 2 B less where save_swiglu_product kept the product: its write gone).
     recast = 0.0
     if cfg.moe is not None and not sw.low("experts"):
         for i in layers:
             if cfg.is_moe_layer(i):
                 recast += (6.0 * _expert_params(cfg, i) / ep if fp32_master and not sw.expert_weight_copies else 0.0) + \
-                    10.0 * cfg.moe.expert_hidden * cfg.moe.router.top_k * T_mb
+                    (8.0 if sw.save_swiglu_product else 10.0) * cfg.moe.expert_hidden * cfg.moe.router.top_k * T_mb
     # [code bytes, assumed rates] quantization passes over every low-precision GEMM's operands;
     # mxfp8 emulated: its kernels' bytes at their measured rates (mx_emulated_quant_s)
     quant = t_mx = 0.0

@@ -8,6 +8,8 @@ min-cut partitioner as inductor, without compiling kernels).
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -121,6 +123,63 @@ def test_no_bf16_weight_copy_and_no_product_saved(compiled):
     plain = torch.compile(_experts_plain, backend="aot_eager_decomp_partition") if compiled else _experts_plain
     plain_shapes = {s for s, dt in _saved(plain, x, w_up, w_down, offsets) if dt == torch.bfloat16}
     assert (E, 2 * F, I) in plain_shapes or (E, I, 2 * F) in plain_shapes
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compile-partitioner"])
+def test_saved_product_gives_the_same_bits_and_is_what_is_kept(compiled):
+    """precision.save_swiglu_product: the product [R, F] is kept for the backward (and is the one
+    extra bf16 tensor saved), and outputs and gradients are the same bits as with the recompute; also
+    with each row scaled before the down projection (model.moe.weights_before_down)."""
+    x, _, offsets = _case(2)
+    F = 32
+    w_up = torch.randn(E, 2 * F, I).div(8).requires_grad_(True)
+    w_down = torch.randn(E, O, F).div(8).requires_grad_(True)
+    scale = torch.rand(R).requires_grad_(True)
+
+    def experts(x, w_up, w_down, offsets, save, scaled):
+        h = grouped_mm(x, w_up, offsets, torch.bfloat16)
+        return grouped_swiglu_down(h, w_down, offsets, torch.bfloat16, save_product=save,
+                                   row_scale_R=scale if scaled else None)
+
+    for scaled in (False, True):
+        runs = {}
+        for save in (False, True):
+            fn = (lambda *a, save=save: experts(*a, save, scaled))
+            run = torch.compile(fn, backend="aot_eager_decomp_partition", fullgraph=True) if compiled else fn
+            saved = _saved(run, x, w_up, w_down, offsets)
+            y = run(x, w_up, w_down, offsets)
+            grads = torch.autograd.grad(y.float().square().sum(), (w_up, w_down, scale) if scaled else (w_up, w_down))
+            runs[save] = saved, y, grads
+        (saved_off, y_off, g_off), (saved_on, y_on, g_on) = runs[False], runs[True]
+        assert torch.equal(y_on, y_off) and all(torch.equal(a, b) for a, b in zip(g_on, g_off)), scaled
+        more, fewer = Counter(saved_on) - Counter(saved_off), Counter(saved_off) - Counter(saved_on)
+        assert more == Counter({((R, F), torch.bfloat16): 1}), (scaled, more)
+        assert set(fewer) <= {((0,), torch.bfloat16)}, (scaled, fewer)  # the empty stand-in saved without it
+
+
+def test_trainer_with_the_saved_product_equals_without():
+    """precision.save_swiglu_product through the config, the backend and the experts: three bf16 steps
+    of a tiny MoE, the same losses bit for bit; refused outside the bf16 recipe."""
+    from step_builder import RandomTokens, build_trainer  # tools/ (tests/conftest.py puts it on the path)
+
+    from moetron.core.config import ConfigError
+    from moetron.core.memory import MemoryConfig
+    from moetron.core.precision import PrecisionConfig
+
+    losses = {}
+    for save in (False, True):
+        cfg = ModelConfig.preset("tiny-moe")
+        cfg.apply_overrides(["n_layers=2", "moe.experts_backend=grouped_mm"])
+        data = RandomTokens(cfg.vocab_size, 2, 32, torch.device("cpu"))
+        trainer = build_trainer(cfg, MemoryConfig(), data, torch.device("cpu"), seq_len=32,
+                                precision=PrecisionConfig(recipe="bf16", save_swiglu_product=save))
+        assert trainer.precision.gemm.save_swiglu_product is save
+        losses[save] = [trainer.train_step(data.next_batch())[0].item() for _ in range(3)]
+    assert losses[True] == losses[False] and losses[False][2] != losses[False][0]
+    with pytest.raises(ConfigError, match="save_swiglu_product"):
+        PrecisionConfig(recipe="mxfp8", backend="emulated", save_swiglu_product=True).validate()
+    with pytest.raises(ConfigError, match="precision.recipe=fp32"):
+        PrecisionConfig(save_swiglu_product=True).build("cpu")  # auto on the CPU: fp32
 
 
 def test_experts_grouped_mm_backend_matches_loop_under_autocast():

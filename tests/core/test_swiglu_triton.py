@@ -70,6 +70,13 @@ def check(device: str) -> None:
     outs = [_down_grads(lambda hh, ww: grouped_swiglu_down(hh, ww, offsets, torch.bfloat16, triton_swiglu=kernel),
                         h, w, gy) for kernel in (False, True)]
     _assert_same(outs[1], outs[0], 2e-2)
+    # precision.save_swiglu_product: the kernel's forward product kept, its backward writing none;
+    # the same bits as its recompute.
+    saved = _down_grads(lambda hh, ww: grouped_swiglu_down(hh, ww, offsets, torch.bfloat16, triton_swiglu=True,
+                                                           save_product=True), h, w, gy)
+    assert all(torch.equal(a, b) for a, b in zip(saved, outs[1]))
+    act_only, grad_only = swiglu_backward(h, ga, want_act=False)
+    assert act_only is None and torch.equal(grad_only, grad_h)
 
 
 def test_swiglu_kernel_interpreted():

@@ -380,6 +380,28 @@ def test_fused_loss_prescale_terms():
     assert not switches(cfg, ParallelConfig(pp=2), *args).fused_loss_prescale
 
 
+def test_save_swiglu_product_terms():
+    """precision.save_swiglu_product: 2 B x top-k x F more saved per token and MoE layer, and as many
+    bytes less written by the backward (the product's recompute), on OLMoE-8L (every layer MoE);
+    refused outside the bf16 recipe."""
+    from moetron.core.precision import PrecisionConfig
+    from moetron.run.planner.hardware import GPUS
+
+    T = 16384
+    base, saving = _olmoe8(), _olmoe8()
+    base.precision = PrecisionConfig(recipe="bf16")
+    saving.precision = PrecisionConfig(recipe="bf16", save_swiglu_product=True)
+    rb, rs = planner.plan(base), planner.plan(saving)
+    moe = base.model.moe
+    product = 2.0 * moe.router.top_k * moe.expert_hidden * T * 8  # eight MoE layers
+    assert (rs["stages"][0]["activations_gib"] - rb["stages"][0]["activations_gib"]) * GiB == pytest.approx(product)
+    assert rb["step_s"] - rs["step_s"] == pytest.approx(product / (GPUS[base.gpu].hbm_tbps * 1e12))
+    bad = _olmoe8()
+    bad.precision = PrecisionConfig(recipe="fp8_rowwise", save_swiglu_product=True)
+    with pytest.raises(ConfigError, match="save_swiglu_product"):
+        planner.plan(bad)
+
+
 def test_dense_weight_copies_terms():
     """precision.dense_weight_copies: 2 B less per dense linear gradient (attention, dense and shared
     SwiGLUs; not the head), 12 B of HBM traffic less per such element in the step (the forward's weight

@@ -1,16 +1,13 @@
 #!/usr/bin/env bash
-# Session 32's queued call 3 (not yet run): #13's olmoe3-4l-8e ratio against torchtitan, b16 and b16 with
-# the switches that calls 1-2 show help (edit BEST first; needs .peers carried: ../shared/peers/README.md).
-# Run from the repo root: bash docs/bench/session32/call3.sh (timeout 590; about 330 s warm-started).
+# Session 32's queued call 3 (not yet run). OLMoE-8L, one process: b16, the head's copy, the dense copies,
+# the saved SwiGLU product, all of session 31-32's switches together, b16 again.
+# Run from the repo root: bash docs/bench/session32/call3.sh (timeout 590; about 340 s warm-started).
 source docs/bench/session25/common.sh
 nvidia-smi --query-gpu=name --format=csv,noheader
-BEST=${BEST:-precision.dense_weight_copies=true,precision.head_weight_copy=true}
-python3 -m pip install -q --no-index --no-deps --target /tmp/site_tt .peers/whl/*.whl >/dev/null 2>&1
+ALL=precision.dense_weight_copies=true,precision.head_weight_copy=true,model.triton_embedding_grad=true,precision.save_swiglu_product=true
 t0=$(date +%s)
-PYTHONPATH=/tmp/site_tt timeout 150 python3 .peers/torchtitan_moe_bench.py --config olmoe3-4l-8e --compile --steps 20 \
-  --warmup 5 > $OUT/torchtitan_olmoe3.jsonl 2>$OUT/torchtitan_olmoe3.err
-grep '"result"' $OUT/torchtitan_olmoe3.jsonl | cut -c1-420; tail -2 $OUT/torchtitan_olmoe3.err | cut -c1-300
-echo "torchtitan $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
-timeout 200 python3 tools/bench_train.py $S2 --steps 15 --warmup 5 --variant b16:$B16 --variant best:$B16,$BEST \
-  --json $OUT/olmoe3_vs_tt.json 2>&1 | grep -v Warning | tail -4
-echo "moetron $(( $(date +%s) - t0 )) s"
+timeout 400 python3 tools/bench_train.py $S1 --steps 10 --warmup 3 --variant b16:$B16 \
+  --variant b16H:$B16,precision.head_weight_copy=true --variant b16D:$B16,precision.dense_weight_copies=true \
+  --variant b16S:$B16,precision.save_swiglu_product=true --variant b16ALL:$B16,$ALL --variant b16_again:$B16 \
+  --json $OUT/switches3_S1.json 2>&1 | grep -v Warning | tail -8
+echo "S1 $(( $(date +%s) - t0 )) s"
