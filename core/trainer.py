@@ -27,8 +27,7 @@ from .distributed import StepWatchdog, is_main
 from .metrics import MetricsLog, mfu, model_tflops_per_device, peak_tflops
 from .grad import DTensor, clip_grad_norm_
 from .moe.layer import MoELayer, moe_layers
-from .moe.aux_loss import aux_loss_scale
-from .layers.loss import declared_loss_grad
+from .layers.loss import loss_weight
 from .moe.metrics import AUX_LOSSES, LoadLog, StarvedExpertWatch, summarize
 from .tracking import Tracker
 
@@ -285,11 +284,10 @@ class Trainer:
                 self.grad_sync(i == len(micro) - 1)  # only the last backward reduces
             # Each micro-batch's mean loss is weighted by its share of the rank's tokens, so the
             # accumulated gradient is that of the mean over the whole batch; the MoE layers' aux
-            # losses (per-token means too, attached to their outputs) get the same weight.
+            # losses (per-token means too, attached to their outputs) get the same weight, and the
+            # fused LM loss may compute its gradients at it (model.fused_loss_prescale).
             share = labels_BS.numel() / total_tokens
-            # The fused LM loss may compute its gradients already at that weight (its backward
-            # receives exactly ``share``; model.fused_loss_prescale).
-            with aux_loss_scale(share), declared_loss_grad(share):
+            with loss_weight(share):
                 loss = self._loss(inputs_BS, labels_BS) * share
                 loss.backward()
             loss_sum += loss.detach()

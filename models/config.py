@@ -99,13 +99,13 @@ class ModelConfig(Config):
     backward either way. **Not yet measured on a GPU**: off by default."""
     fused_loss_prescale: bool = True
     """The fused loss takes the gradient its backward will receive where the training loop declares
-    it (the micro-batch's weight; core.layers.loss.declared_loss_grad) and computes its gradients
-    already at that weight, handing them on as they are: no scaling pass over the [V, D] fp32 head
-    gradient in the backward (3.3 GB of HBM traffic at V 100352 x D 4096) and no second copy of it
-    held during that pass. At weight 1 (one micro-batch) or any power of two, the same bits as off;
-    otherwise the weight is folded in before the bf16 rounding of the logits' gradient (a few ulps
-    apart). Only the built-in training loop declares (not step_fn or pipeline schedules: they scale
-    in the backward, as off does)."""
+    it (the micro-batch's weight; core.layers.loss.loss_weight) and computes its gradients already
+    at that weight, handing them on as they are: no scaling pass over the [V, D] fp32 head gradient
+    in the backward (3.3 GB of HBM traffic at V 100352 x D 4096) and no second copy of it held during
+    that pass. At weight 1 (one micro-batch) or any power of two, the same bits as off; otherwise the
+    weight is folded in before the bf16 rounding of the logits' gradient (a few ulps apart). The
+    built-in loop and the pipeline schedules declare; a ``step_fn`` of one's own does not (its
+    loss is scaled in the backward, as off does)."""
     loss_chunk_tokens: int | None = None
     """Tokens per chunk of the fused loss; None: about 1 GiB of transient logits (5120 tokens at vocab 100352 on CUDA's Triton path, 1536 on the torch path; core/layers/loss.default_chunk_tokens)."""
     hf_metadata: HFMetadata | None = None

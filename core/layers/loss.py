@@ -7,7 +7,7 @@ autocast), logsumexp and softmax in fp32 (or wider), and, when gradients are wan
 right there in the forward: dlogits = (softmax - onehot) / N, grad_h = dlogits @ W,
 grad_W += dlogits^T @ h (accumulated in fp32). Only grad_h [T, D] and grad_W [V, D] are kept for
 the backward, which scales them by the incoming gradient; or, where the caller has declared the
-gradient its backward will receive (``declared_loss_grad``: the trainer's micro-batch weight), they
+gradient its backward will receive (``loss_weight``: the micro-batch's weight in the step), they
 are computed already scaled and the backward hands them on as they are (no pass over the [V, D]
 fp32 grad_W, no second copy of it). The plain path instead holds, at the start of the backward, the
 logits, their fp32 copy and the fp32 log-softmax: 10 bytes x T x V.
@@ -27,8 +27,9 @@ from ..config import ConfigError
 from ..precision.gemm import compute_dtype
 from .linear import Linear
 
-__all__ = ["CHUNK_ALIGN", "DEFAULT_CHUNK_BYTES", "LMHead", "chunk_bounds", "cross_entropy", "declared_loss_grad",
-           "default_chunk_tokens", "linear_cross_entropy", "logit_bytes", "path_chunk_tokens"]
+__all__ = ["CHUNK_ALIGN", "DEFAULT_CHUNK_BYTES", "LMHead", "chunk_bounds", "cross_entropy", "current_loss_weight",
+           "declared_loss_weight", "default_chunk_tokens", "linear_cross_entropy", "logit_bytes", "loss_weight",
+           "path_chunk_tokens"]
 
 DEFAULT_CHUNK_BYTES = 1 << 30
 """Default size of one chunk's transient logits (1 GiB): on the Triton path (CUDA) a chunk holds one
@@ -73,25 +74,40 @@ def chunk_bounds(tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:
     return [(start, min(start + size, tokens)) for start in range(0, tokens, size)]
 
 
-_declared_grad: float | None = None
-"""The gradient the fused loss' backward will receive, where its caller has declared it (None:
-unknown, scale in the backward). A module global, read by the eager loss only."""
+_weight: float = 1.0
+"""The weight the training loop gives the LM loss of the micro-batch now running (1 / micro-batches
+for equal ones; loss_weight). A module global: torch.compile traces its reads (the MoE layers' aux
+losses, core.moe.aux_loss) and guards on its value, so a new value recompiles and never goes stale."""
+_declared: bool = False
+"""Whether the loop vouches that the LM loss' backward receives exactly ``_weight`` (loss_weight)."""
 
 
 @contextlib.contextmanager
-def declared_loss_grad(grad: float | None) -> Iterator[None]:
-    """Fused losses made in this block will receive exactly ``grad`` as their backward's incoming
-    gradient (the trainer's ``loss * share``: ``share``), so they compute their gradients already
-    multiplied by it and their backward passes them on unscaled. The backward checks on the device,
-    without a host sync, that the gradient it gets is ``grad`` (a mismatch raises there: a CUDA
-    device-side assert). Not for graphs run backward twice (retain_graph): the gradients are handed
-    on, not copied. ``None``: nothing declared (the general path)."""
-    global _declared_grad
-    previous, _declared_grad = _declared_grad, None if grad is None else float(grad)
+def loss_weight(weight: float, declared: bool = True) -> Iterator[None]:
+    """In this block the LM loss of the micro-batch now running is trained at ``weight``: the MoE
+    layers' aux losses get that gradient (core.moe.aux_loss), and, ``declared``, the loop vouches
+    that it multiplies the LM loss by exactly ``weight`` and runs its backward once, so the fused loss
+    computes its gradients already at that weight and its backward hands them on unscaled
+    (model.fused_loss_prescale). That backward checks on the device, without a host sync, that the
+    gradient it receives is ``weight`` (a mismatch raises there: on CUDA a device-side assert).
+    The plain loop (``loss * share``) and the pipeline schedules (``loss / micro-batches``) declare;
+    ``declared=False`` (aux_loss_scale) sets the aux losses' weight alone."""
+    global _weight, _declared
+    previous, (_weight, _declared) = (_weight, _declared), (float(weight), bool(declared))
     try:
         yield
     finally:
-        _declared_grad = previous
+        _weight, _declared = previous
+
+
+def current_loss_weight() -> float:
+    """The weight the LM loss of the micro-batch now running is trained at (loss_weight; 1.0 outside one)."""
+    return _weight
+
+
+def declared_loss_weight() -> float | None:
+    """The gradient the LM loss' backward will receive, where the loop declared it (loss_weight), else None."""
+    return _weight if _declared else None
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -114,7 +130,7 @@ def linear_cross_entropy(h: torch.Tensor, weight_VD: torch.Tensor, labels: torch
     call, as F.cross_entropy does; NaN if every token is ignored, with zero gradients), plus
     ``z_loss_weight`` x mean(logsumexp^2) when positive. With ``return_z_loss`` also returns the
     unweighted mean(logsumexp^2) over those tokens (detached, for logging). ``prescale``: where the
-    caller declared the backward's incoming gradient (declared_loss_grad), compute the gradients
+    caller declared the backward's incoming gradient (loss_weight), compute the gradients
     already at it (false: scale them in the backward regardless). ``weight_bf16``: a copy of
     ``weight_VD`` in the compute dtype (the optimizer's, precision.head_weight_copy) that the GEMMs
     use instead of casting it; the gradient still goes to ``weight_VD``.
@@ -140,7 +156,7 @@ def linear_cross_entropy(h: torch.Tensor, weight_VD: torch.Tensor, labels: torch
     w_cast = weight_bf16 if weight_bf16 is not None and weight_bf16.dtype == dtype else None
     args = (h_TD, weight_VD, labels_T, ignore_index, float(z_loss_weight), chunk_tokens, dtype, w_cast)
     if torch.is_grad_enabled() and (h.requires_grad or weight_VD.requires_grad):
-        loss, z = _LinearCrossEntropy.apply(*args, _declared_grad if prescale else None)
+        loss, z = _LinearCrossEntropy.apply(*args, declared_loss_weight() if prescale else None)
     else:
         with torch.no_grad():
             loss, z, _, _ = _chunked(*args, grad_h=False, grad_w=False, grad_scale=1.0)
@@ -150,7 +166,7 @@ def linear_cross_entropy(h: torch.Tensor, weight_VD: torch.Tensor, labels: torch
 class _LinearCrossEntropy(torch.autograd.Function):
     """forward(h_TD, w_VD, labels_T, ..., declared) -> (loss, z); the gradients are computed in the
     forward (see _chunked), then scaled in the backward by the gradient it receives; or, with a
-    ``declared`` gradient (declared_loss_grad), computed already scaled by it and handed on as
+    ``declared`` gradient (loss_weight), computed already scaled by it and handed on as
     they are: the engine frees this node's saved tensors before the gradient reaches the weight's
     accumulator, which then keeps the tensor itself as ``.grad`` (no copy)."""
 
@@ -171,7 +187,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if ctx.declared is not None:
             torch._assert_async(grad_loss == ctx.declared,
                                 f"linear_cross_entropy: the loss' backward received a gradient other than the "
-                                f"{ctx.declared!r} declared (declared_loss_grad): scale the loss by exactly "
+                                f"{ctx.declared!r} declared (loss_weight): scale the loss by exactly "
                                 f"the declared weight, or declare nothing")
             return (grad_h_TD if ctx.needs_input_grad[0] else None, grad_w_VD if ctx.needs_input_grad[1] else None,
                     None, None, None, None, None, None, None)

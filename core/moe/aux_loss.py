@@ -3,22 +3,19 @@
 ``attach_aux_loss(out, aux)`` is the identity on ``out``; its backward also sends the gradient
 ``scale`` into ``aux``, so the aux loss is trained without any caller collecting it (OLMo-core's
 ``attach_auxiliary_loss``, Megatron's ``MoEAuxLossAutoScaler``). ``scale`` is the weight the
-training loop gives this micro-batch's LM loss (1 / micro-batches for equal micro-batches), set
-once per micro-batch or per step with :func:`aux_loss_scale`: the plain loop, gradient accumulation
-and every pipeline schedule weight aux losses the same way, through this one number.
+training loop gives this micro-batch's LM loss (1 / micro-batches for equal micro-batches): the one
+number core.layers.loss.loss_weight sets once per micro-batch or per step, which the fused LM loss
+reads too; the plain loop, gradient accumulation and every pipeline schedule weight aux losses the
+same way through it. :func:`aux_loss_scale` sets it for the aux losses alone.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
 
 import torch
 
-
-_scale: float = 1.0
-"""The LM loss weight of the micro-batch now running (a module global: torch.compile traces its
-reads and guards on its value, so a new value recompiles and never goes stale)."""
+from ..layers.loss import current_loss_weight, loss_weight
 
 
 class AuxLossScaler(torch.autograd.Function):
@@ -43,16 +40,12 @@ def attach_aux_loss(out: torch.Tensor, aux: torch.Tensor, scale: float | None = 
 
 
 def current_aux_loss_scale() -> float:
-    """The weight attach_aux_loss() gives aux losses now (what the layer's metrics weight them by)."""
-    return _scale
+    """The weight attach_aux_loss() gives aux losses now (what the layer's metrics weight them by):
+    the micro-batch's LM loss weight (core.layers.loss.current_loss_weight)."""
+    return current_loss_weight()
 
 
-@contextlib.contextmanager
-def aux_loss_scale(scale: float) -> Iterator[None]:
-    """Aux losses attached in this block get gradient ``scale`` (the micro-batch's LM loss weight)."""
-    global _scale
-    previous, _scale = _scale, float(scale)
-    try:
-        yield
-    finally:
-        _scale = previous
+def aux_loss_scale(scale: float) -> contextlib.AbstractContextManager[None]:
+    """Aux losses attached in this block get gradient ``scale`` (the micro-batch's LM loss weight),
+    without declaring it to the fused LM loss (core.layers.loss.loss_weight(scale, declared=False))."""
+    return loss_weight(scale, declared=False)

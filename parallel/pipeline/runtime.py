@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from moetron.core.config import ConfigError
-from moetron.core.moe.aux_loss import aux_loss_scale
+from moetron.core.layers.loss import loss_weight
 
 from ..config import PipelineSchedule
 from .stages import PipelineStageModule
@@ -62,7 +62,9 @@ class PipelineStep:
         inputs_BS, labels_BS = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
         # No autocast here: each stage enters it around its own forward (PipelineStageModule), so
         # the backward that the schedule runs inside step() is outside it, as the plain loop's is.
-        with aux_loss_scale(1.0 / self.n_microbatches):
+        # Each micro-batch's loss is divided by their number (the loss_fn): the aux losses get that
+        # weight, and the head's fused loss computes its gradients at it (model.fused_loss_prescale).
+        with loss_weight(1.0 / self.n_microbatches):
             if self.make_schedule is not None:
                 loss_sum = self._run_schedule(inputs_BS, labels_BS)
             else:

@@ -14,9 +14,9 @@ from moetron.core.config import ConfigError
 from moetron.core.layers.loss import path_chunk_tokens
 from moetron.core.optim import OptimizerConfig
 from moetron.core.precision import Fp8Wgrad, PrecisionConfig, PrecisionRecipe, emulated
-from moetron.core.precision.config import (check_bf16_copies, check_emulated_saves, check_expert_copies, check_save_product,
-                                           input_once_on,
-                                          check_quantized_copies, takes_expert_copies)
+from moetron.core.precision.config import (check_bf16_copies, check_emulated_saves, check_expert_copies,
+                                           check_quantized_copies, check_save_product, input_once_on,
+                                           takes_expert_copies)
 from moetron.models import ModelConfig
 from moetron.parallel.config import ParallelConfig
 from .hardware import GPU, FP8_SAVED, FP8_WEIGHT_CACHED, FP8_WGRAD_BYTES, LOW_PRECISION
@@ -30,9 +30,9 @@ class Switches:
     fused_loss: bool = True
     """model.fused_loss: the chunked LM-head loss (core/layers/loss.py), else full logits."""
     fused_loss_prescale: bool = True
-    """model.fused_loss_prescale where the built-in loop declares the loss' gradient (no pipeline
-    schedule): the fused loss' gradients computed at the micro-batch's weight, no scaling pass over
-    grad_W and grad_h in its backward, no scaled copies of them held."""
+    """model.fused_loss_prescale (with the fused loss; the plain loop and the pipeline schedules declare
+    the micro-batch's weight): the fused loss' gradients computed at it, no scaling pass over grad_W
+    and grad_h in its backward, no scaled copies of them held."""
     loss_chunk_tokens: int = 5120
     """model.loss_chunk_tokens, else the fused loss' own default on a CUDA bf16 run (path_chunk_tokens:
     5120 at V 100352)."""
@@ -214,7 +214,7 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
     check_save_product(recipe, precision.save_swiglu_product)
     check_bf16_copies(recipe, head_copy, sharded=sharded, switch="head_weight_copy")
     return Switches(compiled=compiled, fused_loss=model.fused_loss,
-                    fused_loss_prescale=bool(model.fused_loss and model.fused_loss_prescale and parallel.pp == 1),
+                    fused_loss_prescale=bool(model.fused_loss and model.fused_loss_prescale),
                     loss_chunk_tokens=model.loss_chunk_tokens or path_chunk_tokens(model.vocab_size, torch.device("cuda"), torch.bfloat16),
                     recipe=str(recipe), backend=str(backend) if recipe in LOW_PRECISION else "native",
                     low_modules=frozenset(str(m) for m in precision.modules) if recipe in LOW_PRECISION else frozenset(),
@@ -232,6 +232,6 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
                     quantize_input_once=input_once,
                     quantized_expert_copies=bool(precision.quantized_expert_copies),
                     dense_weight_copies=dense_copies, head_weight_copy=head_copy,
-                    save_swiglu_product=bool(precision.save_swiglu_product) and recipe == PrecisionRecipe.bf16,
+                    save_swiglu_product=bool(precision.save_swiglu_product),  # bf16 only (check_save_product)
                     optimizer_kernel="torch" if str(optimizer.impl) == "torch" or optimizer.fused is not None else "triton",
                     offload=parallel.fsdp_offload)

@@ -16,8 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from moetron.core.config import ConfigError
 from moetron.core.layers import loss as L
-from moetron.core.layers.loss import (LMHead, chunk_bounds, cross_entropy, declared_loss_grad, default_chunk_tokens,
-                                      linear_cross_entropy, logit_bytes)
+from moetron.core.layers.loss import (LMHead, chunk_bounds, cross_entropy, declared_loss_weight, default_chunk_tokens,
+                                      linear_cross_entropy, logit_bytes, loss_weight)
 from moetron.core.optim import OptimizerConfig, SchedulerConfig
 from moetron.core.precision import PrecisionPolicy
 from moetron.core.precision.gemm import DEFAULT_GEMM
@@ -78,7 +78,7 @@ def test_declared_power_of_two_gradient_gives_the_same_bits(grad, z_loss_weight)
     1 or any power of two both are exact, so the gradients are the same bits."""
     h, w, y = _inputs(torch.float32)
     ref = torch.autograd.grad(linear_cross_entropy(h, w, y, chunk_tokens=7, z_loss_weight=z_loss_weight) * grad, (h, w))
-    with declared_loss_grad(grad):
+    with loss_weight(grad):
         loss = linear_cross_entropy(h, w, y, chunk_tokens=7, z_loss_weight=z_loss_weight)
     got = torch.autograd.grad(loss * grad, (h, w))
     for g, r in zip(got, ref):
@@ -90,10 +90,18 @@ def test_declared_gradient_is_folded_in_and_checked():
     other than the one declared; the declaration ends with its block."""
     h, w, y = _inputs(torch.float64)
     ref = torch.autograd.grad(_plain(h, w, y, 0.1) * 0.37, (h, w))
-    with declared_loss_grad(0.37):
+    with loss_weight(0.37):
         loss = linear_cross_entropy(h, w, y, chunk_tokens=5, z_loss_weight=0.1)
         wrong = linear_cross_entropy(h, w, y, chunk_tokens=5)
-    assert L._declared_grad is None
+    assert declared_loss_weight() is None
+    # The MoE aux losses' own setting shares the weight but declares nothing to the LM loss.
+    from moetron.core.layers.loss import current_loss_weight
+    from moetron.core.moe.aux_loss import aux_loss_scale, current_aux_loss_scale
+
+    with loss_weight(0.5), aux_loss_scale(0.25):
+        assert declared_loss_weight() is None and current_loss_weight() == current_aux_loss_scale() == 0.25
+    with loss_weight(0.5):
+        assert declared_loss_weight() == current_aux_loss_scale() == 0.5
     for g, r in zip(torch.autograd.grad(loss * 0.37, (h, w)), ref):
         torch.testing.assert_close(g, r, **TOL[torch.float64])
     with pytest.raises(RuntimeError, match="other than the 0.37 declared"):
@@ -113,11 +121,11 @@ def test_declared_gradient_becomes_the_weight_grad_without_a_copy(monkeypatch):
         return out
 
     monkeypatch.setattr(L, "_chunked", spy)
-    for declared in (1.0, None):
+    for declared in (True, False):
         h, w, y = _inputs(torch.float32)
-        with declared_loss_grad(declared):
+        with loss_weight(1.0, declared=declared):
             linear_cross_entropy(h, w, y, chunk_tokens=7).backward()
-        assert (w.grad.data_ptr() == made[-1]) == (declared is not None)
+        assert (w.grad.data_ptr() == made[-1]) == declared
 
 
 def test_z_value_for_logging_and_leading_dims():

@@ -59,7 +59,7 @@ def check(device: str) -> None:
             # kernel's row coefficient; a power of two, so the same bits as scaling afterwards.
             L.CE_KERNEL = "triton"
             hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
-            with L.declared_loss_grad(2.0):
+            with L.loss_weight(2.0):
                 loss = L.linear_cross_entropy(hh, ww, labels, z_loss_weight=z, chunk_tokens=32)
             for got, want in zip(torch.autograd.grad(loss * 2.0, (hh, ww)), results["triton"][1:]):
                 assert torch.equal(got, want), (dtype, z)

@@ -2,7 +2,8 @@
 last stage returns the normed hidden and its LM head computes the fused, chunked loss. Oracle: the
 single-process run with the plain loss over full logits (tests/parallel/test_pipeline.py's
 reference): same losses, aux losses, grad norm and parameters after AdamW steps, and eval loss,
-in float64 (FSDP2 under the pipeline with the head's loss: tests/parallel/test_equivalence.py's pp
+in float64, the loss' gradients computed at the micro-batch's declared weight (FSDP2 under the
+pipeline with the head's loss: tests/parallel/test_equivalence.py's pp
 layouts, which run through tools/pretrain.py's build()).
 """
 
@@ -75,6 +76,20 @@ def _check_float64(rank: int, world_size: int, schedule: str, stages_per_rank: i
 @pytest.mark.parametrize("schedule,stages_per_rank", [("1f1b", 1), ("interleaved_1f1b", 2)])
 def test_one_process_head_loss_matches_plain_run(schedule, stages_per_rank):
     _check(0, 1, schedule, stages_per_rank, 4)
+
+
+def test_the_schedule_declares_each_micro_batch_weight_to_the_fused_loss(monkeypatch):
+    """The pipeline divides each micro-batch's loss by their number and declares that weight
+    (core.layers.loss.loss_weight), so the head's fused loss computes its gradients at it
+    (model.fused_loss_prescale; its backward checks the gradient it receives is that weight); the
+    float64 oracle above still holds for the run."""
+    from moetron.core.layers import loss as L
+
+    seen = []
+    declared = L.declared_loss_weight
+    monkeypatch.setattr(L, "declared_loss_weight", lambda: seen.append(declared()) or seen[-1])
+    _check(0, 1, "1f1b", 1, 4)
+    assert seen and set(seen) == {0.25}
 
 
 @pytest.mark.parametrize("schedule,stages_per_rank", [("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2)])

@@ -354,7 +354,7 @@ def test_fused_loss_prescale_terms():
     """model.fused_loss_prescale (default on): the loss' backward neither makes nor holds scaled copies
     of grad_h [T, D] and grad_W [V, D] (fp32 both: 4 B each less at its peak, which is then its
     forward's last chunk) and skips their scaling pass (read and write, 8 B per element, each
-    micro-batch); off under a pipeline schedule (the loop that declares the gradient is not running)."""
+    micro-batch); on under a pipeline schedule too (it declares each micro-batch's weight)."""
     from moetron.run.planner.hardware import GPUS
 
     T, D, V = 16384, 2048, 100352
@@ -377,7 +377,9 @@ def test_fused_loss_prescale_terms():
     args = (PrecisionConfig(recipe="bf16"), OptimizerConfig(), GPUS["h200"], True)
     cfg = ModelConfig.tiny_moe()
     assert switches(cfg, ParallelConfig(), *args).fused_loss_prescale
-    assert not switches(cfg, ParallelConfig(pp=2), *args).fused_loss_prescale
+    assert switches(cfg, ParallelConfig(pp=2), *args).fused_loss_prescale
+    cfg.fused_loss = False  # nothing to prescale
+    assert not switches(cfg, ParallelConfig(), *args).fused_loss_prescale
 
 
 def test_save_swiglu_product_terms():
