@@ -83,7 +83,8 @@ RULES: list[tuple[str, str]] = [
 ]
 # (category, pattern of an enclosing op or range): a kernel launched inside one is that category unless
 # its name says GEMM or attention: the unfused optimizer's lerp/addcdiv/sqrt, the chunked fused loss's
-# exp/sum/casts (its matmuls stay gemm), the embedding backward's zero-fill and sort. Routing has none, so the int32 fills inside it stay visible.
+# exp/sum/casts (its matmuls stay gemm), the embedding backward's zero-fill and sort. Routing has none,
+# so the int32 fills inside it stay visible.
 ENCLOSING: list[tuple[str, str]] = [
     ("optimizer", r"^Optimizer\.(?:step|zero_grad)#"),
     ("loss", r"CrossEntropy|^aten::cross_entropy_loss$"),

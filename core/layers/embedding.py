@@ -27,17 +27,16 @@ def embedding_grad(ids: torch.Tensor, grad: torch.Tensor, num_embeddings: int, d
     """The gradient of F.embedding(ids, weight) with respect to weight [V = num_embeddings, D], in
     ``dtype``, for the incoming ``grad`` [*ids.shape, D]: row v is the sum, in fp32 and in increasing
     token order, of the rows of the tokens whose id is v; zeros for ids absent. Deterministic, no
-    host sync (a stable sort of the ids, two searchsorted over the vocabulary, one Triton pass)."""
+    host sync (a stable sort of the ids, one searchsorted over the vocabulary, one Triton pass)."""
     from .embedding_triton import embedding_grad_
 
     ids_T = ids.reshape(-1)
     grad_TD = grad.reshape(ids_T.numel(), grad.shape[-1]).contiguous()
     sorted_T, order_T = torch.sort(ids_T, stable=True)
     vocab_V = torch.arange(num_embeddings, device=ids.device, dtype=sorted_T.dtype)
-    starts_V = torch.searchsorted(sorted_T, vocab_V)
-    ends_V = torch.searchsorted(sorted_T, vocab_V, right=True)
+    ends_V = torch.searchsorted(sorted_T, vocab_V, right=True)  # each id's run ends here (and the next begins)
     out_VD = torch.empty(num_embeddings, grad_TD.shape[1], device=grad.device, dtype=dtype)
-    return embedding_grad_(order_T, starts_V, ends_V, grad_TD, out_VD)
+    return embedding_grad_(order_T, ends_V, grad_TD, out_VD)
 
 
 class _TritonGradEmbedding(torch.autograd.Function):

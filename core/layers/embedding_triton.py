@@ -9,7 +9,7 @@ writes its slice of the gradient: zeros where the row's id is absent, else the s
 the tokens with that id, in increasing token order, in fp32. No zero-fill pass, no atomics: the same
 bits on every run (and the same as a sequential fp32 loop over the tokens, which the tests check).
 
-    grad_weight_VD = embedding_grad_(ids_sorted_T, order_T, starts_V, ends_V, grad_TD, out_VD)
+    grad_weight_VD = embedding_grad_(order_T, ends_V, grad_TD, out_VD)
 
 Legend: T tokens, V vocabulary, D embedding dim.
 """
@@ -31,12 +31,12 @@ UNROLL = 8
 
 
 @triton.jit
-def _embedding_grad_kernel(grad_ptr, order_ptr, starts_ptr, ends_ptr, out_ptr, D, stride_grad, stride_out,
+def _embedding_grad_kernel(grad_ptr, order_ptr, ends_ptr, out_ptr, D, stride_grad, stride_out,
                            BLOCK: tl.constexpr, UNROLL: tl.constexpr, OUT_BF16: tl.constexpr):
     v = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = cols < D
-    start = tl.load(starts_ptr + v)
+    start = tl.where(v > 0, tl.load(ends_ptr + tl.maximum(v - 1, 0)), 0)  # the previous id's run ends here
     end = tl.load(ends_ptr + v)
     acc = tl.zeros([BLOCK], tl.float32)
     # This id's tokens in increasing position (a stable sort), UNROLL at a time: the unrolled loads do
@@ -54,19 +54,20 @@ def _embedding_grad_kernel(grad_ptr, order_ptr, starts_ptr, ends_ptr, out_ptr, D
         tl.store(out_ptr + v * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=inside)
 
 
-def embedding_grad_(order_T: torch.Tensor, starts_V: torch.Tensor, ends_V: torch.Tensor, grad_TD: torch.Tensor,
+def embedding_grad_(order_T: torch.Tensor, ends_V: torch.Tensor, grad_TD: torch.Tensor,
                     out_VD: torch.Tensor) -> torch.Tensor:
-    """Writes every row of ``out_VD`` [V, D]: row v = the sum over i in [starts_V[v], ends_V[v]) of
-    grad_TD[order_T[i]] (fp32 accumulation, in that order; zeros where the range is empty), in
-    out_VD's dtype (fp32, or bf16 rounded to nearest even). ``order_T`` [T] int: the tokens stably sorted by id; ``starts_V`` / ``ends_V``
-    [V] int: each id's range in that order. Rows of grad_TD and out_VD contiguous."""
+    """Writes every row of ``out_VD`` [V, D]: row v = the sum over i in [ends_V[v - 1], ends_V[v]) (from 0
+    for v = 0) of grad_TD[order_T[i]] (fp32 accumulation, in that order; zeros where the range is
+    empty), in out_VD's dtype (fp32, or bf16 rounded to nearest even). ``order_T`` [T] int: the tokens
+    stably sorted by id; ``ends_V`` [V] int: how many tokens have an id <= v (where each id's run ends
+    in that order). Rows of grad_TD and out_VD contiguous."""
     V, D = out_VD.shape
     if grad_TD.stride(1) != 1 or out_VD.stride(1) != 1:
         raise ValueError("embedding_grad_: the rows of grad and out must be contiguous")
     if V == 0 or D == 0:
         return out_VD
     block = min(BLOCK_D, triton.next_power_of_2(D))
-    _embedding_grad_kernel[(V, triton.cdiv(D, block))](grad_TD, order_T, starts_V, ends_V, out_VD, D,
+    _embedding_grad_kernel[(V, triton.cdiv(D, block))](grad_TD, order_T, ends_V, out_VD, D,
                                                        grad_TD.stride(0), out_VD.stride(0), BLOCK=block,
                                                        UNROLL=UNROLL, OUT_BF16=out_VD.dtype == torch.bfloat16, num_warps=4)
     return out_VD

@@ -130,34 +130,35 @@ def check_expert_copies(recipe: PrecisionRecipe | str, backend: PrecisionBackend
                           f"do): add --precision.backend=emulated, or drop expert_weight_copies and expert_grads_bf16")
 
 
+def _require_bf16(recipe: PrecisionRecipe | str, switch: str, what: str) -> None:
+    """ConfigError unless ``recipe`` is bf16 (or auto, until resolved: fp32 on the CPU): precision.``switch``
+    ``what`` (what it does, naming the bf16 machinery it needs)."""
+    recipe = PrecisionRecipe(recipe)
+    if recipe not in (PrecisionRecipe.bf16, PrecisionRecipe.auto):
+        raise ConfigError(f"precision.{switch}=true {what}, a bf16-recipe option, and this run has "
+                          f"precision.recipe={recipe}: use --precision.recipe=bf16, or drop {switch}")
+
+
 def check_bf16_copies(recipe: PrecisionRecipe | str, copies: bool, sharded: bool = False,
-                       switch: str = "dense_weight_copies") -> None:
+                      switch: str = "dense_weight_copies") -> None:
     """ConfigError where ``copies`` (precision.dense_weight_copies, or the ``switch`` head_weight_copy)
-    meet a recipe other than bf16 (auto passes until resolved: fp32 on the CPU) or a ``sharded``
-    layout (FSDP2, expert or pipeline parallelism: the weights are not one GPU's fp32 parameters),
-    naming the fix. The one rule the config, the build and the planner apply to both."""
+    meet a recipe other than bf16 or a ``sharded`` layout (FSDP2, expert or pipeline parallelism: the
+    weights are not one GPU's fp32 parameters), naming the fix. The one rule the config, the build
+    and the planner apply to both."""
     if not copies:
         return
-    recipe = PrecisionRecipe(recipe)
-    what = "the LM head computes" if switch == "head_weight_copy" else "the dense linears compute"
-    if recipe not in (PrecisionRecipe.bf16, PrecisionRecipe.auto):
-        raise ConfigError(f"precision.{switch}=true has {what} on the optimizer's bf16 weight copies, a bf16-recipe "
-                          f"option, and this run has precision.recipe={recipe}: use --precision.recipe=bf16, or drop "
-                          f"{switch}")
+    who = "the LM head computes" if switch == "head_weight_copy" else "the dense linears compute"
+    _require_bf16(recipe, switch, f"has {who} on the optimizer's bf16 weight copies")
     if sharded:
         raise ConfigError(f"precision.{switch}=true is for one unsharded GPU (its fp32 weights are the copies' "
                           f"masters): no FSDP2, expert or pipeline parallelism; drop it for this layout")
 
 
 def check_save_product(recipe: PrecisionRecipe | str, on: bool) -> None:
-    """ConfigError where precision.save_swiglu_product meets a recipe other than bf16 (auto passes
-    until resolved: fp32 on the CPU), whose experts compose their own SwiGLU. The config, the build
-    and the planner's one rule."""
-    recipe = PrecisionRecipe(recipe)
-    if on and recipe not in (PrecisionRecipe.bf16, PrecisionRecipe.auto):
-        raise ConfigError(f"precision.save_swiglu_product=true keeps the product in the bf16 experts' fused "
-                          f"SwiGLU-down op, and this run has precision.recipe={recipe}: use --precision.recipe=bf16, "
-                          f"or drop save_swiglu_product")
+    """ConfigError where precision.save_swiglu_product meets a recipe other than bf16, whose experts
+    compose their own SwiGLU. The config, the build and the planner's one rule."""
+    if on:
+        _require_bf16(recipe, "save_swiglu_product", "keeps the product in the bf16 experts' fused SwiGLU-down op")
 
 
 def check_emulated_saves(recipe: PrecisionRecipe | str, backend: PrecisionBackend | str, x_bf16: bool) -> None:

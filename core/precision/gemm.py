@@ -249,8 +249,8 @@ def attach_dense_copies(optimizer, parts) -> dict[torch.Tensor, torch.Tensor]:
     LM head's, written by ``optimizer`` (core.adamw.PrecisionAwareAdamW) in its step -> {parameter:
     copy}. Each Linear (attention, the dense and shared SwiGLUs) computes on its copy in the
     parameter's place (Linear.weight_copy: a leaf whose bf16 .grad the optimizer reads as the
-    parameter's gradient). The LM head keeps casting its fp32 weight inside the fused loss (a copy
-    held all step would add 2 B x V x D at the backward's peak for one cast pass). ConfigError where
+    parameter's gradient). The LM head has its own switch (head_weight_copy, attach_head_copy: its
+    copy is held all step, 2 B x V x D, and its gradient stays fp32). ConfigError where
     the optimizer writes no copies or a weight is not an unsharded fp32 parameter (FSDP2 gathers its
     own bf16 weights)."""
     from ..layers.linear import Linear

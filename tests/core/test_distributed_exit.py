@@ -10,8 +10,7 @@ import subprocess
 import sys
 
 from tests.distributed import free_port
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.reporting import ROOT
 
 RANK = r"""
 import atexit, sys

@@ -5,8 +5,7 @@
 # settings (tools/bench_loss.py --rows), then olmoe3-4l-8e in one process: b16 (the prescale on, the
 # default), b16 with it off, b16 + the head's copy, b16 + the Triton embedding gradient, b16 again.
 # Run from the repo root: bash docs/bench/session32/call1.sh (timeout 590; about 540 s warm-started).
-source docs/bench/session25/common.sh
-nvidia-smi --query-gpu=name --format=csv,noheader
+source docs/bench/session32/switches.sh
 t0=$(date +%s)
 timeout 150 python3 -m pytest -q -m gpu tests/core/test_dense_copies.py tests/core/test_loss_triton.py \
   tests/core/test_embedding.py tests/core/test_swiglu_triton.py 2>&1 | tail -3
@@ -15,10 +14,7 @@ echo "tests $(( $(date +%s) - t0 )) s"
 t0=$(date +%s)
 timeout 80 python3 tools/bench_loss.py --rows --chunk-tokens 4096 --json $OUT/ce_rows.json 2>&1 | grep -v Warning | tail -20
 echo "rows $(( $(date +%s) - t0 )) s"
-H=precision.head_weight_copy=true
-P=model.fused_loss_prescale=false
-E=model.triton_embedding_grad=true
 t0=$(date +%s)
-timeout 340 python3 tools/bench_train.py $S2 --steps 12 --warmup 3 --variant b16:$B16 --variant b16_noP:$B16,$P \
+timeout 340 python3 tools/bench_train.py $S2 --steps 12 --warmup 3 --variant b16:$B16 --variant b16_noP:$B16,$P_OFF \
   --variant b16H:$B16,$H --variant b16E:$B16,$E --variant b16_again:$B16 --json $OUT/prescale_head_S2.json 2>&1 | grep -v Warning | tail -7
 echo "S2 $(( $(date +%s) - t0 )) s"

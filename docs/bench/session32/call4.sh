@@ -3,9 +3,8 @@
 # then moetron b16 and b16 with the switches that calls 1-3 show help (BEST; default: all of session
 # 31-32's). Needs .peers carried (../shared/peers/README.md).
 # Run from the repo root: [BEST=<overrides>] bash docs/bench/session32/call4.sh (timeout 590; about 330 s warm-started).
-source docs/bench/session25/common.sh
-nvidia-smi --query-gpu=name --format=csv,noheader
-BEST=${BEST:-precision.dense_weight_copies=true,precision.head_weight_copy=true,model.triton_embedding_grad=true,precision.save_swiglu_product=true}
+source docs/bench/session32/switches.sh
+BEST=${BEST:-$ALL}
 python3 -m pip install -q --no-index --no-deps --target /tmp/site_tt .peers/whl/*.whl >/dev/null 2>&1
 t0=$(date +%s)
 PYTHONPATH=/tmp/site_tt timeout 150 python3 .peers/torchtitan_moe_bench.py --config olmoe3-4l-8e --compile --steps 20 \
