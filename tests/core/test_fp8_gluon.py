@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.core.test_precision_emulated import wide
-from tests.core.test_precision_fp8 import _agree, _compile_sm90, _ref_err, check_rows
+from tests.core.test_precision_fp8 import _agree, _compile_sm90, _ref_err, assert_no_spills, check_rows
 
 fg = pytest.importorskip("moetron.core.precision.fp8_gluon")
 if not fg.AVAILABLE:
@@ -55,8 +55,6 @@ def test_gluon_kernels_compile_for_sm90(kind, config):
     left in flight at the promotion (wait_group 1) and ptxas keeping them so (it serializes every
     wgmma of a kernel where registers of one in flight are touched, and says so: the first version's
     failure), operands through TMA into NUM_BUF buffers, the output in 16-byte stores, and no register spills."""
-    import triton
-
     compiled = _compile(kind, config)
     ptx = compiled.asm["ptx"]
     what = f"{kind} {config.name}"
@@ -69,7 +67,6 @@ def test_gluon_kernels_compile_for_sm90(kind, config):
     from triton.backends.nvidia.compiler import get_ptxas
 
     ptxas = get_ptxas(90).path  # the ptxas this Triton compiled the kernel with (its PTX version)
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if os.path.exists(ptxas):  # ptxas's own verdict on the pipeline: no wgmma serialized (C7514 / C7515 ...)
         with tempfile.TemporaryDirectory() as tmp:
             with open(os.path.join(tmp, "k.ptx"), "w") as f:
@@ -78,12 +75,7 @@ def test_gluon_kernels_compile_for_sm90(kind, config):
                                    capture_output=True, text=True).stderr
         assert "Used" in notes, notes[-500:]
         assert "serialized" not in notes and "warpgroup.wait is injected" not in notes, f"{what}: {notes.strip()[-400:]}"
-    if os.path.exists(cuobjdump):
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(compiled.asm["cubin"])
-            f.flush()
-            usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
-        assert "LOCAL:0" in usage and "STACK:0" in usage, f"{what}: spills ({usage.strip()[-200:]})"
+    assert_no_spills(compiled, what)
 
 
 def test_gluon_config_needs_one_warpgroup_per_64_rows():
