@@ -264,7 +264,13 @@ def _pipelined_rows(a_ptr, a_desc, sa_ptr, b_ptr, b_desc, sb_ptr, off_ptr, tile_
         a, b, a_ptrs, b_ptrs = _load_kblock(a_desc, b_desc, a_ptrs, b_ptrs, row0, group * N + pid_n * BN, kb * BK,
                                             s_ak, s_bk, BK, TMA and TMA_OK)
         sa = tl.load(sa_ptrs + kb * s_sak)
-        if BN == BK:
+        if WS:  # both scales loaded before the wgmma is issued: their latency behind it, not after it
+            if BN == BK:
+                sab = (sa * tl.load(sb_ptr + pid_n * s_sbn + kb * s_sbk))[:, None]
+            else:
+                sab = sa[:, None] * tl.load(sb_ptrs + kb * s_sbk)[None, :]
+            acc += tl.dot(a, b) * sab
+        elif BN == BK:
             acc += tl.dot(a, b) * (sa * tl.load(sb_ptr + pid_n * s_sbn + kb * s_sbk))[:, None]
         else:
             acc += tl.dot(a, b) * (sa[:, None] * tl.load(sb_ptrs + kb * s_sbk)[None, :])
