@@ -68,7 +68,7 @@ class Fp8Experts(StrEnum):
     quantization (session 7), with 8 experts of 8192 rows on the H200; CPU-bound with 64 small
     experts (docs/performance.md)."""
     triton_ws = "triton_ws"
-    """The same Triton kernels compiled warp-specialized (fp8_triton.GroupedKernel.warp_specialized: a
+    """core/precision/fp8_triton_ws.py: the same GEMMs, persistent and warp-specialized by Triton (a
     TMA producer warpgroup and two consumer warpgroups, one's fp32 promotion overlapping the other's
     wgmma), no host sync. SM90+ (TMA); operands TMA cannot read run the ``triton`` kernels.
     Compiled for SM90 on the CPU and interpreted; not yet run on a GPU (docs/precision.md)."""

@@ -43,13 +43,10 @@ class GroupedKernel(StrEnum):
     descriptors (zero-filled past the end), BN 128 or 256 (per-128-column B scales), the expert
     found with one vector pass over the offsets, and a wider autotune list."""
     warp_specialized = "warp_specialized"
-    """The pipelined kernels compiled with Triton's warp specialization (``tl.range(...,
-    warp_specialize=True)``; Hopper support since Triton 3.5): a TMA producer warpgroup and two
-    consumer warpgroups on 64 rows each of a 128-row tile, each with its own barriers, so one's fp32
-    promotion of a K-block overlaps the other's wgmma (the structure of DeepGEMM's kernels), where
-    the pipelined kernels wait for each wgmma before promoting it. Their own autotune list
-    (ws_configs); the rows kernel reads its tiles' experts from a table one small kernel writes
-    first. Where TMA cannot read the operands, the pipelined kernels run."""
+    """core/precision/fp8_triton_ws.py: the pipelined kernels' GEMMs persistent and compiled
+    warp-specialized by Triton (a TMA producer warpgroup, two consumer warpgroups on 64 rows each, one's
+    fp32 promotion of a K-block overlapping the other's wgmma). Where TMA cannot read the operands
+    the pipelined kernels run."""
     gluon = "gluon"
     """core/precision/fp8_gluon.py: explicit async wgmma, each K-block's promotion overlapping the
     next K-block's MMA. SM90 only and TMA-able operands only; elsewhere (CPU, interpreter, SM100,
@@ -95,32 +92,11 @@ def pipelined_configs(interpret: bool = False, wgrad: bool = False) -> list[trit
     ``wgrad``: the k kernel's, without the pointer-load 128 x 128 tiles (they spill on SM90: 255
     registers and a stack, the per-column B scales on top of the rows kernel's state)."""
     if interpret:
-        return [triton.Config({"BM": 32, "BN": bn, "TMA": tma, "WS": False}, num_warps=4, num_stages=1,
-                              pre_hook=_set_block_shapes) for bn in (128, 256) for tma in (False, True)]
-    return [triton.Config({"BM": bm, "BN": bn, "TMA": tma, "WS": False}, num_warps=w, num_stages=st,
-                          pre_hook=_set_block_shapes)
+        return [triton.Config({"BM": 32, "BN": bn, "TMA": tma}, num_warps=4, num_stages=1, pre_hook=_set_block_shapes)
+                for bn in (128, 256) for tma in (False, True)]
+    return [triton.Config({"BM": bm, "BN": bn, "TMA": tma}, num_warps=w, num_stages=st, pre_hook=_set_block_shapes)
             for tma in (False, True) for bm, bn, w, st in PIPELINED_TILES
             if not (wgrad and not tma and (bm, bn) == (128, 128))]
-
-
-# (BM, BN, num_warps, num_stages) of the warp-specialized kernels: num_warps is one consumer
-# warpgroup's; Triton's Hopper warp specialization adds a TMA producer warpgroup and splits the
-# tile between two consumer warpgroups (BM 128: 64 rows each), each with its own barriers, so one's
-# promotion runs while the other's wgmma does (DeepGEMM's structure), at 232 registers a consumer
-# thread, no spills (SM90 compiles, Triton 3.6 and 3.9). 128 x 256 and 256 x 128 spill; 8 warps
-# are not specialized. One BM for all (the rows kernel's tile table is written for it: _ws_rows_bm).
-WS_TILES = ((128, 128, 4, 3), (128, 128, 4, 4), (128, 128, 4, 5))
-
-
-def ws_configs(interpret: bool = False) -> list[triton.Config]:
-    """The warp-specialized kernels' autotune candidates (TMA loads only: the producer warps issue
-    them, through descriptors the kernels make, so no host descriptor's block to set); under the interpreter, which ignores the specialization and runs the same code, one
-    config per B-scale shape."""
-    if interpret:
-        return [triton.Config({"BM": 32, "BN": bn, "TMA": True, "WS": True}, num_warps=4, num_stages=1)
-                for bn in (128, 256)]
-    return [triton.Config({"BM": bm, "BN": bn, "TMA": True, "WS": True}, num_warps=w, num_stages=st)
-            for bm, bn, w, st in WS_TILES]
 
 
 def _prune_pipelined(configs, named_args, **kwargs):
@@ -129,11 +105,10 @@ def _prune_pipelined(configs, named_args, **kwargs):
 
 
 def config_name(config: triton.Config) -> str:
-    """'BM64 BN128 w4 s3 tma' ('... tma ws' warp-specialized): a pipelined config as the benchmark
-    reports it."""
+    """'BM64 BN128 w4 s3 tma': a pipelined config as the benchmark reports it."""
     kw = config.kwargs
     return (f"BM{kw['BM']} BN{kw['BN']} w{config.num_warps} s{config.num_stages}"
-            + (" tma" if kw.get("TMA") else "") + (" ws" if kw.get("WS") else ""))
+            + (" tma" if kw.get("TMA") else ""))
 
 
 @triton.autotune(configs=_configs(_INTERPRET), key=["N", "K"])
@@ -195,17 +170,6 @@ def _row_tile(off_ptr, tile, E, BM: tl.constexpr, EP: tl.constexpr):
 
 
 @triton.jit
-def _tile_table_kernel(off_ptr, table_ptr, E, BM: tl.constexpr, EP: tl.constexpr):
-    """table[t] = row tile t's (expert, first row or -1 past the last tile, end row): _row_tile once
-    per tile, for the warp-specialized rows kernel (which cannot reduce)."""
-    tile = tl.program_id(0)
-    group, row0, row_end = _row_tile(off_ptr, tile, E, BM, EP)
-    tl.store(table_ptr + 3 * tile, group)
-    tl.store(table_ptr + 3 * tile + 1, row0)
-    tl.store(table_ptr + 3 * tile + 2, row_end)
-
-
-@triton.jit
 def _load_kblock(a_desc, b_desc, a_ptrs, b_ptrs, a_row, b_row, k, s_ak, s_bk, BK: tl.constexpr, USE_TMA: tl.constexpr):
     """One K-block of A [BM, BK] and B [BK, BN]: through the TMA descriptors (A's rows from a_row,
     B stored transposed, its rows from b_row, K from k), or through the pointers, returned stepped
@@ -221,32 +185,19 @@ def _load_kblock(a_desc, b_desc, a_ptrs, b_ptrs, a_row, b_row, k, s_ak, s_bk, BK
     return a, b, a_ptrs, b_ptrs
 
 
+@triton.autotune(configs=pipelined_configs(_INTERPRET)[:1 if _INTERPRET else None], key=["N", "K", "TMA_OK"],
+                 prune_configs_by={"early_config_prune": _prune_pipelined})
 @triton.jit
-def _pipelined_rows(a_ptr, a_desc, sa_ptr, b_ptr, b_desc, sb_ptr, off_ptr, tile_ptr, c_ptr, E, R, N, K, TMA_OK: tl.constexpr,
-                    s_am, s_ak, s_sam, s_sak, s_be, s_bk, s_bn, s_sbe, s_sbk, s_sbn, s_cm, s_cn,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EP: tl.constexpr, TMA: tl.constexpr,
-                    WS: tl.constexpr):
+def _fp8_grouped_gemm_rows_pipelined_kernel(a_ptr, a_desc, sa_ptr, b_ptr, b_desc, sb_ptr, off_ptr, c_ptr,
+                                            E, R, N, K, TMA_OK: tl.constexpr,
+                                            s_am, s_ak, s_sam, s_sak, s_be, s_bk, s_bn, s_sbe, s_sbk, s_sbn,
+                                            s_cm, s_cn, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                                            EP: tl.constexpr, TMA: tl.constexpr):
     # a_desc: A [R, K]; b_desc: B stored as [E * N, K] (each B[e] K-contiguous); both None unless TMA_OK
     pid_n, tile = tl.program_id(0), tl.program_id(1)
-    if WS:
-        # descriptors made here, not on the host: the specialization splits A's tile between the two
-        # consumers, which needs descriptors whose block the compiler may shape (a host descriptor's
-        # block is fixed: Triton 3.6 then copies the whole block into each half, 3.9 refuses it)
-        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[R, K], strides=[s_am, 1], block_shape=[BM, BK])
-        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[E * N, K], strides=[s_bn, 1], block_shape=[BN, BK])
-        # Triton's Hopper warp specialization (3.6) takes neither reductions nor a branch out of the
-        # kernel: the tile's expert and rows come from the table _tile_table_kernel wrote, and a
-        # program past the last tile runs no K-block and stores nothing instead of returning
-        group = tl.load(tile_ptr + 3 * tile)
-        row0 = tl.load(tile_ptr + 3 * tile + 1)
-        row_end = tl.where(row0 < 0, 0, tl.load(tile_ptr + 3 * tile + 2))
-        n_kb = tl.where(row0 < 0, 0, K // BK)
-        row0 = tl.maximum(row0, 0)
-    else:
-        group, row0, row_end = _row_tile(off_ptr, tile, E, BM, EP)
-        if row0 < 0:
-            return
-        n_kb = K // BK
+    group, row0, row_end = _row_tile(off_ptr, tile, E, BM, EP)
+    if row0 < 0:
+        return
     offs_m = row0 + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
@@ -259,18 +210,12 @@ def _pipelined_rows(a_ptr, a_desc, sa_ptr, b_ptr, b_desc, sb_ptr, off_ptr, tile_
     a_ptrs = a_ptr + rows[:, None].to(tl.int64) * s_am + offs_k[None, :] * s_ak
     b_ptrs = b_ptr + group.to(tl.int64) * s_be + offs_k[:, None] * s_bk + cols[None, :] * s_bn
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for kb in tl.range(0, n_kb, warp_specialize=WS):
+    for kb in range(0, K // BK):
         # a TMA config where descriptors cannot be made reads through pointers
         a, b, a_ptrs, b_ptrs = _load_kblock(a_desc, b_desc, a_ptrs, b_ptrs, row0, group * N + pid_n * BN, kb * BK,
                                             s_ak, s_bk, BK, TMA and TMA_OK)
         sa = tl.load(sa_ptrs + kb * s_sak)
-        if WS:  # both scales loaded before the wgmma is issued: their latency behind it, not after it
-            if BN == BK:
-                sab = (sa * tl.load(sb_ptr + pid_n * s_sbn + kb * s_sbk))[:, None]
-            else:
-                sab = sa[:, None] * tl.load(sb_ptrs + kb * s_sbk)[None, :]
-            acc += tl.dot(a, b) * sab
-        elif BN == BK:
+        if BN == BK:
             acc += tl.dot(a, b) * (sa * tl.load(sb_ptr + pid_n * s_sbn + kb * s_sbk))[:, None]
         else:
             acc += tl.dot(a, b) * (sa[:, None] * tl.load(sb_ptrs + kb * s_sbk)[None, :])
@@ -304,18 +249,16 @@ def _fp8_grouped_gemm_k_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, off_ptr, c_ptr, M, 
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
+@triton.autotune(configs=pipelined_configs(_INTERPRET, wgrad=True)[:1 if _INTERPRET else None], key=["M", "N", "TMA_OK"],
+                 prune_configs_by={"early_config_prune": _prune_pipelined})
 @triton.jit
-def _pipelined_k(a_ptr, a_desc, sa_ptr, b_ptr, b_desc, sb_ptr, off_ptr, c_ptr, M, N, TMA_OK: tl.constexpr,
-                 s_am, s_ak, s_sam, s_sak, s_bn, s_bk, s_sbn, s_sbk, s_ce, s_cm, s_cn,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
+def _fp8_grouped_gemm_k_pipelined_kernel(a_ptr, a_desc, sa_ptr, b_ptr, b_desc, sb_ptr, off_ptr, c_ptr, M, N,
+                                         TMA_OK: tl.constexpr, s_am, s_ak, s_sam, s_sak, s_bn, s_bk, s_sbn, s_sbk, s_ce, s_cm, s_cn,
+                                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr):
     # a_desc: A [M, P]; b_desc: Bt [N, P]; both None unless TMA_OK
     pid_n, pid_m, e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.where(e > 0, tl.load(off_ptr + e - 1, mask=e > 0, other=0), 0)
     end = tl.load(off_ptr + e)
-    if WS:  # descriptors made here (see _pipelined_rows), over the padded rows the experts use
-        P = tl.load(off_ptr + tl.num_programs(2) - 1)
-        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, P], strides=[s_am, 1], block_shape=[BM, BK])
-        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, P], strides=[s_bn, 1], block_shape=[BN, BK])
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
@@ -325,7 +268,7 @@ def _pipelined_k(a_ptr, a_desc, sa_ptr, b_ptr, b_desc, sb_ptr, off_ptr, c_ptr, M
     a_ptrs = a_ptr + rows[:, None].to(tl.int64) * s_am + (k0 + offs_k[None, :]) * s_ak
     b_ptrs = b_ptr + cols[None, :].to(tl.int64) * s_bn + (k0 + offs_k[:, None]) * s_bk
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for kb in tl.range(start // BK, end // BK, warp_specialize=WS):
+    for kb in range(start // BK, end // BK):
         a, b, a_ptrs, b_ptrs = _load_kblock(a_desc, b_desc, a_ptrs, b_ptrs, pid_m * BM, pid_n * BN, kb * BK,
                                             s_ak, s_bk, BK, TMA and TMA_OK)
         sa = tl.load(sa_ptr + rows.to(tl.int64) * s_sam + kb * s_sak)
@@ -333,21 +276,6 @@ def _pipelined_k(a_ptr, a_desc, sa_ptr, b_ptr, b_desc, sb_ptr, off_ptr, c_ptr, M
         acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
     c_ptrs = c_ptr + e.to(tl.int64) * s_ce + offs_m[:, None] * s_cm + offs_n[None, :] * s_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
-
-
-def _autotuned(fn, configs: list[triton.Config], key: list[str]):
-    return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": _prune_pipelined})(fn)
-
-
-_ONE = 1 if _INTERPRET else None  # the interpreter runs the first candidate (tests set theirs)
-_fp8_grouped_gemm_rows_pipelined_kernel = _autotuned(_pipelined_rows, pipelined_configs(_INTERPRET)[:_ONE],
-                                                     ["N", "K", "TMA_OK"])
-_fp8_grouped_gemm_k_pipelined_kernel = _autotuned(_pipelined_k, pipelined_configs(_INTERPRET, wgrad=True)[:_ONE],
-                                                  ["M", "N", "TMA_OK"])
-# The same two kernels warp-specialized: separate autotuners (their candidates and tuned choice
-# apart from the pipelined ones'), launched only where TMA can read both operands.
-_fp8_grouped_gemm_rows_ws_kernel = _autotuned(_pipelined_rows, ws_configs(_INTERPRET)[:_ONE], ["N", "K", "TMA_OK"])
-_fp8_grouped_gemm_k_ws_kernel = _autotuned(_pipelined_k, ws_configs(_INTERPRET)[:_ONE], ["M", "N", "TMA_OK"])
 
 
 def use_pipelined_configs(configs: list[triton.Config], wgrad_configs: list[triton.Config] | None = None) -> None:
@@ -360,10 +288,14 @@ def use_pipelined_configs(configs: list[triton.Config], wgrad_configs: list[trit
 
 
 def last_tuning(wgrad: bool = False, ws: bool = False) -> tuple[str, dict[str, float]]:
-    """The config the rows (or, ``wgrad``, the k) pipelined kernel (``ws``: its warp-specialized form)
-    ran last, and the median ms of each candidate at its latest tuning ({} when only one was left to run)."""
-    kernel = ((_fp8_grouped_gemm_k_ws_kernel if ws else _fp8_grouped_gemm_k_pipelined_kernel) if wgrad
-              else (_fp8_grouped_gemm_rows_ws_kernel if ws else _fp8_grouped_gemm_rows_pipelined_kernel))
+    """The config the rows (or, ``wgrad``, the k) pipelined kernel (``ws``: the warp-specialized one,
+    fp8_triton_ws) ran last, and the median ms of each candidate at its latest tuning ({} when only
+    one was left to run)."""
+    if ws:
+        from . import fp8_triton_ws
+
+        return fp8_triton_ws.last_tuning(wgrad)
+    kernel = _fp8_grouped_gemm_k_pipelined_kernel if wgrad else _fp8_grouped_gemm_rows_pipelined_kernel
     timings = getattr(kernel, "configs_timings", None) or {}
     return config_name(kernel.best_config), {config_name(c): t[0] if isinstance(t, (list, tuple)) else t
                                              for c, t in timings.items()}
@@ -393,32 +325,7 @@ def _descriptor(t: torch.Tensor | None):
     return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [BLOCK_K, BLOCK_K])
 
 
-def _torch_allocator(size: int, alignment: int, stream) -> torch.Tensor:
-    return torch.empty(size, dtype=torch.int8, device="cuda")  # the caching allocator aligns to 512 bytes
-
-
-def _ensure_allocator() -> None:
-    """Descriptors made inside a kernel live in global memory Triton asks its allocator for; unless
-    the caller's thread has one, torch's caching allocator serves it. Triton keeps the allocator in a
-    context variable, which the autograd engine's threads (the backward's launches) do not inherit:
-    hence a check at every launch, not one set-up."""
-    from triton.runtime import _allocation
-
-    if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
-        triton.set_allocator(_torch_allocator)
-
-
-def _ws_rows_bm() -> int:
-    """The one BM of the warp-specialized rows kernel's candidates (its tile table is written for it)."""
-    bms = {c.kwargs["BM"] for c in _fp8_grouped_gemm_rows_ws_kernel.configs}
-    if len(bms) != 1:
-        raise ValueError(f"the warp-specialized rows kernel's candidates need one BM (its tile table's), got {sorted(bms)}")
-    return bms.pop()
-
-
-def _rows_pipelined(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out, ws: bool = False) -> bool:
-    """The pipelined rows kernel, or (``ws``) its warp-specialized form where TMA can read both
-    operands; returns whether the warp-specialized one ran."""
+def _rows_pipelined(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out):
     R, K = a_RK.shape
     E, _, N = b_EKN.shape
     s_be, s_bk, s_bn = b_EKN.stride()
@@ -426,23 +333,12 @@ def _rows_pipelined(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out, ws: bool = False
     tma_ok = int(a_desc is not None and b_desc is not None)
     if not tma_ok:
         a_desc = b_desc = None
-    ws = ws and bool(tma_ok)
-    EP = triton.next_power_of_2(E)
-    kernel, table = _fp8_grouped_gemm_rows_pipelined_kernel, None
-    if ws:  # the kernel makes its own descriptors
-        _ensure_allocator()
-        a_desc = b_desc = None
-        kernel, bm = _fp8_grouped_gemm_rows_ws_kernel, _ws_rows_bm()
-        tiles = triton.cdiv(R, bm) + E
-        table = torch.empty(tiles, 3, dtype=torch.int32, device=a_RK.device)
-        _tile_table_kernel[(tiles,)](offsets_E, table, E, BM=bm, EP=EP)
     grid = lambda meta: (triton.cdiv(N, meta["BN"]), triton.cdiv(R, meta["BM"]) + E)  # noqa: E731
-    kernel[grid](
-        a_RK, a_desc, sa_RB, b_EKN, b_desc, sb_EBC, offsets_E, table, out, E, R, N, K, tma_ok,
+    _fp8_grouped_gemm_rows_pipelined_kernel[grid](
+        a_RK, a_desc, sa_RB, b_EKN, b_desc, sb_EBC, offsets_E, out, E, R, N, K, tma_ok,
         a_RK.stride(0), a_RK.stride(1), sa_RB.stride(0), sa_RB.stride(1), s_be, s_bk, s_bn,
         sb_EBC.stride(0), sb_EBC.stride(1), sb_EBC.stride(2), out.stride(0), out.stride(1),
-        BK=BLOCK_K, EP=EP)
-    return ws
+        BK=BLOCK_K, EP=triton.next_power_of_2(E))
 
 
 def fp8_grouped_mm_rows(a_RK: torch.Tensor, sa_RB: torch.Tensor, b_EKN: torch.Tensor, sb_EBC: torch.Tensor,
@@ -464,8 +360,14 @@ def fp8_grouped_mm_rows(a_RK: torch.Tensor, sa_RB: torch.Tensor, b_EKN: torch.Te
         if descriptors is not None:
             return fp8_gluon.gluon_grouped_mm_rows(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out, descriptors)
         kernel = GroupedKernel.pipelined
-    if kernel in (GroupedKernel.pipelined, GroupedKernel.warp_specialized):
-        _rows_pipelined(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out, ws=kernel == GroupedKernel.warp_specialized)
+    if kernel == GroupedKernel.warp_specialized:
+        from .fp8_triton_ws import ws_grouped_mm_rows
+
+        if ws_grouped_mm_rows(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out):
+            return out
+        kernel = GroupedKernel.pipelined
+    if kernel == GroupedKernel.pipelined:
+        _rows_pipelined(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out)
         return out
     grid = lambda meta: (triton.cdiv(N, BLOCK_K), triton.cdiv(R, meta["BM"]) + E)  # noqa: E731
     _fp8_grouped_gemm_rows_kernel[grid](a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out, E, N, K,
@@ -495,19 +397,19 @@ def fp8_grouped_mm_k(a_MP: torch.Tensor, sa_MB: torch.Tensor, bt_NP: torch.Tenso
         if descriptors is not None:
             return fp8_gluon.gluon_grouped_mm_k(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out, descriptors)
         kernel = GroupedKernel.pipelined
-    if kernel in (GroupedKernel.pipelined, GroupedKernel.warp_specialized):
+    if kernel == GroupedKernel.warp_specialized:
+        from .fp8_triton_ws import ws_grouped_mm_k
+
+        if ws_grouped_mm_k(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out):
+            return out
+        kernel = GroupedKernel.pipelined
+    if kernel == GroupedKernel.pipelined:
         a_desc, b_desc = _descriptor(a_MP), _descriptor(bt_NP)
         tma_ok = int(a_desc is not None and b_desc is not None)
         if not tma_ok:
             a_desc = b_desc = None
-        ws = kernel == GroupedKernel.warp_specialized and tma_ok
-        k_kernel = _fp8_grouped_gemm_k_pipelined_kernel
-        if ws:  # the kernel makes its own descriptors
-            _ensure_allocator()
-            a_desc = b_desc = None
-            k_kernel = _fp8_grouped_gemm_k_ws_kernel
         grid = lambda meta: (triton.cdiv(N, meta["BN"]), triton.cdiv(M, meta["BM"]), E)  # noqa: E731
-        k_kernel[grid](
+        _fp8_grouped_gemm_k_pipelined_kernel[grid](
             a_MP, a_desc, sa_MB, bt_NP, b_desc, sbt_NB, padded_offsets_E, out, M, N, tma_ok,
             a_MP.stride(0), a_MP.stride(1), sa_MB.stride(0), sa_MB.stride(1), bt_NP.stride(0), bt_NP.stride(1),
             sbt_NB.stride(0), sbt_NB.stride(1), out.stride(0), out.stride(1), out.stride(2), BK=BLOCK_K)

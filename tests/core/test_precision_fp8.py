@@ -250,32 +250,32 @@ def _tile_table_reference(offsets: torch.Tensor, tiles: int, bm: int) -> torch.T
 
 
 def check_warp_specialized(device: str, configs=None) -> None:
-    """GroupedKernel.warp_specialized (its own autotuner, ``configs`` default ws_configs of the
-    device) on the rows and k GEMMs of check_pipelined (ragged and empty experts, rows past the end,
-    BN 128 / 256 tiles): against float64 and the masked kernels; on the CPU, where the interpreter
-    ignores the specialization and runs the same code, bit for bit the pipelined TMA kernel of the same
-    tile (which finds its tiles with _row_tile where this one reads the table). Operands TMA cannot
-    read take the pipelined kernels. The rows kernel's tile table against a plain loop."""
+    """GroupedKernel.warp_specialized (core/precision/fp8_triton_ws.py: persistent, its own autotuner;
+    ``configs`` default ws_configs of the device) on the rows and k GEMMs of check_pipelined (ragged
+    and empty experts, rows past the end, BN 128 / 256 tiles): against float64 and the masked kernels;
+    on the CPU, where the interpreter ignores the specialization and runs the same code (3 programs
+    walking the tiles), bit for bit the pipelined TMA kernel of the same tile (which finds its tiles
+    with _row_tile where this one reads the table). Operands TMA cannot read take the pipelined
+    kernels. The rows kernel's tile table against a plain loop."""
+    import triton
+
     from moetron.core.precision import fp8_triton as ft
+    from moetron.core.precision import fp8_triton_ws as ws
     from moetron.core.precision.blockwise import (dequantize_1x128, dequantize_128x128, quantize_1x128,
                                                   quantize_128x128)
 
     interpret = device == "cpu"
-    configs = configs or ft.ws_configs(interpret=interpret)
+    configs = configs or ws.ws_configs(interpret=interpret)
     K, R, tol = 256, 150, 1e-5 if interpret else 2 ** -9
     offsets = torch.tensor([40, 40, 101, 140, 140], dtype=torch.int32, device=device)
     for bm in sorted({c.kwargs["BM"] for c in configs}):
-        tiles = triton_cdiv(R, bm) + 5
+        tiles = -(-R // bm) + 5
         table = torch.full((tiles, 3), 7, dtype=torch.int32, device=device)
-        ft._tile_table_kernel[(tiles,)](offsets, table, 5, BM=bm, EP=8)
+        ws._tile_table_kernel[(tiles,)](offsets, table, 5, BM=bm, EP=8)
         ref, table = _tile_table_reference(offsets.cpu(), tiles, bm), table.cpu()
         past = ref[:, 1] < 0  # past the last tile: any expert from E on (the kernel's runs no K-block)
         assert torch.equal(table[:, 1:], ref[:, 1:]) and torch.equal(table[~past], ref[~past]), f"tile table BM {bm}"
         assert bool((table[past, 0] >= 5).all()), f"tile table BM {bm}: an expert past the end"
-
-    def pipelined_twin(config):
-        kw = config.kwargs
-        return triton_config({**kw, "WS": False}, config.num_warps, config.num_stages)
 
     N = 384
     x, w = wide(R, K, seed=1).to(device), wide(5, N, K, seed=2).to(device)
@@ -290,12 +290,11 @@ def check_warp_specialized(device: str, configs=None) -> None:
     kb_q, kb_s = quantize_1x128(wide(N, P, seed=4).to(device), -1)
     ka_d, kb_d = dequantize_1x128(ka_q, ka_s, -1).cpu(), dequantize_1x128(kb_q, kb_s, -1).cpu()
     k_masked = ft.fp8_grouped_mm_k(ka_q, ka_s, kb_q, kb_s, padded, kernel=ft.GroupedKernel.masked).cpu()
-    rows_ws, k_ws = ft._fp8_grouped_gemm_rows_ws_kernel, ft._fp8_grouped_gemm_k_ws_kernel
-    saved = rows_ws.configs, k_ws.configs
+    saved = ws.rows_kernel.configs, ws.k_kernel.configs
     try:
         for config in configs:
-            what = ft.config_name(config)
-            for kernel in (rows_ws, k_ws):
+            what = ws.name(config)
+            for kernel in (ws.rows_kernel, ws.k_kernel):
                 kernel.configs = [config]
                 kernel.cache.clear()
             out = ft.fp8_grouped_mm_rows(a_q, a_s, b, sb, offsets, torch.float32,
@@ -307,32 +306,22 @@ def check_warp_specialized(device: str, configs=None) -> None:
                 err = _ref_err(k_out[2 * e], ka_d[:, s:t], kb_d[:, s:t].T)
                 assert err <= tol, f"wgrad {what}: expert {2 * e} error {err:.2e} against float64"
             assert _agree(k_out, k_masked, device), f"wgrad {what}"
-            if interpret:
-                ft.use_pipelined_configs([pipelined_twin(config)])
-                twin = ft.fp8_grouped_mm_rows(a_q, a_s, b, sb, offsets, torch.float32, kernel="pipelined").cpu()
-                assert torch.equal(out[:140], twin[:140]), f"rows {what}: the pipelined twin's bits"
+            if interpret:  # the pipelined TMA kernel of the same tile: the same bits
+                twin = triton.Config({**config.kwargs, "TMA": True}, num_warps=config.num_warps,
+                                     num_stages=config.num_stages, pre_hook=ft._set_block_shapes)
+                ft.use_pipelined_configs([twin])
+                pipelined = ft.fp8_grouped_mm_rows(a_q, a_s, b, sb, offsets, torch.float32, kernel="pipelined").cpu()
+                assert torch.equal(out[:140], pipelined[:140]), f"rows {what}: the pipelined twin's bits"
                 assert torch.equal(k_out, ft.fp8_grouped_mm_k(ka_q, ka_s, kb_q, kb_s, padded, kernel="pipelined").cpu())
-        # B laid out N-contiguous: no descriptor, the pipelined kernel runs (its own config here)
+        # B laid out N-contiguous: no descriptor, the pipelined kernel runs
         bn, sbn = b.contiguous(), sb.contiguous()
         fallback = ft.fp8_grouped_mm_rows(a_q, a_s, bn, sbn, offsets, torch.float32, kernel="warp_specialized").cpu()
         assert torch.equal(fallback[:140], ft.fp8_grouped_mm_rows(a_q, a_s, bn, sbn, offsets, torch.float32,
                                                                   kernel="pipelined").cpu()[:140])
     finally:
-        for kernel, kept in zip((rows_ws, k_ws), saved):
+        for kernel, kept in zip((ws.rows_kernel, ws.k_kernel), saved):
             kernel.configs = kept
             kernel.cache.clear()
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def triton_config(kwargs: dict, num_warps: int, num_stages: int):
-    import triton
-
-    from moetron.core.precision.fp8_triton import _set_block_shapes
-
-    return triton.Config(kwargs, num_warps=num_warps, num_stages=num_stages, pre_hook=_set_block_shapes)
 
 
 def test_warp_specialized_interpreted_matches_pipelined_and_float64():
@@ -405,7 +394,7 @@ def test_pipelined_configs_compile_for_sm90(index):
     config = configs[index]
     bm, bn = config.kwargs["BM"], config.kwargs["BN"]
     rows, k = _sm90_operands(bm, bn, descriptors=True)
-    kernels = [(ft._fp8_grouped_gemm_rows_pipelined_kernel, rows, dict(BK=128, EP=64, TMA_OK=1, tile_ptr=None))]
+    kernels = [(ft._fp8_grouped_gemm_rows_pipelined_kernel, rows, dict(BK=128, EP=64, TMA_OK=1))]
     if config in ft.pipelined_configs(wgrad=True):
         kernels.append((ft._fp8_grouped_gemm_k_pipelined_kernel, k, dict(BK=128, TMA_OK=1)))
     for kernel, values, constexprs in kernels:
@@ -419,16 +408,17 @@ def test_pipelined_configs_compile_for_sm90(index):
         assert_no_spills(compiled, what)
 
 
-def _sm90_operands(bm: int, bn: int, descriptors: bool) -> tuple[dict, dict]:
+def _sm90_operands(bm: int, bn: int, descriptors: bool = True) -> tuple[dict, dict]:
     """The rows and k kernels' argument types at OLMoE's forward and wgrad shapes, as
-    _compile_sm90 takes them (host descriptors of a (bm | bn) x 128 block, or none)."""
+    _compile_sm90 takes them (with host descriptors of a (bm | bn) x 128 block: fp8_triton's
+    pipelined kernels; without: fp8_triton_ws's, which make their own)."""
     desc = lambda rows: f"tensordesc<fp8e4nv[{rows}, 128]>"  # noqa: E731
     ptrs = dict(a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", sa_ptr="*fp32", sb_ptr="*fp32", off_ptr="*i32", tile_ptr="*i32")
     if descriptors:
         ptrs.update(a_desc=desc(bm), b_desc=desc(bn))
     R, K, N, E, P = 131072, 2048, 2048, 64, 131072 + 64 * 128
-    rows = dict(ptrs, c_ptr="*bf16", E=E, R=R, N=N, K=K, s_am=K, s_ak=1, s_sam=K // 128, s_sak=1, s_be=N * K, s_bk=1,
-                s_bn=K, s_sbe=N * K // 128 ** 2, s_sbk=1, s_sbn=K // 128, s_cm=N, s_cn=1)
+    rows = dict(ptrs, c_ptr="*bf16", E=E, R=R, N=N, K=K, T=R // 128 + E, s_am=K, s_ak=1, s_sam=K // 128, s_sak=1,
+                s_be=N * K, s_bk=1, s_bn=K, s_sbe=N * K // 128 ** 2, s_sbk=1, s_sbn=K // 128, s_cm=N, s_cn=1)
     k = dict(ptrs, c_ptr="*fp32", M=N, N=K, s_am=P, s_ak=1, s_sam=P // 128, s_sak=1, s_bn=P, s_bk=1, s_sbn=P // 128,
              s_sbk=1, s_ce=N * K, s_cm=K, s_cn=1)
     return rows, k
@@ -436,25 +426,23 @@ def _sm90_operands(bm: int, bn: int, descriptors: bool) -> tuple[dict, dict]:
 
 @pytest.mark.parametrize("index", range(3))
 def test_warp_specialized_configs_compile_for_sm90(index):
-    """Every warp-specialized config of both kernels compiles for Hopper into Triton's specialized
-    form: a producer warpgroup and two consumer warpgroups (12 warps; registers moved to the consumers
-    by setmaxnreg), A's tile split between the consumers, every TMA copy's descriptor block the size of
+    """Every config of both fp8_triton_ws kernels compiles for Hopper into Triton's specialized form:
+    a producer warpgroup and two consumer warpgroups (12 warps; registers moved to the consumers by
+    setmaxnreg), A's tile split between the consumers (one 64-row wgmma chain each), every TMA copy's descriptor block the size of
     the shared-memory buffer it fills (a host descriptor's fixed block would not be: Triton 3.9 refuses
     it, 3.6 copied the whole block into each half), shared memory within the SM's 227 KiB, no spills."""
     import re
 
-    from moetron.core.precision import fp8_triton as ft
+    from moetron.core.precision import fp8_triton_ws as ws
 
-    configs = ft.ws_configs()
+    configs = ws.ws_configs()
     assert len(configs) == 3  # the parametrize range
     config = configs[index]
     rows, k = _sm90_operands(config.kwargs["BM"], config.kwargs["BN"], descriptors=False)
-    no_desc = dict(a_desc=None, b_desc=None, TMA_OK=1, BK=128)
-    for kernel, values, constexprs in ((ft._fp8_grouped_gemm_rows_ws_kernel, rows, dict(no_desc, EP=64)),
-                                       (ft._fp8_grouped_gemm_k_ws_kernel, k, no_desc)):
-        compiled = _compile_sm90(kernel, config, values, constexprs)
+    for kernel, values in ((ws.rows_kernel, rows), (ws.k_kernel, dict(k, E=64))):
+        compiled = _compile_sm90(kernel, config, values, dict(BK=128))
         ttgir, ptx = compiled.asm["ttgir"], compiled.asm["ptx"]
-        what = f"{kernel.fn.__name__} {ft.config_name(config)}"
+        what = f"{kernel.fn.__name__} {ws.name(config)}"
         assert "ttg.warp_specialize(" in ttgir and compiled.metadata.num_warps == 12, what
         assert "setmaxnreg" in ptx and "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx, what
         copies = re.findall(r"async_tma_copy_global_to_local %\w+\[.*?: !tt.tensordesc<(?:tensor<)?(\d+x\d+)x"
