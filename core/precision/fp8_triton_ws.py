@@ -14,8 +14,8 @@ What Triton's specialization (3.6 on the GPU machine, 3.9 here; both checked by 
 takes, and what the kernels do about it:
 
 - No reductions and no early return: the rows kernel reads each row tile's (expert, first row, end
-  row) from a table one small kernel writes first (``_tile_table_kernel``: fp8_triton._row_tile once
-  per tile); a tile past the last runs no K-block and stores nothing.
+  row) from a table one small kernel writes first (``_fp8_grouped_gemm_tile_table_kernel``:
+  fp8_triton._row_tile once per tile); a tile past the last runs no K-block and stores nothing.
 - Splitting A's tile between the consumers needs descriptors whose block the compiler may shape:
   the kernels make their own (``tl.make_tensor_descriptor``; Triton asks its allocator for their
   global memory, which _ensure_allocator points at torch's). A host descriptor's block is fixed:
@@ -67,7 +67,7 @@ def ws_configs(interpret: bool = False) -> list[triton.Config]:
 
 
 @triton.jit
-def _tile_table_kernel(off_ptr, table_ptr, E, BM: tl.constexpr, EP: tl.constexpr):
+def _fp8_grouped_gemm_tile_table_kernel(off_ptr, table_ptr, E, BM: tl.constexpr, EP: tl.constexpr):
     """table[t] = row tile t's (expert, first row or -1 past the last tile, end row)."""
     tile = tl.program_id(0)
     group, row0, row_end = _row_tile(off_ptr, tile, E, BM, EP)
@@ -77,7 +77,7 @@ def _tile_table_kernel(off_ptr, table_ptr, E, BM: tl.constexpr, EP: tl.constexpr
 
 
 @triton.jit
-def _ws_rows(a_ptr, sa_ptr, b_ptr, sb_ptr, tile_ptr, c_ptr, E, R, N, K, T,
+def _fp8_grouped_gemm_rows_ws_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, tile_ptr, c_ptr, E, R, N, K, T,
              s_am, s_sam, s_sak, s_bn, s_sbe, s_sbk, s_sbn, s_cm, s_cn,
              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     # A [R, K]; B stored as [E * N, K] (each B[e] K-contiguous, the experts back to back)
@@ -111,7 +111,7 @@ def _ws_rows(a_ptr, sa_ptr, b_ptr, sb_ptr, tile_ptr, c_ptr, E, R, N, K, T,
 
 
 @triton.jit
-def _ws_k(a_ptr, sa_ptr, b_ptr, sb_ptr, off_ptr, c_ptr, M, N, E,
+def _fp8_grouped_gemm_k_ws_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, off_ptr, c_ptr, M, N, E,
           s_am, s_sam, s_sak, s_bn, s_sbn, s_sbk, s_ce, s_cm, s_cn,
           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     # A [M, P]; Bt [N, P]; P the padded rows the experts use (offsets' last)
@@ -140,8 +140,8 @@ def _ws_k(a_ptr, sa_ptr, b_ptr, sb_ptr, off_ptr, c_ptr, M, N, E,
 
 
 _ONE = 1 if _INTERPRET else None  # the interpreter runs the first candidate (tests set theirs)
-rows_kernel = triton.autotune(configs=ws_configs(_INTERPRET)[:_ONE], key=["N", "K"])(_ws_rows)
-k_kernel = triton.autotune(configs=ws_configs(_INTERPRET)[:_ONE], key=["M", "N"])(_ws_k)
+rows_kernel = triton.autotune(configs=ws_configs(_INTERPRET)[:_ONE], key=["N", "K"])(_fp8_grouped_gemm_rows_ws_kernel)
+k_kernel = triton.autotune(configs=ws_configs(_INTERPRET)[:_ONE], key=["M", "N"])(_fp8_grouped_gemm_k_ws_kernel)
 
 
 def last_tuning(wgrad: bool = False) -> tuple[str, dict[str, float]]:
@@ -201,7 +201,7 @@ def ws_grouped_mm_rows(a_RK: torch.Tensor, sa_RB: torch.Tensor, b_EKN: torch.Ten
     bm = _one_bm()
     tiles = triton.cdiv(R, bm) + E
     table = torch.empty(tiles, 3, dtype=torch.int32, device=a_RK.device)
-    _tile_table_kernel[(tiles,)](offsets_E, table, E, BM=bm, EP=triton.next_power_of_2(E))
+    _fp8_grouped_gemm_tile_table_kernel[(tiles,)](offsets_E, table, E, BM=bm, EP=triton.next_power_of_2(E))
     grid = lambda meta: (_programs(a_RK.device, tiles * triton.cdiv(N, meta["BN"])),)  # noqa: E731
     rows_kernel[grid](
         a_RK, sa_RB, b_stacked, sb_EBC, table, out, E, R, N, K, tiles, a_RK.stride(0), sa_RB.stride(0), sa_RB.stride(1), b_stacked.stride(0),

@@ -271,7 +271,7 @@ def check_warp_specialized(device: str, configs=None) -> None:
     for bm in sorted({c.kwargs["BM"] for c in configs}):
         tiles = -(-R // bm) + 5
         table = torch.full((tiles, 3), 7, dtype=torch.int32, device=device)
-        ws._tile_table_kernel[(tiles,)](offsets, table, 5, BM=bm, EP=8)
+        ws._fp8_grouped_gemm_tile_table_kernel[(tiles,)](offsets, table, 5, BM=bm, EP=8)
         ref, table = _tile_table_reference(offsets.cpu(), tiles, bm), table.cpu()
         past = ref[:, 1] < 0  # past the last tile: any expert from E on (the kernel's runs no K-block)
         assert torch.equal(table[:, 1:], ref[:, 1:]) and torch.equal(table[~past], ref[~past]), f"tile table BM {bm}"
