@@ -20,11 +20,18 @@ except ImportError:  # pragma: no cover - torch < 2.5
     from torch.distributed._tensor import DTensor
 
 
-def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+def _sum_of_squares(tensors: list[torch.Tensor], triton: bool = False) -> torch.Tensor:
     """sum(t**2) over all ``tensors`` in fp32 or wider: one fused foreach norm per dtype, not a
     few kernels and a full-size temporary per tensor. The per-tensor norms are summed in the order
     of ``tensors`` whatever their dtypes, so a gradient held in bf16 instead of fp32 (the same
-    values) gives the same total bit for bit."""
+    values) gives the same total bit for bit. ``triton`` (trainer.triton_grad_norm): the squares
+    summed by core/grad_norm_triton.py where it takes the tensors (contiguous fp32 / bf16 on a GPU),
+    with the same bf16 / fp32 property; a different summation order, so other bits."""
+    if triton:
+        from . import grad_norm_triton
+
+        if grad_norm_triton.supported(tensors):
+            return grad_norm_triton.sum_of_squares_(tensors)
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
         by_dtype.setdefault(t.dtype, []).append(i)
@@ -42,14 +49,14 @@ def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
 @torch.no_grad()
 def clip_grad_norm_(
     parameters: Iterable[torch.Tensor], max_norm: float, extra_groups: Iterable[dist.ProcessGroup | None] = (),
-    defer_to: Any = None,
+    defer_to: Any = None, triton: bool = False,
 ) -> torch.Tensor:
     """Scale gradients so their global L2 norm is at most max_norm; returns the norm before clipping
     (a 0-dim fp32 tensor on the gradients' device; no host sync). ``max_norm=inf`` only measures:
     the gradients are not touched. ``defer_to``: an optimizer with ``defer_grad_scale(coef)``
     (core.adamw.PrecisionAwareAdamW) applies the coefficient inside its next step instead of a
     multiply pass over every gradient here (the same update; its Triton kernel leaves the gradients
-    unscaled)."""
+    unscaled). ``triton``: the local squared norms through core/grad_norm_triton.py (_sum_of_squares)."""
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros(())
@@ -63,9 +70,9 @@ def clip_grad_norm_(
         else:
             plain.append(local)
     if plain:
-        total += _sum_of_squares(plain)
+        total += _sum_of_squares(plain, triton)
     for (_, placements), (mesh, local) in by_layout.items():
-        sq = _sum_of_squares(local)
+        sq = _sum_of_squares(local, triton)
         for dim, placement in enumerate(placements):
             if not placement.is_replicate():  # Shard, _StridedShard or Partial: sum over the dim
                 dist.all_reduce(sq, group=mesh.get_group(dim))

@@ -61,6 +61,11 @@ class OptimizerConfig(Config):
     memory-bound updates overlap the compute-bound forward; bit-identical results, global-norm
     clipping exact. One unsharded GPU (no FSDP2, expert or pipeline parallel) and this package's
     AdamW (not impl=torch / fused). Off by default until measured on the GPU (docs/performance.md)."""
+    triton_grad_norm: bool = False
+    """The clipping norm's squared sums through one Triton reduction a gradient (core/grad_norm_triton.py:
+    each gradient read once at the streaming rate, fp32 partials summed in a fixed order) instead of
+    torch's _foreach_norm; the same bf16 / fp32 independence, other rounding. CUDA (torch's path
+    elsewhere). Off by default until measured on the GPU (docs/performance.md)."""
 
     def validate(self) -> None:
         # math.isfinite first: nan fails every comparison, so "nan <= 0" alone would let it through.

@@ -150,6 +150,7 @@ class Trainer:
         grad_sync: Callable[[bool], None] | None = None,
         tracker: Tracker | None = None,
         overlap_optimizer: bool = False,
+        triton_grad_norm: bool = False,
     ):
         """``model``: the model, or the list of modules this rank runs (pipeline stages).
         ``loss_fn(logits, labels) -> mean loss`` over ``model(inputs)``'s logits, or None: the model
@@ -165,7 +166,9 @@ class Trainer:
         (ParallelState.grad_sync); with ``cfg.grad_sync=step`` only the last micro-batch reduces.
         ``tracker``: also sends every log record and MoE load summary to TensorBoard / W&B.
         ``overlap_optimizer`` (optimizer.overlap): the optimizer step on a side stream, overlapped
-        with the next forward unit by unit (core/overlap.py; one unsharded GPU)."""
+        with the next forward unit by unit (core/overlap.py; one unsharded GPU).
+        ``triton_grad_norm`` (optimizer.triton_grad_norm): the clipping norm through
+        core/grad_norm_triton.py."""
         cfg.validate()
         self.cfg = cfg
         self.model_parts = list(model) if isinstance(model, (list, tuple)) else [model]
@@ -205,6 +208,7 @@ class Trainer:
         self.first_nonfinite = torch.full((), _NO_STEP, dtype=torch.long, device=device)
         self.skipped_steps = 0  # on_nonfinite=skip: updates dropped so far in this process
         self.overlap = self._overlap() if overlap_optimizer else None
+        self.triton_grad_norm = triton_grad_norm
 
     def _overlap(self):
         """optimizer.overlap's OptimizerOverlap over the model's forward units; ConfigError where the
@@ -311,7 +315,8 @@ class Trainer:
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
         # An optimizer that can fold the clip coefficient into its step saves a pass over the gradients.
         defer = self.optimizer if hasattr(self.optimizer, "defer_grad_scale") else None
-        grad_norm = clip_grad_norm_(self.grad_tensors, max_norm, self.grad_norm_groups, defer_to=defer)
+        grad_norm = clip_grad_norm_(self.grad_tensors, max_norm, self.grad_norm_groups, defer_to=defer,
+                                    triton=self.triton_grad_norm)
         bad = ~(torch.isfinite(loss_sum) & torch.isfinite(grad_norm))
         if self.cfg.on_nonfinite == NonFinite.skip and self._any_rank(bad):
             self.skipped_steps += 1

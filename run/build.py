@@ -73,6 +73,7 @@ def build(cfg: PretrainConfig, device: torch.device, world: int, checkpointer: C
         precision=precision,
         grad_sync=state.grad_sync,
         overlap_optimizer=cfg.optimizer.overlap,
+        triton_grad_norm=cfg.optimizer.triton_grad_norm,
         **trainer_kwargs,
     )
     return trainer, state

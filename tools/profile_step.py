@@ -50,7 +50,8 @@ _INDUCTOR_COPY = r"^triton_\w+_fused(?:_(?:_to_copy|clone|copy|transpose|permute
 RULES: list[tuple[str, str]] = [
     ("communication", r"nccl|c10d::|all_gather|allgather|reduce_scatter|all_reduce|allreduce|all_to_all|alltoall"),
     ("attention", r"flash|fmha|efficient_attention|flex_attention|scaled_dot_product|_attention"),
-    ("optimizer", r"multi_tensor_apply|[Ff]used[_]?[Aa]dam|_foreach_|linalg_vector_norm|_adamw(?:_mx_pair)?_kernel"),
+    ("optimizer", r"multi_tensor_apply|[Ff]used[_]?[Aa]dam|_foreach_|linalg_vector_norm|_adamw(?:_mx_pair)?_kernel|"
+                  r"^_sum_of_squares_kernel$"),  # the last: core/grad_norm_triton.py (the clipping norm)
     # moetron's routing kernels (core/moe/kernels/routing.py) and custom ops, and the router's top-k.
     ("routing", r"_(?:route|scatter_rows|zero_unwritten_rows|combine_rows)\w*_kernel|^moetron::|topk|TopK|[Ss]ort"),
     # The loss kernels, moetron's fused one (core/layers/cross_entropy_triton.py) included.

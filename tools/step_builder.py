@@ -135,4 +135,5 @@ def build_trainer(model_cfg: ModelConfig, memory: MemoryConfig, data: TokenStrea
     scheduler = SchedulerConfig(warmup_steps=0).build(optimizer, 10_000)
     tcfg = TrainerConfig(steps=10_000, micro_batch_size=micro_batch, run_dir="")
     return Trainer(tcfg, model, None, optimizer, scheduler, data,
-                   model_cfg.flops_per_token(seq_len), device, precision=recipe, overlap_optimizer=optim_cfg.overlap)
+                   model_cfg.flops_per_token(seq_len), device, precision=recipe, overlap_optimizer=optim_cfg.overlap,
+                   triton_grad_norm=optim_cfg.triton_grad_norm)

@@ -101,6 +101,7 @@ def test_every_category_has_a_case_and_other_catches_all():
 # The category of every moetron Triton kernel, by the file (or folder) that defines it.
 TRITON_KERNEL_CATEGORIES = {
     "core/adamw_triton.py": "optimizer",
+    "core/grad_norm_triton.py": "optimizer",  # the clipping norm's squares
     "core/moe/kernels/": "routing",
     "core/layers/cross_entropy_triton.py": "loss",
     "core/layers/embedding_triton.py": "embedding",
