@@ -182,7 +182,8 @@ def _one_bm() -> int:
     """The one BM of the rows kernel's candidates (its tile table is written for it)."""
     bms = {c.kwargs["BM"] for c in rows_kernel.configs}
     if len(bms) != 1:
-        raise ValueError(f"the warp-specialized rows kernel's candidates need one BM (its tile table's), got {sorted(bms)}")
+        raise ValueError(f"the warp-specialized rows kernel's candidates need one BM (its tile table's), "
+                         f"got {sorted(bms)}")
     return bms.pop()
 
 
@@ -203,9 +204,9 @@ def ws_grouped_mm_rows(a_RK: torch.Tensor, sa_RB: torch.Tensor, b_EKN: torch.Ten
     table = torch.empty(tiles, 3, dtype=torch.int32, device=a_RK.device)
     _fp8_grouped_gemm_tile_table_kernel[(tiles,)](offsets_E, table, E, BM=bm, EP=triton.next_power_of_2(E))
     grid = lambda meta: (_programs(a_RK.device, tiles * triton.cdiv(N, meta["BN"])),)  # noqa: E731
-    rows_kernel[grid](
-        a_RK, sa_RB, b_stacked, sb_EBC, table, out, E, R, N, K, tiles, a_RK.stride(0), sa_RB.stride(0), sa_RB.stride(1), b_stacked.stride(0),
-        sb_EBC.stride(0), sb_EBC.stride(1), sb_EBC.stride(2), out.stride(0), out.stride(1), BK=BLOCK_K)
+    rows_kernel[grid](a_RK, sa_RB, b_stacked, sb_EBC, table, out, E, R, N, K, tiles,
+                      a_RK.stride(0), sa_RB.stride(0), sa_RB.stride(1), b_stacked.stride(0),
+                      sb_EBC.stride(0), sb_EBC.stride(1), sb_EBC.stride(2), out.stride(0), out.stride(1), BK=BLOCK_K)
     return True
 
 
@@ -217,7 +218,8 @@ def ws_grouped_mm_k(a_MP: torch.Tensor, sa_MB: torch.Tensor, bt_NP: torch.Tensor
         return False
     M, N, E = a_MP.shape[0], bt_NP.shape[0], padded_offsets_E.numel()
     _ensure_allocator()
-    grid = lambda meta: (_programs(a_MP.device, E * triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"])),)  # noqa: E731
-    k_kernel[grid](a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out, M, N, E, a_MP.stride(0), sa_MB.stride(0), sa_MB.stride(1), bt_NP.stride(0), sbt_NB.stride(0),
-                   sbt_NB.stride(1), out.stride(0), out.stride(1), out.stride(2), BK=BLOCK_K)
+    tiles = lambda meta: E * triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"])  # noqa: E731
+    k_kernel[lambda meta: (_programs(a_MP.device, tiles(meta)),)](
+        a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out, M, N, E, a_MP.stride(0), sa_MB.stride(0), sa_MB.stride(1),
+        bt_NP.stride(0), sbt_NB.stride(0), sbt_NB.stride(1), out.stride(0), out.stride(1), out.stride(2), BK=BLOCK_K)
     return True

@@ -47,8 +47,8 @@ def check(device: str) -> None:
     assert math.isclose(norm.item(), math.sqrt(want), rel_tol=1e-6)
     coef = 1.0 / (math.sqrt(want) + 1e-6)
     for p, t in zip(params, grads):
-        torch.testing.assert_close(p.grad.double(), t.double() * coef, rtol=2 ** -8 if t.dtype == torch.bfloat16 else 1e-6,
-                                   atol=0)
+        rtol = 2 ** -8 if t.dtype == torch.bfloat16 else 1e-6
+        torch.testing.assert_close(p.grad.double(), t.double() * coef, rtol=rtol, atol=0)
 
 
 def test_interpreted_matches_float64_and_the_foreach_path():
