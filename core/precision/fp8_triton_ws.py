@@ -173,6 +173,22 @@ def _ensure_allocator() -> None:
         triton.set_allocator(_torch_allocator)
 
 
+def _launch(kernel, grid, *args, **kwargs) -> None:
+    """``kernel[grid](*args, **kwargs)``, with one error naming the fix where this Triton cannot build
+    the warp-specialized kernels (its automatic specialization is young: 3.6 and 3.9 are the versions
+    checked, tests/core/test_precision_fp8.py)."""
+    from triton.compiler.errors import CompilationError
+
+    try:
+        kernel[grid](*args, **kwargs)
+    except (CompilationError, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and "PassManager" not in str(e):
+            raise
+        raise RuntimeError(f"precision.fp8_experts=triton_ws: Triton {triton.__version__} could not compile the "
+                           f"warp-specialized FP8 grouped GEMMs ({type(e).__name__}: {str(e).strip()[:200]}); use "
+                           f"--precision.fp8_experts=triton (the same GEMMs, not specialized)") from e
+
+
 def _programs(device: torch.device, n_tiles: int) -> int:
     sms = INTERPRET_SMS if _INTERPRET else torch.cuda.get_device_properties(device).multi_processor_count
     return max(1, min(sms, n_tiles))
@@ -204,9 +220,9 @@ def ws_grouped_mm_rows(a_RK: torch.Tensor, sa_RB: torch.Tensor, b_EKN: torch.Ten
     table = torch.empty(tiles, 3, dtype=torch.int32, device=a_RK.device)
     _fp8_grouped_gemm_tile_table_kernel[(tiles,)](offsets_E, table, E, BM=bm, EP=triton.next_power_of_2(E))
     grid = lambda meta: (_programs(a_RK.device, tiles * triton.cdiv(N, meta["BN"])),)  # noqa: E731
-    rows_kernel[grid](a_RK, sa_RB, b_stacked, sb_EBC, table, out, E, R, N, K, tiles,
-                      a_RK.stride(0), sa_RB.stride(0), sa_RB.stride(1), b_stacked.stride(0),
-                      sb_EBC.stride(0), sb_EBC.stride(1), sb_EBC.stride(2), out.stride(0), out.stride(1), BK=BLOCK_K)
+    _launch(rows_kernel, grid, a_RK, sa_RB, b_stacked, sb_EBC, table, out, E, R, N, K, tiles,
+            a_RK.stride(0), sa_RB.stride(0), sa_RB.stride(1), b_stacked.stride(0),
+            sb_EBC.stride(0), sb_EBC.stride(1), sb_EBC.stride(2), out.stride(0), out.stride(1), BK=BLOCK_K)
     return True
 
 
@@ -219,7 +235,8 @@ def ws_grouped_mm_k(a_MP: torch.Tensor, sa_MB: torch.Tensor, bt_NP: torch.Tensor
     M, N, E = a_MP.shape[0], bt_NP.shape[0], padded_offsets_E.numel()
     _ensure_allocator()
     tiles = lambda meta: E * triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"])  # noqa: E731
-    k_kernel[lambda meta: (_programs(a_MP.device, tiles(meta)),)](
-        a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out, M, N, E, a_MP.stride(0), sa_MB.stride(0), sa_MB.stride(1),
-        bt_NP.stride(0), sbt_NB.stride(0), sbt_NB.stride(1), out.stride(0), out.stride(1), out.stride(2), BK=BLOCK_K)
+    _launch(k_kernel, lambda meta: (_programs(a_MP.device, tiles(meta)),),
+            a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out, M, N, E, a_MP.stride(0), sa_MB.stride(0),
+            sa_MB.stride(1), bt_NP.stride(0), sbt_NB.stride(0), sbt_NB.stride(1), out.stride(0), out.stride(1),
+            out.stride(2), BK=BLOCK_K)
     return True

@@ -324,6 +324,27 @@ def check_warp_specialized(device: str, configs=None) -> None:
             kernel.cache.clear()
 
 
+def test_warp_specialized_compile_failure_names_the_fix(monkeypatch):
+    """A Triton whose specialization fails on these kernels (an MLIR pass failure) gets one error
+    naming the switch and the fix; other errors pass through unchanged."""
+    from moetron.core.precision import fp8_triton_ws as ws
+
+    class Failing:
+        def __init__(self, error):
+            self.error = error
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise self.error
+            return launch
+
+    with pytest.raises(RuntimeError, match="fp8_experts=triton_ws.*could not compile.*PassManager.*"
+                                           "--precision.fp8_experts=triton"):
+        ws._launch(Failing(RuntimeError("PassManager::run failed")), (1,))
+    with pytest.raises(RuntimeError, match="^CUDA error: out of memory$"):
+        ws._launch(Failing(RuntimeError("CUDA error: out of memory")), (1,))
+
+
 def test_warp_specialized_interpreted_matches_pipelined_and_float64():
     run_interpreted("tests.core.test_precision_fp8", "check_warp_specialized('cpu')")
 
