@@ -16,6 +16,10 @@ them in turn (the values drift a little; timing does not depend on them). Varian
                         quantized along I and O: precision.quantized_expert_copies'
                         kernel, its own [32, 128] tile, not BLOCK); 1-D weights and
                         dims not multiples of 32 get the plain copy
+    norm_foreach        the clipping norm's squared sums alone, torch's       4 B/param
+                        _foreach_norm (core/grad.py's default path)
+    norm_triton         the same through core/grad_norm_triton.py              4 B/param
+                        (optimizer.triton_grad_norm)
 
 B/param is each variant's least traffic (read p, g, m, v; write p, m, v; and the copy): GB/s and
 the floor (those bytes / --hbm-gbps, 4300 by default: the H200's 4.8 TB/s spec as copies reach it)
@@ -51,6 +55,8 @@ VARIANTS = {  # name -> (bytes per parameter moved at least, what it sweeps: --b
     "triton_bf16": (20, "block"),
     "triton_bf16_copy": (22, "block"),
     "triton_bf16_mxpair": (24, "tile"),  # adamw_update_mx_pair_'s own tile, not BLOCK
+    "norm_foreach": (4, None),  # the clipping norm alone (core.grad._sum_of_squares): read every gradient
+    "norm_triton": (4, None),
 }
 GiB = 2**30
 
@@ -88,9 +94,25 @@ def param_shapes(tiny: bool) -> list[tuple[str, tuple[int, ...]]]:
     return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
 
 
+class ClipNorm:
+    """The clipping norm's squared sums over every gradient (core.grad._sum_of_squares, torch's
+    foreach path or, ``triton``, core/grad_norm_triton.py), with an optimizer's step() and state."""
+
+    def __init__(self, groups: list[dict], triton: bool) -> None:
+        self.grads = [p.grad for g in groups for p in g["params"]]
+        self.triton, self.state = triton, {}
+
+    def step(self) -> None:
+        from moetron.core.grad import _sum_of_squares
+
+        _sum_of_squares(self.grads, self.triton)
+
+
 def build(variant: str, groups: list[dict]):
     from moetron.core.adamw import PrecisionAwareAdamW
 
+    if variant.startswith("norm_"):
+        return ClipNorm(groups, triton=variant == "norm_triton")
     kw = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8)
     if variant == "torch_fused_fp32":
         return torch.optim.AdamW(groups, fused=True, **kw)

@@ -30,15 +30,15 @@ def test_tiny_rows(tmp_path):
     assert [(r["variant"], r["block"]) for r in rows] == [
         ("torch_fused_fp32", None), ("torch_foreach_fp32", None), ("foreach_bf16", None),
         *((v, b) for v in ("triton_fp32", "triton_bf16", "triton_bf16_copy") for b in (4096, 16384)),
-        ("triton_bf16_mxpair", None)]
-    assert [r["mx_tile"] for r in rows] == [None] * 9 + ["64x2"]
-    assert [r["mx_order"] for r in rows] == [None] * 9 + ["cols-first"]  # the kernel's default order
+        ("triton_bf16_mxpair", None), ("norm_foreach", None), ("norm_triton", None)]
+    assert [r["mx_tile"] for r in rows] == [None] * 9 + ["64x2"] + [None] * 2
+    assert [r["mx_order"] for r in rows] == [None] * 9 + ["cols-first"] + [None] * 2  # the kernel's default order
     params = rows[0]["params"]
     assert params > 10_000 and all(r["params"] == params for r in rows)
     for r in rows:
         assert r["ms"] > 0 and r["gbps"] > 0
         assert abs(r["floor_ms"] - 1e3 * r["bytes_per_param"] * params / 4300e9) < 1e-9
-        state_bytes = 2 * params * (4 if r["variant"].endswith("fp32") else 2)
+        state_bytes = 0 if r["variant"].startswith("norm_") else 2 * params * (4 if r["variant"].endswith("fp32") else 2)
         assert abs(r["state_gib"] * 2**30 - state_bytes) < 1, r
     assert report["env"]["tiny"] is True and "triton_bf16_copy" in proc.stdout
 

@@ -13,6 +13,11 @@ nvidia-smi --query-gpu=name --format=csv,noheader
 t0=$(date +%s)
 timeout 60 python3 -m pytest -q -m gpu tests/core/test_grad_norm_triton.py 2>&1 | tail -2
 echo "tests $(( $(date +%s) - t0 )) s"
+# the norm alone over OLMoE-8L's 3.77B fp32 gradients (tools/bench_optim.py: GB/s and x its one-read floor)
+t0=$(date +%s)
+timeout 90 python3 tools/bench_optim.py --variants norm_foreach,norm_triton --steps 10 --json $OUT/norm.json 2>&1 \
+  | grep -v Warning | tail -4
+echo "norm $(( $(date +%s) - t0 )) s"
 t0=$(date +%s)
 timeout 160 python3 tools/bench_train.py $S2 --steps 12 --warmup 3 --variant b16:$B16 --variant b16G:$B16,$G \
   --variant b16_again:$B16 --json $OUT/gn_S2.json 2>&1 | grep -v Warning | tail -5
