@@ -43,6 +43,8 @@ def parse(argv):
                    help="the Gluon rows kernel's tiles to time, 'BM,BN,warps,buffers;...' (SM90; best one reported)")
     p.add_argument("--gluon-k-configs", default="64,64,4,4;128,64,8,4;64,64,4,6",
                    help="the Gluon wgrad kernel's tiles to time, as --gluon-configs")
+    p.add_argument("--ws", action="store_true", help="also the warp-specialized kernels (fp8_triton_ws; wrong on "
+                   "the H100 under Triton 3.6, session 33: for the fix's work, their rows counted in the exit status)")
     p.add_argument("--json", default="", help="write the results here")
     return p.parse_args(argv)
 
@@ -140,12 +142,14 @@ def main(argv=None) -> int:
                 rel = lambda t: ((t[used] - masked[used]).abs().max()  # noqa: E731
                                  / masked[used].abs().max().clamp_min(1e-30)).item()
                 row["rel_diff"] = rel(pipelined)
-                ws = ft.GroupedKernel.warp_specialized  # its own autotuning on its first call
-                got = fp8(ws).float()
-                row["ws_config"], timings = ft.last_tuning(wgrad=kind == "wgrad", ws=True)
-                row["ws_config_ms"] = dict(sorted(timings.items(), key=lambda kv: kv[1]))
-                ms["ws"], row["ws_rel_diff"] = median_ms(lambda: fp8(ws), device, warmup=warmup, iters=iters), rel(got)
-                row["ws_vs_pipelined"], row["ws_vs_bf16"] = ms["pipelined"] / ms["ws"], ms["bf16"] / ms["ws"]
+                if args.ws:
+                    ws = ft.GroupedKernel.warp_specialized  # its own autotuning on its first call
+                    got = fp8(ws).float()
+                    row["ws_config"], timings = ft.last_tuning(wgrad=kind == "wgrad", ws=True)
+                    row["ws_config_ms"] = dict(sorted(timings.items(), key=lambda kv: kv[1]))
+                    ms["ws"] = median_ms(lambda: fp8(ws), device, warmup=warmup, iters=iters)
+                    row["ws_rel_diff"] = rel(got)
+                    row["ws_vs_pipelined"], row["ws_vs_bf16"] = ms["pipelined"] / ms["ws"], ms["bf16"] / ms["ws"]
                 from moetron.core.precision import fp8_gluon
                 if fp8_gluon.supported(device):  # each Gluon tile; the best one is the gluon column
                     attr = "K_CONFIG" if kind == "wgrad" else "CONFIG"
@@ -164,7 +168,7 @@ def main(argv=None) -> int:
                 if device.type == "cuda":  # cuBLAS's blockwise scaled_mm: SM90 only
                     ms["cublas"] = median_ms(cublas, device, warmup=warmup, iters=iters)
                     row["cublas_rel_diff"] = rel(cublas().float())
-                row["ok"] = max(row["rel_diff"], row["ws_rel_diff"], row.get("cublas_rel_diff", 0.0),
+                row["ok"] = max(row["rel_diff"], row.get("ws_rel_diff", 0.0), row.get("cublas_rel_diff", 0.0),
                                 max((g["rel_diff"] for g in row.get("gluon_configs", {}).values()), default=0.0)) <= TOL
                 ok &= row["ok"]
                 for k, v in ms.items():
@@ -180,9 +184,10 @@ def main(argv=None) -> int:
                 print(f"{name:<15} {gemm:<8} {kind:<6} {cell('bf16'):>13} {cell('masked'):>13} {cell('pipelined'):>13} "
                       f"{row['vs_masked']:>8.2f} {row['vs_bf16']:>7.2f} {row['rel_diff']:>9.1e} {cub}  {row['config']}"
                       + (f" ({others})" if others else "") + ("" if row["ok"] else "  MISMATCH"), flush=True)
-                print(f"{'':<15} {'':<8} {'':<6} warp_specialized {cell('ws')} x bf16 {row['ws_vs_bf16']:.2f} "
-                      f"x pipelined {row['ws_vs_pipelined']:.2f} rel diff {row['ws_rel_diff']:.1e} {row['ws_config']} "
-                      + ", ".join(f"{c}: {t:.3f}" for c, t in list(row["ws_config_ms"].items())[1:3]), flush=True)
+                if args.ws:
+                    print(f"{'':<15} {'':<8} {'':<6} warp_specialized {cell('ws')} x bf16 {row['ws_vs_bf16']:.2f} "
+                          f"x pipelined {row['ws_vs_pipelined']:.2f} rel diff {row['ws_rel_diff']:.1e} {row['ws_config']} "
+                          + ", ".join(f"{c}: {t:.3f}" for c, t in list(row["ws_config_ms"].items())[1:3]), flush=True)
                 if "gluon" in ms:
                     print(f"{'':<15} {'':<8} {'':<6} gluon {cell('gluon')} x bf16 {row['gluon_vs_bf16']:.2f} "
                           f"x pipelined {row['gluon_vs_pipelined']:.2f} rel diff {row['gluon_rel_diff']:.1e} "

@@ -20,7 +20,7 @@ def test_tiny_run_compares_the_kernels(tmp_path):
     out = tmp_path / "variants.json"
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     proc = run_python([os.path.join(ROOT, "tools", "bench_fp8_variants.py"), "--tiny",
-                       "--gemms", "down", "--json", str(out)],
+                       "--gemms", "down", "--ws", "--json", str(out)],
                       timeout=900, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]

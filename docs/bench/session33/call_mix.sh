@@ -11,7 +11,7 @@ t0=$(date +%s)
 timeout 110 python3 -m pytest -q -m gpu tests/core/test_precision_fp8.py tests/core/test_grad_norm_triton.py \
   -k "warp_specialized or triton_ws or gpu_matches_float64_and_the_foreach" 2>&1 | tail -4
 echo "tests $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
-timeout 100 python3 tools/bench_fp8_variants.py --shapes olmoe,olmo3-moe-8e --gemms gate_up --iters 10 \
+timeout 100 python3 tools/bench_fp8_variants.py --ws --shapes olmoe,olmo3-moe-8e --gemms gate_up --iters 10 \
   --json $OUT/variants.json 2>&1 | grep -v Warning | tail -16
 echo "variants $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
 timeout 80 python3 tools/bench_gemm_fp8.py --skip-check --iters 10 --no-dense --shapes olmoe olmo3-moe-8e \

@@ -12,7 +12,7 @@ timeout 150 python3 -m pytest -q -m gpu tests/core/test_precision_fp8.py \
   -k "warp_specialized or triton_ws" 2>&1 | tail -4
 echo "tests $(( $(date +%s) - t0 )) s"
 t0=$(date +%s)
-timeout 240 python3 tools/bench_fp8_variants.py --shapes olmoe,olmo3-moe-8e --gemms gate_up,down --iters 10 \
+timeout 240 python3 tools/bench_fp8_variants.py --ws --shapes olmoe,olmo3-moe-8e --gemms gate_up,down --iters 10 \
   --json $OUT/variants.json 2>&1 | grep -v Warning | tail -30
 echo "variants $(( $(date +%s) - t0 )) s"
 t0=$(date +%s)
