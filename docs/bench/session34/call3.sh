@@ -23,5 +23,5 @@ echo "S1 $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
 timeout 80 python3 tools/bench_train.py $S2 --real-text --steps 12 --warmup 3 --variant b16:$B16 \
   --variant allG:$B16,$ALL,$G --json $OUT/olmoe3_real.json 2>&1 | grep -v Warning | tail -4
 echo "S2 real $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
-timeout 110 python3 docs/bench/session34/ws_bisect.py 2>&1 | grep -v Warning | cut -c1-260
+timeout 150 python3 docs/bench/session34/ws_bisect.py 2>&1 | grep -v Warning | cut -c1-260
 echo "bisect $(( $(date +%s) - t0 )) s"

@@ -34,6 +34,22 @@ TRANSFORMS = {
     "no_scale": [(ROWS_SCALE, "            acc = tl.dot(a, b, acc)\n"), (K_SCALE, "            acc = tl.dot(a, b, acc)\n")],
     # the rows kernel's data-dependent trip count made constant (tiles past the end still store nothing)
     "const_trip": [("        for kb in range(0, n_kb):\n", "        for kb in range(0, K // BK):\n")],
+    # the A scales loaded as a [BM, 1] block (the specialization splits the tile's rows between two
+    # consumers: a [BM] vector broadcast afterwards may not be split with them)
+    "scale2d": [("            sa = tl.load(sa_ptrs + kb * s_sak)  # both scales before the wgmma is issued\n"
+                 "            if BN == BK:\n"
+                 "                sab = (sa * tl.load(sb_row + pid_n * s_sbn + kb * s_sbk))[:, None]\n"
+                 "            else:\n"
+                 "                sab = sa[:, None] * tl.load(sb_ptrs + kb * s_sbk)[None, :]\n",
+                 "            sa = tl.load(sa_ptrs[:, None] + kb * s_sak)\n"
+                 "            if BN == BK:\n"
+                 "                sab = sa * tl.load(sb_row + pid_n * s_sbn + kb * s_sbk)\n"
+                 "            else:\n"
+                 "                sab = sa * tl.load(sb_ptrs + kb * s_sbk)[None, :]\n"),
+                ("            sa = tl.load(sa_ptrs + kb * s_sak)\n            sb = tl.load(sb_ptrs + kb * s_sbk)\n"
+                 "            acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])\n",
+                 "            sa = tl.load(sa_ptrs[:, None] + kb * s_sak)\n            sb = tl.load(sb_ptrs + kb * s_sbk)\n"
+                 "            acc += tl.dot(a, b) * (sa * sb[None, :])\n")],
 }
 assert ROWS_SCALE in SOURCE and K_SCALE in SOURCE
 
@@ -51,6 +67,8 @@ def variant(transform: str, ws: bool):
 
 
 def wide(*shape, seed=0):
+    if DEVICE == "cuda" and torch.Size(shape).numel() > 2 ** 24:  # the timing operands: made on the GPU
+        return torch.randn(*shape, device=DEVICE)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(*shape, generator=g, dtype=torch.float64)
     for d, n in enumerate(shape):
@@ -76,6 +94,52 @@ def rel(x, ref, valid=None):
     return float((x.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30))
 
 
+def timings(transforms, cfg):
+    """OLMoE's gate|up at 16,384 tokens (rows: 131,072 x K 2048 -> N 2048 over 64 experts; k: its
+    wgrad) for each transform right under the specialization, beside the pipelined kernels and bf16
+    torch._grouped_mm: ms and TFLOP/s (triton.testing.do_bench)."""
+    import triton
+
+    R, K, N, E = 131072, 2048, 2048, 64
+    counts = torch.full((E,), R // E, dtype=torch.int32)
+    counts[::2] += 37
+    counts[1::2] -= 37
+    offsets = torch.cumsum(counts, 0).to(torch.int32).tolist()
+    padded = torch.cumsum((counts + 127) // 128 * 128, 0).to(torch.int32).tolist()
+    r_ops, k_ops = operands(R, K, N, offsets, N, padded[-1], padded)
+    xb = torch.randn(R, K, device=DEVICE, dtype=torch.bfloat16)
+    wb = torch.randn(E, K, N, device=DEVICE, dtype=torch.bfloat16)
+    off = r_ops[-1]
+    flops = 2 * R * K * N
+    found = []
+
+    def row(what, fn_rows, fn_k):
+        ms_r = triton.testing.do_bench(fn_rows, warmup=10, rep=60)
+        ms_k = triton.testing.do_bench(fn_k, warmup=10, rep=60) if fn_k else float("nan")
+        found.append(dict(timing=what, rows_ms=ms_r, rows_tflops=flops / ms_r / 1e9, k_ms=ms_k,
+                          k_tflops=2 * N * N * padded[-1] / ms_k / 1e9))
+        print(f"timing {what:28s} rows {ms_r:7.3f} ms {flops / ms_r / 1e9:6.0f} TFLOP/s   k {ms_k:7.3f} ms "
+              f"{2 * N * N * padded[-1] / ms_k / 1e9:6.0f} TFLOP/s", flush=True)
+
+    row("bf16 _grouped_mm", lambda: torch._grouped_mm(xb, wb, offs=off), None)
+    row("pipelined", lambda: ft.fp8_grouped_mm_rows(*r_ops, torch.bfloat16, kernel=ft.GroupedKernel.pipelined),
+        lambda: ft.fp8_grouped_mm_k(*k_ops, kernel=ft.GroupedKernel.pipelined))
+    real = sys.modules[NAME]
+    for transform in transforms:
+        mod = variant(transform, True)
+        mod._programs = mod.__dict__.get("_programs_sms", mod._programs)
+        for kernel in (mod.rows_kernel, mod.k_kernel):
+            kernel.configs = [cfg]
+            kernel.cache.clear()
+        sys.modules[NAME] = mod
+        try:
+            row(f"ws {transform}", lambda: ft.fp8_grouped_mm_rows(*r_ops, torch.bfloat16, kernel=ft.GroupedKernel.warp_specialized),
+                lambda: ft.fp8_grouped_mm_k(*k_ops, kernel=ft.GroupedKernel.warp_specialized))
+        finally:
+            sys.modules[NAME] = real
+    return found
+
+
 SHAPES = {
     # the GPU test's (ragged, empty experts, rows past the end)
     "test": ((150, 256, 384, [40, 40, 101, 140, 140], 256, 384, [128, 128, 384])),
@@ -98,7 +162,7 @@ def main():
         ref_k = ft.fp8_grouped_mm_k(*k_ops, kernel=ft.GroupedKernel.masked)
         valid = torch.arange(R, device=DEVICE) < offsets[-1]
         for transform in TRANSFORMS:
-            for cfg in configs:
+            for cfg in (configs if transform == "as_is" else configs[:1]):
                 outs = {}
                 for ws in (False, True):
                     for programs in ("sms", "tiles"):
@@ -133,6 +197,15 @@ def main():
                         rows.append(row)
                         print(" ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}"
                                        for k, v in row.items() if v is not None), flush=True)
+    right = {}
+    for r in rows:
+        if r["ws"]:
+            ok = r.get("rows_vs_masked", 1) < 1e-2 and r.get("k_vs_masked", 1) < 1e-2 if r["transform"] != "no_scale" \
+                else r.get("rows_vs_plain", 1) < 1e-3 and r.get("k_vs_plain", 1) < 1e-3
+            right[r["transform"]] = right.get(r["transform"], True) and ok
+    print("right under the specialization:", right, flush=True)
+    if DEVICE == "cuda":
+        rows += timings([t for t, ok in right.items() if ok and t != "no_scale"], configs[0])
     out = os.environ.get("OUT", ".")
     pathlib.Path(out, "ws_bisect.json").write_text(json.dumps(dict(triton=__import__("triton").__version__,
                                                                     device=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", rows=rows),
