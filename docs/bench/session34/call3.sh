@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Session 34's call 3: olmoe3-4l-8e against torchtitan again, with every switch that calls 1-2 kept
 # (ALL = D,H,E,S) plus the Triton grad norm (G) and the loss in larger chunks (8192 / 16384 tokens);
-# OLMoE-8L b16 / ALL / ALL+G; olmoe3-4l-8e on real text b16 / ALL+G; then the warp-specialized
-# kernels' bisection (docs/bench/session34/ws_bisect.py). Needs .peers carried.
-# Run from the repo root: bash docs/bench/session34/call3.sh (timeout 600; about 450 s warm).
+# OLMoE-8L b16 / ALL / ALL+G; first the warp-specialized kernels' bisection
+# (docs/bench/session34/ws_bisect.py). Needs .peers carried.
+# Run from the repo root: bash docs/bench/session34/call3.sh (timeout 600; about 380 s warm).
 source docs/bench/session32/switches.sh
 G=optimizer.triton_grad_norm=true
+t0=$(date +%s)
+timeout 150 python3 docs/bench/session34/ws_bisect.py 2>&1 | grep -v Warning | cut -c1-260
+echo "bisect $(( $(date +%s) - t0 )) s"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site_tt .peers/whl/*.whl >/dev/null 2>&1
 t0=$(date +%s)
 PYTHONPATH=/tmp/site_tt timeout 100 python3 .peers/torchtitan_moe_bench.py --config olmoe3-4l-8e --compile --steps 20 \
@@ -20,8 +23,3 @@ echo "S2 $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
 timeout 120 python3 tools/bench_train.py $S1 --steps 12 --warmup 3 --variant b16:$B16 --variant all:$B16,$ALL \
   --variant allG:$B16,$ALL,$G --json $OUT/olmoe8l_best.json 2>&1 | grep -v Warning | tail -5
 echo "S1 $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
-timeout 80 python3 tools/bench_train.py $S2 --real-text --steps 12 --warmup 3 --variant b16:$B16 \
-  --variant allG:$B16,$ALL,$G --json $OUT/olmoe3_real.json 2>&1 | grep -v Warning | tail -4
-echo "S2 real $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
-timeout 150 python3 docs/bench/session34/ws_bisect.py 2>&1 | grep -v Warning | cut -c1-260
-echo "bisect $(( $(date +%s) - t0 )) s"
