@@ -33,9 +33,10 @@ class Linear(nn.Linear):
 def shared_input(x: torch.Tensor, *linears: Linear) -> tuple[torch.Tensor, ...]:
     """``tuple(m(x) for m in linears)``: several Linear modules reading one input (attention's q, k,
     v; a SwiGLU's gate and up). Where they share one backend with ``quantize_input_once``
-    (precision.quantize_input_once), one call of its ``linears`` quantizes x once for all of them;
-    otherwise each module runs as usual (its hooks included)."""
+    (precision.quantize_input_once) or ``fused_shared_input`` (precision.fused_shared_input), one
+    call of its ``linears`` quantizes x once for all of them, or runs them as one GEMM; otherwise
+    each module runs as usual (its hooks included)."""
     gemm = linears[0].gemm
-    if gemm.quantize_input_once and all(m.gemm is gemm for m in linears):
+    if (gemm.quantize_input_once or gemm.fused_shared_input) and all(m.gemm is gemm for m in linears):
         return gemm.linears(x, tuple(m.compute_weight for m in linears))
     return tuple(m(x) for m in linears)

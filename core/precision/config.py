@@ -166,6 +166,13 @@ def check_save_product(recipe: PrecisionRecipe | str, on: bool) -> None:
         _require_bf16(recipe, "save_swiglu_product", "keeps the product in the bf16 experts' fused SwiGLU-down op")
 
 
+def check_fused_input(recipe: PrecisionRecipe | str, on: bool) -> None:
+    """ConfigError where precision.fused_shared_input meets a recipe other than bf16 (the low-precision
+    recipes share their input through quantize_input_once). The config's and the build's one rule."""
+    if on:
+        _require_bf16(recipe, "fused_shared_input", "runs the linears of one input as one bf16 GEMM")
+
+
 def check_emulated_saves(recipe: PrecisionRecipe | str, backend: PrecisionBackend | str, x_bf16: bool) -> None:
     """ConfigError where precision.emulated_save_x_bf16 meets a recipe and backend other than mxfp8 /
     fp8_blockwise on the emulated backend (the only GEMMs it changes; auto may still resolve to it),
@@ -308,6 +315,18 @@ class PrecisionConfig(Config):
     and the backward's SwiGLU pass no longer writes it (the same 2 B x R x F of HBM traffic less: about
     0.18 ms a layer there on the H100). The same values either way (the recompute is the forward's
     own ops). A memory-for-time trade for runs with room; **not yet measured on a GPU**: off by default."""
+    fused_shared_input: bool = False
+    """bf16 recipe: the linears that read one input (attention's q, k and v; a dense SwiGLU's or shared
+    expert's gate and up: core.layers.linear.shared_input) run as one GEMM on their weights
+    concatenated at use (the parameters, the checkpoints and the HF layout stay separate): one
+    [T, D] x [D, sum O] GEMM forward instead of one per weight, one K = sum O GEMM for the input's
+    gradient instead of one per weight and the sum of their outputs, one for the weights' gradients.
+    Wider GEMMs run nearer the tensor cores' rate (session 34's olmoe3-4l-8e profile: [16384, 4096] x
+    [4096, 4096] at 697 TFLOP/s, x [4096, 20480] at 728, on the H100). The concatenation is one more
+    write of the bf16 weights where they are the optimizer's copies (dense_weight_copies), fused
+    with the cast otherwise. The same math; each output is the same dot product, summed in the
+    order the wider GEMM's kernel picks (within bf16 rounding of the separate GEMMs:
+    tests/core/test_fused_shared_input.py). **Not yet measured on a GPU**: off by default."""
     triton_swiglu: bool = True
     """The routed experts' SwiGLU (silu(gate) * up) and its backward in one Triton pass each on CUDA
     (core/precision/swiglu_triton.py) instead of seven torch elementwise passes (eager) or inductor's
@@ -430,6 +449,7 @@ class PrecisionConfig(Config):
         check_bf16_copies(self.recipe, self.dense_weight_copies)
         check_bf16_copies(self.recipe, self.head_weight_copy, switch="head_weight_copy")
         check_save_product(self.recipe, self.save_swiglu_product)
+        check_fused_input(self.recipe, self.fused_shared_input)
         if self.expert_grads_bf16 and copies != WeightCopies.optimizer:
             raise ConfigError("precision.expert_grads_bf16=true keeps the experts' gradients on the optimizer's bf16 "
                               "weight copies: it needs --precision.expert_weight_copies=optimizer, got "
@@ -491,6 +511,7 @@ class PrecisionConfig(Config):
         check_bf16_copies(recipe, self.dense_weight_copies)  # auto resolved: fp32 on the CPU
         check_bf16_copies(recipe, self.head_weight_copy, switch="head_weight_copy")
         check_save_product(recipe, self.save_swiglu_product)
+        check_fused_input(recipe, self.fused_shared_input)
         if recipe == PrecisionRecipe.fp32:
             return PrecisionPolicy(device_type, None, gemm_backend("torch"))
         if recipe == PrecisionRecipe.bf16:
@@ -499,7 +520,8 @@ class PrecisionConfig(Config):
             gemm = TorchGemm(weight_copies=self.expert_weight_copies, triton_swiglu=self.triton_swiglu,
                              grads_on_copies=self.expert_grads_bf16,
                              per_expert=per_expert, dense_copies=self.dense_weight_copies,
-                             head_copy=self.head_weight_copy, save_swiglu_product=self.save_swiglu_product)
+                             head_copy=self.head_weight_copy, save_swiglu_product=self.save_swiglu_product,
+                             fused_shared_input=self.fused_shared_input)
             return PrecisionPolicy(device_type, torch.bfloat16, gemm)
         backend = self.resolved_backend(device_type, verbose=verbose)
         if recipe == PrecisionRecipe.mxfp8 and backend == PrecisionBackend.native and GemmModule.experts in self.modules:

@@ -137,9 +137,14 @@ class GemmBackend:
     ``linears`` quantizes the one input of several linears once for all of them (attention's q, k, v;
     a dense SwiGLU's gate and up: core.layers.linear.shared_input)."""
 
+    fused_shared_input: bool = False
+    """precision.fused_shared_input (bf16: TorchGemm): ``linears`` runs the linears of one input as
+    one GEMM on their weights concatenated (core.layers.linear.shared_input)."""
+
     def linears(self, x: torch.Tensor, ws: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """x [..., I] through several weights w_i [O_i, I] -> (y_i [..., O_i], ...): by default
-        ``linear`` for each; a backend with ``quantize_input_once`` quantizes x once for all."""
+        ``linear`` for each; a backend with ``quantize_input_once`` quantizes x once for all, one
+        with ``fused_shared_input`` runs one GEMM."""
         return tuple(self.linear(x, w) for w in ws)
 
     def expert_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -297,7 +302,7 @@ class TorchGemm(GemmBackend):
 
     def __init__(self, weight_copies: str = "none", triton_swiglu: bool = False, grads_on_copies: bool = False,
                  per_expert: bool = False, dense_copies: bool = False, head_copy: bool = False,
-                 save_swiglu_product: bool = False):
+                 save_swiglu_product: bool = False, fused_shared_input: bool = False):
         # precision.expert_weight_copies: the grouped GEMMs' bf16 weight copies, none, made once per
         # step ("step") or written by the optimizer and pinned in the cache ("optimizer").
         self.optimizer_copies = str(weight_copies) == "optimizer"
@@ -311,6 +316,7 @@ class TorchGemm(GemmBackend):
         self.dense_copies = bool(dense_copies)  # precision.dense_weight_copies
         self.head_copy = bool(head_copy)  # precision.head_weight_copy
         self.save_swiglu_product = bool(save_swiglu_product)  # precision.save_swiglu_product
+        self.fused_shared_input = bool(fused_shared_input)  # precision.fused_shared_input
 
     def attach_optimizer(self, optimizer, parts) -> None:
         if self.dense_copies:
@@ -337,6 +343,16 @@ class TorchGemm(GemmBackend):
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.linear(x, w)
+
+    def linears(self, x: torch.Tensor, ws: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """precision.fused_shared_input: one GEMM x [..., I] @ cat(w_i) [sum O_i, I]^T, its output
+        split along the last dim (views); autograd takes the weights' gradients from one GEMM too
+        (cat's backward hands each weight its rows) and x's in one K = sum O_i GEMM instead of one
+        per weight and their sum. Under autocast the concatenation and the bf16 cast are one pass
+        when compiled. Otherwise a linear each."""
+        if not self.fused_shared_input or len(ws) < 2:
+            return super().linears(x, ws)
+        return F.linear(x, torch.cat(ws)).split([w.shape[0] for w in ws], dim=-1)
 
     def grouped_mm(self, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
         return bf16_grouped.grouped_mm(x_RI, w_EOI, offsets_E, compute_dtype(x_RI), self.weight_cache,
