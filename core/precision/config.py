@@ -545,11 +545,6 @@ class PrecisionConfig(Config):
                               f"this run resolved precision.backend={backend}: drop fp8_experts, or run on a Hopper GPU")
         if Fp8Experts(self.fp8_experts) == Fp8Experts.triton_ws:
             major = _capability_major(device_type)
-            if backend == PrecisionBackend.native and major is not None and major >= 9:
-                raise ConfigError("precision.fp8_experts=triton_ws gave wrong results on an H100 under Triton 3.6 "
-                                  "(session 33: max difference 1.4x / 1.9x the masked kernels' largest output in "
-                                  "the forward / wgrad; docs/precision.md), so it is refused until fixed: use "
-                                  "--precision.fp8_experts=triton")
             if backend != PrecisionBackend.native or (major is not None and major < 9):
                 where = f"an SM{major}x GPU" if major is not None else f"precision.backend={backend}"
                 raise ConfigError(f"precision.fp8_experts=triton_ws runs fp8_blockwise's expert GEMMs warp-specialized "

@@ -51,9 +51,12 @@ __all__ = ["WS_TILES", "last_tuning", "ws_configs", "ws_grouped_mm_k", "ws_group
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # (BM, BN, num_warps, num_stages): num_warps is one consumer warpgroup's (the specialization adds
-# the producer's and the second consumer's); 128 rows, 64 a consumer; 3-5 stages of A and B in
-# shared memory (112-176 KiB rows, 160-224 KiB wgrad, within the SM's 227)
-WS_TILES = ((128, 128, 4, 3), (128, 128, 4, 4), (128, 128, 4, 5))
+# the producer's and the second consumer's). 64-row tiles, each consumer on its own tile: 128-row
+# tiles split between the two consumers gave wrong results on the H100 under Triton 3.6 (session 34,
+# docs/bench/session34/ws_bisect.py: the same kernels unspecialized, and the 64-row tiles
+# specialized, were exact). 3-5 stages (88-137 KiB rows, 136-184 KiB wgrad, within the SM's 227);
+# 64 x 256 does not compile under 3.6.
+WS_TILES = ((64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 4, 5))
 INTERPRET_SMS = 3
 """Programs of a persistent launch under the interpreter: fewer than the tiles, so the tests walk the loop."""
 

@@ -474,12 +474,9 @@ def test_warp_specialized_configs_compile_for_sm90(index):
         assert_no_spills(compiled, what)
 
 
-WS_WRONG = pytest.mark.xfail(strict=True, reason="fp8_triton_ws gave wrong results on the H100 under Triton 3.6 "
-                              "(session 33): refused by the config until fixed; strict, so the fix shows here")
 
 
 @pytest.mark.gpu
-@WS_WRONG
 def test_warp_specialized_on_gpu_matches_float64():
     check_warp_specialized("cuda")
 
@@ -492,7 +489,7 @@ def test_pipelined_on_gpu_matches_float64():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("experts", ["triton", pytest.param("triton_ws", marks=WS_WRONG), "cublas", "gluon"])
+@pytest.mark.parametrize("experts", ["triton", "triton_ws", "cublas", "gluon"])
 @pytest.mark.parametrize("wgrad", ["all", "none"])
 def test_fp8_on_gpu_matches_float64(experts, wgrad):
     check_fp8("cuda", dense_modes=("triton", "scaled_mm"), experts=experts, wgrad=wgrad)
