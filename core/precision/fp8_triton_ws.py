@@ -51,10 +51,13 @@ __all__ = ["WS_TILES", "last_tuning", "ws_configs", "ws_grouped_mm_k", "ws_group
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # (BM, BN, num_warps, num_stages): num_warps is one consumer warpgroup's (the specialization adds
-# the producer's and the second consumer's). 64-row tiles, each consumer on its own tile: 128-row
-# tiles split between the two consumers gave wrong results on the H100 under Triton 3.6 (session 34,
-# docs/bench/session34/ws_bisect.py: the same kernels unspecialized, and the 64-row tiles
-# specialized, were exact). 3-5 stages (88-137 KiB rows, 136-184 KiB wgrad, within the SM's 227);
+# the producer's and the second consumer's). 64-row tiles: the 128-row tiles split between the two
+# consumers (64 rows each, the design above) gave wrong results on the H100 under Triton 3.6
+# (session 34, docs/bench/session34/ws_bisect.py: the same kernels unspecialized were exact, and so
+# were the 64-row tiles specialized; the split form's TTGIR is right, so the fault is in 3.6's
+# lowering). With 64-row tiles 3.6 runs each tile in both consumers (the same loads, MMAs and
+# stores twice): right, but at most half the tensor cores' rate, so kept for correctness and
+# measurement, not speed. 3-5 stages (88-137 KiB rows, 136-184 KiB wgrad, within the SM's 227);
 # 64 x 256 does not compile under 3.6.
 WS_TILES = ((64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 4, 5))
 INTERPRET_SMS = 3
