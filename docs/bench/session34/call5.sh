@@ -23,3 +23,6 @@ echo "profile $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
 timeout 60 python3 tools/bench_fp8_variants.py --ws --shapes olmoe --gemms gate_up --iters 10 \
   --json $OUT/variants.json 2>&1 | grep -v Warning | tail -10
 echo "variants $(( $(date +%s) - t0 )) s"
+t0=$(date +%s)
+timeout 90 python3 -m pytest -q -m gpu tests/core/test_precision_fp8.py -k "warp_specialized or triton_ws" 2>&1 | tail -3
+echo "tests $(( $(date +%s) - t0 )) s"
