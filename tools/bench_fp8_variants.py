@@ -43,8 +43,8 @@ def parse(argv):
                    help="the Gluon rows kernel's tiles to time, 'BM,BN,warps,buffers;...' (SM90; best one reported)")
     p.add_argument("--gluon-k-configs", default="64,64,4,4;128,64,8,4;64,64,4,6",
                    help="the Gluon wgrad kernel's tiles to time, as --gluon-configs")
-    p.add_argument("--ws", action="store_true", help="also the warp-specialized kernels (fp8_triton_ws; wrong on "
-                   "the H100 under Triton 3.6, session 33: for the fix's work, their rows counted in the exit status)")
+    p.add_argument("--ws", action="store_true", help="also the warp-specialized kernels (fp8_triton_ws: 64-row "
+                   "tiles, each run by both consumers under Triton 3.6; their rows counted in the exit status)")
     p.add_argument("--json", default="", help="write the results here")
     return p.parse_args(argv)
 

@@ -69,9 +69,10 @@ class Fp8Experts(StrEnum):
     experts (docs/performance.md)."""
     triton_ws = "triton_ws"
     """core/precision/fp8_triton_ws.py: the same GEMMs, persistent and warp-specialized by Triton (a
-    TMA producer warpgroup and two consumer warpgroups, one's fp32 promotion overlapping the other's
-    wgmma), no host sync. SM90+ (TMA); operands TMA cannot read run the ``triton`` kernels.
-    Compiled for SM90 on the CPU and interpreted; not yet run on a GPU (docs/precision.md)."""
+    TMA producer warpgroup and two consumer warpgroups), no host sync. SM90+ (TMA); operands TMA
+    cannot read run the ``triton`` kernels. Right on the H100 with its 64-row tiles (session 34), but
+    Triton 3.6 runs each of those tiles in both consumers, so it cannot outrun ``triton``: kept for
+    the Triton versions to come and their measurement, not for speed (docs/precision.md)."""
     gluon = "gluon"
     """core/precision/fp8_gluon.py: the same grouped GEMMs as ``triton`` written in Gluon with explicit
     async wgmma (each K-block's fp32 promotion overlapping the next K-block's MMA), no host sync.

@@ -10,6 +10,13 @@ each of a 128-row tile, each consumer with its own barriers (12 warps; setmaxnre
 consumers 232 registers a thread): while one consumer promotes, the other's wgmma runs. That is the
 structure of DeepGEMM's FP8 kernels.
 
+On the H100 under Triton 3.6 that split form gave wrong results (session 33; session 34's
+bisection, docs/bench/session34/ws_bisect.py: the same kernels unspecialized were exact, the scales,
+the trip counts and persistence ruled out, the TTGIR right: the fault is in 3.6's lowering). The
+64-row tiles are exact, but 3.6 runs each of them in both consumers; so the autotune list (WS_TILES)
+now holds only those, right and slower than the pipelined kernels, until a Triton version runs the
+split form right (the 128-row configs are one line away).
+
 What Triton's specialization (3.6 on the GPU machine, 3.9 here; both checked by compiling for SM90)
 takes, and what the kernels do about it:
 
@@ -31,8 +38,9 @@ consumers store the last one. Same contracts and outputs as fp8_triton's pipelin
 bit under the interpreter, which ignores the specialization); only where TMA can read both operands
 (fp8_triton.tma_readable), else the callers run the pipelined kernels.
 
-Compiled for SM90 and interpreted on the CPU (tests/core/test_precision_fp8.py); its GPU test and
-benchmarks are queued (docs/bench/session33/): not yet run on a GPU.
+Compiled for SM90 and interpreted on the CPU (tests/core/test_precision_fp8.py); on the H100, the
+bisection's 64-row rows (exact against the masked kernels on three operand sets, forward and
+wgrad); its GPU tests and benchmarks with the 64-row list: docs/bench/session34/call6.sh.
 Legend: R rows, P padded rows, E experts, T row tiles.
 """
 
