@@ -449,7 +449,7 @@ def _sm90_operands(bm: int, bn: int, descriptors: bool = True) -> tuple[dict, di
 def test_warp_specialized_configs_compile_for_sm90(index):
     """Every config of both fp8_triton_ws kernels compiles for Hopper into Triton's specialized form:
     a producer warpgroup and two consumer warpgroups (12 warps; registers moved to the consumers by
-    setmaxnreg), A's tile split between the consumers (one 64-row wgmma chain each), every TMA
+    setmaxnreg), one 64-row wgmma chain each (the 64-row tiles: both consumers run the tile), every TMA
     copy's descriptor block the size of the shared-memory buffer it fills (a host descriptor's fixed block would not be: Triton 3.9 refuses
     it, 3.6 copied the whole block into each half), shared memory within the SM's 227 KiB, no spills."""
     import re
