@@ -65,7 +65,8 @@ class OptimizerConfig(Config):
     """The clipping norm's squared sums through one Triton reduction a gradient (core/grad_norm_triton.py:
     each gradient read once at the streaming rate, fp32 partials summed in a fixed order) instead of
     torch's _foreach_norm; the same bf16 / fp32 independence, other rounding. CUDA (torch's path
-    elsewhere). Off by default until measured on the GPU (docs/performance.md)."""
+    elsewhere). On the H100 (session 34) 1.12x torch's alone over OLMoE-8L's 3.77B gradients (5.22
+    against 5.86 ms), within noise in whole steps of both #13 shapes: off by default."""
 
     def validate(self) -> None:
         # math.isfinite first: nan fails every comparison, so "nan <= 0" alone would let it through.

@@ -298,7 +298,9 @@ class PrecisionConfig(Config):
     refused, as for expert_grads_bf16. Memory: the copies take the place of autograd's bf16 casts,
     which the backward keeps anyway; the dense gradients take 2 B an element instead of 4. Bound by
     the casts in olmoe3-4l-8e's measured step (about 2.7 ms of cast kernels on the H100,
-    docs/performance.md, session 31); **not yet measured on a GPU**: off by default."""
+    docs/performance.md, session 31). Measured with the other three switches of sessions 31-32 (H100,
+    session 34): together 1.0-1.6% faster on olmoe3-4l-8e, 1.2% on OLMoE-8L, for 1.5-2.0 GiB more peak;
+    off by default because it is for one unsharded GPU without gradient accumulation."""
     head_weight_copy: bool = False
     """bf16 recipe, one GPU (unsharded fp32 weights): the fused LM loss computes on a bf16 copy of the
     head's weight that the optimizer's step writes, instead of casting the fp32 weight in every forward
@@ -308,14 +310,16 @@ class PrecisionConfig(Config):
     allowed. The same bits as without it (the copy is the cast's rounding). Memory: the copy, 2 B x
     V x D (0.77 GiB at that shape), is held all step instead of only during the loss' forward: the
     step's peak rises by about that where it is outside the loss. Apart from dense_weight_copies, which
-    leaves the head out, so each is measured on its own; **not yet measured on a GPU**: off by default."""
+    leaves the head out, so each is measured on its own. Alone on olmoe3-4l-8e (H100, session 34): 0.7%
+    faster, at the edge of that run's 0.4% noise; off by default (one unsharded GPU only)."""
     save_swiglu_product: bool = False
     """bf16 recipe: the routed experts' fused SwiGLU-down op (core/precision/bf16_grouped.py) keeps the
     product silu(gate) * up [R, F] (R = tokens x top-k) for its backward instead of recomputing it
     there: 2 B x R x F more held per MoE layer (0.5 GiB a layer on olmoe3-4l-8e at 16,384 tokens),
     and the backward's SwiGLU pass no longer writes it (the same 2 B x R x F of HBM traffic less: about
     0.18 ms a layer there on the H100). The same values either way (the recompute is the forward's
-    own ops). A memory-for-time trade for runs with room; **not yet measured on a GPU**: off by default."""
+    own ops). A memory-for-time trade for runs with room; measured only together with the other
+    switches (H100, session 34, docs/performance.md): off by default."""
     fused_shared_input: bool = False
     """bf16 recipe: the linears that read one input (attention's q, k and v; a dense SwiGLU's or shared
     expert's gate and up: core.layers.linear.shared_input) run as one GEMM on their weights
@@ -327,7 +331,8 @@ class PrecisionConfig(Config):
     write of the bf16 weights where they are the optimizer's copies (dense_weight_copies), fused
     with the cast otherwise. The same math; each output is the same dot product, summed in the
     order the wider GEMM's kernel picks (within bf16 rounding of the separate GEMMs:
-    tests/core/test_fused_shared_input.py). **Not yet measured on a GPU**: off by default."""
+    tests/core/test_fused_shared_input.py). Measured slower on olmoe3-4l-8e (0.5%, with the other
+    switches; H100, session 34) and within noise on OLMoE-8L: off by default."""
     triton_swiglu: bool = True
     """The routed experts' SwiGLU (silu(gate) * up) and its backward in one Triton pass each on CUDA
     (core/precision/swiglu_triton.py) instead of seven torch elementwise passes (eager) or inductor's
