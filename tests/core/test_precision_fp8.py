@@ -445,7 +445,7 @@ def _sm90_operands(bm: int, bn: int, descriptors: bool = True) -> tuple[dict, di
     return rows, k
 
 
-@pytest.mark.parametrize("index", range(3))
+@pytest.mark.parametrize("index", range(1))
 def test_warp_specialized_configs_compile_for_sm90(index):
     """Every config of both fp8_triton_ws kernels compiles for Hopper into Triton's specialized form:
     a producer warpgroup and two consumer warpgroups (12 warps; registers moved to the consumers by
@@ -457,7 +457,7 @@ def test_warp_specialized_configs_compile_for_sm90(index):
     from moetron.core.precision import fp8_triton_ws as ws
 
     configs = ws.ws_configs()
-    assert len(configs) == 3  # the parametrize range
+    assert len(configs) == 1  # the parametrize range
     config = configs[index]
     rows, k = _sm90_operands(config.kwargs["BM"], config.kwargs["BN"], descriptors=False)
     for kernel, values in ((ws.rows_kernel, rows), (ws.k_kernel, dict(k, E=64))):
