@@ -24,6 +24,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
+# gl.warp_specialize passes its partitions' arguments as runtime values: a constexpr (BN, NUM_BUF) or a
+# layout handed through them arrives as a tensor, and a layout built inside a partition from list
+# literals fails (they become tuples). So the partitions read their sizes from the shared buffers'
+# shapes and their layouts from these module-level constexprs (Triton 3.6 and 3.9 alike).
 MMA_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32]))
 STORE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
