@@ -18,5 +18,5 @@ timeout 60 python3 tools/profile_step.py $S2 --optimizer.state_dtype=bf16 --prec
   --json $OUT/profile_best.json 2>&1 | grep -v Warning | head -22
 echo "profile $(( $(date +%s) - t0 )) s"
 t0=$(date +%s)
-timeout 60 python3 docs/bench/session34/gluon_ws_probe.py 2>&1 | grep -v Warning | tail -8
+timeout 90 python3 docs/bench/session34/gluon_ws_probe.py 2>&1 | grep -v Warning | tail -14
 echo "gluon probe $(( $(date +%s) - t0 )) s"

@@ -6,14 +6,19 @@ waiting for its own wgmma and promoting it while the other consumer's wgmma runs
 consumers 232 registers. Triton's automatic specialization of the same structure is wrong under
 Triton 3.6 (docs/bench/session34/ws_bisect.py); this one does not depend on it.
 
-Compiled for SM90 on the CPU under Triton 3.6 and 3.9 (12 warps, 8 wgmma, 2 TMA loads a K-block,
-115 / 148 KiB of shared memory at 3 / 4 stages, no spills); **never run on a GPU**. On one:
+``ws_rows_kernel`` is the same tile in the grouped rows form (fp8_triton.fp8_grouped_mm_rows's
+contract: forward and dgrad; row tiles from fp8_triton_ws's tile table).
 
-    python docs/bench/session34/gluon_ws_probe.py     (its output against float64 of the dequantized
-                                                       operands, then TFLOP/s beside bf16 torch.mm)
+Both compiled for SM90 on the CPU under Triton 3.6 and 3.9 (12 warps, 8 wgmma and 2 TMA loads a
+K-block, 115 / 148 KiB of shared memory at 3 / 4 stages, 16-byte stores, no spills); **never run on a
+GPU**. On one:
 
-Next, if it is right and fast: the grouped forms (rows and wgrad) in core/precision/fp8_gluon.py's
-contracts, persistent, and BN 256 (the consumers' 232 registers allow a 64 x 256 fp32 accumulator)."""
+    python docs/bench/session34/gluon_ws_probe.py     (each against float64 of the dequantized
+                                                       operands or the masked kernel, then TFLOP/s
+                                                       beside bf16 and the pipelined kernel)
+
+Next, if they are right and fast: the wgrad form, persistence, and BN 256 (the consumers' 232
+registers allow a 64 x 256 fp32 accumulator), then into core/precision/fp8_gluon.py."""
 import os
 import sys
 
@@ -106,6 +111,102 @@ def ws_gemm_kernel(a_desc, b_desc, sa_ptr, sb_ptr, c_ptr, M, N, K, s_sam, s_cm,
                        [4, 1], [232, 40])
 
 
+@gluon.jit
+def _rows_consumer(HALF: gl.constexpr, nk, a_bufs, b_bufs, ready, empty, sa_ptr, s_sam, s_sak, sb_ptr, s_sbk,
+                   row0, row_end, col0, c_ptr, s_cm, R, N):
+    """The grouped rows form's consumer: rows row0 + HALF * 64 .. of one expert's row tile (stored
+    below row_end), the tile's one B scale a K-block at sb_ptr + j * s_sbk (BN = 128)."""
+    NUM_BUF: gl.constexpr = a_bufs.shape[0]
+    BN: gl.constexpr = b_bufs.shape[1]
+    mma_layout: gl.constexpr = MMA_LAYOUT
+    layout: gl.constexpr = STORE_LAYOUT
+    offs_m = row0 + HALF * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, mma_layout))
+    sa_ptrs = sa_ptr + gl.minimum(offs_m, R - 1).to(gl.int64) * s_sam  # rows past R: read, never stored
+    acc = gl.zeros((64, BN), dtype=gl.float32, layout=mma_layout)
+    zero = gl.zeros((64, BN), dtype=gl.float32, layout=mma_layout)
+    for j in range(nk):
+        i = j % NUM_BUF
+        mbarrier.wait(ready.index(i), (j // NUM_BUF) & 1)
+        a = a_bufs.index(i).slice(HALF * 64, 64, dim=0)
+        d = warpgroup_mma(a, b_bufs.index(i).permute((1, 0)), zero, use_acc=False, is_async=True)
+        sa = gl.load(sa_ptrs + j * s_sak)
+        sb = gl.load(sb_ptr + j * s_sbk)
+        d = warpgroup_mma_wait(0, deps=(d, ))
+        mbarrier.arrive(empty.index(i), count=1)
+        acc = acc + d * (sa * sb)[:, None]
+    out = gl.convert_layout(acc.to(gl.bfloat16), layout)
+    om = row0 + HALF * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+    on = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+    gl.store(c_ptr + om[:, None].to(gl.int64) * s_cm + on[None, :], out,
+             mask=(om < row_end)[:, None] & (on < N)[None, :])
+
+
+@gluon.jit
+def _rows_consumer0(nk, a_bufs, b_bufs, ready, empty, sa_ptr, s_sam, s_sak, sb_ptr, s_sbk, row0, row_end, col0,
+                    c_ptr, s_cm, R, N):
+    _rows_consumer(0, nk, a_bufs, b_bufs, ready, empty, sa_ptr, s_sam, s_sak, sb_ptr, s_sbk, row0, row_end, col0,
+                   c_ptr, s_cm, R, N)
+
+
+@gluon.jit
+def _rows_consumer1(nk, a_bufs, b_bufs, ready, empty, sa_ptr, s_sam, s_sak, sb_ptr, s_sbk, row0, row_end, col0,
+                    c_ptr, s_cm, R, N):
+    _rows_consumer(1, nk, a_bufs, b_bufs, ready, empty, sa_ptr, s_sam, s_sak, sb_ptr, s_sbk, row0, row_end, col0,
+                   c_ptr, s_cm, R, N)
+
+
+@gluon.jit
+def ws_rows_kernel(a_desc, b_desc, sa_ptr, sb_ptr, tile_ptr, c_ptr, E, R, N, K, s_sam, s_sak, s_sbe, s_sbk, s_sbn,
+                   s_cm, NUM_BUF: gl.constexpr, num_warps: gl.constexpr):
+    """fp8_triton.fp8_grouped_mm_rows's GEMM (forward / dgrad: out[rows of e] = A[rows of e] @ B[e]) for
+    one (row tile, 128 columns) a program, B stacked [E * N, K]; the row tile's (expert, first row or
+    -1 past the last tile, end row) from the table fp8_triton_ws's tile-table kernel writes (BM 128)."""
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = b_desc.block_type.shape[0]
+    gl.static_assert(BM == 128, "two 64-row consumers")
+    gl.static_assert(BN == BK, "one B scale a K-block")
+    col0 = gl.program_id(0) * BN
+    tile = gl.program_id(1)
+    group = gl.minimum(gl.load(tile_ptr + 3 * tile), E - 1)
+    first = gl.load(tile_ptr + 3 * tile + 1)
+    row_end = gl.where(first < 0, 0, gl.load(tile_ptr + 3 * tile + 2))
+    nk = gl.where(first < 0, 0, K // BK)  # past the last tile: no K-block, nothing stored
+    row0 = gl.maximum(first, 0)
+    sb_tile = sb_ptr + group.to(gl.int64) * s_sbe + (col0 // BK) * s_sbn
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_BUF] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_BUF] + b_desc.block_type.shape, b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    cargs = (nk, a_bufs, b_bufs, ready, empty, sa_ptr, s_sam, s_sak, sb_tile, s_sbk, row0, row_end, col0, c_ptr,
+             s_cm, R, N)
+    gl.warp_specialize([(_rows_consumer0, cargs), (_rows_consumer1, cargs),
+                        (_producer, (a_desc, b_desc, row0, group * N + col0, nk, a_bufs, b_bufs, ready, empty))],
+                       [4, 1], [232, 40])
+
+
+def ws_rows(a_q, sa, b_EKN, sb_EBC, offsets, bufs=4):
+    """fp8_triton.fp8_grouped_mm_rows's contract (bf16 out): a_q [R, K], sa [R, K / 128], b_EKN [E, K, N]
+    with each B[e] K-contiguous and the experts back to back, sb_EBC [E, K / 128, N / 128]."""
+    from moetron.core.precision import fp8_triton_ws as ws
+    from moetron.core.precision.fp8_triton import stacked_b
+
+    R, K = a_q.shape
+    E, _, N = b_EKN.shape
+    tiles = triton.cdiv(R, 128) + E
+    table = torch.empty(tiles, 3, dtype=torch.int32, device=a_q.device)
+    ws._fp8_grouped_gemm_tile_table_kernel[(tiles,)](offsets, table, E, BM=128, EP=triton.next_power_of_2(E))
+    out = torch.empty(R, N, dtype=torch.bfloat16, device=a_q.device)
+    ws_rows_kernel[(triton.cdiv(N, 128), tiles)](
+        descriptor(a_q, [128, 128]), descriptor(stacked_b(b_EKN), [128, 128]), sa, sb_EBC, table, out, E, R, N, K,
+        sa.stride(0), sa.stride(1), sb_EBC.stride(0), sb_EBC.stride(1), sb_EBC.stride(2), out.stride(0),
+        NUM_BUF=bufs, num_warps=4)
+    return out
+
+
 def descriptor(t, block):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -146,6 +247,44 @@ def main():
         ab, bb = a.bfloat16(), b.bfloat16()
         ms = triton.testing.do_bench(lambda: ab @ bb.T, warmup=10, rep=50)
         print(f"M {M} N {N} K {K} bf16 torch.mm: {ms:.3f} ms, {2 * M * N * K / ms / 1e9:.0f} TFLOP/s")
+    grouped()
+
+
+def grouped():
+    """The grouped rows form against fp8_triton's masked kernel (ragged experts, an empty one, rows past
+    the end), then at OLMoE's gate|up (131,072 rows x K 2048 -> N 2048 over 64 experts) beside the
+    pipelined kernel and bf16 torch._grouped_mm."""
+    from moetron.core.precision import fp8_triton as ft
+    from moetron.core.precision.blockwise import quantize_128x128, quantize_1x128
+
+    for R, K, N, E in ((1000, 512, 256, 5), (131072, 2048, 2048, 64)):
+        g = torch.Generator().manual_seed(1)
+        cuts = sorted(torch.randint(0, R - 20, (E - 1,), generator=g).tolist())
+        cuts[0] = cuts[1]  # an empty expert
+        offsets = torch.tensor([*cuts, R - 20], dtype=torch.int32, device="cuda")  # 20 rows past the end
+        x = torch.randn(R, K, device="cuda") * torch.logspace(-1, 1, K, device="cuda")[torch.randperm(K, device="cuda")]
+        w = torch.randn(E, N, K, device="cuda")
+        a_q, sa = quantize_1x128(x, -1)
+        w_q, w_s = quantize_128x128(w)
+        b, sb = w_q.transpose(1, 2), w_s.transpose(1, 2)  # [E, K, N] K-contiguous, [E, K / 128, N / 128]
+        ref = ft.fp8_grouped_mm_rows(a_q, sa, b, sb, offsets, torch.float32, kernel=ft.GroupedKernel.masked)
+        valid = torch.arange(R, device="cuda") < int(offsets[-1])
+        for bufs in (3, 4):
+            out = ws_rows(a_q, sa, b, sb, offsets, bufs)
+            err = float((out.float() - ref)[valid].abs().max() / ref[valid].abs().max())
+            ms = triton.testing.do_bench(lambda: ws_rows(a_q, sa, b, sb, offsets, bufs), warmup=10, rep=50)
+            print(f"grouped R {R} K {K} N {N} E {E} bufs {bufs}: max error {err:.2e} "
+                  f"({'right' if err < 1e-2 else 'WRONG'}), {ms:.3f} ms, {2 * R * K * N / ms / 1e9:.0f} TFLOP/s")
+        ms = triton.testing.do_bench(lambda: ft.fp8_grouped_mm_rows(a_q, sa, b, sb, offsets, torch.bfloat16,
+                                                                    kernel=ft.GroupedKernel.pipelined),
+                                     warmup=10, rep=50)
+        print(f"grouped pipelined Triton: {ms:.3f} ms, {2 * R * K * N / ms / 1e9:.0f} TFLOP/s")
+        xb, wb = x.bfloat16(), w.transpose(1, 2).bfloat16()
+        try:
+            ms = triton.testing.do_bench(lambda: torch._grouped_mm(xb, wb, offs=offsets), warmup=10, rep=50)
+            print(f"grouped bf16 _grouped_mm: {ms:.3f} ms, {2 * R * K * N / ms / 1e9:.0f} TFLOP/s")
+        except RuntimeError as e:  # its layout rules vary by version: the row is a reference only
+            print(f"grouped bf16 _grouped_mm: not run ({str(e)[:120]})")
 
 
 if __name__ == "__main__":
