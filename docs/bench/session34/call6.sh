@@ -3,7 +3,7 @@
 # 64-row tiles, their GPU tests and their speed beside the pipelined kernels and bf16, then the
 # profile of olmoe3-4l-8e's best row (ALL + G + one 16,384-token loss chunk).
 # Then the hand-written Gluon warp specialization probe (gluon_ws_probe.py).
-# Run from the repo root: bash docs/bench/session34/call6.sh (timeout 260).
+# Run from the repo root: bash docs/bench/session34/call6.sh (timeout 300).
 source docs/bench/session32/switches.sh
 G=optimizer.triton_grad_norm=true
 C=model.loss_chunk_tokens=16384
