@@ -7,18 +7,20 @@ consumers 232 registers. Triton's automatic specialization of the same structure
 Triton 3.6 (docs/bench/session34/ws_bisect.py); this one does not depend on it.
 
 ``ws_rows_kernel`` is the same tile in the grouped rows form (fp8_triton.fp8_grouped_mm_rows's
-contract: forward and dgrad; row tiles from fp8_triton_ws's tile table).
+contract: forward and dgrad; row tiles from fp8_triton_ws's tile table), ``ws_k_kernel`` in the
+wgrad form (fp8_triton.fp8_grouped_mm_k's: per-row A and per-column Bt scales, each expert's padded
+rows its K range, fp32 out).
 
-Both compiled for SM90 on the CPU under Triton 3.6 and 3.9 (12 warps, 8 wgmma and 2 TMA loads a
-K-block, 115 / 148 KiB of shared memory at 3 / 4 stages, 16-byte stores, no spills); **never run on a
-GPU**. On one:
+All three compiled for SM90 on the CPU under Triton 3.6 and 3.9 (12 warps, 8 wgmma and 2 TMA loads a
+K-block, 115 / 148 KiB of shared memory at 3 / 4 stages, 160 / 192 KiB for the wgrad's fp32
+epilogue, 16-byte stores, no spills); **never run on a GPU**. On one:
 
     python docs/bench/session34/gluon_ws_probe.py     (each against float64 of the dequantized
                                                        operands or the masked kernel, then TFLOP/s
                                                        beside bf16 and the pipelined kernel)
 
-Next, if they are right and fast: the wgrad form, persistence, and BN 256 (the consumers' 232
-registers allow a 64 x 256 fp32 accumulator), then into core/precision/fp8_gluon.py."""
+Next, if they are right and fast: persistence and BN 256 (the consumers' 232 registers allow a
+64 x 256 fp32 accumulator), then into core/precision/fp8_gluon.py behind fp8_experts=gluon."""
 import os
 import sys
 
@@ -35,6 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 # shapes and their layouts from these module-level constexprs (Triton 3.6 and 3.9 alike).
 MMA_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32]))
 STORE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
+K_STORE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0]))
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 
@@ -188,6 +191,105 @@ def ws_rows_kernel(a_desc, b_desc, sa_ptr, sb_ptr, tile_ptr, c_ptr, E, R, N, K, 
                        [4, 1], [232, 40])
 
 
+@gluon.jit
+def _k_consumer(HALF: gl.constexpr, nk, a_bufs, b_bufs, ready, empty, sa_ptr, s_sam, s_sak, sb_ptr, s_sbn, s_sbk,
+                kb0, row0, col0, c_ptr, s_cm, M, N):
+    """The wgrad form's consumer: output rows row0 + HALF * 64 .. of one expert, K-blocks kb0 ..
+    kb0 + nk - 1, a scale a row of A and a column of Bt each K-block."""
+    NUM_BUF: gl.constexpr = a_bufs.shape[0]
+    BN: gl.constexpr = b_bufs.shape[1]
+    mma_layout: gl.constexpr = MMA_LAYOUT
+    offs_m = row0 + HALF * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, mma_layout))
+    offs_n = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, mma_layout))
+    sa_ptrs = sa_ptr + gl.minimum(offs_m, M - 1).to(gl.int64) * s_sam
+    sb_ptrs = sb_ptr + gl.minimum(offs_n, N - 1) * s_sbn
+    acc = gl.zeros((64, BN), dtype=gl.float32, layout=mma_layout)
+    zero = gl.zeros((64, BN), dtype=gl.float32, layout=mma_layout)
+    for j in range(nk):
+        i = j % NUM_BUF
+        mbarrier.wait(ready.index(i), (j // NUM_BUF) & 1)
+        a = a_bufs.index(i).slice(HALF * 64, 64, dim=0)
+        d = warpgroup_mma(a, b_bufs.index(i).permute((1, 0)), zero, use_acc=False, is_async=True)
+        sa = gl.load(sa_ptrs + (kb0 + j) * s_sak)
+        sb = gl.load(sb_ptrs + (kb0 + j) * s_sbk)
+        d = warpgroup_mma_wait(0, deps=(d, ))
+        mbarrier.arrive(empty.index(i), count=1)
+        acc = acc + d * sa[:, None] * sb[None, :]
+    out = gl.convert_layout(acc, K_STORE_LAYOUT)  # fp32 out: 4 columns a thread (16 bytes)
+    om = row0 + HALF * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, K_STORE_LAYOUT))
+    on = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, K_STORE_LAYOUT))
+    gl.store(c_ptr + om[:, None].to(gl.int64) * s_cm + on[None, :], out, mask=(om < M)[:, None] & (on < N)[None, :])
+
+
+@gluon.jit
+def _k_consumer0(nk, a_bufs, b_bufs, ready, empty, sa_ptr, s_sam, s_sak, sb_ptr, s_sbn, s_sbk, kb0, row0, col0,
+                 c_ptr, s_cm, M, N):
+    _k_consumer(0, nk, a_bufs, b_bufs, ready, empty, sa_ptr, s_sam, s_sak, sb_ptr, s_sbn, s_sbk, kb0, row0, col0,
+                c_ptr, s_cm, M, N)
+
+
+@gluon.jit
+def _k_consumer1(nk, a_bufs, b_bufs, ready, empty, sa_ptr, s_sam, s_sak, sb_ptr, s_sbn, s_sbk, kb0, row0, col0,
+                 c_ptr, s_cm, M, N):
+    _k_consumer(1, nk, a_bufs, b_bufs, ready, empty, sa_ptr, s_sam, s_sak, sb_ptr, s_sbn, s_sbk, kb0, row0, col0,
+                c_ptr, s_cm, M, N)
+
+
+@gluon.jit
+def _k_producer(a_desc, b_desc, row0, col0, kb0, nk, a_bufs, b_bufs, ready, empty):
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    NUM_BUF: gl.constexpr = a_bufs.shape[0]
+    for j in range(nk):
+        i = j % NUM_BUF
+        mbarrier.wait(empty.index(i), ((j // NUM_BUF) & 1) ^ 1)
+        bar = ready.index(i)
+        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+        _tma_load(a_desc, [row0, (kb0 + j) * BK], bar, a_bufs.index(i))
+        _tma_load(b_desc, [col0, (kb0 + j) * BK], bar, b_bufs.index(i))
+
+
+@gluon.jit
+def ws_k_kernel(a_desc, b_desc, sa_ptr, sb_ptr, off_ptr, c_ptr, M, N, s_sam, s_sak, s_sbn, s_sbk, s_ce, s_cm,
+                NUM_BUF: gl.constexpr, num_warps: gl.constexpr):
+    """fp8_triton.fp8_grouped_mm_k's GEMM (wgrad: out[e] = A[:, rows of e] @ Bt[:, rows of e]^T over each
+    expert's rows padded to 128s) for one (expert, 128 x BN output tile) a program."""
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = b_desc.block_type.shape[0]
+    gl.static_assert(BM == 128, "two 64-row consumers")
+    col0 = gl.program_id(0) * BN
+    row0 = gl.program_id(1) * BM
+    e = gl.program_id(2)
+    start = gl.load(off_ptr + e - 1, mask=e > 0, other=0)
+    kb0 = start // BK
+    nk = gl.load(off_ptr + e) // BK - kb0  # an expert without rows: no K-block, zeros stored
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_BUF] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_BUF] + b_desc.block_type.shape, b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    cargs = (nk, a_bufs, b_bufs, ready, empty, sa_ptr, s_sam, s_sak, sb_ptr, s_sbn, s_sbk, kb0, row0, col0,
+             c_ptr + e.to(gl.int64) * s_ce, s_cm, M, N)
+    gl.warp_specialize([(_k_consumer0, cargs), (_k_consumer1, cargs),
+                        (_k_producer, (a_desc, b_desc, row0, col0, kb0, nk, a_bufs, b_bufs, ready, empty))],
+                       [4, 1], [232, 40])
+
+
+def ws_k(a_q, sa, bt_q, sbt, padded, bufs=4):
+    """fp8_triton.fp8_grouped_mm_k's contract: a_q [M, P], sa [M, P / 128], bt_q [N, P], sbt [N, P / 128],
+    padded int32 [E] (each expert's rows padded to 128s, cumulative) -> fp32 [E, M, N]."""
+    M, P = a_q.shape
+    N, E = bt_q.shape[0], padded.numel()
+    out = torch.empty(E, M, N, dtype=torch.float32, device=a_q.device)
+    ws_k_kernel[(triton.cdiv(N, 128), triton.cdiv(M, 128), E)](
+        descriptor(a_q, [128, 128]), descriptor(bt_q, [128, 128]), sa, sbt, padded, out, M, N,
+        sa.stride(0), sa.stride(1), sbt.stride(0), sbt.stride(1), out.stride(0), out.stride(1),
+        NUM_BUF=bufs, num_warps=4)
+    return out
+
+
 def ws_rows(a_q, sa, b_EKN, sb_EBC, offsets, bufs=4):
     """fp8_triton.fp8_grouped_mm_rows's contract (bf16 out): a_q [R, K], sa [R, K / 128], b_EKN [E, K, N]
     with each B[e] K-contiguous and the experts back to back, sb_EBC [E, K / 128, N / 128]."""
@@ -279,6 +381,22 @@ def grouped():
                                                                     kernel=ft.GroupedKernel.pipelined),
                                      warmup=10, rep=50)
         print(f"grouped pipelined Triton: {ms:.3f} ms, {2 * R * K * N / ms / 1e9:.0f} TFLOP/s")
+        # the wgrad form at the same shape: dW[e] = dy[rows of e]^T x[rows of e], rows padded to 128s
+        counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
+        padded = torch.cumsum((counts + 127) // 128 * 128, 0).to(torch.int32)
+        P = int(padded[-1])
+        ka_q, ka_s = quantize_1x128(torch.randn(N, P, device="cuda"), -1)
+        kb_q, kb_s = quantize_1x128(torch.randn(K, P, device="cuda"), -1)
+        k_ref = ft.fp8_grouped_mm_k(ka_q, ka_s, kb_q, kb_s, padded, kernel=ft.GroupedKernel.masked)
+        for bufs in (3, 4):
+            out = ws_k(ka_q, ka_s, kb_q, kb_s, padded, bufs)
+            err = float((out - k_ref).abs().max() / k_ref.abs().max())
+            ms = triton.testing.do_bench(lambda: ws_k(ka_q, ka_s, kb_q, kb_s, padded, bufs), warmup=10, rep=50)
+            print(f"grouped wgrad M {N} N {K} P {P} E {E} bufs {bufs}: max error {err:.2e} "
+                  f"({'right' if err < 1e-2 else 'WRONG'}), {ms:.3f} ms, {2 * N * K * P / ms / 1e9:.0f} TFLOP/s")
+        ms = triton.testing.do_bench(lambda: ft.fp8_grouped_mm_k(ka_q, ka_s, kb_q, kb_s, padded,
+                                                                 kernel=ft.GroupedKernel.pipelined), warmup=10, rep=50)
+        print(f"grouped wgrad pipelined Triton: {ms:.3f} ms, {2 * N * K * P / ms / 1e9:.0f} TFLOP/s")
         xb, wb = x.bfloat16(), w.transpose(1, 2).bfloat16()
         try:
             ms = triton.testing.do_bench(lambda: torch._grouped_mm(xb, wb, offs=offsets), warmup=10, rep=50)
