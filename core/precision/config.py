@@ -326,8 +326,9 @@ class PrecisionConfig(Config):
     concatenated at use (the parameters, the checkpoints and the HF layout stay separate): one
     [T, D] x [D, sum O] GEMM forward instead of one per weight, one K = sum O GEMM for the input's
     gradient instead of one per weight and the sum of their outputs, one for the weights' gradients.
-    Wider GEMMs run nearer the tensor cores' rate (session 34's olmoe3-4l-8e profile: [16384, 4096] x
-    [4096, 4096] at 697 TFLOP/s, x [4096, 20480] at 728, on the H100). The concatenation is one more
+    Wider GEMMs run nearer the tensor cores' rate (session 34's olmoe3-4l-8e profile on the H100,
+    docs/bench/session34/call2/profile_S2_G.json: [16384, 4096] x [4096, 4096] at 697 TFLOP/s,
+    x [4096, 20480] at 728). The concatenation is one more
     write of the bf16 weights where they are the optimizer's copies (dense_weight_copies), fused
     with the cast otherwise. The same math; each output is the same dot product, summed in the
     order the wider GEMM's kernel picks (within bf16 rounding of the separate GEMMs:

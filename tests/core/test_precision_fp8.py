@@ -474,8 +474,6 @@ def test_warp_specialized_configs_compile_for_sm90(index):
         assert_no_spills(compiled, what)
 
 
-
-
 @pytest.mark.gpu
 def test_warp_specialized_on_gpu_matches_float64():
     check_warp_specialized("cuda")

@@ -36,13 +36,15 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 # literals fails (they become tuples). So the partitions read their sizes from the shared buffers'
 # shapes and their layouts from these module-level constexprs (Triton 3.6 and 3.9 alike).
 MMA_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32]))
-STORE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
+STORE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))  # bf16 out: 8 columns a thread
 K_STORE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0]))
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 
 @gluon.jit
-def _producer(a_desc, b_desc, row0, col0, nk, a_bufs, b_bufs, ready, empty):
+def _producer(a_desc, b_desc, row0, col0, kb0, nk, a_bufs, b_bufs, ready, empty):
+    """TMA loads of K-blocks kb0 .. kb0 + nk - 1 of A (rows from row0) and B (rows from col0) into the
+    ring, each stage once both consumers released it."""
     BK: gl.constexpr = a_desc.block_type.shape[1]
     NUM_BUF: gl.constexpr = a_bufs.shape[0]
     for j in range(nk):
@@ -50,57 +52,14 @@ def _producer(a_desc, b_desc, row0, col0, nk, a_bufs, b_bufs, ready, empty):
         mbarrier.wait(empty.index(i), ((j // NUM_BUF) & 1) ^ 1)  # the first round passes
         bar = ready.index(i)
         mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-        _tma_load(a_desc, [row0, j * BK], bar, a_bufs.index(i))
-        _tma_load(b_desc, [col0, j * BK], bar, b_bufs.index(i))
+        _tma_load(a_desc, [row0, (kb0 + j) * BK], bar, a_bufs.index(i))
+        _tma_load(b_desc, [col0, (kb0 + j) * BK], bar, b_bufs.index(i))
 
 
 @gluon.jit
-def _consumer(HALF: gl.constexpr, nk, a_bufs, b_bufs, ready, empty, sa_ptr, s_sam, sb_ptr, row0, col0, c_ptr, s_cm,
-              M, N):
-    NUM_BUF: gl.constexpr = a_bufs.shape[0]
-    BN: gl.constexpr = b_bufs.shape[1]
-    mma_layout: gl.constexpr = MMA_LAYOUT
-    layout: gl.constexpr = STORE_LAYOUT
-    offs_m = row0 + HALF * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, mma_layout))
-    sa_ptrs = sa_ptr + gl.minimum(offs_m, M - 1).to(gl.int64) * s_sam
-    acc = gl.zeros((64, BN), dtype=gl.float32, layout=mma_layout)
-    zero = gl.zeros((64, BN), dtype=gl.float32, layout=mma_layout)
-    for j in range(nk):
-        i = j % NUM_BUF
-        mbarrier.wait(ready.index(i), (j // NUM_BUF) & 1)
-        a = a_bufs.index(i).slice(HALF * 64, 64, dim=0)
-        d = warpgroup_mma(a, b_bufs.index(i).permute((1, 0)), zero, use_acc=False, is_async=True)
-        sa = gl.load(sa_ptrs + j)
-        sb = gl.load(sb_ptr + (col0 // 128) * nk + j)
-        d = warpgroup_mma_wait(0, deps=(d, ))
-        mbarrier.arrive(empty.index(i), count=1)
-        acc = acc + d * (sa * sb)[:, None]
-    out = gl.convert_layout(acc.to(gl.bfloat16), layout)
-    om = row0 + HALF * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
-    on = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
-    gl.store(c_ptr + om[:, None].to(gl.int64) * s_cm + on[None, :], out, mask=(om < M)[:, None] & (on < N)[None, :])
-
-
-@gluon.jit
-def _consumer0(nk, a_bufs, b_bufs, ready, empty, sa_ptr, s_sam, sb_ptr, row0, col0, c_ptr, s_cm, M, N):
-    _consumer(0, nk, a_bufs, b_bufs, ready, empty, sa_ptr, s_sam, sb_ptr, row0, col0, c_ptr, s_cm, M, N)
-
-
-@gluon.jit
-def _consumer1(nk, a_bufs, b_bufs, ready, empty, sa_ptr, s_sam, sb_ptr, row0, col0, c_ptr, s_cm, M, N):
-    _consumer(1, nk, a_bufs, b_bufs, ready, empty, sa_ptr, s_sam, sb_ptr, row0, col0, c_ptr, s_cm, M, N)
-
-
-@gluon.jit
-def ws_gemm_kernel(a_desc, b_desc, sa_ptr, sb_ptr, c_ptr, M, N, K, s_sam, s_cm,
-                   NUM_BUF: gl.constexpr, num_warps: gl.constexpr):
-    BM: gl.constexpr = a_desc.block_type.shape[0]
-    BK: gl.constexpr = a_desc.block_type.shape[1]
-    BN: gl.constexpr = b_desc.block_type.shape[0]
-    gl.static_assert(BM == 128, "two 64-row consumers")
-    row0 = gl.program_id(1) * BM
-    col0 = gl.program_id(0) * BN
-    nk = K // BK
+def _ring(a_desc, b_desc, NUM_BUF: gl.constexpr):
+    """NUM_BUF stages of A's 128-row and B's tiles in shared memory, a "ready" barrier each (the TMA
+    loads landed) and an "empty" one (both consumers done with the stage)."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_BUF] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_BUF] + b_desc.block_type.shape, b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
@@ -108,10 +67,7 @@ def ws_gemm_kernel(a_desc, b_desc, sa_ptr, sb_ptr, c_ptr, M, N, K, s_sam, s_cm,
     for i in gl.static_range(NUM_BUF):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumers release a stage
-    cargs = (nk, a_bufs, b_bufs, ready, empty, sa_ptr, s_sam, sb_ptr, row0, col0, c_ptr, s_cm, M, N)
-    gl.warp_specialize([(_consumer0, cargs), (_consumer1, cargs),
-                        (_producer, (a_desc, b_desc, row0, col0, nk, a_bufs, b_bufs, ready, empty))],
-                       [4, 1], [232, 40])
+    return a_bufs, b_bufs, ready, empty
 
 
 @gluon.jit
@@ -159,6 +115,27 @@ def _rows_consumer1(nk, a_bufs, b_bufs, ready, empty, sa_ptr, s_sam, s_sak, sb_p
 
 
 @gluon.jit
+def ws_gemm_kernel(a_desc, b_desc, sa_ptr, sb_ptr, c_ptr, M, N, K, s_sam, s_cm,
+                   NUM_BUF: gl.constexpr, num_warps: gl.constexpr):
+    """The dense GEMM: A [M, K] with scales [M, K / 128] times B [N, K]^T with scales [N / 128,
+    K / 128] (both row-major), bf16 out; the rows form's consumers on one group of M rows."""
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = b_desc.block_type.shape[0]
+    gl.static_assert(BM == 128, "two 64-row consumers")
+    gl.static_assert(BN == BK, "one B scale a K-block")
+    row0 = gl.program_id(1) * BM
+    col0 = gl.program_id(0) * BN
+    nk = K // BK
+    a_bufs, b_bufs, ready, empty = _ring(a_desc, b_desc, NUM_BUF)
+    cargs = (nk, a_bufs, b_bufs, ready, empty, sa_ptr, s_sam, 1, sb_ptr + (col0 // BK) * nk, 1, row0, M, col0, c_ptr,
+             s_cm, M, N)
+    gl.warp_specialize([(_rows_consumer0, cargs), (_rows_consumer1, cargs),
+                        (_producer, (a_desc, b_desc, row0, col0, 0, nk, a_bufs, b_bufs, ready, empty))],
+                       [4, 1], [232, 40])
+
+
+@gluon.jit
 def ws_rows_kernel(a_desc, b_desc, sa_ptr, sb_ptr, tile_ptr, c_ptr, E, R, N, K, s_sam, s_sak, s_sbe, s_sbk, s_sbn,
                    s_cm, NUM_BUF: gl.constexpr, num_warps: gl.constexpr):
     """fp8_triton.fp8_grouped_mm_rows's GEMM (forward / dgrad: out[rows of e] = A[rows of e] @ B[e]) for
@@ -177,17 +154,11 @@ def ws_rows_kernel(a_desc, b_desc, sa_ptr, sb_ptr, tile_ptr, c_ptr, E, R, N, K, 
     nk = gl.where(first < 0, 0, K // BK)  # past the last tile: no K-block, nothing stored
     row0 = gl.maximum(first, 0)
     sb_tile = sb_ptr + group.to(gl.int64) * s_sbe + (col0 // BK) * s_sbn
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_BUF] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_BUF] + b_desc.block_type.shape, b_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_BUF):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
+    a_bufs, b_bufs, ready, empty = _ring(a_desc, b_desc, NUM_BUF)
     cargs = (nk, a_bufs, b_bufs, ready, empty, sa_ptr, s_sam, s_sak, sb_tile, s_sbk, row0, row_end, col0, c_ptr,
              s_cm, R, N)
     gl.warp_specialize([(_rows_consumer0, cargs), (_rows_consumer1, cargs),
-                        (_producer, (a_desc, b_desc, row0, group * N + col0, nk, a_bufs, b_bufs, ready, empty))],
+                        (_producer, (a_desc, b_desc, row0, group * N + col0, 0, nk, a_bufs, b_bufs, ready, empty))],
                        [4, 1], [232, 40])
 
 
@@ -236,19 +207,6 @@ def _k_consumer1(nk, a_bufs, b_bufs, ready, empty, sa_ptr, s_sam, s_sak, sb_ptr,
 
 
 @gluon.jit
-def _k_producer(a_desc, b_desc, row0, col0, kb0, nk, a_bufs, b_bufs, ready, empty):
-    BK: gl.constexpr = a_desc.block_type.shape[1]
-    NUM_BUF: gl.constexpr = a_bufs.shape[0]
-    for j in range(nk):
-        i = j % NUM_BUF
-        mbarrier.wait(empty.index(i), ((j // NUM_BUF) & 1) ^ 1)
-        bar = ready.index(i)
-        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-        _tma_load(a_desc, [row0, (kb0 + j) * BK], bar, a_bufs.index(i))
-        _tma_load(b_desc, [col0, (kb0 + j) * BK], bar, b_bufs.index(i))
-
-
-@gluon.jit
 def ws_k_kernel(a_desc, b_desc, sa_ptr, sb_ptr, off_ptr, c_ptr, M, N, s_sam, s_sak, s_sbn, s_sbk, s_ce, s_cm,
                 NUM_BUF: gl.constexpr, num_warps: gl.constexpr):
     """fp8_triton.fp8_grouped_mm_k's GEMM (wgrad: out[e] = A[:, rows of e] @ Bt[:, rows of e]^T over each
@@ -263,17 +221,11 @@ def ws_k_kernel(a_desc, b_desc, sa_ptr, sb_ptr, off_ptr, c_ptr, M, N, s_sam, s_s
     start = gl.load(off_ptr + e - 1, mask=e > 0, other=0)
     kb0 = start // BK
     nk = gl.load(off_ptr + e) // BK - kb0  # an expert without rows: no K-block, zeros stored
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_BUF] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_BUF] + b_desc.block_type.shape, b_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_BUF):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
+    a_bufs, b_bufs, ready, empty = _ring(a_desc, b_desc, NUM_BUF)
     cargs = (nk, a_bufs, b_bufs, ready, empty, sa_ptr, s_sam, s_sak, sb_ptr, s_sbn, s_sbk, kb0, row0, col0,
              c_ptr + e.to(gl.int64) * s_ce, s_cm, M, N)
     gl.warp_specialize([(_k_consumer0, cargs), (_k_consumer1, cargs),
-                        (_k_producer, (a_desc, b_desc, row0, col0, kb0, nk, a_bufs, b_bufs, ready, empty))],
+                        (_producer, (a_desc, b_desc, row0, col0, kb0, nk, a_bufs, b_bufs, ready, empty))],
                        [4, 1], [232, 40])
 
 
