@@ -39,10 +39,11 @@ def parse(argv):
     p.add_argument("--shapes", default="", help="comma-separated names of bench_gemm_fp8.SHAPES (default all)")
     p.add_argument("--gemms", default="gate_up", help="comma-separated: gate_up, down")
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--gluon-configs", default="64,128,4,4;64,128,4,3;128,128,8,4;64,64,4,4",
-                   help="the Gluon rows kernel's tiles to time, 'BM,BN,warps,buffers;...' (SM90; best one reported)")
-    p.add_argument("--gluon-k-configs", default="64,64,4,4;128,64,8,4;64,64,4,6",
-                   help="the Gluon wgrad kernel's tiles to time, as --gluon-configs")
+    p.add_argument("--gluon-configs", default="4,1;3,1;4,0",
+                   help="the Gluon rows kernel's rings and launches to time, 'stages,persistent;...' (SM90; the "
+                   "best one reported; fp8_gluon.GluonConfig)")
+    p.add_argument("--gluon-k-configs", default="4,1;3,1;4,0",
+                   help="the Gluon wgrad kernel's, as --gluon-configs")
     p.add_argument("--ws", action="store_true", help="also the warp-specialized kernels (fp8_triton_ws: 64-row "
                    "tiles, each run by both consumers under Triton 3.6; their rows counted in the exit status)")
     p.add_argument("--json", default="", help="write the results here")

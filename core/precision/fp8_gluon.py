@@ -1,37 +1,49 @@
-"""The FP8 blockwise grouped GEMMs of fp8_triton.py written in Gluon for SM90 (Hopper): explicit
-asynchronous wgmma, so that the fp32 promotion of one K-block's partial product (scaled by its
-1x128 / 128x128 scales and added to the accumulator) runs on the CUDA cores while the tensor cores
-already compute the next K-block's. Triton's own pipeliner cannot do this: a dot whose result is
-scaled before it is accumulated is waited for at once (wgmma.wait_group 0), so the tensor cores idle
-during every promotion (session 6 and 7: 770 TFLOP/s forward, ~500 wgrad, against ~1,050 for cuBLAS's
-blockwise GEMM on the same shapes).
+"""The FP8 blockwise grouped GEMMs of fp8_triton.py written in Gluon for SM90 (Hopper) and
+warp-specialized by hand, as DeepGEMM structures them: so that the fp32 promotion of one K-block's
+partial product (scaled by its 1x128 / 128x128 scales and added to the accumulator) runs on the CUDA
+cores while the tensor cores compute another. Triton's own pipeliner cannot do this: a dot whose
+result is scaled before it is accumulated is waited for at once, so the tensor cores idle during
+every promotion (fp8_triton's pipelined kernels: 680-720 TFLOP/s at OLMoE's gate|up on the H100).
 
-Each program owns one [BM, BN] output tile and runs one warpgroup per 64 rows. K-blocks go in pairs:
+Each CTA runs three partitions over a ring of NUM_BUF shared-memory stages (A's 128-row tile and B's
+128-row tile of one 128-deep K-block, 32 KiB a stage), each stage with a "ready" barrier (its TMA
+loads landed) and an "empty" one (both consumers done with it):
 
-    wait for K-blocks j and j+1's TMA loads   (NUM_BUF-deep ring of A / B tiles in shared memory)
-    issue wgmma j and wgmma j+1               (async, each into fresh registers)
-    wait until only wgmma j+1 is in flight    (j done; its buffers take K-block j+NUM_BUF)
-    acc += d[j] * scale[j]                    (overlaps wgmma j+1)
-    wait for wgmma j+1; its buffers refilled; acc += d[j+1] * scale[j+1]
+- a producer (one warp, 40 registers): the TMA loads of every K-block of every tile of the CTA, as
+  far ahead as the ring allows;
+- two consumers (a warpgroup each, 232 registers): the two 64-row halves of the 128 x 128 output
+  tile, sharing B's stage. Each issues its wgmma, loads the K-block's scales behind it, waits, frees
+  the stage and promotes; the other consumer's wgmma runs meanwhile, so the tensor cores stay busy.
 
-so two partial products and the accumulator live in registers at once (3 x BM x BN fp32 over the
-warps). No product stays in flight across the loop's back edge: one that did (the first version,
-session 10's call 3) is copied between registers at the edge, ptxas then serializes every wgmma of
-the kernel (its C7514 / C7515 notes: a wait after each instruction), and the kernel measured
-0.66-0.89x the Triton pipelined one. tests/core/test_fp8_gluon.py runs ptxas on each config and fails
-on those notes.
+The kernels are persistent (one CTA an SM, tiles a grid apart, the ring's phase carried from tile to
+tile): the producer loads the next tile's first K-blocks while the consumers store the last one.
+``GluonConfig.persistent`` off launches one CTA a tile instead (the measurement's other side).
 
-- ``gluon_grouped_mm_rows``: the same contract as ``fp8_triton.fp8_grouped_mm_rows`` (forward,
-  dgrad) where B[e] is K-contiguous and the experts lie back to back (TMA descriptors).
-- ``gluon_grouped_mm_k``: the same contract as ``fp8_triton.fp8_grouped_mm_k`` (wgrad).
+Written by hand because Triton 3.6's automatic warp specialization of the same structure is wrong
+for 128-row tiles split between two consumers (docs/bench/session34/ws_bisect.py; the reason
+fp8_triton_ws.py is limited to 64-row tiles, at 0.68x the pipelined kernels).
+
+- ``gluon_grouped_mm_rows``: fp8_triton.fp8_grouped_mm_rows's contract (forward, dgrad), where B[e]
+  is K-contiguous and the experts lie back to back (TMA descriptors). The row tiles (expert, first
+  row, end row) come from a table one small kernel writes first; a tile past the last runs no
+  K-block and stores nothing.
+- ``gluon_grouped_mm_k``: fp8_triton.fp8_grouped_mm_k's contract (wgrad; fp32 out, zeros for an
+  expert without rows), per-row A and per-column Bt scales each K-block.
 
 SM90 only (wgmma does not exist on SM100; Blackwell runs fp8_triton's kernels or native MX). Gluon has
-no interpreter: the CPU tests compile both kernels for sm_90 (ptxas included, no GPU needed:
-tests/core/test_fp8_gluon.py) and the GPU tests compare them with the Triton kernels and float64.
-Legend: R rows, P padded rows, E experts.
+no interpreter: the CPU tests compile every kernel for sm_90 (ptxas included, no spills, no GPU
+needed: tests/core/test_fp8_gluon.py) and the GPU tests compare them with the masked / pipelined
+Triton kernels and float64. Legend: R rows, P padded rows, E experts, T row tiles.
+
+Gluon's warp_specialize passes its partitions' arguments as runtime values: a constexpr or a layout
+handed through them arrives as a tensor, and a layout built inside a partition from list literals
+fails (they become tuples). So the partitions read their sizes from the shared buffers' shapes and
+their layouts from module-level constexprs (Triton 3.6 and 3.9 alike).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -43,7 +55,6 @@ try:  # Gluon ships with Triton >= 3.5
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     # the TMA load's name: async_copy_global_to_shared up to Triton 3.6, async_load after
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed after Triton 3.6
     AVAILABLE = True
 except ImportError:  # pragma: no cover - older Triton
     AVAILABLE = False
@@ -51,29 +62,30 @@ except ImportError:  # pragma: no cover - older Triton
 __all__ = ["AVAILABLE", "CONFIG", "K_CONFIG", "GluonConfig", "gluon_grouped_mm_k", "gluon_grouped_mm_rows",
            "k_descriptors", "rows_descriptors", "supported"]
 
+BLOCK_M = 128  # two 64-row consumer warpgroups
+BLOCK_N = 128  # one B scale tile: a consumer's 64 x 128 fp32 accumulator and partial product in 232 registers
 BLOCK_K = 128
 
 
 class GluonConfig(tuple):
-    """(BM, BN, num_warps, NUM_BUF): one warpgroup per 64 rows of the tile."""
+    """(NUM_BUF, persistent): the ring's stages (3: 97 KiB of shared memory, 4: 129 KiB) and one CTA an
+    SM looping over the tiles (else one CTA a tile)."""
 
-    def __new__(cls, bm: int, bn: int, warps: int, bufs: int):
-        if bm != 16 * warps:
-            raise ValueError(f"BM ({bm}) must be 16 x num_warps ({warps}): one warpgroup per 64 rows")
-        return super().__new__(cls, (bm, bn, warps, bufs))
+    def __new__(cls, bufs: int = 4, persistent: bool = True):
+        if not 2 <= bufs <= 6:
+            raise ValueError(f"the Gluon kernels' ring takes 2 to 6 stages of 32 KiB, got {bufs}")
+        return super().__new__(cls, (int(bufs), bool(persistent)))
 
     @property
     def name(self) -> str:
-        bm, bn, w, s = self
-        return f"BM{bm} BN{bn} w{w} s{s} gluon"
+        bufs, persistent = self
+        return f"BM128 BN128 s{bufs} ws{' persistent' if persistent else ''} gluon"
 
 
-CONFIG = GluonConfig(64, 128, 4, 4)
-"""The rows kernel's tile: 64 x 128 on one warpgroup (two programs resident per SM at 224 registers;
-64 x 64 leaves room for more, at a narrower wgmma)."""
-K_CONFIG = GluonConfig(64, 64, 4, 4)
-"""The wgrad kernel's tile: BN 64, as the per-column B scales of a 64 x 128 tile spill (255 registers
-and a stack on SM90)."""
+CONFIG = GluonConfig(4, True)
+"""The rows kernel's ring and launch."""
+K_CONFIG = GluonConfig(4, True)
+"""The wgrad kernel's ring and launch."""
 
 
 def supported(device: torch.device | None = None) -> bool:
@@ -83,7 +95,16 @@ def supported(device: torch.device | None = None) -> bool:
     return torch.cuda.get_device_capability(device)[0] == 9
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 if AVAILABLE:
+    MMA_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BLOCK_N, 32]))
+    STORE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))  # bf16: 16 bytes a thread
+    K_STORE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0]))  # fp32: 16 bytes a thread
 
     @gluon.jit
     def _add(a, b):
@@ -106,165 +127,217 @@ if AVAILABLE:
         return group, gl.where(group < E, row0, -1), gl.sum(gl.where(this, ends, 0), 0)
 
     @gluon.jit
-    def _issue_loads(a_desc, b_desc, a_row, b_row, kb, j, bars, a_bufs, b_bufs, NUM_BUF: gl.constexpr, pred):
-        """TMA loads of K-block ``kb`` (the loop's j-th; A rows from a_row, B rows from b_row) into
-        buffer j % NUM_BUF."""
-        BK: gl.constexpr = a_desc.block_type.shape[1]
-        i = j % NUM_BUF
-        bar = bars.index(i)
-        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=pred)
-        _tma_load(a_desc, [a_row, kb * BK], bar, a_bufs.index(i), pred)
-        _tma_load(b_desc, [b_row, kb * BK], bar, b_bufs.index(i), pred)
+    def _tile_table_kernel(off_ptr, table_ptr, E, BM: gl.constexpr, EP: gl.constexpr, num_warps: gl.constexpr):
+        """table[t] = row tile t's (expert, first row or -1 past the last tile, end row)."""
+        tile = gl.program_id(0)
+        group, row0, row_end = _row_tile(off_ptr, tile, E, BM, EP, num_warps)
+        gl.store(table_ptr + 3 * tile, group)
+        gl.store(table_ptr + 3 * tile + 1, row0)
+        gl.store(table_ptr + 3 * tile + 2, row_end)
 
     @gluon.jit
-    def _issue_mma(j, bars, a_bufs, b_bufs, regs, NUM_BUF: gl.constexpr):
-        """Once the loop's j-th K-block has landed, its wgmma, asynchronous, into a fresh product
-        (``regs`` not read: use_acc=False)."""
-        slot = j % NUM_BUF
-        mbarrier.wait(bars.index(slot), (j // NUM_BUF) & 1)
-        return warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), regs, use_acc=False,
-                             is_async=True)
-
-    @gluon.jit
-    def _scales(sa_ptrs, s_sak, sb_ptrs, s_sbk, kb):
-        return gl.load(sa_ptrs + kb * s_sak), gl.load(sb_ptrs + kb * s_sbk)
-
-    @gluon.jit
-    def _promote(done, acc, sa, sb, PER_COL_SB: gl.constexpr):
-        """acc + one K-block's partial product times its scales (fp32)."""
-        if PER_COL_SB:
-            out = acc + done * sa[:, None] * sb[None, :]
-        else:
-            out = acc + done * (sa * sb)[:, None]
-        return out
-
-    @gluon.jit
-    def _retire(done, acc, sa, sb, a_desc, b_desc, a_row, b_row, kb0, j, nk, bars, a_bufs, b_bufs,
-                PER_COL_SB: gl.constexpr, NUM_BUF: gl.constexpr):
-        """The loop's j-th K-block is done: its buffers take K-block j + NUM_BUF (once every warpgroup is
-        past it), and its product is promoted into acc."""
-        _cta_barrier()
-        _issue_loads(a_desc, b_desc, a_row, b_row, kb0 + j + NUM_BUF, j + NUM_BUF, bars, a_bufs, b_bufs, NUM_BUF,
-                     j + NUM_BUF < nk)
-        return _promote(done, acc, sa, sb, PER_COL_SB)
-
-    @gluon.jit
-    def _mainloop(a_desc, b_desc, a_row, b_row, kb0, nk, sa_ptrs, s_sak, sb_ptrs, s_sbk,
-                  mma_layout: gl.constexpr, PER_COL_SB: gl.constexpr, NUM_BUF: gl.constexpr):
-        """sum over K-blocks kb0 .. kb0+nk-1 of (A_kb @ B_kb^T) * sa[:, kb] * sb[kb] in fp32
-        (``PER_COL_SB``: sb a vector over the tile's columns, else one scalar), A [BM, BK] tiles of
-        a_desc from row a_row, B [BN, BK] tiles of b_desc from row b_row. nk >= 1."""
-        BM: gl.constexpr = a_desc.block_type.shape[0]
-        BN: gl.constexpr = b_desc.block_type.shape[0]
+    def _ring(a_desc, b_desc, NUM_BUF: gl.constexpr):
+        """NUM_BUF stages of A's and B's tiles in shared memory, a "ready" barrier each (the TMA loads
+        landed) and an "empty" one (both consumers done with the stage)."""
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_BUF] + a_desc.block_type.shape, a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_BUF] + b_desc.block_type.shape, b_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NUM_BUF):
-            mbarrier.init(bars.index(i), count=1)
-        for i in gl.static_range(NUM_BUF):  # every buffer filled: K-block j lands in buffer j % NUM_BUF
-            _issue_loads(a_desc, b_desc, a_row, b_row, kb0 + i, i, bars, a_bufs, b_bufs, NUM_BUF, i < nk)
-
-        acc = gl.zeros((BM, BN), dtype=gl.float32, layout=mma_layout)
-        zero = gl.zeros((BM, BN), dtype=gl.float32, layout=mma_layout)
-        # K-blocks in pairs: both wgmmas issued, the first's promotion overlapping the second's MMA.
-        # No product stays in flight across the loop's back edge: a loop-carried one is copied between
-        # registers at the edge, and ptxas then serializes every wgmma of the kernel (C7514).
-        for p in range(0, nk // 2):
-            j = 2 * p
-            d0 = _issue_mma(j, bars, a_bufs, b_bufs, zero, NUM_BUF)
-            d1 = _issue_mma(j + 1, bars, a_bufs, b_bufs, zero, NUM_BUF)
-            sa0, sb0 = _scales(sa_ptrs, s_sak, sb_ptrs, s_sbk, kb0 + j)
-            sa1, sb1 = _scales(sa_ptrs, s_sak, sb_ptrs, s_sbk, kb0 + j + 1)
-            done0 = warpgroup_mma_wait(1, deps=(d0, ))  # K-block j done, j + 1 in flight
-            acc = _retire(done0, acc, sa0, sb0, a_desc, b_desc, a_row, b_row, kb0, j, nk, bars, a_bufs, b_bufs,
-                          PER_COL_SB, NUM_BUF)
-            done1 = warpgroup_mma_wait(0, deps=(d1, ))
-            acc = _retire(done1, acc, sa1, sb1, a_desc, b_desc, a_row, b_row, kb0, j + 1, nk, bars, a_bufs, b_bufs,
-                          PER_COL_SB, NUM_BUF)
-        if nk % 2 == 1:  # the last K-block alone
-            d0 = _issue_mma(nk - 1, bars, a_bufs, b_bufs, zero, NUM_BUF)
-            sa0, sb0 = _scales(sa_ptrs, s_sak, sb_ptrs, s_sbk, kb0 + nk - 1)
-            done0 = warpgroup_mma_wait(0, deps=(d0, ))
-            acc = _promote(done0, acc, sa0, sb0, PER_COL_SB)
-        for i in gl.static_range(NUM_BUF):
-            mbarrier.invalidate(bars.index(i))
-        return acc
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # both consumers release a stage
+        return a_bufs, b_bufs, ready, empty
 
     @gluon.jit
-    def _store_tile(c_ptr, acc, row0, col0, s_cm, row_end, N, BM: gl.constexpr, BN: gl.constexpr,
-                    num_warps: gl.constexpr):
-        """acc [BM, BN] (the wgmma layout, two adjacent columns a thread) stored at c[row0:, col0:] for
-        rows < row_end and columns < N, in 16-byte vectors: converted through shared memory to a
-        layout where each thread holds 16 contiguous bytes of a row."""
-        VEC: gl.constexpr = 128 // c_ptr.dtype.element_ty.primitive_bitwidth
-        TPW_N: gl.constexpr = BN // VEC if BN // VEC < 32 else 32
-        layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // TPW_N, TPW_N], [num_warps, 1], [1, 0])
-        out = gl.convert_layout(acc.to(c_ptr.dtype.element_ty), layout)
-        offs_m = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
-        offs_n = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
-        c_ptrs = c_ptr + offs_m[:, None].to(gl.int64) * s_cm + offs_n[None, :]
-        gl.store(c_ptrs, out, mask=(offs_m < row_end)[:, None] & (offs_n < N)[None, :])
-
-    @gluon.jit
-    def _gluon_rows_kernel(a_desc, sa_ptr, b_desc, sb_ptr, off_ptr, c_ptr, E, R, N, K,
-                           s_sam, s_sak, s_sbe, s_sbk, s_sbn, s_cm,
-                           EP: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr):
-        BM: gl.constexpr = a_desc.block_type.shape[0]
+    def _load_tile(a_desc, b_desc, a_row, b_row, kb0, nk, c, a_bufs, b_bufs, ready, empty):
+        """TMA loads of K-blocks kb0 .. kb0 + nk - 1 of A (rows from a_row) and B (rows from b_row), the
+        ring's c-th stage onwards, each stage once both consumers released it; -> the next stage."""
         BK: gl.constexpr = a_desc.block_type.shape[1]
-        BN: gl.constexpr = b_desc.block_type.shape[0]
-        gl.static_assert(BK % BN == 0, "one B scale per K-block: BN is a 128-column scale tile or a part of one")
-        pid_n = gl.program_id(0)
-        tile = gl.program_id(1)
-        group, row0, row_end = _row_tile(off_ptr, tile, E, BM, EP, num_warps)
-        if row0 >= 0:
-            mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                                 instr_shape=[16, BN, 32])
-            row_l: gl.constexpr = gl.SliceLayout(1, mma_layout)
-            offs_m = row0 + gl.arange(0, BM, layout=row_l)
-            # rows past R read the last row's scales (TMA zero-fills their data); never stored
-            sa_ptrs = sa_ptr + gl.minimum(offs_m, R - 1).to(gl.int64) * s_sam
-            sb_ptrs = sb_ptr + group.to(gl.int64) * s_sbe + (pid_n * BN // BK) * s_sbn
-            acc = _mainloop(a_desc, b_desc, row0, group * N + pid_n * BN, 0, K // BK, sa_ptrs, s_sak, sb_ptrs, s_sbk,
-                            mma_layout, False, NUM_BUF)
-            _store_tile(c_ptr, acc, row0, pid_n * BN, s_cm, row_end, N, BM, BN, num_warps)
+        NUM_BUF: gl.constexpr = a_bufs.shape[0]
+        for j in range(nk):
+            i = c % NUM_BUF
+            mbarrier.wait(empty.index(i), ((c // NUM_BUF) & 1) ^ 1)  # the ring's first round passes
+            bar = ready.index(i)
+            mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            _tma_load(a_desc, [a_row, (kb0 + j) * BK], bar, a_bufs.index(i))
+            _tma_load(b_desc, [b_row, (kb0 + j) * BK], bar, b_bufs.index(i))
+            c += 1
+        return c
 
     @gluon.jit
-    def _gluon_k_kernel(a_desc, sa_ptr, b_desc, sb_ptr, off_ptr, c_ptr, M, N,
-                        s_sam, s_sak, s_sbn, s_sbk, s_ce, s_cm,
-                        NUM_BUF: gl.constexpr, num_warps: gl.constexpr):
-        BM: gl.constexpr = a_desc.block_type.shape[0]
-        BK: gl.constexpr = a_desc.block_type.shape[1]
+    def _mma(HALF: gl.constexpr, c, a_bufs, b_bufs, ready):
+        """The c-th stage's wgmma for this consumer's 64 rows, issued once its loads landed, into a fresh
+        partial product (asynchronous)."""
+        NUM_BUF: gl.constexpr = a_bufs.shape[0]
+        BN: gl.constexpr = b_bufs.shape[1]
+        i = c % NUM_BUF
+        mbarrier.wait(ready.index(i), (c // NUM_BUF) & 1)
+        zero = gl.zeros((64, BN), dtype=gl.float32, layout=MMA_LAYOUT)
+        return warpgroup_mma(a_bufs.index(i).slice(HALF * 64, 64, dim=0), b_bufs.index(i).permute((1, 0)), zero,
+                             use_acc=False, is_async=True)
+
+    # ----------------------------------------------------------------------------------------------
+    # forward / dgrad: out[rows of e] = A[rows of e] @ B[e]
+    # ----------------------------------------------------------------------------------------------
+
+    @gluon.jit
+    def _rows_producer(a_desc, b_desc, tile_ptr, N, K, total, a_bufs, b_bufs, ready, empty):
         BN: gl.constexpr = b_desc.block_type.shape[0]
-        pid_n = gl.program_id(0)
-        pid_m = gl.program_id(1)
-        e = gl.program_id(2)
-        start = gl.load(off_ptr + e - 1, mask=e > 0, other=0)
-        end = gl.load(off_ptr + e)
-        kb0 = start // BK
-        nk = end // BK - kb0
-        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                             instr_shape=[16, BN, 32])
-        row_l: gl.constexpr = gl.SliceLayout(1, mma_layout)
-        col_l: gl.constexpr = gl.SliceLayout(0, mma_layout)
-        offs_m = pid_m * BM + gl.arange(0, BM, layout=row_l)
-        offs_n = pid_n * BN + gl.arange(0, BN, layout=col_l)
-        if nk > 0:
-            sa_ptrs = sa_ptr + gl.minimum(offs_m, M - 1).to(gl.int64) * s_sam
-            sb_ptrs = sb_ptr + gl.minimum(offs_n, N - 1) * s_sbn  # int32 offsets: 32 registers fewer than int64 pointers
-            acc = _mainloop(a_desc, b_desc, pid_m * BM, pid_n * BN, kb0, nk, sa_ptrs, s_sak, sb_ptrs, s_sbk,
-                            mma_layout, True, NUM_BUF)
-        else:  # an expert without rows: zero gradient
-            acc = gl.zeros((BM, BN), dtype=gl.float32, layout=mma_layout)
-        _store_tile(c_ptr + e.to(gl.int64) * s_ce, acc, pid_m * BM, pid_n * BN, s_cm, M, N, BM, BN, num_warps)
+        BK: gl.constexpr = a_desc.block_type.shape[1]
+        n_n = (N + BN - 1) // BN
+        c = 0
+        for t in range(gl.program_id(0), total, gl.num_programs(0)):
+            rt = t // n_n
+            first = gl.load(tile_ptr + 3 * rt + 1)
+            group = gl.load(tile_ptr + 3 * rt)
+            nk = gl.where(first < 0, 0, K // BK)  # past the last row tile: no K-block
+            c = _load_tile(a_desc, b_desc, gl.maximum(first, 0), group * N + (t % n_n) * BN, 0, nk, c, a_bufs,
+                           b_bufs, ready, empty)
+
+    @gluon.jit
+    def _rows_consumer(HALF: gl.constexpr, a_bufs, b_bufs, ready, empty, tile_ptr, sa_ptr, s_sam, s_sak, sb_ptr,
+                       s_sbe, s_sbk, s_sbn, c_ptr, s_cm, E, R, N, K, total):
+        """Rows HALF * 64 .. of each tile: the K-blocks' promotions, then the bf16 store (rows below the
+        tile's end row, 16-byte stores through shared memory)."""
+        BN: gl.constexpr = b_bufs.shape[1]
+        BK: gl.constexpr = b_bufs.shape[2]
+        n_n = (N + BN - 1) // BN
+        c = 0
+        for t in range(gl.program_id(0), total, gl.num_programs(0)):
+            rt = t // n_n
+            col0 = (t % n_n) * BN
+            group = gl.minimum(gl.load(tile_ptr + 3 * rt), E - 1)
+            first = gl.load(tile_ptr + 3 * rt + 1)
+            row_end = gl.where(first < 0, 0, gl.load(tile_ptr + 3 * rt + 2))  # past the last tile: nothing stored
+            nk = gl.where(first < 0, 0, K // BK)
+            offs_m = gl.maximum(first, 0) + HALF * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA_LAYOUT))
+            sa_ptrs = sa_ptr + gl.minimum(offs_m, R - 1).to(gl.int64) * s_sam  # rows past R: read, never stored
+            sb_tile = sb_ptr + group.to(gl.int64) * s_sbe + (col0 // BK) * s_sbn
+            acc = gl.zeros((64, BN), dtype=gl.float32, layout=MMA_LAYOUT)
+            for j in range(nk):
+                d = _mma(HALF, c, a_bufs, b_bufs, ready)
+                sa = gl.load(sa_ptrs + j * s_sak)
+                sb = gl.load(sb_tile + j * s_sbk)
+                d = warpgroup_mma_wait(0, deps=(d, ))
+                mbarrier.arrive(empty.index(c % a_bufs.shape[0]), count=1)
+                acc = acc + d * (sa * sb)[:, None]
+                c += 1
+            out = gl.convert_layout(acc.to(gl.bfloat16), STORE_LAYOUT)
+            om = gl.maximum(first, 0) + HALF * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, STORE_LAYOUT))
+            on = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, STORE_LAYOUT))
+            gl.store(c_ptr + om[:, None].to(gl.int64) * s_cm + on[None, :], out,
+                     mask=(om < row_end)[:, None] & (on < N)[None, :])
+
+    @gluon.jit
+    def _rows_consumer0(a_bufs, b_bufs, ready, empty, tile_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbe, s_sbk, s_sbn,
+                        c_ptr, s_cm, E, R, N, K, total):
+        _rows_consumer(0, a_bufs, b_bufs, ready, empty, tile_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbe, s_sbk, s_sbn,
+                       c_ptr, s_cm, E, R, N, K, total)
+
+    @gluon.jit
+    def _rows_consumer1(a_bufs, b_bufs, ready, empty, tile_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbe, s_sbk, s_sbn,
+                        c_ptr, s_cm, E, R, N, K, total):
+        _rows_consumer(1, a_bufs, b_bufs, ready, empty, tile_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbe, s_sbk, s_sbn,
+                       c_ptr, s_cm, E, R, N, K, total)
+
+    @gluon.jit
+    def _gluon_rows_kernel(a_desc, b_desc, sa_ptr, sb_ptr, tile_ptr, c_ptr, E, R, N, K, T,
+                           s_sam, s_sak, s_sbe, s_sbk, s_sbn, s_cm, NUM_BUF: gl.constexpr, num_warps: gl.constexpr):
+        """B stacked [E * N, K]; tiles t = row tile * ceil(N / 128) + column tile, a grid apart."""
+        gl.static_assert(a_desc.block_type.shape[0] == 128, "two 64-row consumers")
+        gl.static_assert(b_desc.block_type.shape[0] == a_desc.block_type.shape[1], "one B scale a K-block")
+        total = T * ((N + 127) // 128)
+        a_bufs, b_bufs, ready, empty = _ring(a_desc, b_desc, NUM_BUF)
+        cargs = (a_bufs, b_bufs, ready, empty, tile_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbe, s_sbk, s_sbn, c_ptr, s_cm,
+                 E, R, N, K, total)
+        gl.warp_specialize([(_rows_consumer0, cargs), (_rows_consumer1, cargs),
+                            (_rows_producer, (a_desc, b_desc, tile_ptr, N, K, total, a_bufs, b_bufs, ready, empty))],
+                           [4, 1], [232, 40])  # setmaxnreg: 2 x 128 x 232 + 128 x 40 <= 65,536
+
+    # ----------------------------------------------------------------------------------------------
+    # wgrad: out[e] = A[:, rows of e] @ Bt[:, rows of e]^T, each expert's rows padded to 128s
+    # ----------------------------------------------------------------------------------------------
+
+    @gluon.jit
+    def _k_tile(t, off_ptr, M, N):
+        """Tile t's (expert, first output row, first output column, first K-block, K-blocks)."""
+        n_n = (N + 127) // 128
+        per_expert = ((M + 127) // 128) * n_n
+        e = t // per_expert
+        r = t % per_expert
+        kb0 = gl.load(off_ptr + e - 1, mask=e > 0, other=0) // 128
+        return e, (r // n_n) * 128, (r % n_n) * 128, kb0, gl.load(off_ptr + e) // 128 - kb0
+
+    @gluon.jit
+    def _k_producer(a_desc, b_desc, off_ptr, M, N, total, a_bufs, b_bufs, ready, empty):
+        c = 0
+        for t in range(gl.program_id(0), total, gl.num_programs(0)):
+            e, row0, col0, kb0, nk = _k_tile(t, off_ptr, M, N)
+            c = _load_tile(a_desc, b_desc, row0, col0, kb0, nk, c, a_bufs, b_bufs, ready, empty)
+
+    @gluon.jit
+    def _k_consumer(HALF: gl.constexpr, a_bufs, b_bufs, ready, empty, off_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbn,
+                    s_sbk, c_ptr, s_ce, s_cm, M, N, total):
+        """Output rows HALF * 64 .. of each tile, a scale a row of A and a column of Bt each K-block;
+        fp32 out (zeros for an expert without rows)."""
+        BN: gl.constexpr = b_bufs.shape[1]
+        c = 0
+        for t in range(gl.program_id(0), total, gl.num_programs(0)):
+            e, row0, col0, kb0, nk = _k_tile(t, off_ptr, M, N)
+            offs_m = row0 + HALF * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA_LAYOUT))
+            offs_n = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, MMA_LAYOUT))
+            sa_ptrs = sa_ptr + gl.minimum(offs_m, M - 1).to(gl.int64) * s_sam + kb0 * s_sak
+            sb_ptrs = sb_ptr + gl.minimum(offs_n, N - 1) * s_sbn + kb0 * s_sbk  # int32 offsets: fewer registers
+            acc = gl.zeros((64, BN), dtype=gl.float32, layout=MMA_LAYOUT)
+            for j in range(nk):
+                d = _mma(HALF, c, a_bufs, b_bufs, ready)
+                sa = gl.load(sa_ptrs + j * s_sak)
+                sb = gl.load(sb_ptrs + j * s_sbk)
+                d = warpgroup_mma_wait(0, deps=(d, ))
+                mbarrier.arrive(empty.index(c % a_bufs.shape[0]), count=1)
+                acc = acc + d * sa[:, None] * sb[None, :]
+                c += 1
+            out = gl.convert_layout(acc, K_STORE_LAYOUT)
+            om = row0 + HALF * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, K_STORE_LAYOUT))
+            on = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, K_STORE_LAYOUT))
+            gl.store(c_ptr + e.to(gl.int64) * s_ce + om[:, None].to(gl.int64) * s_cm + on[None, :], out,
+                     mask=(om < M)[:, None] & (on < N)[None, :])
+
+    @gluon.jit
+    def _k_consumer0(a_bufs, b_bufs, ready, empty, off_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbn, s_sbk, c_ptr, s_ce,
+                     s_cm, M, N, total):
+        _k_consumer(0, a_bufs, b_bufs, ready, empty, off_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbn, s_sbk, c_ptr, s_ce,
+                    s_cm, M, N, total)
+
+    @gluon.jit
+    def _k_consumer1(a_bufs, b_bufs, ready, empty, off_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbn, s_sbk, c_ptr, s_ce,
+                     s_cm, M, N, total):
+        _k_consumer(1, a_bufs, b_bufs, ready, empty, off_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbn, s_sbk, c_ptr, s_ce,
+                    s_cm, M, N, total)
+
+    @gluon.jit
+    def _gluon_k_kernel(a_desc, b_desc, sa_ptr, sb_ptr, off_ptr, c_ptr, M, N, E,
+                        s_sam, s_sak, s_sbn, s_sbk, s_ce, s_cm, NUM_BUF: gl.constexpr, num_warps: gl.constexpr):
+        """Tiles t = (expert, 128-row block of M, 128-column block of N), a grid apart."""
+        gl.static_assert(a_desc.block_type.shape[0] == 128, "two 64-row consumers")
+        gl.static_assert(b_desc.block_type.shape[0] == 128, "the module's MMA layout is 128 columns wide")
+        total = E * ((M + 127) // 128) * ((N + 127) // 128)
+        a_bufs, b_bufs, ready, empty = _ring(a_desc, b_desc, NUM_BUF)
+        cargs = (a_bufs, b_bufs, ready, empty, off_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbn, s_sbk, c_ptr, s_ce, s_cm,
+                 M, N, total)
+        gl.warp_specialize([(_k_consumer0, cargs), (_k_consumer1, cargs),
+                            (_k_producer, (a_desc, b_desc, off_ptr, M, N, total, a_bufs, b_bufs, ready, empty))],
+                           [4, 1], [232, 40])  # setmaxnreg: 2 x 128 x 232 + 128 x 40 <= 65,536
 
 
-def _descriptor(t: torch.Tensor | None, block: list[int]):
-    """A Gluon TMA descriptor of the 2-D e4m3 ``t`` with ``block``, or None where TMA cannot read it
-    (fp8_triton.tma_readable)."""
+def _descriptor(t: torch.Tensor | None, rows: int):
+    """A Gluon TMA descriptor of the 2-D e4m3 ``t`` with [rows, 128] blocks, or None where TMA cannot
+    read it (fp8_triton.tma_readable)."""
     from .fp8_triton import tma_readable
 
     if t is None or not tma_readable(t):
         return None
+    block = [rows, BLOCK_K]
     layout = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
     return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], block, layout)
 
@@ -273,74 +346,69 @@ def _pair(a_desc, b_desc):
     return None if a_desc is None or b_desc is None else (a_desc, b_desc)
 
 
-def rows_descriptors(a_RK: torch.Tensor, b_EKN: torch.Tensor, config: GluonConfig | None = None):
+def rows_descriptors(a_RK: torch.Tensor, b_EKN: torch.Tensor):
     """(A, B) descriptors of the rows kernel, or None where its operands do not allow them (B[e] not
-    K-contiguous, experts not back to back, misaligned): the caller then runs fp8_triton's kernel."""
+    K-contiguous, experts not back to back, N not a multiple of 128, misaligned): the caller then runs
+    fp8_triton's kernel."""
     from .fp8_triton import stacked_b
 
-    if not AVAILABLE:
+    if not AVAILABLE or b_EKN.shape[2] % BLOCK_N:
         return None
-    bm, bn, _, _ = config or CONFIG  # the module's CONFIG read at each call: the benchmark sets it
-    if b_EKN.shape[2] % bn:
-        return None
-    return _pair(_descriptor(a_RK, [bm, BLOCK_K]), _descriptor(stacked_b(b_EKN), [bn, BLOCK_K]))
+    return _pair(_descriptor(a_RK, BLOCK_M), _descriptor(stacked_b(b_EKN), BLOCK_N))
 
 
-def k_descriptors(a_MP: torch.Tensor, bt_NP: torch.Tensor, config: GluonConfig | None = None):
+def k_descriptors(a_MP: torch.Tensor, bt_NP: torch.Tensor):
     """(A, Bt) descriptors of the wgrad kernel, or None where TMA cannot read them (not K-contiguous,
     misaligned): the caller then runs fp8_triton's kernel."""
     if not AVAILABLE:
         return None
-    bm, bn, _, _ = config or K_CONFIG  # read at each call, as CONFIG
-    return _pair(_descriptor(a_MP, [bm, BLOCK_K]), _descriptor(bt_NP, [bn, BLOCK_K]))
+    return _pair(_descriptor(a_MP, BLOCK_M), _descriptor(bt_NP, BLOCK_N))
+
+
+def _grid(total: int, persistent: bool, device: torch.device) -> tuple[int]:
+    if not persistent:
+        return (max(total, 1), )
+    return (max(1, min(total, _sm_count(torch.device(device).index or 0))), )
 
 
 def gluon_grouped_mm_rows(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out, descriptors=None,
-                          config: GluonConfig | None = None, warmup: bool = False):
+                          config: GluonConfig | None = None):
     """out[rows of e] = A[rows of e] @ B[e] (fp8_triton.fp8_grouped_mm_rows's contract; ``out``
-    given, [R, N]); ``descriptors`` from rows_descriptors (made here when None). ``warmup``: compile
-    only (no launch; the CPU tests). ``config`` default: CONFIG as it is at this call."""
-    config = config or CONFIG
-    bm, bn, warps, bufs = config
+    given, [R, N]); ``descriptors`` from rows_descriptors (made here when None). ``config`` default:
+    CONFIG as it is at this call (tools/bench_fp8_variants.py sets it to time each)."""
+    bufs, persistent = config or CONFIG
     R, K = a_RK.shape
     E, _, N = b_EKN.shape
-    if BLOCK_K % bn:
-        raise ValueError(f"the Gluon rows kernel's BN must divide {BLOCK_K} (one B scale per K-block), got {bn}")
-    descriptors = descriptors or rows_descriptors(a_RK, b_EKN, config)
+    descriptors = descriptors or rows_descriptors(a_RK, b_EKN)
     if descriptors is None:
-        raise ValueError("the Gluon rows kernel needs B[e] K-contiguous, the experts back to back and "
-                         "16-byte aligned operands (fp8_triton's pipelined kernel takes any strides)")
+        raise ValueError("the Gluon rows kernel needs B[e] K-contiguous, the experts back to back, N a multiple "
+                         f"of {BLOCK_N} and 16-byte aligned operands (fp8_triton's pipelined kernel takes any strides)")
     a_desc, b_desc = descriptors
-    grid = (triton.cdiv(N, bn), triton.cdiv(R, bm) + E)
-    args = (a_desc, sa_RB, b_desc, sb_EBC, offsets_E, out, E, R, N, K,
-            sa_RB.stride(0), sa_RB.stride(1), sb_EBC.stride(0), sb_EBC.stride(1), sb_EBC.stride(2), out.stride(0))
-    kw = dict(EP=triton.next_power_of_2(E), NUM_BUF=bufs, num_warps=warps)
-    if warmup:
-        return _gluon_rows_kernel.warmup(*args, grid=grid, **kw)
-    _gluon_rows_kernel[grid](*args, **kw)
+    T = triton.cdiv(R, BLOCK_M) + E  # at most one partial tile an expert
+    table = torch.empty(T, 3, dtype=torch.int32, device=a_RK.device)
+    _tile_table_kernel[(T, )](offsets_E, table, E, BM=BLOCK_M, EP=triton.next_power_of_2(E), num_warps=1)
+    _gluon_rows_kernel[_grid(T * (N // BLOCK_N), persistent, a_RK.device)](
+        a_desc, b_desc, sa_RB, sb_EBC, table, out, E, R, N, K, T, sa_RB.stride(0), sa_RB.stride(1),
+        sb_EBC.stride(0), sb_EBC.stride(1), sb_EBC.stride(2), out.stride(0), NUM_BUF=bufs, num_warps=4)
     return out
 
 
 def gluon_grouped_mm_k(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out, descriptors=None,
-                       config: GluonConfig | None = None, warmup: bool = False):
+                       config: GluonConfig | None = None):
     """out[e] = A[:, rows of e] @ Bt[:, rows of e]^T (fp8_triton.fp8_grouped_mm_k's contract; ``out``
     given, [E, M, N], its last dim contiguous); ``descriptors`` from k_descriptors (made here when
     None). ``config`` default: K_CONFIG as it is at this call."""
-    config = config or K_CONFIG
-    bm, bn, warps, bufs = config
+    bufs, persistent = config or K_CONFIG
     M, P = a_MP.shape
     N = bt_NP.shape[0]
     E = padded_offsets_E.numel()
-    descriptors = descriptors or k_descriptors(a_MP, bt_NP, config)
+    descriptors = descriptors or k_descriptors(a_MP, bt_NP)
     if descriptors is None or out.stride(2) != 1:
         raise ValueError("the Gluon wgrad kernel needs K-contiguous, 16-byte aligned A and Bt and a "
                          "row-major output (fp8_triton's pipelined kernel takes any strides)")
     a_desc, b_desc = descriptors
-    grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), E)
-    args = (a_desc, sa_MB, b_desc, sbt_NB, padded_offsets_E, out, M, N,
-            sa_MB.stride(0), sa_MB.stride(1), sbt_NB.stride(0), sbt_NB.stride(1), out.stride(0), out.stride(1))
-    kw = dict(NUM_BUF=bufs, num_warps=warps)
-    if warmup:
-        return _gluon_k_kernel.warmup(*args, grid=grid, **kw)
-    _gluon_k_kernel[grid](*args, **kw)
+    total = E * triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N)
+    _gluon_k_kernel[_grid(total, persistent, a_MP.device)](
+        a_desc, b_desc, sa_MB, sbt_NB, padded_offsets_E, out, M, N, E, sa_MB.stride(0), sa_MB.stride(1),
+        sbt_NB.stride(0), sbt_NB.stride(1), out.stride(0), out.stride(1), NUM_BUF=bufs, num_warps=4)
     return out

@@ -1,11 +1,13 @@
 """The Gluon FP8 blockwise grouped GEMMs (core/precision/fp8_gluon.py). Gluon has no interpreter, so
-on the CPU each kernel is compiled for SM90 (ptxas ships with Triton): async wgmma kept one in flight
-while the previous K-block is promoted, TMA loads, no register spills. On the GPU: the forward / dgrad
-(rows) and wgrad (k) kernels against float64 on the dequantized operands and against fp8_triton's
-pipelined kernels, on ragged experts (an empty one, group ends off the row tiles, rows past the end,
-a column count that is not a multiple of two tiles)."""
+on the CPU each kernel is compiled for SM90 (ptxas ships with Triton): warp-specialized (a TMA
+producer and two wgmma consumers with their own register budgets), no register spills. On the GPU:
+the forward / dgrad (rows) and wgrad (k) kernels, persistent and one CTA a tile, against float64 on
+the dequantized operands and against fp8_triton's pipelined kernels, on ragged experts (an empty
+one, group ends off the row tiles, rows past the end, a column count that is not a multiple of two
+tiles)."""
 
 import os
+import re
 import subprocess
 import tempfile
 import types
@@ -20,8 +22,8 @@ fg = pytest.importorskip("moetron.core.precision.fp8_gluon")
 if not fg.AVAILABLE:
     pytest.skip("this Triton has no Gluon", allow_module_level=True)
 
-ROWS_CONFIGS = [fg.CONFIG, fg.GluonConfig(64, 128, 4, 3), fg.GluonConfig(128, 128, 8, 4), fg.GluonConfig(64, 64, 4, 4)]
-K_CONFIGS = [fg.K_CONFIG, fg.GluonConfig(128, 64, 8, 4), fg.GluonConfig(64, 64, 4, 6)]
+ROWS_CONFIGS = [fg.CONFIG, fg.GluonConfig(3, True), fg.GluonConfig(4, False)]
+K_CONFIGS = [fg.K_CONFIG, fg.GluonConfig(3, True), fg.GluonConfig(4, False)]
 
 
 def _desc(rows: int) -> str:
@@ -31,43 +33,44 @@ def _desc(rows: int) -> str:
     return f"tensordesc<fp8e4nv[{rows}, 128],{layout!r}>"
 
 
-def _compile(kind: str, config):
-    """The rows or k kernel compiled for SM90 at OLMoE's shapes (no GPU needed)."""
-    bm, bn, warps, bufs = config
+def _compile(kind: str, bufs: int):
+    """The rows, k or tile-table kernel compiled for SM90 at OLMoE's shapes (no GPU needed)."""
     R, K, N, E, P = 131072, 2048, 2048, 64, 131072 + 64 * 128
-    common = dict(a_desc=_desc(bm), b_desc=_desc(bn), sa_ptr="*fp32", sb_ptr="*fp32", off_ptr="*i32")
+    common = dict(a_desc=_desc(128), b_desc=_desc(128), sa_ptr="*fp32", sb_ptr="*fp32")
     if kind == "rows":
-        kernel, constexprs = fg._gluon_rows_kernel, dict(EP=64, NUM_BUF=bufs, num_warps=warps)
-        values = dict(common, c_ptr="*bf16", E=E, R=R, N=N, K=K, s_sam=K // 128, s_sak=1, s_sbe=N * K // 128 ** 2,
-                      s_sbk=1, s_sbn=K // 128, s_cm=N)
+        kernel, constexprs = fg._gluon_rows_kernel, dict(NUM_BUF=bufs, num_warps=4)
+        values = dict(common, tile_ptr="*i32", c_ptr="*bf16", E=E, R=R, N=N, K=K, T=R // 128 + E, s_sam=K // 128,
+                      s_sak=1, s_sbe=N * K // 128 ** 2, s_sbk=1, s_sbn=K // 128, s_cm=N)
+    elif kind == "k":
+        kernel, constexprs = fg._gluon_k_kernel, dict(NUM_BUF=bufs, num_warps=4)
+        values = dict(common, off_ptr="*i32", c_ptr="*fp32", M=N, N=K, E=E, s_sam=P // 128, s_sak=1,
+                      s_sbn=P // 128, s_sbk=1, s_ce=N * K, s_cm=K)
     else:
-        kernel, constexprs = fg._gluon_k_kernel, dict(NUM_BUF=bufs, num_warps=warps)
-        values = dict(common, c_ptr="*fp32", M=N, N=K, s_sam=P // 128, s_sak=1, s_sbn=P // 128, s_sbk=1, s_ce=N * K,
-                      s_cm=K)
-    options = types.SimpleNamespace(kwargs={}, num_warps=warps, num_stages=1)
+        kernel, constexprs = fg._tile_table_kernel, dict(BM=128, EP=64, num_warps=1)
+        values = dict(off_ptr="*i32", table_ptr="*i32", E=E)
+    options = types.SimpleNamespace(kwargs={}, num_warps=constexprs["num_warps"], num_stages=1)
     return _compile_sm90(kernel, options, values, constexprs, gluon=True)
 
 
-@pytest.mark.parametrize("kind,config", [("rows", c) for c in ROWS_CONFIGS] + [("k", c) for c in K_CONFIGS],
-                         ids=lambda v: v if isinstance(v, str) else v.name.replace(" ", "-"))
-def test_gluon_kernels_compile_for_sm90(kind, config):
-    """Each tile the benchmark times compiles for Hopper: wgmma issued asynchronously with one group
-    left in flight at the promotion (wait_group 1) and ptxas keeping them so (it serializes every
-    wgmma of a kernel where registers of one in flight are touched, and says so: the first version's
-    failure), operands through TMA into NUM_BUF buffers, the output in 16-byte stores, and no register spills."""
-    compiled = _compile(kind, config)
+@pytest.mark.parametrize("kind,bufs", [("rows", 3), ("rows", 4), ("k", 3), ("k", 4)])
+def test_gluon_kernels_compile_for_sm90(kind, bufs):
+    """Each kernel compiles for Hopper warp-specialized: the consumers' registers raised and the
+    producer's lowered (setmaxnreg), each consumer's 64 x 128 wgmma (8 instructions a K-block in PTX),
+    the two operands through TMA into ``bufs`` stages, the output in 16-byte stores, and no register
+    spills at the consumers' 232 registers (ptxas's own verdict)."""
+    compiled = _compile(kind, bufs)
     ptx = compiled.asm["ptx"]
-    what = f"{kind} {config.name}"
-    assert "wgmma.mma_async" in ptx, what
-    assert "wgmma.wait_group.sync.aligned 1;" in ptx, f"{what}: no MMA left in flight at the promotion"
-    assert "cp.async.bulk.tensor" in ptx, f"{what}: operand loads not through TMA"
+    what = f"{kind} s{bufs}"
+    assert re.search(r"setmaxnreg.inc.sync.aligned.u32\s+232;", ptx) and re.search(r"setmaxnreg.dec.sync.aligned.u32\s+40;", ptx), \
+        f"{what}: not warp-specialized with the consumers' / producer's register budgets"
+    assert "wgmma.mma_async" in ptx and "wgmma.wait_group.sync.aligned 0;" in ptx, what
+    assert ptx.count("cp.async.bulk.tensor") == 2, f"{what}: A's and B's loads not through TMA"
     assert "st.global.v4" in ptx, f"{what}: the output not stored in 16-byte vectors"
-    bm, bn, _, bufs = config
-    assert compiled.metadata.shared >= bufs * (bm + bn) * 128, f"{what}: {bufs} buffers of A and B"
+    assert compiled.metadata.shared >= bufs * 2 * 128 * 128, f"{what}: {bufs} stages of A and B"
     from triton.backends.nvidia.compiler import get_ptxas
 
     ptxas = get_ptxas(90).path  # the ptxas this Triton compiled the kernel with (its PTX version)
-    if os.path.exists(ptxas):  # ptxas's own verdict on the pipeline: no wgmma serialized (C7514 / C7515 ...)
+    if os.path.exists(ptxas):  # ptxas's own verdict: no wgmma serialized (C7514 / C7515 ...)
         with tempfile.TemporaryDirectory() as tmp:
             with open(os.path.join(tmp, "k.ptx"), "w") as f:
                 f.write(ptx)
@@ -78,20 +81,26 @@ def test_gluon_kernels_compile_for_sm90(kind, config):
     assert_no_spills(compiled, what)
 
 
-def test_gluon_config_needs_one_warpgroup_per_64_rows():
-    with pytest.raises(ValueError, match="16 x num_warps"):
-        fg.GluonConfig(128, 128, 4, 4)
+def test_gluon_tile_table_compiles_for_sm90():
+    assert "st.global" in _compile("table", 0).asm["ptx"]
 
 
-def test_gluon_tile_is_read_when_called(monkeypatch):
-    """The module's CONFIG is the tile of every later call (tools/bench_fp8_variants.py sets it to time
-    each tile; a default bound at import would time one tile under every name: session 10's call 3)."""
-    a = torch.zeros(256, 256, dtype=torch.float8_e4m3fn)
-    b = torch.zeros(2, 256, 256, dtype=torch.float8_e4m3fn).transpose(1, 2)
-    assert fg.rows_descriptors(a, b)[0].block_shape == [fg.CONFIG[0], 128]
-    monkeypatch.setattr(fg, "CONFIG", fg.GluonConfig(128, 64, 8, 3))
-    a_desc, b_desc = fg.rows_descriptors(a, b)
-    assert a_desc.block_shape == [128, 128] and b_desc.block_shape == [64, 128]
+def test_gluon_config_checks_its_ring():
+    with pytest.raises(ValueError, match="2 to 6 stages"):
+        fg.GluonConfig(8, True)
+    assert fg.GluonConfig(4, 0).name == "BM128 BN128 s4 ws gluon"
+    assert fg.GluonConfig(3, 1).name == "BM128 BN128 s3 ws persistent gluon"
+
+
+def test_gluon_config_is_read_when_called(monkeypatch):
+    """The module's CONFIG is the ring of every later call (tools/bench_fp8_variants.py sets it to time
+    each; a default bound at import would time one config under every name: session 10's call 3)."""
+    import inspect
+
+    for fn in (fg.gluon_grouped_mm_rows, fg.gluon_grouped_mm_k):
+        assert inspect.signature(fn).parameters["config"].default is None
+    src = inspect.getsource(fg.gluon_grouped_mm_rows) + inspect.getsource(fg.gluon_grouped_mm_k)
+    assert "config or CONFIG" in src and "config or K_CONFIG" in src
 
 
 def test_gluon_descriptors_only_where_tma_reads_the_operands():
@@ -100,6 +109,9 @@ def test_gluon_descriptors_only_where_tma_reads_the_operands():
     assert not fg.supported(torch.device("cpu"))
     a = torch.zeros(4, 128, dtype=torch.float8_e4m3fn)
     assert fg.rows_descriptors(a, torch.zeros(2, 128, 128, dtype=torch.float8_e4m3fn).transpose(1, 2)) is not None
+    assert [d.block_shape for d in fg.rows_descriptors(a, torch.zeros(2, 128, 256, dtype=torch.float8_e4m3fn)
+                                                      .transpose(1, 2))] == [[128, 128], [128, 128]]
+    assert fg.rows_descriptors(a, torch.zeros(2, 192, 128, dtype=torch.float8_e4m3fn).transpose(1, 2)) is None  # N
     # N-contiguous B, and experts not back to back: no descriptors (the pipelined kernel's pointer loads)
     assert fg.rows_descriptors(a, torch.zeros(2, 128, 128, dtype=torch.float8_e4m3fn)) is None
     assert fg.rows_descriptors(a, torch.zeros(2, 384, 128, dtype=torch.float8_e4m3fn).transpose(1, 2)[..., :192]) is None
@@ -150,6 +162,39 @@ def check_gluon(device: str) -> None:
             err = _ref_err(out[e], a_d[:, s:t], b_d[:, s:t].T)
             assert err <= tol, f"{what}: expert {e} error {err:.2e} against float64"
         assert _agree(out, pipelined, device), what
+    check_gluon_persistent(device)
+
+
+def check_gluon_persistent(device: str) -> None:
+    """More tiles than the GPU has SMs, so each persistent CTA runs several and the ring's phase
+    carries from tile to tile (an odd K-block count, so tiles start mid-ring): the same outputs as
+    one CTA a tile and as the pipelined kernels."""
+    from moetron.core.precision import fp8_triton as ft
+    from moetron.core.precision.blockwise import quantize_128x128, quantize_1x128
+
+    R, K, N = 6000, 384, 1024
+    offsets = torch.tensor([700, 700, 2100, 2113, 4000, 5900, 5990], dtype=torch.int32, device=device)
+    a_q, a_s = quantize_1x128(wide(R, K, seed=5).to(device), -1)
+    w_q, w_s = quantize_128x128(wide(7, N, K, seed=6).to(device))
+    b, sb = w_q.transpose(1, 2), w_s.transpose(1, 2)
+    pipelined = ft.fp8_grouped_mm_rows(a_q, a_s, b, sb, offsets, torch.float32, kernel="pipelined")
+    outs = []
+    for config in ROWS_CONFIGS:
+        out = torch.full((R, N), float("nan"), dtype=torch.float32, device=device)
+        outs.append(fg.gluon_grouped_mm_rows(a_q, a_s, b, sb, offsets, out, config=config)[:5990])
+        assert _agree(outs[-1], pipelined[:5990], device), f"rows {config.name}"
+        assert out[5990:].isnan().all(), f"rows {config.name}: rows past the last expert written"
+    assert all(torch.equal(o, outs[0]) for o in outs), "rows: persistent and one CTA a tile differ"
+    padded = torch.tensor([768, 768, 2304, 2432, 4352, 6272, 6400], dtype=torch.int32, device=device)
+    a_q, a_s = quantize_1x128(wide(1024, 6400, seed=7).to(device), -1)
+    b_q, b_s = quantize_1x128(wide(640, 6400, seed=8).to(device), -1)
+    pipelined = ft.fp8_grouped_mm_k(a_q, a_s, b_q, b_s, padded, kernel="pipelined")
+    outs = []
+    for config in K_CONFIGS:
+        out = torch.full((7, 1024, 640), float("nan"), dtype=torch.float32, device=device)
+        outs.append(fg.gluon_grouped_mm_k(a_q, a_s, b_q, b_s, padded, out, config=config))
+        assert _agree(out, pipelined, device) and torch.equal(out[1], torch.zeros_like(out[1])), f"wgrad {config.name}"
+    assert all(torch.equal(o, outs[0]) for o in outs), "wgrad: persistent and one CTA a tile differ"
 
 
 @pytest.mark.gpu
