@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """The FP8 blockwise grouped GEMM kernels against each other (core/precision/fp8_triton.py's
-GroupedKernel: masked, the first kernels; pipelined, the default; warp_specialized, the pipelined
-ones compiled warp-specialized, a row of its own under each; the Gluon kernels on SM90), against the cuBLAS loop over
-experts (core/precision/fp8_cublas.py, on the GPU) and against bf16, one GEMM at a
-time: forward (x [R, I] -> [R, O]), dgrad (dy [R, O] -> [R, I]) and wgrad ([E, O, I]) of each
-expert GEMM picked (default gate|up: I = D, O = 2F) at tools/bench_gemm_fp8.py's layer shapes
-(uniform routing, R = tokens x top-k rows), 2 x R x I x O FLOPs each.
+GroupedKernel: masked, the first kernels; pipelined, the default; the Gluon kernels on SM90, a row
+of their own under each), against the cuBLAS loop over experts (core/precision/fp8_cublas.py, on
+the GPU) and against bf16, one GEMM at a time: forward (x [R, I] -> [R, O]), dgrad (dy [R, O] ->
+[R, I]) and wgrad ([E, O, I]) of each expert GEMM picked (default gate|up: I = D, O = 2F) at
+tools/bench_gemm_fp8.py's layer shapes (uniform routing, R = tokens x top-k rows), 2 x R x I x O
+FLOPs each.
 
 Per (shape, GEMM, pass): bf16 ``torch._grouped_mm``, the masked, pipelined and cuBLAS-loop GEMMs, each
 after its autotuning (first call, not timed); the config the pipelined kernel's autotuner chose and
@@ -44,8 +44,6 @@ def parse(argv):
                    "best one reported; fp8_gluon.GluonConfig)")
     p.add_argument("--gluon-k-configs", default="4,1;3,1;4,0",
                    help="the Gluon wgrad kernel's, as --gluon-configs")
-    p.add_argument("--ws", action="store_true", help="also the warp-specialized kernels (fp8_triton_ws: 64-row "
-                   "tiles, each run by both consumers under Triton 3.6; their rows counted in the exit status)")
     p.add_argument("--json", default="", help="write the results here")
     return p.parse_args(argv)
 
@@ -143,14 +141,6 @@ def main(argv=None) -> int:
                 rel = lambda t: ((t[used] - masked[used]).abs().max()  # noqa: E731
                                  / masked[used].abs().max().clamp_min(1e-30)).item()
                 row["rel_diff"] = rel(pipelined)
-                if args.ws:
-                    ws = ft.GroupedKernel.warp_specialized  # its own autotuning on its first call
-                    got = fp8(ws).float()
-                    row["ws_config"], timings = ft.last_tuning(wgrad=kind == "wgrad", ws=True)
-                    row["ws_config_ms"] = dict(sorted(timings.items(), key=lambda kv: kv[1]))
-                    ms["ws"] = median_ms(lambda: fp8(ws), device, warmup=warmup, iters=iters)
-                    row["ws_rel_diff"] = rel(got)
-                    row["ws_vs_pipelined"], row["ws_vs_bf16"] = ms["pipelined"] / ms["ws"], ms["bf16"] / ms["ws"]
                 from moetron.core.precision import fp8_gluon
                 if fp8_gluon.supported(device):  # each Gluon tile; the best one is the gluon column
                     attr = "K_CONFIG" if kind == "wgrad" else "CONFIG"
@@ -169,7 +159,7 @@ def main(argv=None) -> int:
                 if device.type == "cuda":  # cuBLAS's blockwise scaled_mm: SM90 only
                     ms["cublas"] = median_ms(cublas, device, warmup=warmup, iters=iters)
                     row["cublas_rel_diff"] = rel(cublas().float())
-                row["ok"] = max(row["rel_diff"], row.get("ws_rel_diff", 0.0), row.get("cublas_rel_diff", 0.0),
+                row["ok"] = max(row["rel_diff"], row.get("cublas_rel_diff", 0.0),
                                 max((g["rel_diff"] for g in row.get("gluon_configs", {}).values()), default=0.0)) <= TOL
                 ok &= row["ok"]
                 for k, v in ms.items():
@@ -185,10 +175,6 @@ def main(argv=None) -> int:
                 print(f"{name:<15} {gemm:<8} {kind:<6} {cell('bf16'):>13} {cell('masked'):>13} {cell('pipelined'):>13} "
                       f"{row['vs_masked']:>8.2f} {row['vs_bf16']:>7.2f} {row['rel_diff']:>9.1e} {cub}  {row['config']}"
                       + (f" ({others})" if others else "") + ("" if row["ok"] else "  MISMATCH"), flush=True)
-                if args.ws:
-                    print(f"{'':<15} {'':<8} {'':<6} warp_specialized {cell('ws')} x bf16 {row['ws_vs_bf16']:.2f} "
-                          f"x pipelined {row['ws_vs_pipelined']:.2f} rel diff {row['ws_rel_diff']:.1e} {row['ws_config']} "
-                          + ", ".join(f"{c}: {t:.3f}" for c, t in list(row["ws_config_ms"].items())[1:3]), flush=True)
                 if "gluon" in ms:
                     print(f"{'':<15} {'':<8} {'':<6} gluon {cell('gluon')} x bf16 {row['gluon_vs_bf16']:.2f} "
                           f"x pipelined {row['gluon_vs_pipelined']:.2f} rel diff {row['gluon_rel_diff']:.1e} "
@@ -197,7 +183,7 @@ def main(argv=None) -> int:
         write_report(args.json, env, rows)  # after each shape: a run cut short keeps the shapes it finished
     print(f"(cells: ms / TFLOP/s; x masked, x bf16: the pipelined kernel's speed-up; {time.perf_counter() - t0:.0f} s)")
     if not ok:
-        print("bench_fp8_variants: the pipelined (or warp-specialized) kernel does not match the masked one "
+        print("bench_fp8_variants: the pipelined (or Gluon, or cuBLAS-loop) kernel does not match the masked one "
               "(see MISMATCH)", file=sys.stderr)
         return 1
     return 0

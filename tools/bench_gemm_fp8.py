@@ -106,7 +106,7 @@ def check(device, tiny: bool) -> list[dict]:
     dy[R - 20:] = 0
     # cublas: cuBLAS per expert on the GPU, its layout-checking stand-in here; gluon: the Gluon kernels on
     # SM90, the Triton ones elsewhere
-    for experts in ("triton", "cublas", "gluon", "triton_ws"):
+    for experts in ("triton", "cublas", "gluon"):
         # fresh leaves each time (on the CPU .to() would hand back x itself, its grad accumulating)
         xd, wd = x.to(device, copy=True).requires_grad_(), w.to(device, copy=True).requires_grad_()
         y = Fp8BlockwiseGemm("triton", experts=experts).grouped_mm(xd, wd, offsets.to(device))
@@ -164,8 +164,6 @@ def backends(device):
     out["fp8_blockwise cublas"] = (Fp8BlockwiseGemm("triton", experts="cublas"), torch.float32)
     # precision.fp8_experts=gluon: the Gluon kernels (SM90; elsewhere the Triton ones run)
     out["fp8_blockwise gluon"] = (Fp8BlockwiseGemm("triton", experts="gluon"), torch.float32)
-    # precision.fp8_experts=triton_ws: the Triton kernels warp-specialized (SM90+)
-    out["fp8_blockwise triton_ws"] = (Fp8BlockwiseGemm("triton", experts="triton_ws"), torch.float32)
     # precision.fp8_wgrad=false: forward and dgrad in FP8, the weight gradients in bf16
     out["fp8_blockwise bf16-wgrad"] = (Fp8BlockwiseGemm("triton", wgrad="none"), torch.float32)
     out["fp8_blockwise cublas bf16-wgrad"] = (Fp8BlockwiseGemm("triton", experts="cublas", wgrad="none"), torch.float32)

@@ -67,12 +67,6 @@ class Fp8Experts(StrEnum):
     grouped GEMM per pass (operands quantized beforehand, session 6) and 1.27x fwd+bwd with
     quantization (session 7), with 8 experts of 8192 rows on the H200; CPU-bound with 64 small
     experts (docs/performance.md)."""
-    triton_ws = "triton_ws"
-    """core/precision/fp8_triton_ws.py: the same GEMMs, persistent and warp-specialized by Triton (a
-    TMA producer warpgroup and two consumer warpgroups), no host sync. SM90+ (TMA); operands TMA
-    cannot read run the ``triton`` kernels. Right on the H100 with its 64-row tiles (session 34), but
-    Triton 3.6 runs each of those tiles in both consumers, so it cannot outrun ``triton``: kept for
-    the Triton versions to come and their measurement, not for speed (docs/precision.md)."""
     gluon = "gluon"
     """core/precision/fp8_gluon.py: the same grouped GEMMs as ``triton`` written in Gluon with explicit
     async wgmma (each K-block's fp32 promotion overlapping the next K-block's MMA), no host sync.
@@ -394,9 +388,8 @@ class PrecisionConfig(Config):
     (fp8_blockwise has ``fp8_experts=cublas``)."""
     fp8_experts: Fp8Experts = Fp8Experts.triton
     """fp8_blockwise recipe, native backend: how the routed experts' grouped FP8 GEMMs run (see
-    Fp8Experts): the Triton kernels (no host sync), the same warp-specialized (SM90+, no host sync),
-    one cuBLAS GEMM per expert (a host sync per GEMM; faster where a layer has few experts with many
-    rows each) or the Gluon kernels (SM90, no host sync)."""
+    Fp8Experts): the Triton kernels (no host sync), one cuBLAS GEMM per expert (a host sync per GEMM;
+    faster where a layer has few experts with many rows each) or the Gluon kernels (SM90, no host sync)."""
     fp8_wgrad: Fp8Wgrad = Fp8Wgrad.all
     """fp8_blockwise recipe (native backend) and fp8_rowwise (any backend): which weight-gradient GEMMs
     run in FP8 along the tokens (see Fp8Wgrad): ``all`` (true), ``none`` (false: every wgrad in bf16
@@ -550,13 +543,6 @@ class PrecisionConfig(Config):
         if Fp8Experts(self.fp8_experts) == Fp8Experts.cublas and backend != PrecisionBackend.native:
             raise ConfigError("precision.fp8_experts=cublas needs the native fp8_blockwise backend (an SM90+ GPU), and "
                               f"this run resolved precision.backend={backend}: drop fp8_experts, or run on a Hopper GPU")
-        if Fp8Experts(self.fp8_experts) == Fp8Experts.triton_ws:
-            major = _capability_major(device_type)
-            if backend != PrecisionBackend.native or (major is not None and major < 9):
-                where = f"an SM{major}x GPU" if major is not None else f"precision.backend={backend}"
-                raise ConfigError(f"precision.fp8_experts=triton_ws runs fp8_blockwise's expert GEMMs warp-specialized "
-                                  f"with TMA loads (SM90+, the native backend), and this run has {where}: use "
-                                  f"--precision.fp8_experts=triton (the same GEMMs, any GPU)")
         if Fp8Experts(self.fp8_experts) == Fp8Experts.gluon:
             major = _capability_major(device_type)
             if backend != PrecisionBackend.native or (major is not None and major != 9):

@@ -41,8 +41,8 @@ from .grouping import gather_rows, pad_rows, padded_source_rows
 __all__ = ["Fp8BlockwiseGemm", "has_blockwise_scaled_mm"]
 
 QUANT = ("auto", "triton", "torch")
-EXPERTS = ("triton", "triton_ws", "cublas", "gluon")  # the grouped GEMMs: fp8_triton's kernels (triton_ws: warp-
-# specialized), fp8_cublas's loop over experts, or fp8_gluon's kernels (SM90; fp8_triton's elsewhere)
+EXPERTS = ("triton", "cublas", "gluon")  # the grouped GEMMs: fp8_triton's kernels, fp8_cublas's loop over
+# experts, or fp8_gluon's kernels (SM90; fp8_triton's elsewhere)
 
 
 def has_blockwise_scaled_mm() -> bool:
@@ -207,8 +207,7 @@ class Fp8BlockwiseGemm(GemmBackend):
     quantization kernels on CUDA, torch ops elsewhere), "triton" or "torch". ``experts``: the
     grouped GEMMs through the Triton kernels ("triton", no host sync) or one cuBLAS GEMM per expert
     ("cublas": core/precision/fp8_cublas.py, one host sync per GEMM; faster with few experts) or the
-    Gluon kernels ("gluon": core/precision/fp8_gluon.py, SM90; the Triton ones elsewhere); "triton_ws":
-    the Triton kernels warp-specialized (fp8_triton.GroupedKernel.warp_specialized).
+    Gluon kernels ("gluon": core/precision/fp8_gluon.py, SM90; the Triton ones elsewhere).
     ``wgrad`` (gemm.Fp8Wgrad): the weight gradients in FP8 ("all"), in bf16 ("none", see the module
     docstring), or the dense linears' in FP8 and the grouped experts' in bf16 ("dense")."""
 
@@ -231,9 +230,9 @@ class Fp8BlockwiseGemm(GemmBackend):
 
     @property
     def grouped_kernel(self) -> str | None:
-        """The fp8_triton.GroupedKernel of the grouped GEMMs: "gluon" for experts="gluon",
-        "warp_specialized" for "triton_ws", else None (fp8_triton's default)."""
-        return {"gluon": "gluon", "triton_ws": "warp_specialized"}.get(self.experts)
+        """The fp8_triton.GroupedKernel of the grouped GEMMs: "gluon" for experts="gluon", else None
+        (fp8_triton's default)."""
+        return "gluon" if self.experts == "gluon" else None
 
     def uses_triton(self, x: torch.Tensor) -> bool:
         """Whether x's quantization runs the fused Triton kernels."""

@@ -20,8 +20,8 @@ tile): the producer loads the next tile's first K-blocks while the consumers sto
 ``GluonConfig.persistent`` off launches one CTA a tile instead (the measurement's other side).
 
 Written by hand because Triton 3.6's automatic warp specialization of the same structure is wrong
-for 128-row tiles split between two consumers (docs/bench/session34/ws_bisect.py; the reason
-fp8_triton_ws.py is limited to 64-row tiles, at 0.68x the pipelined kernels).
+for 128-row tiles split between two consumers (docs/bench/session34/ws_bisect.py; with 64-row tiles
+it was right but 0.68x the pipelined kernels, and was removed: docs/precision.md).
 
 - ``gluon_grouped_mm_rows``: fp8_triton.fp8_grouped_mm_rows's contract (forward, dgrad), where B[e]
   is K-contiguous and the experts lie back to back (TMA descriptors). The row tiles (expert, first

@@ -42,11 +42,6 @@ class GroupedKernel(StrEnum):
     """Unmasked loads (rows and columns clamped inside the tensor, masked only at the store) or TMA
     descriptors (zero-filled past the end), BN 128 or 256 (per-128-column B scales), the expert
     found with one vector pass over the offsets, and a wider autotune list."""
-    warp_specialized = "warp_specialized"
-    """core/precision/fp8_triton_ws.py: the pipelined kernels' GEMMs persistent and compiled
-    warp-specialized by Triton (a TMA producer warpgroup, two consumer warpgroups on 64 rows each, one's
-    fp32 promotion of a K-block overlapping the other's wgmma). Where TMA cannot read the operands
-    the pipelined kernels run."""
     gluon = "gluon"
     """core/precision/fp8_gluon.py: explicit async wgmma, each K-block's promotion overlapping the
     next K-block's MMA. SM90 only and TMA-able operands only; elsewhere (CPU, interpreter, SM100,
@@ -287,14 +282,9 @@ def use_pipelined_configs(configs: list[triton.Config], wgrad_configs: list[trit
         kernel.cache.clear()
 
 
-def last_tuning(wgrad: bool = False, ws: bool = False) -> tuple[str, dict[str, float]]:
-    """The config the rows (or, ``wgrad``, the k) pipelined kernel (``ws``: the warp-specialized one,
-    fp8_triton_ws) ran last, and the median ms of each candidate at its latest tuning ({} when only
-    one was left to run)."""
-    if ws:
-        from . import fp8_triton_ws
-
-        return fp8_triton_ws.last_tuning(wgrad)
+def last_tuning(wgrad: bool = False) -> tuple[str, dict[str, float]]:
+    """The config the rows (or, ``wgrad``, the k) pipelined kernel ran last, and the median ms of each
+    candidate at its latest tuning ({} when only one was left to run)."""
     kernel = _fp8_grouped_gemm_k_pipelined_kernel if wgrad else _fp8_grouped_gemm_rows_pipelined_kernel
     timings = getattr(kernel, "configs_timings", None) or {}
     return config_name(kernel.best_config), {config_name(c): t[0] if isinstance(t, (list, tuple)) else t
@@ -360,12 +350,6 @@ def fp8_grouped_mm_rows(a_RK: torch.Tensor, sa_RB: torch.Tensor, b_EKN: torch.Te
         if descriptors is not None:
             return fp8_gluon.gluon_grouped_mm_rows(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out, descriptors)
         kernel = GroupedKernel.pipelined
-    if kernel == GroupedKernel.warp_specialized:
-        from .fp8_triton_ws import ws_grouped_mm_rows
-
-        if ws_grouped_mm_rows(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out):
-            return out
-        kernel = GroupedKernel.pipelined
     if kernel == GroupedKernel.pipelined:
         _rows_pipelined(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out)
         return out
@@ -396,12 +380,6 @@ def fp8_grouped_mm_k(a_MP: torch.Tensor, sa_MB: torch.Tensor, bt_NP: torch.Tenso
         descriptors = fp8_gluon.k_descriptors(a_MP, bt_NP) if fp8_gluon.supported(a_MP.device) else None
         if descriptors is not None:
             return fp8_gluon.gluon_grouped_mm_k(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out, descriptors)
-        kernel = GroupedKernel.pipelined
-    if kernel == GroupedKernel.warp_specialized:
-        from .fp8_triton_ws import ws_grouped_mm_k
-
-        if ws_grouped_mm_k(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out):
-            return out
         kernel = GroupedKernel.pipelined
     if kernel == GroupedKernel.pipelined:
         a_desc, b_desc = _descriptor(a_MP), _descriptor(bt_NP)

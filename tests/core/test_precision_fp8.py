@@ -124,8 +124,7 @@ def test_cublas_rows_refuses_a_without_spare_rows():
 
 # Run in one interpreted subprocess (tests/interpreted.py), each test checking its own.
 INTERPRETED = ("check_fp8('cpu', quant='torch')", "check_fp8('cpu', quant='triton')",
-               "check_fp8('cpu', quant='triton', wgrad='none')", "check_pipelined('cpu')",
-               "check_warp_specialized('cpu')")
+               "check_fp8('cpu', quant='triton', wgrad='none')", "check_pipelined('cpu')")
 
 
 @pytest.mark.parametrize("quant", ["torch", "triton"])
@@ -238,117 +237,6 @@ def test_pipelined_interpreted_matches_masked_and_float64():
     run_interpreted("tests.core.test_precision_fp8", "check_pipelined('cpu')")
 
 
-def _tile_table_reference(offsets: torch.Tensor, tiles: int, bm: int) -> torch.Tensor:
-    """[tiles, 3]: each row tile's (expert, first row, end row), expert after expert, BM rows a tile
-    (empty experts have none); past the last tile (E, -1, 0). A plain loop."""
-    rows, start = [], 0
-    for e, end in enumerate(offsets.tolist()):
-        rows += [(e, r, end) for r in range(start, end, bm)]
-        start = end
-    E = offsets.numel()
-    return torch.tensor(rows + [(E, -1, 0)] * (tiles - len(rows)), dtype=torch.int32)
-
-
-def check_warp_specialized(device: str, configs=None) -> None:
-    """GroupedKernel.warp_specialized (core/precision/fp8_triton_ws.py: persistent, its own autotuner;
-    ``configs`` default ws_configs of the device) on the rows and k GEMMs of check_pipelined (ragged
-    and empty experts, rows past the end, BN 128 / 256 tiles): against float64 and the masked kernels;
-    on the CPU, where the interpreter ignores the specialization and runs the same code (3 programs
-    walking the tiles), bit for bit the pipelined TMA kernel of the same tile (which finds its tiles
-    with _row_tile where this one reads the table). Operands TMA cannot read take the pipelined
-    kernels. The rows kernel's tile table against a plain loop."""
-    import triton
-
-    from moetron.core.precision import fp8_triton as ft
-    from moetron.core.precision import fp8_triton_ws as ws
-    from moetron.core.precision.blockwise import (dequantize_1x128, dequantize_128x128, quantize_1x128,
-                                                  quantize_128x128)
-
-    interpret = device == "cpu"
-    configs = configs or ws.ws_configs(interpret=interpret)
-    K, R, tol = 256, 150, 1e-5 if interpret else 2 ** -9
-    offsets = torch.tensor([40, 40, 101, 140, 140], dtype=torch.int32, device=device)
-    for bm in sorted({c.kwargs["BM"] for c in configs}):
-        tiles = -(-R // bm) + 5
-        table = torch.full((tiles, 3), 7, dtype=torch.int32, device=device)
-        ws._fp8_grouped_gemm_tile_table_kernel[(tiles,)](offsets, table, 5, BM=bm, EP=8)
-        ref, table = _tile_table_reference(offsets.cpu(), tiles, bm), table.cpu()
-        past = ref[:, 1] < 0  # past the last tile: any expert from E on (the kernel's runs no K-block)
-        assert torch.equal(table[:, 1:], ref[:, 1:]) and torch.equal(table[~past], ref[~past]), f"tile table BM {bm}"
-        assert bool((table[past, 0] >= 5).all()), f"tile table BM {bm}: an expert past the end"
-
-    N = 384
-    x, w = wide(R, K, seed=1).to(device), wide(5, N, K, seed=2).to(device)
-    a_q, a_s = quantize_1x128(x, -1)
-    w_q, w_s = quantize_128x128(w)
-    a_d, w_d = dequantize_1x128(a_q, a_s, -1).cpu(), dequantize_128x128(w_q, w_s).cpu()
-    b, sb = w_q.transpose(1, 2), w_s.transpose(1, 2)  # K-contiguous: TMA-able
-    masked = ft.fp8_grouped_mm_rows(a_q, a_s, b, sb, offsets, torch.float32, kernel=ft.GroupedKernel.masked).cpu()
-    M, P = (64 if interpret else 256), 384
-    padded = torch.tensor([128, 128, 384], dtype=torch.int32, device=device)
-    ka_q, ka_s = quantize_1x128(wide(M, P, seed=3).to(device), -1)
-    kb_q, kb_s = quantize_1x128(wide(N, P, seed=4).to(device), -1)
-    ka_d, kb_d = dequantize_1x128(ka_q, ka_s, -1).cpu(), dequantize_1x128(kb_q, kb_s, -1).cpu()
-    k_masked = ft.fp8_grouped_mm_k(ka_q, ka_s, kb_q, kb_s, padded, kernel=ft.GroupedKernel.masked).cpu()
-    saved = ws.rows_kernel.configs, ws.k_kernel.configs
-    try:
-        for config in configs:
-            what = ws.name(config)
-            for kernel in (ws.rows_kernel, ws.k_kernel):
-                kernel.configs = [config]
-                kernel.cache.clear()
-            out = ft.fp8_grouped_mm_rows(a_q, a_s, b, sb, offsets, torch.float32,
-                                         kernel=ft.GroupedKernel.warp_specialized).cpu()
-            check_rows(out, offsets, a_d, w_d, masked, device, tol, f"rows {what}")
-            k_out = ft.fp8_grouped_mm_k(ka_q, ka_s, kb_q, kb_s, padded, kernel=ft.GroupedKernel.warp_specialized).cpu()
-            assert torch.equal(k_out[1], torch.zeros(M, N)), f"wgrad {what}: the empty expert"
-            for e, (s, t) in enumerate(((0, 128), (128, 384))):
-                err = _ref_err(k_out[2 * e], ka_d[:, s:t], kb_d[:, s:t].T)
-                assert err <= tol, f"wgrad {what}: expert {2 * e} error {err:.2e} against float64"
-            assert _agree(k_out, k_masked, device), f"wgrad {what}"
-            if interpret:  # the pipelined TMA kernel of the same tile: the same bits
-                twin = triton.Config({**config.kwargs, "TMA": True}, num_warps=config.num_warps,
-                                     num_stages=config.num_stages, pre_hook=ft._set_block_shapes)
-                ft.use_pipelined_configs([twin])
-                pipelined = ft.fp8_grouped_mm_rows(a_q, a_s, b, sb, offsets, torch.float32, kernel="pipelined").cpu()
-                assert torch.equal(out[:140], pipelined[:140]), f"rows {what}: the pipelined twin's bits"
-                assert torch.equal(k_out, ft.fp8_grouped_mm_k(ka_q, ka_s, kb_q, kb_s, padded, kernel="pipelined").cpu())
-        # B laid out N-contiguous: no descriptor, the pipelined kernel runs
-        bn, sbn = b.contiguous(), sb.contiguous()
-        fallback = ft.fp8_grouped_mm_rows(a_q, a_s, bn, sbn, offsets, torch.float32, kernel="warp_specialized").cpu()
-        assert torch.equal(fallback[:140], ft.fp8_grouped_mm_rows(a_q, a_s, bn, sbn, offsets, torch.float32,
-                                                                  kernel="pipelined").cpu()[:140])
-    finally:
-        for kernel, kept in zip((ws.rows_kernel, ws.k_kernel), saved):
-            kernel.configs = kept
-            kernel.cache.clear()
-
-
-def test_warp_specialized_compile_failure_names_the_fix(monkeypatch):
-    """A Triton whose specialization fails on these kernels (an MLIR pass failure) gets one error
-    naming the switch and the fix; other errors pass through unchanged."""
-    from moetron.core.precision import fp8_triton_ws as ws
-
-    class Failing:
-        def __init__(self, error):
-            self.error = error
-
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                raise self.error
-            return launch
-
-    with pytest.raises(RuntimeError, match="fp8_experts=triton_ws.*could not compile.*PassManager.*"
-                                           "--precision.fp8_experts=triton"):
-        ws._launch(Failing(RuntimeError("PassManager::run failed")), (1,))
-    with pytest.raises(RuntimeError, match="^CUDA error: out of memory$"):
-        ws._launch(Failing(RuntimeError("CUDA error: out of memory")), (1,))
-
-
-def test_warp_specialized_interpreted_matches_pipelined_and_float64():
-    run_interpreted("tests.core.test_precision_fp8", "check_warp_specialized('cpu')")
-
-
 def _compile_sm90(kernel, config, values: dict, constexprs: dict, gluon: bool = False):
     """triton.compile of an autotuned kernel's jit function (or, ``gluon``, a Gluon kernel) for SM90
     with ``config``, the arguments specialized as a launch would (pointers and ints divisible by 16
@@ -414,7 +302,14 @@ def test_pipelined_configs_compile_for_sm90(index):
     assert len(configs) == 14  # the parametrize range
     config = configs[index]
     bm, bn = config.kwargs["BM"], config.kwargs["BN"]
-    rows, k = _sm90_operands(bm, bn, descriptors=True)
+    desc = lambda rows: f"tensordesc<fp8e4nv[{rows}, 128]>"  # noqa: E731
+    ptrs = dict(a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", sa_ptr="*fp32", sb_ptr="*fp32", off_ptr="*i32",
+                a_desc=desc(bm), b_desc=desc(bn))
+    R, K, N, E, P = 131072, 2048, 2048, 64, 131072 + 64 * 128
+    rows = dict(ptrs, c_ptr="*bf16", E=E, R=R, N=N, K=K, s_am=K, s_ak=1, s_sam=K // 128, s_sak=1, s_be=N * K, s_bk=1,
+                s_bn=K, s_sbe=N * K // 128 ** 2, s_sbk=1, s_sbn=K // 128, s_cm=N, s_cn=1)
+    k = dict(ptrs, c_ptr="*fp32", M=N, N=K, s_am=P, s_ak=1, s_sam=P // 128, s_sak=1, s_bn=P, s_bk=1, s_sbn=P // 128,
+             s_sbk=1, s_ce=N * K, s_cm=K, s_cn=1)
     kernels = [(ft._fp8_grouped_gemm_rows_pipelined_kernel, rows, dict(BK=128, EP=64, TMA_OK=1))]
     if config in ft.pipelined_configs(wgrad=True):
         kernels.append((ft._fp8_grouped_gemm_k_pipelined_kernel, k, dict(BK=128, TMA_OK=1)))
@@ -429,56 +324,6 @@ def test_pipelined_configs_compile_for_sm90(index):
         assert_no_spills(compiled, what)
 
 
-def _sm90_operands(bm: int, bn: int, descriptors: bool = True) -> tuple[dict, dict]:
-    """The rows and k kernels' argument types at OLMoE's forward and wgrad shapes, as
-    _compile_sm90 takes them (with host descriptors of a (bm | bn) x 128 block: fp8_triton's
-    pipelined kernels; without: fp8_triton_ws's, which make their own)."""
-    desc = lambda rows: f"tensordesc<fp8e4nv[{rows}, 128]>"  # noqa: E731
-    ptrs = dict(a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", sa_ptr="*fp32", sb_ptr="*fp32", off_ptr="*i32", tile_ptr="*i32")
-    if descriptors:
-        ptrs.update(a_desc=desc(bm), b_desc=desc(bn))
-    R, K, N, E, P = 131072, 2048, 2048, 64, 131072 + 64 * 128
-    rows = dict(ptrs, c_ptr="*bf16", E=E, R=R, N=N, K=K, T=R // 128 + E, s_am=K, s_ak=1, s_sam=K // 128, s_sak=1,
-                s_be=N * K, s_bk=1, s_bn=K, s_sbe=N * K // 128 ** 2, s_sbk=1, s_sbn=K // 128, s_cm=N, s_cn=1)
-    k = dict(ptrs, c_ptr="*fp32", M=N, N=K, s_am=P, s_ak=1, s_sam=P // 128, s_sak=1, s_bn=P, s_bk=1, s_sbn=P // 128,
-             s_sbk=1, s_ce=N * K, s_cm=K, s_cn=1)
-    return rows, k
-
-
-@pytest.mark.parametrize("index", range(1))
-def test_warp_specialized_configs_compile_for_sm90(index):
-    """Every config of both fp8_triton_ws kernels compiles for Hopper into Triton's specialized form:
-    a producer warpgroup and two consumer warpgroups (12 warps; registers moved to the consumers by
-    setmaxnreg), one 64-row wgmma chain each (the 64-row tiles: both consumers run the tile), every TMA
-    copy's descriptor block the size of the shared-memory buffer it fills (a host descriptor's fixed block would not be: Triton 3.9 refuses
-    it, 3.6 copied the whole block into each half), shared memory within the SM's 227 KiB, no spills."""
-    import re
-
-    from moetron.core.precision import fp8_triton_ws as ws
-
-    configs = ws.ws_configs()
-    assert len(configs) == 1  # the parametrize range
-    config = configs[index]
-    rows, k = _sm90_operands(config.kwargs["BM"], config.kwargs["BN"], descriptors=False)
-    for kernel, values in ((ws.rows_kernel, rows), (ws.k_kernel, dict(k, E=64))):
-        compiled = _compile_sm90(kernel, config, values, dict(BK=128))
-        ttgir, ptx = compiled.asm["ttgir"], compiled.asm["ptx"]
-        what = f"{kernel.fn.__name__} {ws.name(config)}"
-        assert "ttg.warp_specialize(" in ttgir and compiled.metadata.num_warps == 12, what
-        assert "setmaxnreg" in ptx and "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx, what
-        copies = re.findall(r"async_tma_copy_global_to_local %\w+\[.*?: !tt.tensordesc<(?:tensor<)?(\d+x\d+)x"
-                            r".*?-> !ttg.memdesc<(\d+x\d+)x", ttgir)
-        assert copies and all(block == buffer for block, buffer in copies), f"{what}: {copies}"
-        assert ["64x128", "64x128"] == re.findall(r"warp_group_dot .*?-> tensor<(\d+x\d+)xf32", ttgir), what
-        assert compiled.metadata.shared <= 227 * 1024, what
-        assert_no_spills(compiled, what)
-
-
-@pytest.mark.gpu
-def test_warp_specialized_on_gpu_matches_float64():
-    check_warp_specialized("cuda")
-
-
 @pytest.mark.gpu
 def test_pipelined_on_gpu_matches_float64():
     from moetron.core.precision.fp8_triton import pipelined_configs
@@ -487,7 +332,7 @@ def test_pipelined_on_gpu_matches_float64():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("experts", ["triton", "triton_ws", "cublas", "gluon"])
+@pytest.mark.parametrize("experts", ["triton", "cublas", "gluon"])
 @pytest.mark.parametrize("wgrad", ["all", "none"])
 def test_fp8_on_gpu_matches_float64(experts, wgrad):
     check_fp8("cuda", dense_modes=("triton", "scaled_mm"), experts=experts, wgrad=wgrad)

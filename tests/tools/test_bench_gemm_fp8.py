@@ -17,15 +17,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 # Left out of the timed rows (--backends): on the CPU each runs only code that the rows kept run
 # too, at 12 and 8 of the full run's 44 interpreted GEMM launches. gluon: the Triton kernels off
-# SM90 (its correctness checks still run and are asserted); triton_ws: the same kernels' code (the
-# interpreter ignores the specialization; its checks run); fp8_blockwise bf16-wgrad: fp8_blockwise's
+# SM90 (its correctness checks still run and are asserted); fp8_blockwise bf16-wgrad: fp8_blockwise's
 # forward and dgrad kernels, the bf16-wgrad branch that the cublas bf16-wgrad row takes and the bf16
 # row's torch._grouped_mm weight gradients.
-SKIPPED = ("fp8_blockwise gluon", "fp8_blockwise triton_ws", "fp8_blockwise bf16-wgrad")
+SKIPPED = ("fp8_blockwise gluon", "fp8_blockwise bf16-wgrad")
 GROUPED = {("bf16", "cached"), ("bf16 cublas", "cached"), ("fp8_blockwise", "cached"), ("fp8_blockwise", "requantized"),
            ("fp8_blockwise cublas", "cached"), ("fp8_blockwise cublas", "requantized"),
            ("fp8_blockwise gluon", "cached"), ("fp8_blockwise gluon", "requantized"),
-           ("fp8_blockwise triton_ws", "cached"), ("fp8_blockwise triton_ws", "requantized"),
            ("fp8_blockwise bf16-wgrad", "cached"), ("fp8_blockwise bf16-wgrad", "requantized"),
            ("fp8_blockwise cublas bf16-wgrad", "cached"), ("fp8_blockwise cublas bf16-wgrad", "requantized"),
            ("mxfp8 emulated", "cached"), ("mxfp8 emulated", "requantized"),
@@ -35,7 +33,7 @@ GROUPED = {("bf16", "cached"), ("bf16 cublas", "cached"), ("fp8_blockwise", "cac
 
 
 def test_tiny_run_checks_and_reports(tmp_path):
-    """Every check (the grouped GEMMs through the triton, triton_ws, cublas and gluon experts, the dense Triton
+    """Every check (the grouped GEMMs through the triton, cublas and gluon experts, the dense Triton
     linear) passes; a grouped row for every backend but SKIPPED's, the cached weights mode (the CPU's); the dense bf16
     and fp8_blockwise triton rows. GROUPED is the tool's whole list (on a GPU), SKIPPED's included."""
     skip_unless_interpreter_works()
@@ -57,8 +55,7 @@ def test_tiny_run_checks_and_reports(tmp_path):
     # one untimed call on the CPU: the cached rows only (a requantized row would do the same work)
     assert grouped == {(b, w) for b, w in GROUPED if b not in SKIPPED and w == "cached"}
     passes = ("fwd", "dgrad", "wgrad")
-    assert {r["check"] for r in checks} >= ({f"grouped {k} {p}" for k in ("triton", "triton_ws", "cublas", "gluon")
-                                             for p in passes}
+    assert {r["check"] for r in checks} >= ({f"grouped {k} {p}" for k in ("triton", "cublas", "gluon") for p in passes}
                                             | {f"dense triton {p}" for p in passes})
     assert {r["backend"] for r in rows if r["kind"] == "dense"} == {"bf16", "fp8_blockwise triton"}
     assert "MISMATCH" not in proc.stdout

@@ -106,7 +106,6 @@ TRITON_KERNEL_CATEGORIES = {
     "core/layers/cross_entropy_triton.py": "loss",
     "core/layers/embedding_triton.py": "embedding",
     "core/precision/fp8_triton.py": "gemm",
-    "core/precision/fp8_triton_ws.py": "gemm",  # the warp-specialized GEMMs and their tile table
     "core/precision/blockwise_triton.py": "cast_copy",  # quantization
     "core/precision/mx_triton.py": "cast_copy",  # quantization
     "core/precision/fp8_rowwise_triton.py": "cast_copy",  # quantization
@@ -123,7 +122,7 @@ def test_moetron_triton_kernels_have_their_category():
         for name in re.findall(r"@triton\.jit\s*\ndef (\w+_kernel)\(", open(path).read()):
             kernels[name] = os.path.relpath(path, ROOT).replace(os.sep, "/")
     for name in ("_route_count_kernel", "_mx_quantize_kernel", "_fp8_grouped_gemm_rows_kernel",
-                 "_fp8_grouped_gemm_k_kernel", "_fp8_grouped_gemm_rows_ws_kernel", "_adamw_kernel"):
+                 "_fp8_grouped_gemm_k_kernel", "_adamw_kernel"):
         assert name in kernels, name
     for name, path in sorted(kernels.items()):
         where = [k for k in TRITON_KERNEL_CATEGORIES if path == k or (k.endswith("/") and path.startswith(k))]
