@@ -84,8 +84,10 @@ class GluonConfig(tuple):
 
 CONFIG = GluonConfig(4, True)
 """The rows kernel's ring and launch."""
-K_CONFIG = GluonConfig(4, True)
-"""The wgrad kernel's ring and launch."""
+K_CONFIG: GluonConfig | None = None
+"""The wgrad kernel's ring and launch; None: ``fp8_experts=gluon``'s wgrad runs fp8_triton's pipelined
+kernel, which measured faster (the H100, session 35 call 2: 426 against 471 TFLOP/s at OLMoE's
+gate|up, persistent 4 stages the best Gluon one). tools/bench_fp8_variants.py sets it to time each."""
 
 
 def supported(device: torch.device | None = None) -> bool:
@@ -397,8 +399,8 @@ def gluon_grouped_mm_k(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out, descri
                        config: GluonConfig | None = None):
     """out[e] = A[:, rows of e] @ Bt[:, rows of e]^T (fp8_triton.fp8_grouped_mm_k's contract; ``out``
     given, [E, M, N], its last dim contiguous); ``descriptors`` from k_descriptors (made here when
-    None). ``config`` default: K_CONFIG as it is at this call."""
-    bufs, persistent = config or K_CONFIG
+    None). ``config`` default: K_CONFIG as it is at this call, else 4 stages, persistent."""
+    bufs, persistent = config or K_CONFIG or GluonConfig()
     M, P = a_MP.shape
     N = bt_NP.shape[0]
     E = padded_offsets_E.numel()

@@ -377,7 +377,9 @@ def fp8_grouped_mm_k(a_MP: torch.Tensor, sa_MB: torch.Tensor, bt_NP: torch.Tenso
     if kernel == GroupedKernel.gluon:
         from . import fp8_gluon
 
-        descriptors = fp8_gluon.k_descriptors(a_MP, bt_NP) if fp8_gluon.supported(a_MP.device) else None
+        # fp8_gluon.K_CONFIG None (the default): its wgrad kernel measured slower than the pipelined one
+        use = fp8_gluon.K_CONFIG is not None and fp8_gluon.supported(a_MP.device)
+        descriptors = fp8_gluon.k_descriptors(a_MP, bt_NP) if use else None
         if descriptors is not None:
             return fp8_gluon.gluon_grouped_mm_k(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out, descriptors)
         kernel = GroupedKernel.pipelined

@@ -23,7 +23,7 @@ if not fg.AVAILABLE:
     pytest.skip("this Triton has no Gluon", allow_module_level=True)
 
 ROWS_CONFIGS = [fg.CONFIG, fg.GluonConfig(3, True), fg.GluonConfig(4, False)]
-K_CONFIGS = [fg.K_CONFIG, fg.GluonConfig(3, True), fg.GluonConfig(4, False)]
+K_CONFIGS = [fg.GluonConfig(4, True), fg.GluonConfig(3, True), fg.GluonConfig(4, False)]
 
 
 def _desc(rows: int) -> str:
