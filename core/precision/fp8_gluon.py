@@ -199,8 +199,8 @@ if AVAILABLE:
     @gluon.jit
     def _rows_consumer(HALF: gl.constexpr, a_bufs, b_bufs, ready, empty, tile_ptr, sa_ptr, s_sam, s_sak, sb_ptr,
                        s_sbe, s_sbk, s_sbn, c_ptr, s_cm, E, R, N, K, total):
-        """Rows HALF * 64 .. of each tile: the K-blocks' promotions, then the bf16 store (rows below the
-        tile's end row, 16-byte stores through shared memory)."""
+        """Rows HALF * 64 .. of each tile: the K-blocks' promotions, then the store in c's dtype (rows below
+        the tile's end row; bf16 in 16-byte stores through shared memory)."""
         BN: gl.constexpr = b_bufs.shape[1]
         BK: gl.constexpr = b_bufs.shape[2]
         n_n = (N + BN - 1) // BN
@@ -224,7 +224,7 @@ if AVAILABLE:
                 mbarrier.arrive(empty.index(c % a_bufs.shape[0]), count=1)
                 acc = acc + d * (sa * sb)[:, None]
                 c += 1
-            out = gl.convert_layout(acc.to(gl.bfloat16), STORE_LAYOUT)
+            out = gl.convert_layout(acc.to(c_ptr.dtype.element_ty), STORE_LAYOUT)  # bf16 (fp32: the tests)
             om = gl.maximum(first, 0) + HALF * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, STORE_LAYOUT))
             on = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, STORE_LAYOUT))
             gl.store(c_ptr + om[:, None].to(gl.int64) * s_cm + on[None, :], out,
