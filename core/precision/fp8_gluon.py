@@ -414,3 +414,44 @@ def gluon_grouped_mm_k(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out, descri
         a_desc, b_desc, sa_MB, sbt_NB, padded_offsets_E, out, M, N, E, sa_MB.stride(0), sa_MB.stride(1),
         sbt_NB.stride(0), sbt_NB.stride(1), out.stride(0), out.stride(1), NUM_BUF=bufs, num_warps=4)
     return out
+
+
+# torch.compile sees the Gluon launches only through these ops: Dynamo traces a Triton kernel launched
+# in a compiled region into the graph and Inductor recompiles it in a worker, which fails for Gluon
+# kernels (session 35 call 4: "InductorError ... Name=_tile_table_kernel"). Where the Gluon kernels
+# cannot run (not SM90, operands TMA cannot read) the ops run fp8_triton's pipelined kernels.
+
+@torch.library.custom_op("moetron::fp8_gluon_rows", mutates_args=())
+def fp8_gluon_rows(a_RK: torch.Tensor, sa_RB: torch.Tensor, b_EKN: torch.Tensor, sb_EBC: torch.Tensor,
+                   offsets_E: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """fp8_triton.fp8_grouped_mm_rows's contract -> [R, N] in ``out_dtype``."""
+    from . import fp8_triton
+
+    descriptors = rows_descriptors(a_RK, b_EKN) if supported(a_RK.device) else None
+    if descriptors is None:
+        return fp8_triton.fp8_grouped_mm_rows(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out_dtype, kernel="pipelined")
+    out = torch.empty(a_RK.shape[0], b_EKN.shape[2], dtype=out_dtype, device=a_RK.device)
+    return gluon_grouped_mm_rows(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out, descriptors)
+
+
+@fp8_gluon_rows.register_fake
+def _(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out_dtype):
+    return a_RK.new_empty(a_RK.shape[0], b_EKN.shape[2], dtype=out_dtype)
+
+
+@torch.library.custom_op("moetron::fp8_gluon_k", mutates_args=())
+def fp8_gluon_k(a_MP: torch.Tensor, sa_MB: torch.Tensor, bt_NP: torch.Tensor, sbt_NB: torch.Tensor,
+                padded_offsets_E: torch.Tensor) -> torch.Tensor:
+    """fp8_triton.fp8_grouped_mm_k's contract -> fp32 [E, M, N]."""
+    from . import fp8_triton
+
+    descriptors = k_descriptors(a_MP, bt_NP) if supported(a_MP.device) else None
+    if descriptors is None:
+        return fp8_triton.fp8_grouped_mm_k(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, kernel="pipelined")
+    out = torch.empty(padded_offsets_E.numel(), a_MP.shape[0], bt_NP.shape[0], dtype=torch.float32, device=a_MP.device)
+    return gluon_grouped_mm_k(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out, descriptors)
+
+
+@fp8_gluon_k.register_fake
+def _(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E):
+    return a_MP.new_empty(padded_offsets_E.numel(), a_MP.shape[0], bt_NP.shape[0], dtype=torch.float32)

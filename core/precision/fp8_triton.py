@@ -340,16 +340,15 @@ def fp8_grouped_mm_rows(a_RK: torch.Tensor, sa_RB: torch.Tensor, b_EKN: torch.Te
     E, _, N = b_EKN.shape
     if K % BLOCK_K or N % BLOCK_K:
         raise ValueError(f"the fp8 grouped GEMM needs K ({K}) and N ({N}) to be multiples of {BLOCK_K}")
-    out = torch.empty(R, N, dtype=out_dtype, device=a_RK.device)
     offsets_E = offsets_E.to(torch.int32)
     kernel = GroupedKernel(kernel or KERNEL)
     if kernel == GroupedKernel.gluon:
         from . import fp8_gluon
 
-        descriptors = fp8_gluon.rows_descriptors(a_RK, b_EKN) if fp8_gluon.supported(a_RK.device) else None
-        if descriptors is not None:
-            return fp8_gluon.gluon_grouped_mm_rows(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out, descriptors)
+        if fp8_gluon.supported(a_RK.device):  # a custom op: torch.compile cannot trace Gluon launches
+            return torch.ops.moetron.fp8_gluon_rows(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out_dtype)
         kernel = GroupedKernel.pipelined
+    out = torch.empty(R, N, dtype=out_dtype, device=a_RK.device)
     if kernel == GroupedKernel.pipelined:
         _rows_pipelined(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out)
         return out
@@ -371,18 +370,16 @@ def fp8_grouped_mm_k(a_MP: torch.Tensor, sa_MB: torch.Tensor, bt_NP: torch.Tenso
     E = padded_offsets_E.numel()
     if P % BLOCK_K:
         raise ValueError(f"the fp8 wgrad GEMM needs the padded rows ({P}) to be a multiple of {BLOCK_K}")
-    out = torch.empty(E, M, N, dtype=torch.float32, device=a_MP.device)
     kernel = GroupedKernel(kernel or KERNEL)
     padded_offsets_E = padded_offsets_E.to(torch.int32)
     if kernel == GroupedKernel.gluon:
         from . import fp8_gluon
 
         # fp8_gluon.K_CONFIG None (the default): its wgrad kernel measured slower than the pipelined one
-        use = fp8_gluon.K_CONFIG is not None and fp8_gluon.supported(a_MP.device)
-        descriptors = fp8_gluon.k_descriptors(a_MP, bt_NP) if use else None
-        if descriptors is not None:
-            return fp8_gluon.gluon_grouped_mm_k(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out, descriptors)
+        if fp8_gluon.K_CONFIG is not None and fp8_gluon.supported(a_MP.device):
+            return torch.ops.moetron.fp8_gluon_k(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E)
         kernel = GroupedKernel.pipelined
+    out = torch.empty(E, M, N, dtype=torch.float32, device=a_MP.device)
     if kernel == GroupedKernel.pipelined:
         a_desc, b_desc = _descriptor(a_MP), _descriptor(bt_NP)
         tma_ok = int(a_desc is not None and b_desc is not None)

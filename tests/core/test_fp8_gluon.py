@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.core.test_precision_emulated import wide
+from tests.interpreted import run_interpreted
 from tests.core.test_precision_fp8 import _agree, _compile_sm90, _ref_err, assert_no_spills, check_rows
 
 fg = pytest.importorskip("moetron.core.precision.fp8_gluon")
@@ -126,6 +127,32 @@ def test_gluon_descriptors_only_where_tma_reads_the_operands():
     assert fg.k_descriptors(bt, bt) is not None
     assert fg.k_descriptors(bt.t(), bt) is None  # A not K-contiguous
     assert fg.k_descriptors(bt[:, 1:], bt) is None  # a base off 16 bytes
+
+
+def test_gluon_ops_compile_and_fall_back_off_sm90():
+    """The custom ops torch.compile sees instead of the Gluon launches (Inductor cannot recompile a
+    traced Gluon kernel: session 35 call 4): their schemas and fake tensors (opcheck), and off SM90
+    the pipelined kernels' bits, also compiled (fullgraph: the op is opaque to Dynamo)."""
+    run_interpreted("tests.core.test_fp8_gluon", "check_gluon_ops()")
+
+
+def check_gluon_ops() -> None:
+    from moetron.core.precision import fp8_triton as ft
+    from moetron.core.precision.blockwise import quantize_128x128, quantize_1x128
+
+    offsets = torch.tensor([40, 40, 201], dtype=torch.int32)
+    a_q, a_s = quantize_1x128(wide(210, 256, seed=1), -1)
+    w_q, w_s = quantize_128x128(wide(3, 128, 256, seed=2))
+    args = (a_q, a_s, w_q.transpose(1, 2), w_s.transpose(1, 2), offsets)
+    want = ft.fp8_grouped_mm_rows(*args, torch.float32, kernel="pipelined")
+    got = torch.compile(torch.ops.moetron.fp8_gluon_rows, fullgraph=True, backend="aot_eager")(*args, torch.float32)
+    assert torch.equal(got[:201], want[:201])
+    torch.library.opcheck(torch.ops.moetron.fp8_gluon_rows.default, (*args, torch.bfloat16),
+                          test_utils=("test_faketensor", ))
+    padded = torch.tensor([128, 128, 256], dtype=torch.int32)
+    kargs = (*quantize_1x128(wide(128, 256, seed=3), -1), *quantize_1x128(wide(256, 256, seed=4), -1), padded)
+    assert torch.equal(torch.ops.moetron.fp8_gluon_k(*kargs), ft.fp8_grouped_mm_k(*kargs, kernel="pipelined"))
+    torch.library.opcheck(torch.ops.moetron.fp8_gluon_k.default, kargs, test_utils=("test_faketensor", ))
 
 
 def check_gluon(device: str) -> None:
