@@ -39,6 +39,9 @@ def parse(argv):
     p.add_argument("--shapes", default="", help="comma-separated names of bench_gemm_fp8.SHAPES (default all)")
     p.add_argument("--gemms", default="gate_up", help="comma-separated: gate_up, down")
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--loop", type=int, default=1,
+                   help="calls a timed sample queues back to back (cli.median_ms): 1 counts each call's host time "
+                   "(the Gluon launches' is the largest), more leaves the GPU time")
     p.add_argument("--gluon-configs", default="4,1;3,1;4,0",
                    help="the Gluon rows kernel's rings and launches to time, 'stages,persistent;...' (SM90; the "
                    "best one reported; fp8_gluon.GluonConfig)")
@@ -110,6 +113,7 @@ def main(argv=None) -> int:
                                             if not args.shapes or k in args.shapes.split(",")}
     # --tiny (interpreted, timings meaningless): one timed call, no warm-up beyond the first call
     tokens, iters, warmup = (64, 1, 0) if args.tiny else (args.tokens, args.iters, 2)
+    loop = 1 if args.tiny else args.loop
     env = run_environment(device, 1, "tools/bench_fp8_variants.py", sys.argv[1:] if argv is None else argv)
     dev = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreted: timings meaningless)"
     print(f"{dev} | torch {torch.__version__} | one GEMM per row, operands quantized beforehand", flush=True)
@@ -126,7 +130,7 @@ def main(argv=None) -> int:
             for kind, (bf16, fp8, cublas) in passes(ops, offsets_E).items():
                 flops = 2 * R * I * O
                 row = {"kind": "gemm", "shape": name, "gemm": gemm, "pass": kind, "rows": R, "I": I, "O": O}
-                ms = {"bf16": median_ms(bf16, device, warmup=warmup, iters=iters)}
+                ms = {"bf16": median_ms(bf16, device, warmup=warmup, iters=iters, loop=loop)}
                 out = {}
                 for k in (ft.GroupedKernel.masked, ft.GroupedKernel.pipelined):
                     tune_start = time.perf_counter()
@@ -135,7 +139,7 @@ def main(argv=None) -> int:
                     if k == ft.GroupedKernel.pipelined:
                         row["config"], timings = ft.last_tuning(wgrad=kind == "wgrad")
                         row["config_ms"] = dict(sorted(timings.items(), key=lambda kv: kv[1]))
-                    ms[k] = median_ms(lambda: fp8(k), device, warmup=warmup, iters=iters)
+                    ms[k] = median_ms(lambda: fp8(k), device, warmup=warmup, iters=iters, loop=loop)
                 masked, pipelined = out[ft.GroupedKernel.masked].float(), out[ft.GroupedKernel.pipelined].float()
                 used = slice(0, int(offsets_E[-1])) if kind != "wgrad" else slice(None)
                 rel = lambda t: ((t[used] - masked[used]).abs().max()  # noqa: E731
@@ -149,7 +153,7 @@ def main(argv=None) -> int:
                         setattr(fp8_gluon, attr, fp8_gluon.GluonConfig(*map(int, spec.split(","))))
                         got = fp8(ft.GroupedKernel.gluon).float()
                         timings[getattr(fp8_gluon, attr).name] = (median_ms(lambda: fp8(ft.GroupedKernel.gluon), device,
-                                                                            warmup=warmup, iters=iters), rel(got))
+                                                                            warmup=warmup, iters=iters, loop=loop), rel(got))
                     setattr(fp8_gluon, attr, default)
                     best = min(timings, key=lambda c: timings[c][0])
                     ms["gluon"], row["gluon_config"], row["gluon_rel_diff"] = timings[best][0], best, timings[best][1]
@@ -157,7 +161,7 @@ def main(argv=None) -> int:
                     row["gluon_vs_pipelined"] = ms["pipelined"] / ms["gluon"]
                     row["gluon_vs_bf16"] = ms["bf16"] / ms["gluon"]
                 if device.type == "cuda":  # cuBLAS's blockwise scaled_mm: SM90 only
-                    ms["cublas"] = median_ms(cublas, device, warmup=warmup, iters=iters)
+                    ms["cublas"] = median_ms(cublas, device, warmup=warmup, iters=iters, loop=loop)
                     row["cublas_rel_diff"] = rel(cublas().float())
                 row["ok"] = max(row["rel_diff"], row.get("cublas_rel_diff", 0.0),
                                 max((g["rel_diff"] for g in row.get("gluon_configs", {}).values()), default=0.0)) <= TOL
