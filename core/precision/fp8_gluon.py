@@ -178,6 +178,29 @@ if AVAILABLE:
         return warpgroup_mma(a_bufs.index(i).slice(HALF * 64, 64, dim=0), b_bufs.index(i).permute((1, 0)), zero,
                              use_acc=False, is_async=True)
 
+    @gluon.jit
+    def _accumulate(HALF: gl.constexpr, OUTER: gl.constexpr, nk, c, a_bufs, b_bufs, ready, empty, sa_ptrs, s_sak,
+                    sb_ptrs, s_sbk):
+        """This consumer's sum over a tile's nk K-blocks (the ring's c-th stage onwards) of its wgmma
+        product times the K-block's scales: sa one a row and sb one scalar (the rows form), or sb one a
+        column (``OUTER``: the wgrad form). Each wgmma is waited for, its stage freed and its product
+        promoted while the other consumer's wgmma runs. -> (the fp32 sum, the next stage)."""
+        NUM_BUF: gl.constexpr = a_bufs.shape[0]
+        BN: gl.constexpr = b_bufs.shape[1]
+        acc = gl.zeros((64, BN), dtype=gl.float32, layout=MMA_LAYOUT)
+        for j in range(nk):
+            d = _mma(HALF, c, a_bufs, b_bufs, ready)
+            sa = gl.load(sa_ptrs + j * s_sak)  # loaded while the wgmma runs
+            sb = gl.load(sb_ptrs + j * s_sbk)
+            d = warpgroup_mma_wait(0, deps=(d, ))
+            mbarrier.arrive(empty.index(c % NUM_BUF), count=1)
+            if OUTER:
+                acc = acc + d * sa[:, None] * sb[None, :]
+            else:
+                acc = acc + d * (sa * sb)[:, None]
+            c += 1
+        return acc, c
+
     # ----------------------------------------------------------------------------------------------
     # forward / dgrad: out[rows of e] = A[rows of e] @ B[e]
     # ----------------------------------------------------------------------------------------------
@@ -215,15 +238,7 @@ if AVAILABLE:
             offs_m = gl.maximum(first, 0) + HALF * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA_LAYOUT))
             sa_ptrs = sa_ptr + gl.minimum(offs_m, R - 1).to(gl.int64) * s_sam  # rows past R: read, never stored
             sb_tile = sb_ptr + group.to(gl.int64) * s_sbe + (col0 // BK) * s_sbn
-            acc = gl.zeros((64, BN), dtype=gl.float32, layout=MMA_LAYOUT)
-            for j in range(nk):
-                d = _mma(HALF, c, a_bufs, b_bufs, ready)
-                sa = gl.load(sa_ptrs + j * s_sak)
-                sb = gl.load(sb_tile + j * s_sbk)
-                d = warpgroup_mma_wait(0, deps=(d, ))
-                mbarrier.arrive(empty.index(c % a_bufs.shape[0]), count=1)
-                acc = acc + d * (sa * sb)[:, None]
-                c += 1
+            acc, c = _accumulate(HALF, False, nk, c, a_bufs, b_bufs, ready, empty, sa_ptrs, s_sak, sb_tile, s_sbk)
             out = gl.convert_layout(acc.to(c_ptr.dtype.element_ty), STORE_LAYOUT)  # bf16 (fp32: the tests)
             om = gl.maximum(first, 0) + HALF * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, STORE_LAYOUT))
             on = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, STORE_LAYOUT))
@@ -290,15 +305,7 @@ if AVAILABLE:
             offs_n = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, MMA_LAYOUT))
             sa_ptrs = sa_ptr + gl.minimum(offs_m, M - 1).to(gl.int64) * s_sam + kb0 * s_sak
             sb_ptrs = sb_ptr + gl.minimum(offs_n, N - 1) * s_sbn + kb0 * s_sbk  # int32 offsets: fewer registers
-            acc = gl.zeros((64, BN), dtype=gl.float32, layout=MMA_LAYOUT)
-            for j in range(nk):
-                d = _mma(HALF, c, a_bufs, b_bufs, ready)
-                sa = gl.load(sa_ptrs + j * s_sak)
-                sb = gl.load(sb_ptrs + j * s_sbk)
-                d = warpgroup_mma_wait(0, deps=(d, ))
-                mbarrier.arrive(empty.index(c % a_bufs.shape[0]), count=1)
-                acc = acc + d * sa[:, None] * sb[None, :]
-                c += 1
+            acc, c = _accumulate(HALF, True, nk, c, a_bufs, b_bufs, ready, empty, sa_ptrs, s_sak, sb_ptrs, s_sbk)
             out = gl.convert_layout(acc, K_STORE_LAYOUT)
             om = row0 + HALF * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, K_STORE_LAYOUT))
             on = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, K_STORE_LAYOUT))
