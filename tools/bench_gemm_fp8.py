@@ -167,6 +167,9 @@ def backends(device):
     # precision.fp8_wgrad=false: forward and dgrad in FP8, the weight gradients in bf16
     out["fp8_blockwise bf16-wgrad"] = (Fp8BlockwiseGemm("triton", wgrad="none"), torch.float32)
     out["fp8_blockwise cublas bf16-wgrad"] = (Fp8BlockwiseGemm("triton", experts="cublas", wgrad="none"), torch.float32)
+    # the Gluon forward / dgrad (session 35: 1.15-1.29x bf16 alone) with bf16 wgrads (the FP8 wgrad
+    # kernels run 0.6-0.7x bf16's, and their operands' column quantization is skipped)
+    out["fp8_blockwise gluon bf16-wgrad"] = (Fp8BlockwiseGemm("triton", experts="gluon", wgrad="none"), torch.float32)
     out["mxfp8 emulated"] = (EmulatedGemm(MXFormat()), torch.float32)
     # precision.recipe=fp8_rowwise: torch's scaled GEMMs (SM90; the emulation elsewhere), with fp32
     # promotion and with precision.fp8_fast_accum=true
