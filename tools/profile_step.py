@@ -63,8 +63,9 @@ RULES: list[tuple[str, str]] = [
     # Inductor kernels fused into a scaled GEMM's operands (fp8_rowwise's quantization traced into the
     # graph: their names list the GEMM they feed, e.g. triton_poi_fused__scaled_grouped_mm__to_copy_...).
     ("cast_copy", r"^triton_(?:poi|red|per)_fused_\w*_scaled_(?:grouped_)?mm"),
-    # GEMMs, moetron's FP8 grouped ones (core/precision/fp8_triton.py) included.
+    # GEMMs, moetron's FP8 grouped ones (core/precision/fp8_triton.py, fp8_gluon.py) included.
     ("gemm", r"[Gg]emm|gemv|cutlass|cublas|xmma|nvjet|_grouped_mm|splitKreduce|^_fp8_grouped_gemm_\w*_kernel$|"
+             r"^_gluon_\w*_kernel$|"
              r"^aten::(?:mm|addmm|bmm|baddbmm|addbmm|matmul|linear|dot)$|^triton_tem_fused_\w*mm"),
     ("cast_copy", _INDUCTOR_COPY),
     ("norm", r"rms_norm|layer_norm|RowwiseMoments|rsqrt"),

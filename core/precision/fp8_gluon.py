@@ -129,7 +129,7 @@ if AVAILABLE:
         return group, gl.where(group < E, row0, -1), gl.sum(gl.where(this, ends, 0), 0)
 
     @gluon.jit
-    def _tile_table_kernel(off_ptr, table_ptr, E, BM: gl.constexpr, EP: gl.constexpr, num_warps: gl.constexpr):
+    def _gluon_tile_table_kernel(off_ptr, table_ptr, E, BM: gl.constexpr, EP: gl.constexpr, num_warps: gl.constexpr):
         """table[t] = row tile t's (expert, first row or -1 past the last tile, end row)."""
         tile = gl.program_id(0)
         group, row0, row_end = _row_tile(off_ptr, tile, E, BM, EP, num_warps)
@@ -395,7 +395,7 @@ def gluon_grouped_mm_rows(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out, descriptor
     a_desc, b_desc = descriptors
     T = triton.cdiv(R, BLOCK_M) + E  # at most one partial tile an expert
     table = torch.empty(T, 3, dtype=torch.int32, device=a_RK.device)
-    _tile_table_kernel[(T, )](offsets_E, table, E, BM=BLOCK_M, EP=triton.next_power_of_2(E), num_warps=1)
+    _gluon_tile_table_kernel[(T, )](offsets_E, table, E, BM=BLOCK_M, EP=triton.next_power_of_2(E), num_warps=1)
     _gluon_rows_kernel[_grid(T * (N // BLOCK_N), persistent, a_RK.device)](
         a_desc, b_desc, sa_RB, sb_EBC, table, out, E, R, N, K, T, sa_RB.stride(0), sa_RB.stride(1),
         sb_EBC.stride(0), sb_EBC.stride(1), sb_EBC.stride(2), out.stride(0), NUM_BUF=bufs, num_warps=4)
@@ -425,7 +425,7 @@ def gluon_grouped_mm_k(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out, descri
 
 # torch.compile sees the Gluon launches only through these ops: Dynamo traces a Triton kernel launched
 # in a compiled region into the graph and Inductor recompiles it in a worker, which fails for Gluon
-# kernels (session 35 call 4: "InductorError ... Name=_tile_table_kernel"). Where the Gluon kernels
+# kernels (session 35 call 4: "InductorError ... Name=_gluon_tile_table_kernel"). Where the Gluon kernels
 # cannot run (not SM90, operands TMA cannot read) the ops run fp8_triton's pipelined kernels.
 
 @torch.library.custom_op("moetron::fp8_gluon_rows", mutates_args=())

@@ -47,7 +47,7 @@ def _compile(kind: str, bufs: int, out: str = "*bf16"):
         values = dict(common, off_ptr="*i32", c_ptr="*fp32", M=N, N=K, E=E, s_sam=P // 128, s_sak=1,
                       s_sbn=P // 128, s_sbk=1, s_ce=N * K, s_cm=K)
     else:
-        kernel, constexprs = fg._tile_table_kernel, dict(BM=128, EP=64, num_warps=1)
+        kernel, constexprs = fg._gluon_tile_table_kernel, dict(BM=128, EP=64, num_warps=1)
         values = dict(off_ptr="*i32", table_ptr="*i32", E=E)
     options = types.SimpleNamespace(kwargs={}, num_warps=constexprs["num_warps"], num_stages=1)
     return _compile_sm90(kernel, options, values, constexprs, gluon=True)

@@ -106,6 +106,7 @@ TRITON_KERNEL_CATEGORIES = {
     "core/layers/cross_entropy_triton.py": "loss",
     "core/layers/embedding_triton.py": "embedding",
     "core/precision/fp8_triton.py": "gemm",
+    "core/precision/fp8_gluon.py": "gemm",  # with its row-tile table
     "core/precision/blockwise_triton.py": "cast_copy",  # quantization
     "core/precision/mx_triton.py": "cast_copy",  # quantization
     "core/precision/fp8_rowwise_triton.py": "cast_copy",  # quantization
@@ -114,15 +115,15 @@ TRITON_KERNEL_CATEGORIES = {
 
 
 def test_moetron_triton_kernels_have_their_category():
-    """Every @triton.jit kernel of moetron is named by a rule and has an expected category here, so a
-    new kernel (or kernel file) shows up here first (helpers a kernel calls, like round_to_e4m3, are
-    inlined and never launched)."""
+    """Every @triton.jit (or @gluon.jit) kernel of moetron is named by a rule and has an expected
+    category here, so a new kernel (or kernel file) shows up here first (helpers a kernel calls, like
+    round_to_e4m3, are inlined and never launched)."""
     kernels = {}
     for path in glob.glob(os.path.join(ROOT, "core", "**", "*.py"), recursive=True):
-        for name in re.findall(r"@triton\.jit\s*\ndef (\w+_kernel)\(", open(path).read()):
+        for name in re.findall(r"@(?:triton|gluon)\.jit\s*\n\s*def (\w+_kernel)\(", open(path).read()):
             kernels[name] = os.path.relpath(path, ROOT).replace(os.sep, "/")
     for name in ("_route_count_kernel", "_mx_quantize_kernel", "_fp8_grouped_gemm_rows_kernel",
-                 "_fp8_grouped_gemm_k_kernel", "_adamw_kernel"):
+                 "_fp8_grouped_gemm_k_kernel", "_adamw_kernel", "_gluon_rows_kernel", "_gluon_tile_table_kernel"):
         assert name in kernels, name
     for name, path in sorted(kernels.items()):
         where = [k for k in TRITON_KERNEL_CATEGORIES if path == k or (k.endswith("/") and path.startswith(k))]
