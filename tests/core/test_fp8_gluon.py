@@ -62,8 +62,9 @@ def test_gluon_kernels_compile_for_sm90(kind, bufs):
     compiled = _compile(kind, bufs)
     ptx = compiled.asm["ptx"]
     what = f"{kind} s{bufs}"
-    assert re.search(r"setmaxnreg.inc.sync.aligned.u32\s+232;", ptx) and re.search(r"setmaxnreg.dec.sync.aligned.u32\s+40;", ptx), \
-        f"{what}: not warp-specialized with the consumers' / producer's register budgets"
+    for direction, regs in (("inc", 232), ("dec", 40)):  # the consumers' budget up, the producer's down
+        assert re.search(rf"setmaxnreg.{direction}.sync.aligned.u32\s+{regs};", ptx), \
+            f"{what}: not warp-specialized with the consumers' / producer's register budgets"
     assert "wgmma.mma_async" in ptx and "wgmma.wait_group.sync.aligned 0;" in ptx, what
     assert ptx.count("cp.async.bulk.tensor") == 2, f"{what}: A's and B's loads not through TMA"
     assert "st.global.v4" in ptx, f"{what}: the output not stored in 16-byte vectors"
