@@ -10,7 +10,7 @@ t0=$(date +%s)
 timeout 100 python3 tools/bench_fp8_variants.py --shapes olmoe --gemms gate_up,down --iters 10 --loop 10 \
   --json $OUT/variants_loop10.json 2>&1 | grep -v Warning | tail -14
 echo "variants $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
-timeout 60 python3 docs/bench/session35/wgrad_probe.py 2>&1 | grep -v Warning | tail -20
+timeout 70 python3 docs/bench/session35/wgrad_probe.py 2>&1 | grep -v Warning | tail -24
 echo "wgrad probe $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
 timeout 100 python3 tools/bench_gemm_fp8.py --skip-check --iters 10 --shapes olmoe olmo3-moe-8e --no-dense \
   --backends "fp8_blockwise gluon" "fp8_blockwise gluon bf16-wgrad" "fp8_blockwise bf16-wgrad" \
