@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Session 35's queued call 6 (not yet run): the expert GEMMs on the GPU alone (--loop 10: call 2's cells
-# include each call's host time, the Gluon launches' the largest), wgrad_probe.py (what the Gluon
+# include each call's host time, the Gluon launches' the largest; deeper rings: 5-6 stages fit the
+# rows kernel's shared memory, 5 the wgrad's), wgrad_probe.py (what the Gluon
 # wgrad's outer-product promotion and fp32 store cost), and fwd+bwd with quantization with the
 # Gluon forward / dgrad and bf16 wgrads (#14's grouped target: >= 1.3x bf16, floor 1.1x).
 # Run from the repo root: bash docs/bench/session35/call6.sh (timeout 300; about 220 s warm-started).
 source docs/bench/session25/common.sh
 nvidia-smi --query-gpu=name --format=csv,noheader
 t0=$(date +%s)
-timeout 100 python3 tools/bench_fp8_variants.py --shapes olmoe --gemms gate_up,down --iters 10 --loop 10 \
-  --json $OUT/variants_loop10.json 2>&1 | grep -v Warning | tail -14
+timeout 110 python3 tools/bench_fp8_variants.py --shapes olmoe --gemms gate_up,down --iters 10 --loop 10 \
+  --gluon-configs "4,1;3,1;5,1;6,1;4,0" --gluon-k-configs "4,1;5,1" --json $OUT/variants_loop10.json 2>&1 | grep -v Warning | tail -14
 echo "variants $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
 timeout 70 python3 docs/bench/session35/wgrad_probe.py 2>&1 | grep -v Warning | tail -24
 echo "wgrad probe $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
