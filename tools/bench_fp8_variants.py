@@ -41,7 +41,7 @@ def parse(argv):
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--loop", type=int, default=1,
                    help="calls a timed sample queues back to back (cli.median_ms): 1 counts each call's host time "
-                   "(the Gluon launches' is the largest), more leaves the GPU time")
+                   "(the Gluon path: two launches, a table and two descriptors a call), more leaves the GPU time")
     p.add_argument("--gluon-configs", default="4,1;3,1;4,0",
                    help="the Gluon rows kernel's rings and launches to time, 'stages,persistent;...' (SM90; the "
                    "best one reported; fp8_gluon.GluonConfig)")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 35's queued call 6 (not yet run): the expert GEMMs on the GPU alone (--loop 10: call 2's cells
-# include each call's host time, the Gluon launches' the largest; deeper rings: 5-6 stages fit the
+# include each call's host time: is it why they sit below session 34's probe?; deeper rings: 5-6 stages fit the
 # rows kernel's shared memory, 5 the wgrad's), wgrad_probe.py (what the Gluon
 # wgrad's outer-product promotion and fp32 store cost), and fwd+bwd with quantization with the
 # Gluon forward / dgrad and bf16 wgrads (#14's grouped target: >= 1.3x bf16, floor 1.1x).
