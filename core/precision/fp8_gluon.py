@@ -3,7 +3,7 @@ warp-specialized by hand, as DeepGEMM structures them: so that the fp32 promotio
 partial product (scaled by its 1x128 / 128x128 scales and added to the accumulator) runs on the CUDA
 cores while the tensor cores compute another. Triton's own pipeliner cannot do this: a dot whose
 result is scaled before it is accumulated is waited for at once, so the tensor cores idle during
-every promotion (fp8_triton's pipelined kernels: 680-720 TFLOP/s at OLMoE's gate|up on the H100).
+every promotion (fp8_triton's pipelined kernels: 540-690 TFLOP/s at OLMoE's expert GEMMs on the H100).
 
 Each CTA runs three partitions over a ring of NUM_BUF shared-memory stages (A's 128-row tile and B's
 128-row tile of one 128-deep K-block, 32 KiB a stage), each stage with a "ready" barrier (its TMA
@@ -29,6 +29,11 @@ it was right but 0.68x the pipelined kernels, and was removed: docs/precision.md
   K-block and stores nothing.
 - ``gluon_grouped_mm_k``: fp8_triton.fp8_grouped_mm_k's contract (wgrad; fp32 out, zeros for an
   expert without rows), per-row A and per-column Bt scales each K-block.
+
+Measured on the H100 (session 35, docs/performance.md): the rows kernels 731-837 TFLOP/s at OLMoE's
+expert GEMMs, 1.15-1.29x bf16 ``torch._grouped_mm`` and 1.16-1.44x the pipelined kernels; the wgrad
+kernel 417-426, 0.91x the pipelined one, so ``fp8_experts=gluon`` runs its wgrad there (``K_CONFIG``
+None). torch.compile sees the launches only through the custom ops at the end of this module.
 
 SM90 only (wgmma does not exist on SM100; Blackwell runs fp8_triton's kernels or native MX). Gluon has
 no interpreter: the CPU tests compile every kernel for sm_90 (ptxas included, no spills, no GPU
