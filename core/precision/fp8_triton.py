@@ -10,8 +10,8 @@ torch has no blockwise grouped GEMM. No host sync: each program finds its expert
   e4m3 with scales sa [M, P / 128]; B given as Bt [N, P] (K-contiguous) with scales sbt [N, P / 128].
   -> fp32 [E, M, N] (zeros for an empty expert).
 
-Two implementations of each, chosen by ``KERNEL`` (or the ``kernel`` argument), with the same
-outputs up to the fp32 summation order (GroupedKernel's members say how they differ);
+Three implementations of each (two here, one in fp8_gluon.py), chosen by ``KERNEL`` (or the
+``kernel`` argument), with the same outputs up to the fp32 summation order (GroupedKernel's members say how they differ);
 tools/bench_fp8_variants.py measures them against each other.
 
 Tested under TRITON_INTERPRET=1 against the torch reference (dequantize, float64 GEMM) on small
@@ -43,9 +43,10 @@ class GroupedKernel(StrEnum):
     descriptors (zero-filled past the end), BN 128 or 256 (per-128-column B scales), the expert
     found with one vector pass over the offsets, and a wider autotune list."""
     gluon = "gluon"
-    """core/precision/fp8_gluon.py: explicit async wgmma, each K-block's promotion overlapping the
-    next K-block's MMA. SM90 only and TMA-able operands only; elsewhere (CPU, interpreter, SM100,
-    other strides) the pipelined kernel runs."""
+    """core/precision/fp8_gluon.py: warp-specialized by hand (a TMA producer, two wgmma consumers, one's
+    promotion overlapping the other's MMA), persistent, behind custom ops; the wgrad runs the
+    pipelined kernel unless fp8_gluon.K_CONFIG is set (it measured slower). SM90 only and TMA-able
+    operands only; elsewhere (CPU, interpreter, SM100, other strides) the pipelined kernel runs."""
 
 
 KERNEL = GroupedKernel.pipelined  # the default (1.05-1.34x the masked kernels on the H200, session 6)
