@@ -11,8 +11,8 @@ torch has no blockwise grouped GEMM. No host sync: each program finds its expert
   -> fp32 [E, M, N] (zeros for an empty expert).
 
 Three implementations of each (two here, one in fp8_gluon.py), chosen by ``KERNEL`` (or the
-``kernel`` argument), with the same outputs up to the fp32 summation order (GroupedKernel's members say how they differ);
-tools/bench_fp8_variants.py measures them against each other.
+``kernel`` argument), with the same outputs up to the fp32 summation order (GroupedKernel's members
+say how they differ); tools/bench_fp8_variants.py measures them against each other.
 
 Tested under TRITON_INTERPRET=1 against the torch reference (dequantize, float64 GEMM) on small
 shapes, and on the GPU by tools/bench_gemm_fp8.py. Legend: R rows, P padded rows, E experts.
