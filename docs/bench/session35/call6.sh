@@ -5,10 +5,13 @@
 # wgrad's outer-product promotion and fp32 store cost), and fwd+bwd with quantization with the
 # Gluon forward / dgrad and bf16 wgrads (#14's grouped target: >= 1.3x bf16, floor 1.1x), its checks
 # first (each experts kind's autograd fwd / dgrad / wgrad against float64: the Gluon ops' first on a GPU).
-# Run from the repo root: bash docs/bench/session35/call6.sh (timeout 300; about 220 s warm-started).
+# The Gluon GPU tests first (new: the experts compiled against eager).
+# Run from the repo root: bash docs/bench/session35/call6.sh (timeout 360; about 280 s warm-started).
 source docs/bench/session25/common.sh
 nvidia-smi --query-gpu=name --format=csv,noheader
 t0=$(date +%s)
+timeout 80 python3 -m pytest -q -m gpu tests/core/test_fp8_gluon.py --tb=short 2>&1 | grep -v Warning | tail -15
+echo "tests $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
 timeout 110 python3 tools/bench_fp8_variants.py --shapes olmoe --gemms gate_up,down --iters 10 --loop 10 \
   --gluon-configs "4,1;3,1;5,1;6,1;4,0" --gluon-k-configs "4,1;5,1" --json $OUT/variants_loop10.json 2>&1 | grep -v Warning | tail -14
 echo "variants $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
