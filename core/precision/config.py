@@ -70,7 +70,7 @@ class Fp8Experts(StrEnum):
     gluon = "gluon"
     """core/precision/fp8_gluon.py: the forward and dgrad GEMMs written in Gluon, warp-specialized by
     hand (a TMA producer, two wgmma consumers: one's fp32 promotion overlapping the other's MMA) and
-    persistent, no host sync: 1.15-1.44x the ``triton`` kernels on the H100 (session 35); the wgrad
+    persistent, no host sync: 1.16-1.44x the ``triton`` kernels per GEMM on the H100 (session 35); the wgrad
     stays on the ``triton`` kernel (faster). SM90 only: on other GPUs and the CPU the ``triton``
     kernels run."""
 

@@ -88,6 +88,10 @@ class GluonConfig(tuple):
         return f"BM128 BN128 s{bufs} ws{' persistent' if persistent else ''} gluon"
 
 
+MAX_K_BUFS = 5
+"""The wgrad kernel's deepest ring: its fp32 epilogue's layout conversion takes 64 KiB beside the
+stages (5: 224 KiB of the SM's 227); the rows kernel takes 6 (208 KiB)."""
+
 CONFIG = GluonConfig(4, True)
 """The rows kernel's ring and launch."""
 K_CONFIG: GluonConfig | None = None
@@ -97,10 +101,17 @@ gate|up, persistent 4 stages the best Gluon one). tools/bench_fp8_variants.py se
 
 
 def supported(device: torch.device | None = None) -> bool:
-    """Gluon importable and the GPU an SM90 (the one architecture with wgmma)."""
+    """Gluon importable and the GPU an SM90 (the one architecture with wgmma). Asked twice per grouped
+    GEMM on the training step's path: the device's answer is cached."""
     if not AVAILABLE or not torch.cuda.is_available() or (device is not None and torch.device(device).type != "cuda"):
         return False
-    return torch.cuda.get_device_capability(device)[0] == 9
+    index = torch.device(device).index if device is not None else None
+    return _is_sm90(torch.cuda.current_device() if index is None else index)
+
+
+@functools.lru_cache(maxsize=None)
+def _is_sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
 
 
 @functools.lru_cache(maxsize=None)
@@ -414,6 +425,9 @@ def gluon_grouped_mm_k(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out, descri
     given, [E, M, N], its last dim contiguous); ``descriptors`` from k_descriptors (made here when
     None). ``config`` default: K_CONFIG as it is at this call, else 4 stages, persistent."""
     bufs, persistent = config or K_CONFIG or GluonConfig()
+    if bufs > MAX_K_BUFS:
+        raise ValueError(f"the Gluon wgrad kernel fits {MAX_K_BUFS} stages in shared memory with its fp32 "
+                         f"epilogue (224 KiB), got {bufs}")
     M, P = a_MP.shape
     N = bt_NP.shape[0]
     E = padded_offsets_E.numel()

@@ -82,8 +82,9 @@ class Switches:
     fp8_experts: str = "triton"
     """precision.fp8_experts (native fp8_blockwise): the experts' GEMMs in the Triton kernels, or one
     cuBLAS GEMM per local expert (cublas: the GPU's rate or the CPU's per-call cost, whichever is longer).
-    gluon (core/precision/fp8_gluon.py) is planned at the Triton kernels' rate: it has no measured rate
-    yet that the plan could use (docs/performance.md, sessions 10-11)."""
+    gluon (core/precision/fp8_gluon.py) is planned at the Triton kernels' rate: its forward and dgrad
+    measured 1.16-1.44x them per GEMM on the H100 (docs/performance.md, session 35), but no whole step
+    with it has run yet to calibrate the plan (a conservative step-time estimate until then)."""
     fp8_wgrad: str = "all"
     """precision.fp8_wgrad (native fp8_blockwise and fp8_rowwise): which weight-gradient GEMMs run in FP8 (all, none,
     dense: all but the routed experts'); the others in bf16 at the bf16 rates (a third of each

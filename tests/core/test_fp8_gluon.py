@@ -101,15 +101,49 @@ def test_gluon_config_checks_its_ring():
     assert fg.GluonConfig(3, 1).name == "BM128 BN128 s3 ws persistent gluon"
 
 
-def test_gluon_config_is_read_when_called(monkeypatch):
-    """The module's CONFIG is the ring of every later call (tools/bench_fp8_variants.py sets it to time
-    each; a default bound at import would time one config under every name: session 10's call 3)."""
-    import inspect
+class _Launches:
+    """Stands in for a Gluon kernel: records each launch's grid and keyword arguments."""
 
-    for fn in (fg.gluon_grouped_mm_rows, fg.gluon_grouped_mm_k):
-        assert inspect.signature(fn).parameters["config"].default is None
-    src = inspect.getsource(fg.gluon_grouped_mm_rows) + inspect.getsource(fg.gluon_grouped_mm_k)
-    assert "config or CONFIG" in src and "config or K_CONFIG" in src
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.calls.append((grid, args, kw))
+
+
+def test_gluon_launches_read_the_config_at_each_call(monkeypatch):
+    """The wrappers launch with the module's CONFIG / K_CONFIG as they are at each call
+    (tools/bench_fp8_variants.py sets them to time each; a default bound at import timed one config
+    under every name: session 10's call 3), one CTA a tile or one per SM (persistent), the row-tile
+    table first with one row per possible row tile, and the wgrad's ring no deeper than fits."""
+    rows, table, k = _Launches(), _Launches(), _Launches()
+    monkeypatch.setattr(fg, "_gluon_rows_kernel", rows)
+    monkeypatch.setattr(fg, "_gluon_tile_table_kernel", table)
+    monkeypatch.setattr(fg, "_gluon_k_kernel", k)
+    monkeypatch.setattr(fg, "_sm_count", lambda index: 8)
+    R, K, N, E = 1000, 256, 384, 3  # 8 + 3 row tiles x 3 column tiles = 33 tiles
+    a = torch.zeros(R, K, dtype=torch.float8_e4m3fn)
+    b = torch.zeros(E, N, K, dtype=torch.float8_e4m3fn).transpose(1, 2)
+    sa, sb = torch.ones(R, K // 128), torch.ones(E, K // 128, N // 128)
+    offsets = torch.tensor([100, 600, 1000], dtype=torch.int32)
+    out = torch.empty(R, N, dtype=torch.bfloat16)
+    for config, grid in ((fg.GluonConfig(3, False), (33, )), (fg.GluonConfig(5, True), (8, ))):
+        monkeypatch.setattr(fg, "CONFIG", config)
+        fg.gluon_grouped_mm_rows(a, sa, b, sb, offsets, out)
+        assert rows.calls[-1][0] == grid and rows.calls[-1][2]["NUM_BUF"] == config[0], config.name
+        assert table.calls[-1][0] == (11, ) and table.calls[-1][1][1].shape == (11, 3)
+    at, bt = torch.zeros(256, 640, dtype=torch.float8_e4m3fn), torch.zeros(384, 640, dtype=torch.float8_e4m3fn)
+    padded = torch.tensor([128, 384, 640], dtype=torch.int32)
+    k_out = torch.empty(3, 256, 384)
+    k_args = (at, torch.ones(256, 5), bt, torch.ones(384, 5), padded, k_out)
+    monkeypatch.setattr(fg, "K_CONFIG", fg.GluonConfig(3, False))
+    fg.gluon_grouped_mm_k(*k_args)
+    assert k.calls[-1][0] == (3 * 2 * 3, ) and k.calls[-1][2]["NUM_BUF"] == 3
+    monkeypatch.setattr(fg, "K_CONFIG", None)  # the product default: its wrapper's own ring
+    fg.gluon_grouped_mm_k(*k_args)
+    assert k.calls[-1][0] == (8, ) and k.calls[-1][2]["NUM_BUF"] == 4
+    with pytest.raises(ValueError, match="fits 5 stages"):
+        fg.gluon_grouped_mm_k(*k_args, config=fg.GluonConfig(6, True))
 
 
 def test_gluon_descriptors_only_where_tma_reads_the_operands():
@@ -139,7 +173,8 @@ def test_gluon_ops_compile_and_fall_back_off_sm90():
 
 def check_gluon_ops() -> None:
     from moetron.core.precision import fp8_triton as ft
-    from moetron.core.precision.blockwise import quantize_128x128, quantize_1x128
+    from moetron.core.precision.blockwise import (dequantize_1x128, dequantize_128x128, quantize_1x128,
+                                                  quantize_128x128)
 
     offsets = torch.tensor([40, 40, 201], dtype=torch.int32)
     a_q, a_s = quantize_1x128(wide(210, 256, seed=1), -1)
@@ -147,12 +182,19 @@ def check_gluon_ops() -> None:
     args = (a_q, a_s, w_q.transpose(1, 2), w_s.transpose(1, 2), offsets)
     want = ft.fp8_grouped_mm_rows(*args, torch.float32, kernel="pipelined")
     got = torch.compile(torch.ops.moetron.fp8_gluon_rows, fullgraph=True, backend="aot_eager")(*args, torch.float32)
-    assert torch.equal(got[:201], want[:201])
+    # against float64 on the dequantized operands, expert by expert (and the pipelined kernel's bits)
+    check_rows(got, offsets, dequantize_1x128(a_q, a_s, -1), dequantize_128x128(w_q, w_s), want, "cpu", 1e-5,
+               "the compiled rows op")
     torch.library.opcheck(torch.ops.moetron.fp8_gluon_rows.default, (*args, torch.bfloat16),
                           test_utils=("test_faketensor", ))
     padded = torch.tensor([128, 128, 256], dtype=torch.int32)
-    kargs = (*quantize_1x128(wide(128, 256, seed=3), -1), *quantize_1x128(wide(256, 256, seed=4), -1), padded)
-    assert torch.equal(torch.ops.moetron.fp8_gluon_k(*kargs), ft.fp8_grouped_mm_k(*kargs, kernel="pipelined"))
+    (ka_q, ka_s), (kb_q, kb_s) = quantize_1x128(wide(128, 256, seed=3), -1), quantize_1x128(wide(256, 256, seed=4), -1)
+    kargs = (ka_q, ka_s, kb_q, kb_s, padded)
+    k_out = torch.ops.moetron.fp8_gluon_k(*kargs)
+    ka_d, kb_d = dequantize_1x128(ka_q, ka_s, -1), dequantize_1x128(kb_q, kb_s, -1)
+    assert torch.equal(k_out[1], torch.zeros(128, 256)), "the empty expert"
+    for e, (s, t) in ((0, (0, 128)), (2, (128, 256))):
+        assert _ref_err(k_out[e], ka_d[:, s:t], kb_d[:, s:t].T) <= 1e-5, f"wgrad op, expert {e}"
     torch.library.opcheck(torch.ops.moetron.fp8_gluon_k.default, kargs, test_utils=("test_faketensor", ))
 
 
