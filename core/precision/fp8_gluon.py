@@ -56,10 +56,12 @@ import triton
 try:  # Gluon ships with Triton >= 3.5
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     # the TMA load's name: async_copy_global_to_shared up to Triton 3.6, async_load after
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     AVAILABLE = True
 except ImportError:  # pragma: no cover - older Triton
     AVAILABLE = False
@@ -73,19 +75,24 @@ BLOCK_K = 128
 
 
 class GluonConfig(tuple):
-    """(NUM_BUF, persistent): the ring's stages (32 KiB each; with the epilogue's layout conversion the
-    rows kernel takes 112 / 144 KiB of shared memory at 3 / 4 stages, the wgrad's fp32 one 160 / 192)
-    and one CTA an SM looping over the tiles (else one CTA a tile)."""
+    """(NUM_BUF, persistent, tma_store): the ring's stages (32 KiB each; with the epilogue's layout
+    conversion the rows kernel takes 112 / 144 KiB of shared memory at 3 / 4 stages, the wgrad's fp32
+    one 160 / 192), one CTA an SM looping over the tiles (else one CTA a tile), and the epilogue:
+    ``tma_store`` writes each consumer's 64 x 128 tile into its own shared-memory buffer and stores it
+    with TMA, asynchronously (the consumer goes on to the next tile's K-blocks and waits for the store
+    only before it writes the buffer again; a partial tile, past an expert's last row, is stored
+    masked from the same buffer), else the tile is stored from registers, masked, and the consumer
+    waits for it."""
 
-    def __new__(cls, bufs: int = 4, persistent: bool = True):
+    def __new__(cls, bufs: int = 4, persistent: bool = True, tma_store: bool = False):
         if not 2 <= bufs <= 6:
             raise ValueError(f"the Gluon kernels' ring takes 2 to 6 stages of 32 KiB, got {bufs}")
-        return super().__new__(cls, (int(bufs), bool(persistent)))
+        return super().__new__(cls, (int(bufs), bool(persistent), bool(tma_store)))
 
     @property
     def name(self) -> str:
-        bufs, persistent = self
-        return f"BM128 BN128 s{bufs} ws{' persistent' if persistent else ''} gluon"
+        bufs, persistent, tma_store = self
+        return f"BM128 BN128 s{bufs} ws{' persistent' if persistent else ''}{' tma-store' if tma_store else ''} gluon"
 
 
 MAX_K_BUFS = 5
@@ -237,10 +244,29 @@ if AVAILABLE:
                            b_bufs, ready, empty)
 
     @gluon.jit
-    def _rows_consumer(HALF: gl.constexpr, a_bufs, b_bufs, ready, empty, tile_ptr, sa_ptr, s_sam, s_sak, sb_ptr,
-                       s_sbe, s_sbk, s_sbn, c_ptr, s_cm, E, R, N, K, total):
+    def _tma_epilogue(acc, c_desc, c_smem, row, col0, full):
+        """TMA_STORE's epilogue: acc into this consumer's buffer (once the buffer's last TMA store has
+        read it) and, for a ``full`` tile, its TMA store at (row, col0), left running (a partial one
+        the caller stores masked, from the buffer)."""
+        tma.store_wait(0)
+        c_smem.store(acc.to(c_desc.dtype))
+        fence_async_shared()
+        if full:
+            _tma_store(c_desc, [row, col0], c_smem)
+
+    @gluon.jit
+    def _rows_store(out, c_ptr, s_cm, row, col0, row_end, N):
+        """out (STORE_LAYOUT) at rows row .. row + 63 below row_end, columns col0 .. below N."""
+        om = row + gl.arange(0, out.shape[0], layout=gl.SliceLayout(1, STORE_LAYOUT))
+        on = col0 + gl.arange(0, out.shape[1], layout=gl.SliceLayout(0, STORE_LAYOUT))
+        gl.store(c_ptr + om[:, None].to(gl.int64) * s_cm + on[None, :], out,
+                 mask=(om < row_end)[:, None] & (on < N)[None, :])
+
+    @gluon.jit
+    def _rows_consumer(HALF: gl.constexpr, TMA_STORE: gl.constexpr, a_bufs, b_bufs, ready, empty, tile_ptr, sa_ptr,
+                       s_sam, s_sak, sb_ptr, s_sbe, s_sbk, s_sbn, c_ptr, c_desc, c_smem, s_cm, E, R, N, K, total):
         """Rows HALF * 64 .. of each tile: the K-blocks' promotions, then the store in c's dtype (rows below
-        the tile's end row; bf16 in 16-byte stores through shared memory)."""
+        the tile's end row; bf16 in 16-byte stores through shared memory, or by TMA: GluonConfig)."""
         BN: gl.constexpr = b_bufs.shape[1]
         BK: gl.constexpr = b_bufs.shape[2]
         n_n = (N + BN - 1) // BN
@@ -252,41 +278,69 @@ if AVAILABLE:
             first = gl.load(tile_ptr + 3 * rt + 1)
             row_end = gl.where(first < 0, 0, gl.load(tile_ptr + 3 * rt + 2))  # past the last tile: nothing stored
             nk = gl.where(first < 0, 0, K // BK)
-            offs_m = gl.maximum(first, 0) + HALF * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA_LAYOUT))
+            row = gl.maximum(first, 0) + HALF * 64
+            offs_m = row + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA_LAYOUT))
             sa_ptrs = sa_ptr + gl.minimum(offs_m, R - 1).to(gl.int64) * s_sam  # rows past R: read, never stored
             sb_tile = sb_ptr + group.to(gl.int64) * s_sbe + (col0 // BK) * s_sbn
             acc, c = _accumulate(HALF, False, nk, c, a_bufs, b_bufs, ready, empty, sa_ptrs, s_sak, sb_tile, s_sbk)
-            out = gl.convert_layout(acc.to(c_ptr.dtype.element_ty), STORE_LAYOUT)  # bf16 (fp32: the tests)
-            om = gl.maximum(first, 0) + HALF * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, STORE_LAYOUT))
-            on = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, STORE_LAYOUT))
-            gl.store(c_ptr + om[:, None].to(gl.int64) * s_cm + on[None, :], out,
-                     mask=(om < row_end)[:, None] & (on < N)[None, :])
+            if TMA_STORE:  # a tile past its expert's last row: stored masked, from the buffer
+                _tma_epilogue(acc, c_desc, c_smem, row, col0, row + 64 <= row_end)
+                if row + 64 > row_end:
+                    _rows_store(c_smem.load(STORE_LAYOUT), c_ptr, s_cm, row, col0, row_end, N)
+            else:  # bf16 (fp32: the tests)
+                _rows_store(gl.convert_layout(acc.to(c_ptr.dtype.element_ty), STORE_LAYOUT), c_ptr, s_cm, row, col0,
+                            row_end, N)
+        if TMA_STORE:
+            tma.store_wait(0)
+
+    # a pair of consumer partitions for each epilogue: a constexpr cannot come through warp_specialize
 
     @gluon.jit
     def _rows_consumer0(a_bufs, b_bufs, ready, empty, tile_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbe, s_sbk, s_sbn,
                         c_ptr, s_cm, E, R, N, K, total):
-        _rows_consumer(0, a_bufs, b_bufs, ready, empty, tile_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbe, s_sbk, s_sbn,
-                       c_ptr, s_cm, E, R, N, K, total)
+        _rows_consumer(0, False, a_bufs, b_bufs, ready, empty, tile_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbe, s_sbk,
+                       s_sbn, c_ptr, c_ptr, c_ptr, s_cm, E, R, N, K, total)
 
     @gluon.jit
     def _rows_consumer1(a_bufs, b_bufs, ready, empty, tile_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbe, s_sbk, s_sbn,
                         c_ptr, s_cm, E, R, N, K, total):
-        _rows_consumer(1, a_bufs, b_bufs, ready, empty, tile_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbe, s_sbk, s_sbn,
-                       c_ptr, s_cm, E, R, N, K, total)
+        _rows_consumer(1, False, a_bufs, b_bufs, ready, empty, tile_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbe, s_sbk,
+                       s_sbn, c_ptr, c_ptr, c_ptr, s_cm, E, R, N, K, total)
 
     @gluon.jit
-    def _gluon_rows_kernel(a_desc, b_desc, sa_ptr, sb_ptr, tile_ptr, c_ptr, E, R, N, K, T,
-                           s_sam, s_sak, s_sbe, s_sbk, s_sbn, s_cm, NUM_BUF: gl.constexpr, num_warps: gl.constexpr):
-        """B stacked [E * N, K]; tiles t = row tile * ceil(N / 128) + column tile, a grid apart."""
+    def _rows_consumer0_tma(a_bufs, b_bufs, ready, empty, tile_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbe, s_sbk, s_sbn,
+                            c_ptr, c_desc, c_smem, s_cm, E, R, N, K, total):
+        _rows_consumer(0, True, a_bufs, b_bufs, ready, empty, tile_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbe, s_sbk,
+                       s_sbn, c_ptr, c_desc, c_smem.index(0), s_cm, E, R, N, K, total)
+
+    @gluon.jit
+    def _rows_consumer1_tma(a_bufs, b_bufs, ready, empty, tile_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbe, s_sbk, s_sbn,
+                            c_ptr, c_desc, c_smem, s_cm, E, R, N, K, total):
+        _rows_consumer(1, True, a_bufs, b_bufs, ready, empty, tile_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbe, s_sbk,
+                       s_sbn, c_ptr, c_desc, c_smem.index(1), s_cm, E, R, N, K, total)
+
+    @gluon.jit
+    def _gluon_rows_kernel(a_desc, b_desc, c_desc, sa_ptr, sb_ptr, tile_ptr, c_ptr, E, R, N, K, T,
+                           s_sam, s_sak, s_sbe, s_sbk, s_sbn, s_cm, NUM_BUF: gl.constexpr, TMA_STORE: gl.constexpr,
+                           num_warps: gl.constexpr):
+        """B stacked [E * N, K]; tiles t = row tile * ceil(N / 128) + column tile, a grid apart. ``c_desc``:
+        the output's descriptor ([64, 128] blocks) under TMA_STORE, else unused."""
         gl.static_assert(a_desc.block_type.shape[0] == 128, "two 64-row consumers")
         gl.static_assert(b_desc.block_type.shape[0] == a_desc.block_type.shape[1], "one B scale a K-block")
         total = T * ((N + 127) // 128)
         a_bufs, b_bufs, ready, empty = _ring(a_desc, b_desc, NUM_BUF)
-        cargs = (a_bufs, b_bufs, ready, empty, tile_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbe, s_sbk, s_sbn, c_ptr, s_cm,
-                 E, R, N, K, total)
-        gl.warp_specialize([(_rows_consumer0, cargs), (_rows_consumer1, cargs),
-                            (_rows_producer, (a_desc, b_desc, tile_ptr, N, K, total, a_bufs, b_bufs, ready, empty))],
-                           [4, 1], [232, 40])  # setmaxnreg: 2 x 128 x 232 + 128 x 40 <= 65,536
+        pargs = (a_desc, b_desc, tile_ptr, N, K, total, a_bufs, b_bufs, ready, empty)
+        if TMA_STORE:
+            c_smem = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
+            cargs = (a_bufs, b_bufs, ready, empty, tile_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbe, s_sbk, s_sbn, c_ptr,
+                     c_desc, c_smem, s_cm, E, R, N, K, total)
+            gl.warp_specialize([(_rows_consumer0_tma, cargs), (_rows_consumer1_tma, cargs), (_rows_producer, pargs)],
+                               [4, 1], [232, 40])  # setmaxnreg: 2 x 128 x 232 + 128 x 40 <= 65,536
+        else:
+            cargs = (a_bufs, b_bufs, ready, empty, tile_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbe, s_sbk, s_sbn, c_ptr,
+                     s_cm, E, R, N, K, total)
+            gl.warp_specialize([(_rows_consumer0, cargs), (_rows_consumer1, cargs), (_rows_producer, pargs)],
+                               [4, 1], [232, 40])
 
     # ----------------------------------------------------------------------------------------------
     # wgrad: out[e] = A[:, rows of e] @ Bt[:, rows of e]^T, each expert's rows padded to 128s
@@ -310,50 +364,83 @@ if AVAILABLE:
             c = _load_tile(a_desc, b_desc, row0, col0, kb0, nk, c, a_bufs, b_bufs, ready, empty)
 
     @gluon.jit
-    def _k_consumer(HALF: gl.constexpr, a_bufs, b_bufs, ready, empty, off_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbn,
-                    s_sbk, c_ptr, s_ce, s_cm, M, N, total):
+    def _k_store(out, c_ptr, e, s_ce, s_cm, row, col0, M, N):
+        """out (K_STORE_LAYOUT) at expert e's rows row .. row + 63 below M, columns col0 .. below N."""
+        om = row + gl.arange(0, out.shape[0], layout=gl.SliceLayout(1, K_STORE_LAYOUT))
+        on = col0 + gl.arange(0, out.shape[1], layout=gl.SliceLayout(0, K_STORE_LAYOUT))
+        gl.store(c_ptr + e.to(gl.int64) * s_ce + om[:, None].to(gl.int64) * s_cm + on[None, :], out,
+                 mask=(om < M)[:, None] & (on < N)[None, :])
+
+    @gluon.jit
+    def _k_consumer(HALF: gl.constexpr, TMA_STORE: gl.constexpr, a_bufs, b_bufs, ready, empty, off_ptr, sa_ptr, s_sam,
+                    s_sak, sb_ptr, s_sbn, s_sbk, c_ptr, c_desc, c_smem, s_ce, s_cm, M, N, total):
         """Output rows HALF * 64 .. of each tile, a scale a row of A and a column of Bt each K-block;
-        fp32 out (zeros for an expert without rows)."""
+        fp32 out (zeros for an expert without rows; by TMA where the tile lies inside M: GluonConfig)."""
         BN: gl.constexpr = b_bufs.shape[1]
         c = 0
         for t in range(gl.program_id(0), total, gl.num_programs(0)):
             e, row0, col0, kb0, nk = _k_tile(t, off_ptr, M, N)
-            offs_m = row0 + HALF * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA_LAYOUT))
+            row = row0 + HALF * 64
+            offs_m = row + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA_LAYOUT))
             offs_n = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, MMA_LAYOUT))
             sa_ptrs = sa_ptr + gl.minimum(offs_m, M - 1).to(gl.int64) * s_sam + kb0 * s_sak
             sb_ptrs = sb_ptr + gl.minimum(offs_n, N - 1) * s_sbn + kb0 * s_sbk  # int32 offsets: fewer registers
             acc, c = _accumulate(HALF, True, nk, c, a_bufs, b_bufs, ready, empty, sa_ptrs, s_sak, sb_ptrs, s_sbk)
-            out = gl.convert_layout(acc, K_STORE_LAYOUT)
-            om = row0 + HALF * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, K_STORE_LAYOUT))
-            on = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, K_STORE_LAYOUT))
-            gl.store(c_ptr + e.to(gl.int64) * s_ce + om[:, None].to(gl.int64) * s_cm + on[None, :], out,
-                     mask=(om < M)[:, None] & (on < N)[None, :])
+            if TMA_STORE:  # the output as [E * M, N]: a tile past M would write the next expert's rows
+                _tma_epilogue(acc, c_desc, c_smem, e * M + row, col0, row + 64 <= M)
+                if row + 64 > M:
+                    _k_store(c_smem.load(K_STORE_LAYOUT), c_ptr, e, s_ce, s_cm, row, col0, M, N)
+            else:
+                _k_store(gl.convert_layout(acc, K_STORE_LAYOUT), c_ptr, e, s_ce, s_cm, row, col0, M, N)
+        if TMA_STORE:
+            tma.store_wait(0)
 
     @gluon.jit
     def _k_consumer0(a_bufs, b_bufs, ready, empty, off_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbn, s_sbk, c_ptr, s_ce,
                      s_cm, M, N, total):
-        _k_consumer(0, a_bufs, b_bufs, ready, empty, off_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbn, s_sbk, c_ptr, s_ce,
-                    s_cm, M, N, total)
+        _k_consumer(0, False, a_bufs, b_bufs, ready, empty, off_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbn, s_sbk, c_ptr,
+                    c_ptr, c_ptr, s_ce, s_cm, M, N, total)
 
     @gluon.jit
     def _k_consumer1(a_bufs, b_bufs, ready, empty, off_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbn, s_sbk, c_ptr, s_ce,
                      s_cm, M, N, total):
-        _k_consumer(1, a_bufs, b_bufs, ready, empty, off_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbn, s_sbk, c_ptr, s_ce,
-                    s_cm, M, N, total)
+        _k_consumer(1, False, a_bufs, b_bufs, ready, empty, off_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbn, s_sbk, c_ptr,
+                    c_ptr, c_ptr, s_ce, s_cm, M, N, total)
 
     @gluon.jit
-    def _gluon_k_kernel(a_desc, b_desc, sa_ptr, sb_ptr, off_ptr, c_ptr, M, N, E,
-                        s_sam, s_sak, s_sbn, s_sbk, s_ce, s_cm, NUM_BUF: gl.constexpr, num_warps: gl.constexpr):
-        """Tiles t = (expert, 128-row block of M, 128-column block of N), a grid apart."""
+    def _k_consumer0_tma(a_bufs, b_bufs, ready, empty, off_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbn, s_sbk, c_ptr,
+                         c_desc, c_smem, s_ce, s_cm, M, N, total):
+        _k_consumer(0, True, a_bufs, b_bufs, ready, empty, off_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbn, s_sbk, c_ptr,
+                    c_desc, c_smem.index(0), s_ce, s_cm, M, N, total)
+
+    @gluon.jit
+    def _k_consumer1_tma(a_bufs, b_bufs, ready, empty, off_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbn, s_sbk, c_ptr,
+                         c_desc, c_smem, s_ce, s_cm, M, N, total):
+        _k_consumer(1, True, a_bufs, b_bufs, ready, empty, off_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbn, s_sbk, c_ptr,
+                    c_desc, c_smem.index(1), s_ce, s_cm, M, N, total)
+
+    @gluon.jit
+    def _gluon_k_kernel(a_desc, b_desc, c_desc, sa_ptr, sb_ptr, off_ptr, c_ptr, M, N, E,
+                        s_sam, s_sak, s_sbn, s_sbk, s_ce, s_cm, NUM_BUF: gl.constexpr, TMA_STORE: gl.constexpr,
+                        num_warps: gl.constexpr):
+        """Tiles t = (expert, 128-row block of M, 128-column block of N), a grid apart. ``c_desc``: the
+        output's as [E * M, N] ([64, 128] blocks) under TMA_STORE, else unused."""
         gl.static_assert(a_desc.block_type.shape[0] == 128, "two 64-row consumers")
         gl.static_assert(b_desc.block_type.shape[0] == 128, "the module's MMA layout is 128 columns wide")
         total = E * ((M + 127) // 128) * ((N + 127) // 128)
         a_bufs, b_bufs, ready, empty = _ring(a_desc, b_desc, NUM_BUF)
-        cargs = (a_bufs, b_bufs, ready, empty, off_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbn, s_sbk, c_ptr, s_ce, s_cm,
-                 M, N, total)
-        gl.warp_specialize([(_k_consumer0, cargs), (_k_consumer1, cargs),
-                            (_k_producer, (a_desc, b_desc, off_ptr, M, N, total, a_bufs, b_bufs, ready, empty))],
-                           [4, 1], [232, 40])  # setmaxnreg: 2 x 128 x 232 + 128 x 40 <= 65,536
+        pargs = (a_desc, b_desc, off_ptr, M, N, total, a_bufs, b_bufs, ready, empty)
+        if TMA_STORE:
+            c_smem = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
+            cargs = (a_bufs, b_bufs, ready, empty, off_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbn, s_sbk, c_ptr, c_desc,
+                     c_smem, s_ce, s_cm, M, N, total)
+            gl.warp_specialize([(_k_consumer0_tma, cargs), (_k_consumer1_tma, cargs), (_k_producer, pargs)],
+                               [4, 1], [232, 40])  # setmaxnreg: 2 x 128 x 232 + 128 x 40 <= 65,536
+        else:
+            cargs = (a_bufs, b_bufs, ready, empty, off_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbn, s_sbk, c_ptr, s_ce,
+                     s_cm, M, N, total)
+            gl.warp_specialize([(_k_consumer0, cargs), (_k_consumer1, cargs), (_k_producer, pargs)],
+                               [4, 1], [232, 40])
 
 
 def _descriptor(t: torch.Tensor | None, rows: int):
@@ -366,6 +453,21 @@ def _descriptor(t: torch.Tensor | None, rows: int):
     block = [rows, BLOCK_K]
     layout = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
     return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], block, layout)
+
+
+_GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def out_descriptor(out_2d: torch.Tensor):
+    """The TMA_STORE epilogue's descriptor of the 2-D output: [64, 128] blocks (one consumer's half of
+    a tile), or None where TMA cannot write it (then the kernels store it themselves)."""
+    from .fp8_triton import tma_readable
+
+    if not AVAILABLE or out_2d.dtype not in _GL_DTYPES or not tma_readable(out_2d):
+        return None
+    block = [BLOCK_M // 2, BLOCK_N]
+    layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, _GL_DTYPES[out_2d.dtype]))
+    return TensorDescriptor(out_2d, list(out_2d.shape), [out_2d.stride(0), 1], block, layout)
 
 
 def _pair(a_desc, b_desc):
@@ -402,7 +504,7 @@ def gluon_grouped_mm_rows(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out, descriptor
     """out[rows of e] = A[rows of e] @ B[e] (fp8_triton.fp8_grouped_mm_rows's contract; ``out``
     given, [R, N]); ``descriptors`` from rows_descriptors (made here when None). ``config`` default:
     CONFIG as it is at this call (tools/bench_fp8_variants.py sets it to time each)."""
-    bufs, persistent = config or CONFIG
+    bufs, persistent, tma_store = config or CONFIG
     R, K = a_RK.shape
     E, _, N = b_EKN.shape
     descriptors = descriptors or rows_descriptors(a_RK, b_EKN)
@@ -413,9 +515,11 @@ def gluon_grouped_mm_rows(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out, descriptor
     T = triton.cdiv(R, BLOCK_M) + E  # at most one partial tile an expert
     table = torch.empty(T, 3, dtype=torch.int32, device=a_RK.device)
     _gluon_tile_table_kernel[(T, )](offsets_E, table, E, BM=BLOCK_M, EP=triton.next_power_of_2(E), num_warps=1)
+    c_desc = out_descriptor(out) if tma_store else None  # None: the masked stores
     _gluon_rows_kernel[_grid(T * (N // BLOCK_N), persistent, a_RK.device)](
-        a_desc, b_desc, sa_RB, sb_EBC, table, out, E, R, N, K, T, sa_RB.stride(0), sa_RB.stride(1),
-        sb_EBC.stride(0), sb_EBC.stride(1), sb_EBC.stride(2), out.stride(0), NUM_BUF=bufs, num_warps=4)
+        a_desc, b_desc, c_desc or out, sa_RB, sb_EBC, table, out, E, R, N, K, T, sa_RB.stride(0), sa_RB.stride(1),
+        sb_EBC.stride(0), sb_EBC.stride(1), sb_EBC.stride(2), out.stride(0), NUM_BUF=bufs,
+        TMA_STORE=c_desc is not None, num_warps=4)
     return out
 
 
@@ -424,7 +528,7 @@ def gluon_grouped_mm_k(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out, descri
     """out[e] = A[:, rows of e] @ Bt[:, rows of e]^T (fp8_triton.fp8_grouped_mm_k's contract; ``out``
     given, [E, M, N], its last dim contiguous); ``descriptors`` from k_descriptors (made here when
     None). ``config`` default: K_CONFIG as it is at this call, else 4 stages, persistent."""
-    bufs, persistent = config or K_CONFIG or GluonConfig()
+    bufs, persistent, tma_store = config or K_CONFIG or GluonConfig()
     if bufs > MAX_K_BUFS:
         raise ValueError(f"the Gluon wgrad kernel fits {MAX_K_BUFS} stages in shared memory with its fp32 "
                          f"epilogue (224 KiB), got {bufs}")
@@ -437,9 +541,12 @@ def gluon_grouped_mm_k(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out, descri
                          "row-major output (fp8_triton's pipelined kernel takes any strides)")
     a_desc, b_desc = descriptors
     total = E * triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N)
+    # TMA_STORE writes the experts' outputs as one [E * M, N] matrix: out contiguous
+    c_desc = out_descriptor(out.view(E * M, N)) if tma_store and out.is_contiguous() else None
     _gluon_k_kernel[_grid(total, persistent, a_MP.device)](
-        a_desc, b_desc, sa_MB, sbt_NB, padded_offsets_E, out, M, N, E, sa_MB.stride(0), sa_MB.stride(1),
-        sbt_NB.stride(0), sbt_NB.stride(1), out.stride(0), out.stride(1), NUM_BUF=bufs, num_warps=4)
+        a_desc, b_desc, c_desc or out, sa_MB, sbt_NB, padded_offsets_E, out, M, N, E, sa_MB.stride(0),
+        sa_MB.stride(1), sbt_NB.stride(0), sbt_NB.stride(1), out.stride(0), out.stride(1), NUM_BUF=bufs,
+        TMA_STORE=c_desc is not None, num_warps=4)
     return out
 
 

@@ -23,28 +23,35 @@ fg = pytest.importorskip("moetron.core.precision.fp8_gluon")
 if not fg.AVAILABLE:
     pytest.skip("this Triton has no Gluon", allow_module_level=True)
 
-ROWS_CONFIGS = [fg.CONFIG, fg.GluonConfig(3, True), fg.GluonConfig(4, False)]
-K_CONFIGS = [fg.GluonConfig(4, True), fg.GluonConfig(3, True), fg.GluonConfig(4, False)]
+ROWS_CONFIGS = [fg.CONFIG, fg.GluonConfig(3, True), fg.GluonConfig(4, False), fg.GluonConfig(4, True, True),
+                fg.GluonConfig(5, False, True)]
+K_CONFIGS = [fg.GluonConfig(4, True), fg.GluonConfig(3, True), fg.GluonConfig(4, False), fg.GluonConfig(4, True, True),
+             fg.GluonConfig(5, False, True)]
 
 
-def _desc(rows: int) -> str:
+def _desc(rows: int, dtype: str = "float8e4nv") -> str:
     from triton.experimental.gluon import language as gl
 
-    layout = gl.NVMMASharedLayout.get_default_for([rows, 128], gl.float8e4nv)
-    return f"tensordesc<fp8e4nv[{rows}, 128],{layout!r}>"
+    layout = gl.NVMMASharedLayout.get_default_for([rows, 128], getattr(gl, dtype))
+    name = {"float8e4nv": "fp8e4nv", "bfloat16": "bf16", "float32": "fp32"}[dtype]
+    return f"tensordesc<{name}[{rows}, 128],{layout!r}>"
 
 
-def _compile(kind: str, bufs: int, out: str = "*bf16"):
-    """The rows, k or tile-table kernel compiled for SM90 at OLMoE's shapes (no GPU needed)."""
+def _compile(kind: str, bufs: int, out: str = "*bf16", tma_store: bool = False):
+    """The rows, k or tile-table kernel compiled for SM90 at OLMoE's shapes (no GPU needed);
+    ``tma_store``: the TMA epilogue (GluonConfig.tma_store), its output descriptor of ``out``'s dtype."""
     R, K, N, E, P = 131072, 2048, 2048, 64, 131072 + 64 * 128
     common = dict(a_desc=_desc(128), b_desc=_desc(128), sa_ptr="*fp32", sb_ptr="*fp32")
+    if kind == "k":
+        out = "*fp32"
+    c_desc = _desc(64, {"*bf16": "bfloat16", "*fp32": "float32"}[out]) if tma_store else out
     if kind == "rows":
-        kernel, constexprs = fg._gluon_rows_kernel, dict(NUM_BUF=bufs, num_warps=4)
-        values = dict(common, tile_ptr="*i32", c_ptr=out, E=E, R=R, N=N, K=K, T=R // 128 + E, s_sam=K // 128,
-                      s_sak=1, s_sbe=N * K // 128 ** 2, s_sbk=1, s_sbn=K // 128, s_cm=N)
+        kernel, constexprs = fg._gluon_rows_kernel, dict(NUM_BUF=bufs, TMA_STORE=tma_store, num_warps=4)
+        values = dict(common, c_desc=c_desc, tile_ptr="*i32", c_ptr=out, E=E, R=R, N=N, K=K, T=R // 128 + E,
+                      s_sam=K // 128, s_sak=1, s_sbe=N * K // 128 ** 2, s_sbk=1, s_sbn=K // 128, s_cm=N)
     elif kind == "k":
-        kernel, constexprs = fg._gluon_k_kernel, dict(NUM_BUF=bufs, num_warps=4)
-        values = dict(common, off_ptr="*i32", c_ptr="*fp32", M=N, N=K, E=E, s_sam=P // 128, s_sak=1,
+        kernel, constexprs = fg._gluon_k_kernel, dict(NUM_BUF=bufs, TMA_STORE=tma_store, num_warps=4)
+        values = dict(common, c_desc=c_desc, off_ptr="*i32", c_ptr=out, M=N, N=K, E=E, s_sam=P // 128, s_sak=1,
                       s_sbn=P // 128, s_sbk=1, s_ce=N * K, s_cm=K)
     else:
         kernel, constexprs = fg._gluon_tile_table_kernel, dict(BM=128, EP=64, num_warps=1)
