@@ -60,20 +60,27 @@ def _compile(kind: str, bufs: int, out: str = "*bf16", tma_store: bool = False):
     return _compile_sm90(kernel, options, values, constexprs, gluon=True)
 
 
-@pytest.mark.parametrize("kind,bufs", [("rows", 3), ("rows", 4), ("k", 3), ("k", 4)])
-def test_gluon_kernels_compile_for_sm90(kind, bufs):
+@pytest.mark.parametrize("kind,bufs,tma_store", [("rows", 3, False), ("rows", 4, False), ("k", 3, False),
+                                                ("k", 4, False), ("rows", 5, True), ("k", 5, True)])
+def test_gluon_kernels_compile_for_sm90(kind, bufs, tma_store):
     """Each kernel compiles for Hopper warp-specialized: the consumers' registers raised and the
     producer's lowered (setmaxnreg), each consumer's 64 x 128 wgmma (8 instructions a K-block in PTX),
-    the two operands through TMA into ``bufs`` stages, the output in 16-byte stores, and no register
-    spills at the consumers' 232 registers (ptxas's own verdict)."""
-    compiled = _compile(kind, bufs)
+    the two operands through TMA into ``bufs`` stages, the output in 16-byte stores (and, with
+    ``tma_store``, each consumer's full tiles by a TMA store whose buffer is reused only once the store
+    has read it), and no register spills at the consumers' 232 registers (ptxas's own verdict)."""
+    compiled = _compile(kind, bufs, tma_store=tma_store)
     ptx = compiled.asm["ptx"]
-    what = f"{kind} s{bufs}"
+    what = f"{kind} s{bufs}{' tma-store' if tma_store else ''}"
     for direction, regs in (("inc", 232), ("dec", 40)):  # the consumers' budget up, the producer's down
         assert re.search(rf"setmaxnreg.{direction}.sync.aligned.u32\s+{regs};", ptx), \
             f"{what}: not warp-specialized with the consumers' / producer's register budgets"
     assert "wgmma.mma_async" in ptx and "wgmma.wait_group.sync.aligned 0;" in ptx, what
-    assert ptx.count("cp.async.bulk.tensor") == 2, f"{what}: A's and B's loads not through TMA"
+    loads = len(re.findall(r"cp.async.bulk.tensor.\w+.shared::\w+.global", ptx))
+    stores = len(re.findall(r"cp.async.bulk.tensor.\w+.global.shared::\w+", ptx))
+    assert loads == 2, f"{what}: A's and B's loads not through TMA"
+    assert stores == (2 if tma_store else 0), f"{what}: {stores} TMA stores (one a consumer with tma_store)"
+    if tma_store:  # each consumer waits for its last store to read the buffer, then all its warps sync
+        assert re.search(r"cp.async.bulk.wait_group.read\s+0;\s*\n\s*bar.sync", ptx), f"{what}: buffer reused unsynced"
     assert "st.global.v4" in ptx, f"{what}: the output not stored in 16-byte vectors"
     assert compiled.metadata.shared >= bufs * 2 * 128 * 128, f"{what}: {bufs} stages of A and B"
     from triton.backends.nvidia.compiler import get_ptxas
