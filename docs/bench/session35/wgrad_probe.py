@@ -286,6 +286,8 @@ def main():
         err = float((got - ref).abs().max() / ref.abs().max())
         timings["product (outer, store)"] = do_bench(lambda: fg.gluon_grouped_mm_k(
             a_q, sa, bt_q, sbt, padded, out, config=fg.GluonConfig(4, True)))
+        timings["product tma-store (session 36)"] = do_bench(lambda: fg.gluon_grouped_mm_k(
+            a_q, sa, bt_q, sbt, padded, out, config=fg.GluonConfig(4, True, True)))
         for name in VARIANTS:
             timings[name] = do_bench(lambda: run_variant(name, a_q, sa, bt_q, sbt, padded, out))
         sa_T, sbt_T = sa.t().contiguous(), sbt.t().contiguous()
