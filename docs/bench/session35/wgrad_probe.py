@@ -294,6 +294,15 @@ def main():
         got = run_smem_scales(a_q, sa_T, bt_q, sbt_T, padded, out.clone())
         smem_err = float((got - ref).abs().max() / ref.abs().max())
         timings["smem_scales"] = do_bench(lambda: run_smem_scales(a_q, sa_T, bt_q, sbt_T, padded, out))
+        # session 36: the product kernel reading K-block-major scales from global memory (strided views of
+        # sa_T / sbt_T: a thread's column scales then lie in 8-byte pairs, contiguous across lanes)
+        for tma_store in (False, True):
+            config = fg.GluonConfig(4, True, tma_store)
+            got = fg.gluon_grouped_mm_k(a_q, sa_T.t(), bt_q, sbt_T.t(), padded, out.clone(), config=config)
+            name = f"product, K-block-major scales{' tma-store' if tma_store else ''}"
+            print(f"{label}: {name} max error {float((got - ref).abs().max() / ref.abs().max()):.1e}")
+            timings[name] = do_bench(lambda: fg.gluon_grouped_mm_k(a_q, sa_T.t(), bt_q, sbt_T.t(), padded, out,
+                                                                   config=config))
         timings["pipelined Triton"] = do_bench(lambda: ft.fp8_grouped_mm_k(a_q, sa, bt_q, sbt, padded,
                                                                            kernel="pipelined"))
         ab, bb = a_q.to(torch.bfloat16), bt_q.to(torch.bfloat16).t()
