@@ -305,6 +305,8 @@ def main():
                                                                    config=config))
         timings["pipelined Triton"] = do_bench(lambda: ft.fp8_grouped_mm_k(a_q, sa, bt_q, sbt, padded,
                                                                            kernel="pipelined"))
+        timings["pipelined, K-block-major scales"] = do_bench(lambda: ft.fp8_grouped_mm_k(
+            a_q, sa_T.t(), bt_q, sbt_T.t(), padded, kernel="pipelined"))
         ab, bb = a_q.to(torch.bfloat16), bt_q.to(torch.bfloat16).t()
         try:
             timings["bf16 _grouped_mm"] = do_bench(lambda: torch._grouped_mm(ab, bb, offs=padded))
@@ -313,7 +315,7 @@ def main():
         print(f"{label}: M {M} N {N} P {P} E {E}; max error of the largest (right < 1e-2): product {err:.1e}, "
               f"smem_scales {smem_err:.1e}")
         for name, ms in timings.items():
-            print(f"  {name:<24} {ms:7.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s")
+            print(f"  {name:<44} {ms:7.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s")
 
 
 if __name__ == "__main__":
