@@ -120,7 +120,7 @@ def _scales(rows: int, blocks: int, outer_major: bool, device) -> torch.Tensor:
 
 def quantize_1x128_fused(x_RC: torch.Tensor, rows: bool = True, tokens: bool = True,
                          src_rows_P: torch.Tensor | None = None, rows_out: int | None = None,
-                         outer_major: bool = False):
+                         outer_major: bool = False, tokens_outer_major: bool | None = None):
     """x [R, C] (C a multiple of 128) -> (rows, tokens), each (data, scale) or None:
 
     - rows: quantize_1x128(x, -1) over ``rows_out`` rows (default R; rows past R are zeros): e4m3
@@ -130,7 +130,9 @@ def quantize_1x128_fused(x_RC: torch.Tensor, rows: bool = True, tokens: bool = T
       or x_P = x[src_rows_P] (zeros where < 0; P = len(src_rows_P), a multiple of 128): e4m3 [C, P],
       fp32 [C, P / 128].
 
-    ``outer_major``: scales laid out rows-fastest (stride (1, rows)), as F.scaled_mm wants them."""
+    ``outer_major``: scales laid out rows-fastest (stride (1, rows)), as F.scaled_mm wants them;
+    ``tokens_outer_major`` (default ``outer_major``): the tokens' alone so (K-block-major: a K-block's
+    scales of every column contiguous, as the wgrad kernels read them a K-block at a time)."""
     R, C = x_RC.shape
     if C % FP8_BLOCK:
         raise ValueError(f"fp8 1x128 tiles must divide the columns ({C}): pad them to a multiple of {FP8_BLOCK}")
@@ -143,7 +145,8 @@ def quantize_1x128_fused(x_RC: torch.Tensor, rows: bool = True, tokens: bool = T
         raise ValueError(f"rows_out ({R_OUT}) may pad R ({R}) by less than {FP8_BLOCK}")
     B = C // FP8_BLOCK
     rq = (torch.empty(R_OUT, C, dtype=torch.float8_e4m3fn, device=dev), _scales(R_OUT, B, outer_major, dev)) if rows else None
-    tq = (torch.empty(C, P, dtype=torch.float8_e4m3fn, device=dev), _scales(C, P // FP8_BLOCK, outer_major, dev)) if tokens else None
+    t_outer = outer_major if tokens_outer_major is None else tokens_outer_major
+    tq = (torch.empty(C, P, dtype=torch.float8_e4m3fn, device=dev), _scales(C, P // FP8_BLOCK, t_outer, dev)) if tokens else None
     if not (rows or tokens) or P == 0:
         return rq, tq
     rd, rs = rq if rows else (x_RC, x_RC)

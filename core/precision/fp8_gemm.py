@@ -45,6 +45,12 @@ EXPERTS = ("triton", "cublas", "gluon")  # the grouped GEMMs: fp8_triton's kerne
 # experts, or fp8_gluon's kernels (SM90; fp8_triton's elsewhere)
 
 
+KBLOCK_MAJOR_TOKEN_SCALES = False
+"""The grouped wgrad's operand scales laid out K-block-major ([P / 128, C] storage, read as [C, P / 128]):
+the wgrad kernels read a K-block's scales of 128 columns at a time (docs/bench/session35/wgrad_probe.py
+times both layouts)."""
+
+
 def has_blockwise_scaled_mm() -> bool:
     return hasattr(F, "scaled_mm") and hasattr(getattr(F, "ScalingType", None), "BlockWise128x128")
 
@@ -67,10 +73,12 @@ def _quantize(gemm: "Fp8BlockwiseGemm", x_RC: torch.Tensor, rows: bool, tokens: 
     tokens = quantize_1x128(x_P^T) with x_P = x[src_P] or x padded to whole 128s, data [C, P]).
     ``dense``: the operands of a dense linear (cuBLAS's scale layout under dense="scaled_mm")."""
     outer = gemm.dense == "scaled_mm" and dense  # cuBLAS's scale layout, for the dense GEMMs
+    # the grouped wgrad's operands with K-block-major scales where the backend reads them so
+    t_outer = outer or (not dense and gemm.kblock_major_token_scales)
     if gemm.uses_triton(x_RC):
         from .blockwise_triton import quantize_1x128_fused
 
-        return quantize_1x128_fused(x_RC, rows, tokens, src_P, rows_out, outer)
+        return quantize_1x128_fused(x_RC, rows, tokens, src_P, rows_out, outer, t_outer)
     rq = tq = None
     if rows:
         pad = (rows_out if rows_out is not None else x_RC.shape[0]) - x_RC.shape[0]
@@ -79,7 +87,7 @@ def _quantize(gemm: "Fp8BlockwiseGemm", x_RC: torch.Tensor, rows: bool, tokens: 
     if tokens:
         x_P = gather_rows(x_RC, src_P) if src_P is not None else pad_rows(x_RC, FP8_BLOCK)
         d, s = quantize_1x128(x_P.t().contiguous(), -1)
-        tq = (d, m_fastest(s) if outer else s)
+        tq = (d, m_fastest(s) if t_outer else s)
     return rq, tq
 
 
@@ -227,6 +235,12 @@ class Fp8BlockwiseGemm(GemmBackend):
         self.fp8_wgrad, self.fp8_wgrad_experts = self.wgrad.dense_fp8, self.wgrad.experts_fp8
         self.row_multiple = 4 if dense == "scaled_mm" else 1  # cuBLAS: the 1x128 scales' rows in 4s
         self.cache = WeightCache()
+
+    @property
+    def kblock_major_token_scales(self) -> bool:
+        """Whether the grouped wgrad's operands (the tokens' 1x128 tiles) get K-block-major scales
+        (KBLOCK_MAJOR_TOKEN_SCALES, for the Triton and Gluon experts; the cuBLAS loop reads its own)."""
+        return KBLOCK_MAJOR_TOKEN_SCALES and self.experts in ("triton", "gluon")
 
     @property
     def grouped_kernel(self) -> str | None:

@@ -122,6 +122,52 @@ def test_cublas_rows_refuses_a_without_spare_rows():
         torch.ops.moetron.fp8_cublas_rows(a_q, a_s, w_q, w_s, torch.tensor([4, 10]))
 
 
+def check_kblock_major_scales(device: str, quant: str) -> None:
+    """fp8_gemm.KBLOCK_MAJOR_TOKEN_SCALES: the grouped wgrad's operand scales laid out K-block-major
+    (storage [P / 128, C]) give the same outputs and gradients, bit for bit, as the row-major ones, and
+    the layout is the one asked for (the scales the backward saved, and the wgrad's dy operand)."""
+    import moetron.core.precision.fp8_gemm as fp8_gemm
+    import moetron.core.precision.fp8_triton as fp8_triton
+    from moetron.core.precision.blockwise_triton import quantize_1x128_fused
+
+    offsets = torch.tensor([40, 40, 140, 150], device=device)
+    x, w = wide(160, 256, seed=1).to(device), wide(4, 128, 256, seed=2).to(device)
+    dy = wide(160, 128, seed=3).bfloat16().float().to(device)
+    out, strides = {}, []
+    default, wgrad_k = fp8_gemm.KBLOCK_MAJOR_TOKEN_SCALES, fp8_triton.fp8_grouped_mm_k
+
+    def spy(a, sa, bt, sbt, *args, **kw):  # the wgrad's operand scales as the kernel receives them
+        strides.append((sa.stride(), sbt.stride()))
+        return wgrad_k(a, sa, bt, sbt, *args, **kw)
+
+    fp8_triton.fp8_grouped_mm_k = spy
+    try:
+        for major in (False, True):
+            fp8_gemm.KBLOCK_MAJOR_TOKEN_SCALES = major
+            gemm = fp8_gemm.Fp8BlockwiseGemm("triton", quant, "triton")
+            assert gemm.kblock_major_token_scales == major
+            assert not fp8_gemm.Fp8BlockwiseGemm("triton", quant, "cublas").kblock_major_token_scales
+            xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+            y = gemm.grouped_mm(xr, wr, offsets)
+            y.backward(dy)
+            out[major] = (y.detach()[:150], xr.grad[:150], wr.grad)
+    finally:
+        fp8_gemm.KBLOCK_MAJOR_TOKEN_SCALES, fp8_triton.fp8_grouped_mm_k = default, wgrad_k
+    assert all(torch.equal(a, b) for a, b in zip(out[False], out[True]))
+    (sa0, sbt0), (sa1, sbt1) = strides  # dy^T [128, P] and x^T [256, P]: K-blocks fastest, then columns
+    assert sa0[1] == sbt0[1] == 1 and (sa1, sbt1) == ((1, 128), (1, 256)), strides
+    if quant == "triton":
+        _, (d0, s0) = quantize_1x128_fused(x, False, True)
+        _, (d1, s1) = quantize_1x128_fused(x, False, True, tokens_outer_major=True)
+        assert torch.equal(d0, d1) and torch.equal(s0, s1)
+        assert s0.stride() == (2, 1) and s1.stride() == (1, 256), (s0.stride(), s1.stride())
+
+
+@pytest.mark.parametrize("quant", ["torch", "triton"])
+def test_kblock_major_token_scales_interpreted_give_the_same_bits(quant):
+    run_interpreted("tests.core.test_precision_fp8", f"check_kblock_major_scales('cpu', {quant!r})")
+
+
 # Run in one interpreted subprocess (tests/interpreted.py), each test checking its own.
 INTERPRETED = ("check_fp8('cpu', quant='torch')", "check_fp8('cpu', quant='triton')",
                "check_fp8('cpu', quant='triton', wgrad='none')", "check_pipelined('cpu')")
