@@ -45,7 +45,7 @@ EXPERTS = ("triton", "cublas", "gluon")  # the grouped GEMMs: fp8_triton's kerne
 # experts, or fp8_gluon's kernels (SM90; fp8_triton's elsewhere)
 
 
-KBLOCK_MAJOR_TOKEN_SCALES = False
+KBLOCK_MAJOR_TOKEN_SCALES = True
 """The grouped wgrad's operand scales laid out K-block-major ([P / 128, C] storage, read as [C, P / 128]):
 the wgrad kernels read a K-block's scales of 128 columns at a time (docs/bench/session35/wgrad_probe.py
 times both layouts)."""

@@ -95,16 +95,18 @@ class GluonConfig(tuple):
         return f"BM128 BN128 s{bufs} ws{' persistent' if persistent else ''}{' tma-store' if tma_store else ''} gluon"
 
 
-MAX_K_BUFS = 5
-"""The wgrad kernel's deepest ring: its fp32 epilogue's layout conversion takes 64 KiB beside the
-stages (5: 224 KiB of the SM's 227); the rows kernel takes 6 (208 KiB)."""
+MAX_K_BUFS = 4
+"""The wgrad kernel's deepest ring: its stages are 33 KiB (the two operands' K-blocks and their scales)
+and its fp32 epilogue takes 64 KiB (the TMA store's buffers, or the layout conversion): 5 stages would
+need 229 KiB of the SM's 227; the rows kernel takes 6 (224 KiB with the TMA store's bf16 buffers)."""
 
-CONFIG = GluonConfig(4, True)
-"""The rows kernel's ring and launch."""
-K_CONFIG: GluonConfig | None = None
-"""The wgrad kernel's ring and launch; None: ``fp8_experts=gluon``'s wgrad runs fp8_triton's pipelined
-kernel, which measured faster (the H100, session 35 call 2: 426 against 471 TFLOP/s at OLMoE's
-gate|up, persistent 4 stages the best Gluon one). tools/bench_fp8_variants.py sets it to time each."""
+CONFIG = GluonConfig(4, True, True)
+"""The rows kernel's ring, launch and epilogue (the H100, session 36 call 1b, ``--loop 10``: the TMA store
+1.01-1.13x the masked stores at 4 stages; 5 and 6 stages within 3% of 4)."""
+K_CONFIG: GluonConfig | None = GluonConfig(4, True, True)
+"""The wgrad kernel's ring, launch and epilogue; None: ``fp8_experts=gluon``'s wgrad runs fp8_triton's
+pipelined kernel (which measured faster than session 35's Gluon wgrad, whose scales came from global
+memory). tools/bench_fp8_variants.py sets it to time each."""
 
 
 def supported(device: torch.device | None = None) -> bool:
@@ -131,6 +133,9 @@ if AVAILABLE:
                                                         instr_shape=[16, BLOCK_N, 32]))
     STORE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))  # bf16: 16 bytes a thread
     K_STORE_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0]))  # fp32: 16 bytes a thread
+    SCALE_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
+    FLAT_LAYOUT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, order=[0]))  # a scale stage as a vector
+    REINTERPRET_PUBLIC = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))  # 3.6: _reinterpret
 
     @gluon.jit
     def _add(a, b):
@@ -203,12 +208,11 @@ if AVAILABLE:
                              use_acc=False, is_async=True)
 
     @gluon.jit
-    def _accumulate(HALF: gl.constexpr, OUTER: gl.constexpr, nk, c, a_bufs, b_bufs, ready, empty, sa_ptrs, s_sak,
-                    sb_ptrs, s_sbk):
+    def _accumulate(HALF: gl.constexpr, nk, c, a_bufs, b_bufs, ready, empty, sa_ptrs, s_sak, sb_ptrs, s_sbk):
         """This consumer's sum over a tile's nk K-blocks (the ring's c-th stage onwards) of its wgmma
-        product times the K-block's scales: sa one a row and sb one scalar (the rows form), or sb one a
-        column (``OUTER``: the wgrad form). Each wgmma is waited for, its stage freed and its product
-        promoted while the other consumer's wgmma runs. -> (the fp32 sum, the next stage)."""
+        product times the K-block's scales, sa one a row and sb one scalar (the rows form). Each wgmma is
+        waited for, its stage freed and its product promoted while the other consumer's wgmma runs.
+        -> (the fp32 sum, the next stage)."""
         NUM_BUF: gl.constexpr = a_bufs.shape[0]
         BN: gl.constexpr = b_bufs.shape[1]
         acc = gl.zeros((64, BN), dtype=gl.float32, layout=MMA_LAYOUT)
@@ -218,10 +222,7 @@ if AVAILABLE:
             sb = gl.load(sb_ptrs + j * s_sbk)
             d = warpgroup_mma_wait(0, deps=(d, ))
             mbarrier.arrive(empty.index(c % NUM_BUF), count=1)
-            if OUTER:
-                acc = acc + d * sa[:, None] * sb[None, :]
-            else:
-                acc = acc + d * (sa * sb)[:, None]
+            acc = acc + d * (sa * sb)[:, None]
             c += 1
         return acc, c
 
@@ -282,7 +283,7 @@ if AVAILABLE:
             offs_m = row + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA_LAYOUT))
             sa_ptrs = sa_ptr + gl.minimum(offs_m, R - 1).to(gl.int64) * s_sam  # rows past R: read, never stored
             sb_tile = sb_ptr + group.to(gl.int64) * s_sbe + (col0 // BK) * s_sbn
-            acc, c = _accumulate(HALF, False, nk, c, a_bufs, b_bufs, ready, empty, sa_ptrs, s_sak, sb_tile, s_sbk)
+            acc, c = _accumulate(HALF, nk, c, a_bufs, b_bufs, ready, empty, sa_ptrs, s_sak, sb_tile, s_sbk)
             if TMA_STORE:  # a tile past its expert's last row: stored masked, from the buffer
                 _tma_epilogue(acc, c_desc, c_smem, row, col0, row + 64 <= row_end)
                 if row + 64 > row_end:
@@ -357,11 +358,54 @@ if AVAILABLE:
         return e, (r // n_n) * 128, (r % n_n) * 128, kb0, gl.load(off_ptr + e) // 128 - kb0
 
     @gluon.jit
-    def _k_producer(a_desc, b_desc, off_ptr, M, N, total, a_bufs, b_bufs, ready, empty):
+    def _k_producer(a_desc, b_desc, sa_desc, sb_desc, off_ptr, M, N, total, a_bufs, b_bufs, sa_bufs, sb_bufs, ready,
+                    empty):
+        """Each stage: A's and Bt's 128 x 128 K-block and their 128 scales of the K-block (one a row of
+        A, one a column of Bt: [1, 128] boxes of the K-block-major scales), all by TMA."""
+        NUM_BUF: gl.constexpr = a_bufs.shape[0]
+        BK: gl.constexpr = a_desc.block_type.shape[1]
+        nbytes: gl.constexpr = (a_desc.block_type.nbytes + b_desc.block_type.nbytes + sa_desc.block_type.nbytes
+                                + sb_desc.block_type.nbytes)
         c = 0
         for t in range(gl.program_id(0), total, gl.num_programs(0)):
             e, row0, col0, kb0, nk = _k_tile(t, off_ptr, M, N)
-            c = _load_tile(a_desc, b_desc, row0, col0, kb0, nk, c, a_bufs, b_bufs, ready, empty)
+            for j in range(nk):
+                i = c % NUM_BUF
+                mbarrier.wait(empty.index(i), ((c // NUM_BUF) & 1) ^ 1)  # the ring's first round passes
+                bar = ready.index(i)
+                mbarrier.expect(bar, nbytes)
+                _tma_load(a_desc, [row0, (kb0 + j) * BK], bar, a_bufs.index(i))
+                _tma_load(b_desc, [col0, (kb0 + j) * BK], bar, b_bufs.index(i))
+                _tma_load(sa_desc, [kb0 + j, row0], bar, sa_bufs.index(i))
+                _tma_load(sb_desc, [kb0 + j, col0], bar, sb_bufs.index(i))
+                c += 1
+
+    @gluon.jit
+    def _flat(stage):
+        """A [1, 128] fp32 scale stage (unswizzled) as a plain [128] vector (``_reinterpret`` in 3.6)."""
+        if REINTERPRET_PUBLIC:
+            out = stage.reinterpret(gl.float32, [stage.shape[1]], FLAT_LAYOUT)
+        else:
+            out = stage._reinterpret(gl.float32, [stage.shape[1]], FLAT_LAYOUT)
+        return out
+
+    @gluon.jit
+    def _accumulate_k(HALF: gl.constexpr, nk, c, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty):
+        """The wgrad form of _accumulate: each K-block's product times the outer product of A's row scales
+        and Bt's column scales, both read from the stage (the producer brought them with the tiles)."""
+        NUM_BUF: gl.constexpr = a_bufs.shape[0]
+        BN: gl.constexpr = b_bufs.shape[1]
+        acc = gl.zeros((64, BN), dtype=gl.float32, layout=MMA_LAYOUT)
+        for j in range(nk):
+            i = c % NUM_BUF
+            d = _mma(HALF, c, a_bufs, b_bufs, ready)
+            sa = _flat(sa_bufs.index(i)).slice(HALF * 64, 64).load(gl.SliceLayout(1, MMA_LAYOUT))
+            sb = _flat(sb_bufs.index(i)).load(gl.SliceLayout(0, MMA_LAYOUT))
+            d = warpgroup_mma_wait(0, deps=(d, ))
+            mbarrier.arrive(empty.index(i), count=1)  # the scales are in registers: the stage may refill
+            acc = acc + d * sa[:, None] * sb[None, :]
+            c += 1
+        return acc, c
 
     @gluon.jit
     def _k_store(out, c_ptr, e, s_ce, s_cm, row, col0, M, N):
@@ -372,20 +416,15 @@ if AVAILABLE:
                  mask=(om < M)[:, None] & (on < N)[None, :])
 
     @gluon.jit
-    def _k_consumer(HALF: gl.constexpr, TMA_STORE: gl.constexpr, a_bufs, b_bufs, ready, empty, off_ptr, sa_ptr, s_sam,
-                    s_sak, sb_ptr, s_sbn, s_sbk, c_ptr, c_desc, c_smem, s_ce, s_cm, M, N, total):
-        """Output rows HALF * 64 .. of each tile, a scale a row of A and a column of Bt each K-block;
-        fp32 out (zeros for an expert without rows; by TMA where the tile lies inside M: GluonConfig)."""
-        BN: gl.constexpr = b_bufs.shape[1]
+    def _k_consumer(HALF: gl.constexpr, TMA_STORE: gl.constexpr, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty,
+                    off_ptr, c_ptr, c_desc, c_smem, s_ce, s_cm, M, N, total):
+        """Output rows HALF * 64 .. of each tile; fp32 out (zeros for an expert without rows; by TMA where
+        the tile lies inside M: GluonConfig)."""
         c = 0
         for t in range(gl.program_id(0), total, gl.num_programs(0)):
             e, row0, col0, kb0, nk = _k_tile(t, off_ptr, M, N)
             row = row0 + HALF * 64
-            offs_m = row + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA_LAYOUT))
-            offs_n = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, MMA_LAYOUT))
-            sa_ptrs = sa_ptr + gl.minimum(offs_m, M - 1).to(gl.int64) * s_sam + kb0 * s_sak
-            sb_ptrs = sb_ptr + gl.minimum(offs_n, N - 1) * s_sbn + kb0 * s_sbk  # int32 offsets: fewer registers
-            acc, c = _accumulate(HALF, True, nk, c, a_bufs, b_bufs, ready, empty, sa_ptrs, s_sak, sb_ptrs, s_sbk)
+            acc, c = _accumulate_k(HALF, nk, c, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty)
             if TMA_STORE:  # the output as [E * M, N]: a tile past M would write the next expert's rows
                 _tma_epilogue(acc, c_desc, c_smem, e * M + row, col0, row + 64 <= M)
                 if row + 64 > M:
@@ -396,49 +435,48 @@ if AVAILABLE:
             tma.store_wait(0)
 
     @gluon.jit
-    def _k_consumer0(a_bufs, b_bufs, ready, empty, off_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbn, s_sbk, c_ptr, s_ce,
-                     s_cm, M, N, total):
-        _k_consumer(0, False, a_bufs, b_bufs, ready, empty, off_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbn, s_sbk, c_ptr,
-                    c_ptr, c_ptr, s_ce, s_cm, M, N, total)
+    def _k_consumer0(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, off_ptr, c_ptr, s_ce, s_cm, M, N, total):
+        _k_consumer(0, False, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, off_ptr, c_ptr, c_ptr, c_ptr, s_ce, s_cm,
+                    M, N, total)
 
     @gluon.jit
-    def _k_consumer1(a_bufs, b_bufs, ready, empty, off_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbn, s_sbk, c_ptr, s_ce,
-                     s_cm, M, N, total):
-        _k_consumer(1, False, a_bufs, b_bufs, ready, empty, off_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbn, s_sbk, c_ptr,
-                    c_ptr, c_ptr, s_ce, s_cm, M, N, total)
+    def _k_consumer1(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, off_ptr, c_ptr, s_ce, s_cm, M, N, total):
+        _k_consumer(1, False, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, off_ptr, c_ptr, c_ptr, c_ptr, s_ce, s_cm,
+                    M, N, total)
 
     @gluon.jit
-    def _k_consumer0_tma(a_bufs, b_bufs, ready, empty, off_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbn, s_sbk, c_ptr,
-                         c_desc, c_smem, s_ce, s_cm, M, N, total):
-        _k_consumer(0, True, a_bufs, b_bufs, ready, empty, off_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbn, s_sbk, c_ptr,
-                    c_desc, c_smem.index(0), s_ce, s_cm, M, N, total)
+    def _k_consumer0_tma(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, off_ptr, c_ptr, c_desc, c_smem, s_ce, s_cm, M,
+                         N, total):
+        _k_consumer(0, True, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, off_ptr, c_ptr, c_desc, c_smem.index(0),
+                    s_ce, s_cm, M, N, total)
 
     @gluon.jit
-    def _k_consumer1_tma(a_bufs, b_bufs, ready, empty, off_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbn, s_sbk, c_ptr,
-                         c_desc, c_smem, s_ce, s_cm, M, N, total):
-        _k_consumer(1, True, a_bufs, b_bufs, ready, empty, off_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbn, s_sbk, c_ptr,
-                    c_desc, c_smem.index(1), s_ce, s_cm, M, N, total)
+    def _k_consumer1_tma(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, off_ptr, c_ptr, c_desc, c_smem, s_ce, s_cm, M,
+                         N, total):
+        _k_consumer(1, True, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, off_ptr, c_ptr, c_desc, c_smem.index(1),
+                    s_ce, s_cm, M, N, total)
 
     @gluon.jit
-    def _gluon_k_kernel(a_desc, b_desc, c_desc, sa_ptr, sb_ptr, off_ptr, c_ptr, M, N, E,
-                        s_sam, s_sak, s_sbn, s_sbk, s_ce, s_cm, NUM_BUF: gl.constexpr, TMA_STORE: gl.constexpr,
-                        num_warps: gl.constexpr):
-        """Tiles t = (expert, 128-row block of M, 128-column block of N), a grid apart. ``c_desc``: the
+    def _gluon_k_kernel(a_desc, b_desc, sa_desc, sb_desc, c_desc, off_ptr, c_ptr, M, N, E, s_ce, s_cm,
+                        NUM_BUF: gl.constexpr, TMA_STORE: gl.constexpr, num_warps: gl.constexpr):
+        """Tiles t = (expert, 128-row block of M, 128-column block of N), a grid apart. ``sa_desc`` /
+        ``sb_desc``: the K-block-major scales [P / 128, M] / [P / 128, N] in [1, 128] boxes; ``c_desc``: the
         output's as [E * M, N] ([64, 128] blocks) under TMA_STORE, else unused."""
         gl.static_assert(a_desc.block_type.shape[0] == 128, "two 64-row consumers")
         gl.static_assert(b_desc.block_type.shape[0] == 128, "the module's MMA layout is 128 columns wide")
         total = E * ((M + 127) // 128) * ((N + 127) // 128)
         a_bufs, b_bufs, ready, empty = _ring(a_desc, b_desc, NUM_BUF)
-        pargs = (a_desc, b_desc, off_ptr, M, N, total, a_bufs, b_bufs, ready, empty)
+        sa_bufs = gl.allocate_shared_memory(gl.float32, [NUM_BUF] + sa_desc.block_type.shape, sa_desc.layout)
+        sb_bufs = gl.allocate_shared_memory(gl.float32, [NUM_BUF] + sb_desc.block_type.shape, sb_desc.layout)
+        pargs = (a_desc, b_desc, sa_desc, sb_desc, off_ptr, M, N, total, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty)
         if TMA_STORE:
             c_smem = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
-            cargs = (a_bufs, b_bufs, ready, empty, off_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbn, s_sbk, c_ptr, c_desc,
-                     c_smem, s_ce, s_cm, M, N, total)
+            cargs = (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, off_ptr, c_ptr, c_desc, c_smem, s_ce, s_cm, M, N,
+                     total)
             gl.warp_specialize([(_k_consumer0_tma, cargs), (_k_consumer1_tma, cargs), (_k_producer, pargs)],
                                [4, 1], [232, 40])  # setmaxnreg: 2 x 128 x 232 + 128 x 40 <= 65,536
         else:
-            cargs = (a_bufs, b_bufs, ready, empty, off_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbn, s_sbk, c_ptr, s_ce,
-                     s_cm, M, N, total)
+            cargs = (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, off_ptr, c_ptr, s_ce, s_cm, M, N, total)
             gl.warp_specialize([(_k_consumer0, cargs), (_k_consumer1, cargs), (_k_producer, pargs)],
                                [4, 1], [232, 40])
 
@@ -485,12 +523,26 @@ def rows_descriptors(a_RK: torch.Tensor, b_EKN: torch.Tensor):
     return _pair(_descriptor(a_RK, BLOCK_M), _descriptor(stacked_b(b_EKN), BLOCK_N))
 
 
-def k_descriptors(a_MP: torch.Tensor, bt_NP: torch.Tensor):
-    """(A, Bt) descriptors of the wgrad kernel, or None where TMA cannot read them (not K-contiguous,
-    misaligned): the caller then runs fp8_triton's kernel."""
+def _scale_descriptor(s_XB: torch.Tensor):
+    """A [1, 128]-box TMA descriptor of K-block-major scales: s_XB [X, P / 128] stored [P / 128, X]
+    (stride (1, X)), or None for other layouts."""
+    from .fp8_triton import tma_readable
+
+    s_BX = s_XB.t()
+    if s_XB.dtype != torch.float32 or not tma_readable(s_BX):
+        return None
+    return TensorDescriptor(s_BX, list(s_BX.shape), [s_BX.stride(0), 1], [1, BLOCK_N], SCALE_LAYOUT.value)
+
+
+def k_descriptors(a_MP: torch.Tensor, sa_MB: torch.Tensor, bt_NP: torch.Tensor, sbt_NB: torch.Tensor):
+    """(A, Bt, A's scales, Bt's scales) descriptors of the wgrad kernel, or None where TMA cannot read
+    them (operands not K-contiguous, misaligned; scales not K-block-major: fp8_gemm's
+    KBLOCK_MAJOR_TOKEN_SCALES lays them out so): the caller then runs fp8_triton's kernel."""
     if not AVAILABLE:
         return None
-    return _pair(_descriptor(a_MP, BLOCK_M), _descriptor(bt_NP, BLOCK_N))
+    descriptors = (_descriptor(a_MP, BLOCK_M), _descriptor(bt_NP, BLOCK_N), _scale_descriptor(sa_MB),
+                   _scale_descriptor(sbt_NB))
+    return None if any(d is None for d in descriptors) else descriptors
 
 
 def _grid(total: int, persistent: bool, device: torch.device) -> tuple[int]:
@@ -525,27 +577,27 @@ def gluon_grouped_mm_rows(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out, descriptor
 
 def gluon_grouped_mm_k(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out, descriptors=None,
                        config: GluonConfig | None = None):
-    """out[e] = A[:, rows of e] @ Bt[:, rows of e]^T (fp8_triton.fp8_grouped_mm_k's contract; ``out``
-    given, [E, M, N], its last dim contiguous); ``descriptors`` from k_descriptors (made here when
-    None). ``config`` default: K_CONFIG as it is at this call, else 4 stages, persistent."""
-    bufs, persistent, tma_store = config or K_CONFIG or GluonConfig()
+    """out[e] = A[:, rows of e] @ Bt[:, rows of e]^T (fp8_triton.fp8_grouped_mm_k's contract, the scales
+    K-block-major; ``out`` given, [E, M, N], its last dim contiguous); ``descriptors`` from k_descriptors
+    (made here when None). ``config`` default: K_CONFIG as it is at this call, else 4 stages,
+    persistent, the TMA store."""
+    bufs, persistent, tma_store = config or K_CONFIG or GluonConfig(4, True, True)
     if bufs > MAX_K_BUFS:
         raise ValueError(f"the Gluon wgrad kernel fits {MAX_K_BUFS} stages in shared memory with its fp32 "
-                         f"epilogue (224 KiB), got {bufs}")
+                         f"epilogue (64 KiB), got {bufs}")
     M, P = a_MP.shape
     N = bt_NP.shape[0]
     E = padded_offsets_E.numel()
-    descriptors = descriptors or k_descriptors(a_MP, bt_NP)
+    descriptors = descriptors or k_descriptors(a_MP, sa_MB, bt_NP, sbt_NB)
     if descriptors is None or out.stride(2) != 1:
-        raise ValueError("the Gluon wgrad kernel needs K-contiguous, 16-byte aligned A and Bt and a "
-                         "row-major output (fp8_triton's pipelined kernel takes any strides)")
-    a_desc, b_desc = descriptors
+        raise ValueError("the Gluon wgrad kernel needs K-contiguous, 16-byte aligned A and Bt, their scales "
+                         "K-block-major (stride (1, rows)) and a row-major output (fp8_triton's pipelined kernel "
+                         "takes any strides)")
     total = E * triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N)
     # TMA_STORE writes the experts' outputs as one [E * M, N] matrix: out contiguous
     c_desc = out_descriptor(out.view(E * M, N)) if tma_store and out.is_contiguous() else None
     _gluon_k_kernel[_grid(total, persistent, a_MP.device)](
-        a_desc, b_desc, c_desc or out, sa_MB, sbt_NB, padded_offsets_E, out, M, N, E, sa_MB.stride(0),
-        sa_MB.stride(1), sbt_NB.stride(0), sbt_NB.stride(1), out.stride(0), out.stride(1), NUM_BUF=bufs,
+        *descriptors, c_desc or out, padded_offsets_E, out, M, N, E, out.stride(0), out.stride(1), NUM_BUF=bufs,
         TMA_STORE=c_desc is not None, num_warps=4)
     return out
 
@@ -579,7 +631,7 @@ def fp8_gluon_k(a_MP: torch.Tensor, sa_MB: torch.Tensor, bt_NP: torch.Tensor, sb
     """fp8_triton.fp8_grouped_mm_k's contract -> fp32 [E, M, N]."""
     from . import fp8_triton
 
-    descriptors = k_descriptors(a_MP, bt_NP) if supported(a_MP.device) else None
+    descriptors = k_descriptors(a_MP, sa_MB, bt_NP, sbt_NB) if supported(a_MP.device) else None
     if descriptors is None:
         return fp8_triton.fp8_grouped_mm_k(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, kernel="pipelined")
     out = torch.empty(padded_offsets_E.numel(), a_MP.shape[0], bt_NP.shape[0], dtype=torch.float32, device=a_MP.device)

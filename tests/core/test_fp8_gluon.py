@@ -26,7 +26,7 @@ if not fg.AVAILABLE:
 ROWS_CONFIGS = [fg.CONFIG, fg.GluonConfig(3, True), fg.GluonConfig(4, False), fg.GluonConfig(4, True, True),
                 fg.GluonConfig(5, False, True)]
 K_CONFIGS = [fg.GluonConfig(4, True), fg.GluonConfig(3, True), fg.GluonConfig(4, False), fg.GluonConfig(4, True, True),
-             fg.GluonConfig(5, False, True)]
+             fg.GluonConfig(3, False, True)]
 
 
 def _desc(rows: int, dtype: str = "float8e4nv") -> str:
@@ -51,8 +51,9 @@ def _compile(kind: str, bufs: int, out: str = "*bf16", tma_store: bool = False):
                       s_sam=K // 128, s_sak=1, s_sbe=N * K // 128 ** 2, s_sbk=1, s_sbn=K // 128, s_cm=N)
     elif kind == "k":
         kernel, constexprs = fg._gluon_k_kernel, dict(NUM_BUF=bufs, TMA_STORE=tma_store, num_warps=4)
-        values = dict(common, c_desc=c_desc, off_ptr="*i32", c_ptr=out, M=N, N=K, E=E, s_sam=P // 128, s_sak=1,
-                      s_sbn=P // 128, s_sbk=1, s_ce=N * K, s_cm=K)
+        scales = f"tensordesc<fp32[1, 128],{fg.SCALE_LAYOUT.value!r}>"  # K-block-major, [1, 128] boxes
+        values = dict(a_desc=_desc(128), b_desc=_desc(128), sa_desc=scales, sb_desc=scales, c_desc=c_desc,
+                      off_ptr="*i32", c_ptr=out, M=N, N=K, E=E, s_ce=N * K, s_cm=K)
     else:
         kernel, constexprs = fg._gluon_tile_table_kernel, dict(BM=128, EP=64, num_warps=1)
         values = dict(off_ptr="*i32", table_ptr="*i32", E=E)
@@ -61,11 +62,11 @@ def _compile(kind: str, bufs: int, out: str = "*bf16", tma_store: bool = False):
 
 
 @pytest.mark.parametrize("kind,bufs,tma_store", [("rows", 3, False), ("rows", 4, False), ("k", 3, False),
-                                                ("k", 4, False), ("rows", 5, True), ("k", 5, True)])
+                                                ("k", 4, False), ("rows", 5, True), ("k", 4, True)])
 def test_gluon_kernels_compile_for_sm90(kind, bufs, tma_store):
     """Each kernel compiles for Hopper warp-specialized: the consumers' registers raised and the
     producer's lowered (setmaxnreg), each consumer's 64 x 128 wgmma (8 instructions a K-block in PTX),
-    the two operands through TMA into ``bufs`` stages, the output in 16-byte stores (and, with
+    the two operands (and the wgrad's scales) through TMA into ``bufs`` stages, the output in 16-byte stores (and, with
     ``tma_store``, each consumer's full tiles by a TMA store whose buffer is reused only once the store
     has read it), and no register spills at the consumers' 232 registers (ptxas's own verdict)."""
     compiled = _compile(kind, bufs, tma_store=tma_store)
@@ -77,7 +78,7 @@ def test_gluon_kernels_compile_for_sm90(kind, bufs, tma_store):
     assert "wgmma.mma_async" in ptx and "wgmma.wait_group.sync.aligned 0;" in ptx, what
     loads = len(re.findall(r"cp.async.bulk.tensor.\w+.shared::\w+.global", ptx))
     stores = len(re.findall(r"cp.async.bulk.tensor.\w+.global.shared::\w+", ptx))
-    assert loads == 2, f"{what}: A's and B's loads not through TMA"
+    assert loads == (4 if kind == "k" else 2), f"{what}: A's and B's loads (and the wgrad's scales) not through TMA"
     assert stores == (2 if tma_store else 0), f"{what}: {stores} TMA stores (one a consumer with tma_store)"
     if tma_store:  # each consumer waits for its last store to read the buffer, then all its warps sync
         assert re.search(r"cp.async.bulk.wait_group.read\s+0;\s*\n\s*bar.sync", ptx), f"{what}: buffer reused unsynced"
@@ -149,15 +150,15 @@ def test_gluon_launches_read_the_config_at_each_call(monkeypatch):
     at, bt = torch.zeros(256, 640, dtype=torch.float8_e4m3fn), torch.zeros(384, 640, dtype=torch.float8_e4m3fn)
     padded = torch.tensor([128, 384, 640], dtype=torch.int32)
     k_out = torch.empty(3, 256, 384)
-    k_args = (at, torch.ones(256, 5), bt, torch.ones(384, 5), padded, k_out)
+    k_args = (at, torch.ones(5, 256).t(), bt, torch.ones(5, 384).t(), padded, k_out)  # K-block-major scales
     monkeypatch.setattr(fg, "K_CONFIG", fg.GluonConfig(3, False))
     fg.gluon_grouped_mm_k(*k_args)
     assert k.calls[-1][0] == (3 * 2 * 3, ) and k.calls[-1][2]["NUM_BUF"] == 3
     monkeypatch.setattr(fg, "K_CONFIG", None)  # the product default: its wrapper's own ring
     fg.gluon_grouped_mm_k(*k_args)
     assert k.calls[-1][0] == (8, ) and k.calls[-1][2]["NUM_BUF"] == 4
-    with pytest.raises(ValueError, match="fits 5 stages"):
-        fg.gluon_grouped_mm_k(*k_args, config=fg.GluonConfig(6, True))
+    with pytest.raises(ValueError, match="fits 4 stages"):
+        fg.gluon_grouped_mm_k(*k_args, config=fg.GluonConfig(5, True))
 
 
 def test_gluon_descriptors_only_where_tma_reads_the_operands():
@@ -173,9 +174,13 @@ def test_gluon_descriptors_only_where_tma_reads_the_operands():
     assert fg.rows_descriptors(a, torch.zeros(2, 128, 128, dtype=torch.float8_e4m3fn)) is None
     assert fg.rows_descriptors(a, torch.zeros(2, 384, 128, dtype=torch.float8_e4m3fn).transpose(1, 2)[..., :192]) is None
     bt = torch.zeros(256, 384, dtype=torch.float8_e4m3fn)
-    assert fg.k_descriptors(bt, bt) is not None
-    assert fg.k_descriptors(bt.t(), bt) is None  # A not K-contiguous
-    assert fg.k_descriptors(bt[:, 1:], bt) is None  # a base off 16 bytes
+    s = torch.ones(3, 256).t()  # the scales K-block-major: [P / 128, rows] stored
+    assert [d.block_shape for d in fg.k_descriptors(bt, s, bt, s)] == [[128, 128], [128, 128], [1, 128], [1, 128]]
+    assert fg.k_descriptors(bt.t(), s, bt, s) is None  # A not K-contiguous
+    assert fg.k_descriptors(bt[:, 1:], s, bt, s) is None  # a base off 16 bytes
+    assert fg.k_descriptors(bt, s.t().contiguous(), bt, s) is None  # row-major scales: the pipelined kernel's
+    assert fg.k_descriptors(bt, s, bt, torch.ones(3, 260).t()[:256]) is not None
+    assert fg.k_descriptors(bt, s, bt, torch.ones(3, 258).t()[:256]) is None  # a K-block's row off 16 bytes
 
 
 def test_gluon_ops_compile_and_fall_back_off_sm90():
@@ -212,6 +217,11 @@ def check_gluon_ops() -> None:
     torch.library.opcheck(torch.ops.moetron.fp8_gluon_k.default, kargs, test_utils=("test_faketensor", ))
 
 
+def _kmajor(s_XB: torch.Tensor) -> torch.Tensor:
+    """The same scales laid out K-block-major (the Gluon wgrad's layout: fp8_gemm.KBLOCK_MAJOR_TOKEN_SCALES)."""
+    return s_XB.t().contiguous().t()
+
+
 def check_gluon(device: str) -> None:
     from moetron.core.precision import fp8_triton as ft
     from moetron.core.precision.blockwise import (dequantize_1x128, dequantize_128x128, quantize_1x128,
@@ -245,7 +255,7 @@ def check_gluon(device: str) -> None:
     pipelined = ft.fp8_grouped_mm_k(a_q, a_s, b_q, b_s, padded, kernel="pipelined").cpu()
     for config in K_CONFIGS:
         out = torch.full((4, M, N), float("nan"), dtype=torch.float32, device=device)
-        fg.gluon_grouped_mm_k(a_q, a_s, b_q, b_s, padded, out, config=config)
+        fg.gluon_grouped_mm_k(a_q, _kmajor(a_s), b_q, _kmajor(b_s), padded, out, config=config)
         out = out.cpu()
         what = f"wgrad {config.name}"
         assert torch.equal(out[1], torch.zeros(M, N)), f"{what}: the empty expert"
@@ -283,7 +293,7 @@ def check_gluon_persistent(device: str) -> None:
     outs = []
     for config in K_CONFIGS:
         out = torch.full((7, 1024, 640), float("nan"), dtype=torch.float32, device=device)
-        outs.append(fg.gluon_grouped_mm_k(a_q, a_s, b_q, b_s, padded, out, config=config))
+        outs.append(fg.gluon_grouped_mm_k(a_q, _kmajor(a_s), b_q, _kmajor(b_s), padded, out, config=config))
         assert _agree(out, pipelined, device) and torch.equal(out[1], torch.zeros_like(out[1])), f"wgrad {config.name}"
     assert all(torch.equal(o, outs[0]) for o in outs), "wgrad: persistent and one CTA a tile differ"
 
