@@ -44,9 +44,10 @@ class GroupedKernel(StrEnum):
     found with one vector pass over the offsets, and a wider autotune list."""
     gluon = "gluon"
     """core/precision/fp8_gluon.py: warp-specialized by hand (a TMA producer, two wgmma consumers, one's
-    promotion overlapping the other's MMA), persistent, behind custom ops; the wgrad runs the
-    pipelined kernel unless fp8_gluon.K_CONFIG is set (it measured slower). SM90 only and TMA-able
-    operands only; elsewhere (CPU, interpreter, SM100, other strides) the pipelined kernel runs."""
+    promotion overlapping the other's MMA), persistent, behind custom ops; the wgrad's scales
+    K-block-major (staged in shared memory), and the pipelined kernel where fp8_gluon.K_CONFIG is None.
+    SM90 only and TMA-able operands only; elsewhere (CPU, interpreter, SM100, other strides) the
+    pipelined kernel runs."""
 
 
 KERNEL = GroupedKernel.pipelined  # the default (1.05-1.34x the masked kernels on the H200, session 6)
@@ -349,10 +350,9 @@ def fp8_grouped_mm_rows(a_RK: torch.Tensor, sa_RB: torch.Tensor, b_EKN: torch.Te
         if fp8_gluon.supported(a_RK.device):  # a custom op: torch.compile cannot trace Gluon launches
             return torch.ops.moetron.fp8_gluon_rows(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out_dtype)
         kernel = GroupedKernel.pipelined
+    if kernel == GroupedKernel.pipelined:  # a custom op: torch.compile cannot trace its descriptors' checks
+        return torch.ops.moetron.fp8_pipelined_rows(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out_dtype)
     out = torch.empty(R, N, dtype=out_dtype, device=a_RK.device)
-    if kernel == GroupedKernel.pipelined:
-        _rows_pipelined(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out)
-        return out
     grid = lambda meta: (triton.cdiv(N, BLOCK_K), triton.cdiv(R, meta["BM"]) + E)  # noqa: E731
     _fp8_grouped_gemm_rows_kernel[grid](a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out, E, N, K,
                        a_RK.stride(0), a_RK.stride(1), sa_RB.stride(0), sa_RB.stride(1),
@@ -376,25 +376,57 @@ def fp8_grouped_mm_k(a_MP: torch.Tensor, sa_MB: torch.Tensor, bt_NP: torch.Tenso
     if kernel == GroupedKernel.gluon:
         from . import fp8_gluon
 
-        # fp8_gluon.K_CONFIG None (the default): its wgrad kernel measured slower than the pipelined one
+        # fp8_gluon.K_CONFIG None: the pipelined kernel (as the wgrad ran before session 36)
         if fp8_gluon.K_CONFIG is not None and fp8_gluon.supported(a_MP.device):
             return torch.ops.moetron.fp8_gluon_k(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E)
         kernel = GroupedKernel.pipelined
+    if kernel == GroupedKernel.pipelined:  # a custom op: torch.compile cannot trace its descriptors' checks
+        return torch.ops.moetron.fp8_pipelined_k(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E)
     out = torch.empty(E, M, N, dtype=torch.float32, device=a_MP.device)
-    if kernel == GroupedKernel.pipelined:
-        a_desc, b_desc = _descriptor(a_MP), _descriptor(bt_NP)
-        tma_ok = int(a_desc is not None and b_desc is not None)
-        if not tma_ok:
-            a_desc = b_desc = None
-        grid = lambda meta: (triton.cdiv(N, meta["BN"]), triton.cdiv(M, meta["BM"]), E)  # noqa: E731
-        _fp8_grouped_gemm_k_pipelined_kernel[grid](
-            a_MP, a_desc, sa_MB, bt_NP, b_desc, sbt_NB, padded_offsets_E, out, M, N, tma_ok,
-            a_MP.stride(0), a_MP.stride(1), sa_MB.stride(0), sa_MB.stride(1), bt_NP.stride(0), bt_NP.stride(1),
-            sbt_NB.stride(0), sbt_NB.stride(1), out.stride(0), out.stride(1), out.stride(2), BK=BLOCK_K)
-        return out
     grid = lambda meta: (triton.cdiv(N, meta["BN"]), triton.cdiv(M, meta["BM"]), E)  # noqa: E731
     _fp8_grouped_gemm_k_kernel[grid](a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out, M, N,
                     a_MP.stride(0), a_MP.stride(1), sa_MB.stride(0), sa_MB.stride(1),
                     bt_NP.stride(0), bt_NP.stride(1), sbt_NB.stride(0), sbt_NB.stride(1),
                     out.stride(0), out.stride(1), out.stride(2), BK=BLOCK_K)
     return out
+
+
+# The pipelined kernels behind custom ops: their TMA descriptors are built only where TMA can read the
+# operands (tma_readable reads data_ptr(), which Dynamo cannot trace: under torch.compile the grouped
+# GEMM's autograd.Function fell back to eager, forward and backward; session 36 call 2b's test).
+
+@torch.library.custom_op("moetron::fp8_pipelined_rows", mutates_args=())
+def fp8_pipelined_rows(a_RK: torch.Tensor, sa_RB: torch.Tensor, b_EKN: torch.Tensor, sb_EBC: torch.Tensor,
+                       offsets_E: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """fp8_grouped_mm_rows(kernel="pipelined") -> [R, N] in ``out_dtype``."""
+    out = torch.empty(a_RK.shape[0], b_EKN.shape[2], dtype=out_dtype, device=a_RK.device)
+    _rows_pipelined(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out)
+    return out
+
+
+@fp8_pipelined_rows.register_fake
+def _(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out_dtype):
+    return a_RK.new_empty(a_RK.shape[0], b_EKN.shape[2], dtype=out_dtype)
+
+
+@torch.library.custom_op("moetron::fp8_pipelined_k", mutates_args=())
+def fp8_pipelined_k(a_MP: torch.Tensor, sa_MB: torch.Tensor, bt_NP: torch.Tensor, sbt_NB: torch.Tensor,
+                    padded_offsets_E: torch.Tensor) -> torch.Tensor:
+    """fp8_grouped_mm_k(kernel="pipelined") -> fp32 [E, M, N]."""
+    M, N, E = a_MP.shape[0], bt_NP.shape[0], padded_offsets_E.numel()
+    out = torch.empty(E, M, N, dtype=torch.float32, device=a_MP.device)
+    a_desc, b_desc = _descriptor(a_MP), _descriptor(bt_NP)
+    tma_ok = int(a_desc is not None and b_desc is not None)
+    if not tma_ok:
+        a_desc = b_desc = None
+    grid = lambda meta: (triton.cdiv(N, meta["BN"]), triton.cdiv(M, meta["BM"]), E)  # noqa: E731
+    _fp8_grouped_gemm_k_pipelined_kernel[grid](
+        a_MP, a_desc, sa_MB, bt_NP, b_desc, sbt_NB, padded_offsets_E, out, M, N, tma_ok,
+        a_MP.stride(0), a_MP.stride(1), sa_MB.stride(0), sa_MB.stride(1), bt_NP.stride(0), bt_NP.stride(1),
+        sbt_NB.stride(0), sbt_NB.stride(1), out.stride(0), out.stride(1), out.stride(2), BK=BLOCK_K)
+    return out
+
+
+@fp8_pipelined_k.register_fake
+def _(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E):
+    return a_MP.new_empty(padded_offsets_E.numel(), a_MP.shape[0], bt_NP.shape[0], dtype=torch.float32)

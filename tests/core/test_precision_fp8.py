@@ -168,6 +168,40 @@ def test_kblock_major_token_scales_interpreted_give_the_same_bits(quant):
     run_interpreted("tests.core.test_precision_fp8", f"check_kblock_major_scales('cpu', {quant!r})")
 
 
+def check_compiled_fullgraph(device: str) -> None:
+    """The Triton experts' grouped GEMM (forward, dgrad, wgrad: the pipelined kernels behind their custom
+    ops) compiles with fullgraph=True and gives eager's bits: before the ops, Dynamo could not trace the
+    TMA descriptors' data_ptr() check, and under torch.compile the whole autograd.Function ran eagerly
+    (session 36 call 2b)."""
+    from moetron.core.precision.fp8_gemm import Fp8BlockwiseGemm
+
+    offsets = torch.tensor([40, 40, 140, 150], device=device)
+    x0, w0 = wide(160, 256, seed=1).to(device), wide(4, 128, 256, seed=2).to(device)
+    dy = wide(160, 128, seed=3).bfloat16().float().to(device)
+    out = []
+    for compiled in (False, True):
+        gemm = Fp8BlockwiseGemm("triton", "torch", "triton")
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        fn = torch.compile(gemm.grouped_mm, fullgraph=True, backend="aot_eager") if compiled else gemm.grouped_mm
+        y = fn(x, w, offsets)
+        y.backward(dy)
+        out.append((y.detach()[:150], x.grad[:150], w.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*out))
+    op = torch.ops.moetron
+    a_q, a_s = torch.zeros(200, 256, dtype=torch.float8_e4m3fn), torch.ones(200, 2)
+    b_q, b_s = torch.zeros(2, 128, 256, dtype=torch.float8_e4m3fn).transpose(1, 2), torch.ones(2, 2, 1)
+    torch.library.opcheck(op.fp8_pipelined_rows.default, (a_q, a_s, b_q, b_s, torch.tensor([100, 200], dtype=torch.int32),
+                                                          torch.bfloat16), test_utils=("test_faketensor", ))
+    torch.library.opcheck(op.fp8_pipelined_k.default, (torch.zeros(128, 256, dtype=torch.float8_e4m3fn), torch.ones(128, 2),
+                                                       torch.zeros(256, 256, dtype=torch.float8_e4m3fn), torch.ones(256, 2),
+                                                       torch.tensor([128, 256], dtype=torch.int32)),
+                          test_utils=("test_faketensor", ))
+
+
+def test_triton_experts_compile_fullgraph_interpreted():
+    run_interpreted("tests.core.test_precision_fp8", "check_compiled_fullgraph('cpu')")
+
+
 # Run in one interpreted subprocess (tests/interpreted.py), each test checking its own.
 INTERPRETED = ("check_fp8('cpu', quant='torch')", "check_fp8('cpu', quant='triton')",
                "check_fp8('cpu', quant='triton', wgrad='none')", "check_pipelined('cpu')")
