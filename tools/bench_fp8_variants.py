@@ -54,7 +54,9 @@ def parse(argv):
 def operands(R: int, I: int, O: int, E: int, offsets_E: torch.Tensor, device) -> dict:
     """bf16 x [R, I], w [E, O, I], dy [R, O] and their fp8 forms as fp8_gemm.py lays them out: x, dy
     1x128 along the row; w 128x128 (w and its transpose, each K-contiguous for its GEMM); dy^T and
-    x^T [*, P] over each expert's rows padded to 128s, 1x128 along P (the wgrad operands)."""
+    x^T [*, P] over each expert's rows padded to 128s, 1x128 along P (the wgrad operands; their scales
+    also K-block-major, ``*_k``, as the Triton and Gluon wgrads get them)."""
+    from moetron.core.precision import fp8_gemm
     from moetron.core.precision.blockwise import quantize_128x128, quantize_1x128
     from moetron.core.precision.fp8_cublas import ROW_SLACK
     from moetron.core.precision.grouping import pad_groups
@@ -67,11 +69,17 @@ def operands(R: int, I: int, O: int, E: int, offsets_E: torch.Tensor, device) ->
     x_P, padded_offsets_E = pad_groups(x, offsets_E, 128)
     dy_P, _ = pad_groups(dy, offsets_E, 128)
     slack = lambda t: quantize_1x128(torch.nn.functional.pad(t, (0, 0, 0, ROW_SLACK)), -1)  # noqa: E731
-    return dict(x=x, w=w.bfloat16(), dy=dy, x_q=quantize_1x128(x, -1), dy_q=quantize_1x128(dy, -1),
+    out = dict(x=x, w=w.bfloat16(), dy=dy, x_q=quantize_1x128(x, -1), dy_q=quantize_1x128(dy, -1),
                 x_q_slack=slack(x), dy_q_slack=slack(dy),
                 w_q=w_q, wt_q=w_q.transpose(1, 2).contiguous(), w_s=w_s,
                 dyt_q=quantize_1x128(dy_P.t().contiguous(), -1), xt_q=quantize_1x128(x_P.t().contiguous(), -1),
                 padded_offsets_E=padded_offsets_E)
+    # the Triton / Gluon wgrads' operands as fp8_gemm lays them out: scales K-block-major (KBLOCK_MAJOR_TOKEN_SCALES)
+    if fp8_gemm.KBLOCK_MAJOR_TOKEN_SCALES:
+        for k in ("dyt_q", "xt_q"):
+            data, scale = out[k]
+            out[k + "_k"] = (data, scale.t().contiguous().t())
+    return out
 
 
 def passes(ops: dict, offsets_E: torch.Tensor) -> dict:
@@ -90,7 +98,8 @@ def passes(ops: dict, offsets_E: torch.Tensor) -> dict:
                   lambda k: ft.fp8_grouped_mm_rows(*dy_q, wt_q.transpose(1, 2), w_s, offsets_E, kernel=k),
                   lambda: ops_.fp8_cublas_rows(*ops["dy_q_slack"], wt_q, w_s.transpose(1, 2), offsets_E)),
         "wgrad": (lambda: grouped_mm_2d2d(ops["dy"].t(), ops["x"], offsets_E),
-                  lambda k: ft.fp8_grouped_mm_k(*ops["dyt_q"], *ops["xt_q"], ops["padded_offsets_E"], kernel=k),
+                  lambda k: ft.fp8_grouped_mm_k(*ops.get("dyt_q_k", ops["dyt_q"]), *ops.get("xt_q_k", ops["xt_q"]),
+                                                ops["padded_offsets_E"], kernel=k),
                   lambda: ops_.fp8_cublas_k(*ops["dyt_q"], *ops["xt_q"], ops["padded_offsets_E"])),
     }
 

@@ -1,22 +1,27 @@
 #!/usr/bin/env bash
-# Session 36 call 3 (session 35's call 7, never run): #13's olmoe3-4l-8e ratio against torchtitan measured with its
-# noise. Session 34 got 1.196x with the best row (1.2x missed by 0.35%, about the two b16 rows' spread):
-# here torchtitan before and after, moetron's best row twice between b16 rows, 30 timed steps each, so
-# the ratio comes with a spread. Needs .peers carried.
-# Run from the repo root: bash docs/bench/session36/call3.sh (timeout 600; about 500 s warm).
-source docs/bench/session32/switches.sh
-BEST=$B16,$ALL,optimizer.triton_grad_norm=true,model.loss_chunk_tokens=16384
-python3 -m pip install -q --no-index --no-deps --target /tmp/site_tt .peers/whl/*.whl >/dev/null 2>&1
-tt() {
-  PYTHONPATH=/tmp/site_tt timeout 110 python3 .peers/torchtitan_moe_bench.py --config olmoe3-4l-8e --compile --steps 35 \
-    --warmup 5 > $OUT/torchtitan_$1.jsonl 2>$OUT/torchtitan_$1.err
-  grep '"result"' $OUT/torchtitan_$1.jsonl | cut -c1-420
-}
+# Session 36 call 3: the wgrad with its scales staged in shared memory (fp8_gluon K_CONFIG (4, persistent,
+# TMA store), K-block-major token scales) and the pipelined kernels behind custom ops (no more eager
+# fallback of the grouped GEMM under torch.compile): GPU tests, the expert GEMMs (--loop 10), fwd+bwd with
+# quantization at the grouped target's shapes, and the steps of both shapes (#14's step targets).
+# Run from the repo root: bash docs/bench/session36/call3.sh (timeout 600; about 480 s).
+source docs/bench/session25/common.sh
+F8=optimizer.state_dtype=bf16,precision.recipe=fp8_blockwise
+G=precision.fp8_experts=gluon
+nvidia-smi --query-gpu=name --format=csv,noheader
 t0=$(date +%s)
-tt before
-echo "torchtitan $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
-timeout 300 python3 tools/bench_train.py $S2 --steps 30 --warmup 5 --variant b16:$B16 --variant best:$BEST \
-  --variant b16_2:$B16 --variant best_2:$BEST --json $OUT/olmoe3_best_x2.json 2>&1 | grep -v Warning | tail -5
+timeout 100 python3 -m pytest -q -m gpu tests/core/test_fp8_gluon.py tests/core/test_precision_fp8.py --tb=short 2>&1 \
+  | grep -v Warning | grep -E "^(FAILED|ERROR|E  )|passed|failed" | head -20
+echo "tests $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
+timeout 70 python3 tools/bench_fp8_variants.py --shapes olmoe --gemms gate_up,down --iters 10 --loop 10 \
+  --gluon-configs "4,1,1" --gluon-k-configs "4,1,1;4,1;3,1,1" --json $OUT/variants_loop10.json 2>&1 \
+  | grep -v Warning | tail -14
+echo "variants $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
+timeout 80 python3 tools/bench_gemm_fp8.py --iters 10 --skip-check --shapes olmoe olmo3-moe-3.2b olmo3-moe-8e --no-dense \
+  --backends "fp8_blockwise gluon" "fp8_blockwise" --json $OUT/gemm_fp8.json 2>&1 | grep -v Warning | tail -14
+echo "gemm_fp8 $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
+timeout 150 python3 tools/bench_train.py $S2 --steps 8 --warmup 3 --variant b16:$B16 --variant f8g:$F8,$G \
+  --variant f8:$F8 --json $OUT/steps_S2.json 2>&1 | grep -v Warning | tail -5
 echo "S2 $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
-tt after
-echo "torchtitan $(( $(date +%s) - t0 )) s"
+timeout 140 python3 tools/bench_train.py $S1 --steps 8 --warmup 3 --variant b16:$B16 --variant f8g:$F8,$G \
+  --json $OUT/steps_S1.json 2>&1 | grep -v Warning | tail -4
+echo "S1 $(( $(date +%s) - t0 )) s"
