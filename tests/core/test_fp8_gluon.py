@@ -40,7 +40,7 @@ def _desc(rows: int, dtype: str = "float8e4nv") -> str:
 def _compile(kind: str, bufs: int, out: str = "*bf16", tma_store: bool = False):
     """The rows, k or tile-table kernel compiled for SM90 at OLMoE's shapes (no GPU needed);
     ``tma_store``: the TMA epilogue (GluonConfig.tma_store), its output descriptor of ``out``'s dtype."""
-    R, K, N, E, P = 131072, 2048, 2048, 64, 131072 + 64 * 128
+    R, K, N, E = 131072, 2048, 2048, 64
     common = dict(a_desc=_desc(128), b_desc=_desc(128), sa_ptr="*fp32", sb_ptr="*fp32")
     if kind == "k":
         out = "*fp32"
