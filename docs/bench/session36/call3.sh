@@ -16,8 +16,8 @@ timeout 70 python3 tools/bench_fp8_variants.py --shapes olmoe --gemms gate_up,do
   --gluon-configs "4,1,1" --gluon-k-configs "4,1,1;4,1" --json $OUT/variants_loop10.json 2>&1 \
   | grep -v Warning | tail -14
 echo "variants $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
-timeout 80 python3 tools/bench_gemm_fp8.py --iters 10 --skip-check --shapes olmoe olmo3-moe-3.2b olmo3-moe-8e --no-dense \
-  --backends "fp8_blockwise gluon" "fp8_blockwise" --json $OUT/gemm_fp8.json 2>&1 | grep -v Warning | tail -14
+timeout 110 python3 tools/bench_gemm_fp8.py --iters 10 --skip-check --shapes olmoe olmo3-moe-3.2b olmo3-moe-8e --no-dense \
+  --backends "fp8_blockwise gluon" "fp8_blockwise" --profile --top 8 --json $OUT/gemm_fp8.json 2>&1 | grep -v Warning | tail -60
 echo "gemm_fp8 $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
 timeout 150 python3 tools/bench_train.py $S2 --steps 8 --warmup 3 --variant b16:$B16 --variant f8g:$F8,$G \
   --variant f8:$F8 --json $OUT/steps_S2.json 2>&1 | grep -v Warning | tail -5
