@@ -227,7 +227,8 @@ def grouped_rows(shapes, tokens, device, iters, only=(), requantized=True):
 
 # kernel names -> phase; the first match wins (torch's quantization ops count as quantize)
 PHASES = [
-    ("gemm", re.compile(r"[Gg]emm|_grouped_mm|cutlass|nvjet|xmma|cublas|sm90_|^aten::(?:mm|addmm|bmm|linear|matmul)$")),
+    ("gemm", re.compile(r"[Gg]emm|_grouped_mm|cutlass|nvjet|xmma|cublas|sm90_|^_gluon_(?:rows|k)_kernel$|"
+                        r"^aten::(?:mm|addmm|bmm|linear|matmul)$")),
     ("quantize", re.compile(r"quantize|_mx_|_fp8_|amax|abs|div|clamp|frexp|ldexp|maximum|where|_to_copy|copy_|"
                             r"reduce_kernel|elementwise_kernel|^aten::(?:mul|to|abs|amax|div|clamp|where)$")),
     ("other", re.compile(r"")),

@@ -73,6 +73,9 @@ def test_phases_name_the_kernels():
     assert bench_gemm_fp8.phase_of("void at::native::reduce_kernel<512, 1, ...>") == "quantize"
     assert bench_gemm_fp8.phase_of("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
     assert bench_gemm_fp8.phase_of("searchsorted_cuda_kernel") == "other"
+    assert bench_gemm_fp8.phase_of("_gluon_rows_kernel") == "gemm"  # session 36 call 3 counted them "other"
+    assert bench_gemm_fp8.phase_of("_gluon_k_kernel") == "gemm"
+    assert bench_gemm_fp8.phase_of("_gluon_tile_table_kernel") == "other"
 
 
 def test_backends_and_shapes_pick_rows(tmp_path):
