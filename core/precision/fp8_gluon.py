@@ -28,12 +28,18 @@ it was right but 0.68x the pipelined kernels, and was removed: docs/precision.md
   row, end row) come from a table one small kernel writes first; a tile past the last runs no
   K-block and stores nothing.
 - ``gluon_grouped_mm_k``: fp8_triton.fp8_grouped_mm_k's contract (wgrad; fp32 out, zeros for an
-  expert without rows), per-row A and per-column Bt scales each K-block.
+  expert without rows), per-row A and per-column Bt scales each K-block, laid out K-block-major: the
+  producer brings each K-block's 128 + 128 scales into the stage by TMA beside the operand tiles and
+  the consumers read them from shared memory (from global memory, 32 scattered loads a thread a
+  K-block, the wgrad ran at 0.5x the rows kernels: session 36).
 
-Measured on the H100 (session 35, docs/performance.md): the rows kernels 731-837 TFLOP/s at OLMoE's
-expert GEMMs, 1.15-1.29x bf16 ``torch._grouped_mm`` and 1.16-1.44x the pipelined kernels; the wgrad
-kernel 417-426, 0.91x the pipelined one, so ``fp8_experts=gluon`` runs its wgrad there (``K_CONFIG``
-None). torch.compile sees the launches only through the custom ops at the end of this module.
+Both store their tiles by TMA (``GluonConfig.tma_store``): each consumer's 64 x 128 tile goes through
+its own shared buffer and the store runs while the consumer starts the next tile.
+
+Measured on the H100 (sessions 35-36, docs/performance.md; ``--loop 10``, the host's time hidden): the
+rows kernels 937-1,080 TFLOP/s at OLMoE's expert GEMMs, 1.48-1.66x bf16 ``torch._grouped_mm``; the
+wgrad 792 at OLMoE's gate|up, 1.19x bf16 and 1.24x the pipelined kernel. torch.compile sees the
+launches only through the custom ops at the end of this module.
 
 SM90 only (wgmma does not exist on SM100; Blackwell runs fp8_triton's kernels or native MX). Gluon has
 no interpreter: the CPU tests compile every kernel for sm_90 (ptxas included, no spills, no GPU
