@@ -30,10 +30,13 @@ def check_fp8_expert_bytes() -> None:
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    import moetron.core.precision.fp8_triton  # noqa: F401  (registers the pipelined kernels' custom ops)
     from moetron.core.precision.fp8_gemm import Fp8BlockwiseGemm
 
     aten = torch.ops.aten
-    ALLOCATING = (aten.empty.memory_format, aten.empty_strided.default, aten._to_copy.default, aten.clone.default)
+    wgrad_op = torch.ops.moetron.fp8_pipelined_k.default  # allocates the wgrad's fp32 output (session 36)
+    ALLOCATING = (aten.empty.memory_format, aten.empty_strided.default, aten._to_copy.default, aten.clone.default,
+                  wgrad_op)
 
     class Made(TorchDispatchMode):
         """Every tensor an op makes while active: (shape, dtype, bytes of its storage if the op
@@ -75,7 +78,7 @@ def check_fp8_expert_bytes() -> None:
         y.backward(dy)
     compiled, eager = _fp8_switches(cfg, compiled=True), _fp8_switches(cfg, compiled=False)
     # the wgrad kernel's fp32 [E, 2F, D] (torch.empty) and its bf16 cast (the gradient), alive together
-    wgrad = (backward.bytes(w.shape, torch.float32, aten.empty.memory_format)
+    wgrad = (backward.bytes(w.shape, torch.float32, wgrad_op)
              + backward.bytes(w.shape, torch.bfloat16, aten._to_copy.default))
     assert wgrad == compiled.expert_wgrad() * w.numel() == 6 * w.numel(), "wgrad output"
     terms = gate_up_wgrad_transient(cfg, 3, compiled, 8192, 16)
