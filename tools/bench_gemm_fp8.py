@@ -25,6 +25,7 @@ per precision backend, after a correctness check of the FP8 kernels on this devi
     python tools/bench_gemm_fp8.py --json runs/bench/gemm_fp8.json
     python tools/bench_gemm_fp8.py --tiny           # tiny shapes; on the CPU under TRITON_INTERPRET=1 (cached rows only)
     python tools/bench_gemm_fp8.py --profile        # + where the time goes: quantize / GEMM / other kernels
+    python tools/bench_gemm_fp8.py --loop 10        # grouped steps back to back: the GPU's time, the host's hidden
 
 ``--profile``: each grouped (shape, backend) step again under torch.profiler, its kernel time per
 step split into quantize (the fused Triton kernels, or the torch ops' amax/div/clamp/cast/copy
@@ -63,6 +64,9 @@ def parse(argv):
                    + ", ".join(SHAPES) + ")")
     p.add_argument("--no-dense", action="store_true", help="skip the dense linears")
     p.add_argument("--json", default="", help="write the results here")
+    p.add_argument("--loop", type=int, default=1, help="grouped rows: fwd+bwd steps back to back a timing "
+                   "(default 1: each waited for, its host time counted; e.g. 10: the GPU's time where the "
+                   "host keeps ahead)")
     p.add_argument("--profile", action="store_true", help="kernel time per phase (quantize / GEMM / other)")
     p.add_argument("--top", type=int, default=6, help="--profile: top kernels shown per row")
     return p.parse_args(argv)
@@ -185,7 +189,7 @@ def wanted(label: str, only: list[str]) -> bool:
     return label == "bf16" or not only or label in only
 
 
-def bench_gemm(gemm, fn_kind, x, w, offsets, dy, device, iters, requantize: bool) -> float:
+def bench_gemm(gemm, fn_kind, x, w, offsets, dy, device, iters, requantize: bool, loop: int = 1) -> float:
     def step():
         if requantize:
             gemm.after_optimizer_step()
@@ -196,12 +200,14 @@ def bench_gemm(gemm, fn_kind, x, w, offsets, dy, device, iters, requantize: bool
     from cli import median_ms  # tools/cli.py (main put tools/ on the path)
 
     # the CPU (--tiny: Triton interpreted, timings meaningless): one call, no warm-up
-    return median_ms(step, device, warmup=min(3, iters) if torch.device(device).type == "cuda" else 0, iters=iters)
+    return median_ms(step, device, warmup=min(3, iters) if torch.device(device).type == "cuda" else 0, iters=iters,
+                     loop=loop)
 
 
-def grouped_rows(shapes, tokens, device, iters, only=(), requantized=True):
+def grouped_rows(shapes, tokens, device, iters, only=(), requantized=True, loop: int = 1):
     """One row per shape, backend and weights mode (``cached``; and ``requantized`` where
-    ``requantized`` and the backend quantizes its weights)."""
+    ``requantized`` and the backend quantizes its weights); ``loop`` steps back to back a sample
+    (cli.median_ms: > 1 leaves the GPU time where the host's is shorter)."""
     rows = []
     for name, s in shapes.items():
         D, E, K, F = s["d_model"], s["num_experts"], s["top_k"], s["hidden"]
@@ -217,11 +223,11 @@ def grouped_rows(shapes, tokens, device, iters, only=(), requantized=True):
                     x = torch.randn(R, I, device=device, dtype=torch.bfloat16, requires_grad=True)
                     w = (torch.randn(E, O, I, device=device) * I ** -0.5).to(wdtype).requires_grad_()
                     dy = torch.randn(R, O, device=device, dtype=torch.bfloat16)
-                    ms += bench_gemm(gemm, "grouped", x, w, offsets, dy, device, iters, requant)
+                    ms += bench_gemm(gemm, "grouped", x, w, offsets, dy, device, iters, requant, loop)
                     flops += 6 * R * I * O
                 rows.append({"kind": "grouped", "shape": name, "rows": R, "backend": label,
                              "weights": "requantized" if requant else "cached", "ms": ms,
-                             "tflops": flops / ms / 1e9})
+                             "tflops": flops / ms / 1e9, "loop": loop})
     return rows
 
 
@@ -355,7 +361,8 @@ def main(argv=None) -> int:
         shapes = {k: v for k, v in SHAPES.items() if k in args.shapes}
     # --tiny on the CPU times one call with no warm-up, so its cached row quantizes the weights as a
     # requantized row would: the requantized rows would repeat the same work, and are left out there
-    rows = (grouped_rows(shapes, tokens, device, iters, args.backends, requantized=not (args.tiny and device.type != "cuda"))
+    rows = (grouped_rows(shapes, tokens, device, iters, args.backends, requantized=not (args.tiny and device.type != "cuda"),
+                         loop=args.loop)
             + ([] if args.no_dense else dense_rows(dense, device, iters, args.backends)))
     base = {(r["kind"], r["shape"]): r["tflops"] for r in rows if r["backend"] == "bf16"}
     dev = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreted: timings meaningless)"

@@ -79,18 +79,19 @@ def test_phases_name_the_kernels():
 
 
 def test_backends_and_shapes_pick_rows(tmp_path):
-    """--backends keeps bf16 and the named backends only (their grouped and --profile rows); --shapes
-    and --backends refuse an unknown name."""
+    """--backends keeps bf16 and the named backends only (their grouped and --profile rows; --loop
+    recorded in the grouped rows); --shapes and --backends refuse an unknown name."""
     skip_unless_interpreter_works()
     out = tmp_path / "gemm.json"
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     cmd = [os.path.join(ROOT, "tools", "bench_gemm_fp8.py"), "--tiny", "--skip-check", "--no-dense",
-           "--backends", "fp8_blockwise cublas bf16-wgrad", "--profile", "--json", str(out)]
+           "--backends", "fp8_blockwise cublas bf16-wgrad", "--profile", "--loop", "2", "--json", str(out)]
     proc = run_python(cmd, timeout=900, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     backends = {"bf16", "fp8_blockwise cublas bf16-wgrad"}
     assert {(r["kind"], r["backend"]) for r in rows} == {(kind, b) for kind in ("grouped", "profile") for b in backends}
+    assert all(r["loop"] == 2 for r in rows if r["kind"] == "grouped")
     # --profile: each backend's step split into quantize, GEMM and other kernel time, with its top kernels
     for r in (r for r in rows if r["kind"] == "profile"):
         assert abs(r["quantize_ms"] + r["gemm_ms"] + r["other_ms"] - r["ms"]) < 1e-6 * max(1.0, r["ms"]) and r["top"]
