@@ -81,9 +81,10 @@ BLOCK_K = 128
 
 
 class GluonConfig(tuple):
-    """(NUM_BUF, persistent, tma_store): the ring's stages (32 KiB each; with the epilogue's layout
-    conversion the rows kernel takes 112 / 144 KiB of shared memory at 3 / 4 stages, the wgrad's fp32
-    one 160 / 192), one CTA an SM looping over the tiles (else one CTA a tile), and the epilogue:
+    """(NUM_BUF, persistent, tma_store): the ring's stages (32 KiB each, 33 with the wgrad's scales; with
+    its epilogue the rows kernel takes 144 / 160 KiB of shared memory at 4 stages with bf16 out, masked /
+    TMA store, the wgrad's fp32 one 196 / 196), one CTA an SM looping over the tiles (else one CTA a
+    tile), and the epilogue:
     ``tma_store`` writes each consumer's 64 x 128 tile into its own shared-memory buffer and stores it
     with TMA, asynchronously (the consumer goes on to the next tile's K-blocks and waits for the store
     only before it writes the buffer again; a partial tile, past an expert's last row, is stored
