@@ -4,7 +4,7 @@
 # --loop 10 (call 3 was cut after gate|up), and whether OLMoE-8L's f8g step (0.970x bf16) waits on the host:
 # its profile (busy share, GEMM / quantization / other) beside b16's, and the grouped fwd+bwd with the host's
 # time hidden (bench_gemm_fp8 --loop 10: call 3's olmoe was 1.09x bf16 in kernel time, 0.83x in wall time).
-# Run from the repo root: bash docs/bench/session36/call5.sh (timeout 600; about 450 s).
+# Run from the repo root: bash docs/bench/session36/call5.sh (timeout 600; at most about 530 s).
 source docs/bench/session25/common.sh
 F8=optimizer.state_dtype=bf16,precision.recipe=fp8_blockwise
 G=precision.fp8_experts=gluon
