@@ -183,6 +183,33 @@ def test_gluon_descriptors_only_where_tma_reads_the_operands():
     assert fg.k_descriptors(bt, s, bt, torch.ones(3, 258).t()[:256]) is None  # a K-block's row off 16 bytes
 
 
+def check_products_wgrad_operands(quant: str) -> None:
+    """The wgrad operands fp8_blockwise makes (the experts' padded token tiles, quantized by ``quant``)
+    are ones the Gluon wgrad's descriptors accept, so on SM90 ``fp8_experts=gluon`` runs it rather than
+    falling back to the pipelined kernel unseen (scales K-block-major, rows 16-byte aligned); with
+    KBLOCK_MAJOR_TOKEN_SCALES off they are refused."""
+    from moetron.core.precision import fp8_gemm
+    from moetron.core.precision.grouping import padded_source_rows
+
+    gemm = fp8_gemm.Fp8BlockwiseGemm("triton", quant, "gluon")
+    src_P, _ = padded_source_rows(torch.tensor([40, 40, 140, 150]), 150, 128)
+    operands = lambda: [fp8_gemm._quantize(gemm, wide(150, c, seed=c).bfloat16(), True, True, src_P)[1]  # noqa: E731
+                        for c in (128, 256)]
+    dyt, xt = operands()
+    assert fg.k_descriptors(*dyt, *xt) is not None
+    default, fp8_gemm.KBLOCK_MAJOR_TOKEN_SCALES = fp8_gemm.KBLOCK_MAJOR_TOKEN_SCALES, False
+    try:
+        dyt, xt = operands()
+    finally:
+        fp8_gemm.KBLOCK_MAJOR_TOKEN_SCALES = default
+    assert fg.k_descriptors(*dyt, *xt) is None
+
+
+def test_the_products_wgrad_operands_take_the_gluon_wgrad():
+    check_products_wgrad_operands("torch")
+    run_interpreted("tests.core.test_fp8_gluon", "check_products_wgrad_operands('triton')")
+
+
 def test_gluon_ops_compile_and_fall_back_off_sm90():
     """The custom ops torch.compile sees instead of the Gluon launches (Inductor cannot recompile a
     traced Gluon kernel: session 35 call 4): their schemas and fake tensors (opcheck), and off SM90
