@@ -231,18 +231,18 @@ def grouped_rows(shapes, tokens, device, iters, only=(), requantized=True, loop:
     return rows
 
 
-# kernel names -> phase; the first match wins (torch's quantization ops count as quantize)
-PHASES = [
-    ("gemm", re.compile(r"[Gg]emm|_grouped_mm|cutlass|nvjet|xmma|cublas|sm90_|^_gluon_(?:rows|k)_kernel$|"
-                        r"^aten::(?:mm|addmm|bmm|linear|matmul)$")),
-    ("quantize", re.compile(r"quantize|_mx_|_fp8_|amax|abs|div|clamp|frexp|ldexp|maximum|where|_to_copy|copy_|"
-                            r"reduce_kernel|elementwise_kernel|^aten::(?:mul|to|abs|amax|div|clamp|where)$")),
-    ("other", re.compile(r"")),
-]
+# kernel names -> phase: GEMM as tools/profile_step.py classifies kernels (one rule for both tools: the
+# Gluon kernels with their row-tile table, cuBLAS, CUTLASS, the Triton grouped GEMMs); of the rest, the
+# quantization kernels and torch's quantization ops (amax, division, clamp, casts) are quantize
+QUANTIZE = re.compile(r"quantize|_mx_|_fp8_|amax|abs|div|clamp|frexp|ldexp|maximum|where|_to_copy|copy_|"
+                      r"reduce_kernel|elementwise_kernel|^aten::(?:mul|to|abs|amax|div|clamp|where)$")
+PHASES = ("gemm", "quantize", "other")
 
 
 def phase_of(name: str) -> str:
-    return next(phase for phase, rule in PHASES if rule.search(name))
+    from profile_step import classify  # tools/profile_step.py (main put tools/ on the path)
+
+    return "gemm" if classify(name) == "gemm" else "quantize" if QUANTIZE.search(name) else "other"
 
 
 def profile_rows(shapes, tokens, device, top: int, only=(), steps: int = 3) -> list[dict]:
@@ -279,7 +279,7 @@ def profile_rows(shapes, tokens, device, top: int, only=(), steps: int = 3) -> l
                     us = ev.self_cpu_time_total
                 if us > 0:
                     kernels[ev.key] = kernels.get(ev.key, 0.0) + us / 1e3 / steps
-            by_phase = {phase: 0.0 for phase, _ in PHASES}
+            by_phase = dict.fromkeys(PHASES, 0.0)
             for k, ms in kernels.items():
                 by_phase[phase_of(k)] += ms
             ranked = sorted(kernels.items(), key=lambda kv: -kv[1])[:top]
