@@ -41,7 +41,7 @@ def parse(argv):
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--loop", type=int, default=1,
                    help="calls a timed sample queues back to back (cli.median_ms): 1 counts each call's host time "
-                   "(the Gluon path: two launches, a table and two descriptors a call), more leaves the GPU time")
+                   "(the Gluon path: two launches and three to five TMA descriptors a call), more leaves the GPU time")
     p.add_argument("--gluon-configs", default="4,1;3,1;4,0",
                    help="the Gluon rows kernel's rings and launches to time, 'stages,persistent;...' (SM90; the "
                    "best one reported; fp8_gluon.GluonConfig)")
@@ -58,7 +58,7 @@ def operands(R: int, I: int, O: int, E: int, offsets_E: torch.Tensor, device) ->
     also K-block-major, ``*_k``, as the Triton and Gluon wgrads get them)."""
     from moetron.core.precision import fp8_gemm
     from moetron.core.precision.blockwise import quantize_128x128, quantize_1x128
-    from moetron.core.precision.fp8_cublas import ROW_SLACK
+    from moetron.core.precision.fp8_cublas import ROW_SLACK, m_fastest
     from moetron.core.precision.grouping import pad_groups
 
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -78,7 +78,7 @@ def operands(R: int, I: int, O: int, E: int, offsets_E: torch.Tensor, device) ->
     if fp8_gemm.KBLOCK_MAJOR_TOKEN_SCALES:
         for k in ("dyt_q", "xt_q"):
             data, scale = out[k]
-            out[k + "_k"] = (data, scale.t().contiguous().t())
+            out[k + "_k"] = (data, m_fastest(scale))
     return out
 
 

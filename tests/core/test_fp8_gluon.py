@@ -244,13 +244,9 @@ def check_gluon_ops() -> None:
     torch.library.opcheck(torch.ops.moetron.fp8_gluon_k.default, kargs, test_utils=("test_faketensor", ))
 
 
-def _kmajor(s_XB: torch.Tensor) -> torch.Tensor:
-    """The same scales laid out K-block-major (the Gluon wgrad's layout: fp8_gemm.KBLOCK_MAJOR_TOKEN_SCALES)."""
-    return s_XB.t().contiguous().t()
-
-
 def check_gluon(device: str) -> None:
     from moetron.core.precision import fp8_triton as ft
+    from moetron.core.precision.fp8_cublas import m_fastest  # the Gluon wgrad's scales: K-block-major
     from moetron.core.precision.blockwise import (dequantize_1x128, dequantize_128x128, quantize_1x128,
                                                   quantize_128x128)
 
@@ -282,7 +278,7 @@ def check_gluon(device: str) -> None:
     pipelined = ft.fp8_grouped_mm_k(a_q, a_s, b_q, b_s, padded, kernel="pipelined").cpu()
     for config in K_CONFIGS:
         out = torch.full((4, M, N), float("nan"), dtype=torch.float32, device=device)
-        fg.gluon_grouped_mm_k(a_q, _kmajor(a_s), b_q, _kmajor(b_s), padded, out, config=config)
+        fg.gluon_grouped_mm_k(a_q, m_fastest(a_s), b_q, m_fastest(b_s), padded, out, config=config)
         out = out.cpu()
         what = f"wgrad {config.name}"
         assert torch.equal(out[1], torch.zeros(M, N)), f"{what}: the empty expert"
@@ -299,6 +295,7 @@ def check_gluon_persistent(device: str) -> None:
     one CTA a tile and as the pipelined kernels."""
     from moetron.core.precision import fp8_triton as ft
     from moetron.core.precision.blockwise import quantize_128x128, quantize_1x128
+    from moetron.core.precision.fp8_cublas import m_fastest
 
     R, K, N = 6000, 384, 1024
     offsets = torch.tensor([700, 700, 2100, 2113, 4000, 5900, 5990], dtype=torch.int32, device=device)
@@ -320,7 +317,7 @@ def check_gluon_persistent(device: str) -> None:
     outs = []
     for config in K_CONFIGS:
         out = torch.full((7, 1024, 640), float("nan"), dtype=torch.float32, device=device)
-        outs.append(fg.gluon_grouped_mm_k(a_q, _kmajor(a_s), b_q, _kmajor(b_s), padded, out, config=config))
+        outs.append(fg.gluon_grouped_mm_k(a_q, m_fastest(a_s), b_q, m_fastest(b_s), padded, out, config=config))
         assert _agree(out, pipelined, device) and torch.equal(out[1], torch.zeros_like(out[1])), f"wgrad {config.name}"
     assert all(torch.equal(o, outs[0]) for o in outs), "wgrad: persistent and one CTA a tile differ"
 
