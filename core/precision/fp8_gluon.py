@@ -488,16 +488,19 @@ if AVAILABLE:
                                [4, 1], [232, 40])
 
 
-def _descriptor(t: torch.Tensor | None, rows: int):
-    """A Gluon TMA descriptor of the 2-D e4m3 ``t`` with [rows, 128] blocks, or None where TMA cannot
-    read it (fp8_triton.tma_readable)."""
+def _tma(t: torch.Tensor | None, block: list[int], layout):
+    """A Gluon TMA descriptor of the 2-D ``t`` with ``block`` boxes in ``layout``, or None where TMA
+    cannot read it (fp8_triton.tma_readable): every descriptor of this module."""
     from .fp8_triton import tma_readable
 
     if t is None or not tma_readable(t):
         return None
-    block = [rows, BLOCK_K]
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
     return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], block, layout)
+
+
+def _descriptor(t: torch.Tensor | None, rows: int):
+    """An e4m3 operand's descriptor, [rows, 128] blocks."""
+    return _tma(t, [rows, BLOCK_K], gl.NVMMASharedLayout.get_default_for([rows, BLOCK_K], gl.float8e4nv))
 
 
 _GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -506,13 +509,10 @@ _GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float3
 def out_descriptor(out_2d: torch.Tensor):
     """The TMA_STORE epilogue's descriptor of the 2-D output: [64, 128] blocks (one consumer's half of
     a tile), or None where TMA cannot write it (then the kernels store it themselves)."""
-    from .fp8_triton import tma_readable
-
-    if not AVAILABLE or out_2d.dtype not in _GL_DTYPES or not tma_readable(out_2d):
+    if not AVAILABLE or out_2d.dtype not in _GL_DTYPES:
         return None
     block = [BLOCK_M // 2, BLOCK_N]
-    layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, _GL_DTYPES[out_2d.dtype]))
-    return TensorDescriptor(out_2d, list(out_2d.shape), [out_2d.stride(0), 1], block, layout)
+    return _tma(out_2d, block, gl.NVMMASharedLayout.get_default_for(block, getattr(gl, _GL_DTYPES[out_2d.dtype])))
 
 
 def _pair(a_desc, b_desc):
@@ -533,12 +533,7 @@ def rows_descriptors(a_RK: torch.Tensor, b_EKN: torch.Tensor):
 def _scale_descriptor(s_XB: torch.Tensor):
     """A [1, 128]-box TMA descriptor of K-block-major scales: s_XB [X, P / 128] stored [P / 128, X]
     (stride (1, X)), or None for other layouts."""
-    from .fp8_triton import tma_readable
-
-    s_BX = s_XB.t()
-    if s_XB.dtype != torch.float32 or not tma_readable(s_BX):
-        return None
-    return TensorDescriptor(s_BX, list(s_BX.shape), [s_BX.stride(0), 1], [1, BLOCK_N], SCALE_LAYOUT.value)
+    return _tma(s_XB.t(), [1, BLOCK_N], SCALE_LAYOUT.value) if s_XB.dtype == torch.float32 else None
 
 
 def k_descriptors(a_MP: torch.Tensor, sa_MB: torch.Tensor, bt_NP: torch.Tensor, sbt_NB: torch.Tensor):
