@@ -9,7 +9,8 @@ torch reference's codes: every output written from registers, no transposed copy
   layout reads x[src_rows[p]], or zeros where src_rows[p] < 0 (grouping.padded_source_rows; the
   same bits as quantizing grouping.pad_groups' output). Rows output then go to the source rows.
 - ``quantize_128x128_triton``: a weight [..., O, I] -> (e4m3 w, e4m3 w^T [..., I, O] contiguous,
-  scales [..., O / 128, I / 128]), each tile read twice likewise.
+  scales [..., O / 128, I / 128]), each tile read twice likewise; or either of w / w^T alone, each
+  tile read once.
 
 Scales are 2^ceil(log2(amax / 448)) from the bits (mx_triton.mx_exponent, rceil), 1 for a block
 holding NaN or inf (the reference's choice); a block's amax, and whether it holds inf or NaN, is one
@@ -97,18 +98,24 @@ def use_quantize_configs(configs: list[triton.Config]) -> None:
 
 @triton.jit
 def _fp8_quantize_128x128_kernel(w_ptr, d_ptr, dt_ptr, s_ptr, O, I, IN_BF16: tl.constexpr, BLOCK: tl.constexpr,
-                                 HW: tl.constexpr):
-    """w [G, O, I] contiguous; one program per 128 x 128 tile: d [G, O, I], dt [G, I, O], s [G, O/128, I/128]."""
+                                 HW: tl.constexpr, DATA: tl.constexpr, DATA_T: tl.constexpr):
+    """w [G, O, I] contiguous; one program per 128 x 128 tile: d [G, O, I] (DATA), dt [G, I, O] (DATA_T),
+    s [G, O/128, I/128]. The tile is read once for one of d / dt, twice for both."""
     pid_i, pid_o, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o = pid_o * BLOCK + tl.arange(0, BLOCK)
     i = pid_i * BLOCK + tl.arange(0, BLOCK)
     base = g.to(tl.int64) * O * I
-    bits = tl.load(w_ptr + base + o[:, None] * I + i[None, :], mask=(o < O)[:, None], other=0)
-    inv, scale = _block_scales(tl.max(tl.max(abs_bits(bits, IN_BF16), axis=1), axis=0), IN_BF16)
-    tl.store(d_ptr + base + o[:, None] * I + i[None, :], to_e4m3(widen(bits, IN_BF16, HW), inv, HW))
-    # w^T from the tile loaded again transposed (as the 1x128 kernel's tokens output)
-    bt = tl.load(w_ptr + base + o[None, :] * I + i[:, None], mask=(o < O)[None, :], other=0)
-    tl.store(dt_ptr + base + i[:, None] * O + o[None, :], to_e4m3(widen(bt, IN_BF16, HW), inv, HW))
+    if DATA:
+        bits = tl.load(w_ptr + base + o[:, None] * I + i[None, :], mask=(o < O)[:, None], other=0)
+        inv, scale = _block_scales(tl.max(tl.max(abs_bits(bits, IN_BF16), axis=1), axis=0), IN_BF16)
+        tl.store(d_ptr + base + o[:, None] * I + i[None, :], to_e4m3(widen(bits, IN_BF16, HW), inv, HW))
+    if DATA_T:
+        # w^T from the tile loaded transposed (as the 1x128 kernel's tokens output): again, from L2,
+        # after d; alone, the one read, its amax the same tile's
+        bt = tl.load(w_ptr + base + o[None, :] * I + i[:, None], mask=(o < O)[None, :], other=0)
+        if not DATA:
+            inv, scale = _block_scales(tl.max(tl.max(abs_bits(bt, IN_BF16), axis=1), axis=0), IN_BF16)
+        tl.store(dt_ptr + base + i[:, None] * O + o[None, :], to_e4m3(widen(bt, IN_BF16, HW), inv, HW))
     tl.store(s_ptr + g.to(tl.int64) * (O // BLOCK) * (I // BLOCK) + pid_o * (I // BLOCK) + pid_i, scale)
 
 
@@ -162,21 +169,26 @@ def quantize_1x128_fused(x_RC: torch.Tensor, rows: bool = True, tokens: bool = T
     return rq, tq
 
 
-def quantize_128x128_triton(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_128x128_triton(w: torch.Tensor, data: bool = True, data_t: bool = True):
     """w [..., O, I] -> (data e4m3 [..., O, I], data^T [..., I, O] contiguous, scale fp32
     [..., O / 128, I / 128]): quantize_128x128(w) and its transpose, each tile read twice (the
-    second transposed, from L2)."""
+    second transposed, from L2). ``data`` / ``data_t`` False: that output is None, not written (a
+    compiled step's forward needs only the data, its backward only data^T: each tile read once)."""
     *lead, O, I = w.shape
     if O % FP8_BLOCK or I % FP8_BLOCK:
         raise ValueError(f"fp8 128x128 weight tiles must divide both dims of the weight {tuple(w.shape)}: "
                          f"make them multiples of {FP8_BLOCK}")
+    if not (data or data_t):
+        raise ValueError("quantize_128x128_triton writes the data, its transpose or both: ask for one")
     w3 = w.reshape(-1, O, I).contiguous()
     G = w3.shape[0]
-    d = torch.empty(G, O, I, dtype=torch.float8_e4m3fn, device=w.device)
-    dt = torch.empty(G, I, O, dtype=torch.float8_e4m3fn, device=w.device)
+    d = torch.empty(G, O, I, dtype=torch.float8_e4m3fn, device=w.device) if data else None
+    dt = torch.empty(G, I, O, dtype=torch.float8_e4m3fn, device=w.device) if data_t else None
     s = torch.empty(G, O // FP8_BLOCK, I // FP8_BLOCK, dtype=torch.float32, device=w.device)
     if G:
         wk, in_bf16 = as_loadable(w3)
-        _fp8_quantize_128x128_kernel[(I // FP8_BLOCK, O // FP8_BLOCK, G)](wk, d, dt, s, O, I, IN_BF16=in_bf16,
-                                                                          BLOCK=FP8_BLOCK, HW=HW_CONVERT, num_warps=8)
-    return d.reshape(w.shape), dt.reshape(*lead, I, O), s.reshape(*lead, O // FP8_BLOCK, I // FP8_BLOCK)
+        _fp8_quantize_128x128_kernel[(I // FP8_BLOCK, O // FP8_BLOCK, G)](
+            wk, d if data else s, dt if data_t else s, s, O, I, IN_BF16=in_bf16, BLOCK=FP8_BLOCK, HW=HW_CONVERT,
+            DATA=data, DATA_T=data_t, num_warps=8)
+    return (d.reshape(w.shape) if data else None, dt.reshape(*lead, I, O) if data_t else None,
+            s.reshape(*lead, O // FP8_BLOCK, I // FP8_BLOCK))

@@ -56,10 +56,11 @@ def has_blockwise_scaled_mm() -> bool:
     return hasattr(F, "scaled_mm") and hasattr(getattr(F, "ScalingType", None), "BlockWise128x128")
 
 
-def _weights_torch(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w [..., O, I] -> (data [..., O, I], data^T [..., I, O] contiguous, scales [..., O/128, I/128])."""
-    data, scale = quantize_128x128(w)
-    return data, data.transpose(-2, -1).contiguous(), scale
+def _weights_torch(w: torch.Tensor, data: bool = True, data_t: bool = True):
+    """w [..., O, I] -> (data [..., O, I], data^T [..., I, O] contiguous, scales [..., O/128, I/128]);
+    ``data`` / ``data_t`` False: that one None (quantize_128x128_triton's contract)."""
+    q, scale = quantize_128x128(w)
+    return q if data else None, q.transpose(-2, -1).contiguous() if data_t else None, scale
 
 
 def _scaled_mm(a, sa, b, sb, recipe_b, out_dtype):
@@ -92,12 +93,18 @@ def _quantize(gemm: "Fp8BlockwiseGemm", x_RC: torch.Tensor, rows: bool, tokens: 
     return rq, tq
 
 
-def _weights(gemm: "Fp8BlockwiseGemm", w: torch.Tensor):
+def _weights(gemm: "Fp8BlockwiseGemm", w: torch.Tensor, backward: bool):
+    """(w_q, w^T_q, scales) of w's 128x128 tiles. Where the WeightCache serves (eager steps,
+    precision.quantize_weights_once) both come from one quantization per optimizer step. A traced
+    graph cannot keep the cache and quantizes at every use: then only the pass's own operand is
+    made (w_q for the forward, w^T_q for the backward's dgrad; the other None), each tile read once
+    and one e4m3 copy written instead of two."""
+    make = _weights_torch
     if gemm.uses_triton(w):
-        from .blockwise_triton import quantize_128x128_triton
-
-        return gemm.cache.get(w, "fp8_128x128", quantize_128x128_triton)
-    return gemm.cache.get(w, "fp8_128x128", _weights_torch)
+        from .blockwise_triton import quantize_128x128_triton as make
+    if torch.compiler.is_compiling():
+        return make(w, data=not backward, data_t=backward)
+    return gemm.cache.get(w, "fp8_128x128", make)
 
 
 def _rows_out(gemm: "Fp8BlockwiseGemm", T: int) -> int:
@@ -108,7 +115,7 @@ class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TI: torch.Tensor, w_OI: torch.Tensor, gemm: "Fp8BlockwiseGemm", fp8_wgrad: bool):
         T = x_TI.shape[0]
-        w_q, wt_q, w_s = _weights(gemm, w_OI)
+        w_q, _, w_s = _weights(gemm, w_OI, backward=False)
         (x_q, x_s), xt = _quantize(gemm, x_TI, True, fp8_wgrad, rows_out=_rows_out(gemm, T), dense=True)
         if gemm.dense == "scaled_mm":
             y = _scaled_mm(x_q, x_s, w_q.t(), tile_scales(w_s), F.ScalingType.BlockWise128x128, torch.bfloat16)
@@ -128,7 +135,7 @@ class _Fp8Linear(torch.autograd.Function):
         dyq, dyt = _quantize(gemm, dy_TO, ctx.needs_input_grad[0], ctx.needs_input_grad[1] and fp8_wgrad,
                              rows_out=_rows_out(gemm, T), dense=True)
         if ctx.needs_input_grad[0]:
-            w_q, wt_q, w_s = _weights(gemm, w_OI)
+            _, wt_q, w_s = _weights(gemm, w_OI, backward=True)
             dy_q, dy_s = dyq
             if gemm.dense == "scaled_mm":
                 dx = _scaled_mm(dy_q, dy_s, wt_q.t(), tile_scales(w_s.t()), F.ScalingType.BlockWise128x128,
@@ -164,7 +171,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
 
         R = x_RI.shape[0]
         cublas = gemm.experts == "cublas"
-        w_q, wt_q, w_s = _weights(gemm, w_EOI)
+        w_q, _, w_s = _weights(gemm, w_EOI, backward=False)
         # the FP8 wgrad's operands: each expert's rows padded to whole 128s, read through an index
         # (a bf16 wgrad reads the rows as they are: no index)
         src_P, padded_offsets_E = (padded_source_rows(offsets_E, R, FP8_BLOCK) if gemm.fp8_wgrad_experts
@@ -192,7 +199,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
         dyq, dyt = _quantize(gemm, dy_RO, ctx.needs_input_grad[0], ctx.needs_input_grad[1] and gemm.fp8_wgrad_experts,
                              src_P, rows_out=R + ROW_SLACK if cublas else None)
         if ctx.needs_input_grad[0]:
-            w_q, wt_q, w_s = _weights(gemm, w_EOI)
+            _, wt_q, w_s = _weights(gemm, w_EOI, backward=True)
             if cublas:  # B[e] = w[e]^T [I, O] as the [N, K] operand; its tiles [E, I/128, O/128]
                 dx = torch.ops.moetron.fp8_cublas_rows(*dyq, wt_q, w_s.transpose(1, 2), offsets_E)[:R]
             else:  # B[e] = w[e] [O, I] read from w^T's storage (K = O contiguous); tiles [E, O/128, I/128]

@@ -1,7 +1,7 @@
 """The fused FP8 blockwise quantization kernels (core/precision/blockwise_triton.py) against the
 torch reference (core/precision/blockwise.py), bit for bit: 1x128 rows, the transposed token tiles
 (plain, padded to 128, and gathered through grouping.padded_source_rows = quantizing pad_groups'
-output), outer-major scales, 128x128 weights and their transpose; bf16 and fp32 inputs, wide
+output), outer-major scales, 128x128 weights and their transpose (together and each alone); bf16 and fp32 inputs, wide
 dynamic range, zero and tiny blocks, inf and NaN. Under TRITON_INTERPRET=1 on the CPU, and on the GPU."""
 
 import math
@@ -77,6 +77,13 @@ def _check_blockwise_triton(device: str) -> None:
     _same(d, want_d, "weight")
     _same(dt, want_d.transpose(1, 2).contiguous(), "weight^T")
     assert dt.is_contiguous() and torch.equal(s, want_s)
+    # each alone (a compiled step's forward and backward), its tile read once: the same bits
+    d1, none, s1 = quantize_128x128_triton(w, data_t=False)
+    none2, dt1, s2 = quantize_128x128_triton(w, data=False)
+    assert none is None and none2 is None
+    _same(d1, want_d, "weight alone")
+    _same(dt1, want_d.transpose(1, 2).contiguous(), "weight^T alone")
+    assert torch.equal(s1, want_s) and torch.equal(s2, want_s)
 
 
 def test_padded_source_rows_is_pad_groups():
