@@ -115,10 +115,10 @@ def _capability_major(device_type: str) -> int | None:
 def takes_expert_copies(recipe: PrecisionRecipe | str, backend: PrecisionBackend | str) -> bool:
     """Whether a resolved recipe and backend take precision.expert_weight_copies=optimizer with
     expert_grads_bf16 (the experts computing on the optimizer's bf16 weight copies): the bf16
-    recipe, fp8_rowwise, and mxfp8 / fp8_blockwise on the emulated backend. The native mxfp8 /
-    fp8_blockwise GEMMs do not. The one rule the config, the build and the planner apply."""
+    recipe, fp8_rowwise, fp8_blockwise (native or emulated), and mxfp8 on the emulated backend. The
+    native mxfp8 GEMMs do not. The one rule the config, the build and the planner apply."""
     recipe = PrecisionRecipe(recipe)
-    if recipe in (PrecisionRecipe.bf16, PrecisionRecipe.fp8_rowwise):
+    if recipe in (PrecisionRecipe.bf16, PrecisionRecipe.fp8_rowwise, PrecisionRecipe.fp8_blockwise):
         return True
     return recipe in _LOW_PRECISION and PrecisionBackend(backend) == PrecisionBackend.emulated
 
@@ -128,8 +128,8 @@ def check_expert_copies(recipe: PrecisionRecipe | str, backend: PrecisionBackend
     backend that do not take them (takes_expert_copies), naming the fix."""
     if copies and not takes_expert_copies(recipe, backend):
         raise ConfigError(f"precision.expert_weight_copies=optimizer with precision.recipe={PrecisionRecipe(recipe)} "
-                          f"on precision.backend={PrecisionBackend(backend)}: the native mxfp8 / fp8_blockwise GEMMs do "
-                          f"not take the optimizer's bf16 expert copies (bf16, fp8_rowwise and the emulated backend "
+                          f"on precision.backend={PrecisionBackend(backend)}: the native mxfp8 GEMMs do not take the "
+                          f"optimizer's bf16 expert copies (bf16, fp8_rowwise, fp8_blockwise and the emulated backend "
                           f"do): add --precision.backend=emulated, or drop expert_weight_copies and expert_grads_bf16")
 
 
@@ -270,10 +270,10 @@ class PrecisionConfig(Config):
     (see WeightCopies: none, made once per step, or written by the optimizer step itself), instead
     of casting the fp32 master weights in forward and again in backward
     (core/precision/bf16_grouped.py). Ignored when the weights arrive in bf16 already (FSDP2's bf16
-    all-gather). fp8_rowwise, and mxfp8 / fp8_blockwise on the emulated backend: ``optimizer`` with
+    all-gather). fp8_rowwise, fp8_blockwise, and mxfp8 on the emulated backend: ``optimizer`` with
     ``expert_grads_bf16=true`` (the only form they take): the expert weights are quantized from the
     optimizer's bf16 copies, and their gradients stay bf16 (core/precision/fp8_rowwise.py,
-    emulated.py). The native mxfp8 / fp8_blockwise GEMMs refuse it."""
+    emulated.py, fp8_gemm.py). The native mxfp8 GEMMs refuse it."""
     expert_grads_bf16: bool = False
     """bf16 recipe with ``expert_weight_copies=optimizer``: the routed experts' weight gradients are
     the grouped GEMMs' bf16 outputs, kept on the optimizer's bf16 copies (the copies are the tensors
@@ -443,7 +443,7 @@ class PrecisionConfig(Config):
                               f"low-precision recipes quantize their own weight copies; they take the optimizer's "
                               f"bf16 copies only as --precision.expert_weight_copies=optimizer "
                               f"--precision.expert_grads_bf16=true (the GEMMs differentiate the copies; fp8_rowwise, "
-                              f"and mxfp8 / fp8_blockwise emulated); otherwise drop expert_weight_copies")
+                              f"fp8_blockwise and mxfp8 emulated); otherwise drop expert_weight_copies")
         if self.backend != PrecisionBackend.auto and self.recipe in _LOW_PRECISION:  # known before resolving
             check_expert_copies(self.recipe, self.backend, copies == WeightCopies.optimizer)
         check_emulated_saves(self.recipe, self.backend, self.emulated_save_x_bf16)
@@ -578,7 +578,7 @@ def low_precision_gemm(recipe: PrecisionRecipe | str, backend: PrecisionBackend 
                        fp8_fast_accum: bool = False, expert_copies: bool = False, fp8_fused_amax: bool = True,
                        save_x_bf16: bool = False, quantized_copies: bool = False):
     """The GemmBackend instance of a low-precision recipe and a resolved backend (native / emulated);
-    ``expert_copies``: the experts on the optimizer's bf16 weight copies (fp8_rowwise and the emulated
+    ``expert_copies``: the experts on the optimizer's bf16 weight copies (fp8_rowwise, fp8_blockwise and the emulated
     backend; precision.expert_weight_copies=optimizer); ``fp8_fused_amax``: precision.fp8_fused_amax;
     ``save_x_bf16``: precision.emulated_save_x_bf16 (mxfp8 / fp8_blockwise emulated, check_emulated_saves);
     ``quantized_copies``: precision.quantized_expert_copies (mxfp8 emulated, check_quantized_copies)."""
@@ -594,12 +594,12 @@ def low_precision_gemm(recipe: PrecisionRecipe | str, backend: PrecisionBackend 
 
         return EmulatedGemm(MXFormat(mx_scale) if recipe == PrecisionRecipe.mxfp8 else BlockwiseFormat(),
                             expert_copies=expert_copies, save_x_bf16=save_x_bf16, quantized_copies=quantized_copies)
-    if expert_copies:
-        raise ValueError(f"expert_copies: the native {recipe} GEMMs do not take the optimizer's bf16 weight copies")
     if recipe == PrecisionRecipe.mxfp8:
+        if expert_copies:
+            raise ValueError("expert_copies: the native mxfp8 GEMMs do not take the optimizer's bf16 weight copies")
         from .native_mx import NativeMXGemm
 
         return NativeMXGemm(mx_scale)
     from .fp8_gemm import Fp8BlockwiseGemm
 
-    return Fp8BlockwiseGemm(experts=str(Fp8Experts(fp8_experts)), wgrad=wgrad)
+    return Fp8BlockwiseGemm(experts=str(Fp8Experts(fp8_experts)), wgrad=wgrad, expert_copies=expert_copies)

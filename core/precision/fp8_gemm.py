@@ -212,7 +212,9 @@ class _Fp8GroupedMM(torch.autograd.Function):
             if cublas:
                 dw = torch.ops.moetron.fp8_cublas_k(*dyt, *x_saved, padded_offsets_E)
             else:
-                dw = fp8_grouped_mm_k(*dyt, *x_saved, padded_offsets_E, kernel=gemm.grouped_kernel)
+                # in the weight's dtype from the kernel's store (bf16 on the optimizer's expert copies)
+                dw = fp8_grouped_mm_k(*dyt, *x_saved, padded_offsets_E, kernel=gemm.grouped_kernel,
+                                      out_dtype=w_EOI.dtype)
             dw = dw.to(w_EOI.dtype)
         return dx, dw, None, None
 
@@ -225,13 +227,17 @@ class Fp8BlockwiseGemm(GemmBackend):
     ("cublas": core/precision/fp8_cublas.py, one host sync per GEMM; faster with few experts) or the
     Gluon kernels ("gluon": core/precision/fp8_gluon.py, SM90; the Triton ones elsewhere).
     ``wgrad`` (gemm.Fp8Wgrad): the weight gradients in FP8 ("all"), in bf16 ("none", see the module
-    docstring), or the dense linears' in FP8 and the grouped experts' in bf16 ("dense")."""
+    docstring), or the dense linears' in FP8 and the grouped experts' in bf16 ("dense"). ``expert_copies``
+    (precision.expert_weight_copies=optimizer with expert_grads_bf16): the routed experts compute on the
+    optimizer's bf16 copies of their weights (gemm.attach_expert_copies): their 128x128 quantization
+    reads 2 bytes an element instead of 4, and their FP8 wgrad kernels store bf16 gradients onto the
+    copies (2 bytes written instead of 4; the optimizer reads those)."""
 
     name = "fp8_blockwise"
     label = "fp8_blockwise (1x128 / 128x128 FP8 GEMMs)"
 
     def __init__(self, dense: str = "scaled_mm", quant: str = "auto", experts: str = "triton",
-                 wgrad: Fp8Wgrad | str | bool = Fp8Wgrad.all) -> None:
+                 wgrad: Fp8Wgrad | str | bool = Fp8Wgrad.all, expert_copies: bool = False) -> None:
         if dense not in ("scaled_mm", "triton"):
             raise ValueError(f"dense must be 'scaled_mm' or 'triton', got {dense!r}")
         if quant not in QUANT:
@@ -242,6 +248,7 @@ class Fp8BlockwiseGemm(GemmBackend):
         self.wgrad = Fp8Wgrad(wgrad)
         self.fp8_wgrad, self.fp8_wgrad_experts = self.wgrad.dense_fp8, self.wgrad.experts_fp8
         self.row_multiple = 4 if dense == "scaled_mm" else 1  # cuBLAS: the 1x128 scales' rows in 4s
+        self.expert_copies = bool(expert_copies)
         self.cache = WeightCache()
 
     @property
@@ -274,4 +281,4 @@ class Fp8BlockwiseGemm(GemmBackend):
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(dense={self.dense!r}, quant={self.quant!r}, experts={self.experts!r}, "
-                f"wgrad={str(self.wgrad)!r})")
+                f"wgrad={str(self.wgrad)!r}, expert_copies={self.expert_copies})")

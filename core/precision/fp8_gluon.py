@@ -629,17 +629,18 @@ def _(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out_dtype):
 
 @torch.library.custom_op("moetron::fp8_gluon_k", mutates_args=())
 def fp8_gluon_k(a_MP: torch.Tensor, sa_MB: torch.Tensor, bt_NP: torch.Tensor, sbt_NB: torch.Tensor,
-                padded_offsets_E: torch.Tensor) -> torch.Tensor:
-    """fp8_triton.fp8_grouped_mm_k's contract -> fp32 [E, M, N]."""
+                padded_offsets_E: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """fp8_triton.fp8_grouped_mm_k's contract -> [E, M, N] in ``out_dtype``."""
     from . import fp8_triton
 
     descriptors = k_descriptors(a_MP, sa_MB, bt_NP, sbt_NB) if supported(a_MP.device) else None
     if descriptors is None:
-        return fp8_triton.fp8_grouped_mm_k(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, kernel="pipelined")
-    out = torch.empty(padded_offsets_E.numel(), a_MP.shape[0], bt_NP.shape[0], dtype=torch.float32, device=a_MP.device)
+        return fp8_triton.fp8_grouped_mm_k(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, kernel="pipelined",
+                                           out_dtype=out_dtype)
+    out = torch.empty(padded_offsets_E.numel(), a_MP.shape[0], bt_NP.shape[0], dtype=out_dtype, device=a_MP.device)
     return gluon_grouped_mm_k(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out, descriptors)
 
 
 @fp8_gluon_k.register_fake
-def _(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E):
-    return a_MP.new_empty(padded_offsets_E.numel(), a_MP.shape[0], bt_NP.shape[0], dtype=torch.float32)
+def _(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out_dtype):
+    return a_MP.new_empty(padded_offsets_E.numel(), a_MP.shape[0], bt_NP.shape[0], dtype=out_dtype)

@@ -363,8 +363,10 @@ def fp8_grouped_mm_rows(a_RK: torch.Tensor, sa_RB: torch.Tensor, b_EKN: torch.Te
 
 
 def fp8_grouped_mm_k(a_MP: torch.Tensor, sa_MB: torch.Tensor, bt_NP: torch.Tensor, sbt_NB: torch.Tensor,
-                     padded_offsets_E: torch.Tensor, kernel: GroupedKernel | None = None) -> torch.Tensor:
-    """Grouped along the reduction (see the module docstring) -> fp32 [E, M, N]; ``kernel``
+                     padded_offsets_E: torch.Tensor, kernel: GroupedKernel | None = None,
+                     out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Grouped along the reduction (see the module docstring) -> [E, M, N] in ``out_dtype`` (the fp32
+    sums rounded once, by the kernel's store: bf16 for the optimizer's bf16 expert copies); ``kernel``
     (default KERNEL) picks the implementation."""
     M, P = a_MP.shape
     N = bt_NP.shape[0]
@@ -378,11 +380,11 @@ def fp8_grouped_mm_k(a_MP: torch.Tensor, sa_MB: torch.Tensor, bt_NP: torch.Tenso
 
         # fp8_gluon.K_CONFIG None: the pipelined kernel (as the wgrad ran before session 36)
         if fp8_gluon.K_CONFIG is not None and fp8_gluon.supported(a_MP.device):
-            return torch.ops.moetron.fp8_gluon_k(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E)
+            return torch.ops.moetron.fp8_gluon_k(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out_dtype)
         kernel = GroupedKernel.pipelined
     if kernel == GroupedKernel.pipelined:  # a custom op: torch.compile cannot trace its descriptors' checks
-        return torch.ops.moetron.fp8_pipelined_k(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E)
-    out = torch.empty(E, M, N, dtype=torch.float32, device=a_MP.device)
+        return torch.ops.moetron.fp8_pipelined_k(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out_dtype)
+    out = torch.empty(E, M, N, dtype=out_dtype, device=a_MP.device)
     grid = lambda meta: (triton.cdiv(N, meta["BN"]), triton.cdiv(M, meta["BM"]), E)  # noqa: E731
     _fp8_grouped_gemm_k_kernel[grid](a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out, M, N,
                     a_MP.stride(0), a_MP.stride(1), sa_MB.stride(0), sa_MB.stride(1),
@@ -411,10 +413,10 @@ def _(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out_dtype):
 
 @torch.library.custom_op("moetron::fp8_pipelined_k", mutates_args=())
 def fp8_pipelined_k(a_MP: torch.Tensor, sa_MB: torch.Tensor, bt_NP: torch.Tensor, sbt_NB: torch.Tensor,
-                    padded_offsets_E: torch.Tensor) -> torch.Tensor:
-    """fp8_grouped_mm_k(kernel="pipelined") -> fp32 [E, M, N]."""
+                    padded_offsets_E: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """fp8_grouped_mm_k(kernel="pipelined") -> [E, M, N] in ``out_dtype``."""
     M, N, E = a_MP.shape[0], bt_NP.shape[0], padded_offsets_E.numel()
-    out = torch.empty(E, M, N, dtype=torch.float32, device=a_MP.device)
+    out = torch.empty(E, M, N, dtype=out_dtype, device=a_MP.device)
     a_desc, b_desc = _descriptor(a_MP), _descriptor(bt_NP)
     tma_ok = int(a_desc is not None and b_desc is not None)
     if not tma_ok:
@@ -428,5 +430,5 @@ def fp8_pipelined_k(a_MP: torch.Tensor, sa_MB: torch.Tensor, bt_NP: torch.Tensor
 
 
 @fp8_pipelined_k.register_fake
-def _(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E):
-    return a_MP.new_empty(padded_offsets_E.numel(), a_MP.shape[0], bt_NP.shape[0], dtype=torch.float32)
+def _(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out_dtype):
+    return a_MP.new_empty(padded_offsets_E.numel(), a_MP.shape[0], bt_NP.shape[0], dtype=out_dtype)

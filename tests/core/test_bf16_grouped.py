@@ -314,8 +314,8 @@ def test_weights_before_down_keeps_no_expert_output_rows():
     assert rows[True] == rows[False] - 1 and rows[False] >= 2
 
 
-def _copies_trainer(grads_bf16: bool, micro_batch=None, **precision):
-    """A tiny MoE's trainer on the CPU with the optimizer's bf16 expert copies; ``precision``:
+def _copies_trainer(grads_bf16: bool, micro_batch=None, device: str = "cpu", **precision):
+    """A tiny MoE's trainer on ``device`` (the CPU) with the optimizer's bf16 expert copies; ``precision``:
     other PrecisionConfig fields (the recipe, or expert_weight_copies="none" for the run without)."""
     from step_builder import RandomTokens, build_trainer
 
@@ -325,27 +325,28 @@ def _copies_trainer(grads_bf16: bool, micro_batch=None, **precision):
 
     cfg = ModelConfig.preset("tiny-moe")
     cfg.apply_overrides(["n_layers=2", "moe.experts_backend=grouped_mm"])
-    data = RandomTokens(cfg.vocab_size, 2, 32, torch.device("cpu"))
-    trainer = build_trainer(cfg, MemoryConfig(), data, torch.device("cpu"), seq_len=32, micro_batch=micro_batch,
+    data = RandomTokens(cfg.vocab_size, 2, 32, torch.device(device))
+    trainer = build_trainer(cfg, MemoryConfig(), data, torch.device(device), seq_len=32, micro_batch=micro_batch,
                             precision=PrecisionConfig(**{"recipe": "bf16", "expert_weight_copies": "optimizer",
                                                          "expert_grads_bf16": grads_bf16, **precision}),
                             optimizer=OptimizerConfig(state_dtype="bf16", impl="torch"))
     return trainer, data
 
 
-def assert_quantized_copies_run_follows_fp32(recipe: str, backend: str = "emulated"):
+def assert_quantized_copies_run_follows_fp32(recipe: str, backend: str = "emulated", device: str = "cpu", **precision):
     """A low-precision recipe with precision.expert_weight_copies=optimizer, expert_grads_bf16=true
     against the same recipe without: with the copies the experts compute with the optimizer's bf16
     copies (the parameters get no gradient), the optimizer rewrites the copies from the updated fp32
     weights, and the run follows the one quantizing the fp32 weights (the quantization of bf16(w)
-    against that of w: the last bit of a few elements). Returns each run's gemm backend."""
+    against that of w: the last bit of a few elements). ``precision``: other PrecisionConfig fields of
+    both runs. Returns each run's gemm backend."""
     from moetron.core.moe.experts import GroupedExperts
 
     runs, gemms = {}, {}
     for copies in (False, True):
         torch.manual_seed(0)
-        trainer, data = _copies_trainer(copies, recipe=recipe, backend=backend,
-                                        expert_weight_copies="optimizer" if copies else "none")
+        trainer, data = _copies_trainer(copies, device=device, recipe=recipe, backend=backend,
+                                        expert_weight_copies="optimizer" if copies else "none", **precision)
         gemms[copies] = trainer.precision.gemm
         assert gemms[copies].expert_copies == copies
         experts = [m for m in trainer.model.modules() if isinstance(m, GroupedExperts)]

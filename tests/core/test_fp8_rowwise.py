@@ -476,7 +476,7 @@ def test_expert_weight_copies_config_errors(monkeypatch):
         cfg(recipe="fp8_rowwise", expert_weight_copies="step").validate()
     with pytest.raises(ConfigError, match="expert_weight_copies=step with precision.recipe=mxfp8"):
         cfg(recipe="mxfp8", expert_weight_copies="step").validate()
-    # mxfp8 / fp8_blockwise take the copies on the emulated backend, not on their native GEMMs
+    # mxfp8 takes the copies on the emulated backend, not on its native GEMMs; fp8_blockwise on both
     for recipe in ("mxfp8", "fp8_blockwise"):
         emulated = cfg(recipe=recipe, backend="emulated", expert_weight_copies="optimizer",
                        expert_grads_bf16=True).build("cpu", verbose=False).gemm
@@ -484,19 +484,23 @@ def test_expert_weight_copies_config_errors(monkeypatch):
     import moetron.core.precision.config as config_module
 
     # an explicit native backend: refused by validate, before anything resolves
-    with pytest.raises(ConfigError, match="recipe=mxfp8 on precision.backend=native: the native mxfp8 / "
-                                          "fp8_blockwise GEMMs do not take.*--precision.backend=emulated"):
+    with pytest.raises(ConfigError, match="recipe=mxfp8 on precision.backend=native: the native mxfp8 "
+                                          "GEMMs do not take.*--precision.backend=emulated"):
         cfg(recipe="mxfp8", backend="native", expert_weight_copies="optimizer", expert_grads_bf16=True).validate()
-    # auto resolving to native (fp8_blockwise on an H200): refused by build
+    # auto resolving to native (mxfp8 on a Blackwell): refused by build; fp8_blockwise on a Hopper: built
+    monkeypatch.setattr(config_module, "_capability_major", lambda device_type: 10)
+    with pytest.raises(ConfigError, match="recipe=mxfp8 on precision.backend=native.*backend=emulated"):
+        cfg(recipe="mxfp8", expert_weight_copies="optimizer", expert_grads_bf16=True).build("cuda", verbose=False)
     monkeypatch.setattr(config_module, "_capability_major", lambda device_type: 9)
-    with pytest.raises(ConfigError, match="recipe=fp8_blockwise on precision.backend=native.*backend=emulated"):
-        cfg(recipe="fp8_blockwise", expert_weight_copies="optimizer", expert_grads_bf16=True).build("cuda", verbose=False)
+    native = cfg(recipe="fp8_blockwise", expert_weight_copies="optimizer", expert_grads_bf16=True).build(
+        "cuda", verbose=False).gemm
+    assert type(native).__name__ == "Fp8BlockwiseGemm" and native.expert_copies and "expert_copies=True" in repr(native)
     monkeypatch.undo()
     from moetron.core.precision.config import takes_expert_copies
 
     assert [takes_expert_copies(r, b) for r, b in [("bf16", "native"), ("fp8_rowwise", "native"), ("mxfp8", "native"),
                                                    ("mxfp8", "emulated"), ("fp8_blockwise", "native"),
-                                                   ("fp8_blockwise", "emulated")]] == [True, True, False, True, False, True]
+                                                   ("fp8_blockwise", "emulated")]] == [True, True, False, True, True, True]
     gemm = cfg(recipe="fp8_rowwise", expert_weight_copies="optimizer", expert_grads_bf16=True).build(
         "cpu", verbose=False).gemm
     assert gemm.expert_copies and "expert_copies=True" in repr(gemm)

@@ -168,6 +168,70 @@ def test_kblock_major_token_scales_interpreted_give_the_same_bits(quant):
     run_interpreted("tests.core.test_precision_fp8", f"check_kblock_major_scales('cpu', {quant!r})")
 
 
+def check_bf16_weight_copies(device: str, experts: str = "triton", quant: str = "auto") -> None:
+    """Fp8BlockwiseGemm on bf16 expert weights (the optimizer's copies: precision.expert_weight_copies=
+    optimizer, expert_grads_bf16=true): the forward's and the dgrad's bits are those of the same values
+    held in fp32 (one quantization of the same tiles, read from 2 bytes instead of 4), and the weight
+    gradient is bf16, the fp32 one rounded once, stored so by the wgrad kernel itself (asked for bf16
+    out: no fp32 tensor of the weight's shape made and cast)."""
+    import moetron.core.precision.fp8_triton as fp8_triton
+    from moetron.core.precision.fp8_gemm import Fp8BlockwiseGemm
+
+    offsets = torch.tensor([40, 40, 140, 150], device=device)
+    x0, w16 = wide(160, 256, seed=1).to(device), wide(4, 128, 256, seed=2).bfloat16().to(device)
+    dy = wide(160, 128, seed=3).bfloat16().float().to(device)
+    out, asked = {}, []
+    wgrad_k = fp8_triton.fp8_grouped_mm_k
+
+    def spy(*args, **kw):
+        asked.append(kw.get("out_dtype", torch.float32))
+        return wgrad_k(*args, **kw)
+
+    fp8_triton.fp8_grouped_mm_k = spy
+    try:
+        for w0 in (w16.float(), w16):
+            gemm = Fp8BlockwiseGemm("triton", quant, experts, expert_copies=w0.dtype == torch.bfloat16)
+            x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+            y = gemm.grouped_mm(x, w, offsets)
+            y.backward(dy)
+            out[w0.dtype] = (y.detach()[:150], x.grad[:150], w.grad)
+    finally:
+        fp8_triton.fp8_grouped_mm_k = wgrad_k
+    (y32, dx32, dw32), (y16, dx16, dw16) = out[torch.float32], out[torch.bfloat16]
+    assert torch.equal(y32, y16) and torch.equal(dx32, dx16)
+    assert dw32.dtype == torch.float32 and dw16.dtype == torch.bfloat16
+    # the GPU's store rounds to nearest even (cvt.rn); Triton's interpreter truncates a store's fp32 -> bf16
+    # (rounding modes ignored; the CPU never runs these kernels outside the tests)
+    want = dw32.bfloat16() if device != "cpu" else (dw32.view(torch.int32) & -65536).view(torch.float32).bfloat16()
+    assert torch.equal(dw16, want) and dw32.abs().sum() > 0
+    assert asked == [torch.float32, torch.bfloat16], asked
+
+
+@pytest.mark.parametrize("quant", ["torch", "triton"])
+def test_bf16_weight_copies_interpreted(quant):
+    run_interpreted("tests.core.test_precision_fp8", f"check_bf16_weight_copies('cpu', quant={quant!r})")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("experts", ["triton", "gluon"])
+def test_bf16_weight_copies_on_gpu(experts):
+    check_bf16_weight_copies("cuda", experts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("experts", ["triton", "gluon"])
+def test_native_fp8_trains_on_the_optimizers_bf16_copies_on_gpu(experts):
+    """The native fp8_blockwise recipe with precision.expert_weight_copies=optimizer, expert_grads_bf16=true
+    (a tiny MoE through the trainer, 3 steps): the experts compute on the optimizer's bf16 copies, which
+    it rewrites from the updated fp32 weights, and the run follows the one on the fp32 weights."""
+    from tests.core.test_bf16_grouped import assert_quantized_copies_run_follows_fp32
+
+    from moetron.core.precision.fp8_gemm import Fp8BlockwiseGemm
+
+    gemms = assert_quantized_copies_run_follows_fp32("fp8_blockwise", "native", "cuda", fp8_experts=experts)
+    assert all(isinstance(g, Fp8BlockwiseGemm) and g.experts == experts for g in gemms.values())
+
+
 def check_compiled_fullgraph(device: str) -> None:
     """The Triton experts' grouped GEMM (forward, dgrad, wgrad: the pipelined kernels behind their custom
     ops) compiles with fullgraph=True and gives eager's bits: before the ops, Dynamo could not trace the
@@ -194,7 +258,7 @@ def check_compiled_fullgraph(device: str) -> None:
                                                           torch.bfloat16), test_utils=("test_faketensor", ))
     torch.library.opcheck(op.fp8_pipelined_k.default, (torch.zeros(128, 256, dtype=torch.float8_e4m3fn), torch.ones(128, 2),
                                                        torch.zeros(256, 256, dtype=torch.float8_e4m3fn), torch.ones(256, 2),
-                                                       torch.tensor([128, 256], dtype=torch.int32)),
+                                                       torch.tensor([128, 256], dtype=torch.int32), torch.float32),
                           test_utils=("test_faketensor", ))
 
 
@@ -437,6 +501,8 @@ def test_quantize_kernels_round_with_the_conversion_instruction_on_sm90(kernel_n
     constexprs = dict(BLOCK=128, IN_BF16=True, HW=True)
     if kernel_name == "_fp8_quantize_1x128_kernel":
         constexprs.update(GATHER=True, ROWS=True, TOKENS=True)
+    else:
+        constexprs.update(DATA=True, DATA_T=True)
     config = triton.Config({}, num_warps=8, num_stages=1)
     ptx = _compile_sm90(getattr(bt, kernel_name), config,
                         {**ptrs, **ints}, constexprs).asm["ptx"]
