@@ -3,7 +3,7 @@ each with its source (a datasheet, a measurement in docs/performance.md, or an a
 
 from __future__ import annotations
 
-__all__ = ['GiB', 'GPU', 'GPUS', 'GPUS_PER_NODE', 'RESERVED_GIB', 'EFF_GEMM', 'EFF_EXPERT', 'EFF_FP8_GEMM', 'EFF_FP8_EXPERT', 'EFF_FP8_CUBLAS_EXPERT', 'CUBLAS_CALL_S', 'BF16_CUBLAS_MEASURED', 'BF16_CUBLAS_CALL_S', 'EFF_MX_EXPERT', 'EFF_ATTN', 'EFF_COMM', 'EFF_PCIE', 'HOST_GBPS', 'HBM_TRAFFIC', 'OPTIMIZER_BYTES', 'RECOMPUTE_FORWARD', 'HOST_OPTIMIZER_BYTES', 'QUANT_BYTES', 'QUANT_ROWS_BYTES', 'WEIGHT_QUANT_BYTES', 'MX_EMULATED_BYTES', 'EFF_MX_QUANT', 'EFF_MX_FUSED', 'FP8_SAVED', 'FP8_WEIGHT_CACHED', 'FP8_WGRAD_BYTES', 'FP8_ROWWISE_MEASURED', 'EFF_FP8_ROWWISE_GEMM', 'ROWWISE_QUANT_BYTES', 'EFF_ROWWISE_ROWS', 'EFF_ROWWISE_COLS', 'LOW_PRECISION']
+__all__ = ['GiB', 'GPU', 'GPUS', 'GPUS_PER_NODE', 'RESERVED_GIB', 'EFF_GEMM', 'EFF_EXPERT', 'EFF_FP8_GEMM', 'EFF_FP8_EXPERT', 'EFF_FP8_CUBLAS_EXPERT', 'CUBLAS_CALL_S', 'BF16_CUBLAS_MEASURED', 'BF16_CUBLAS_CALL_S', 'EFF_MX_EXPERT', 'EFF_ATTN', 'EFF_COMM', 'EFF_PCIE', 'HOST_GBPS', 'HBM_TRAFFIC', 'OPTIMIZER_BYTES', 'RECOMPUTE_FORWARD', 'HOST_OPTIMIZER_BYTES', 'QUANT_BYTES', 'QUANT_ROWS_BYTES', 'WEIGHT_QUANT_BYTES', 'MX_EMULATED_BYTES', 'EFF_MX_QUANT', 'EFF_MX_FUSED', 'FP8_SAVED', 'FP8_WEIGHT_CACHED', 'FP8_ROWWISE_MEASURED', 'EFF_FP8_ROWWISE_GEMM', 'ROWWISE_QUANT_BYTES', 'EFF_ROWWISE_ROWS', 'EFF_ROWWISE_COLS', 'LOW_PRECISION']
 
 import dataclasses
 
@@ -149,10 +149,11 @@ QUANT_ROWS_BYTES = 4.5
 time of 4.5 B at the 4.8 TB/s datasheet rate."""
 WEIGHT_QUANT_BYTES = {"emulated": 16.0, "native": 7.0}
 """HBM bytes per low-precision weight element per quantization at the datasheet HBM rate
-(fp8_blockwise emulated: its bf16 dequantized copy; native: fp8 w and w^T): once per step in eager
-(the weight cache), twice per micro-batch compiled (the cache is bypassed inside a traced graph),
-once per step again for the experts under precision.quantize_weights_once. Assumed. mxfp8 emulated:
-MX_EMULATED_BYTES["weight"]."""
+(fp8_blockwise emulated: its bf16 dequantized copy; native mxfp8: fp8 w and w^T): once per step in
+eager (the weight cache), twice per micro-batch compiled (the cache is bypassed inside a traced
+graph), once per step again for the experts under precision.quantize_weights_once. Assumed. mxfp8
+emulated: MX_EMULATED_BYTES["weight"]; native fp8_blockwise: its kernel's bytes (timing.py:
+blockwise_weight_quant_bytes)."""
 MX_EMULATED_BYTES = {
     "input_fused": 2 + 2 + 1 + 1 / 32, "input_two_pass": 2 + 2 + 2 + 1 + 1 / 32, "input_dequant": 1 + 1 / 32 + 2,
     "grad_fused": 2 + 2 + 2, "grad_two_pass": 2 + 2 + 2 + 2, "weight": 4 + 2, "weight_pair": 4 + 2 + 2,
@@ -189,10 +190,6 @@ FP8_WEIGHT_CACHED = 2 + 4 / 128**2
 """Bytes per weight element of fp8_blockwise's native weight quantization (core/precision/fp8_gemm.py
 _weights: e4m3 w and e4m3 w^T, one fp32 scale per 128 x 128 tile), what its WeightCache holds
 through an eager step and what a compiled step makes again in each forward and backward."""
-FP8_WGRAD_BYTES = 4 + 2
-"""Bytes per expert weight element of fp8_blockwise's native wgrad as it finishes
-(core/precision/fp8_triton.py fp8_grouped_mm_k writes fp32 [E, O, I], then ``.to`` the weight's
-bf16): both are alive at once; the bf16 grouped GEMM writes the bf16 gradient directly (2)."""
 FP8_ROWWISE_MEASURED = {  # shape: (rows per expert, d_model, expert_hidden, x bf16 with promotion, with fast_accum)
     "olmoe": (2048, 2048, 1024, (1.29 + 1.28 + 1.40) / 3, (1.59 + 1.59 + 1.85) / 3),
     "olmo3-moe-3.2b": (1024, 4096, 4096, (1.53 + 1.51 + 1.28) / 3, (1.88 + 1.77 + 1.63) / 3),

@@ -417,7 +417,7 @@ def plan_slice(cfg: ModelConfig, layers: list[int], *, ep: int, seq_len: int, mi
     stage's last block (the first backward): every other block's activations, that block's less
     SLICE_FREED (a fully recomputed block rebuilt, likewise), the SwiGLU-down backward's row tensors
     and the fresh bf16 w_down gradient before it is accumulated; under native fp8_blockwise experts
-    the larger of that and the gate|up wgrad (gate_up_wgrad_transient: its fp32 output and bf16 cast).
+    the larger of that and the gate|up wgrad (gate_up_wgrad_transient: dh along the tokens and its bf16 output).
     No weight copies (bf16 already) but an eager low-precision run's weight cache (Switches.weight_cache,
     never invalidated: bench_slice steps no optimizer), no optimizer state, no communication buffers, no loss.
 
@@ -453,10 +453,10 @@ def plan_slice(cfg: ModelConfig, layers: list[int], *, ep: int, seq_len: int, mi
     cache = sw.cache_bytes(stage_linear(cfg, layers, ep))
     candidates = {f"block {top}'s experts' backward (SwiGLU-down)":
                   (held, _swiglu_backward_rows(cfg, top, T) + 2.0 * L * D * F)}
-    if sw.fp8_blockwise_experts:  # its wgrad's fp32 output: the gate|up one is the larger
+    if sw.fp8_blockwise_experts:  # its wgrad's operands and output: the gate|up one is the larger
         top_at_gate_up = sum(b for k, (_, b) in terms.items() if k not in SLICE_FREED_AT_GATE_UP) * T
         held_gate_up = acts - top_saved + (top_saved if recomputed else top_at_gate_up)
-        candidates[f"block {top}'s experts' gate|up wgrad (fp32 output)"] = \
+        candidates[f"block {top}'s experts' gate|up wgrad"] = \
             (held_gate_up, sum(gate_up_wgrad_transient(cfg, top, sw, T, L).values()))
     where = max(candidates, key=lambda k: sum(candidates[k]))
     held, transient = candidates[where]

@@ -19,7 +19,7 @@ from moetron.core.precision.config import (check_bf16_copies, check_emulated_sav
                                            takes_expert_copies)
 from moetron.models import ModelConfig
 from moetron.parallel.config import ParallelConfig
-from .hardware import GPU, FP8_SAVED, FP8_WEIGHT_CACHED, FP8_WGRAD_BYTES, LOW_PRECISION
+from .hardware import GPU, FP8_SAVED, FP8_WEIGHT_CACHED, LOW_PRECISION
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,10 +181,11 @@ class Switches:
         return self.recipe == "mxfp8" and self.backend == "emulated"
 
     def expert_wgrad(self) -> float:
-        """Bytes per expert weight element the grouped wgrad holds as it finishes, bf16 weights:
-        native fp8_blockwise's fp32 kernel output and its bf16 cast (FP8_WGRAD_BYTES), else the
-        bf16 gradient the GEMM writes (a bf16 wgrad's: precision.fp8_wgrad none or dense)."""
-        return FP8_WGRAD_BYTES if self.fp8_blockwise_experts and not self.bf16_wgrad("experts") else 2.0
+        """Bytes per expert weight element the grouped wgrad holds as it finishes, bf16 weights: the
+        bf16 gradient the GEMM writes, native fp8_blockwise's FP8 wgrad kernels included (they store
+        the weight's dtype themselves since session 37: fp8_triton.fp8_grouped_mm_k's out_dtype; an
+        fp32 output and its bf16 cast, 6 B, before)."""
+        return 2.0
 
 
 def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig, optimizer: OptimizerConfig,

@@ -106,6 +106,15 @@ def mx_emulated_quant_s(gpu: GPU, sw: Switches, module: str, inputs: float, outp
     return paired / (hbm * (EFF_MX_FUSED if sw.mx_fused else EFF_MX_QUANT)) + separate / (hbm * EFF_MX_QUANT)
 
 
+def blockwise_weight_quant_bytes(sw: Switches, module: str, cached: bool) -> float:
+    """[code bytes] HBM bytes per weight element of one native fp8_blockwise weight quantization
+    (core/precision/blockwise_triton.py quantize_128x128_triton): the master read (fp32, or the experts'
+    bf16 copies) and the e4m3 written: w and w^T together where the weight cache keeps both (eager,
+    quantize_weights_once), only the pass's own inside a traced graph (fp8_gemm._weights)."""
+    master = 2.0 if module == "experts" and sw.expert_weight_copies else 4.0
+    return master + (2.0 if cached else 1.0)
+
+
 def rowwise_quant_s(gpu: GPU, sw: Switches, module: str, operands: list[tuple[float, int]], tokens: float,
                     weights: float, passes: float, microbatches: int) -> float:
     """Seconds of native fp8_rowwise's quantization for one micro-batch through a module's GEMMs
@@ -275,7 +284,9 @@ def stage_time(cfg: ModelConfig, layers: list[int], *, sw: Switches, memory: Mem
                     continue
                 quant += (QUANT_ROWS_BYTES if sw.bf16_wgrad(k) else qb) * sum(ops[k]) * T_mb * extra
                 # the cache: once per step; a traced graph: forward and backward of every micro-batch
-                quant += wb * weights * (1 / m if sw.caches_weights(k) else 2 * extra)
+                cached = sw.caches_weights(k)
+                per = blockwise_weight_quant_bytes(sw, k, cached) if (sw.recipe, sw.backend) == ("fp8_blockwise", "native") else wb
+                quant += per * weights * (1 / m if cached else 2 * extra)
     t_hbm = traffic / (gpu.hbm_tbps * 1e12)
     t_extra = (recast + quant) / (gpu.hbm_tbps * 1e12) + t_mx
     t_a2a = 0.0

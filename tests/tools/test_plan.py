@@ -526,7 +526,8 @@ def test_fp8_wgrad_false_moves_a_third_of_the_flops_to_bf16_and_saves_inputs_in_
         held[wgrad] = gate_up_wgrad_transient(cfg, 1, sw, 16384, 8)
     F, D = cfg.moe.expert_hidden, cfg.d_model
     assert held["dense"] == held["none"] and held["none"]["dh_tokens"] == 0 < held["all"]["dh_tokens"]
-    assert held["none"]["wgrad"] == 2.0 * 8 * 2 * F * D < held["all"]["wgrad"]
+    # both bf16 gradients written by their kernels (the FP8 wgrad stores the weight's dtype since session 37)
+    assert held["none"]["wgrad"] == 2.0 * 8 * 2 * F * D == held["all"]["wgrad"]
     quant = lambda r: r["microbatch_parts_s"]["recast_quant"]  # noqa: E731
     from moetron.run.planner.timing import _gemm_operands
 
@@ -563,7 +564,8 @@ def test_quantize_weights_once_quantizes_the_experts_once_and_holds_the_cache():
     from moetron.run.planner.model import _expert_params
 
     experts = sum(_expert_params(_olmoe3(), i) for i in range(4))
-    saved = hw.WEIGHT_QUANT_BYTES["native"] * experts / (hw.GPUS["h200"].hbm_tbps * 1e12)
+    # compiled: w (forward) and w^T (backward) each from the fp32 master, 4 + 1 B; once: both together, 4 + 2 B
+    saved = (2 * (4.0 + 1.0) - (4.0 + 2.0)) * experts / (hw.GPUS["h200"].hbm_tbps * 1e12)
     quant = lambda r: r["microbatch_parts_s"]["recast_quant"]  # noqa: E731
     assert quant(off) - quant(on) == pytest.approx(saved)
     assert (on["stages"][0]["compute_copies_gib"] - off["stages"][0]["compute_copies_gib"]) * GiB == \
@@ -737,8 +739,10 @@ def test_emulated_recipes_on_the_optimizers_bf16_copies():
     """mxfp8 emulated with precision.expert_weight_copies=optimizer and expert_grads_bf16 (session 22):
     the plan holds the experts' bf16 copies (2 B per expert parameter) and bf16 gradients, reads 2 B
     less of each expert weight in every weight quantization (two orientations a micro-batch,
-    compiled: 2 x 2 B per element at the separate passes' rate), and drops the gradients' cast; native
-    fp8_blockwise refuses the copies as the run does (core.precision.config.check_expert_copies)."""
+    compiled: 2 x 2 B per element at the separate passes' rate), and drops the gradients' cast. Native
+    fp8_blockwise takes them too (session 37): the same copies and gradients, and each compiled weight
+    quantization reads 2 B less of each expert element (timing.blockwise_weight_quant_bytes); native
+    mxfp8 (a Blackwell) refuses them as the run does (core.precision.config.check_expert_copies)."""
     from moetron.core.config import ConfigError
     from moetron.core.optim import OptimizerConfig
     from moetron.core.precision import PrecisionConfig
@@ -764,8 +768,15 @@ def test_emulated_recipes_on_the_optimizers_bf16_copies():
     assert on["step_s"] < off["step_s"]
     # measured (session 22, docs/bench/session22/call2/olmoe8l_mx.json): 213.7 -> 206.9 ms, 48.55 -> 54.55 GiB
     assert on["step_s"] == pytest.approx(0.2069, rel=0.2) and on["peak_gib"] == pytest.approx(54.55, rel=0.1)
-    with pytest.raises(ConfigError, match="native mxfp8 / fp8_blockwise GEMMs do not take.*backend=emulated"):
-        run(True, recipe="fp8_blockwise", backend="auto")
+    with pytest.raises(ConfigError, match="native mxfp8 GEMMs do not take.*backend=emulated"):
+        run(True, recipe="mxfp8", backend="native")
+    off8, on8 = run(False, recipe="fp8_blockwise", backend="auto"), run(True, recipe="fp8_blockwise", backend="auto")
+    assert on8["stages"][0]["compute_copies_gib"] * GiB == pytest.approx(
+        off8["stages"][0]["compute_copies_gib"] * GiB + 2 * experts)
+    assert on8["stages"][0]["grads_gib"] * GiB == pytest.approx(off8["stages"][0]["grads_gib"] * GiB - 2 * experts)
+    # compiled: w in the forward, w^T in the backward, each from the bf16 copy (2 B read, not 4)
+    assert off8["microbatch_parts_s"]["recast_quant"] - on8["microbatch_parts_s"]["recast_quant"] == pytest.approx(
+        2 * 2.0 * experts / hbm, rel=1e-9)
 
 
 def test_emulated_save_x_bf16_trades_the_dequantize_for_bf16_saved_inputs():

@@ -13,7 +13,7 @@ quantization (both outputs and one), and the whole Fp8BlockwiseGemm(experts="glu
 forward alone and forward + backward, beside bf16's. OLMoE's gate|up: R 131,072 rows (16,384 tokens x
 top-8), K 2048, N 2048, 64 experts.
 
-    python docs/bench/session37/host_probe.py [--n 20] [--json out.json]     (SM90; about 30 s)
+    python docs/bench/session37/host_probe.py [--n 20] [--json out.json] [--cprofile 50]     (SM90; about 30 s)
 """
 import argparse
 import json
@@ -44,6 +44,9 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--n", type=int, default=20)
     p.add_argument("--json", default="")
+    p.add_argument("--cprofile", type=int, default=0,
+                   help="then cProfile this many calls of the Gluon rows op and of the fp8 fwd+bwd: the top "
+                        "functions by own time (where the host's time goes)")
     args = p.parse_args()
     from bench_gemm_fp8 import uniform_offsets
     from moetron.core.precision import TorchGemm
@@ -101,6 +104,27 @@ def main():
             xg.grad = wg.grad = None
             gemm.grouped_mm(xg, wg, offsets).backward(dy)
         add(f"{label} grouped_mm forward + backward (eager)", fwd_bwd)
+    if args.cprofile:
+        import cProfile
+        import pstats
+
+        gemm = Fp8BlockwiseGemm("triton", experts="gluon")
+
+        def fp8_fwd_bwd():
+            xg.grad = wg.grad = None
+            gemm.grouped_mm(xg, wg, offsets).backward(dy)
+        for name, fn in (("rows op", lambda: torch.ops.moetron.fp8_gluon_rows(a_q, a_s, b, sb, offsets, torch.bfloat16)),
+                         ("fp8 gluon fwd+bwd", fp8_fwd_bwd)):
+            fn()
+            torch.cuda.synchronize()
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(args.cprofile):
+                fn()
+            prof.disable()
+            torch.cuda.synchronize()
+            print(f"\n=== cProfile: {name}, {args.cprofile} calls, by own time ===")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(22)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "n": args.n,
