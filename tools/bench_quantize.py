@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """The fused FP8 1x128 quantization kernel (core/precision/blockwise_triton.py quantize_1x128_fused:
 rows output, transposed tokens output through an 8-expert padding index, 3 spare rows as the
-cuBLAS experts want) under each of its autotune configs alone, then autotuned, beside a plain copy
-of the input: ms and TB/s of traffic (the bf16 read and two e4m3 writes); and the rows output alone
-(autotuned: what precision.fp8_wgrad=false quantizes; the bf16 read and one e4m3 write).
+cuBLAS experts want) under each candidate config alone (4 and 8 warps), then autotuned over them,
+beside a plain copy of the input: ms and TB/s of traffic (the bf16 read and two e4m3 writes); and the
+rows output alone (the product's config, blockwise_triton.QUANTIZE_WARPS: what precision.fp8_wgrad=false
+quantizes; the bf16 read and one e4m3 write).
 
     python tools/bench_quantize.py --json runs/bench/quantize.json
     python tools/bench_quantize.py --tiny        # tiny shapes; on the CPU under TRITON_INTERPRET=1
@@ -267,11 +268,12 @@ def main(argv=None) -> int:
                 ms = median_ms(quantize, device, warmup=warmup, iters=iters)
                 row[f"w{c.num_warps}_ms"] = ms
                 cells.append(f"{ms:6.3f}/{traffic / ms / 1e9:5.2f}")
-        finally:
             bt.use_quantize_configs(candidates)
-        row["autotuned_ms"] = median_ms(quantize, device, warmup=warmup, iters=iters)
-        best = bt._fp8_quantize_1x128_kernel.best_config
-        row["chosen"] = f"{best.num_warps} warps"
+            row["autotuned_ms"] = median_ms(quantize, device, warmup=warmup, iters=iters)
+            best = bt._fp8_quantize_1x128_kernel.best_config
+            row["chosen"] = f"{best.num_warps} warps (the product runs {bt.QUANTIZE_WARPS})"
+        finally:
+            bt.use_quantize_configs(bt.QUANTIZE_CONFIGS)
         row["autotuned_tb_s"] = traffic / row["autotuned_ms"] / 1e9
         row["rows_only_ms"] = median_ms(lambda: bt.quantize_1x128_fused(x, True, False, src, R + ROW_SLACK), device,
                                         warmup=warmup, iters=iters)

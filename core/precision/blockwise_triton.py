@@ -31,7 +31,7 @@ import triton.language as tl
 from .blockwise import FP8_BLOCK
 from .mx_triton import HW_CONVERT, abs_bits, amax_of_bits, as_loadable, exp2_int, mx_exponent, to_e4m3, widen
 
-__all__ = ["quantize_128x128_triton", "quantize_1x128_fused", "use_quantize_configs"]
+__all__ = ["QUANTIZE_CONFIGS", "quantize_128x128_triton", "quantize_1x128_fused", "use_quantize_configs"]
 
 
 @triton.jit
@@ -44,14 +44,22 @@ def _block_scales(amax_bits, IN_BF16: tl.constexpr):
 
 
 def _quantize_configs(interpret: bool) -> list[triton.Config]:
-    """Autotune candidates of the 1x128 kernel: 4 or 8 warps; the interpreter runs one (the tests
-    pick each, use_quantize_configs)."""
+    """The 1x128 kernel's launch configs the tests run each of (use_quantize_configs): 4 or 8 warps;
+    the interpreter runs one."""
     if interpret:
         return [triton.Config({}, num_warps=4)]
     return [triton.Config({}, num_warps=w) for w in (4, 8)]
 
 
-@triton.autotune(configs=_quantize_configs(not HW_CONVERT), key=["C", "P", "GATHER", "ROWS", "TOKENS"])
+QUANTIZE_WARPS = 4
+"""The 1x128 kernel's warps: 8 warps and autotuning over 4 / 8 never beat 4 at the measured shapes
+(the H200, session 7, tools/bench_quantize.py: [65536, 4096] 0.470 / 0.484 / autotuned 0.478 ms, [65536,
+8192] 0.884 / 0.882 / 0.891, [131072, 2048] 0.457 / 0.459 / 0.469), and the autotuner's lookup costs
+host time at every call (96 calls a step at OLMoE-8L, session 37): one config, no tuning."""
+QUANTIZE_CONFIGS = [triton.Config({}, num_warps=QUANTIZE_WARPS)]
+
+
+@triton.autotune(configs=QUANTIZE_CONFIGS, key=["C", "P", "GATHER", "ROWS", "TOKENS"])
 @triton.jit
 def _fp8_quantize_1x128_kernel(
     x_ptr, src_ptr, rd_ptr, rs_ptr, td_ptr, ts_ptr, R, P, C, R_OUT,
@@ -90,8 +98,8 @@ def _fp8_quantize_1x128_kernel(
 
 
 def use_quantize_configs(configs: list[triton.Config]) -> None:
-    """Autotune the 1x128 kernel over ``configs`` from now on (the tests' one at a time); what was
-    tuned is forgotten."""
+    """Run the 1x128 kernel over ``configs`` from now on (autotuned where more than one; the tests'
+    one at a time; QUANTIZE_CONFIGS is the product's); what was tuned is forgotten."""
     _fp8_quantize_1x128_kernel.configs = list(configs)
     _fp8_quantize_1x128_kernel.cache.clear()
 

@@ -28,7 +28,7 @@ def check_blockwise_triton(device: str) -> None:
             bt.use_quantize_configs([config])
             _check_blockwise_triton(device)
     finally:
-        bt.use_quantize_configs(bt._quantize_configs(device == "cpu"))
+        bt.use_quantize_configs(bt.QUANTIZE_CONFIGS)
 
 
 def _check_blockwise_triton(device: str) -> None:

@@ -106,17 +106,16 @@ def _moe_1t_slice(recipe: str | None, compiled: bool = True) -> dict:
 
 
 def test_fp8_slice_peaks_within_target_of_the_h200():
-    """tools/bench_slice.py on one GPU (torch 2.11, compiled, recompute none): bf16 31.2 GiB (H200),
-    fp8_blockwise 36.8 GiB before session 37 (H200: the wgrad's fp32 output and its bf16 cast held
-    together at the gate|up wgrad), 31.1 GiB since its kernels store the bf16 gradient themselves
-    (H100, session 37 call 9: FP8_SLICE_MEASURED). The gate|up wgrad's terms are counted by hand; the
-    peak is now the SwiGLU-down backward's, the wgrad's 0.4 GiB below it."""
-    FP8_SLICE_MEASURED = 36.8  # H200, session 20: the old code (call 9 of session 37 measures the new)
+    """tools/bench_slice.py on one H200 (torch 2.11, compiled, recompute none): bf16 31.2 GiB. fp8_blockwise
+    measured 36.8 GiB before session 37, its peak at the top block's gate|up wgrad (the fp32 output and
+    its bf16 cast held together); since its kernels store the bf16 gradient themselves (2 B an element:
+    check_fp8_expert_bytes counts the allocations) the plan puts it at 31.1 GiB, the SwiGLU-down
+    backward's, the wgrad's 0.4 GiB below. That figure is not measured yet (session 37's call 9 ran
+    out of its time before the slice's result): only bf16 is held to a measurement here."""
     bf16, fp8 = _moe_1t_slice(None), _moe_1t_slice("fp8_blockwise")
     assert bf16["peak_gib"] == pytest.approx(31.28, abs=0.01) and "SwiGLU-down" in bf16["peak_at"]
     assert fp8["peak_gib"] == pytest.approx(31.11, abs=0.01) and "SwiGLU-down" in fp8["peak_at"]
-    for r, measured in ((bf16, 31.2), (fp8, FP8_SLICE_MEASURED)):
-        assert abs(r["peak_gib"] / measured - 1) <= 0.10
+    assert abs(bf16["peak_gib"] / 31.2 - 1) <= 0.10
     cfg = ModelConfig.moe_1t()
     T, L, D, F, S = 8192, 16, cfg.d_model, cfg.moe.expert_hidden, cfg.moe.shared_width()
     R = T * cfg.moe.router.top_k

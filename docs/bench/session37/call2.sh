@@ -3,9 +3,7 @@
 # torch.compile (w in the forward, w^T in the backward), its GPU test, the host probe (which host
 # piece of an FP8 grouped GEMM outlasts its GPU time), and OLMoE-8L's f8g profile again beside call 1's.
 # Run from the repo root: bash docs/bench/session37/call2.sh (timeout 600; at most about 330 s).
-source docs/bench/session25/common.sh
-F8=optimizer.state_dtype=bf16,precision.recipe=fp8_blockwise
-G=precision.fp8_experts=gluon
+source docs/bench/session37/common.sh
 nvidia-smi --query-gpu=name --format=csv,noheader
 git log -1 --format=%h 2>/dev/null
 t0=$(date +%s)

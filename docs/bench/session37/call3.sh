@@ -4,10 +4,7 @@
 # 2 B an element, the Gluon / Triton wgrad stores bf16): GPU tests, then both shapes' steps b16 / f8g /
 # f8gc (b16 has had the copies since session 22), and OLMoE-8L's f8gc profile.
 # Run from the repo root: bash docs/bench/session37/call3.sh (timeout 600; at most about 520 s).
-source docs/bench/session25/common.sh
-F8=optimizer.state_dtype=bf16,precision.recipe=fp8_blockwise
-G=precision.fp8_experts=gluon
-C=precision.expert_weight_copies=optimizer,precision.expert_grads_bf16=true
+source docs/bench/session37/common.sh
 nvidia-smi --query-gpu=name --format=csv,noheader
 t0=$(date +%s)
 timeout 100 python3 -m pytest -q -m gpu tests/core/test_precision_fp8.py -k "bf16_weight_copies or bf16_copies" \

@@ -5,10 +5,7 @@
 # olmoe3-4l-8e's f8gc step without and with CUDA graphs on the compiled blocks (TORCHINDUCTOR_CUDAGRAPHS=1,
 # Inductor's cudagraph trees: an experiment, no moetron switch).
 # Run from the repo root: bash docs/bench/session37/call9.sh (timeout 300).
-source docs/bench/session25/common.sh
-F8=optimizer.state_dtype=bf16,precision.recipe=fp8_blockwise
-G=precision.fp8_experts=gluon
-C=precision.expert_weight_copies=optimizer,precision.expert_grads_bf16=true
+source docs/bench/session37/common.sh
 nvidia-smi --query-gpu=name --format=csv,noheader
 t0=$(date +%s)
 timeout 40 python3 docs/bench/session37/host_probe.py --n 10 --cprofile 30 --json $OUT/host_probe.json > $OUT/probe.log 2>&1

@@ -14,6 +14,11 @@ forward alone and forward + backward, beside bf16's. OLMoE's gate|up: R 131,072 
 top-8), K 2048, N 2048, 64 experts.
 
     python docs/bench/session37/host_probe.py [--n 20] [--json out.json] [--cprofile 50]     (SM90; about 30 s)
+
+Since call 9: the rows op's body called directly and behind an op registered with torch.library.Library
+(define / impl) instead of torch.library.custom_op: how much of the op's ~150 us beyond its body is the
+custom_op dispatch (call 9's cProfile put 0.57 ms a call, profiled, in custom_ops.backend_impl's own
+time: the body's time, lost to the profiler behind its Dynamo-disabled frame, or the wrapper's).
 """
 import argparse
 import json
@@ -92,6 +97,16 @@ def main():
     add("quantize_128x128_triton w alone", lambda: quantize_128x128_triton(w, data_t=False))
     add("quantize_128x128_triton w^T alone", lambda: quantize_128x128_triton(w, data=False))
     add("empty kernel-free op: torch.empty_like(x)", lambda: torch.empty_like(x))
+    # the dispatch's share: the same body called directly, and behind an op registered the low-level way
+    # (torch.library.Library define / impl: no custom_op wrapper, no Dynamo-disabled frame around it)
+    body = fg.fp8_gluon_rows._init_fn if hasattr(fg.fp8_gluon_rows, "_init_fn") else None
+    if body is not None:
+        lib = torch.library.Library("moetron_probe", "FRAGMENT")
+        lib.define("gluon_rows(Tensor a, Tensor sa, Tensor b, Tensor sb, Tensor offsets, ScalarType out_dtype) -> Tensor")
+        lib.impl("gluon_rows", body, "CUDA")
+        add("the op's body called directly", lambda: body(a_q, a_s, b, sb, offsets, torch.bfloat16))
+        add("the body behind a Library.define / impl op",
+            lambda: torch.ops.moetron_probe.gluon_rows(a_q, a_s, b, sb, offsets, torch.bfloat16))
 
     xg = x.clone().requires_grad_()
     wg = w.clone().requires_grad_()
