@@ -37,13 +37,14 @@ def _desc(rows: int, dtype: str = "float8e4nv") -> str:
     return f"tensordesc<{name}[{rows}, 128],{layout!r}>"
 
 
-def _compile(kind: str, bufs: int, out: str = "*bf16", tma_store: bool = False):
+def _compile(kind: str, bufs: int, out: str | None = None, tma_store: bool = False):
     """The rows, k or tile-table kernel compiled for SM90 at OLMoE's shapes (no GPU needed);
-    ``tma_store``: the TMA epilogue (GluonConfig.tma_store), its output descriptor of ``out``'s dtype."""
+    ``tma_store``: the TMA epilogue (GluonConfig.tma_store), its output descriptor of ``out``'s dtype
+    (default: bf16 for the rows kernel, fp32 for the wgrad)."""
     R, K, N, E = 131072, 2048, 2048, 64
     common = dict(a_desc=_desc(128), b_desc=_desc(128), sa_ptr="*fp32", sb_ptr="*fp32")
-    if kind == "k":
-        out = "*fp32"
+    if out is None:
+        out = "*fp32" if kind == "k" else "*bf16"
     c_desc = _desc(64, {"*bf16": "bfloat16", "*fp32": "float32"}[out]) if tma_store else out
     if kind == "rows":
         kernel, constexprs = fg._gluon_rows_kernel, dict(NUM_BUF=bufs, TMA_STORE=tma_store, num_warps=4)
@@ -59,6 +60,19 @@ def _compile(kind: str, bufs: int, out: str = "*bf16", tma_store: bool = False):
         values = dict(off_ptr="*i32", table_ptr="*i32", E=E)
     options = types.SimpleNamespace(kwargs={}, num_warps=constexprs["num_warps"], num_stages=1)
     return _compile_sm90(kernel, options, values, constexprs, gluon=True)
+
+
+@pytest.mark.parametrize("tma_store", [False, True])
+def test_gluon_wgrad_with_bf16_out_compiles_for_sm90(tma_store):
+    """The wgrad kernel storing bf16 (fp8_gluon_k's out_dtype: the optimizer's bf16 expert copies): the
+    fp32 sums converted to bf16 once, by the rounding conversion (cvt.rn), then stored through the TMA
+    store's bf16 buffer or from registers, at 4 stages, without spills."""
+    compiled = _compile("k", 4, out="*bf16", tma_store=tma_store)
+    ptx = compiled.asm["ptx"]
+    assert re.search(r"cvt.rn.bf16x2.f32", ptx), "the fp32 sums not rounded to bf16 by cvt.rn"
+    stores = len(re.findall(r"cp.async.bulk.tensor.\w+.global.shared::\w+", ptx))
+    assert stores == (2 if tma_store else 0)
+    assert_no_spills(compiled, f"k bf16{' tma-store' if tma_store else ''}")
 
 
 @pytest.mark.parametrize("kind,bufs,tma_store", [("rows", 3, False), ("rows", 4, False), ("k", 3, False),
