@@ -17,11 +17,14 @@ is the bf16 GEMM's speed. Measured on the H200: faster in the eager grouped benc
 (precision.fp8_wgrad=dense): the dense linears' wgrads in FP8, the grouped experts' in bf16.
 
 Every operand is quantized along its GEMM's reduction dim; the layouts are the fast ones (the
-K-contiguous operand of every GEMM: w and w^T both kept, once per optimizer step; x saved for the
-wgrad as fp8 along the tokens, transposed). Quantization (``quant``): "triton" runs the fused
-kernels of core.precision.blockwise_triton (one read of x or dy writes both its 1x128 rows and its
-transposed token tiles; the expert padding of the wgrad operand is an index read in the load; w
-and w^T from one read), "torch" the reference ops, "auto" Triton on CUDA. Both give the same bits.
+K-contiguous operand of every GEMM: w and w^T both kept, once per optimizer step, where the weight
+cache serves (eager steps, precision.quantize_weights_once); in a compiled step, w in the forward and
+w^T in the backward, each made where it is used; x saved for the wgrad as fp8 along the tokens,
+transposed). Quantization (``quant``): "triton" runs the fused kernels of
+core.precision.blockwise_triton (one read of x or dy writes both its 1x128 rows and its transposed
+token tiles; the expert padding of the wgrad operand is an index read in the load; w and w^T from
+one read, or either alone from one), "torch" the reference ops, "auto" Triton on CUDA. Both give
+the same bits.
 
 Legend: T tokens, R rows, P padded rows, E experts, I / O input / output dims, B blocks of 128.
 """
