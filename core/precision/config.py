@@ -58,6 +58,12 @@ class WeightCopies(StrEnum):
 
 
 class Fp8Experts(StrEnum):
+    auto = "auto"
+    """``gluon`` where it runs (the native fp8_blockwise backend on an SM90 GPU, Gluon importable), else
+    ``triton``: the Gluon kernels measured faster than the Triton ones at every shape and step measured
+    (the H100, sessions 35-37: grouped fwd+bwd 0.83 / 1.12 / 1.18x bf16 against 0.75 / 0.92 / 1.00x,
+    olmoe3-4l-8e's step 1.101x against 1.051x, OLMoE-8L's 0.970x against 0.859x; docs/performance.md).
+    PrecisionConfig.resolved_fp8_experts is the one rule (the build and the planner)."""
     triton = "triton"
     """core/precision/fp8_triton.py: grouped Triton kernels that find each row tile's expert from the
     offsets on the device (no host sync, any number of experts)."""
@@ -70,10 +76,10 @@ class Fp8Experts(StrEnum):
     gluon = "gluon"
     """core/precision/fp8_gluon.py: the grouped GEMMs written in Gluon, warp-specialized by hand (a TMA
     producer, two wgmma consumers: one's fp32 promotion overlapping the other's MMA), persistent, TMA
-    stores, no host sync. On the H100 (session 36, docs/performance.md): forward / dgrad 1.48-1.66x bf16
-    ``_grouped_mm`` per GEMM, the wgrad (its scales staged in shared memory) 1.19x; whole steps 1.101x
-    bf16 on olmoe3-4l-8e, 0.970x on OLMoE-8L. SM90 only: on other GPUs and the CPU the ``triton``
-    kernels run."""
+    stores, no host sync. On the H100 (sessions 36-37, docs/performance.md): forward / dgrad 1.47-1.66x
+    bf16 ``_grouped_mm`` per GEMM, the wgrad (its scales staged in shared memory) 1.14-1.34x; whole steps
+    1.101x bf16 on olmoe3-4l-8e, 0.970x on OLMoE-8L (with the optimizer's bf16 expert copies 1.123x and
+    1.00-1.02x). SM90 only: on other GPUs and the CPU the ``triton`` kernels run (``auto``)."""
 
 
 class Bf16Experts(StrEnum):
@@ -389,10 +395,11 @@ class PrecisionConfig(Config):
     operands; the fp32 sums in each kernel's own order; cuBLAS writes the weight gradients in the
     weight's dtype from the fp32 sums (no bf16 rounding, no cast pass). The native low-precision backends refuse it
     (fp8_blockwise has ``fp8_experts=cublas``)."""
-    fp8_experts: Fp8Experts = Fp8Experts.triton
+    fp8_experts: Fp8Experts = Fp8Experts.auto
     """fp8_blockwise recipe, native backend: how the routed experts' grouped FP8 GEMMs run (see
     Fp8Experts): the Triton kernels (no host sync), one cuBLAS GEMM per expert (a host sync per GEMM;
-    faster where a layer has few experts with many rows each) or the Gluon kernels (SM90, no host sync)."""
+    faster where a layer has few experts with many rows each) or the Gluon kernels (SM90, no host sync);
+    ``auto`` (default): Gluon on an SM90 GPU, Triton elsewhere."""
     fp8_wgrad: Fp8Wgrad = Fp8Wgrad.all
     """fp8_blockwise recipe (native backend) and fp8_rowwise (any backend): which weight-gradient GEMMs
     run in FP8 along the tokens (see Fp8Wgrad): ``all`` (true), ``none`` (false: every wgrad in bf16
@@ -423,7 +430,7 @@ class PrecisionConfig(Config):
                               f"weights: it needs --precision.recipe=mxfp8, fp8_blockwise or fp8_rowwise, got {self.recipe} (the bf16 "
                               f"recipe's counterpart is precision.expert_weight_copies)")
         experts = Fp8Experts(self.fp8_experts)
-        if experts != Fp8Experts.triton and self.recipe != PrecisionRecipe.fp8_blockwise:
+        if experts not in (Fp8Experts.auto, Fp8Experts.triton) and self.recipe != PrecisionRecipe.fp8_blockwise:
             raise ConfigError(f"precision.fp8_experts={experts} picks how fp8_blockwise's expert GEMMs run: it needs "
                               f"--precision.recipe=fp8_blockwise, got {self.recipe}; drop it for this recipe")
         wgrad = Fp8Wgrad(self.fp8_wgrad)
@@ -505,6 +512,26 @@ class PrecisionConfig(Config):
             return chosen
         return self.backend
 
+    def resolved_fp8_experts(self, device_type: str, backend: PrecisionBackend | str,
+                             capability_major: int | None = None) -> Fp8Experts:
+        """precision.fp8_experts with ``auto`` resolved (Fp8Experts.auto): gluon for the native
+        fp8_blockwise backend on an SM90 GPU (``capability_major``, default the current GPU's) where
+        Gluon imports, else triton; other values as given."""
+        experts = Fp8Experts(self.fp8_experts)
+        if experts != Fp8Experts.auto:
+            return experts
+        major = capability_major if capability_major is not None else _capability_major(device_type)
+        native = (self.resolved_recipe(device_type) == PrecisionRecipe.fp8_blockwise
+                  and PrecisionBackend(backend) == PrecisionBackend.native)
+        if native and major == 9:
+            try:
+                from .fp8_gluon import AVAILABLE
+            except ImportError:  # no triton at all
+                AVAILABLE = False
+            if AVAILABLE:
+                return Fp8Experts.gluon
+        return Fp8Experts.triton
+
     def build(self, device: torch.device | str, verbose: bool = True) -> PrecisionPolicy:
         """The policy for a run on ``device``."""
         self.validate()
@@ -543,10 +570,11 @@ class PrecisionConfig(Config):
                               f"recipe, and the emulated backends' dequantized operands), and this run's {recipe} "
                               f"resolved precision.backend=native: use --precision.fp8_experts=cublas for fp8_blockwise, "
                               f"or --precision.backend=emulated")
-        if Fp8Experts(self.fp8_experts) == Fp8Experts.cublas and backend != PrecisionBackend.native:
+        fp8_experts = self.resolved_fp8_experts(device_type, backend)
+        if fp8_experts == Fp8Experts.cublas and backend != PrecisionBackend.native:
             raise ConfigError("precision.fp8_experts=cublas needs the native fp8_blockwise backend (an SM90+ GPU), and "
                               f"this run resolved precision.backend={backend}: drop fp8_experts, or run on a Hopper GPU")
-        if Fp8Experts(self.fp8_experts) == Fp8Experts.gluon:
+        if fp8_experts == Fp8Experts.gluon:
             major = _capability_major(device_type)
             if backend != PrecisionBackend.native or (major is not None and major != 9):
                 where = f"an SM{major}x GPU" if major is not None else f"precision.backend={backend}"
@@ -562,7 +590,7 @@ class PrecisionConfig(Config):
         input_once = input_once_on(recipe, backend, self.quantize_input_once)
         check_quantized_copies(recipe, backend, self.quantized_expert_copies, expert_copies and self.expert_grads_bf16,
                                self.modules)
-        gemm = low_precision_gemm(recipe, backend, self.mx_scale, self.fp8_experts, wgrad, self.fp8_fast_accum,
+        gemm = low_precision_gemm(recipe, backend, self.mx_scale, fp8_experts, wgrad, self.fp8_fast_accum,
                                   expert_copies=expert_copies, fp8_fused_amax=self.fp8_fused_amax,
                                   save_x_bf16=self.emulated_save_x_bf16,
                                   quantized_copies=self.quantized_expert_copies)

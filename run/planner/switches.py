@@ -80,7 +80,8 @@ class Switches:
     kernel, or one cuBLAS GEMM per local expert (cublas: the grouped rate x the measured ratio of
     BF16_CUBLAS_MEASURED, or the CPU's per-call cost, BF16_CUBLAS_CALL_S, whichever is longer)."""
     fp8_experts: str = "triton"
-    """precision.fp8_experts (native fp8_blockwise): the experts' GEMMs in the Triton kernels, or one
+    """precision.fp8_experts resolved (native fp8_blockwise; auto: gluon on an SM90 GPU, else triton,
+    PrecisionConfig.resolved_fp8_experts): the experts' GEMMs in the Triton kernels, or one
     cuBLAS GEMM per local expert (cublas: the GPU's rate or the CPU's per-call cost, whichever is longer).
     gluon (core/precision/fp8_gluon.py) is planned at the Triton kernels' rate, a conservative estimate:
     per GEMM it measured 1.24-1.45x them on the H100 (session 36, `--loop 10`), and whole steps 1.101x bf16 on
@@ -227,7 +228,8 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
                     triton_swiglu=bool(precision.triton_swiglu) and recipe == PrecisionRecipe.bf16
                     and not (model.moe is not None and model.moe.weights_before_down),
                     bf16_experts=str(precision.bf16_experts),
-                    fp8_experts=str(precision.fp8_experts), fp8_wgrad=str(Fp8Wgrad(precision.fp8_wgrad)),
+                    fp8_experts=str(precision.resolved_fp8_experts("cuda", backend, capability_major=gpu.sm)),
+                    fp8_wgrad=str(Fp8Wgrad(precision.fp8_wgrad)),
                     fp8_fast_accum=bool(precision.fp8_fast_accum), fp8_fused_amax=bool(precision.fp8_fused_amax),
                     quantize_weights_once=bool(precision.quantize_weights_once) and recipe in LOW_PRECISION,
                     mx_fused=emulated.FUSED if mx_fused is None else bool(mx_fused),

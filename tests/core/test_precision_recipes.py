@@ -210,3 +210,40 @@ def test_gemm_widths_checked_at_start(recipe, block):
     bad.precision.recipe = "fp8_rowwise"
     bad.precision.modules = ["experts", "attention", "mlp"]
     bad.validate()
+
+
+def test_fp8_experts_auto_picks_gluon_on_hopper_only(monkeypatch):
+    """precision.fp8_experts=auto (the default): the Gluon kernels for the native fp8_blockwise backend on
+    an SM90 GPU, the Triton ones on any other GPU, on the emulated backend and for other recipes; an
+    explicit choice stays; the planner resolves it by the same rule for its GPU."""
+    pytest.importorskip("triton")
+    import moetron.core.precision.config as config_module
+    from moetron.core.precision import fp8_gluon
+    from moetron.core.precision.config import Fp8Experts
+
+    def cfg(**kw):
+        return PrecisionConfig.from_dict(kw)
+
+    assert cfg().fp8_experts == Fp8Experts.auto
+    hopper = Fp8Experts.gluon if fp8_gluon.AVAILABLE else Fp8Experts.triton
+    assert cfg(recipe="fp8_blockwise").resolved_fp8_experts("cuda", "native", capability_major=9) == hopper
+    assert cfg(recipe="fp8_blockwise").resolved_fp8_experts("cuda", "native", capability_major=10) == Fp8Experts.triton
+    assert cfg(recipe="fp8_blockwise").resolved_fp8_experts("cuda", "emulated", capability_major=9) == Fp8Experts.triton
+    assert cfg(recipe="mxfp8").resolved_fp8_experts("cuda", "native", capability_major=9) == Fp8Experts.triton
+    assert cfg(recipe="fp8_blockwise", fp8_experts="triton").resolved_fp8_experts(
+        "cuda", "native", capability_major=9) == Fp8Experts.triton
+    cfg(recipe="mxfp8").validate()  # auto is no error for another recipe (an explicit gluon is)
+    for major, want in ((9, str(hopper)), (10, "triton")):
+        monkeypatch.setattr(config_module, "_capability_major", lambda device_type, m=major: m)
+        assert cfg(recipe="fp8_blockwise").build("cuda", verbose=False).gemm.experts == want
+    monkeypatch.undo()
+    assert isinstance(cfg(recipe="fp8_blockwise").build("cpu", verbose=False).gemm, EmulatedGemm)  # emulated on the CPU
+    from moetron.core.optim import OptimizerConfig
+    from moetron.models import ModelConfig
+    from moetron.parallel.config import ParallelConfig
+    from moetron.run.planner.hardware import GPUS
+    from moetron.run.planner.switches import switches
+
+    sw = switches(ModelConfig.preset("olmoe-1b-7b"), ParallelConfig(), cfg(recipe="fp8_blockwise"), OptimizerConfig(),
+                  GPUS["h200"], True)
+    assert sw.fp8_experts == str(hopper)
