@@ -61,8 +61,9 @@ class Fp8Experts(StrEnum):
     auto = "auto"
     """``gluon`` where it runs (the native fp8_blockwise backend on an SM90 GPU, Gluon importable), else
     ``triton``: the Gluon kernels measured faster than the Triton ones at every shape and step measured
-    (the H100, sessions 35-37: grouped fwd+bwd 0.83 / 1.12 / 1.18x bf16 against 0.75 / 0.92 / 1.00x,
-    olmoe3-4l-8e's step 1.101x against 1.051x, OLMoE-8L's 0.970x against 0.859x; docs/performance.md).
+    (the H100, session 36 call 3, each pair in one run: grouped fwd+bwd 0.83 / 1.12 / 1.18x bf16 against
+    0.75 / 0.92 / 1.00x, olmoe3-4l-8e's step 1.101x against 1.051x; OLMoE-8L's step 0.970x (session 36)
+    against 0.859x with the Triton experts in session 35, not one run; docs/performance.md).
     PrecisionConfig.resolved_fp8_experts is the one rule (the build and the planner)."""
     triton = "triton"
     """core/precision/fp8_triton.py: grouped Triton kernels that find each row tile's expert from the

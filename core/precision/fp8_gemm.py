@@ -212,13 +212,11 @@ class _Fp8GroupedMM(torch.autograd.Function):
             _, dw = bf16_grouped.grouped_grads(dy_RO, x_saved[0], w_EOI, offsets_E.to(torch.int32),
                                                torch.bfloat16, False, True, per_expert=cublas)
         elif ctx.needs_input_grad[1]:
-            if cublas:
-                dw = torch.ops.moetron.fp8_cublas_k(*dyt, *x_saved, padded_offsets_E)
-            else:
-                # in the weight's dtype from the kernel's store (bf16 on the optimizer's expert copies)
+            if cublas:  # fp32 per expert, then the weight's dtype
+                dw = torch.ops.moetron.fp8_cublas_k(*dyt, *x_saved, padded_offsets_E).to(w_EOI.dtype)
+            else:  # in the weight's dtype from the kernel's store (bf16 on the optimizer's expert copies)
                 dw = fp8_grouped_mm_k(*dyt, *x_saved, padded_offsets_E, kernel=gemm.grouped_kernel,
                                       out_dtype=w_EOI.dtype)
-            dw = dw.to(w_EOI.dtype)
         return dx, dw, None, None
 
 

@@ -59,6 +59,9 @@ import functools
 import torch
 import triton
 
+from . import fp8_triton
+from .fp8_triton import k_output, rows_output, stacked_b, tma_readable
+
 try:  # Gluon ships with Triton >= 3.5
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -491,8 +494,6 @@ if AVAILABLE:
 def _tma(t: torch.Tensor | None, block: list[int], layout):
     """A Gluon TMA descriptor of the 2-D ``t`` with ``block`` boxes in ``layout``, or None where TMA
     cannot read it (fp8_triton.tma_readable): every descriptor of this module."""
-    from .fp8_triton import tma_readable
-
     if t is None or not tma_readable(t):
         return None
     return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], block, layout)
@@ -501,7 +502,8 @@ def _tma(t: torch.Tensor | None, block: list[int], layout):
 @functools.lru_cache(maxsize=None)
 def _shared_layout(block: tuple[int, ...], dtype: str):
     """The NVMMA shared layout of a ``block`` of ``dtype`` (a gl dtype's name) that TMA and wgmma read,
-    made once: building one costs about 13 us of host time (three per rows GEMM, two per wgrad)."""
+    made once: building one took 13 us of host time (Triton 3.6 on the 2-core CPU machine, session 37;
+    three per rows GEMM, two per wgrad)."""
     return gl.NVMMASharedLayout.get_default_for(list(block), getattr(gl, dtype))
 
 
@@ -530,8 +532,6 @@ def rows_descriptors(a_RK: torch.Tensor, b_EKN: torch.Tensor):
     """(A, B) descriptors of the rows kernel, or None where its operands do not allow them (B[e] not
     K-contiguous, experts not back to back, N not a multiple of 128, misaligned): the caller then runs
     fp8_triton's kernel."""
-    from .fp8_triton import stacked_b
-
     if not AVAILABLE or b_EKN.shape[2] % BLOCK_N:
         return None
     return _pair(_descriptor(a_RK, BLOCK_M), _descriptor(stacked_b(b_EKN), BLOCK_N))
@@ -620,34 +620,24 @@ def gluon_grouped_mm_k(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out, descri
 def fp8_gluon_rows(a_RK: torch.Tensor, sa_RB: torch.Tensor, b_EKN: torch.Tensor, sb_EBC: torch.Tensor,
                    offsets_E: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """fp8_triton.fp8_grouped_mm_rows's contract -> [R, N] in ``out_dtype``."""
-    from . import fp8_triton
-
     descriptors = rows_descriptors(a_RK, b_EKN) if supported(a_RK.device) else None
     if descriptors is None:
         return fp8_triton.fp8_grouped_mm_rows(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out_dtype, kernel="pipelined")
-    out = torch.empty(a_RK.shape[0], b_EKN.shape[2], dtype=out_dtype, device=a_RK.device)
+    out = rows_output(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out_dtype)
     return gluon_grouped_mm_rows(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out, descriptors)
-
-
-@fp8_gluon_rows.register_fake
-def _(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out_dtype):
-    return a_RK.new_empty(a_RK.shape[0], b_EKN.shape[2], dtype=out_dtype)
 
 
 @torch.library.custom_op("moetron::fp8_gluon_k", mutates_args=())
 def fp8_gluon_k(a_MP: torch.Tensor, sa_MB: torch.Tensor, bt_NP: torch.Tensor, sbt_NB: torch.Tensor,
                 padded_offsets_E: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """fp8_triton.fp8_grouped_mm_k's contract -> [E, M, N] in ``out_dtype``."""
-    from . import fp8_triton
-
     descriptors = k_descriptors(a_MP, sa_MB, bt_NP, sbt_NB) if supported(a_MP.device) else None
     if descriptors is None:
         return fp8_triton.fp8_grouped_mm_k(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, kernel="pipelined",
                                            out_dtype=out_dtype)
-    out = torch.empty(padded_offsets_E.numel(), a_MP.shape[0], bt_NP.shape[0], dtype=out_dtype, device=a_MP.device)
+    out = k_output(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out_dtype)
     return gluon_grouped_mm_k(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out, descriptors)
 
 
-@fp8_gluon_k.register_fake
-def _(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out_dtype):
-    return a_MP.new_empty(padded_offsets_E.numel(), a_MP.shape[0], bt_NP.shape[0], dtype=out_dtype)
+fp8_gluon_rows.register_fake(rows_output)  # the pipelined ops' fakes too: one output rule
+fp8_gluon_k.register_fake(k_output)

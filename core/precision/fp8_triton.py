@@ -307,6 +307,19 @@ def stacked_b(b_EKN: torch.Tensor) -> torch.Tensor | None:
     return b_EKN.as_strided((E * N, K), (s_bn, 1)) if s_bk == 1 and s_be == N * s_bn else None
 
 
+def rows_output(a_RK: torch.Tensor, sa_RB: torch.Tensor, b_EKN: torch.Tensor, sb_EBC: torch.Tensor,
+                offsets_E: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """The rows GEMMs' output, uninitialized: [R, N] in ``out_dtype`` (every implementation's, and the
+    fake one of the rows ops here and in fp8_gluon: their arguments)."""
+    return a_RK.new_empty(a_RK.shape[0], b_EKN.shape[2], dtype=out_dtype)
+
+
+def k_output(a_MP: torch.Tensor, sa_MB: torch.Tensor, bt_NP: torch.Tensor, sbt_NB: torch.Tensor,
+             padded_offsets_E: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """The wgrad GEMMs' output, uninitialized: [E, M, N] in ``out_dtype`` (as rows_output)."""
+    return a_MP.new_empty(padded_offsets_E.numel(), a_MP.shape[0], bt_NP.shape[0], dtype=out_dtype)
+
+
 def _descriptor(t: torch.Tensor | None):
     """A host TMA descriptor of the 2-D ``t`` (block shape set per config), or None where TMA cannot
     read it (see tma_readable)."""
@@ -352,7 +365,7 @@ def fp8_grouped_mm_rows(a_RK: torch.Tensor, sa_RB: torch.Tensor, b_EKN: torch.Te
         kernel = GroupedKernel.pipelined
     if kernel == GroupedKernel.pipelined:  # a custom op: torch.compile cannot trace its descriptors' checks
         return torch.ops.moetron.fp8_pipelined_rows(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out_dtype)
-    out = torch.empty(R, N, dtype=out_dtype, device=a_RK.device)
+    out = rows_output(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out_dtype)
     grid = lambda meta: (triton.cdiv(N, BLOCK_K), triton.cdiv(R, meta["BM"]) + E)  # noqa: E731
     _fp8_grouped_gemm_rows_kernel[grid](a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out, E, N, K,
                        a_RK.stride(0), a_RK.stride(1), sa_RB.stride(0), sa_RB.stride(1),
@@ -384,7 +397,7 @@ def fp8_grouped_mm_k(a_MP: torch.Tensor, sa_MB: torch.Tensor, bt_NP: torch.Tenso
         kernel = GroupedKernel.pipelined
     if kernel == GroupedKernel.pipelined:  # a custom op: torch.compile cannot trace its descriptors' checks
         return torch.ops.moetron.fp8_pipelined_k(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out_dtype)
-    out = torch.empty(E, M, N, dtype=out_dtype, device=a_MP.device)
+    out = k_output(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out_dtype)
     grid = lambda meta: (triton.cdiv(N, meta["BN"]), triton.cdiv(M, meta["BM"]), E)  # noqa: E731
     _fp8_grouped_gemm_k_kernel[grid](a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out, M, N,
                     a_MP.stride(0), a_MP.stride(1), sa_MB.stride(0), sa_MB.stride(1),
@@ -401,14 +414,12 @@ def fp8_grouped_mm_k(a_MP: torch.Tensor, sa_MB: torch.Tensor, bt_NP: torch.Tenso
 def fp8_pipelined_rows(a_RK: torch.Tensor, sa_RB: torch.Tensor, b_EKN: torch.Tensor, sb_EBC: torch.Tensor,
                        offsets_E: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """fp8_grouped_mm_rows(kernel="pipelined") -> [R, N] in ``out_dtype``."""
-    out = torch.empty(a_RK.shape[0], b_EKN.shape[2], dtype=out_dtype, device=a_RK.device)
+    out = rows_output(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out_dtype)
     _rows_pipelined(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out)
     return out
 
 
-@fp8_pipelined_rows.register_fake
-def _(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out_dtype):
-    return a_RK.new_empty(a_RK.shape[0], b_EKN.shape[2], dtype=out_dtype)
+fp8_pipelined_rows.register_fake(rows_output)
 
 
 @torch.library.custom_op("moetron::fp8_pipelined_k", mutates_args=())
@@ -416,7 +427,7 @@ def fp8_pipelined_k(a_MP: torch.Tensor, sa_MB: torch.Tensor, bt_NP: torch.Tensor
                     padded_offsets_E: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """fp8_grouped_mm_k(kernel="pipelined") -> [E, M, N] in ``out_dtype``."""
     M, N, E = a_MP.shape[0], bt_NP.shape[0], padded_offsets_E.numel()
-    out = torch.empty(E, M, N, dtype=out_dtype, device=a_MP.device)
+    out = k_output(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out_dtype)
     a_desc, b_desc = _descriptor(a_MP), _descriptor(bt_NP)
     tma_ok = int(a_desc is not None and b_desc is not None)
     if not tma_ok:
@@ -429,6 +440,4 @@ def fp8_pipelined_k(a_MP: torch.Tensor, sa_MB: torch.Tensor, bt_NP: torch.Tensor
     return out
 
 
-@fp8_pipelined_k.register_fake
-def _(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out_dtype):
-    return a_MP.new_empty(padded_offsets_E.numel(), a_MP.shape[0], bt_NP.shape[0], dtype=out_dtype)
+fp8_pipelined_k.register_fake(k_output)

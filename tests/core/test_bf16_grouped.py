@@ -363,12 +363,12 @@ def assert_quantized_copies_run_follows_fp32(recipe: str, backend: str = "emulat
                     assert c.dtype == torch.bfloat16 and torch.equal(c.detach(), w.detach().to(torch.bfloat16))
             else:
                 assert m.weight_copies is None
-        runs[copies] = losses, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
-    (l32, p32), (l16, p16) = runs[False], runs[True]
+        runs[copies] = losses, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, initial
+    (l32, p32, i32), (l16, p16, i16) = runs[False], runs[True]
     assert not must_decrease or (l32[2] < l32[0] and l16[2] < l16[0])
     assert l16 == pytest.approx(l32, rel=2e-3)
     moved = [k for k in p32 if "w_gate_up" in k or "w_down" in k]
-    assert moved and all(not torch.equal(p[k], initial[k]) for p in (p16, p32) for k in moved)
+    assert moved and all(not torch.equal(p[k], i[k]) for p, i in ((p16, i16), (p32, i32)) for k in moved)
     assert all(((p16[k] - p32[k]).norm() / p32[k].norm()).item() < 1e-2 for k in moved)
     return gemms
 

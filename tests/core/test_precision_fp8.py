@@ -177,6 +177,7 @@ def check_bf16_weight_copies(device: str, experts: str = "triton", quant: str = 
     import moetron.core.precision.fp8_triton as fp8_triton
     from moetron.core.precision.fp8_gemm import Fp8BlockwiseGemm
 
+    _, act, wq = FORMATS["fp8_blockwise"]
     offsets = torch.tensor([40, 40, 140, 150], device=device)
     x0, w16 = wide(160, 256, seed=1).to(device), wide(4, 128, 256, seed=2).bfloat16().to(device)
     dy = wide(160, 128, seed=3).bfloat16().float().to(device)
@@ -197,6 +198,10 @@ def check_bf16_weight_copies(device: str, experts: str = "triton", quant: str = 
             out[w0.dtype] = (y.detach()[:150], x.grad[:150], w.grad)
     finally:
         fp8_triton.fp8_grouped_mm_k = wgrad_k
+    # the bf16 run against float64 on the independently quantized operands, expert by expert
+    xc, wc = x.detach().cpu(), w.detach().cpu().float()
+    xc.grad, wc.grad = x.grad.cpu(), w.grad.cpu().float()
+    check_grouped(act, wq, xc, wc, offsets.cpu(), y.detach().cpu().float(), dy.cpu())
     (y32, dx32, dw32), (y16, dx16, dw16) = out[torch.float32], out[torch.bfloat16]
     assert torch.equal(y32, y16) and torch.equal(dx32, dx16)
     assert dw32.dtype == torch.float32 and dw16.dtype == torch.bfloat16
