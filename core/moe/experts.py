@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from ..config import ConfigError
 from ..layers.mlp import swiglu
-from ..precision.gemm import DEFAULT_GEMM, GemmBackend, compute_dtype, scale_rows, with_w_dgrad
+from ..precision.gemm import DEFAULT_GEMM, GemmBackend, compute_dtype, scale_rows
 from .config import ExpertsBackend
 
 
@@ -57,37 +57,31 @@ def loop_grouped_mm(gemm: GemmBackend, x_RI: torch.Tensor, w_EOI: torch.Tensor, 
     return out_RO
 
 
-def _fused_grouped_mm(gemm: GemmBackend, x_RI, w_EOI, offsets_E, w_dgrad=None):
-    return with_w_dgrad(gemm.grouped_mm, x_RI, w_EOI, offsets_E, w_dgrad=w_dgrad)
+def _fused_mlp(gemm: GemmBackend, x_RD, w_E2FD, w_EDF, offsets_E, act, row_scale_R=None, dgrad_gate_up=None,
+               dgrad_down=None):
+    return gemm.grouped_swiglu_mlp(x_RD, w_E2FD, w_EDF, offsets_E, act, row_scale_R, dgrad_gate_up, dgrad_down)
 
 
-def _auto_grouped_mm(gemm: GemmBackend, x_RI, w_EOI, offsets_E, w_dgrad=None):
+def _loop_mlp(gemm: GemmBackend, x_RD, w_E2FD, w_EDF, offsets_E, act, row_scale_R=None, dgrad_gate_up=None,
+              dgrad_down=None):
+    gate_RF, up_RF = loop_grouped_mm(gemm, x_RD, w_E2FD, offsets_E, dgrad_gate_up).chunk(2, dim=-1)
+    return loop_grouped_mm(gemm, scale_rows(act(gate_RF, up_RF), row_scale_R), w_EDF, offsets_E, dgrad_down)
+
+
+def _auto_mlp(gemm: GemmBackend, x_RD, w_E2FD, w_EDF, offsets_E, act, row_scale_R=None, dgrad_gate_up=None,
+              dgrad_down=None):
     # The device is known only when the rows arrive (a model may be built on the CPU, then moved).
-    # Pre-quantized weights (w_dgrad) take the grouped op on any device (its CPU form loops inside).
-    fused = x_RI.is_cuda or w_dgrad is not None
-    return (_fused_grouped_mm if fused else loop_grouped_mm)(gemm, x_RI, w_EOI, offsets_E, w_dgrad)
+    # Pre-quantized weights (w_dgrad) take the grouped ops on any device (their CPU form loops inside).
+    fused = x_RD.is_cuda or dgrad_gate_up is not None
+    return (_fused_mlp if fused else _loop_mlp)(gemm, x_RD, w_E2FD, w_EDF, offsets_E, act, row_scale_R,
+                                                dgrad_gate_up, dgrad_down)
 
 
-def _loop_swiglu_down(gemm: GemmBackend, h_R2F, w_EDF, offsets_E, act, row_scale_R=None, w_dgrad=None):
-    gate_RF, up_RF = h_R2F.chunk(2, dim=-1)
-    return loop_grouped_mm(gemm, scale_rows(act(gate_RF, up_RF), row_scale_R), w_EDF, offsets_E, w_dgrad)
-
-
-def _fused_swiglu_down(gemm: GemmBackend, h_R2F, w_EDF, offsets_E, act, row_scale_R=None, w_dgrad=None):
-    return with_w_dgrad(gemm.grouped_swiglu_down, h_R2F, w_EDF, offsets_E, act, row_scale_R, w_dgrad=w_dgrad)
-
-
-def _auto_swiglu_down(gemm: GemmBackend, h_R2F, w_EDF, offsets_E, act, row_scale_R=None, w_dgrad=None):
-    fused = h_R2F.is_cuda or w_dgrad is not None
-    return (_fused_swiglu_down if fused else _loop_swiglu_down)(gemm, h_R2F, w_EDF, offsets_E, act, row_scale_R,
-                                                               w_dgrad)
-
-
-# Per backend: (the gate/up grouped GEMM, the activation + down grouped GEMM).
-_GROUPED_MM = {
-    ExpertsBackend.grouped_mm: (_fused_grouped_mm, _fused_swiglu_down),
-    ExpertsBackend.loop: (loop_grouped_mm, _loop_swiglu_down),
-    ExpertsBackend.auto: (_auto_grouped_mm, _auto_swiglu_down),
+# Per backend: the experts' SwiGLU MLP (gate/up grouped GEMM, activation, down grouped GEMM).
+_MLP = {
+    ExpertsBackend.grouped_mm: _fused_mlp,
+    ExpertsBackend.loop: _loop_mlp,
+    ExpertsBackend.auto: _auto_mlp,
 }
 
 
@@ -101,7 +95,7 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.num_experts, self.d_model, self.hidden = num_experts, d_model, hidden
         self.backend = ExpertsBackend(backend)
-        self._grouped_mm, self._swiglu_down = _GROUPED_MM[self.backend]
+        self._mlp = _MLP[self.backend]
         self.gemm: GemmBackend = DEFAULT_GEMM
         self.act = swiglu  # recompute may swap in a checkpointed twin (core/memory.py)
         # Under expert parallelism an expert's gradient sums the tokens of every data-parallel
@@ -136,6 +130,6 @@ class GroupedExperts(nn.Module):
         else:
             w_gate_up_E2FD = _local(self.w_gate_up, self.grad_scale)
             w_down_EDF = _local(self.w_down, self.grad_scale)
-        h_R2F = self._grouped_mm(self.gemm, x_RD, w_gate_up_E2FD, offsets_L, dgrad_gate_up)
-        # The activation goes into the down projection's call: a backend may fuse the two.
-        return self._swiglu_down(self.gemm, h_R2F, w_down_EDF, offsets_L, self.act, row_scale_R, dgrad_down)
+        # One call for the whole MLP: a backend may fuse its parts (GemmBackend.grouped_swiglu_mlp).
+        return self._mlp(self.gemm, x_RD, w_gate_up_E2FD, w_down_EDF, offsets_L, self.act, row_scale_R, dgrad_gate_up,
+                         dgrad_down)

@@ -30,8 +30,10 @@ import triton.language as tl
 
 from .blockwise import FP8_BLOCK
 from .mx_triton import HW_CONVERT, abs_bits, amax_of_bits, as_loadable, exp2_int, mx_exponent, to_e4m3, widen
+from .swiglu_triton import swiglu_grads, swiglu_product
 
-__all__ = ["QUANTIZE_CONFIGS", "quantize_128x128_triton", "quantize_1x128_fused", "use_quantize_configs"]
+__all__ = ["QUANTIZE_CONFIGS", "quantize_128x128_triton", "quantize_1x128_fused", "quantize_1x128_swiglu",
+           "use_quantize_configs"]
 
 
 @triton.jit
@@ -60,13 +62,38 @@ config, no tuning."""
 QUANTIZE_CONFIGS = [triton.Config({}, num_warps=QUANTIZE_WARPS)]
 
 
-@triton.autotune(configs=QUANTIZE_CONFIGS, key=["C", "P", "GATHER", "ROWS", "TOKENS"])
+@triton.jit
+def _tile_bits(x_ptr, h_ptr, rows, cols, mask, s_xr, s_xc, s_hr, F, PROLOGUE: tl.constexpr, HW: tl.constexpr):
+    """The loaded bits of the values to quantize at ``rows`` x ``cols`` (broadcast; zeros where not
+    ``mask``): x's own (PROLOGUE 0), else the bf16 bits (int16) of a SwiGLU computed here from the
+    int16 views of h = [gate | up] [R, 2F] (row stride s_hr): PROLOGUE 1 silu(gate) * up [R, F];
+    PROLOGUE 2 h's gradient [R, 2F] from the product's gradient x [R, F] (swiglu_triton's math)."""
+    rows = rows.to(tl.int64)
+    if PROLOGUE == 0:
+        bits = tl.load(x_ptr + rows * s_xr + cols * s_xc, mask=mask, other=0)
+    else:
+        f = cols % F  # the gate / up column (PROLOGUE 2: the up half's columns F..2F read column c - F)
+        g = widen(tl.load(h_ptr + rows * s_hr + f, mask=mask, other=0), True, HW)
+        if PROLOGUE == 1:
+            u = widen(tl.load(h_ptr + rows * s_hr + F + f, mask=mask, other=0), True, HW)
+            v = swiglu_product(g, u)
+        else:
+            gate = cols < F  # up is read only where the gate's gradient needs it
+            u = widen(tl.load(h_ptr + rows * s_hr + F + f, mask=mask & gate, other=0), True, HW)
+            ga = widen(tl.load(x_ptr + rows * s_xr + f * s_xc, mask=mask, other=0), True, HW)
+            grad_g, grad_u = swiglu_grads(g, u, ga)
+            v = tl.where(gate, grad_g, grad_u)
+        bits = v.to(tl.int16, bitcast=True)
+    return bits
+
+
+@triton.autotune(configs=QUANTIZE_CONFIGS, key=["C", "P", "GATHER", "ROWS", "TOKENS", "PROLOGUE"])
 @triton.jit
 def _fp8_quantize_1x128_kernel(
-    x_ptr, src_ptr, rd_ptr, rs_ptr, td_ptr, ts_ptr, R, P, C, R_OUT,
-    s_xr, s_xc, s_rdr, s_rdc, s_rsr, s_rsb, s_tdc, s_tdp, s_tsc, s_tsb,
+    x_ptr, src_ptr, rd_ptr, rs_ptr, td_ptr, ts_ptr, h_ptr, R, P, C, R_OUT, F,
+    s_xr, s_xc, s_rdr, s_rdc, s_rsr, s_rsb, s_tdc, s_tdp, s_tsc, s_tsb, s_hr,
     GATHER: tl.constexpr, ROWS: tl.constexpr, TOKENS: tl.constexpr, IN_BF16: tl.constexpr, BLOCK: tl.constexpr,
-    HW: tl.constexpr,
+    HW: tl.constexpr, PROLOGUE: tl.constexpr,
 ):
     pid_c, pid_p = tl.program_id(0), tl.program_id(1)
     p = pid_p * BLOCK + tl.arange(0, BLOCK)
@@ -79,7 +106,7 @@ def _fp8_quantize_1x128_kernel(
         src = p
         valid = p < R
         row_out = p < R_OUT  # rows R..R_OUT: zero padding rows, quantized as zeros
-    bits = tl.load(x_ptr + src[:, None].to(tl.int64) * s_xr + c[None, :] * s_xc, mask=valid[:, None], other=0)
+    bits = _tile_bits(x_ptr, h_ptr, src[:, None], c[None, :], valid[:, None], s_xr, s_xc, s_hr, F, PROLOGUE, HW)
     x = widen(bits, IN_BF16, HW)
     if ROWS:
         inv, scale = _block_scales(tl.max(abs_bits(bits, IN_BF16), axis=1), IN_BF16)
@@ -91,7 +118,7 @@ def _fp8_quantize_1x128_kernel(
         # the tile loaded again as [C tile, P tile] (from L1 / L2) and quantized along its rows: no
         # transpose in registers (with tl.trans of its e4m3 tile the 128 x 128 kernel's w^T came out
         # wrong on the H200, Triton 3.6, this kernel's new code path; the old one's passed)
-        bt = tl.load(x_ptr + src[None, :].to(tl.int64) * s_xr + c[:, None] * s_xc, mask=valid[None, :], other=0)
+        bt = _tile_bits(x_ptr, h_ptr, src[None, :], c[:, None], valid[None, :], s_xr, s_xc, s_hr, F, PROLOGUE, HW)
         inv, st = _block_scales(tl.max(abs_bits(bt, IN_BF16), axis=1), IN_BF16)
         qt = to_e4m3(widen(bt, IN_BF16, HW), inv[:, None], HW)
         tl.store(td_ptr + c[:, None].to(tl.int64) * s_tdc + p[None, :] * s_tdp, qt, mask=(p < P)[None, :])
@@ -149,10 +176,44 @@ def quantize_1x128_fused(x_RC: torch.Tensor, rows: bool = True, tokens: bool = T
     ``outer_major``: scales laid out rows-fastest (stride (1, rows)), as F.scaled_mm wants them;
     ``tokens_outer_major`` (default ``outer_major``): the tokens' alone so (K-block-major: a K-block's
     scales of every column contiguous, as the wgrad kernels read them a K-block at a time)."""
-    R, C = x_RC.shape
+    return _quantize_1x128(x_RC, None, 0, x_RC.shape[1], rows, tokens, src_rows_P, rows_out, outer_major,
+                           tokens_outer_major)
+
+
+def quantize_1x128_swiglu(h_R2F: torch.Tensor, grad_act_RF: torch.Tensor | None = None, rows: bool = True,
+                          tokens: bool = True, src_rows_P: torch.Tensor | None = None, rows_out: int | None = None,
+                          outer_major: bool = False, tokens_outer_major: bool | None = None):
+    """quantize_1x128_fused's outputs for the SwiGLU of h_R2F = [gate | up] [R, 2F] (bf16, F a multiple
+    of 128), computed in the kernel and never written: without ``grad_act_RF``, of the product
+    silu(gate) * up [R, F]; with it (bf16 [R, F], the product's gradient), of h's gradient [R, 2F]. The
+    same bits as quantize_1x128_fused(swiglu_triton.swiglu_forward(h)) and (swiglu_backward(h,
+    grad_act)[1]): one kernel instead of two, the bf16 product or gradient neither written nor read
+    back (the expert MLP of fp8_gemm's fused_swiglu)."""
+    R, F2 = h_R2F.shape
+    if h_R2F.dtype != torch.bfloat16 or F2 % (2 * FP8_BLOCK):
+        raise ValueError(f"the fused SwiGLU quantization takes bf16 [gate | up] of F a multiple of {FP8_BLOCK} "
+                         f"each, got {h_R2F.dtype} {tuple(h_R2F.shape)}")
+    if h_R2F.stride(1) != 1:
+        raise ValueError("the fused SwiGLU quantization reads h's rows contiguous: pass h.contiguous()")
+    if grad_act_RF is None:
+        return _quantize_1x128(h_R2F, h_R2F, 1, F2 // 2, rows, tokens, src_rows_P, rows_out, outer_major,
+                               tokens_outer_major)
+    if grad_act_RF.dtype != torch.bfloat16 or grad_act_RF.shape != (R, F2 // 2):
+        raise ValueError(f"the product's gradient must be bf16 [{R}, {F2 // 2}], got {grad_act_RF.dtype} "
+                         f"{tuple(grad_act_RF.shape)}")
+    return _quantize_1x128(grad_act_RF, h_R2F, 2, F2, rows, tokens, src_rows_P, rows_out, outer_major,
+                           tokens_outer_major)
+
+
+def _quantize_1x128(x: torch.Tensor, h: torch.Tensor | None, prologue: int, C: int, rows: bool, tokens: bool,
+                    src_rows_P: torch.Tensor | None, rows_out: int | None, outer_major: bool,
+                    tokens_outer_major: bool | None):
+    """The 1x128 kernel over C columns of R = x.shape[0] rows; ``prologue`` (_tile_bits' PROLOGUE) says
+    what they are: x's own (0), or a SwiGLU of h (1, 2)."""
+    R = x.shape[0]
     if C % FP8_BLOCK:
         raise ValueError(f"fp8 1x128 tiles must divide the columns ({C}): pad them to a multiple of {FP8_BLOCK}")
-    dev = x_RC.device
+    dev = x.device
     P = src_rows_P.numel() if src_rows_P is not None else -(-R // FP8_BLOCK) * FP8_BLOCK
     if P % FP8_BLOCK:
         raise ValueError(f"the padded rows ({P}) must be a multiple of {FP8_BLOCK}")
@@ -165,15 +226,18 @@ def quantize_1x128_fused(x_RC: torch.Tensor, rows: bool = True, tokens: bool = T
     tq = (torch.empty(C, P, dtype=torch.float8_e4m3fn, device=dev), _scales(C, P // FP8_BLOCK, t_outer, dev)) if tokens else None
     if not (rows or tokens) or P == 0:
         return rq, tq
-    rd, rs = rq if rows else (x_RC, x_RC)
-    td, ts = tq if tokens else (x_RC, x_RC)
+    rd, rs = rq if rows else (x, x)
+    td, ts = tq if tokens else (x, x)
     grid = (B, P // FP8_BLOCK)
-    xk, in_bf16 = as_loadable(x_RC)
+    xk, in_bf16 = as_loadable(x)
+    hk = h.view(torch.int16) if h is not None else xk
     _fp8_quantize_1x128_kernel[grid](
-        xk, src_rows_P if src_rows_P is not None else x_RC, rd, rs, td, ts, R, P, C, R_OUT,
-        x_RC.stride(0), x_RC.stride(1), rd.stride(0), rd.stride(1), rs.stride(0), rs.stride(1),
-        td.stride(0), td.stride(1), ts.stride(0), ts.stride(1),
-        GATHER=src_rows_P is not None, ROWS=rows, TOKENS=tokens, IN_BF16=in_bf16, BLOCK=FP8_BLOCK, HW=HW_CONVERT,
+        xk, src_rows_P if src_rows_P is not None else x, rd, rs, td, ts, hk, R, P, C, R_OUT,
+        h.shape[1] // 2 if h is not None else 1,
+        x.stride(0), x.stride(1), rd.stride(0), rd.stride(1), rs.stride(0), rs.stride(1),
+        td.stride(0), td.stride(1), ts.stride(0), ts.stride(1), hk.stride(0),
+        GATHER=src_rows_P is not None, ROWS=rows, TOKENS=tokens, IN_BF16=in_bf16 or prologue > 0, BLOCK=FP8_BLOCK,
+        HW=HW_CONVERT, PROLOGUE=prologue,
     )
     return rq, tq
 

@@ -412,6 +412,13 @@ class PrecisionConfig(Config):
     fp8_rowwise with fast accumulation and the bf16 copies, false: +6.6% on OLMoE-8L, -3.2% on
     olmoe3-4l-8e (docs/performance.md, session 14)."""
 
+    fp8_fused_swiglu: bool = False
+    """fp8_blockwise recipe, native backend (the Triton or Gluon experts, FP8 expert wgrads): the routed
+    experts' SwiGLU computed inside the 1x128 quantization kernels, forward (the product quantized from
+    h = [gate | up] as it is made) and backward (h's gradient quantized from the product's gradient as
+    it is made), so neither the bf16 product nor h's bf16 gradient is written and read back: 12 bytes an
+    element of [rows, F] less traffic a layer, two kernels fewer each way; the same bits
+    (core/precision/fp8_gemm.py _Fp8GroupedSwiGLU)."""
     fp8_fast_accum: bool = False
     """fp8_rowwise recipe, native backend: the FP8 GEMMs accumulate on the tensor cores without the
     periodic promotion to fp32 (``use_fast_accum``): measured 1.6-2.2x bf16 per expert GEMM against
@@ -441,6 +448,9 @@ class PrecisionConfig(Config):
         if not self.fp8_fused_amax and self.recipe != PrecisionRecipe.fp8_rowwise:
             raise ConfigError(f"precision.fp8_fused_amax=false is an option of the fp8_rowwise recipe's quantization: it "
                               f"needs --precision.recipe=fp8_rowwise, got {self.recipe}; drop it for this recipe")
+        if self.fp8_fused_swiglu and self.recipe != PrecisionRecipe.fp8_blockwise:
+            raise ConfigError(f"precision.fp8_fused_swiglu=true is an option of the fp8_blockwise recipe's expert GEMMs: it "
+                              f"needs --precision.recipe=fp8_blockwise, got {self.recipe}; drop it for this recipe")
         if self.fp8_fast_accum and self.recipe != PrecisionRecipe.fp8_rowwise:
             raise ConfigError(f"precision.fp8_fast_accum=true is an option of the fp8_rowwise recipe's GEMMs: it needs "
                               f"--precision.recipe=fp8_rowwise, got {self.recipe}; drop it for this recipe")
@@ -591,10 +601,17 @@ class PrecisionConfig(Config):
         input_once = input_once_on(recipe, backend, self.quantize_input_once)
         check_quantized_copies(recipe, backend, self.quantized_expert_copies, expert_copies and self.expert_grads_bf16,
                                self.modules)
+        if self.fp8_fused_swiglu and backend != PrecisionBackend.native:
+            raise ConfigError("precision.fp8_fused_swiglu=true is an option of the native fp8_blockwise GEMMs (an SM90+ GPU), "
+                              f"and this run resolved precision.backend={backend}: drop fp8_fused_swiglu, or run on a Hopper GPU")
+        if self.fp8_fused_swiglu and (fp8_experts == Fp8Experts.cublas or not wgrad.experts_fp8):
+            raise ConfigError(f"precision.fp8_fused_swiglu=true fuses the SwiGLU into the Triton / Gluon expert GEMMs' FP8 "
+                              f"operands, and this run has precision.fp8_experts={fp8_experts}, fp8_wgrad={wgrad}: use "
+                              "fp8_experts=triton or gluon with fp8_wgrad=all, or drop fp8_fused_swiglu")
         gemm = low_precision_gemm(recipe, backend, self.mx_scale, fp8_experts, wgrad, self.fp8_fast_accum,
                                   expert_copies=expert_copies, fp8_fused_amax=self.fp8_fused_amax,
                                   save_x_bf16=self.emulated_save_x_bf16,
-                                  quantized_copies=self.quantized_expert_copies)
+                                  quantized_copies=self.quantized_expert_copies, fused_swiglu=self.fp8_fused_swiglu)
         gemm.quantize_weights_once = bool(self.quantize_weights_once)
         gemm.quantize_input_once = input_once
         gemm.per_expert = per_expert
@@ -605,12 +622,13 @@ class PrecisionConfig(Config):
 def low_precision_gemm(recipe: PrecisionRecipe | str, backend: PrecisionBackend | str, mx_scale: str = "rceil",
                        fp8_experts: Fp8Experts | str = Fp8Experts.triton, fp8_wgrad: Fp8Wgrad | bool | str = Fp8Wgrad.all,
                        fp8_fast_accum: bool = False, expert_copies: bool = False, fp8_fused_amax: bool = True,
-                       save_x_bf16: bool = False, quantized_copies: bool = False):
+                       save_x_bf16: bool = False, quantized_copies: bool = False, fused_swiglu: bool = False):
     """The GemmBackend instance of a low-precision recipe and a resolved backend (native / emulated);
     ``expert_copies``: the experts on the optimizer's bf16 weight copies (fp8_rowwise, fp8_blockwise and the emulated
     backend; precision.expert_weight_copies=optimizer); ``fp8_fused_amax``: precision.fp8_fused_amax;
     ``save_x_bf16``: precision.emulated_save_x_bf16 (mxfp8 / fp8_blockwise emulated, check_emulated_saves);
-    ``quantized_copies``: precision.quantized_expert_copies (mxfp8 emulated, check_quantized_copies)."""
+    ``quantized_copies``: precision.quantized_expert_copies (mxfp8 emulated, check_quantized_copies);
+    ``fused_swiglu``: precision.fp8_fused_swiglu (native fp8_blockwise)."""
     recipe, backend, wgrad = PrecisionRecipe(recipe), PrecisionBackend(backend), Fp8Wgrad(fp8_wgrad)
     if recipe == PrecisionRecipe.fp8_rowwise:  # its own emulation: the wgrad's scales are per expert, not blocks
         from .fp8_rowwise import Fp8RowwiseGemm
@@ -631,4 +649,5 @@ def low_precision_gemm(recipe: PrecisionRecipe | str, backend: PrecisionBackend 
         return NativeMXGemm(mx_scale)
     from .fp8_gemm import Fp8BlockwiseGemm
 
-    return Fp8BlockwiseGemm(experts=str(Fp8Experts(fp8_experts)), wgrad=wgrad, expert_copies=expert_copies)
+    return Fp8BlockwiseGemm(experts=str(Fp8Experts(fp8_experts)), wgrad=wgrad, expert_copies=expert_copies,
+                            fused_swiglu=fused_swiglu)

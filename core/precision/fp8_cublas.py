@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .blockwise import FP8_BLOCK
+from .library import define_op
 
 __all__ = ["ROW_SLACK", "fp8_cublas_k", "fp8_cublas_rows", "m_fastest", "tile_scales"]
 
@@ -94,7 +95,6 @@ def _mm(a_MK, sa_MB, b_KN, sb, b_tiles: bool, out) -> None:
                                      None, out.dtype, [], False, out=out)
 
 
-@torch.library.custom_op("moetron::fp8_cublas_rows", mutates_args=())
 def fp8_cublas_rows(a_RK: torch.Tensor, sa_RB: torch.Tensor, b_ENK: torch.Tensor, sb_ENB: torch.Tensor,
                     offsets_E: torch.Tensor) -> torch.Tensor:
     """out[rows of e] = A[rows of e] @ B[e]^T (forward, dgrad) -> bf16 [R, N]. A [R, K] e4m3 with
@@ -117,12 +117,13 @@ def fp8_cublas_rows(a_RK: torch.Tensor, sa_RB: torch.Tensor, b_ENK: torch.Tensor
     return out
 
 
-@fp8_cublas_rows.register_fake
-def _(a_RK, sa_RB, b_ENK, sb_ENB, offsets_E):
+def _rows_fake(a_RK, sa_RB, b_ENK, sb_ENB, offsets_E):
     return a_RK.new_empty(a_RK.shape[0], b_ENK.shape[1], dtype=torch.bfloat16)
 
 
-@torch.library.custom_op("moetron::fp8_cublas_k", mutates_args=())
+define_op(fp8_cublas_rows, _rows_fake)
+
+
 def fp8_cublas_k(a_MP: torch.Tensor, sa_MB: torch.Tensor, bt_NP: torch.Tensor, sbt_NB: torch.Tensor,
                  padded_offsets_E: torch.Tensor) -> torch.Tensor:
     """out[e] = A[:, rows of e] @ Bt[:, rows of e]^T (wgrad: a reduction over each expert's rows,
@@ -146,6 +147,8 @@ def fp8_cublas_k(a_MP: torch.Tensor, sa_MB: torch.Tensor, bt_NP: torch.Tensor, s
     return out
 
 
-@fp8_cublas_k.register_fake
-def _(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E):
+def _k_fake(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E):
     return a_MP.new_empty(padded_offsets_E.shape[0], a_MP.shape[0], bt_NP.shape[0], dtype=torch.float32)
+
+
+define_op(fp8_cublas_k, _k_fake)

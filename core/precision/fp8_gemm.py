@@ -38,7 +38,7 @@ from . import bf16_grouped
 from .blockwise import FP8_BLOCK, quantize_128x128, quantize_1x128
 from .cache import WeightCache
 from .fp8_cublas import ROW_SLACK, m_fastest, tile_scales
-from .gemm import Fp8Wgrad, GemmBackend
+from .gemm import Fp8Wgrad, GemmBackend, _is_swiglu
 from .grouping import gather_rows, pad_rows, padded_source_rows
 
 __all__ = ["Fp8BlockwiseGemm", "has_blockwise_scaled_mm"]
@@ -220,6 +220,76 @@ class _Fp8GroupedMM(torch.autograd.Function):
         return dx, dw, None, None
 
 
+def _quantize_swiglu(gemm: "Fp8BlockwiseGemm", h_R2F: torch.Tensor, grad_act_RF: torch.Tensor | None,
+                     src_P: torch.Tensor, tokens: bool):
+    """The 1x128 operands (rows, tokens along src_P) of the SwiGLU product of h = [gate | up] (without
+    ``grad_act_RF``) or of h's gradient (with it): blockwise_triton.quantize_1x128_swiglu, whose
+    reference this is (the product or gradient made by the ops of swiglu() and of autograd's backward
+    of it, then _quantize)."""
+    if gemm.uses_triton(h_R2F):
+        from .blockwise_triton import quantize_1x128_swiglu
+
+        return quantize_1x128_swiglu(h_R2F, grad_act_RF, True, tokens, src_P,
+                                     tokens_outer_major=gemm.kblock_major_token_scales)
+    gate_RF, up_RF = h_R2F.chunk(2, dim=-1)
+    silu_RF = F.silu(gate_RF)
+    if grad_act_RF is None:
+        v = silu_RF * up_RF
+    else:  # autograd's backward of silu(gate) * up, op for op (traceable: no autograd.grad in a backward)
+        v = torch.cat([torch.ops.aten.silu_backward(grad_act_RF * up_RF, gate_RF), grad_act_RF * silu_RF], dim=-1)
+    return _quantize(gemm, v, True, tokens, src_P)
+
+
+class _Fp8GroupedSwiGLU(torch.autograd.Function):
+    """The routed experts' SwiGLU MLP in one function (precision.fp8_fused_swiglu): x -> h = x w_gate_up^T
+    -> swiglu(h) -> w_down, the SwiGLU product quantized by the kernel that computes it (the forward) and
+    h's gradient likewise from the product's gradient (the backward): neither the bf16 product nor the
+    bf16 gradient of h is written and read back. The same bits as _Fp8GroupedMM twice around
+    swiglu_triton's SwiGLU; the same tensors saved (x's and the product's token tiles, h), and one
+    padded_source_rows for both GEMMs."""
+
+    @staticmethod
+    def forward(ctx, x_RD: torch.Tensor, w_E2FD: torch.Tensor, w_EDF: torch.Tensor, offsets_E: torch.Tensor,
+                gemm: "Fp8BlockwiseGemm"):
+        from .fp8_triton import fp8_grouped_mm_rows
+
+        kernel = gemm.grouped_kernel
+        src_P, padded_offsets_E = padded_source_rows(offsets_E, x_RD.shape[0], FP8_BLOCK)
+        wgu_q, _, wgu_s = _weights(gemm, w_E2FD, backward=False)
+        (x_q, x_s), xt = _quantize(gemm, x_RD, True, True, src_P)
+        h_R2F = fp8_grouped_mm_rows(x_q, x_s, wgu_q.transpose(1, 2), wgu_s.transpose(1, 2), offsets_E, kernel=kernel)
+        del x_q, x_s
+        (a_q, a_s), at = _quantize_swiglu(gemm, h_R2F, None, src_P, tokens=True)
+        wd_q, _, wd_s = _weights(gemm, w_EDF, backward=False)
+        y_RD = fp8_grouped_mm_rows(a_q, a_s, wd_q.transpose(1, 2), wd_s.transpose(1, 2), offsets_E, kernel=kernel)
+        ctx.save_for_backward(*xt, *at, h_R2F, w_E2FD, w_EDF, offsets_E, src_P, padded_offsets_E)
+        ctx.gemm, ctx.x_dtype = gemm, x_RD.dtype
+        return y_RD
+
+    @staticmethod
+    def backward(ctx, dy_RD: torch.Tensor):
+        from .fp8_triton import fp8_grouped_mm_k, fp8_grouped_mm_rows
+
+        xt_q, xt_s, at_q, at_s, h_R2F, w_E2FD, w_EDF, offsets_E, src_P, padded_offsets_E = ctx.saved_tensors
+        gemm, kernel = ctx.gemm, ctx.gemm.grouped_kernel
+        dyq, dyt = _quantize(gemm, dy_RD, True, ctx.needs_input_grad[2], src_P)
+        _, wdt_q, wd_s = _weights(gemm, w_EDF, backward=True)
+        grad_act_RF = fp8_grouped_mm_rows(*dyq, wdt_q.transpose(1, 2), wd_s, offsets_E, kernel=kernel)
+        del dyq, wdt_q
+        dw_down = (fp8_grouped_mm_k(*dyt, at_q, at_s, padded_offsets_E, kernel=kernel, out_dtype=w_EDF.dtype)
+                   if ctx.needs_input_grad[2] else None)
+        del dyt
+        dhq, dht = _quantize_swiglu(gemm, h_R2F, grad_act_RF, src_P, tokens=ctx.needs_input_grad[1])
+        del grad_act_RF
+        dx = dw_gate_up = None
+        if ctx.needs_input_grad[0]:
+            _, wgut_q, wgu_s = _weights(gemm, w_E2FD, backward=True)
+            dx = fp8_grouped_mm_rows(*dhq, wgut_q.transpose(1, 2), wgu_s, offsets_E, kernel=kernel).to(ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            dw_gate_up = fp8_grouped_mm_k(*dht, xt_q, xt_s, padded_offsets_E, kernel=kernel, out_dtype=w_E2FD.dtype)
+        return dx, dw_gate_up, dw_down, None, None
+
+
 class Fp8BlockwiseGemm(GemmBackend):
     """FP8 blockwise on the GPU (see the module docstring). ``dense``: "scaled_mm" (cuBLAS through
     F.scaled_mm) or "triton" (the grouped kernel, one group). ``quant``: "auto" (the fused Triton
@@ -238,7 +308,8 @@ class Fp8BlockwiseGemm(GemmBackend):
     label = "fp8_blockwise (1x128 / 128x128 FP8 GEMMs)"
 
     def __init__(self, dense: str = "scaled_mm", quant: str = "auto", experts: str = "triton",
-                 wgrad: Fp8Wgrad | str | bool = Fp8Wgrad.all, expert_copies: bool = False) -> None:
+                 wgrad: Fp8Wgrad | str | bool = Fp8Wgrad.all, expert_copies: bool = False,
+                 fused_swiglu: bool = False) -> None:
         if dense not in ("scaled_mm", "triton"):
             raise ValueError(f"dense must be 'scaled_mm' or 'triton', got {dense!r}")
         if quant not in QUANT:
@@ -250,6 +321,7 @@ class Fp8BlockwiseGemm(GemmBackend):
         self.fp8_wgrad, self.fp8_wgrad_experts = self.wgrad.dense_fp8, self.wgrad.experts_fp8
         self.row_multiple = 4 if dense == "scaled_mm" else 1  # cuBLAS: the 1x128 scales' rows in 4s
         self.expert_copies = bool(expert_copies)
+        self.fused_swiglu = bool(fused_swiglu)
         self.cache = WeightCache()
 
     @property
@@ -277,9 +349,21 @@ class Fp8BlockwiseGemm(GemmBackend):
     def grouped_mm(self, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
         return self._grouped(_Fp8GroupedMM, x_RI, w_EOI, offsets_E, self)
 
+    def grouped_swiglu_mlp(self, x_RD, w_E2FD, w_EDF, offsets_E, act, row_scale_R=None, w_dgrad_gate_up=None,
+                           w_dgrad_down=None):
+        """With ``fused_swiglu`` (precision.fp8_fused_swiglu), the Triton or Gluon experts, FP8 expert
+        wgrads and the plain SwiGLU (or its recompute twin) with no row scale: the whole MLP as one
+        function (_Fp8GroupedSwiGLU: the SwiGLU computed inside the quantization kernels); else the
+        default composition."""
+        if (self.fused_swiglu and self.experts in ("triton", "gluon") and self.fp8_wgrad_experts and _is_swiglu(act)
+                and row_scale_R is None and w_dgrad_gate_up is None and w_dgrad_down is None):
+            return self._grouped(_Fp8GroupedSwiGLU, x_RD, w_E2FD, w_EDF, offsets_E, self)
+        return super().grouped_swiglu_mlp(x_RD, w_E2FD, w_EDF, offsets_E, act, row_scale_R, w_dgrad_gate_up,
+                                          w_dgrad_down)
+
     def after_optimizer_step(self) -> None:
         self.cache.invalidate()
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(dense={self.dense!r}, quant={self.quant!r}, experts={self.experts!r}, "
-                f"wgrad={str(self.wgrad)!r}, expert_copies={self.expert_copies})")
+                f"wgrad={str(self.wgrad)!r}, expert_copies={self.expert_copies}, fused_swiglu={self.fused_swiglu})")

@@ -39,7 +39,7 @@ its own shared buffer and the store runs while the consumer starts the next tile
 Measured on the H100 (sessions 35-36, docs/performance.md; ``--loop 10``, the host's time hidden): the
 rows kernels 937-1,080 TFLOP/s at OLMoE's expert GEMMs, 1.48-1.66x bf16 ``torch._grouped_mm``; the
 wgrad 792 at OLMoE's gate|up, 1.19x bf16 and 1.24x the pipelined kernel. torch.compile sees the
-launches only through the custom ops at the end of this module.
+launches only through the operators at the end of this module (core.precision.library).
 
 SM90 only (wgmma does not exist on SM100; Blackwell runs fp8_triton's kernels or native MX). Gluon has
 no interpreter: the CPU tests compile every kernel for sm_90 (ptxas included, no spills, no GPU
@@ -61,6 +61,7 @@ import triton
 
 from . import fp8_triton
 from .fp8_triton import k_output, rows_output, stacked_b, tma_readable
+from .library import define_op
 
 try:  # Gluon ships with Triton >= 3.5
     from triton.experimental import gluon
@@ -616,7 +617,6 @@ def gluon_grouped_mm_k(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out, descri
 # kernels (session 35 call 4: "InductorError ... Name=_gluon_tile_table_kernel"). Where the Gluon kernels
 # cannot run (not SM90, operands TMA cannot read) the ops run fp8_triton's pipelined kernels.
 
-@torch.library.custom_op("moetron::fp8_gluon_rows", mutates_args=())
 def fp8_gluon_rows(a_RK: torch.Tensor, sa_RB: torch.Tensor, b_EKN: torch.Tensor, sb_EBC: torch.Tensor,
                    offsets_E: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """fp8_triton.fp8_grouped_mm_rows's contract -> [R, N] in ``out_dtype``."""
@@ -627,7 +627,6 @@ def fp8_gluon_rows(a_RK: torch.Tensor, sa_RB: torch.Tensor, b_EKN: torch.Tensor,
     return gluon_grouped_mm_rows(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out, descriptors)
 
 
-@torch.library.custom_op("moetron::fp8_gluon_k", mutates_args=())
 def fp8_gluon_k(a_MP: torch.Tensor, sa_MB: torch.Tensor, bt_NP: torch.Tensor, sbt_NB: torch.Tensor,
                 padded_offsets_E: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """fp8_triton.fp8_grouped_mm_k's contract -> [E, M, N] in ``out_dtype``."""
@@ -639,5 +638,5 @@ def fp8_gluon_k(a_MP: torch.Tensor, sa_MB: torch.Tensor, bt_NP: torch.Tensor, sb
     return gluon_grouped_mm_k(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out, descriptors)
 
 
-fp8_gluon_rows.register_fake(rows_output)  # the pipelined ops' fakes too: one output rule
-fp8_gluon_k.register_fake(k_output)
+define_op(fp8_gluon_rows, rows_output)  # the pipelined ops' fakes too: one output rule
+define_op(fp8_gluon_k, k_output)

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ..config import StrEnum
+from .library import define_op
 
 __all__ = ["GroupedKernel", "KERNEL", "config_name", "fp8_grouped_mm_k", "fp8_grouped_mm_rows", "last_tuning",
            "pipelined_configs", "use_pipelined_configs"]
@@ -44,7 +45,7 @@ class GroupedKernel(StrEnum):
     found with one vector pass over the offsets, and a wider autotune list."""
     gluon = "gluon"
     """core/precision/fp8_gluon.py: warp-specialized by hand (a TMA producer, two wgmma consumers, one's
-    promotion overlapping the other's MMA), persistent, behind custom ops; the wgrad's scales
+    promotion overlapping the other's MMA), persistent, behind operators; the wgrad's scales
     K-block-major (staged in shared memory), and the pipelined kernel where fp8_gluon.K_CONFIG is None.
     SM90 only and TMA-able operands only; elsewhere (CPU, interpreter, SM100, other strides) the
     pipelined kernel runs."""
@@ -360,10 +361,10 @@ def fp8_grouped_mm_rows(a_RK: torch.Tensor, sa_RB: torch.Tensor, b_EKN: torch.Te
     if kernel == GroupedKernel.gluon:
         from . import fp8_gluon
 
-        if fp8_gluon.supported(a_RK.device):  # a custom op: torch.compile cannot trace Gluon launches
+        if fp8_gluon.supported(a_RK.device):  # an operator: torch.compile cannot trace Gluon launches
             return torch.ops.moetron.fp8_gluon_rows(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out_dtype)
         kernel = GroupedKernel.pipelined
-    if kernel == GroupedKernel.pipelined:  # a custom op: torch.compile cannot trace its descriptors' checks
+    if kernel == GroupedKernel.pipelined:  # an operator: torch.compile cannot trace its descriptors' checks
         return torch.ops.moetron.fp8_pipelined_rows(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out_dtype)
     out = rows_output(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out_dtype)
     grid = lambda meta: (triton.cdiv(N, BLOCK_K), triton.cdiv(R, meta["BM"]) + E)  # noqa: E731
@@ -395,7 +396,7 @@ def fp8_grouped_mm_k(a_MP: torch.Tensor, sa_MB: torch.Tensor, bt_NP: torch.Tenso
         if fp8_gluon.K_CONFIG is not None and fp8_gluon.supported(a_MP.device):
             return torch.ops.moetron.fp8_gluon_k(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out_dtype)
         kernel = GroupedKernel.pipelined
-    if kernel == GroupedKernel.pipelined:  # a custom op: torch.compile cannot trace its descriptors' checks
+    if kernel == GroupedKernel.pipelined:  # an operator: torch.compile cannot trace its descriptors' checks
         return torch.ops.moetron.fp8_pipelined_k(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out_dtype)
     out = k_output(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out_dtype)
     grid = lambda meta: (triton.cdiv(N, meta["BN"]), triton.cdiv(M, meta["BM"]), E)  # noqa: E731
@@ -406,11 +407,11 @@ def fp8_grouped_mm_k(a_MP: torch.Tensor, sa_MB: torch.Tensor, bt_NP: torch.Tenso
     return out
 
 
-# The pipelined kernels behind custom ops: their TMA descriptors are built only where TMA can read the
+# The pipelined kernels behind operators (core.precision.library: registered with torch.library.Library,
+# their dispatch ~90 us of host time a call less than custom_op's): their TMA descriptors are built only where TMA can read the
 # operands (tma_readable reads data_ptr(), which Dynamo cannot trace: under torch.compile the grouped
 # GEMM's autograd.Function fell back to eager, forward and backward; session 36 call 2b's test).
 
-@torch.library.custom_op("moetron::fp8_pipelined_rows", mutates_args=())
 def fp8_pipelined_rows(a_RK: torch.Tensor, sa_RB: torch.Tensor, b_EKN: torch.Tensor, sb_EBC: torch.Tensor,
                        offsets_E: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """fp8_grouped_mm_rows(kernel="pipelined") -> [R, N] in ``out_dtype``."""
@@ -419,10 +420,6 @@ def fp8_pipelined_rows(a_RK: torch.Tensor, sa_RB: torch.Tensor, b_EKN: torch.Ten
     return out
 
 
-fp8_pipelined_rows.register_fake(rows_output)
-
-
-@torch.library.custom_op("moetron::fp8_pipelined_k", mutates_args=())
 def fp8_pipelined_k(a_MP: torch.Tensor, sa_MB: torch.Tensor, bt_NP: torch.Tensor, sbt_NB: torch.Tensor,
                     padded_offsets_E: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """fp8_grouped_mm_k(kernel="pipelined") -> [E, M, N] in ``out_dtype``."""
@@ -440,4 +437,5 @@ def fp8_pipelined_k(a_MP: torch.Tensor, sa_MB: torch.Tensor, bt_NP: torch.Tensor
     return out
 
 
-fp8_pipelined_k.register_fake(k_output)
+define_op(fp8_pipelined_rows, rows_output)
+define_op(fp8_pipelined_k, k_output)

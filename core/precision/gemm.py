@@ -176,6 +176,17 @@ class GemmBackend:
             act_RF = act(gate_RF, up_RF)
         return with_w_dgrad(self.grouped_mm, scale_rows(act_RF, row_scale_R), w_EDF, offsets_E, w_dgrad=w_dgrad)
 
+    def grouped_swiglu_mlp(self, x_RD: torch.Tensor, w_E2FD: torch.Tensor, w_EDF: torch.Tensor,
+                           offsets_E: torch.Tensor, act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                           row_scale_R: torch.Tensor | None = None, w_dgrad_gate_up: torch.Tensor | None = None,
+                           w_dgrad_down: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed experts' whole SwiGLU MLP on expert-sorted rows x_RD [R, D]: ``grouped_mm`` with
+        w_E2FD [E, 2F, D] (gate rows, then up) to h [R, 2F], then ``grouped_swiglu_down`` with w_EDF
+        [E, D, F] -> [R, D] (each with its ``w_dgrad`` where given). A backend may fuse the whole (the
+        native fp8_blockwise GEMMs with precision.fp8_fused_swiglu); this default composes the two."""
+        h_R2F = with_w_dgrad(self.grouped_mm, x_RD, w_E2FD, offsets_E, w_dgrad=w_dgrad_gate_up)
+        return with_w_dgrad(self.grouped_swiglu_down, h_R2F, w_EDF, offsets_E, act, row_scale_R, w_dgrad=w_dgrad_down)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 

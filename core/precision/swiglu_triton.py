@@ -23,9 +23,32 @@ import triton.language as tl
 
 from ..triton_round import bf16_value, round_to_bf16
 
-__all__ = ["swiglu_backward", "swiglu_forward", "swiglu_rows"]
+__all__ = ["swiglu_backward", "swiglu_forward", "swiglu_grads", "swiglu_product", "swiglu_rows"]
 
 BLOCK_F = 1024
+
+
+@triton.jit
+def _silu(g):
+    """F.silu's output of fp32 g, rounded to bf16 (as fp32)."""
+    return bf16_value(g / (1.0 + tl.exp(-g)))
+
+
+@triton.jit
+def swiglu_product(g, u):
+    """silu(g) * u as bf16 from fp32 gate and up values: every kernel's forward (here and the fused
+    quantization of core.precision.blockwise_triton), the torch ops' roundings."""
+    return round_to_bf16(_silu(g) * u)
+
+
+@triton.jit
+def swiglu_grads(g, u, ga):
+    """(the gradients of gate, of up) as bf16 from fp32 gate, up and the product's gradient ga:
+    every kernel's backward, autograd's roundings of swiglu()."""
+    sig = 1.0 / (1.0 + tl.exp(-g))
+    grad_s = bf16_value(ga * u)  # the multiply's gradient toward silu's output
+    grad_g = bf16_value(grad_s * sig * (1.0 + g * (1.0 - sig)))  # silu's backward
+    return round_to_bf16(grad_g), round_to_bf16(ga * _silu(g))
 
 
 @triton.jit
@@ -35,8 +58,7 @@ def _swiglu_fwd_kernel(h_ptr, act_ptr, F, h_stride, act_stride, BLOCK: tl.conste
     mask = cols < F
     g = tl.load(h_ptr + row * h_stride + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(h_ptr + row * h_stride + F + cols, mask=mask, other=0.0).to(tl.float32)
-    s = bf16_value(g / (1.0 + tl.exp(-g)))  # F.silu's output, in bf16
-    tl.store(act_ptr + row * act_stride + cols, round_to_bf16(s * u), mask=mask)
+    tl.store(act_ptr + row * act_stride + cols, swiglu_product(g, u), mask=mask)
 
 
 @triton.jit
@@ -48,14 +70,11 @@ def _swiglu_bwd_kernel(h_ptr, grad_act_ptr, act_ptr, grad_h_ptr, F, h_stride, ga
     g = tl.load(h_ptr + row * h_stride + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(h_ptr + row * h_stride + F + cols, mask=mask, other=0.0).to(tl.float32)
     ga = tl.load(grad_act_ptr + row * ga_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    sig = 1.0 / (1.0 + tl.exp(-g))
-    s = bf16_value(g / (1.0 + tl.exp(-g)))
     if STORE_ACT:
-        tl.store(act_ptr + row * act_stride + cols, round_to_bf16(s * u), mask=mask)
-    grad_s = bf16_value(ga * u)  # the multiply's gradient toward silu's output
-    grad_g = bf16_value(grad_s * sig * (1.0 + g * (1.0 - sig)))  # silu's backward
-    tl.store(grad_h_ptr + row * gh_stride + cols, round_to_bf16(grad_g), mask=mask)
-    tl.store(grad_h_ptr + row * gh_stride + F + cols, round_to_bf16(ga * s), mask=mask)
+        tl.store(act_ptr + row * act_stride + cols, swiglu_product(g, u), mask=mask)
+    grad_g, grad_u = swiglu_grads(g, u, ga)
+    tl.store(grad_h_ptr + row * gh_stride + cols, grad_g, mask=mask)
+    tl.store(grad_h_ptr + row * gh_stride + F + cols, grad_u, mask=mask)
 
 
 def _grid(R: int, F: int) -> tuple[int, int]:

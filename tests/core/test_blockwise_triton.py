@@ -2,7 +2,9 @@
 torch reference (core/precision/blockwise.py), bit for bit: 1x128 rows, the transposed token tiles
 (plain, padded to 128, and gathered through grouping.padded_source_rows = quantizing pad_groups'
 output), outer-major scales, 128x128 weights and their transpose (together and each alone); bf16 and fp32 inputs, wide
-dynamic range, zero and tiny blocks, inf and NaN. Under TRITON_INTERPRET=1 on the CPU, and on the GPU."""
+dynamic range, zero and tiny blocks, inf and NaN; the SwiGLU computed inside the 1x128 kernel (its product and
+h's gradient) against swiglu_triton's kernels then the plain quantization. Under TRITON_INTERPRET=1 on the
+CPU, and on the GPU."""
 
 import math
 
@@ -84,6 +86,37 @@ def _check_blockwise_triton(device: str) -> None:
     _same(d1, want_d, "weight alone")
     _same(dt1, want_d.transpose(1, 2).contiguous(), "weight^T alone")
     assert torch.equal(s1, want_s) and torch.equal(s2, want_s)
+    _check_swiglu(device, g)
+
+
+def _check_swiglu(device: str, g: torch.Generator) -> None:
+    """quantize_1x128_swiglu: the SwiGLU product and h's gradient computed in the kernel give the bits of
+    swiglu_triton's kernels' bf16 output quantized by quantize_1x128_fused: rows (padded, and where
+    gathered) and tokens (padded, gathered, K-block-major scales)."""
+    from moetron.core.precision.blockwise_triton import quantize_1x128_fused, quantize_1x128_swiglu
+    from moetron.core.precision.grouping import padded_source_rows
+    from moetron.core.precision.swiglu_triton import swiglu_backward, swiglu_forward
+
+    R, F = 300, 256
+    h = (torch.randn(R, 2 * F, generator=g) * torch.logspace(-2, 1, 2 * F)).bfloat16().to(device)
+    h[5:9] = 0.0
+    grad_act = (torch.randn(R, F, generator=g) * torch.logspace(-3, 2, F)).bfloat16().to(device)
+    offsets = torch.tensor([40, 40, 140, 290], device=device)
+    src, _ = padded_source_rows(offsets, R, 128)
+    act, grad_h = swiglu_forward(h), swiglu_backward(h, grad_act, want_act=False)[1]
+    for ga, made in ((None, act), (grad_act, grad_h)):
+        for kw, rows in ((dict(rows_out=304), 304), (dict(src_rows_P=src, tokens_outer_major=True), 290)):
+            got = quantize_1x128_swiglu(h, ga, **kw)
+            want = quantize_1x128_fused(made, **kw)
+            what = ("gradient" if ga is not None else "product", tuple(kw))
+            _same(got[0][0][:rows], want[0][0][:rows], what + ("rows",))
+            assert torch.equal(got[0][1][:rows], want[0][1][:rows]), what
+            _same(got[1][0], want[1][0], what + ("tokens",))
+            assert torch.equal(got[1][1], want[1][1]) and got[1][1].stride() == want[1][1].stride(), what
+    with pytest.raises(ValueError, match="bf16"):
+        quantize_1x128_swiglu(h.float())
+    with pytest.raises(ValueError, match="gradient"):
+        quantize_1x128_swiglu(h, grad_act.float())
 
 
 def test_padded_source_rows_is_pad_groups():

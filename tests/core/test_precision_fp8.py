@@ -238,6 +238,56 @@ def test_native_fp8_trains_on_the_optimizers_bf16_copies_on_gpu(experts):
     assert all(isinstance(g, Fp8BlockwiseGemm) and g.experts == experts for g in gemms.values())
 
 
+def check_fused_swiglu(device: str, quant: str = "auto", experts: str = "triton", compiled: bool = False) -> None:
+    """precision.fp8_fused_swiglu: the experts' whole SwiGLU MLP as one function (the product and h's
+    gradient quantized by the kernels that compute them) gives the bits of the composition it replaces
+    (two _Fp8GroupedMM around the SwiGLU: swiglu_triton's kernels with the Triton quantization, swiglu()
+    and autograd with the torch one): output, input gradient, both weight gradients. Ragged experts, an
+    empty one, 10 rows past the end. ``compiled``: the fused function also under torch.compile
+    (fullgraph, aot_eager), the same bits."""
+    from moetron.core.layers.mlp import swiglu
+    from moetron.core.precision.fp8_gemm import Fp8BlockwiseGemm
+
+    E, D, F = 4, 256, 128
+    offsets = torch.tensor([40, 40, 140, 150], device=device)
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(160, D, generator=g).bfloat16().to(device)
+    wgu0 = (torch.randn(E, 2 * F, D, generator=g) / 8).to(device)
+    wd0 = (torch.randn(E, D, F, generator=g) / 8).to(device)
+    dy = torch.randn(160, D, generator=g).bfloat16().to(device)
+    dy[150:] = 0
+    out = {}
+    runs = [(False, False), (True, False)] + ([(True, True)] if compiled else [])
+    for fused, compile_ in runs:
+        gemm = Fp8BlockwiseGemm("triton", quant, experts, fused_swiglu=fused)
+        gemm.triton_swiglu = quant != "torch"  # the composition's SwiGLU: the kernels the fused path computes in
+        x, wgu, wd = (t.clone().requires_grad_() for t in (x0, wgu0, wd0))
+        fn = gemm.grouped_swiglu_mlp
+        if compile_:
+            torch._dynamo.reset()
+            fn = torch.compile(fn, fullgraph=True, backend="aot_eager")
+        y = fn(x, wgu, wd, offsets, swiglu)
+        if not compile_:  # (compiled: one CompiledFunctionBackward)
+            assert ("SwiGLU" in type(y.grad_fn).__name__) == fused, type(y.grad_fn).__name__
+        y.backward(dy)
+        out[fused, compile_] = (y.detach()[:150], x.grad[:150], wgu.grad, wd.grad)
+    for key in runs[1:]:
+        for a, b, name in zip(out[False, False], out[key], ("y", "dx", "dw_gate_up", "dw_down")):
+            assert torch.equal(a, b), f"{name} (fused, compiled={key[1]}): {(a.float() - b.float()).abs().max()}"
+    assert all(t.abs().sum() > 0 for t in out[True, False])
+
+
+@pytest.mark.parametrize("quant", ["torch", "triton"])
+def test_fused_swiglu_interpreted_gives_the_compositions_bits(quant):
+    run_interpreted("tests.core.test_precision_fp8", f"check_fused_swiglu('cpu', {quant!r}, compiled={quant == 'torch'})")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("experts", ["triton", "gluon"])
+def test_fused_swiglu_on_gpu_gives_the_compositions_bits(experts):
+    check_fused_swiglu("cuda", experts=experts, compiled=True)
+
+
 def check_compiled_fullgraph(device: str) -> None:
     """The Triton experts' grouped GEMM (forward, dgrad, wgrad: the pipelined kernels behind their custom
     ops) compiles with fullgraph=True and gives eager's bits: before the ops, Dynamo could not trace the
@@ -501,20 +551,19 @@ def test_quantize_kernels_round_with_the_conversion_instruction_on_sm90(kernel_n
     ptrs = {name: t for name, t in (("x_ptr", "*i16"), ("src_ptr", "*i32"), ("rd_ptr", "*fp8e4nv"),
                                     ("rs_ptr", "*fp32"), ("td_ptr", "*fp8e4nv"), ("ts_ptr", "*fp32"),
                                     ("w_ptr", "*i16"), ("d_ptr", "*fp8e4nv"), ("dt_ptr", "*fp8e4nv"),
-                                    ("s_ptr", "*fp32"))}
-    ints = dict(R=65536, P=65536 + 1024, C=4096, R_OUT=65536, s_xr=4096, s_xc=1, s_rdr=4096, s_rdc=1, s_rsr=32,
-                s_rsb=1, s_tdc=65536 + 1024, s_tdp=1, s_tsc=528, s_tsb=1, O=4096, I=4096)
+                                    ("s_ptr", "*fp32"), ("h_ptr", "*i16"))}
+    ints = dict(R=65536, P=65536 + 1024, C=4096, R_OUT=65536, F=2048, s_xr=4096, s_xc=1, s_rdr=4096, s_rdc=1,
+                s_rsr=32, s_rsb=1, s_tdc=65536 + 1024, s_tdp=1, s_tsc=528, s_tsb=1, s_hr=4096, O=4096, I=4096)
     constexprs = dict(BLOCK=128, IN_BF16=True, HW=True)
-    if kernel_name == "_fp8_quantize_1x128_kernel":
-        constexprs.update(GATHER=True, ROWS=True, TOKENS=True)
-    else:
-        constexprs.update(DATA=True, DATA_T=True)
+    variants = [dict(DATA=True, DATA_T=True)]
+    if kernel_name == "_fp8_quantize_1x128_kernel":  # plain, and the SwiGLU's gradient computed inside
+        variants = [dict(GATHER=True, ROWS=True, TOKENS=True, PROLOGUE=p) for p in (0, 2)]
     config = triton.Config({}, num_warps=8, num_stages=1)
-    ptx = _compile_sm90(getattr(bt, kernel_name), config,
-                        {**ptrs, **ints}, constexprs).asm["ptx"]
-    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
-    # round_to_e4m3's subnormal rounding adds and subtracts 1.5 x 2^14 (0f46C00000 in PTX): HW=False has it
-    assert "0f46C00000" not in ptx
+    for variant in variants:
+        ptx = _compile_sm90(getattr(bt, kernel_name), config, {**ptrs, **ints}, {**constexprs, **variant}).asm["ptx"]
+        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+        # round_to_e4m3's subnormal rounding adds and subtracts 1.5 x 2^14 (0f46C00000 in PTX): HW=False has it
+        assert "0f46C00000" not in ptx
 
 
 def test_cublas_ops_pass_torch_library_opcheck():

@@ -82,6 +82,22 @@ def test_bf16_experts_cublas_refused_by_the_native_backends(monkeypatch):
     assert cfg(recipe="fp8_blockwise", fp8_experts="cublas").build("cuda", verbose=False).gemm.experts == "cublas"
 
 
+def test_fp8_fused_swiglu_is_the_native_triton_or_gluon_experts_option(monkeypatch):
+    import moetron.core.precision.config as config
+
+    with pytest.raises(ConfigError, match="fp8_fused_swiglu=true.*needs --precision.recipe=fp8_blockwise"):
+        cfg(recipe="mxfp8", fp8_fused_swiglu=True).validate()
+    with pytest.raises(ConfigError, match="fp8_fused_swiglu=true is an option of the native.*backend=emulated"):
+        cfg(recipe="fp8_blockwise", fp8_fused_swiglu=True).build("cpu", verbose=False)
+    monkeypatch.setattr(config, "_capability_major", lambda device_type: 9)  # as on a Hopper GPU
+    for bad in (dict(fp8_experts="cublas"), dict(fp8_wgrad="dense")):
+        with pytest.raises(ConfigError, match="fp8_fused_swiglu=true fuses.*use fp8_experts=triton or gluon with "
+                                              "fp8_wgrad=all"):
+            cfg(recipe="fp8_blockwise", fp8_fused_swiglu=True, **bad).build("cuda", verbose=False)
+    gemm = cfg(recipe="fp8_blockwise", fp8_fused_swiglu=True, fp8_experts="triton").build("cuda", verbose=False).gemm
+    assert gemm.fused_swiglu and not cfg(recipe="fp8_blockwise").build("cuda", verbose=False).gemm.fused_swiglu
+
+
 def tiny_moe():
     from moetron.models.config import ModelConfig
 
