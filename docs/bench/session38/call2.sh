@@ -9,7 +9,7 @@ FS=precision.fp8_fused_swiglu=true
 nvidia-smi --query-gpu=name --format=csv,noheader
 t0=$(date +%s)
 timeout 230 python3 -m pytest -q -m gpu -p no:cacheprovider tests/core/test_precision_fp8.py tests/core/test_blockwise_triton.py \
-  tests/core/test_fp8_gluon.py -k "fused_swiglu or bf16_weight_copies_on_gpu or matches_reference or gluon" --tb=short 2>&1 \
+  tests/core/test_fp8_gluon.py -k "fused_swiglu or bf16_weight_copies_on_gpu or test_on_gpu_matches_reference or test_fp8_gluon" --tb=short 2>&1 \
   | grep -v Warning | tail -8
 echo "tests $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
 timeout 45 python3 docs/bench/session37/host_probe.py --n 20 --json $OUT/host_probe.json 2>&1 | grep -v Warning | tail -18
