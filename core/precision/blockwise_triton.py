@@ -93,11 +93,40 @@ def _fp8_quantize_1x128_kernel(
     x_ptr, src_ptr, rd_ptr, rs_ptr, td_ptr, ts_ptr, h_ptr, R, P, C, R_OUT, F,
     s_xr, s_xc, s_rdr, s_rdc, s_rsr, s_rsb, s_tdc, s_tdp, s_tsc, s_tsb, s_hr,
     GATHER: tl.constexpr, ROWS: tl.constexpr, TOKENS: tl.constexpr, IN_BF16: tl.constexpr, BLOCK: tl.constexpr,
-    HW: tl.constexpr, PROLOGUE: tl.constexpr,
+    HW: tl.constexpr, PROLOGUE: tl.constexpr, SUB: tl.constexpr,
 ):
     pid_c, pid_p = tl.program_id(0), tl.program_id(1)
-    p = pid_p * BLOCK + tl.arange(0, BLOCK)
-    c = pid_c * BLOCK + tl.arange(0, BLOCK)
+    if ROWS:  # SUB rows at a time (all of them for plain x; the SwiGLU's registers would spill)
+        cols = pid_c * BLOCK + tl.arange(0, BLOCK)
+        for i in range(0, BLOCK, SUB):
+            src, valid, row_out = _view_rows(src_ptr, pid_p * BLOCK + i + tl.arange(0, SUB), R, P, R_OUT, GATHER)
+            bits = _tile_bits(x_ptr, h_ptr, src[:, None], cols[None, :], valid[:, None], s_xr, s_xc, s_hr, F, PROLOGUE,
+                              HW)
+            inv, scale = _block_scales(tl.max(abs_bits(bits, IN_BF16), axis=1), IN_BF16)
+            src64 = src.to(tl.int64)
+            tl.store(rd_ptr + src64[:, None] * s_rdr + cols[None, :] * s_rdc,
+                     to_e4m3(widen(bits, IN_BF16, HW), inv[:, None], HW), mask=row_out[:, None])
+            tl.store(rs_ptr + src64 * s_rsr + pid_c * s_rsb, scale, mask=row_out)
+    if TOKENS:
+        # the tile loaded again as [C tile, P tile] (from L1 / L2; SUB columns at a time) and quantized
+        # along its rows: no transpose in registers (with tl.trans of its e4m3 tile the 128 x 128
+        # kernel's w^T came out wrong on the H200, Triton 3.6, this kernel's new code path; the old one's passed)
+        p = pid_p * BLOCK + tl.arange(0, BLOCK)
+        src, valid, _ = _view_rows(src_ptr, p, R, P, R_OUT, GATHER)
+        for j in range(0, BLOCK, SUB):
+            c = pid_c * BLOCK + j + tl.arange(0, SUB)
+            bt = _tile_bits(x_ptr, h_ptr, src[None, :], c[:, None], valid[None, :], s_xr, s_xc, s_hr, F, PROLOGUE, HW)
+            inv, st = _block_scales(tl.max(abs_bits(bt, IN_BF16), axis=1), IN_BF16)
+            qt = to_e4m3(widen(bt, IN_BF16, HW), inv[:, None], HW)
+            tl.store(td_ptr + c[:, None].to(tl.int64) * s_tdc + p[None, :] * s_tdp, qt, mask=(p < P)[None, :])
+            tl.store(ts_ptr + c.to(tl.int64) * s_tsc + pid_p * s_tsb, st)
+
+
+@triton.jit
+def _view_rows(src_ptr, p, R, P, R_OUT, GATHER: tl.constexpr):
+    """(source row, whether it is read, whether its rows output is written) of padded rows p: x[src[p]]
+    (GATHER: zeros where src[p] < 0, rows output only to the rows read), else x[p] (zeros past R; rows
+    R..R_OUT are zero padding rows, quantized as zeros)."""
     if GATHER:
         src = tl.load(src_ptr + p, mask=p < P, other=-1)
         valid = src >= 0
@@ -105,24 +134,14 @@ def _fp8_quantize_1x128_kernel(
     else:
         src = p
         valid = p < R
-        row_out = p < R_OUT  # rows R..R_OUT: zero padding rows, quantized as zeros
-    bits = _tile_bits(x_ptr, h_ptr, src[:, None], c[None, :], valid[:, None], s_xr, s_xc, s_hr, F, PROLOGUE, HW)
-    x = widen(bits, IN_BF16, HW)
-    if ROWS:
-        inv, scale = _block_scales(tl.max(abs_bits(bits, IN_BF16), axis=1), IN_BF16)
-        src64 = src.to(tl.int64)
-        tl.store(rd_ptr + src64[:, None] * s_rdr + c[None, :] * s_rdc, to_e4m3(x, inv[:, None], HW),
-                 mask=row_out[:, None])
-        tl.store(rs_ptr + src64 * s_rsr + pid_c * s_rsb, scale, mask=row_out)
-    if TOKENS:
-        # the tile loaded again as [C tile, P tile] (from L1 / L2) and quantized along its rows: no
-        # transpose in registers (with tl.trans of its e4m3 tile the 128 x 128 kernel's w^T came out
-        # wrong on the H200, Triton 3.6, this kernel's new code path; the old one's passed)
-        bt = _tile_bits(x_ptr, h_ptr, src[None, :], c[:, None], valid[None, :], s_xr, s_xc, s_hr, F, PROLOGUE, HW)
-        inv, st = _block_scales(tl.max(abs_bits(bt, IN_BF16), axis=1), IN_BF16)
-        qt = to_e4m3(widen(bt, IN_BF16, HW), inv[:, None], HW)
-        tl.store(td_ptr + c[:, None].to(tl.int64) * s_tdc + p[None, :] * s_tdp, qt, mask=(p < P)[None, :])
-        tl.store(ts_ptr + c.to(tl.int64) * s_tsc + pid_p * s_tsb, st)
+        row_out = p < R_OUT
+    return src, valid, row_out
+
+
+PROLOGUE_ROWS = 32
+"""The SwiGLU prologues' rows (or columns) a step: a whole 128 x 128 tile of gate, up and the product's
+gradient spilled 2.2 KB of registers a thread at 4 warps (ptxas for SM90, Triton 3.6) and ran the fused
+step at 0.72x (OLMoE-8L, H100, session 38 call 2)."""
 
 
 def use_quantize_configs(configs: list[triton.Config]) -> None:
@@ -237,7 +256,7 @@ def _quantize_1x128(x: torch.Tensor, h: torch.Tensor | None, prologue: int, C: i
         x.stride(0), x.stride(1), rd.stride(0), rd.stride(1), rs.stride(0), rs.stride(1),
         td.stride(0), td.stride(1), ts.stride(0), ts.stride(1), hk.stride(0),
         GATHER=src_rows_P is not None, ROWS=rows, TOKENS=tokens, IN_BF16=in_bf16 or prologue > 0, BLOCK=FP8_BLOCK,
-        HW=HW_CONVERT, PROLOGUE=prologue,
+        HW=HW_CONVERT, PROLOGUE=prologue, SUB=FP8_BLOCK if prologue == 0 else PROLOGUE_ROWS,
     )
     return rq, tq
 
