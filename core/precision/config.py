@@ -214,13 +214,12 @@ def check_quantized_copies(recipe: PrecisionRecipe | str, backend: PrecisionBack
 
 def takes_input_once(recipe: PrecisionRecipe | str, backend: PrecisionBackend | str) -> bool:
     """Whether a recipe and backend take precision.quantize_input_once (their linears' ``linears``
-    share one quantization of the input): fp8_rowwise, and mxfp8 / fp8_blockwise on the emulated
-    backend (auto may resolve to it). The native mxfp8 / fp8_blockwise linears do not (not built)."""
+    share one quantization of the input): fp8_rowwise and fp8_blockwise (either backend), and mxfp8 on
+    the emulated backend (auto may resolve to it). The native mxfp8 linears do not (not built)."""
     recipe, backend = PrecisionRecipe(recipe), PrecisionBackend(backend)
-    if recipe == PrecisionRecipe.fp8_rowwise:
+    if recipe in (PrecisionRecipe.fp8_rowwise, PrecisionRecipe.fp8_blockwise):
         return True
-    return recipe in (PrecisionRecipe.mxfp8, PrecisionRecipe.fp8_blockwise) and backend in (
-        PrecisionBackend.emulated, PrecisionBackend.auto)
+    return recipe == PrecisionRecipe.mxfp8 and backend in (PrecisionBackend.emulated, PrecisionBackend.auto)
 
 
 class InputOnce(StrEnum):
@@ -243,11 +242,12 @@ def check_input_once(recipe: PrecisionRecipe | str, backend: PrecisionBackend | 
     """ConfigError where precision.quantize_input_once=true meets a recipe and backend that do not take it
     (takes_input_once), naming the fix. The one rule the config, the build and the planner apply."""
     if InputOnce(value) == InputOnce.on and not takes_input_once(recipe, backend):
-        raise ConfigError(f"precision.quantize_input_once: an option of fp8_rowwise, and of mxfp8 / fp8_blockwise on "
-                          f"the emulated backend (bf16 has no input to quantize; the native mxfp8 / fp8_blockwise "
-                          f"linears quantize per linear), and this run has precision.recipe={PrecisionRecipe(recipe)} "
-                          f"on precision.backend={PrecisionBackend(backend)}: use --precision.recipe=fp8_rowwise, or "
-                          f"--precision.backend=emulated, or drop it (auto turns it on where the recipe takes it)")
+        raise ConfigError(f"precision.quantize_input_once: an option of fp8_rowwise and fp8_blockwise, and of mxfp8 on "
+                          f"the emulated backend (bf16 has no input to quantize; the native mxfp8 linears quantize per "
+                          f"linear), and this run has precision.recipe={PrecisionRecipe(recipe)} "
+                          f"on precision.backend={PrecisionBackend(backend)}: use --precision.recipe=fp8_rowwise or "
+                          f"fp8_blockwise, or --precision.backend=emulated, or drop it (auto turns it on where the recipe "
+                          f"takes it)")
 
 
 def input_once_on(recipe: PrecisionRecipe | str, backend: PrecisionBackend | str, value: InputOnce | bool | str) -> bool:
@@ -364,12 +364,13 @@ class PrecisionConfig(Config):
     (core/precision/emulated.py _quantize_x). Off by default: it buys speed with memory
     (docs/precision.md has the measured trade)."""
     quantize_input_once: InputOnce = InputOnce.auto
-    """fp8_rowwise, and mxfp8 / fp8_blockwise on the emulated backend: linears that read one input
+    """fp8_rowwise, fp8_blockwise (both backends) and mxfp8 on the emulated backend: linears that read one input
     (attention's q, k and v; a dense SwiGLU's gate and up, the shared expert's too) quantize it once
     for all of them, in one autograd op (GemmBackend.linears, core.layers.linear.shared_input),
     instead of once per linear: fewer quantization passes in the forward, one saved wgrad operand
     instead of three (two), one dequantize in the backward; dx is the sum of the dgrads, accumulated
-    in the GEMM (emulated) or added in bf16 (fp8_rowwise), so its last bits can differ from the
+    in the GEMM (emulated), added in bf16 (fp8_rowwise) or in fp32 and rounded once (native
+    fp8_blockwise, since session 38), so its last bits can differ from the
     separate linears' (autograd's bf16 adds in its own order). ``auto`` (default): on where the
     recipe and backend take it, off elsewhere (bf16; see InputOnce); ``true`` asks for it (an error
     where it cannot be had), ``false`` turns it off. Never slower where measured, always smaller:

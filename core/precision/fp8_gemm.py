@@ -115,51 +115,67 @@ def _rows_out(gemm: "Fp8BlockwiseGemm", T: int) -> int:
 
 
 class _Fp8Linear(torch.autograd.Function):
+    """x [T, I] through the weights ws (w_i [O_i, I]) -> (y_i [T, O_i], ...): x quantized once for all of
+    them (its 1x128 rows for the forwards, its token tiles for the wgrads, saved once), each weight's
+    GEMMs as a linear's; the input gradient summed over the weights in fp32, rounded once. One weight:
+    the plain linear."""
+
     @staticmethod
-    def forward(ctx, x_TI: torch.Tensor, w_OI: torch.Tensor, gemm: "Fp8BlockwiseGemm", fp8_wgrad: bool):
+    def forward(ctx, x_TI: torch.Tensor, gemm: "Fp8BlockwiseGemm", fp8_wgrad: bool, *ws: torch.Tensor):
         T = x_TI.shape[0]
-        w_q, _, w_s = _weights(gemm, w_OI, backward=False)
         (x_q, x_s), xt = _quantize(gemm, x_TI, True, fp8_wgrad, rows_out=_rows_out(gemm, T), dense=True)
-        if gemm.dense == "scaled_mm":
-            y = _scaled_mm(x_q, x_s, w_q.t(), tile_scales(w_s), F.ScalingType.BlockWise128x128, torch.bfloat16)
-        else:
-            from .fp8_triton import fp8_grouped_mm_rows
-
-            y = fp8_grouped_mm_rows(x_q, x_s, w_q.t()[None], w_s.t()[None], _rows(x_q))
-        ctx.save_for_backward(*(xt if fp8_wgrad else (x_TI.to(torch.bfloat16),)), w_OI)
-        ctx.gemm, ctx.x_dtype, ctx.tokens, ctx.fp8_wgrad = gemm, x_TI.dtype, T, fp8_wgrad
-        return y[:T]
-
-    @staticmethod
-    def backward(ctx, dy_TO: torch.Tensor):
-        *x_saved, w_OI = ctx.saved_tensors
-        gemm, T, fp8_wgrad = ctx.gemm, ctx.tokens, ctx.fp8_wgrad
-        dx = dw = None
-        dyq, dyt = _quantize(gemm, dy_TO, ctx.needs_input_grad[0], ctx.needs_input_grad[1] and fp8_wgrad,
-                             rows_out=_rows_out(gemm, T), dense=True)
-        if ctx.needs_input_grad[0]:
-            _, wt_q, w_s = _weights(gemm, w_OI, backward=True)
-            dy_q, dy_s = dyq
+        ys = []
+        for w_OI in ws:
+            w_q, _, w_s = _weights(gemm, w_OI, backward=False)
             if gemm.dense == "scaled_mm":
-                dx = _scaled_mm(dy_q, dy_s, wt_q.t(), tile_scales(w_s.t()), F.ScalingType.BlockWise128x128,
-                                torch.bfloat16)
+                y = _scaled_mm(x_q, x_s, w_q.t(), tile_scales(w_s), F.ScalingType.BlockWise128x128, torch.bfloat16)
             else:
                 from .fp8_triton import fp8_grouped_mm_rows
 
-                dx = fp8_grouped_mm_rows(dy_q, dy_s, wt_q.t()[None], w_s[None], _rows(dy_q))
-            dx = dx[:T].to(ctx.x_dtype)
-        if ctx.needs_input_grad[1] and not fp8_wgrad:  # bf16, fp32 accumulation
-            dw = (dy_TO.to(torch.bfloat16).t() @ x_saved[0]).to(w_OI.dtype)
-        elif ctx.needs_input_grad[1]:
-            (dyt_q, dyt_s), (xt_q, xt_s) = dyt, x_saved
-            if gemm.dense == "scaled_mm":
-                dw = _scaled_mm(dyt_q, dyt_s, xt_q.t(), xt_s, F.ScalingType.BlockWise1x128, torch.float32)
-            else:
-                from .fp8_triton import fp8_grouped_mm_k
+                y = fp8_grouped_mm_rows(x_q, x_s, w_q.t()[None], w_s.t()[None], _rows(x_q))
+            ys.append(y[:T])
+        ctx.save_for_backward(*(xt if fp8_wgrad else (x_TI.to(torch.bfloat16),)), *ws)
+        ctx.gemm, ctx.x_dtype, ctx.tokens, ctx.fp8_wgrad, ctx.n = gemm, x_TI.dtype, T, fp8_wgrad, len(ws)
+        return tuple(ys)
 
-                dw = fp8_grouped_mm_k(dyt_q, dyt_s, xt_q, xt_s, _rows(xt_q.t()))[0]
-            dw = dw.to(w_OI.dtype)
-        return dx, dw, None, None
+    @staticmethod
+    def backward(ctx, *dys_TO: torch.Tensor):
+        saved = ctx.saved_tensors
+        x_saved, ws = saved[:len(saved) - ctx.n], saved[len(saved) - ctx.n:]
+        gemm, T, fp8_wgrad = ctx.gemm, ctx.tokens, ctx.fp8_wgrad
+        dx, dws = None, []
+        for i, (w_OI, dy_TO) in enumerate(zip(ws, dys_TO)):
+            want_dx, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[3 + i]
+            if dy_TO is None:  # an output nobody used
+                dws.append(None)
+                continue
+            dyq, dyt = _quantize(gemm, dy_TO, want_dx, want_dw and fp8_wgrad, rows_out=_rows_out(gemm, T), dense=True)
+            if want_dx:
+                _, wt_q, w_s = _weights(gemm, w_OI, backward=True)
+                dy_q, dy_s = dyq
+                if gemm.dense == "scaled_mm":
+                    dx_i = _scaled_mm(dy_q, dy_s, wt_q.t(), tile_scales(w_s.t()), F.ScalingType.BlockWise128x128,
+                                      torch.float32 if ctx.n > 1 else torch.bfloat16)
+                else:
+                    from .fp8_triton import fp8_grouped_mm_rows
+
+                    dx_i = fp8_grouped_mm_rows(dy_q, dy_s, wt_q.t()[None], w_s[None], _rows(dy_q),
+                                               torch.float32 if ctx.n > 1 else torch.bfloat16)
+                dx = dx_i[:T] if dx is None else dx + dx_i[:T]
+            dw = None
+            if want_dw and not fp8_wgrad:  # bf16, fp32 accumulation
+                dw = (dy_TO.to(torch.bfloat16).t() @ x_saved[0]).to(w_OI.dtype)
+            elif want_dw:
+                (dyt_q, dyt_s), (xt_q, xt_s) = dyt, x_saved
+                if gemm.dense == "scaled_mm":
+                    dw = _scaled_mm(dyt_q, dyt_s, xt_q.t(), xt_s, F.ScalingType.BlockWise1x128, torch.float32)
+                else:
+                    from .fp8_triton import fp8_grouped_mm_k
+
+                    dw = fp8_grouped_mm_k(dyt_q, dyt_s, xt_q, xt_s, _rows(xt_q.t()))[0]
+                dw = dw.to(w_OI.dtype)
+            dws.append(dw)
+        return (None if dx is None else dx.to(ctx.x_dtype), None, None, *dws)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -341,10 +357,16 @@ class Fp8BlockwiseGemm(GemmBackend):
         return self.quant == "triton" or (self.quant == "auto" and x.is_cuda)
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return self._linear(_Fp8Linear, x, w, self.fp8_wgrad)
+        return self._linears(_Fp8Linear, x, (w,), self.fp8_wgrad)[0]
+
+    def linears(self, x: torch.Tensor, ws: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """precision.quantize_input_once: x quantized once for all of ws (_Fp8Linear); else one linear each."""
+        if not self.quantize_input_once:
+            return super().linears(x, ws)
+        return self._linears(_Fp8Linear, x, ws, self.fp8_wgrad)
 
     def expert_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return self._linear(_Fp8Linear, x, w, self.fp8_wgrad_experts)
+        return self._linears(_Fp8Linear, x, (w,), self.fp8_wgrad_experts)[0]
 
     def grouped_mm(self, x_RI: torch.Tensor, w_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
         return self._grouped(_Fp8GroupedMM, x_RI, w_EOI, offsets_E, self)

@@ -74,6 +74,33 @@ def test_rowwise_linears_match_float64(fp8_wgrad):
     check(x.grad, ref_dx, "dx", tol=2.0 ** -7)  # three bf16 dgrads added in bf16
 
 
+def check_blockwise_linears(device: str = "cpu") -> None:
+    """The native fp8_blockwise linears (its Triton dense GEMM: interpreted on the CPU) with the input
+    quantized once: every output and weight gradient against float64 on the independently quantized
+    operands, x's gradient against the float64 sum of the dgrads (fp32 sum, rounded once); one saved
+    wgrad operand of x instead of three."""
+    from moetron.core.precision.fp8_gemm import Fp8BlockwiseGemm
+
+    _, act, wq = FORMATS["fp8_blockwise"]
+    saved_fp8 = {}
+    for on in (False, True):
+        gemm = Fp8BlockwiseGemm(dense="triton", quant="auto" if device != "cpu" else "torch")
+        gemm.quantize_input_once = on
+        x, ws, ys, dys, saved = _run(gemm)
+        saved_fp8[on] = len([t for t in saved if t.dtype == torch.float8_e4m3fn and t.numel() >= 200 * 256])
+    for i, (w, y, dy) in enumerate(zip(ws, ys, dys)):
+        close(y.float(), act(x.detach(), -1), wq(w.detach(), -1).T, f"forward {i}")
+        close(w.grad, act(dy, 0).T, act(x.detach(), 0), f"wgrad {i}")
+    close(x.grad, torch.cat([act(dy, -1) for dy in dys], 1), torch.cat([wq(w.detach(), 0) for w in ws], 0), "dgrad")
+    assert saved_fp8 == {False: 3, True: 1}, saved_fp8
+
+
+def test_native_blockwise_linears_interpreted_match_float64():
+    from tests.interpreted import run_interpreted
+
+    run_interpreted("tests.core.test_precision_input_once", "check_blockwise_linears()")
+
+
 @pytest.mark.parametrize("backend", ["mxfp8", "fp8_rowwise"])
 def test_the_input_is_saved_once_not_once_per_linear(backend):
     """Off: each linear saves its own wgrad operand of x (three); on: one, shared."""
@@ -129,9 +156,10 @@ def test_modules_on_equal_off_but_for_the_dx_sum(backend, kind):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["attention", "mlp"])
-@pytest.mark.parametrize("backend, native", [("mxfp8", False), ("fp8_rowwise", True)])
+@pytest.mark.parametrize("backend, native", [("mxfp8", False), ("fp8_rowwise", True), ("fp8_blockwise", True)])
 def test_modules_on_equal_off_on_gpu(backend, native, kind):
-    """The same on the GPU's paths: mxfp8's fused Triton kernels, fp8_rowwise's scaled GEMMs."""
+    """The same on the GPU's paths: mxfp8's fused Triton kernels, fp8_rowwise's scaled GEMMs, fp8_blockwise's
+    blockwise F.scaled_mm."""
     _check_modules(backend, kind, "cuda", native)
 
 
@@ -165,8 +193,7 @@ def test_config_rule_and_build(tmp_path):
         assert gemm.quantize_input_once
     assert cfg(recipe="mxfp8", backend="emulated").build("cpu", verbose=False).gemm.quantize_input_once  # auto
     assert not cfg(recipe="mxfp8", backend="emulated", quantize_input_once=False).build("cpu", verbose=False).gemm.quantize_input_once
-    for bad in ({"recipe": "bf16"}, {"recipe": "auto"}, {"recipe": "fp8_blockwise", "backend": "native"},
-                {"recipe": "mxfp8", "backend": "native"}):
+    for bad in ({"recipe": "bf16"}, {"recipe": "auto"}, {"recipe": "mxfp8", "backend": "native"}):
         with pytest.raises(ConfigError, match="quantize_input_once: an option of fp8_rowwise.*drop it"):
             cfg(quantize_input_once=True, **bad).validate()
     assert not TorchGemm.quantize_input_once
@@ -181,9 +208,10 @@ def test_config_rule_and_build(tmp_path):
         c.to_yaml(tmp_path / "precision.yaml")
         assert PrecisionConfig.from_yaml(tmp_path / "precision.yaml").quantize_input_once == InputOnce(value)
         assert c.quantize_input_once == InputOnce(value)
-    for recipe in ("mxfp8", "fp8_blockwise"):  # the native linears quantize per linear (built on a GPU only)
-        cfg(recipe=recipe, backend="native", quantize_input_once="auto").validate()
-        assert not input_once_on(recipe, "native", "auto") and input_once_on(recipe, "emulated", "auto")
+    # the native mxfp8 linears quantize per linear; native fp8_blockwise shares (since session 38)
+    cfg(recipe="mxfp8", backend="native", quantize_input_once="auto").validate()
+    assert not input_once_on("mxfp8", "native", "auto") and input_once_on("mxfp8", "emulated", "auto")
+    assert input_once_on("fp8_blockwise", "native", "auto") and input_once_on("fp8_blockwise", "native", True)
 
 
 def test_shared_linears_under_a_traced_graph_equal_eager():
