@@ -64,62 +64,94 @@ QUANTIZE_CONFIGS = [triton.Config({}, num_warps=QUANTIZE_WARPS)]
 
 @triton.jit
 def _tile_bits(x_ptr, h_ptr, rows, cols, mask, s_xr, s_xc, s_hr, F, PROLOGUE: tl.constexpr, HW: tl.constexpr):
-    """The loaded bits of the values to quantize at ``rows`` x ``cols`` (broadcast; zeros where not
-    ``mask``): x's own (PROLOGUE 0), else the bf16 bits (int16) of a SwiGLU computed here from the
-    int16 views of h = [gate | up] [R, 2F] (row stride s_hr): PROLOGUE 1 silu(gate) * up [R, F];
-    PROLOGUE 2 h's gradient [R, 2F] from the product's gradient x [R, F] (swiglu_triton's math)."""
+    """The bf16 bits (int16) of a SwiGLU computed here at ``rows`` x ``cols`` (broadcast; zeros where not
+    ``mask``) from the int16 view of h = [gate | up] [R, 2F] (row stride s_hr): PROLOGUE 1 the product
+    silu(gate) * up [R, F]; PROLOGUE 2 h's gradient [R, 2F] from the product's gradient x [R, F]
+    (swiglu_triton's math: the same bits as its kernels)."""
     rows = rows.to(tl.int64)
-    if PROLOGUE == 0:
-        bits = tl.load(x_ptr + rows * s_xr + cols * s_xc, mask=mask, other=0)
+    f = cols % F  # the gate / up column (PROLOGUE 2: the up half's columns F..2F read column c - F)
+    g = widen(tl.load(h_ptr + rows * s_hr + f, mask=mask, other=0), True, HW)
+    if PROLOGUE == 1:
+        u = widen(tl.load(h_ptr + rows * s_hr + F + f, mask=mask, other=0), True, HW)
+        v = swiglu_product(g, u)
     else:
-        f = cols % F  # the gate / up column (PROLOGUE 2: the up half's columns F..2F read column c - F)
-        g = widen(tl.load(h_ptr + rows * s_hr + f, mask=mask, other=0), True, HW)
-        if PROLOGUE == 1:
-            u = widen(tl.load(h_ptr + rows * s_hr + F + f, mask=mask, other=0), True, HW)
-            v = swiglu_product(g, u)
-        else:
-            gate = cols < F  # up is read only where the gate's gradient needs it
-            u = widen(tl.load(h_ptr + rows * s_hr + F + f, mask=mask & gate, other=0), True, HW)
-            ga = widen(tl.load(x_ptr + rows * s_xr + f * s_xc, mask=mask, other=0), True, HW)
-            grad_g, grad_u = swiglu_grads(g, u, ga)
-            v = tl.where(gate, grad_g, grad_u)
-        bits = v.to(tl.int16, bitcast=True)
-    return bits
+        gate = cols < F  # up is read only where the gate's gradient needs it
+        u = widen(tl.load(h_ptr + rows * s_hr + F + f, mask=mask & gate, other=0), True, HW)
+        ga = widen(tl.load(x_ptr + rows * s_xr + f * s_xc, mask=mask, other=0), True, HW)
+        grad_g, grad_u = swiglu_grads(g, u, ga)
+        v = tl.where(gate, grad_g, grad_u)
+    return v.to(tl.int16, bitcast=True)
 
 
-@triton.autotune(configs=QUANTIZE_CONFIGS, key=["C", "P", "GATHER", "ROWS", "TOKENS", "PROLOGUE"])
+@triton.autotune(configs=QUANTIZE_CONFIGS, key=["C", "P", "GATHER", "ROWS", "TOKENS"])
 @triton.jit
 def _fp8_quantize_1x128_kernel(
-    x_ptr, src_ptr, rd_ptr, rs_ptr, td_ptr, ts_ptr, h_ptr, R, P, C, R_OUT, F,
-    s_xr, s_xc, s_rdr, s_rdc, s_rsr, s_rsb, s_tdc, s_tdp, s_tsc, s_tsb, s_hr,
+    x_ptr, src_ptr, rd_ptr, rs_ptr, td_ptr, ts_ptr, R, P, C, R_OUT,
+    s_xr, s_xc, s_rdr, s_rdc, s_rsr, s_rsb, s_tdc, s_tdp, s_tsc, s_tsb,
     GATHER: tl.constexpr, ROWS: tl.constexpr, TOKENS: tl.constexpr, IN_BF16: tl.constexpr, BLOCK: tl.constexpr,
-    HW: tl.constexpr, PROLOGUE: tl.constexpr, SUB: tl.constexpr,
+    HW: tl.constexpr,
 ):
     pid_c, pid_p = tl.program_id(0), tl.program_id(1)
-    if ROWS:  # SUB rows at a time (all of them for plain x; the SwiGLU's registers would spill)
-        cols = pid_c * BLOCK + tl.arange(0, BLOCK)
-        for i in range(0, BLOCK, SUB):
-            src, valid, row_out = _view_rows(src_ptr, pid_p * BLOCK + i + tl.arange(0, SUB), R, P, R_OUT, GATHER)
-            bits = _tile_bits(x_ptr, h_ptr, src[:, None], cols[None, :], valid[:, None], s_xr, s_xc, s_hr, F, PROLOGUE,
-                              HW)
-            inv, scale = _block_scales(tl.max(abs_bits(bits, IN_BF16), axis=1), IN_BF16)
-            src64 = src.to(tl.int64)
-            tl.store(rd_ptr + src64[:, None] * s_rdr + cols[None, :] * s_rdc,
-                     to_e4m3(widen(bits, IN_BF16, HW), inv[:, None], HW), mask=row_out[:, None])
-            tl.store(rs_ptr + src64 * s_rsr + pid_c * s_rsb, scale, mask=row_out)
+    p = pid_p * BLOCK + tl.arange(0, BLOCK)
+    c = pid_c * BLOCK + tl.arange(0, BLOCK)
+    if GATHER:
+        src = tl.load(src_ptr + p, mask=p < P, other=-1)
+        valid = src >= 0
+        row_out = valid
+    else:
+        src = p
+        valid = p < R
+        row_out = p < R_OUT  # rows R..R_OUT: zero padding rows, quantized as zeros
+    bits = tl.load(x_ptr + src[:, None].to(tl.int64) * s_xr + c[None, :] * s_xc, mask=valid[:, None], other=0)
+    x = widen(bits, IN_BF16, HW)
+    if ROWS:
+        inv, scale = _block_scales(tl.max(abs_bits(bits, IN_BF16), axis=1), IN_BF16)
+        src64 = src.to(tl.int64)
+        tl.store(rd_ptr + src64[:, None] * s_rdr + c[None, :] * s_rdc, to_e4m3(x, inv[:, None], HW),
+                 mask=row_out[:, None])
+        tl.store(rs_ptr + src64 * s_rsr + pid_c * s_rsb, scale, mask=row_out)
     if TOKENS:
-        # the tile loaded again as [C tile, P tile] (from L1 / L2; SUB columns at a time) and quantized
-        # along its rows: no transpose in registers (with tl.trans of its e4m3 tile the 128 x 128
-        # kernel's w^T came out wrong on the H200, Triton 3.6, this kernel's new code path; the old one's passed)
-        p = pid_p * BLOCK + tl.arange(0, BLOCK)
-        src, valid, _ = _view_rows(src_ptr, p, R, P, R_OUT, GATHER)
-        for j in range(0, BLOCK, SUB):
-            c = pid_c * BLOCK + j + tl.arange(0, SUB)
-            bt = _tile_bits(x_ptr, h_ptr, src[None, :], c[:, None], valid[None, :], s_xr, s_xc, s_hr, F, PROLOGUE, HW)
-            inv, st = _block_scales(tl.max(abs_bits(bt, IN_BF16), axis=1), IN_BF16)
-            qt = to_e4m3(widen(bt, IN_BF16, HW), inv[:, None], HW)
-            tl.store(td_ptr + c[:, None].to(tl.int64) * s_tdc + p[None, :] * s_tdp, qt, mask=(p < P)[None, :])
-            tl.store(ts_ptr + c.to(tl.int64) * s_tsc + pid_p * s_tsb, st)
+        # the tile loaded again as [C tile, P tile] (from L1 / L2) and quantized along its rows: no
+        # transpose in registers (with tl.trans of its e4m3 tile the 128 x 128 kernel's w^T came out
+        # wrong on the H200, Triton 3.6, this kernel's new code path; the old one's passed)
+        bt = tl.load(x_ptr + src[None, :].to(tl.int64) * s_xr + c[:, None] * s_xc, mask=valid[None, :], other=0)
+        inv, st = _block_scales(tl.max(abs_bits(bt, IN_BF16), axis=1), IN_BF16)
+        qt = to_e4m3(widen(bt, IN_BF16, HW), inv[:, None], HW)
+        tl.store(td_ptr + c[:, None].to(tl.int64) * s_tdc + p[None, :] * s_tdp, qt, mask=(p < P)[None, :])
+        tl.store(ts_ptr + c.to(tl.int64) * s_tsc + pid_p * s_tsb, st)
+
+
+@triton.jit
+def _fp8_quantize_swiglu_kernel(
+    x_ptr, h_ptr, src_ptr, rd_ptr, rs_ptr, td_ptr, ts_ptr, R, P, R_OUT, F,
+    s_xr, s_xc, s_hr, s_rdr, s_rdc, s_rsr, s_rsb, s_tdc, s_tdp, s_tsc, s_tsb,
+    GATHER: tl.constexpr, ROWS: tl.constexpr, TOKENS: tl.constexpr, BLOCK: tl.constexpr, HW: tl.constexpr,
+    PROLOGUE: tl.constexpr,
+):
+    """_fp8_quantize_1x128_kernel's outputs for a SwiGLU computed here (_tile_bits' PROLOGUE 1 or 2), its
+    128 x 128 tile computed once: the rows' scales from its rows, the tokens' from its columns, and the
+    tokens' e4m3 tile from the scaled fp32 values transposed in registers (through shared memory; the
+    plain kernel's second, transposed read would recompute the SwiGLU from uncoalesced loads of h)."""
+    pid_c, pid_p = tl.program_id(0), tl.program_id(1)
+    p = pid_p * BLOCK + tl.arange(0, BLOCK)
+    c = pid_c * BLOCK + tl.arange(0, BLOCK)
+    src, valid, row_out = _view_rows(src_ptr, p, R, P, R_OUT, GATHER)
+    bits = _tile_bits(x_ptr, h_ptr, src[:, None], c[None, :], valid[:, None], s_xr, s_xc, s_hr, F, PROLOGUE, HW)
+    x = widen(bits, True, HW)
+    a = abs_bits(bits, True)
+    if ROWS:
+        inv, scale = _block_scales(tl.max(a, axis=1), True)
+        src64 = src.to(tl.int64)
+        tl.store(rd_ptr + src64[:, None] * s_rdr + c[None, :] * s_rdc, to_e4m3(x, inv[:, None], HW),
+                 mask=row_out[:, None])
+        tl.store(rs_ptr + src64 * s_rsr + pid_c * s_rsb, scale, mask=row_out)
+    if TOKENS:
+        inv_t, st = _block_scales(tl.max(a, axis=0), True)
+        # x / scale (exact: a power of two) transposed as fp32, then rounded to e4m3: the bits of the
+        # reference's x^T quantized along its rows
+        qt = to_e4m3(tl.trans(x * inv_t[None, :]), 1.0, HW)
+        tl.store(td_ptr + c[:, None].to(tl.int64) * s_tdc + p[None, :] * s_tdp, qt, mask=(p < P)[None, :])
+        tl.store(ts_ptr + c.to(tl.int64) * s_tsc + pid_p * s_tsb, st)
 
 
 @triton.jit
@@ -138,10 +170,14 @@ def _view_rows(src_ptr, p, R, P, R_OUT, GATHER: tl.constexpr):
     return src, valid, row_out
 
 
-PROLOGUE_ROWS = 32
-"""The SwiGLU prologues' rows (or columns) a step: a whole 128 x 128 tile of gate, up and the product's
-gradient spilled 2.2 KB of registers a thread at 4 warps (ptxas for SM90, Triton 3.6) and ran the fused
-step at 0.72x (OLMoE-8L, H100, session 38 call 2)."""
+SWIGLU_WARPS = 16
+"""The SwiGLU kernel's warps: its 128 x 128 tile of gate, up (and the product's gradient) in fp32 spills
+at 4 warps, takes 162-174 registers a thread at 8 (one 8-warp CTA an SM) and 91-96 at 16 (one 16-warp
+CTA an SM: the most warps in flight; ptxas for SM90, Triton 3.6, no spills: tests/core/
+test_precision_fp8.py). Its first form (session 38 call 2: the plain kernel's two reads, the SwiGLU
+computed in each, 4 warps) spilled 2.2 KB a thread; the second (call 3: 32 rows or columns a step, no
+spills) ran the forward at 0.74-0.78x and the backward at 0.46-0.48x the two kernels it replaces
+(docs/bench/session38/swiglu_quant_probe.py)."""
 
 
 def use_quantize_configs(configs: list[triton.Config]) -> None:
@@ -249,15 +285,22 @@ def _quantize_1x128(x: torch.Tensor, h: torch.Tensor | None, prologue: int, C: i
     td, ts = tq if tokens else (x, x)
     grid = (B, P // FP8_BLOCK)
     xk, in_bf16 = as_loadable(x)
-    hk = h.view(torch.int16) if h is not None else xk
-    _fp8_quantize_1x128_kernel[grid](
-        xk, src_rows_P if src_rows_P is not None else x, rd, rs, td, ts, hk, R, P, C, R_OUT,
-        h.shape[1] // 2 if h is not None else 1,
-        x.stride(0), x.stride(1), rd.stride(0), rd.stride(1), rs.stride(0), rs.stride(1),
-        td.stride(0), td.stride(1), ts.stride(0), ts.stride(1), hk.stride(0),
-        GATHER=src_rows_P is not None, ROWS=rows, TOKENS=tokens, IN_BF16=in_bf16 or prologue > 0, BLOCK=FP8_BLOCK,
-        HW=HW_CONVERT, PROLOGUE=prologue, SUB=FP8_BLOCK if prologue == 0 else PROLOGUE_ROWS,
-    )
+    if prologue == 0:
+        _fp8_quantize_1x128_kernel[grid](
+            xk, src_rows_P if src_rows_P is not None else x, rd, rs, td, ts, R, P, C, R_OUT,
+            x.stride(0), x.stride(1), rd.stride(0), rd.stride(1), rs.stride(0), rs.stride(1),
+            td.stride(0), td.stride(1), ts.stride(0), ts.stride(1),
+            GATHER=src_rows_P is not None, ROWS=rows, TOKENS=tokens, IN_BF16=in_bf16, BLOCK=FP8_BLOCK, HW=HW_CONVERT,
+        )
+    else:
+        hk = h.view(torch.int16)
+        _fp8_quantize_swiglu_kernel[grid](
+            xk, hk, src_rows_P if src_rows_P is not None else x, rd, rs, td, ts, R, P, R_OUT, h.shape[1] // 2,
+            x.stride(0), x.stride(1), hk.stride(0), rd.stride(0), rd.stride(1), rs.stride(0), rs.stride(1),
+            td.stride(0), td.stride(1), ts.stride(0), ts.stride(1),
+            GATHER=src_rows_P is not None, ROWS=rows, TOKENS=tokens, BLOCK=FP8_BLOCK, HW=HW_CONVERT, PROLOGUE=prologue,
+            num_warps=SWIGLU_WARPS,
+        )
     return rq, tq
 
 

@@ -15,6 +15,7 @@ import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 
+from moetron.core.precision import blockwise_triton as bt  # noqa: E402
 from moetron.core.precision.blockwise_triton import quantize_1x128_fused, quantize_1x128_swiglu  # noqa: E402
 from moetron.core.precision.grouping import padded_source_rows  # noqa: E402
 from moetron.core.precision.swiglu_triton import swiglu_backward, swiglu_forward  # noqa: E402
@@ -31,18 +32,22 @@ def main():
         offsets = torch.arange(1, E + 1, device="cuda") * (R // E)
         src, _ = padded_source_rows(offsets, R, 128)
         kw = dict(src_rows_P=src, tokens_outer_major=True)
+        default = bt.SWIGLU_WARPS
         cases = {
-            "forward, two kernels": lambda: quantize_1x128_fused(swiglu_forward(h), **kw),
-            "forward, fused": lambda: quantize_1x128_swiglu(h, None, **kw),
-            "backward, two kernels": lambda: quantize_1x128_fused(swiglu_backward(h, ga, False)[1], **kw),
-            "backward, fused": lambda: quantize_1x128_swiglu(h, ga, **kw),
+            "forward, two kernels": (lambda: quantize_1x128_fused(swiglu_forward(h), **kw), default),
+            "backward, two kernels": (lambda: quantize_1x128_fused(swiglu_backward(h, ga, False)[1], **kw), default),
         }
-        for case, fn in cases.items():
+        for warps in (8, 16):  # the fused kernel at each warp count (SWIGLU_WARPS: the product's)
+            cases[f"forward, fused, {warps} warps"] = (lambda: quantize_1x128_swiglu(h, None, **kw), warps)
+            cases[f"backward, fused, {warps} warps"] = (lambda: quantize_1x128_swiglu(h, ga, **kw), warps)
+        for case, (fn, warps) in cases.items():
+            bt.SWIGLU_WARPS = warps
             ms = triton.testing.do_bench(fn, warmup=25, rep=100)
+            bt.SWIGLU_WARPS = default
             # bytes the fused kernel must move: h (+ the gradient) read, the fp8 rows and tokens written
             need = R * 2 * F * 2 + (R * F * 2 if "backward" in case else 0) + 2 * R * (2 * F if "backward" in case else F)
             rows.append(dict(shape=name, R=R, F=F, case=case, ms=ms, min_tb_s=need / ms / 1e9))
-            print(f"{name:7s} {case:24s} {ms:8.3f} ms   {need / ms / 1e9:6.2f} TB/s of the fused kernel's bytes")
+            print(f"{name:7s} {case:32s} {ms:8.3f} ms   {need / ms / 1e9:6.2f} TB/s of the fused kernel's bytes")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
