@@ -170,14 +170,16 @@ def _view_rows(src_ptr, p, R, P, R_OUT, GATHER: tl.constexpr):
     return src, valid, row_out
 
 
-SWIGLU_WARPS = 16
+SWIGLU_WARPS = 8
 """The SwiGLU kernel's warps: its 128 x 128 tile of gate, up (and the product's gradient) in fp32 spills
-at 4 warps, takes 162-174 registers a thread at 8 (one 8-warp CTA an SM) and 91-96 at 16 (one 16-warp
-CTA an SM: the most warps in flight; ptxas for SM90, Triton 3.6, no spills: tests/core/
-test_precision_fp8.py). Its first form (session 38 call 2: the plain kernel's two reads, the SwiGLU
-computed in each, 4 warps) spilled 2.2 KB a thread; the second (call 3: 32 rows or columns a step, no
-spills) ran the forward at 0.74-0.78x and the backward at 0.46-0.48x the two kernels it replaces
-(docs/bench/session38/swiglu_quant_probe.py)."""
+at 4 warps, takes 162-174 registers a thread at 8 and 91-96 at 16 (ptxas for SM90, Triton 3.6, no
+spills: tests/core/test_precision_fp8.py). 8 beat 16 at both shapes each way (H100, session 38 call 4,
+docs/bench/session38/swiglu_quant_probe.py: forward 0.512 / 0.555 ms at OLMoE's, 0.969 / 1.039 at
+olmoe3-4l-8e's; backward 1.352 / 1.391, 2.469 / 2.639). Against the two kernels it replaces (0.506,
+1.006; 0.914, 1.829 ms): level in the forward, 0.68x / 0.74x in the backward, so
+precision.fp8_fused_swiglu stays off (its steps 0.970x / 0.987x). Its earlier forms: the plain kernel's
+two reads with the SwiGLU computed in each (call 2: 2.2 KB of spills a thread, steps 0.72x / 0.85x),
+then 32 rows or columns a step (call 3: forward 0.74-0.78x, backward 0.46-0.48x; steps 0.947x / 0.980x)."""
 
 
 def use_quantize_configs(configs: list[triton.Config]) -> None:

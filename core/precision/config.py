@@ -376,7 +376,8 @@ class PrecisionConfig(Config):
     where it cannot be had), ``false`` turns it off. Never slower where measured, always smaller:
     mxfp8 emulated OLMoE-8L -2.6 ms a step, -1.0 GiB (H200, session 26), olmoe3-4l-8e -1.6 ms, -1.5
     GiB (H100, session 28); fp8_rowwise OLMoE-8L -4.4 ms (-2.4%), -0.5 GiB, olmoe3-4l-8e -3.8 ms
-    (-1.6%), -0.6 GiB (H200, session 29; docs/precision.md)."""
+    (-1.6%), -0.6 GiB (H200, session 29); native fp8_blockwise OLMoE-8L +2.6% tokens/s, -0.5 GiB,
+    olmoe3-4l-8e +1.5%, -0.8 GiB (H100, session 38; docs/precision.md)."""
     quantized_expert_copies: bool = False
     """mxfp8 on the emulated backend with expert_weight_copies=optimizer and expert_grads_bf16: the
     optimizer's step writes each expert weight's copy already quantized to MX along its input dim and
@@ -419,7 +420,9 @@ class PrecisionConfig(Config):
     h = [gate | up] as it is made) and backward (h's gradient quantized from the product's gradient as
     it is made), so neither the bf16 product nor h's bf16 gradient is written and read back: 12 bytes an
     element of [rows, F] less traffic a layer, two kernels fewer each way; the same bits
-    (core/precision/fp8_gemm.py _Fp8GroupedSwiGLU)."""
+    (core/precision/fp8_gemm.py _Fp8GroupedSwiGLU). Off: measured slower on the H100 (session 38: its
+    forward kernel level with the two it replaces, its backward 0.68-0.74x; steps 0.970x on OLMoE-8L,
+    0.987x on olmoe3-4l-8e; blockwise_triton.SWIGLU_WARPS)."""
     fp8_fast_accum: bool = False
     """fp8_rowwise recipe, native backend: the FP8 GEMMs accumulate on the tensor cores without the
     periodic promotion to fp32 (``use_fast_accum``): measured 1.6-2.2x bf16 per expert GEMM against
