@@ -215,6 +215,12 @@ def _bench_argv(env: dict) -> list[str]:
 # had, unless its command or the row sets the field itself. Rows that record their section need none.
 CHANGED_DEFAULTS = [("2026-12-05 14:45:00", "--precision.quantize_input_once=false")]  # then auto (session 29)
 
+# What ``auto`` resolved to changed after reports recorded their sections: (the change's date, the recipe,
+# the field, what auto meant before). A row of that recipe (not on the emulated backend) whose field is
+# auto, in a report dated before the change, is replayed with the old meaning, recorded section or not.
+CHANGED_AUTO = [("2026-12-06 08:00:00", PrecisionRecipe.fp8_blockwise, "quantize_input_once", "false")]
+# native fp8_blockwise took the shared quantized input in session 38 (ae28db6; call 4 was its first report)
+
 
 def bench_plan(env: dict, row: dict) -> Plan:
     """The Plan of one benchmark row on one H200: the preset, the command's base overrides, the row's
@@ -239,6 +245,11 @@ def bench_plan(env: dict, row: dict) -> Plan:
     configs.apply(then + [o for o in overrides if o.startswith("--")] + list(row.get("overrides", [])))
     if recorded:
         configs.precision = PrecisionConfig.from_dict(recorded)
+    p = configs.precision
+    for since, recipe, field, before in CHANGED_AUTO:
+        if (str(env.get("date", "")) < since and PrecisionRecipe(p.recipe) == recipe and str(p.backend) != "emulated"
+                and str(getattr(p, field)) == "auto"):
+            configs.precision = dataclasses.replace(p, **{field: type(getattr(p, field))(before)})
     # MOETRON_MX_FUSED where the report recorded it (its env_vars), else as this process has it
     fused = env.get("env_vars", {}).get("MOETRON_MX_FUSED")
     return Plan(model=configs.model, parallel=configs.parallel, memory=configs.memory, seq_len=args.seq_len,

@@ -40,7 +40,9 @@ def activation_terms(cfg: ModelConfig, layer: int, sw: Switches = Switches(),
     the expert weight copies and the product were gone), generalized by shape: [T, *] bf16 x5 (the
     qkv input, q and k before their norms, the o-proj input, one more [T, D]), q, k, v, out for SDPA,
     x_RD, h, y_RD, one fp32 [T, D] for the norms and 0.5 D + 4 E bytes of router state; a dense
-    SwiGLU (not measured) keeps its input, gate|up and the product.
+    SwiGLU (not measured) keeps its input, gate|up and the product. A low-precision recipe's q, k and
+    v (gate and up) keep a quantized input each, or one with precision.quantize_input_once (measured
+    with native fp8_blockwise, session 38).
 
     ``bf16_params`` (tools/bench_slice.py's blocks: bf16 weights and a bf16 stream, no autocast
     casts): eager, q, k and v save the one bf16 norm output (autocast casts an fp32 input once per
@@ -82,8 +84,12 @@ def activation_terms(cfg: ModelConfig, layer: int, sw: Switches = Switches(),
             terms["mlp"] = ("mlp", (1 if sw.quantize_input_once and sw.low("mlp") else 2) * g_mlp * D + 4.0 * H)
             terms["mlp_swiglu"] = ("swiglu", 2.0 * H + g_mlp * H)
         return terms
+    # a low-precision recipe's linears each save their own quantized input unless they share one
+    # (precision.quantize_input_once; measured: native fp8_blockwise OLMoE-8L +0.5 GiB and olmoe3-4l-8e
+    # +0.77 GiB without it, session 38); bf16's q, k and v save the one tensor
+    copies = lambda module, n: 1 if not sw.low(module) or sw.quantize_input_once else n  # noqa: E731
     terms["norms"] = ("norm", 4.0 * D)
-    terms["qkv_input"] = ("attention", g_att * D)
+    terms["qkv_input"] = ("attention", copies("attention", 3) * g_att * D)
     if att.qk_norm:
         terms["qk_norm"] = ("norm", 2.0 * (A + G))
     terms["attn_other"] = ("attention", 2.0 * D)
@@ -102,11 +108,11 @@ def activation_terms(cfg: ModelConfig, layer: int, sw: Switches = Switches(),
             terms["expert_out"] = ("experts", 2.0 * K * D)
         if moe.shared_width():
             S = moe.shared_width()
-            terms["shared_mlp"] = ("mlp", g_mlp * D + 4.0 * S)
+            terms["shared_mlp"] = ("mlp", copies("mlp", 2) * g_mlp * D + 4.0 * S)
             terms["shared_swiglu"] = ("swiglu", g_mlp * S)
     else:
         H = cfg.mlp_hidden
-        terms["mlp"] = ("mlp", g_mlp * D + 4.0 * H)
+        terms["mlp"] = ("mlp", copies("mlp", 2) * g_mlp * D + 4.0 * H)
         terms["mlp_swiglu"] = ("swiglu", g_mlp * H)
     return terms
 

@@ -649,7 +649,7 @@ def test_fp8_rowwise_native_rates_and_quantization_by_hand():
     columns, 3 B, and olmoe3's 8192-column gate|up gradient's column maxima in a read of their own, 2 B;
     each weight along I and along O from its master: fp32 4 + 1 B, the experts' bf16 copies 2 + 1). The
     recipe the throughput rows run (RWC) lands within 5% of session 17's olmoe3-4l-8e step (241.1 ms)
-    and within 10% of its OLMoE-8L one with bf16 weight gradients (175.0 ms), each within 5% of the
+    and within 10% of its OLMoE-8L one with bf16 weight gradients (175.0 ms), within 6% / 5% of the
     measured peak (39.05 / 56.37 GiB), and bf16 weight gradients save the columns' passes."""
     from moetron.core.optim import OptimizerConfig
     from moetron.core.precision import PrecisionConfig
@@ -687,7 +687,10 @@ def test_fp8_rowwise_native_rates_and_quantization_by_hand():
     want = (3 * n + chunks + wq) / (hbm * hw.EFF_ROWWISE_ROWS) + (3 * n + wq) / (hbm * hw.EFF_ROWWISE_COLS)
     assert r["microbatch_parts_s"]["recast_quant"] == pytest.approx(want, rel=1e-9)
     assert r["step_s"] == pytest.approx(0.2411, rel=0.05)
-    assert r["peak_gib"] == pytest.approx(39.05, rel=0.05)
+    # 6%: since session 38 the plan counts q, k and v's (gate and up's) saved operands one each with the
+    # input quantized per linear, as this row ran (+0.75 GiB; the native fp8_blockwise A/B measured that
+    # term exactly), on top of the olmoe3-4l-8e peaks' +2-4% (tools/plan.py --validate, sessions 37-38)
+    assert r["peak_gib"] == pytest.approx(39.05, rel=0.06)
     # bf16 weight gradients: no columns' passes (rows alone), a third of the GEMM FLOPs in bf16
     none = run(olmoe3, fp8_wgrad="none")
     assert none["microbatch_parts_s"]["recast_quant"] == pytest.approx(
@@ -805,7 +808,7 @@ def test_emulated_save_x_bf16_trades_the_dequantize_for_bf16_saved_inputs():
     quant = lambda r: r["microbatch_parts_s"]["recast_quant"]  # noqa: E731
     fused_saved = ((5 + 1 / 32) - 6) * x / (hbm * hw.EFF_MX_FUSED)  # negative: bf16 columns write more
     assert quant(off) - quant(on) == pytest.approx(fused_saved + (3 + 1 / 32) * x / (hbm * hw.EFF_MX_QUANT), rel=1e-9)
-    saved = 8 * T * (2 * D + K * (D + F))  # compiled, q, k and v save their one input once (memory.py)
+    saved = 8 * T * (4 * D + K * (D + F))  # compiled, q, k and v each save their input (input once off: memory.py)
     assert (on["stages"][0]["activations_gib"] - off["stages"][0]["activations_gib"]) * GiB == \
         pytest.approx((2 - (1 + 1 / 32)) * saved, rel=1e-9)
     # measured (docs/bench/session23/call4/olmoe8l.json): 210.0 -> 205.7 ms, 54.55 -> 58.5 GiB
@@ -819,7 +822,7 @@ def test_quantize_input_once_counts_one_quantization_of_the_qkv_input():
     """precision.quantize_input_once (session 24), mxfp8 emulated on OLMoE-8L: q, k and v quantize
     their one input once, so the forward's fused kernel runs on D elements per token per layer
     instead of 3 D, and the backward dequantizes one payload instead of three; eager, one saved
-    payload instead of three (compiled, the count already holds one: memory.activation_terms);
+    payload instead of three, eager and compiled (memory.activation_terms);
     the bf16 recipe is refused as the run refuses it (check_input_once)."""
     from moetron.core.config import ConfigError
     from moetron.core.optim import OptimizerConfig
@@ -839,7 +842,10 @@ def test_quantize_input_once_counts_one_quantization_of_the_qkv_input():
     quant = lambda r: r["microbatch_parts_s"]["recast_quant"]  # noqa: E731
     want = b["input_fused"] * x / (hbm * hw.EFF_MX_FUSED) + b["input_dequant"] * x / (hbm * hw.EFF_MX_QUANT)
     assert quant(off) - quant(on) == pytest.approx(want, rel=1e-9)
-    assert on["stages"][0]["activations_gib"] == off["stages"][0]["activations_gib"]
+    # compiled too, one saved payload instead of three (measured on every low-precision recipe: mxfp8 emulated
+    # -1.0 GiB here, session 26; native fp8_blockwise -0.5 GiB, the planner's delta exactly, session 38)
+    assert (off["stages"][0]["activations_gib"] - on["stages"][0]["activations_gib"]) * GiB == \
+        pytest.approx((1 + 1 / 32) * x, rel=1e-9)
     eager_off, eager_on = run(False, compiled=False), run(True, compiled=False)
     assert (eager_off["stages"][0]["activations_gib"] - eager_on["stages"][0]["activations_gib"]) * GiB == \
         pytest.approx((1 + 1 / 32) * x, rel=1e-9)
@@ -877,6 +883,14 @@ def test_validate_replays_a_report_with_the_defaults_of_its_day():
     off = PrecisionConfig.from_dict({"recipe": "mxfp8", "backend": "emulated", "quantize_input_once": False}).to_dict()
     assert planned(since, recorded=off).precision.to_dict() == off
     assert planner.plan(planned(since, recorded=off))["step_s"] == step(old)  # as the run had it, not today's auto
+    # what auto means changed for native fp8_blockwise in session 38 (CHANGED_AUTO): a recorded auto before
+    # then is replayed off, after it on; the emulated backend's auto was on all along
+    f8 = PrecisionConfig.from_dict({"recipe": "fp8_blockwise"}).to_dict()
+    then, now = planner.CHANGED_AUTO[0][0], "2026-12-06 09:00:00"
+    assert str(planned("2026-12-06 07:30:00", recorded=f8).precision.quantize_input_once) == "false"
+    assert str(planned(now, recorded=f8).precision.quantize_input_once) == "auto" and then < now
+    emulated = dict(f8, backend="emulated")
+    assert str(planned("2026-12-06 07:30:00", recorded=emulated).precision.quantize_input_once) == "auto"
 
 
 def test_quantized_expert_copies_move_the_weight_quantization_into_the_optimizer():
