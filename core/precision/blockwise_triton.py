@@ -8,6 +8,10 @@ torch reference's codes: every output written from registers, no transposed copy
   output: no transpose in registers). The tokens output may be grouped: row p of the padded
   layout reads x[src_rows[p]], or zeros where src_rows[p] < 0 (grouping.padded_source_rows; the
   same bits as quantizing grouping.pad_groups' output). Rows output then go to the source rows.
+- ``quantize_1x128_swiglu``: the same outputs for a SwiGLU product, or h's gradient, computed in the
+  kernel from h = [gate | up] (and the product's gradient), never written in bf16: its own kernel,
+  the 128 x 128 tile computed once and the tokens' tile transposed through shared memory
+  (precision.fp8_fused_swiglu; SWIGLU_WARPS says how it measured).
 - ``quantize_128x128_triton``: a weight [..., O, I] -> (e4m3 w, e4m3 w^T [..., I, O] contiguous,
   scales [..., O / 128, I / 128]), each tile read twice likewise; or either of w / w^T alone, each
   tile read once.

@@ -26,6 +26,11 @@ token tiles; the expert padding of the wgrad operand is an index read in the loa
 one read, or either alone from one), "torch" the reference ops, "auto" Triton on CUDA. Both give
 the same bits.
 
+Linears that read one input (q, k, v; a dense SwiGLU's gate, up) quantize it once with
+precision.quantize_input_once (on by auto since session 38: _Fp8Linear takes several weights). With
+precision.fp8_fused_swiglu the routed experts' whole SwiGLU MLP is one function (_Fp8GroupedSwiGLU:
+the SwiGLU computed inside the quantization kernels; measured slower, off by default).
+
 Legend: T tokens, R rows, P padded rows, E experts, I / O input / output dims, B blocks of 128.
 """
 
