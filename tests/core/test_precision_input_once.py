@@ -24,15 +24,15 @@ from tests.core.test_precision_emulated import FORMATS, close, wide
 WIDTHS = (384, 128, 256)  # q, k, v of a GQA attention: three output widths, whole blocks of 128
 
 
-def _run(gemm, T: int = 200, I: int = 256, dtype=torch.float32):
+def _run(gemm, T: int = 200, I: int = 256, dtype=torch.float32, device: str = "cpu"):
     """x [T, I] through three weights by ``gemm.linears``, backward from wide gradients: (x, ws, ys,
     dys, the tensors saved for the backward)."""
-    x = wide(T, I, seed=1).to(dtype).requires_grad_()
-    ws = [wide(o, I, seed=2 + i).requires_grad_() for i, o in enumerate(WIDTHS)]
+    x = wide(T, I, seed=1).to(device, dtype).requires_grad_()
+    ws = [wide(o, I, seed=2 + i).to(device).requires_grad_() for i, o in enumerate(WIDTHS)]
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         ys = gemm.linears(x, tuple(ws))
-    dys = [wide(T, o, seed=7 + i).bfloat16().float() for i, o in enumerate(WIDTHS)]
+    dys = [wide(T, o, seed=7 + i).bfloat16().float().to(device) for i, o in enumerate(WIDTHS)]
     torch.autograd.backward(ys, [dy.to(y.dtype) for dy, y in zip(dys, ys)])
     return x, ws, ys, dys, saved
 
@@ -74,8 +74,9 @@ def test_rowwise_linears_match_float64(fp8_wgrad):
     check(x.grad, ref_dx, "dx", tol=2.0 ** -7)  # three bf16 dgrads added in bf16
 
 
-def check_blockwise_linears(device: str = "cpu") -> None:
-    """The native fp8_blockwise linears (its Triton dense GEMM: interpreted on the CPU) with the input
+def check_blockwise_linears(device: str = "cpu", dense: str = "triton") -> None:
+    """The native fp8_blockwise linears (``dense``: its Triton dense GEMM, interpreted on the CPU, or on the
+    GPU cuBLAS's blockwise F.scaled_mm) with the input
     quantized once: every output and weight gradient against float64 on the independently quantized
     operands, x's gradient against the float64 sum of the dgrads (fp32 sum, rounded once); one saved
     wgrad operand of x instead of three."""
@@ -84,14 +85,17 @@ def check_blockwise_linears(device: str = "cpu") -> None:
     _, act, wq = FORMATS["fp8_blockwise"]
     saved_fp8 = {}
     for on in (False, True):
-        gemm = Fp8BlockwiseGemm(dense="triton", quant="auto" if device != "cpu" else "torch")
+        gemm = Fp8BlockwiseGemm(dense=dense, quant="auto" if device != "cpu" else "torch")
         gemm.quantize_input_once = on
-        x, ws, ys, dys, saved = _run(gemm)
+        x, ws, ys, dys, saved = _run(gemm, device=device)
         saved_fp8[on] = len([t for t in saved if t.dtype == torch.float8_e4m3fn and t.numel() >= 200 * 256])
+    xc, dys = x.detach().cpu(), [dy.cpu() for dy in dys]
     for i, (w, y, dy) in enumerate(zip(ws, ys, dys)):
-        close(y.float(), act(x.detach(), -1), wq(w.detach(), -1).T, f"forward {i}")
-        close(w.grad, act(dy, 0).T, act(x.detach(), 0), f"wgrad {i}")
-    close(x.grad, torch.cat([act(dy, -1) for dy in dys], 1), torch.cat([wq(w.detach(), 0) for w in ws], 0), "dgrad")
+        wc = w.detach().cpu()
+        close(y.float().cpu(), act(xc, -1), wq(wc, -1).T, f"forward {i}")
+        close(w.grad.cpu(), act(dy, 0).T, act(xc, 0), f"wgrad {i}")
+    close(x.grad.cpu(), torch.cat([act(dy, -1) for dy in dys], 1), torch.cat([wq(w.detach().cpu(), 0) for w in ws], 0),
+          "dgrad")
     assert saved_fp8 == {False: 3, True: 1}, saved_fp8
 
 
@@ -99,6 +103,12 @@ def test_native_blockwise_linears_interpreted_match_float64():
     from tests.interpreted import run_interpreted
 
     run_interpreted("tests.core.test_precision_input_once", "check_blockwise_linears()")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dense", ["scaled_mm", "triton"])
+def test_native_blockwise_linears_on_gpu_match_float64(dense):
+    check_blockwise_linears("cuda", dense)
 
 
 @pytest.mark.parametrize("backend", ["mxfp8", "fp8_rowwise"])
