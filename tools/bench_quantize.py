@@ -2,9 +2,10 @@
 """The fused FP8 1x128 quantization kernel (core/precision/blockwise_triton.py quantize_1x128_fused:
 rows output, transposed tokens output through an 8-expert padding index, 3 spare rows as the
 cuBLAS experts want) under each candidate config alone (4 and 8 warps), then autotuned over them,
-beside a plain copy of the input: ms and TB/s of traffic (the bf16 read and two e4m3 writes); and the
+beside a plain copy of the input: ms and TB/s of traffic (the bf16 read and two e4m3 writes); the
 rows output alone (the product's config, blockwise_triton.QUANTIZE_WARPS: what precision.fp8_wgrad=false
-quantizes; the bf16 read and one e4m3 write).
+quantizes; the bf16 read and one e4m3 write); and both outputs from the one-read kernel
+(blockwise_triton.TOKENS_FROM_TILE: the tile read once, the tokens transposed in registers; TILE_WARPS).
 
     python tools/bench_quantize.py --json runs/bench/quantize.json
     python tools/bench_quantize.py --tiny        # tiny shapes; on the CPU under TRITON_INTERPRET=1
@@ -251,7 +252,7 @@ def main(argv=None) -> int:
     candidates = bt._quantize_configs(device.type == "cpu")
     rows = []
     print(f"{'x':<16} {'copy ms':>8} " + " ".join(f"{'w%d' % c.num_warps:>14}" for c in candidates)
-          + f" {'autotuned':>14} {'rows only':>14}  chosen   (cells: ms / TB/s)")
+          + f" {'autotuned':>14} {'rows only':>14} {'one read':>14}  chosen   (cells: ms / TB/s)")
     for R, C in TINY_SHAPES if args.tiny else SHAPES:
         x = torch.randn(R, C, device=device).bfloat16()
         E = args.experts
@@ -278,10 +279,17 @@ def main(argv=None) -> int:
         row["rows_only_ms"] = median_ms(lambda: bt.quantize_1x128_fused(x, True, False, src, R + ROW_SLACK), device,
                                         warmup=warmup, iters=iters)
         row["rows_only_tb_s"] = x.numel() * (2 + 1) / row["rows_only_ms"] / 1e9
+        default, bt.TOKENS_FROM_TILE = bt.TOKENS_FROM_TILE, True
+        try:
+            row["one_read_ms"] = median_ms(quantize, device, warmup=warmup, iters=iters)
+        finally:
+            bt.TOKENS_FROM_TILE = default
+        row["one_read_tb_s"] = traffic / row["one_read_ms"] / 1e9
         rows.append(row)
         print(f"{f'[{R}, {C}]':<16} {row['copy_ms']:>8.3f} " + " ".join(f"{c:>14}" for c in cells)
               + f" {row['autotuned_ms']:>6.3f}/{row['autotuned_tb_s']:5.2f}"
-              + f" {row['rows_only_ms']:>6.3f}/{row['rows_only_tb_s']:5.2f}  {row['chosen']}", flush=True)
+              + f" {row['rows_only_ms']:>6.3f}/{row['rows_only_tb_s']:5.2f}"
+              + f" {row['one_read_ms']:>6.3f}/{row['one_read_tb_s']:5.2f}  {row['chosen']}", flush=True)
     env = run_environment(device, 1, "tools/bench_quantize.py", sys.argv[1:] if argv is None else argv)
     write_report(args.json, env, rows)
     return 0

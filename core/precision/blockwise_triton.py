@@ -11,7 +11,8 @@ torch reference's codes: every output written from registers, no transposed copy
 - ``quantize_1x128_swiglu``: the same outputs for a SwiGLU product, or h's gradient, computed in the
   kernel from h = [gate | up] (and the product's gradient), never written in bf16: its own kernel,
   the 128 x 128 tile computed once and the tokens' tile transposed through shared memory
-  (precision.fp8_fused_swiglu; SWIGLU_WARPS says how it measured).
+  (precision.fp8_fused_swiglu; TILE_WARPS says how it measured). The same kernel serves plain x
+  with TOKENS_FROM_TILE (not measured yet, off).
 - ``quantize_128x128_triton``: a weight [..., O, I] -> (e4m3 w, e4m3 w^T [..., I, O] contiguous,
   scales [..., O / 128, I / 128]), each tile read twice likewise; or either of w / w^T alone, each
   tile read once.
@@ -126,31 +127,34 @@ def _fp8_quantize_1x128_kernel(
 
 
 @triton.jit
-def _fp8_quantize_swiglu_kernel(
+def _fp8_quantize_tile_kernel(
     x_ptr, h_ptr, src_ptr, rd_ptr, rs_ptr, td_ptr, ts_ptr, R, P, R_OUT, F,
     s_xr, s_xc, s_hr, s_rdr, s_rdc, s_rsr, s_rsb, s_tdc, s_tdp, s_tsc, s_tsb,
     GATHER: tl.constexpr, ROWS: tl.constexpr, TOKENS: tl.constexpr, BLOCK: tl.constexpr, HW: tl.constexpr,
-    PROLOGUE: tl.constexpr,
+    PROLOGUE: tl.constexpr, IN_BF16: tl.constexpr,
 ):
-    """_fp8_quantize_1x128_kernel's outputs for a SwiGLU computed here (_tile_bits' PROLOGUE 1 or 2), its
-    128 x 128 tile computed once: the rows' scales from its rows, the tokens' from its columns, and the
-    tokens' e4m3 tile from the scaled fp32 values transposed in registers (through shared memory; the
-    plain kernel's second, transposed read would recompute the SwiGLU from uncoalesced loads of h)."""
+    """_fp8_quantize_1x128_kernel's outputs from one read: its 128 x 128 tile loaded (PROLOGUE 0: x's own
+    values) or computed (a SwiGLU: _tile_bits' PROLOGUE 1 or 2) once, the rows' scales from its rows,
+    the tokens' from its columns, and the tokens' e4m3 tile from the scaled fp32 values transposed in
+    registers (through shared memory), where the plain kernel reads the tile a second time, transposed."""
     pid_c, pid_p = tl.program_id(0), tl.program_id(1)
     p = pid_p * BLOCK + tl.arange(0, BLOCK)
     c = pid_c * BLOCK + tl.arange(0, BLOCK)
     src, valid, row_out = _view_rows(src_ptr, p, R, P, R_OUT, GATHER)
-    bits = _tile_bits(x_ptr, h_ptr, src[:, None], c[None, :], valid[:, None], s_xr, s_xc, s_hr, F, PROLOGUE, HW)
-    x = widen(bits, True, HW)
-    a = abs_bits(bits, True)
+    if PROLOGUE == 0:
+        bits = tl.load(x_ptr + src[:, None].to(tl.int64) * s_xr + c[None, :] * s_xc, mask=valid[:, None], other=0)
+    else:
+        bits = _tile_bits(x_ptr, h_ptr, src[:, None], c[None, :], valid[:, None], s_xr, s_xc, s_hr, F, PROLOGUE, HW)
+    x = widen(bits, IN_BF16, HW)
+    a = abs_bits(bits, IN_BF16)
     if ROWS:
-        inv, scale = _block_scales(tl.max(a, axis=1), True)
+        inv, scale = _block_scales(tl.max(a, axis=1), IN_BF16)
         src64 = src.to(tl.int64)
         tl.store(rd_ptr + src64[:, None] * s_rdr + c[None, :] * s_rdc, to_e4m3(x, inv[:, None], HW),
                  mask=row_out[:, None])
         tl.store(rs_ptr + src64 * s_rsr + pid_c * s_rsb, scale, mask=row_out)
     if TOKENS:
-        inv_t, st = _block_scales(tl.max(a, axis=0), True)
+        inv_t, st = _block_scales(tl.max(a, axis=0), IN_BF16)
         # x / scale (exact: a power of two) transposed as fp32, then rounded to e4m3: the bits of the
         # reference's x^T quantized along its rows
         qt = to_e4m3(tl.trans(x * inv_t[None, :]), 1.0, HW)
@@ -174,16 +178,24 @@ def _view_rows(src_ptr, p, R, P, R_OUT, GATHER: tl.constexpr):
     return src, valid, row_out
 
 
-SWIGLU_WARPS = 8
-"""The SwiGLU kernel's warps: its 128 x 128 tile of gate, up (and the product's gradient) in fp32 spills
-at 4 warps, takes 162-174 registers a thread at 8 and 91-96 at 16 (ptxas for SM90, Triton 3.6, no
-spills: tests/core/test_precision_fp8.py). 8 beat 16 at both shapes each way (H100, session 38 call 4,
-docs/bench/session38/swiglu_quant_probe.py: forward 0.512 / 0.555 ms at OLMoE's, 0.969 / 1.039 at
-olmoe3-4l-8e's; backward 1.352 / 1.391, 2.469 / 2.639). Against the two kernels it replaces (0.506,
-1.006; 0.914, 1.829 ms): level in the forward, 0.68x / 0.74x in the backward, so
-precision.fp8_fused_swiglu stays off (its steps 0.970x / 0.987x). Its earlier forms: the plain kernel's
-two reads with the SwiGLU computed in each (call 2: 2.2 KB of spills a thread, steps 0.72x / 0.85x),
-then 32 rows or columns a step (call 3: forward 0.74-0.78x, backward 0.46-0.48x; steps 0.947x / 0.980x)."""
+TILE_WARPS = 8
+"""The one-read kernel's warps (_fp8_quantize_tile_kernel): its 128 x 128 tile of gate, up (and the
+product's gradient) in fp32 spills at 4 warps, takes 162-174 registers a thread at 8 and 91-96 at 16
+(ptxas for SM90, Triton 3.6, no spills: tests/core/test_precision_fp8.py). For the fused SwiGLU, 8 beat
+16 at both shapes each way (H100, session 38 call 4, docs/bench/session38/swiglu_quant_probe.py:
+forward 0.512 / 0.555 ms at OLMoE's, 0.969 / 1.039 at olmoe3-4l-8e's; backward 1.352 / 1.391, 2.469 /
+2.639). Against the two kernels it replaces (0.506, 1.006; 0.914, 1.829 ms) it was level in the forward
+and 0.68x / 0.74x in the backward, so precision.fp8_fused_swiglu stays off (its steps 0.970x / 0.987x).
+Its earlier forms: the plain kernel's two reads with the SwiGLU computed in each (call 2: 2.2 KB of
+spills a thread, steps 0.72x / 0.85x), then 32 rows or columns a step (call 3: forward 0.74-0.78x,
+backward 0.46-0.48x; steps 0.947x / 0.980x)."""
+
+TOKENS_FROM_TILE = False
+"""Plain x's rows and tokens (quantize_1x128_fused with both) from _fp8_quantize_tile_kernel's one read,
+the tokens transposed in registers, instead of _fp8_quantize_1x128_kernel's second, transposed read
+from L1 / L2 (the same bits). Not measured yet (queued: tools/bench_quantize.py's "one read" column),
+so off: the plain kernel moves rows + tokens at about 2.0 TB/s, 1.5x the time of a copy of the same
+bytes (H100, session 38 call 1)."""
 
 
 def use_quantize_configs(configs: list[triton.Config]) -> None:
@@ -291,7 +303,7 @@ def _quantize_1x128(x: torch.Tensor, h: torch.Tensor | None, prologue: int, C: i
     td, ts = tq if tokens else (x, x)
     grid = (B, P // FP8_BLOCK)
     xk, in_bf16 = as_loadable(x)
-    if prologue == 0:
+    if prologue == 0 and not (TOKENS_FROM_TILE and tokens):
         _fp8_quantize_1x128_kernel[grid](
             xk, src_rows_P if src_rows_P is not None else x, rd, rs, td, ts, R, P, C, R_OUT,
             x.stride(0), x.stride(1), rd.stride(0), rd.stride(1), rs.stride(0), rs.stride(1),
@@ -299,13 +311,14 @@ def _quantize_1x128(x: torch.Tensor, h: torch.Tensor | None, prologue: int, C: i
             GATHER=src_rows_P is not None, ROWS=rows, TOKENS=tokens, IN_BF16=in_bf16, BLOCK=FP8_BLOCK, HW=HW_CONVERT,
         )
     else:
-        hk = h.view(torch.int16)
-        _fp8_quantize_swiglu_kernel[grid](
-            xk, hk, src_rows_P if src_rows_P is not None else x, rd, rs, td, ts, R, P, R_OUT, h.shape[1] // 2,
+        hk = h.view(torch.int16) if h is not None else xk
+        _fp8_quantize_tile_kernel[grid](
+            xk, hk, src_rows_P if src_rows_P is not None else x, rd, rs, td, ts, R, P, R_OUT,
+            h.shape[1] // 2 if h is not None else 1,
             x.stride(0), x.stride(1), hk.stride(0), rd.stride(0), rd.stride(1), rs.stride(0), rs.stride(1),
             td.stride(0), td.stride(1), ts.stride(0), ts.stride(1),
             GATHER=src_rows_P is not None, ROWS=rows, TOKENS=tokens, BLOCK=FP8_BLOCK, HW=HW_CONVERT, PROLOGUE=prologue,
-            num_warps=SWIGLU_WARPS,
+            IN_BF16=in_bf16 or prologue > 0, num_warps=TILE_WARPS,
         )
     return rq, tq
 

@@ -422,7 +422,7 @@ class PrecisionConfig(Config):
     element of [rows, F] less traffic a layer, two kernels fewer each way; the same bits
     (core/precision/fp8_gemm.py _Fp8GroupedSwiGLU). Off: measured slower on the H100 (session 38: its
     forward kernel level with the two it replaces, its backward 0.68-0.74x; steps 0.970x on OLMoE-8L,
-    0.987x on olmoe3-4l-8e; blockwise_triton.SWIGLU_WARPS)."""
+    0.987x on olmoe3-4l-8e; blockwise_triton.TILE_WARPS)."""
     fp8_fast_accum: bool = False
     """fp8_rowwise recipe, native backend: the FP8 GEMMs accumulate on the tensor cores without the
     periodic promotion to fp32 (``use_fast_accum``): measured 1.6-2.2x bf16 per expert GEMM against

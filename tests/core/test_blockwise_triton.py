@@ -22,15 +22,23 @@ def _same(got, want, what):
 
 
 def check_blockwise_triton(device: str) -> None:
-    """Each autotune config of the 1x128 kernel alone (both warp counts on the GPU)."""
+    """Each autotune config of the 1x128 kernel alone (both warp counts on the GPU), then plain x's rows and
+    tokens from the one-read kernel (blockwise_triton.TOKENS_FROM_TILE: the tokens transposed in registers):
+    the same bits."""
     from moetron.core.precision import blockwise_triton as bt
 
+    default = bt.TOKENS_FROM_TILE
     try:
+        bt.TOKENS_FROM_TILE = False
         for config in bt._quantize_configs(device == "cpu"):
             bt.use_quantize_configs([config])
             _check_blockwise_triton(device)
+        bt.use_quantize_configs(bt.QUANTIZE_CONFIGS)
+        bt.TOKENS_FROM_TILE = True
+        _check_blockwise_triton(device)
     finally:
         bt.use_quantize_configs(bt.QUANTIZE_CONFIGS)
+        bt.TOKENS_FROM_TILE = default
 
 
 def _check_blockwise_triton(device: str) -> None:

@@ -558,7 +558,7 @@ def test_fp8_on_gpu_matches_float64(experts, wgrad):
 
 
 @pytest.mark.parametrize("kernel_name", ["_fp8_quantize_1x128_kernel", "_fp8_quantize_128x128_kernel",
-                                         "_fp8_quantize_swiglu_kernel"])
+                                         "_fp8_quantize_tile_kernel"])
 def test_quantize_kernels_round_with_the_conversion_instruction_on_sm90(kernel_name):
     """On the GPU the FP8 quantization rounds to E4M3 with cvt.rn.satfinite (blockwise_triton._e4m3,
     HW=True), not by the interpreter's bit arithmetic: the PTX for SM90 holds the conversion and
@@ -580,10 +580,13 @@ def test_quantize_kernels_round_with_the_conversion_instruction_on_sm90(kernel_n
     variants, warps = [dict(DATA=True, DATA_T=True, IN_BF16=True)], 8
     if kernel_name == "_fp8_quantize_1x128_kernel":
         variants, warps = [dict(GATHER=True, ROWS=True, TOKENS=True, IN_BF16=True)], bt.QUANTIZE_WARPS
-    elif kernel_name == "_fp8_quantize_swiglu_kernel":  # the product, and h's gradient
-        variants, warps = [dict(GATHER=True, ROWS=True, TOKENS=True, PROLOGUE=p) for p in (1, 2)], bt.SWIGLU_WARPS
+    elif kernel_name == "_fp8_quantize_tile_kernel":  # plain x (bf16, fp32), the SwiGLU's product and h's gradient
+        variants = [dict(GATHER=True, ROWS=True, TOKENS=True, PROLOGUE=p, IN_BF16=b)
+                    for p, b in ((0, True), (0, False), (1, True), (2, True))]
+        warps = bt.TILE_WARPS
     for variant in variants:
-        ptx = _compile_sm90(getattr(bt, kernel_name), triton.Config({}, num_warps=warps), {**ptrs, **ints},
+        x_ptr = {"x_ptr": "*i16" if variant.get("IN_BF16", True) else "*fp32"}  # fp32 x is loaded as it is
+        ptx = _compile_sm90(getattr(bt, kernel_name), triton.Config({}, num_warps=warps), {**ptrs, **ints, **x_ptr},
                             {**constexprs, **variant}).asm["ptx"]
         assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
         # round_to_e4m3's subnormal rounding adds and subtracts 1.5 x 2^14 (0f46C00000 in PTX): HW=False has it

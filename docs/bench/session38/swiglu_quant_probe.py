@@ -32,18 +32,18 @@ def main():
         offsets = torch.arange(1, E + 1, device="cuda") * (R // E)
         src, _ = padded_source_rows(offsets, R, 128)
         kw = dict(src_rows_P=src, tokens_outer_major=True)
-        default = bt.SWIGLU_WARPS
+        default = bt.TILE_WARPS
         cases = {
             "forward, two kernels": (lambda: quantize_1x128_fused(swiglu_forward(h), **kw), default),
             "backward, two kernels": (lambda: quantize_1x128_fused(swiglu_backward(h, ga, False)[1], **kw), default),
         }
-        for warps in (8, 16):  # the fused kernel at each warp count (SWIGLU_WARPS: the product's)
+        for warps in (8, 16):  # the fused kernel at each warp count (TILE_WARPS: the product's)
             cases[f"forward, fused, {warps} warps"] = (lambda: quantize_1x128_swiglu(h, None, **kw), warps)
             cases[f"backward, fused, {warps} warps"] = (lambda: quantize_1x128_swiglu(h, ga, **kw), warps)
         for case, (fn, warps) in cases.items():
-            bt.SWIGLU_WARPS = warps
+            bt.TILE_WARPS = warps
             ms = triton.testing.do_bench(fn, warmup=25, rep=100)
-            bt.SWIGLU_WARPS = default
+            bt.TILE_WARPS = default
             # bytes the fused kernel must move: h (+ the gradient) read, the fp8 rows and tokens written
             need = R * 2 * F * 2 + (R * F * 2 if "backward" in case else 0) + 2 * R * (2 * F if "backward" in case else F)
             rows.append(dict(shape=name, R=R, F=F, case=case, ms=ms, min_tb_s=need / ms / 1e9))
