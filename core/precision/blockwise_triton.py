@@ -187,7 +187,7 @@ forward 0.512 / 0.555 ms at OLMoE's, 0.969 / 1.039 at olmoe3-4l-8e's; backward 1
 2.639). Against the two kernels it replaces (0.506, 1.006; 0.914, 1.829 ms) it was level in the forward
 and 0.68x / 0.74x in the backward, so precision.fp8_fused_swiglu stays off (its steps 0.970x / 0.987x).
 Its earlier forms: the plain kernel's two reads with the SwiGLU computed in each (call 2: 2.2 KB of
-spills a thread, steps 0.72x / 0.85x), then 32 rows or columns a step (call 3: forward 0.74-0.78x,
+spills a thread, steps 0.71x / 0.85x of the unfused), then 32 rows or columns a step (call 3: forward 0.74-0.78x,
 backward 0.46-0.48x; steps 0.947x / 0.980x)."""
 
 TOKENS_FROM_TILE = False

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 38, call 3: the fused SwiGLU quantization after call 2 (0.72x / 0.85x: the backward prologue
+# Session 38, call 3: the fused SwiGLU quantization after call 2 (0.71x / 0.85x of f8gc: the backward prologue
 # spilled 2.2 KB of registers a thread, the forward ran at 230 registers; now 32 rows or columns a step,
 # no spills at 148-157 registers): its GPU tests, the kernels against the two they replace, both shapes'
 # f8gc / f8gcs steps. Run from the repo root: bash docs/bench/session38/call3.sh (timeout 480)
