@@ -88,6 +88,22 @@ def _tile_bits(x_ptr, h_ptr, rows, cols, mask, s_xr, s_xc, s_hr, F, PROLOGUE: tl
     return v.to(tl.int16, bitcast=True)
 
 
+@triton.jit
+def _view_rows(src_ptr, p, R, P, R_OUT, GATHER: tl.constexpr):
+    """(source row, whether it is read, whether its rows output is written) of padded rows p: x[src[p]]
+    (GATHER: zeros where src[p] < 0, rows output only to the rows read), else x[p] (zeros past R; rows
+    R..R_OUT are zero padding rows, quantized as zeros)."""
+    if GATHER:
+        src = tl.load(src_ptr + p, mask=p < P, other=-1)
+        valid = src >= 0
+        row_out = valid
+    else:
+        src = p
+        valid = p < R
+        row_out = p < R_OUT
+    return src, valid, row_out
+
+
 @triton.autotune(configs=QUANTIZE_CONFIGS, key=["C", "P", "GATHER", "ROWS", "TOKENS"])
 @triton.jit
 def _fp8_quantize_1x128_kernel(
@@ -99,14 +115,7 @@ def _fp8_quantize_1x128_kernel(
     pid_c, pid_p = tl.program_id(0), tl.program_id(1)
     p = pid_p * BLOCK + tl.arange(0, BLOCK)
     c = pid_c * BLOCK + tl.arange(0, BLOCK)
-    if GATHER:
-        src = tl.load(src_ptr + p, mask=p < P, other=-1)
-        valid = src >= 0
-        row_out = valid
-    else:
-        src = p
-        valid = p < R
-        row_out = p < R_OUT  # rows R..R_OUT: zero padding rows, quantized as zeros
+    src, valid, row_out = _view_rows(src_ptr, p, R, P, R_OUT, GATHER)
     bits = tl.load(x_ptr + src[:, None].to(tl.int64) * s_xr + c[None, :] * s_xc, mask=valid[:, None], other=0)
     x = widen(bits, IN_BF16, HW)
     if ROWS:
@@ -160,22 +169,6 @@ def _fp8_quantize_tile_kernel(
         qt = to_e4m3(tl.trans(x * inv_t[None, :]), 1.0, HW)
         tl.store(td_ptr + c[:, None].to(tl.int64) * s_tdc + p[None, :] * s_tdp, qt, mask=(p < P)[None, :])
         tl.store(ts_ptr + c.to(tl.int64) * s_tsc + pid_p * s_tsb, st)
-
-
-@triton.jit
-def _view_rows(src_ptr, p, R, P, R_OUT, GATHER: tl.constexpr):
-    """(source row, whether it is read, whether its rows output is written) of padded rows p: x[src[p]]
-    (GATHER: zeros where src[p] < 0, rows output only to the rows read), else x[p] (zeros past R; rows
-    R..R_OUT are zero padding rows, quantized as zeros)."""
-    if GATHER:
-        src = tl.load(src_ptr + p, mask=p < P, other=-1)
-        valid = src >= 0
-        row_out = valid
-    else:
-        src = p
-        valid = p < R
-        row_out = p < R_OUT
-    return src, valid, row_out
 
 
 TILE_WARPS = 8

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from .blockwise import FP8_BLOCK, dequantize_128x128, dequantize_1x128, quantize_128x128, quantize_1x128
 from .cache import WeightCache
-from .gemm import GemmBackend
+from .gemm import GemmBackend, save_linears, saved_linears
 from .grouping import gather_rows, pad_rows, grouped_mm_2d2d, grouped_mm_2d3d, host_ends, padded_host_ends, padded_source_rows
 from .mx import MX_BLOCK, dequantize_mx, quantize_mx
 
@@ -238,14 +238,13 @@ class _EmulatedLinear(torch.autograd.Function):
         # the GEMMs' operand and the wgrads', saved quantized (tokens padded to whole blocks)
         x_hat_TI, x_saved = _quantize_x(gemm, x_TI, None, None)
         ys_TO = tuple(F.linear(x_hat_TI, _weight(gemm, w, -1)) for w in w_OI)
-        ctx.save_for_backward(*x_saved, *w_OI)
-        ctx.gemm, ctx.x_dtype, ctx.n = gemm, x_TI.dtype, len(w_OI)
+        save_linears(ctx, x_saved, w_OI)
+        ctx.gemm, ctx.x_dtype = gemm, x_TI.dtype
         return ys_TO
 
     @staticmethod
     def backward(ctx, *dy_TO: torch.Tensor):
-        saved = ctx.saved_tensors
-        x_saved, w_OI = saved[:len(saved) - ctx.n], saved[len(saved) - ctx.n:]
+        x_saved, w_OI = saved_linears(ctx)
         gemm = ctx.gemm
         fmt = gemm.format
         dx_TI, dw_OI, x_hat_PI = None, [], None

@@ -43,7 +43,7 @@ from . import bf16_grouped
 from .blockwise import FP8_BLOCK, quantize_128x128, quantize_1x128
 from .cache import WeightCache
 from .fp8_cublas import ROW_SLACK, m_fastest, tile_scales
-from .gemm import Fp8Wgrad, GemmBackend, _is_swiglu
+from .gemm import Fp8Wgrad, GemmBackend, _is_swiglu, save_linears, saved_linears
 from .grouping import gather_rows, pad_rows, padded_source_rows
 
 __all__ = ["Fp8BlockwiseGemm", "has_blockwise_scaled_mm"]
@@ -139,15 +139,16 @@ class _Fp8Linear(torch.autograd.Function):
 
                 y = fp8_grouped_mm_rows(x_q, x_s, w_q.t()[None], w_s.t()[None], _rows(x_q))
             ys.append(y[:T])
-        ctx.save_for_backward(*(xt if fp8_wgrad else (x_TI.to(torch.bfloat16),)), *ws)
-        ctx.gemm, ctx.x_dtype, ctx.tokens, ctx.fp8_wgrad, ctx.n = gemm, x_TI.dtype, T, fp8_wgrad, len(ws)
+        save_linears(ctx, xt if fp8_wgrad else (x_TI.to(torch.bfloat16),), ws)
+        ctx.gemm, ctx.x_dtype, ctx.tokens, ctx.fp8_wgrad = gemm, x_TI.dtype, T, fp8_wgrad
         return tuple(ys)
 
     @staticmethod
     def backward(ctx, *dys_TO: torch.Tensor):
-        saved = ctx.saved_tensors
-        x_saved, ws = saved[:len(saved) - ctx.n], saved[len(saved) - ctx.n:]
+        x_saved, ws = saved_linears(ctx)
         gemm, T, fp8_wgrad = ctx.gemm, ctx.tokens, ctx.fp8_wgrad
+        # several weights: each dgrad in fp32, summed in place, rounded once
+        dx_dtype = torch.float32 if len(ws) > 1 else torch.bfloat16
         dx, dws = None, []
         for i, (w_OI, dy_TO) in enumerate(zip(ws, dys_TO)):
             want_dx, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[3 + i]
@@ -160,13 +161,12 @@ class _Fp8Linear(torch.autograd.Function):
                 dy_q, dy_s = dyq
                 if gemm.dense == "scaled_mm":
                     dx_i = _scaled_mm(dy_q, dy_s, wt_q.t(), tile_scales(w_s.t()), F.ScalingType.BlockWise128x128,
-                                      torch.float32 if ctx.n > 1 else torch.bfloat16)
+                                      dx_dtype)
                 else:
                     from .fp8_triton import fp8_grouped_mm_rows
 
-                    dx_i = fp8_grouped_mm_rows(dy_q, dy_s, wt_q.t()[None], w_s[None], _rows(dy_q),
-                                               torch.float32 if ctx.n > 1 else torch.bfloat16)
-                dx = dx_i[:T] if dx is None else dx + dx_i[:T]
+                    dx_i = fp8_grouped_mm_rows(dy_q, dy_s, wt_q.t()[None], w_s[None], _rows(dy_q), dx_dtype)
+                dx = dx_i[:T] if dx is None else dx.add_(dx_i[:T])
             dw = None
             if want_dw and not fp8_wgrad:  # bf16, fp32 accumulation
                 dw = (dy_TO.to(torch.bfloat16).t() @ x_saved[0]).to(w_OI.dtype)

@@ -38,7 +38,7 @@ import torch
 
 from .blockwise import pow2_scale
 from .cache import WeightCache
-from .gemm import Fp8Wgrad, GemmBackend
+from .gemm import Fp8Wgrad, GemmBackend, save_linears, saved_linears
 from .grouping import gather_rows, pad_rows, grouped_mm_2d2d, grouped_mm_2d3d, padded_source_rows
 from .mx import E4M3_MAX
 
@@ -189,14 +189,13 @@ class _RowwiseLinear(torch.autograd.Function):
         ys = tuple(_mm(gemm, x_q, x_s, *_weight(gemm, w, "rows"))[:T] for w in w_OI)
         # the wgrad's operand: along the tokens [I, T16] (FP8), or x in bf16 (fp8_wgrad=false)
         x_saved = _cols(x_p) if fp8_wgrad else (x_TI.to(_BF16),)
-        ctx.save_for_backward(*x_saved, *w_OI)
-        ctx.gemm, ctx.x_dtype, ctx.tokens, ctx.fp8_wgrad, ctx.n = gemm, x_TI.dtype, T, fp8_wgrad, len(w_OI)
+        save_linears(ctx, x_saved, w_OI)
+        ctx.gemm, ctx.x_dtype, ctx.tokens, ctx.fp8_wgrad = gemm, x_TI.dtype, T, fp8_wgrad
         return ys
 
     @staticmethod
     def backward(ctx, *dy_TO: torch.Tensor):
-        saved = ctx.saved_tensors
-        x_saved, w_OI = saved[:len(saved) - ctx.n], saved[len(saved) - ctx.n:]
+        x_saved, w_OI = saved_linears(ctx)
         gemm, T, fp8_wgrad = ctx.gemm, ctx.tokens, ctx.fp8_wgrad
         dx, dws = None, []
         for i, (w, dy) in enumerate(zip(w_OI, dy_TO)):

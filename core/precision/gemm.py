@@ -191,6 +191,19 @@ class GemmBackend:
         return f"{type(self).__name__}()"
 
 
+def save_linears(ctx, x_saved: tuple[torch.Tensor, ...], ws: tuple[torch.Tensor, ...]) -> None:
+    """A low-precision linear's autograd Function (GemmBackend._linears: one input, several weights)
+    saves x's operands for the backward, then the weights; saved_linears splits them again."""
+    ctx.save_for_backward(*x_saved, *ws)
+    ctx.n_weights = len(ws)
+
+
+def saved_linears(ctx) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """(x's saved operands, the weights) of save_linears."""
+    saved = ctx.saved_tensors
+    return saved[:len(saved) - ctx.n_weights], saved[len(saved) - ctx.n_weights:]
+
+
 def with_w_dgrad(fn: Callable, *args, w_dgrad: torch.Tensor | None = None):
     """``fn(*args)``, with ``w_dgrad=`` only where given: the grouped GEMMs of a backend that takes
     pre-quantized weights (EmulatedGemm.grouped_mm) receive it, and backends that do not (a user's

@@ -153,7 +153,7 @@ WEIGHT_QUANT_BYTES = {"emulated": 16.0, "native": 7.0}
 eager (the weight cache), twice per micro-batch compiled (the cache is bypassed inside a traced
 graph), once per step again for the experts under precision.quantize_weights_once. Assumed. mxfp8
 emulated: MX_EMULATED_BYTES["weight"]; native fp8_blockwise: its kernel's bytes (timing.py:
-blockwise_weight_quant_bytes)."""
+weight_quant_bytes)."""
 MX_EMULATED_BYTES = {
     "input_fused": 2 + 2 + 1 + 1 / 32, "input_two_pass": 2 + 2 + 2 + 1 + 1 / 32, "input_dequant": 1 + 1 / 32 + 2,
     "grad_fused": 2 + 2 + 2, "grad_two_pass": 2 + 2 + 2 + 2, "weight": 4 + 2, "weight_pair": 4 + 2 + 2,

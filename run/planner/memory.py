@@ -244,7 +244,9 @@ def gate_up_wgrad_transient(cfg: ModelConfig, layer: int, sw: Switches, tokens: 
     P = padded_rows(R, local, FP8_BLOCK)
     # a bf16 wgrad (precision.fp8_wgrad none / dense) quantizes nothing along the tokens
     dh_tokens = 0.0 if sw.bf16_wgrad("experts") else FP8_SAVED * P * 2 * F
-    out = {"dh_tokens": dh_tokens, "dx": 2.0 * R * D, "wgrad": sw.expert_wgrad() * local * 2 * F * D}
+    # the bf16 gradient the wgrad writes: every kernel stores the weight's dtype itself (the FP8 ones
+    # since session 37: fp8_triton.fp8_grouped_mm_k's out_dtype; an fp32 output and its cast, 6 B, before)
+    out = {"dh_tokens": dh_tokens, "dx": 2.0 * R * D, "wgrad": 2.0 * local * 2 * F * D}
     if sw.compiled:
         out["block_grads"] = 2.0 * (local * D * F + 3 * D * S)
     else:

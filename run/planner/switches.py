@@ -181,13 +181,6 @@ class Switches:
         (MX_EMULATED_BYTES, EFF_MX_QUANT, EFF_MX_FUSED)."""
         return self.recipe == "mxfp8" and self.backend == "emulated"
 
-    def expert_wgrad(self) -> float:
-        """Bytes per expert weight element the grouped wgrad holds as it finishes, bf16 weights: the
-        bf16 gradient the GEMM writes, native fp8_blockwise's FP8 wgrad kernels included (they store
-        the weight's dtype themselves since session 37: fp8_triton.fp8_grouped_mm_k's out_dtype; an
-        fp32 output and its bf16 cast, 6 B, before)."""
-        return 2.0
-
 
 def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig, optimizer: OptimizerConfig,
              gpu: GPU, compiled: bool, mx_fused: bool | None = None) -> Switches:

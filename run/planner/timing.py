@@ -106,11 +106,14 @@ def mx_emulated_quant_s(gpu: GPU, sw: Switches, module: str, inputs: float, outp
     return paired / (hbm * (EFF_MX_FUSED if sw.mx_fused else EFF_MX_QUANT)) + separate / (hbm * EFF_MX_QUANT)
 
 
-def blockwise_weight_quant_bytes(sw: Switches, module: str, cached: bool) -> float:
-    """[code bytes] HBM bytes per weight element of one native fp8_blockwise weight quantization
-    (core/precision/blockwise_triton.py quantize_128x128_triton): the master read (fp32, or the experts'
-    bf16 copies) and the e4m3 written: w and w^T together where the weight cache keeps both (eager,
-    quantize_weights_once), only the pass's own inside a traced graph (fp8_gemm._weights)."""
+def weight_quant_bytes(sw: Switches, module: str, cached: bool) -> float:
+    """HBM bytes per weight element of one weight quantization of a module's GEMMs. Native fp8_blockwise
+    [code bytes]: its kernel's (core/precision/blockwise_triton.py quantize_128x128_triton), the master
+    read (fp32, or the experts' bf16 copies) and the e4m3 written: w and w^T together where the weight
+    cache keeps both (eager, quantize_weights_once), only the pass's own inside a traced graph
+    (fp8_gemm._weights). Other backends: WEIGHT_QUANT_BYTES (assumed)."""
+    if (sw.recipe, sw.backend) != ("fp8_blockwise", "native"):
+        return WEIGHT_QUANT_BYTES[sw.backend]
     master = 2.0 if module == "experts" and sw.expert_weight_copies else 4.0
     return master + (2.0 if cached else 1.0)
 
@@ -267,7 +270,7 @@ def stage_time(cfg: ModelConfig, layers: list[int], *, sw: Switches, memory: Mem
     # mxfp8 emulated: its kernels' bytes at their measured rates (mx_emulated_quant_s)
     quant = t_mx = 0.0
     if sw.recipe != "bf16":
-        qb, wb = QUANT_BYTES[sw.backend], WEIGHT_QUANT_BYTES[sw.backend]
+        qb = QUANT_BYTES[sw.backend]
         for i in layers:
             ops, wl = _gemm_operands(cfg, i, sw.quantize_input_once), _linear_params(cfg, i)
             for k in modules:
@@ -285,8 +288,7 @@ def stage_time(cfg: ModelConfig, layers: list[int], *, sw: Switches, memory: Mem
                 quant += (QUANT_ROWS_BYTES if sw.bf16_wgrad(k) else qb) * sum(ops[k]) * T_mb * extra
                 # the cache: once per step; a traced graph: forward and backward of every micro-batch
                 cached = sw.caches_weights(k)
-                per = blockwise_weight_quant_bytes(sw, k, cached) if (sw.recipe, sw.backend) == ("fp8_blockwise", "native") else wb
-                quant += per * weights * (1 / m if cached else 2 * extra)
+                quant += weight_quant_bytes(sw, k, cached) * weights * (1 / m if cached else 2 * extra)
     t_hbm = traffic / (gpu.hbm_tbps * 1e12)
     t_extra = (recast + quant) / (gpu.hbm_tbps * 1e12) + t_mx
     t_a2a = 0.0

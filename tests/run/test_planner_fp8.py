@@ -81,10 +81,10 @@ def check_fp8_expert_bytes() -> None:
     # no fp32 output and cast, 6 B, as before session 37)
     wgrad = (backward.bytes(w.shape, torch.bfloat16, wgrad_op) + backward.bytes(w.shape, torch.float32, wgrad_op)
              + backward.bytes(w.shape, torch.bfloat16, aten._to_copy.default))
-    assert wgrad == compiled.expert_wgrad() * w.numel() == 2 * w.numel(), "wgrad output"
+    assert wgrad == 2 * w.numel(), "wgrad output"
     terms = gate_up_wgrad_transient(cfg, 3, compiled, 8192, 16)
     R1, F1, D1 = 8192 * cfg.moe.router.top_k, cfg.moe.expert_hidden, cfg.d_model
-    assert terms["dh_tokens"] == FP8_SAVED * padded_rows(R1, 16, 128) * 2 * F1 and terms["wgrad"] == compiled.expert_wgrad() * 16 * 2 * F1 * D1
+    assert terms["dh_tokens"] == FP8_SAVED * padded_rows(R1, 16, 128) * 2 * F1 and terms["wgrad"] == wgrad / w.numel() * 16 * 2 * F1 * D1
     # what outlives the step (the graph freed): the weight cache, e4m3 w and w^T and the 128 x 128 tiles' scales
     del y, saved
     gc.collect()

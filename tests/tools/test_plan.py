@@ -745,7 +745,7 @@ def test_emulated_recipes_on_the_optimizers_bf16_copies():
     less of each expert weight in every weight quantization (two orientations a micro-batch,
     compiled: 2 x 2 B per element at the separate passes' rate), and drops the gradients' cast. Native
     fp8_blockwise takes them too (session 37): the same copies and gradients, and each compiled weight
-    quantization reads 2 B less of each expert element (timing.blockwise_weight_quant_bytes); native
+    quantization reads 2 B less of each expert element (timing.weight_quant_bytes); native
     mxfp8 (a Blackwell) refuses them as the run does (core.precision.config.check_expert_copies)."""
     from moetron.core.config import ConfigError
     from moetron.core.optim import OptimizerConfig
