@@ -61,9 +61,10 @@ def _quantize_configs(interpret: bool) -> list[triton.Config]:
 QUANTIZE_WARPS = 4
 """The 1x128 kernel's warps: 8 warps and autotuning over 4 / 8 never beat 4 at the measured shapes
 (the H200, session 7, tools/bench_quantize.py: [65536, 4096] 0.470 / 0.484 / autotuned 0.478 ms, [65536,
-8192] 0.884 / 0.882 / 0.891, [131072, 2048] 0.457 / 0.459 / 0.469), and the autotuner's lookup is
-host time at every call (96 calls a step at OLMoE-8L, session 37; its size there not measured): one
-config, no tuning."""
+8192] 0.884 / 0.882 / 0.891, [131072, 2048] 0.457 / 0.459 / 0.469); on the H100 neither wins everywhere
+(session 38 call 1: 0.551 / 0.572, 1.038 / 1.024, 0.557 / 0.535; the sums 0.7% apart). The autotuner's
+lookup is host time at every call (96 calls a step at OLMoE-8L, session 37; its size there not
+measured): one config, no tuning."""
 QUANTIZE_CONFIGS = [triton.Config({}, num_warps=QUANTIZE_WARPS)]
 
 
