@@ -3,8 +3,9 @@ torch reference (core/precision/blockwise.py), bit for bit: 1x128 rows, the tran
 (plain, padded to 128, and gathered through grouping.padded_source_rows = quantizing pad_groups'
 output), outer-major scales, 128x128 weights and their transpose (together and each alone); bf16 and fp32 inputs, wide
 dynamic range, zero and tiny blocks, inf and NaN; the SwiGLU computed inside the 1x128 kernel (its product and
-h's gradient) against swiglu_triton's kernels then the plain quantization. Under TRITON_INTERPRET=1 on the
-CPU, and on the GPU."""
+h's gradient) against swiglu_triton's kernels then the plain quantization (bit for bit: they share the
+SwiGLU's math) and against float64 (within e4m3's rounding: the independent check of that math). Under
+TRITON_INTERPRET=1 on the CPU, and on the GPU."""
 
 import math
 
@@ -121,6 +122,20 @@ def _check_swiglu(device: str, g: torch.Generator) -> None:
             assert torch.equal(got[0][1][:rows], want[0][1][:rows]), what
             _same(got[1][0], want[1][0], what + ("tokens",))
             assert torch.equal(got[1][1], want[1][1]) and got[1][1].stride() == want[1][1].stride(), what
+    # and against an independent reference: float64 SwiGLU (and its gradient) from h, the kernels' e4m3
+    # rows dequantized, within e4m3's half step (2^-4 relative; 2^-10 of the block's scale below its normals)
+    # plus the bf16 roundings on the way (2^-7)
+    from moetron.core.precision.blockwise import dequantize_1x128
+
+    g64, u64, ga64 = (t.double().cpu() for t in (*h.chunk(2, dim=-1), grad_act))
+    sig = torch.sigmoid(g64)
+    refs = {"product": (None, g64 * sig * u64),
+            "gradient": (grad_act, torch.cat([ga64 * u64 * sig * (1 + g64 * (1 - sig)), ga64 * g64 * sig], dim=-1))}
+    for what, (ga, ref) in refs.items():
+        (d, sc), _ = quantize_1x128_swiglu(h, ga, tokens=False)
+        got = dequantize_1x128(d.cpu(), sc.cpu()).double()
+        step = sc.cpu().double().repeat_interleave(128, dim=1) * 2.0 ** -10
+        assert ((got - ref).abs() <= (2.0 ** -4 + 2.0 ** -7) * ref.abs() + step).all(), what
     with pytest.raises(ValueError, match="bf16"):
         quantize_1x128_swiglu(h.float())
     with pytest.raises(ValueError, match="gradient"):
