@@ -91,6 +91,10 @@ class TrainerConfig(Config):
     """Device peak for MFU; None detects known GPUs (and reports no MFU on the CPU)."""
     compile: bool = False
     """torch.compile each block and the final norm (Transformer.compile_modules)."""
+    cuda_graph: bool = False
+    """Capture each step's forward and backward in one CUDA graph after two ordinary steps and replay
+    it (core/cuda_graph.py): the host launches one graph a step instead of every kernel. One GPU,
+    no pipeline, no optimizer.overlap, a fixed batch shape, a step without host syncs."""
     collective_timeout_s: float = 1800.0
     """Seconds a collective may wait for the other ranks before it fails (the process group's
     timeout); a watchdog also ends this rank, naming it and its step, when no training step
@@ -209,6 +213,23 @@ class Trainer:
         self.skipped_steps = 0  # on_nonfinite=skip: updates dropped so far in this process
         self.overlap = self._overlap() if overlap_optimizer else None
         self.triton_grad_norm = triton_grad_norm
+        self.step_graph = self._step_graph() if cfg.cuda_graph else None
+
+    def _step_graph(self):
+        """trainer.cuda_graph's StepGraph over this trainer's forward and backward; ConfigError where
+        the step has collectives, a pipeline schedule or a side stream of its own."""
+        from .cuda_graph import StepGraph
+
+        ranks = self.world_size > 1 or (dist.is_initialized() and dist.get_world_size() > 1)
+        if ranks or self.step_fn is not None or len(self.model_parts) > 1 or any(isinstance(p, DTensor) for p in self.params):
+            raise ConfigError("trainer.cuda_graph=true captures one GPU's whole step, and this run has several ranks "
+                              "or stages (FSDP2, expert or pipeline parallel), whose collectives and schedules the "
+                              "capture does not take: set trainer.cuda_graph=false")
+        if self.overlap is not None:
+            raise ConfigError("trainer.cuda_graph=true and optimizer.overlap=true do not combine: the overlap's "
+                              "forward waits on a side stream's events outside the graph; drop one of them")
+        return StepGraph(self._forward_backward, self.grad_tensors, self.model_parts,
+                         lambda: self.precision.after_optimizer_step(self.model_parts), self.device)
 
     def _overlap(self):
         """optimizer.overlap's OptimizerOverlap over the model's forward units; ConfigError where the
@@ -274,7 +295,14 @@ class Trainer:
             part.train()
         if self.step_fn is not None:
             return self._optimizer_step(self.step_fn(batch.to(self.device, non_blocking=True)))
-        micro = self._micro_batches(batch.to(self.device, non_blocking=True))
+        if self.step_graph is not None:
+            return self._optimizer_step(self.step_graph(batch))
+        return self._optimizer_step(self._forward_backward(batch.to(self.device, non_blocking=True)))
+
+    def _forward_backward(self, batch: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of every micro-batch of ``batch`` (on the device); the summed
+        token-weighted loss. The gradients are accumulated on the grad tensors."""
+        micro = self._micro_batches(batch)
         if len(micro) > 1 and self._grad_holders:
             raise ConfigError(f"precision.expert_grads_bf16=true or precision.dense_weight_copies=true keeps weight "
                               f"gradients in bf16 on the optimizer's copies, and this step accumulates {len(micro)} "
@@ -295,7 +323,7 @@ class Trainer:
                 loss = self._loss(inputs_BS, labels_BS) * share
                 loss.backward()
             loss_sum += loss.detach()
-        return self._optimizer_step(loss_sum)
+        return loss_sum
 
     def _loss(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
         """The mean loss of one micro-batch: the model's own (loss_fn None), else loss_fn over its

@@ -35,6 +35,7 @@ from torch import nn
 from moetron.core.memory import MemoryConfig
 from moetron.core.optim import OptimizerConfig
 from moetron.core.precision import PrecisionConfig
+from moetron.core.trainer import TrainerConfig
 from moetron.models import ModelConfig
 
 from cli import run_cli, split_variant, write_report  # tools/cli.py
@@ -112,7 +113,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 def measure(model_cfg: ModelConfig, memory: MemoryConfig, optimizer: OptimizerConfig, precision: PrecisionConfig,
-            args, device: torch.device, data_overrides: list[str] = ()) -> dict:
+            args, device: torch.device, data_overrides: list[str] = (), trainer_cfg: TrainerConfig | None = None) -> dict:
     cuda = device.type == "cuda"
     gc.collect()  # the previous variant's step (reference cycles) must be gone before the baseline
     if cuda:
@@ -121,7 +122,8 @@ def measure(model_cfg: ModelConfig, memory: MemoryConfig, optimizer: OptimizerCo
         base = torch.cuda.memory_allocated()
     data = token_stream(model_cfg, args.batch, args.seq_len, device, args.real_text, data_overrides)
     trainer = build_trainer(model_cfg, memory, data, device, seq_len=args.seq_len, precision=precision,
-                            compile=args.compile, micro_batch=args.micro_batch, optimizer=optimizer)
+                            compile=args.compile, micro_batch=args.micro_batch, optimizer=optimizer,
+                            trainer=trainer_cfg)
     model = trainer.model
     params = list(model.parameters())
     param_bytes = _nbytes(params)
@@ -234,10 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     model_cfg = step_configs(args.preset, args.precision, overrides, args.real_text).model  # bad input fails here
     rows = []
     for name, variant in [split_variant(v) for v in args.variant] or [("base", [])]:
-        model_cfg, memory, optimizer, precision, data_ovr = step_configs(args.preset, args.precision,
+        model_cfg, memory, optimizer, precision, data_ovr, tcfg = step_configs(args.preset, args.precision,
                                                                          overrides + variant, args.real_text)
         rows.append({"variant": name, "overrides": variant, "precision": precision.to_dict(),  # as bench_train's
-                     **measure(model_cfg, memory, optimizer, precision, args, device, data_ovr)})
+                     **measure(model_cfg, memory, optimizer, precision, args, device, data_ovr, tcfg)})
     from moetron.core.metrics import run_environment
 
     env = {**run_environment(device, 1, "tools/bench_memory.py", argv), "preset": args.preset,

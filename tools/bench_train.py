@@ -54,11 +54,12 @@ from step_builder import add_step_arguments, build_trainer, step_configs, token_
 
 
 def measure(model_cfg: ModelConfig, memory: MemoryConfig, optim_cfg: OptimizerConfig, precision: PrecisionConfig,
-            args, device: torch.device, data_overrides: list[str] = ()) -> dict:
+            args, device: torch.device, data_overrides: list[str] = (), trainer_cfg: TrainerConfig | None = None) -> dict:
     data = token_stream(model_cfg, args.batch, args.seq_len, device, args.real_text, data_overrides)
     # The model's own loss from the labels (model.fused_loss picks fused or plain).
     trainer = build_trainer(model_cfg, memory, data, device, seq_len=args.seq_len, precision=precision,
-                            compile=args.compile, micro_batch=args.micro_batch, optimizer=optim_cfg)
+                            compile=args.compile, micro_batch=args.micro_batch, optimizer=optim_cfg,
+                            trainer=trainer_cfg)
     first = None
     for i in range(args.warmup):
         loss, _ = trainer.train_step(data.next_batch())
@@ -69,7 +70,10 @@ def measure(model_cfg: ModelConfig, memory: MemoryConfig, optim_cfg: OptimizerCo
         layer.pop_load_stats()  # the warm-up's counts: the routing reported is the timed steps'
     if device.type == "cuda":
         torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+        if trainer.step_graph is None:
+            torch.cuda.reset_peak_memory_stats()
+        # else (trainer.cuda_graph) the replays allocate nothing: the step's memory was allocated by the
+        # capture, in the warm-up, so the peak is the whole run's (the eager warm-up steps' too)
     # Each timed step's own time as well as the window's mean: on CUDA from events recorded at the step
     # boundaries (no sync inside the window, so the host still runs ahead), on the CPU from the clock.
     t0 = time.perf_counter()
@@ -219,11 +223,12 @@ def main(argv: list[str] | None = None) -> int:
            "real_text": args.real_text, "model": base.model.to_dict()}
     rows = []
     for name, ovr in variants:
-        cfg, memory, optim, precision, data_ovr = step_configs(args.preset, args.precision, overrides + ovr, args.real_text)
+        cfg, memory, optim, precision, data_ovr, tcfg = step_configs(args.preset, args.precision, overrides + ovr,
+                                                                       args.real_text)
         try:
             # the precision section as it ran, every field: tools/plan.py --validate replays it whatever the defaults then
             row = {"variant": name, "overrides": ovr, "precision": precision.to_dict(),
-                   **measure(cfg, memory, optim, precision, args, device, data_ovr)}
+                   **measure(cfg, memory, optim, precision, args, device, data_ovr, tcfg)}
         except Exception as e:  # noqa: BLE001 - a variant that fails is a row saying why; the others still run
             traceback.print_exc()
             row = {"variant": name, "overrides": ovr, "error": f"{type(e).__name__}: {e}"[:500]}

@@ -494,13 +494,13 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parser.parse_known_args(argv)
     if args.active < 1 or args.wait < 0 or args.warmup < 0:
         parser.error("--active must be >= 1, --wait and --warmup >= 0")
-    model_cfg, memory, optim_cfg, precision, data_overrides = step_configs(args.preset, args.precision, overrides,
+    model_cfg, memory, optim_cfg, precision, data_overrides, tcfg = step_configs(args.preset, args.precision, overrides,
                                                                            args.real_text)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     data = token_stream(model_cfg, args.batch, args.seq_len, device, args.real_text, data_overrides)
     trainer = build_trainer(model_cfg, memory, data, device, seq_len=args.seq_len,
                             precision=precision, compile=args.compile, micro_batch=args.micro_batch,
-                            optimizer=optim_cfg)
+                            optimizer=optim_cfg, trainer=tcfg)
     events = profile(trainer, data, device, args.wait, args.warmup, args.active, args.trace, args.stack)
     steps = [e for e in events if e.device_type == DeviceType.CPU and e.name.startswith("ProfilerStep")]
     step_ms = sum(e.time_range.elapsed_us() for e in steps) / 1e3 / max(len(steps), 1)

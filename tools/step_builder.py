@@ -9,6 +9,7 @@ tools/cli.py).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import NamedTuple, Protocol
 
 import torch
@@ -48,7 +49,8 @@ class TokenStream(Protocol):
 
 def add_step_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags that say which step to build (the rest of the command line is --model.*,
-    --memory.* and, with --real-text, --data.* overrides)."""
+    --memory.*, --optimizer.*, --precision.*, --trainer.cuda_graph / grad_clip and, with --real-text,
+    --data.* overrides)."""
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=2, help="sequences per step")
@@ -74,7 +76,11 @@ def split_overrides(overrides: list[str], sections: tuple[str, ...]) -> dict[str
 
 
 STEP_SECTIONS = ("model", "memory", "optimizer", "precision")
-"""The config sections a benchmarked step takes overrides for (--<section>.<field>=value)."""
+"""The config sections a benchmarked step takes overrides for (--<section>.<field>=value); beside them
+--trainer.* for the fields of STEP_TRAINER_FIELDS."""
+
+STEP_TRAINER_FIELDS = ("cuda_graph", "grad_clip")
+"""The TrainerConfig fields that change a benchmarked step (the rest are the run's: steps, logging, ...)."""
 
 
 class StepConfigs(NamedTuple):
@@ -84,6 +90,8 @@ class StepConfigs(NamedTuple):
     precision: PrecisionConfig
     data: list[str]
     """--data.* overrides (for token_stream with real text)."""
+    trainer: TrainerConfig
+    """--trainer.* overrides (STEP_TRAINER_FIELDS) on the defaults, for build_trainer."""
 
 
 def step_configs(preset: str, precision: str, overrides: list[str], real_text: bool = False) -> StepConfigs:
@@ -92,15 +100,22 @@ def step_configs(preset: str, precision: str, overrides: list[str], real_text: b
     (``['--model.n_layers=2', '--optimizer.state_dtype=bf16', ...]``; another section is a
     ConfigError), validated; --data.* ones only with ``real_text``. One path for tools/bench_train.py,
     bench_memory.py and profile_step.py."""
-    sections = split_overrides(overrides, STEP_SECTIONS + ("data",))
+    sections = split_overrides(overrides, STEP_SECTIONS + ("data", "trainer"))
     if sections["data"] and not real_text:
         raise ConfigError(f"{['--data.' + o for o in sections['data']]} only apply with --real-text")
+    other = [o for o in sections["trainer"] if o.partition("=")[0] not in STEP_TRAINER_FIELDS]
+    if other:
+        raise ConfigError(f"{['--trainer.' + o for o in other]}: a benchmarked step takes only "
+                          f"{', '.join('--trainer.' + f for f in STEP_TRAINER_FIELDS)}")
+    trainer = TrainerConfig()
+    trainer.apply_overrides(sections["trainer"])
+    trainer.validate()
     model, memory, optimizer = ModelConfig.preset(preset), MemoryConfig(), OptimizerConfig()
     precision_cfg = PrecisionConfig(recipe=precision)
     for name, cfg in zip(STEP_SECTIONS, (model, memory, optimizer, precision_cfg)):
         cfg.apply_overrides(sections[name])
         cfg.validate()
-    return StepConfigs(model, memory, optimizer, precision_cfg, sections["data"])
+    return StepConfigs(model, memory, optimizer, precision_cfg, sections["data"], trainer)
 
 
 def token_stream(model_cfg: ModelConfig, batch: int, seq_len: int, device: torch.device, real_text: bool = False,
@@ -118,11 +133,13 @@ def token_stream(model_cfg: ModelConfig, batch: int, seq_len: int, device: torch
 
 def build_trainer(model_cfg: ModelConfig, memory: MemoryConfig, data: TokenStream, device: torch.device, *,
                   seq_len: int, precision: str | PrecisionConfig = "auto", compile: bool = False,
-                  micro_batch: int | None = None, optimizer: OptimizerConfig | None = None) -> Trainer:
+                  micro_batch: int | None = None, optimizer: OptimizerConfig | None = None,
+                  trainer: TrainerConfig | None = None) -> Trainer:
     """The Trainer of tools/bench_train.py: the model built on ``device`` (seed 0), the precision
     recipe and memory config applied, each block and the final norm compiled if ``compile``, AdamW
-    with a constant learning rate (``optimizer``: its settings, default OptimizerConfig());
-    ``trainer.train_step(data.next_batch())`` runs one step."""
+    with a constant learning rate (``optimizer``: its settings, default OptimizerConfig()), the
+    Trainer configured by ``trainer`` (default TrainerConfig(); its steps, micro-batch and run dir set
+    here); ``trainer.train_step(data.next_batch())`` runs one step."""
     torch.manual_seed(0)
     model = model_cfg.build(device=device)
     recipe = (precision if isinstance(precision, PrecisionConfig) else PrecisionConfig(recipe=precision)).build(device)
@@ -133,7 +150,7 @@ def build_trainer(model_cfg: ModelConfig, memory: MemoryConfig, data: TokenStrea
     optim_cfg = optimizer or OptimizerConfig()
     optimizer = optim_cfg.build(model)
     scheduler = SchedulerConfig(warmup_steps=0).build(optimizer, 10_000)
-    tcfg = TrainerConfig(steps=10_000, micro_batch_size=micro_batch, run_dir="")
+    tcfg = dataclasses.replace(trainer or TrainerConfig(), steps=10_000, micro_batch_size=micro_batch, run_dir="")
     return Trainer(tcfg, model, None, optimizer, scheduler, data,
                    model_cfg.flops_per_token(seq_len), device, precision=recipe, overlap_optimizer=optim_cfg.overlap,
                    triton_grad_norm=optim_cfg.triton_grad_norm)

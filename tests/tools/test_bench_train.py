@@ -111,7 +111,7 @@ def test_routing_over_the_timed_steps_is_reported(tmp_path, capsys):
     # the reference: a trainer stepped the same way, its layers' raw counts of the two timed steps
     # reduced by hand (max load / mean - 1; a share under 0.1 / E is starved), not by core/moe/metrics.py
     from step_builder import build_trainer, step_configs, token_stream
-    cfg, memory, optim, precision, _ = step_configs("tiny-moe", "auto", ["--model.n_layers=2"])
+    cfg, memory, optim, precision, _, _ = step_configs("tiny-moe", "auto", ["--model.n_layers=2"])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # bench_train's own choice
     data = token_stream(cfg, 2, 32, device)
     trainer = build_trainer(cfg, memory, data, device, seq_len=32, precision=precision, optimizer=optim)

@@ -1,0 +1,118 @@
+"""trainer.cuda_graph (core/cuda_graph.py): the step's forward and backward captured once and replayed.
+
+The reference is the ordinary step: a trainer with the switch must give the same losses and weights
+as one without, step by step, bit for bit on the GPU (the replay runs the kernels the eager step
+launches, on the same inputs), eager and compiled, with the gradients on the parameters and on the
+optimizer's bf16 copies (precision.expert_grads_bf16). On the CPU: the layouts and devices it cannot
+serve are refused with an error that names the fix, and the benchmarks take the switch.
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moetron.core.config import ConfigError
+from moetron.core.memory import MemoryConfig
+from moetron.core.optim import OptimizerConfig
+from moetron.core.precision import PrecisionConfig
+from moetron.core.trainer import TrainerConfig
+from moetron.models.config import ModelConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+
+COPIES = ["expert_weight_copies=optimizer", "expert_grads_bf16=true"]
+
+
+def _trainer(device: str, cuda_graph: bool, compile: bool = False, precision: list[str] = (), overlap: bool = False,
+             expert_backend: str = "grouped_mm"):
+    from step_builder import RandomTokens, build_trainer
+
+    cfg = ModelConfig.preset("tiny-moe")
+    cfg.apply_overrides(["n_layers=2", f"moe.experts_backend={expert_backend}"])
+    dev = torch.device(device)
+    data = RandomTokens(cfg.vocab_size, 2, 32, dev)
+    prec = PrecisionConfig(recipe="bf16" if dev.type == "cuda" else "fp32")
+    prec.apply_overrides(list(precision))
+    trainer = build_trainer(cfg, MemoryConfig(), data, dev, seq_len=32, compile=compile, precision=prec,
+                            optimizer=OptimizerConfig(state_dtype="bf16", overlap=overlap),
+                            trainer=TrainerConfig(cuda_graph=cuda_graph))
+    return trainer, data
+
+
+def _train(cuda_graph: bool, compile: bool, precision: list[str], steps: int = 6):
+    trainer, data = _trainer("cuda", cuda_graph, compile, precision)
+    losses = [trainer.train_step(data.next_batch())[0] for _ in range(steps)]
+    return [x.item() for x in losses], [p.detach().cpu().clone() for p in trainer.params], trainer
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("copies", [False, True])
+def test_replayed_step_equals_eager_step_on_gpu(compile, copies):
+    """Six steps: two eager, the capture's step, three replays; each step's loss (the returned tensors
+    are the step's own, not the graph's output buffer) and the weights after them equal the eager
+    trainer's bit for bit; the batches differ every step, so a replay that kept the captured batch or
+    stale gradients would differ."""
+    precision = COPIES if copies else []
+    off, w_off, _ = _train(False, compile, precision)
+    on, w_on, trainer = _train(True, compile, precision)
+    graph = trainer.step_graph
+    assert graph.graph is not None and graph.replays == 4  # the capture's step is a replay too
+    assert len(set(on)) == len(on)  # every step its own loss
+    assert on == off
+    assert all(torch.equal(a, b) for a, b in zip(w_on, w_off))
+    if copies:  # the bf16 copies hold the experts' gradients: they are what the replay hands back
+        holders = {id(t) for t in trainer._grad_holders}
+        assert holders and holders <= {id(t) for t, _ in graph.grads}
+
+
+@pytest.mark.gpu
+def test_replay_refuses_another_batch_shape_on_gpu():
+    trainer, data = _trainer("cuda", True)
+    for _ in range(3):
+        trainer.train_step(data.next_batch())
+    with pytest.raises(ConfigError, match=r"batches of shape \(2, 33\).*\(1, 33\).*cuda_graph=false"):
+        trainer.train_step(data.next_batch()[:1])
+
+
+@pytest.mark.gpu
+def test_capture_names_a_host_sync_on_gpu():
+    """The per-expert cuBLAS experts read the group sizes on the host: the capture fails saying so."""
+    trainer, data = _trainer("cuda", True, expert_backend="grouped_mm", precision=["bf16_experts=cublas"])
+    for _ in range(2):
+        trainer.train_step(data.next_batch())
+    with pytest.raises(RuntimeError, match="could not capture the step.*bf16_experts=cublas.*cuda_graph=false"):
+        trainer.train_step(data.next_batch())
+
+
+def test_cuda_graph_is_refused_on_the_cpu():
+    with pytest.raises(ConfigError, match="on cpu: set trainer.cuda_graph=false"):
+        _trainer("cpu", True)
+
+
+def test_cuda_graph_is_refused_with_optimizer_overlap():
+    with pytest.raises(ConfigError, match="cuda_graph=true and optimizer.overlap=true do not combine"):
+        _trainer("cpu", True, overlap=True)
+
+
+def test_cuda_graph_is_refused_for_pipelined_models():
+    from moetron.core.trainer import Trainer
+
+    trainer, data = _trainer("cpu", False)
+    args = (trainer.model, None, trainer.optimizer, trainer.scheduler, data, 1.0, torch.device("cpu"))
+    with pytest.raises(ConfigError, match="several ranks or stages.*set trainer.cuda_graph=false"):
+        Trainer(TrainerConfig(cuda_graph=True, run_dir=""), *args, step_fn=lambda batch: batch.sum())
+    with pytest.raises(ConfigError, match="several ranks or stages"):
+        Trainer(TrainerConfig(cuda_graph=True, run_dir=""), *args, world_size=2)
+
+
+def test_benchmarked_steps_take_the_switch_and_refuse_other_trainer_fields():
+    from step_builder import step_configs
+
+    cfgs = step_configs("tiny-moe", "auto", ["--trainer.cuda_graph=true"])
+    assert cfgs.trainer.cuda_graph is True
+    assert step_configs("tiny-moe", "auto", []).trainer.cuda_graph is False
+    with pytest.raises(ConfigError, match=r"--trainer.steps=3.*takes only --trainer.cuda_graph"):
+        step_configs("tiny-moe", "auto", ["--trainer.steps=3"])
