@@ -26,7 +26,7 @@ COPIES = ["expert_weight_copies=optimizer", "expert_grads_bf16=true"]
 
 
 def _trainer(device: str, cuda_graph: bool, compile: bool = False, precision: list[str] = (), overlap: bool = False,
-             expert_backend: str = "grouped_mm"):
+             expert_backend: str = "grouped_mm", memory: list[str] = ()):
     from step_builder import RandomTokens, build_trainer
 
     cfg = ModelConfig.preset("tiny-moe")
@@ -35,14 +35,16 @@ def _trainer(device: str, cuda_graph: bool, compile: bool = False, precision: li
     data = RandomTokens(cfg.vocab_size, 2, 32, dev)
     prec = PrecisionConfig(recipe="bf16" if dev.type == "cuda" else "fp32")
     prec.apply_overrides(list(precision))
-    trainer = build_trainer(cfg, MemoryConfig(), data, dev, seq_len=32, compile=compile, precision=prec,
+    mem = MemoryConfig()
+    mem.apply_overrides(list(memory))
+    trainer = build_trainer(cfg, mem, data, dev, seq_len=32, compile=compile, precision=prec,
                             optimizer=OptimizerConfig(state_dtype="bf16", overlap=overlap),
                             trainer=TrainerConfig(cuda_graph=cuda_graph))
     return trainer, data
 
 
-def _train(cuda_graph: bool, compile: bool, precision: list[str], steps: int = 6):
-    trainer, data = _trainer("cuda", cuda_graph, compile, precision)
+def _train(cuda_graph: bool, compile: bool, precision: list[str], steps: int = 6, memory: list[str] = ()):
+    trainer, data = _trainer("cuda", cuda_graph, compile, precision, memory=memory)
     losses = [trainer.train_step(data.next_batch())[0] for _ in range(steps)]
     return [x.item() for x in losses], [p.detach().cpu().clone() for p in trainer.params], trainer
 
@@ -66,6 +68,25 @@ def test_replayed_step_equals_eager_step_on_gpu(compile, copies):
     if copies:  # the bf16 copies hold the experts' gradients: they are what the replay hands back
         holders = {id(t) for t in trainer._grad_holders}
         assert holders and holders <= {id(t) for t, _ in graph.grads}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["fp8_blockwise", "mxfp8_emulated", "recompute_full"])
+def test_replayed_step_equals_eager_step_for_each_recipe_on_gpu(recipe):
+    """The recipes' own per-step state under the capture, compiled: native fp8_blockwise on the
+    optimizer's bf16 copies (its FP8 grouped GEMMs, their host-built descriptors), mxfp8 emulated (its
+    weights quantized once a step), and full activation recompute (checkpointed blocks run again in
+    the backward). The same losses and weights as the eager trainer, bit for bit."""
+    precision, memory = {
+        "fp8_blockwise": (["recipe=fp8_blockwise", "backend=native", *COPIES], []),
+        "mxfp8_emulated": (["recipe=mxfp8", "backend=emulated"], []),
+        "recompute_full": ([], ["recompute=full"]),
+    }[recipe]
+    off, w_off, _ = _train(False, True, precision, memory=memory)
+    on, w_on, trainer = _train(True, True, precision, memory=memory)
+    assert trainer.step_graph.replays == 4 and len(set(on)) == len(on)
+    assert on == off
+    assert all(torch.equal(a, b) for a, b in zip(w_on, w_off))
 
 
 @pytest.mark.gpu
