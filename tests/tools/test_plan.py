@@ -935,3 +935,18 @@ def test_optimizer_overlap_is_named_as_not_modelled():
     total = on["stages"][0]["params_local"]
     assert on["step_overlap_best_s"] == pytest.approx(on["step_s"] - on["optimizer_s"] * (1 - first / total), rel=1e-9)
     assert 0.15 < first / total < 0.2 and "at best" in on["overlap"]
+
+
+def test_validate_plans_the_step_trainer_switches_as_the_step_without_them():
+    """A bench_train row with --trainer.cuda_graph / grad_clip (tools/step_builder.py STEP_TRAINER_FIELDS)
+    plans as the same row without them (the graph replays the eager step's kernels in memory allocated
+    as its: +0.0-0.1 GiB measured, session 39); another --trainer.* field is still refused."""
+    env = {"preset": "tiny-moe", "seq_len": 64, "batch": 2, "compile": True}
+    plain = planner.bench_plan(env, {"overrides": ["--model.n_layers=2"]})
+    graph = planner.bench_plan(env, {"overrides": ["--model.n_layers=2", "--trainer.cuda_graph=true",
+                                                   "--trainer.grad_clip=0.5"]})
+    assert plain.model.n_layers == graph.model.n_layers == 2
+    planned, planned_plain = planner.plan(graph), planner.plan(plain)
+    assert planned["stages"] == planned_plain["stages"] and planned["step_s"] == planned_plain["step_s"]
+    with pytest.raises(ConfigError, match="unrecognized arguments.*--trainer.steps=3"):
+        planner.bench_plan(env, {"overrides": ["--trainer.steps=3"]})
