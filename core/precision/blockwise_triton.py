@@ -38,7 +38,7 @@ from .mx_triton import HW_CONVERT, abs_bits, amax_of_bits, as_loadable, exp2_int
 from .swiglu_triton import swiglu_grads, swiglu_product
 
 __all__ = ["QUANTIZE_CONFIGS", "quantize_128x128_triton", "quantize_1x128_fused", "quantize_1x128_swiglu",
-           "use_quantize_configs"]
+           "set_quantize_warps", "use_quantize_configs"]
 
 
 @triton.jit
@@ -190,6 +190,15 @@ the tokens transposed in registers, instead of _fp8_quantize_1x128_kernel's seco
 from L1 / L2 (the same bits). Not measured yet (queued: tools/bench_quantize.py's "one read" column),
 so off: the plain kernel moves rows + tokens at about 2.0 TB/s, 1.5x the time of a copy of the same
 bytes (H100, session 38 call 1)."""
+
+
+def set_quantize_warps(warps: int) -> None:
+    """The product's 1x128 kernel on ``warps`` warps (precision.fp8_quantize_warps: 4, QUANTIZE_WARPS, or
+    8) from now on; nothing if it runs on them already."""
+    if warps not in (4, 8):
+        raise ValueError(f"the 1x128 quantization kernel runs on 4 or 8 warps, got {warps}")
+    if [c.num_warps for c in _fp8_quantize_1x128_kernel.configs] != [warps]:
+        use_quantize_configs([triton.Config({}, num_warps=warps)])
 
 
 def use_quantize_configs(configs: list[triton.Config]) -> None:

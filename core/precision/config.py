@@ -414,6 +414,11 @@ class PrecisionConfig(Config):
     fp8_rowwise with fast accumulation and the bf16 copies, false: +6.6% on OLMoE-8L, -3.2% on
     olmoe3-4l-8e (docs/performance.md, session 14)."""
 
+    fp8_quantize_warps: int = 4
+    """fp8_blockwise recipe, native backend: the warps of the 1x128 quantization kernel that makes the
+    activations' and gradients' rows and tokens operands (blockwise_triton.QUANTIZE_WARPS; 4 or 8). In
+    isolation (tools/bench_quantize.py) the H200 favoured 4 by 0-3%, session 38's H100 had them 0.7%
+    apart and session 39's H100 favoured 8 by 9-17%; not yet measured in a step, so 4."""
     fp8_fused_swiglu: bool = False
     """fp8_blockwise recipe, native backend (the Triton or Gluon experts, FP8 expert wgrads): the routed
     experts' SwiGLU computed inside the 1x128 quantization kernels, forward (the product quantized from
@@ -452,6 +457,12 @@ class PrecisionConfig(Config):
         if not self.fp8_fused_amax and self.recipe != PrecisionRecipe.fp8_rowwise:
             raise ConfigError(f"precision.fp8_fused_amax=false is an option of the fp8_rowwise recipe's quantization: it "
                               f"needs --precision.recipe=fp8_rowwise, got {self.recipe}; drop it for this recipe")
+        if self.fp8_quantize_warps not in (4, 8):
+            raise ConfigError(f"precision.fp8_quantize_warps must be 4 or 8 (the 1x128 quantization kernel's warps), "
+                              f"got {self.fp8_quantize_warps}")
+        if self.fp8_quantize_warps != 4 and self.recipe != PrecisionRecipe.fp8_blockwise:
+            raise ConfigError(f"precision.fp8_quantize_warps sets the fp8_blockwise recipe's quantization kernel, and this "
+                              f"run's recipe is {self.recipe}: drop it, or use --precision.recipe=fp8_blockwise")
         if self.fp8_fused_swiglu and self.recipe != PrecisionRecipe.fp8_blockwise:
             raise ConfigError(f"precision.fp8_fused_swiglu=true is an option of the fp8_blockwise recipe's expert GEMMs: it "
                               f"needs --precision.recipe=fp8_blockwise, got {self.recipe}; drop it for this recipe")
@@ -612,10 +623,14 @@ class PrecisionConfig(Config):
             raise ConfigError(f"precision.fp8_fused_swiglu=true fuses the SwiGLU into the Triton / Gluon expert GEMMs' FP8 "
                               f"operands, and this run has precision.fp8_experts={fp8_experts}, fp8_wgrad={wgrad}: use "
                               "fp8_experts=triton or gluon with fp8_wgrad=all, or drop fp8_fused_swiglu")
+        if self.fp8_quantize_warps != 4 and backend != PrecisionBackend.native:
+            raise ConfigError("precision.fp8_quantize_warps sets the native fp8_blockwise GEMMs' Triton quantization (an "
+                              f"SM90+ GPU), and this run resolved precision.backend={backend}: drop it, or run on a Hopper GPU")
         gemm = low_precision_gemm(recipe, backend, self.mx_scale, fp8_experts, wgrad, self.fp8_fast_accum,
                                   expert_copies=expert_copies, fp8_fused_amax=self.fp8_fused_amax,
                                   save_x_bf16=self.emulated_save_x_bf16,
-                                  quantized_copies=self.quantized_expert_copies, fused_swiglu=self.fp8_fused_swiglu)
+                                  quantized_copies=self.quantized_expert_copies, fused_swiglu=self.fp8_fused_swiglu,
+                                  quantize_warps=self.fp8_quantize_warps)
         gemm.quantize_weights_once = bool(self.quantize_weights_once)
         gemm.quantize_input_once = input_once
         gemm.per_expert = per_expert
@@ -626,13 +641,15 @@ class PrecisionConfig(Config):
 def low_precision_gemm(recipe: PrecisionRecipe | str, backend: PrecisionBackend | str, mx_scale: str = "rceil",
                        fp8_experts: Fp8Experts | str = Fp8Experts.triton, fp8_wgrad: Fp8Wgrad | bool | str = Fp8Wgrad.all,
                        fp8_fast_accum: bool = False, expert_copies: bool = False, fp8_fused_amax: bool = True,
-                       save_x_bf16: bool = False, quantized_copies: bool = False, fused_swiglu: bool = False):
+                       save_x_bf16: bool = False, quantized_copies: bool = False, fused_swiglu: bool = False,
+                       quantize_warps: int = 4):
     """The GemmBackend instance of a low-precision recipe and a resolved backend (native / emulated);
     ``expert_copies``: the experts on the optimizer's bf16 weight copies (fp8_rowwise, fp8_blockwise and the emulated
     backend; precision.expert_weight_copies=optimizer); ``fp8_fused_amax``: precision.fp8_fused_amax;
     ``save_x_bf16``: precision.emulated_save_x_bf16 (mxfp8 / fp8_blockwise emulated, check_emulated_saves);
     ``quantized_copies``: precision.quantized_expert_copies (mxfp8 emulated, check_quantized_copies);
-    ``fused_swiglu``: precision.fp8_fused_swiglu (native fp8_blockwise)."""
+    ``fused_swiglu``: precision.fp8_fused_swiglu (native fp8_blockwise); ``quantize_warps``:
+    precision.fp8_quantize_warps (native fp8_blockwise)."""
     recipe, backend, wgrad = PrecisionRecipe(recipe), PrecisionBackend(backend), Fp8Wgrad(fp8_wgrad)
     if recipe == PrecisionRecipe.fp8_rowwise:  # its own emulation: the wgrad's scales are per expert, not blocks
         from .fp8_rowwise import Fp8RowwiseGemm
@@ -654,4 +671,4 @@ def low_precision_gemm(recipe: PrecisionRecipe | str, backend: PrecisionBackend 
     from .fp8_gemm import Fp8BlockwiseGemm
 
     return Fp8BlockwiseGemm(experts=str(Fp8Experts(fp8_experts)), wgrad=wgrad, expert_copies=expert_copies,
-                            fused_swiglu=fused_swiglu)
+                            fused_swiglu=fused_swiglu, quantize_warps=quantize_warps)

@@ -330,7 +330,7 @@ class Fp8BlockwiseGemm(GemmBackend):
 
     def __init__(self, dense: str = "scaled_mm", quant: str = "auto", experts: str = "triton",
                  wgrad: Fp8Wgrad | str | bool = Fp8Wgrad.all, expert_copies: bool = False,
-                 fused_swiglu: bool = False) -> None:
+                 fused_swiglu: bool = False, quantize_warps: int = 4) -> None:
         if dense not in ("scaled_mm", "triton"):
             raise ValueError(f"dense must be 'scaled_mm' or 'triton', got {dense!r}")
         if quant not in QUANT:
@@ -343,6 +343,11 @@ class Fp8BlockwiseGemm(GemmBackend):
         self.row_multiple = 4 if dense == "scaled_mm" else 1  # cuBLAS: the 1x128 scales' rows in 4s
         self.expert_copies = bool(expert_copies)
         self.fused_swiglu = bool(fused_swiglu)
+        self.quantize_warps = int(quantize_warps)  # precision.fp8_quantize_warps
+        if self.quant != "torch":
+            from .blockwise_triton import set_quantize_warps
+
+            set_quantize_warps(self.quantize_warps)  # one kernel object: the backend built last sets it
         self.cache = WeightCache()
 
     @property

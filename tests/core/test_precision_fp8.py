@@ -577,14 +577,14 @@ def test_quantize_kernels_round_with_the_conversion_instruction_on_sm90(kernel_n
     ints = dict(R=65536, P=65536 + 1024, C=4096, R_OUT=65536, F=2048, s_xr=4096, s_xc=1, s_rdr=4096, s_rdc=1,
                 s_rsr=32, s_rsb=1, s_tdc=65536 + 1024, s_tdp=1, s_tsc=528, s_tsb=1, s_hr=4096, O=4096, I=4096)
     constexprs = dict(BLOCK=128, HW=True)
-    variants, warps = [dict(DATA=True, DATA_T=True, IN_BF16=True)], 8
-    if kernel_name == "_fp8_quantize_1x128_kernel":
-        variants, warps = [dict(GATHER=True, ROWS=True, TOKENS=True, IN_BF16=True)], bt.QUANTIZE_WARPS
+    variants, warps = [dict(DATA=True, DATA_T=True, IN_BF16=True)], (8,)
+    if kernel_name == "_fp8_quantize_1x128_kernel":  # precision.fp8_quantize_warps: either
+        variants, warps = [dict(GATHER=True, ROWS=True, TOKENS=True, IN_BF16=True)], (4, 8)
     elif kernel_name == "_fp8_quantize_tile_kernel":  # plain x (bf16, fp32), the SwiGLU's product and h's gradient
         variants = [dict(GATHER=True, ROWS=True, TOKENS=True, PROLOGUE=p, IN_BF16=b)
                     for p, b in ((0, True), (0, False), (1, True), (2, True))]
-        warps = bt.TILE_WARPS
-    for variant in variants:
+        warps = (bt.TILE_WARPS,)
+    for variant, warps in [(v, w) for v in variants for w in warps]:
         x_ptr = {"x_ptr": "*i16" if variant.get("IN_BF16", True) else "*fp32"}  # fp32 x is loaded as it is
         ptx = _compile_sm90(getattr(bt, kernel_name), triton.Config({}, num_warps=warps), {**ptrs, **ints, **x_ptr},
                             {**constexprs, **variant}).asm["ptx"]

@@ -98,6 +98,31 @@ def test_fp8_fused_swiglu_is_the_native_triton_or_gluon_experts_option(monkeypat
     assert gemm.fused_swiglu and not cfg(recipe="fp8_blockwise").build("cuda", verbose=False).gemm.fused_swiglu
 
 
+def test_fp8_quantize_warps_sets_the_native_blockwise_quantization_kernel(monkeypatch):
+    """precision.fp8_quantize_warps: 4 or 8, fp8_blockwise native only; the backend built with it runs
+    the 1x128 kernel on that many warps (the last one built sets the one kernel object)."""
+    import moetron.core.precision.config as config
+    from moetron.core.precision import blockwise_triton as bt
+
+    def kernel_warps():
+        return [c.num_warps for c in bt._fp8_quantize_1x128_kernel.configs]
+
+    with pytest.raises(ConfigError, match="fp8_quantize_warps must be 4 or 8.*got 6"):
+        cfg(recipe="fp8_blockwise", fp8_quantize_warps=6).validate()
+    with pytest.raises(ConfigError, match="fp8_quantize_warps sets the fp8_blockwise.*recipe is mxfp8"):
+        cfg(recipe="mxfp8", fp8_quantize_warps=8).validate()
+    with pytest.raises(ConfigError, match="fp8_quantize_warps sets the native.*backend=emulated"):
+        cfg(recipe="fp8_blockwise", fp8_quantize_warps=8).build("cpu", verbose=False)
+    monkeypatch.setattr(config, "_capability_major", lambda device_type: 9)  # as on a Hopper GPU
+    try:
+        assert cfg(recipe="fp8_blockwise", fp8_quantize_warps=8).build("cuda", verbose=False).gemm.quantize_warps == 8
+        assert kernel_warps() == [8]
+        cfg(recipe="fp8_blockwise").build("cuda", verbose=False)
+        assert kernel_warps() == [4] == [bt.QUANTIZE_WARPS]
+    finally:
+        bt.use_quantize_configs(bt.QUANTIZE_CONFIGS)
+
+
 def tiny_moe():
     from moetron.models.config import ModelConfig
 
