@@ -26,7 +26,7 @@ COPIES = ["expert_weight_copies=optimizer", "expert_grads_bf16=true"]
 
 
 def _trainer(device: str, cuda_graph: bool, compile: bool = False, precision: list[str] = (), overlap: bool = False,
-             expert_backend: str = "grouped_mm", memory: list[str] = ()):
+             expert_backend: str = "grouped_mm", memory: list[str] = (), micro_batch: int | None = None):
     from step_builder import RandomTokens, build_trainer
 
     cfg = ModelConfig.preset("tiny-moe")
@@ -37,15 +37,16 @@ def _trainer(device: str, cuda_graph: bool, compile: bool = False, precision: li
     prec.apply_overrides(list(precision))
     mem = MemoryConfig()
     mem.apply_overrides(list(memory))
-    trainer = build_trainer(cfg, mem, data, dev, seq_len=32, compile=compile, precision=prec,
+    trainer = build_trainer(cfg, mem, data, dev, seq_len=32, compile=compile, precision=prec, micro_batch=micro_batch,
                             optimizer=OptimizerConfig(state_dtype="bf16", overlap=overlap),
                             trainer=TrainerConfig(cuda_graph=cuda_graph))
     return trainer, data
 
 
-def _train(cuda_graph: bool, compile: bool, precision: list[str], steps: int = 6, memory: list[str] = ()):
+def _train(cuda_graph: bool, compile: bool, precision: list[str], steps: int = 6, memory: list[str] = (),
+           micro_batch: int | None = None):
     torch._dynamo.reset()  # the earlier tests' compiled code: no run here may meet the recompile limit
-    trainer, data = _trainer("cuda", cuda_graph, compile, precision, memory=memory)
+    trainer, data = _trainer("cuda", cuda_graph, compile, precision, memory=memory, micro_batch=micro_batch)
     losses = [trainer.train_step(data.next_batch())[0] for _ in range(steps)]
     return [x.item() for x in losses], [p.detach().cpu().clone() for p in trainer.params], trainer
 
@@ -85,6 +86,17 @@ def test_replayed_step_equals_eager_step_for_each_recipe_on_gpu(recipe):
     }[recipe]
     off, w_off, _ = _train(False, True, precision, memory=memory)
     on, w_on, trainer = _train(True, True, precision, memory=memory)
+    assert trainer.step_graph.replays == 4 and len(set(on)) == len(on)
+    assert on == off
+    assert all(torch.equal(a, b) for a, b in zip(w_on, w_off))
+
+
+@pytest.mark.gpu
+def test_replayed_step_accumulates_micro_batches_on_gpu():
+    """Two micro-batches a step: the graph holds both forwards and backwards, the second adding onto
+    the gradients the first wrote; the same losses and weights as the eager accumulation."""
+    off, w_off, _ = _train(False, True, [], micro_batch=1)
+    on, w_on, trainer = _train(True, True, [], micro_batch=1)
     assert trainer.step_graph.replays == 4 and len(set(on)) == len(on)
     assert on == off
     assert all(torch.equal(a, b) for a, b in zip(w_on, w_off))
