@@ -55,7 +55,8 @@ class StepGraph:
             raise ConfigError(f"trainer.cuda_graph=true captures the step in a CUDA graph, and this run is on "
                               f"{device}: set trainer.cuda_graph=false")
         if warmup_steps < 1:
-            raise ConfigError(f"trainer.cuda_graph needs at least one eager step before the capture, got {warmup_steps}")
+            raise ConfigError(f"trainer.cuda_graph needs at least one eager step before the capture, "
+                              f"got {warmup_steps}")
         self.fwd_bwd, self.grad_tensors, self.modules = fwd_bwd, grad_tensors, modules
         self.drop_caches, self.device, self.warmup_steps = drop_caches, device, warmup_steps
         self.graph: torch.cuda.CUDAGraph | None = None

@@ -221,7 +221,8 @@ class Trainer:
         from .cuda_graph import StepGraph
 
         ranks = self.world_size > 1 or (dist.is_initialized() and dist.get_world_size() > 1)
-        if ranks or self.step_fn is not None or len(self.model_parts) > 1 or any(isinstance(p, DTensor) for p in self.params):
+        sharded = any(isinstance(p, DTensor) for p in self.params)
+        if ranks or sharded or self.step_fn is not None or len(self.model_parts) > 1:
             raise ConfigError("trainer.cuda_graph=true captures one GPU's whole step, and this run has several ranks "
                               "or stages (FSDP2, expert or pipeline parallel), whose collectives and schedules the "
                               "capture does not take: set trainer.cuda_graph=false")
