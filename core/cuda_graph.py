@@ -86,9 +86,11 @@ class StepGraph:
 
     def _capture(self, batch: torch.Tensor) -> None:
         self.static_batch = batch.to(self.device).clone()  # outside the graph's pool: lives across steps
+        # The buffers' snapshot is taken on the current stream before the side stream starts: it must
+        # not read them while the warm-up pass below adds to them.
+        saved = [(buf, buf.clone()) for m in self.modules for buf in m.buffers()]
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        saved = [(buf, buf.clone()) for m in self.modules for buf in m.buffers()]
         with torch.cuda.stream(stream):
             self.fwd_bwd(self.static_batch)
         torch.cuda.current_stream(self.device).wait_stream(stream)
