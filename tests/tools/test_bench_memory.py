@@ -4,6 +4,8 @@ and that every variant is measured and written."""
 
 import json
 
+import pytest
+
 import bench_memory
 from moetron.models import ModelConfig
 
@@ -31,3 +33,12 @@ def test_breakdown_against_counts_and_switches(tmp_path, capsys):
     assert layers["blocks.0"] > 0 and layers["blocks.1"] > 0
     assert sum(base["saved_by_kind"].values()) == base["saved_activation_bytes"]
     assert "saved for backward" in capsys.readouterr().out
+
+
+def test_a_replayed_step_is_refused(capsys):
+    """trainer.cuda_graph's replays run no saved-tensor hook and allocate nothing: the breakdown would
+    read empty, so the variant is refused, naming bench_train."""
+    with pytest.raises(SystemExit):
+        bench_memory.main(["--preset", "tiny-moe", "--model.n_layers=2", "--seq-len", "32", "--batch", "2",
+                           "--variant", "base:", "--variant", "cg:trainer.cuda_graph=true"])
+    assert "variant cg: trainer.cuda_graph replays" in capsys.readouterr().err
