@@ -45,7 +45,7 @@ def _trainer(device: str, cuda_graph: bool, compile: bool = False, precision: li
 
 def _train(cuda_graph: bool, compile: bool, precision: list[str], steps: int = 6, memory: list[str] = (),
            micro_batch: int | None = None):
-    torch._dynamo.reset()  # the earlier tests' compiled code: no run here may meet the recompile limit
+    torch._dynamo.reset()  # two runs a test: the second must not meet the first one's recompile limit either
     trainer, data = _trainer("cuda", cuda_graph, compile, precision, memory=memory, micro_batch=micro_batch)
     losses = [trainer.train_step(data.next_batch())[0] for _ in range(steps)]
     return [x.item() for x in losses], [p.detach().cpu().clone() for p in trainer.params], trainer
