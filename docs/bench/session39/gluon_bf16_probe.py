@@ -27,8 +27,8 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 
-from moetron.core.precision.fp8_gluon import (_gluon_tile_table_kernel, _ring, _rows_producer, _rows_store,  # noqa: E402
-                                              _tma_load, STORE_LAYOUT)
+from moetron.core.precision.fp8_gluon import (_gluon_tile_table_kernel, _ring, _rows_store, _tma_load,  # noqa: E402
+                                              STORE_LAYOUT)
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait  # noqa: E402
@@ -37,33 +37,60 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E4
 BLOCK_M, BLOCK_K = 128, 64  # two 64-row consumers; 64 bf16 = 128 bytes a row (the 128-byte swizzle)
 MMA128 = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16]))
 MMA256 = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16]))
-CONFIGS = [(128, 4), (128, 5), (128, 6), (256, 3), (256, 4)]  # (BN, stages): 32 / 48 KiB a stage
+CONFIGS = [(128, 4, 1), (128, 4, 8), (128, 5, 8), (128, 6, 8), (256, 3, 8), (256, 4, 8), (256, 4, 1)]
+"""(BN, stages, GM): 32 / 48 KiB a stage; GM row tiles a raster group (1: fp8_gluon's order, row tile by
+row tile; 8: each B tile read from HBM once per 8 row tiles, their A tiles kept in L2)."""
 
 
 @gluon.jit
-def _nmajor_producer(a_desc, b_desc, tile_ptr, N, K, total, a_bufs, b_bufs, ready, empty):
-    """The dgrad form's TMA loads: A's [128, BK] K-blocks as _rows_producer's, B's [BK, BN] tiles from the
-    weights stacked [E * K, N] (N contiguous)."""
-    BN: gl.constexpr = b_desc.block_type.shape[1]
+def _tile_of(t, T, n_n, GM):
+    """Tile t's (row tile, column tile): groups of GM row tiles (fewer in the last), column-major within a
+    group, so the CTAs running at once share B's tiles across GM row tiles and A's across the columns."""
+    per_group = GM * n_n
+    first = (t // per_group) * GM
+    gm = gl.minimum(T - first, GM)
+    r = t % per_group
+    return first + r % gm, r // gm
+
+
+@gluon.jit
+def _produce(NMAJOR: gl.constexpr, a_desc, b_desc, tile_ptr, N, K, T, GM, total, a_bufs, b_bufs, ready, empty):
+    """The TMA loads of every K-block of every tile of this CTA, as far ahead as the ring allows: A's
+    [128, BK] K-blocks of the tile's rows, and B's [BN, BK] tile of the weights stacked [E * N, K] (the
+    forward) or, NMAJOR, its [BK, BN] tile of the weights stacked [E * K, N] (the dgrad)."""
     BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = b_desc.block_type.shape[1] if NMAJOR else b_desc.block_type.shape[0]
     NUM_BUF: gl.constexpr = a_bufs.shape[0]
     n_n = (N + BN - 1) // BN
     c = 0
     for t in range(gl.program_id(0), total, gl.num_programs(0)):
-        rt = t // n_n
+        rt, ct = _tile_of(t, T, n_n, GM)
         first = gl.load(tile_ptr + 3 * rt + 1)
         group = gl.load(tile_ptr + 3 * rt)
         nk = gl.where(first < 0, 0, K // BK)  # past the last row tile: no K-block
         a_row = gl.maximum(first, 0)
-        col0 = (t % n_n) * BN
+        col0 = ct * BN
         for j in range(nk):
             i = c % NUM_BUF
             mbarrier.wait(empty.index(i), ((c // NUM_BUF) & 1) ^ 1)  # the ring's first round passes
             bar = ready.index(i)
             mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
             _tma_load(a_desc, [a_row, j * BK], bar, a_bufs.index(i))
-            _tma_load(b_desc, [group * K + j * BK, col0], bar, b_bufs.index(i))
+            if NMAJOR:
+                _tma_load(b_desc, [group * K + j * BK, col0], bar, b_bufs.index(i))
+            else:
+                _tma_load(b_desc, [group * N + col0, j * BK], bar, b_bufs.index(i))
             c += 1
+
+
+@gluon.jit
+def _producer_k(a_desc, b_desc, tile_ptr, N, K, T, GM, total, a_bufs, b_bufs, ready, empty):
+    _produce(False, a_desc, b_desc, tile_ptr, N, K, T, GM, total, a_bufs, b_bufs, ready, empty)
+
+
+@gluon.jit
+def _producer_n(a_desc, b_desc, tile_ptr, N, K, T, GM, total, a_bufs, b_bufs, ready, empty):
+    _produce(True, a_desc, b_desc, tile_ptr, N, K, T, GM, total, a_bufs, b_bufs, ready, empty)
 
 
 @gluon.jit
@@ -92,14 +119,14 @@ def _consume(HALF: gl.constexpr, NMAJOR: gl.constexpr, acc, a_bufs, b_bufs, read
 
 @gluon.jit
 def _consumer(HALF: gl.constexpr, NMAJOR: gl.constexpr, a_bufs, b_bufs, ready, empty, tile_ptr, c_ptr, s_cm, N, K,
-              total):
+              T, GM, total):
     BN: gl.constexpr = b_bufs.shape[2] if NMAJOR else b_bufs.shape[1]
     BK: gl.constexpr = a_bufs.shape[2]
     n_n = (N + BN - 1) // BN
     c = 0
     for t in range(gl.program_id(0), total, gl.num_programs(0)):
-        rt = t // n_n
-        col0 = (t % n_n) * BN
+        rt, ct = _tile_of(t, T, n_n, GM)
+        col0 = ct * BN
         first = gl.load(tile_ptr + 3 * rt + 1)
         row_end = gl.where(first < 0, 0, gl.load(tile_ptr + 3 * rt + 2))  # past the last tile: nothing stored
         nk = gl.where(first < 0, 0, K // BK)
@@ -116,48 +143,47 @@ def _consumer(HALF: gl.constexpr, NMAJOR: gl.constexpr, a_bufs, b_bufs, ready, e
 # a consumer pair for each form: a constexpr cannot come through warp_specialize
 
 @gluon.jit
-def _consumer0(a_bufs, b_bufs, ready, empty, tile_ptr, c_ptr, s_cm, N, K, total):
-    _consumer(0, False, a_bufs, b_bufs, ready, empty, tile_ptr, c_ptr, s_cm, N, K, total)
+def _consumer0(a_bufs, b_bufs, ready, empty, tile_ptr, c_ptr, s_cm, N, K, T, GM, total):
+    _consumer(0, False, a_bufs, b_bufs, ready, empty, tile_ptr, c_ptr, s_cm, N, K, T, GM, total)
 
 
 @gluon.jit
-def _consumer1(a_bufs, b_bufs, ready, empty, tile_ptr, c_ptr, s_cm, N, K, total):
-    _consumer(1, False, a_bufs, b_bufs, ready, empty, tile_ptr, c_ptr, s_cm, N, K, total)
+def _consumer1(a_bufs, b_bufs, ready, empty, tile_ptr, c_ptr, s_cm, N, K, T, GM, total):
+    _consumer(1, False, a_bufs, b_bufs, ready, empty, tile_ptr, c_ptr, s_cm, N, K, T, GM, total)
 
 
 @gluon.jit
-def _consumer0_n(a_bufs, b_bufs, ready, empty, tile_ptr, c_ptr, s_cm, N, K, total):
-    _consumer(0, True, a_bufs, b_bufs, ready, empty, tile_ptr, c_ptr, s_cm, N, K, total)
+def _consumer0_n(a_bufs, b_bufs, ready, empty, tile_ptr, c_ptr, s_cm, N, K, T, GM, total):
+    _consumer(0, True, a_bufs, b_bufs, ready, empty, tile_ptr, c_ptr, s_cm, N, K, T, GM, total)
 
 
 @gluon.jit
-def _consumer1_n(a_bufs, b_bufs, ready, empty, tile_ptr, c_ptr, s_cm, N, K, total):
-    _consumer(1, True, a_bufs, b_bufs, ready, empty, tile_ptr, c_ptr, s_cm, N, K, total)
+def _consumer1_n(a_bufs, b_bufs, ready, empty, tile_ptr, c_ptr, s_cm, N, K, T, GM, total):
+    _consumer(1, True, a_bufs, b_bufs, ready, empty, tile_ptr, c_ptr, s_cm, N, K, T, GM, total)
 
 
 @gluon.jit
-def _bf16_rows_kernel(a_desc, b_desc, tile_ptr, c_ptr, N, K, T, s_cm, NMAJOR: gl.constexpr, NUM_BUF: gl.constexpr,
+def _bf16_rows_kernel(a_desc, b_desc, tile_ptr, c_ptr, N, K, T, GM, s_cm, NMAJOR: gl.constexpr, NUM_BUF: gl.constexpr,
                       num_warps: gl.constexpr):
     """out[rows of e] = A[rows of e] @ B[e]^T with B stacked [E * N, K] (the forward), or (NMAJOR)
     A[rows of e] @ B[e] with B stacked [E * K, N] (the dgrad); tiles t = row tile * ceil(N / BN) +
-    column tile, a grid apart."""
+    column tile (in groups of GM row tiles: _tile_of), a grid apart."""
     BN: gl.constexpr = b_desc.block_type.shape[1] if NMAJOR else b_desc.block_type.shape[0]
     total = T * ((N + BN - 1) // BN)
     a_bufs, b_bufs, ready, empty = _ring(a_desc, b_desc, NUM_BUF)
-    pargs = (a_desc, b_desc, tile_ptr, N, K, total, a_bufs, b_bufs, ready, empty)
-    cargs = (a_bufs, b_bufs, ready, empty, tile_ptr, c_ptr, s_cm, N, K, total)
+    pargs = (a_desc, b_desc, tile_ptr, N, K, T, GM, total, a_bufs, b_bufs, ready, empty)
+    cargs = (a_bufs, b_bufs, ready, empty, tile_ptr, c_ptr, s_cm, N, K, T, GM, total)
     if NMAJOR:
-        gl.warp_specialize([(_consumer0_n, cargs), (_consumer1_n, cargs), (_nmajor_producer, pargs)], [4, 1],
-                           [232, 40])
+        gl.warp_specialize([(_consumer0_n, cargs), (_consumer1_n, cargs), (_producer_n, pargs)], [4, 1], [232, 40])
     else:
-        gl.warp_specialize([(_consumer0, cargs), (_consumer1, cargs), (_rows_producer, pargs)], [4, 1], [232, 40])
+        gl.warp_specialize([(_consumer0, cargs), (_consumer1, cargs), (_producer_k, pargs)], [4, 1], [232, 40])
 
 
 def _layout(block):
     return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16)
 
 
-def gluon_bf16_rows(x_RK, w, offsets_E, BN=128, bufs=4, persistent=True, nmajor=False):
+def gluon_bf16_rows(x_RK, w, offsets_E, BN=128, bufs=4, GM=8, persistent=True, nmajor=False):
     """x_RK [R, K] bf16 expert-sorted rows, offsets_E int32 inclusive ends; w [E, N, K] (K contiguous: x @
     w[e]^T, the forward) or, ``nmajor``, [E, K, N] (N contiguous: x @ w[e], the dgrad) -> [R, N] bf16 (rows
     past offsets_E[-1] unspecified)."""
@@ -178,8 +204,9 @@ def gluon_bf16_rows(x_RK, w, offsets_E, BN=128, bufs=4, persistent=True, nmajor=
     _gluon_tile_table_kernel[(T, )](offsets_E, table, E, BM=BLOCK_M, EP=triton.next_power_of_2(E), num_warps=1)
     total = T * (N // BN)
     sms = torch.cuda.get_device_properties(x_RK.device).multi_processor_count
-    _bf16_rows_kernel[(min(total, sms) if persistent else total, )](a_desc, b_desc, table, out, N, K, T, out.stride(0),
-                                                                   NMAJOR=nmajor, NUM_BUF=bufs, num_warps=4)
+    _bf16_rows_kernel[(min(total, sms) if persistent else total, )](a_desc, b_desc, table, out, N, K, T, GM,
+                                                                   out.stride(0), NMAJOR=nmajor, NUM_BUF=bufs,
+                                                                   num_warps=4)
     return out
 
 
@@ -197,10 +224,10 @@ def compile_only():
     def desc(block):
         return f"tensordesc<bf16[{block[0]}, {block[1]}],{_layout(block)!r}>"
 
-    for (BN, bufs), nmajor in [(c, n) for n in (False, True) for c in CONFIGS]:
+    for (BN, bufs, _), nmajor in [(c, n) for n in (False, True) for c in CONFIGS if c[2] == 8]:
         b_block = (BLOCK_K, BN) if nmajor else (BN, BLOCK_K)
         values = dict(a_desc=desc((BLOCK_M, BLOCK_K)), b_desc=desc(b_block), tile_ptr="*i32", c_ptr="*bf16", N=8192,
-                      K=4096, T=520, s_cm=8192)
+                      K=4096, T=520, GM=8, s_cm=8192)
         options = types.SimpleNamespace(kwargs={}, num_warps=4, num_stages=1)
         k = _compile_sm90(_bf16_rows_kernel, options, values, dict(NMAJOR=nmajor, NUM_BUF=bufs, num_warps=4),
                           gluon=True)
@@ -249,17 +276,18 @@ def main():
         row = {"shape": name, "R": R, "K": K, "N": N, "E": E, "grouped_mm_ms": t_ref,
                "grouped_mm_tflops": flops / t_ref / 1e9, "configs": []}
         print(f"{name} (R {R}, K {K}, N {N}, E {E}): _grouped_mm {t_ref:.3f} ms, {flops / t_ref / 1e9:.0f} TFLOP/s")
-        for BN, bufs in CONFIGS:
+        for BN, bufs, GM in CONFIGS:
             try:
-                out = gluon_bf16_rows(x, w, offsets, BN, bufs, nmajor=nmajor)
+                out = gluon_bf16_rows(x, w, offsets, BN, bufs, GM, nmajor=nmajor)
                 err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-                t = triton.testing.do_bench(lambda: gluon_bf16_rows(x, w, offsets, BN, bufs, nmajor=nmajor))
+                t = triton.testing.do_bench(lambda: gluon_bf16_rows(x, w, offsets, BN, bufs, GM, nmajor=nmajor))
             except Exception as e:  # noqa: BLE001 - a config that fails (or does not divide N) is a row saying why
-                row["configs"].append({"BN": BN, "stages": bufs, "error": f"{type(e).__name__}: {e}"[:200]})
-                print(f"  BN {BN} s{bufs}: {type(e).__name__}: {str(e)[:150]}")
+                row["configs"].append({"BN": BN, "stages": bufs, "GM": GM, "error": f"{type(e).__name__}: {e}"[:200]})
+                print(f"  BN {BN} s{bufs} GM {GM}: {type(e).__name__}: {str(e)[:150]}")
                 continue
-            row["configs"].append({"BN": BN, "stages": bufs, "ms": t, "tflops": flops / t / 1e9, "rel_err": err})
-            print(f"  BN {BN} s{bufs}: {t:.3f} ms, {flops / t / 1e9:.0f} TFLOP/s ({t_ref / t:.3f}x _grouped_mm), "
+            row["configs"].append({"BN": BN, "stages": bufs, "GM": GM, "ms": t, "tflops": flops / t / 1e9,
+                                   "rel_err": err})
+            print(f"  BN {BN} s{bufs} GM {GM}: {t:.3f} ms, {flops / t / 1e9:.0f} TFLOP/s ({t_ref / t:.3f}x _grouped_mm), "
                   f"max error {err:.1e} of the largest output")
         rows.append(row)
     if args.json:
