@@ -43,8 +43,8 @@ def parse(argv):
                    help="calls a timed sample queues back to back (cli.median_ms): 1 counts each call's host time "
                    "(the Gluon path: two launches and three to five TMA descriptors a call), more leaves the GPU time")
     p.add_argument("--gluon-configs", default="4,1;3,1;4,0",
-                   help="the Gluon rows kernel's rings and launches to time, 'stages,persistent;...' (SM90; the "
-                   "best one reported; fp8_gluon.GluonConfig)")
+                   help="the Gluon rows kernel's rings and launches to time, 'stages,persistent[,tma_store[,group]]"
+                   ";...' (SM90; the best one reported; fp8_gluon.GluonConfig: group = row tiles a raster group)")
     p.add_argument("--gluon-k-configs", default="4,1;3,1;4,0",
                    help="the Gluon wgrad kernel's, as --gluon-configs")
     p.add_argument("--json", default="", help="write the results here")

@@ -85,7 +85,7 @@ BLOCK_K = 128
 
 
 class GluonConfig(tuple):
-    """(NUM_BUF, persistent, tma_store): the ring's stages (32 KiB each, 33 with the wgrad's scales; with
+    """(NUM_BUF, persistent, tma_store, group): the ring's stages (32 KiB each, 33 with the wgrad's scales; with
     its epilogue the rows kernel takes 144 / 160 KiB of shared memory at 4 stages with bf16 out, masked /
     TMA store, the wgrad's fp32 one 196 / 196), one CTA an SM looping over the tiles (else one CTA a
     tile), and the epilogue:
@@ -93,17 +93,24 @@ class GluonConfig(tuple):
     with TMA, asynchronously (the consumer goes on to the next tile's K-blocks and waits for the store
     only before it writes the buffer again; a partial tile, past an expert's last row, is stored
     masked from the same buffer), else the tile is stored from registers, masked, and the consumer
-    waits for it."""
+    waits for it.
+    ``group`` (the rows kernel; the wgrad ignores it): the tiles' raster, row tile by row tile (1) or in
+    groups of that many row tiles, column-major within a group (_tile_of), so the CTAs running at once
+    share each B tile across the group's row tiles instead of re-reading an expert's whole B from HBM
+    for every row tile where it exceeds L2 (olmoe3-4l-8e's gate|up: 32 MiB of e4m3 an expert)."""
 
-    def __new__(cls, bufs: int = 4, persistent: bool = True, tma_store: bool = False):
+    def __new__(cls, bufs: int = 4, persistent: bool = True, tma_store: bool = False, group: int = 1):
         if not 2 <= bufs <= 6:
             raise ValueError(f"the Gluon kernels' ring takes 2 to 6 stages of 32 KiB, got {bufs}")
-        return super().__new__(cls, (int(bufs), bool(persistent), bool(tma_store)))
+        if not 1 <= group <= 64:
+            raise ValueError(f"the rows kernel's raster groups take 1 to 64 row tiles, got {group}")
+        return super().__new__(cls, (int(bufs), bool(persistent), bool(tma_store), int(group)))
 
     @property
     def name(self) -> str:
-        bufs, persistent, tma_store = self
-        return f"BM128 BN128 s{bufs} ws{' persistent' if persistent else ''}{' tma-store' if tma_store else ''} gluon"
+        bufs, persistent, tma_store, group = self
+        return (f"BM128 BN128 s{bufs} ws{' persistent' if persistent else ''}{' tma-store' if tma_store else ''}"
+                f"{f' g{group}' if group > 1 else ''} gluon")
 
 
 MAX_K_BUFS = 4
@@ -242,17 +249,27 @@ if AVAILABLE:
     # ----------------------------------------------------------------------------------------------
 
     @gluon.jit
-    def _rows_producer(a_desc, b_desc, tile_ptr, N, K, total, a_bufs, b_bufs, ready, empty):
+    def _tile_of(t, T, n_n, GM):
+        """Tile t's (row tile, column tile) of T row tiles by n_n column tiles: in groups of GM row tiles
+        (fewer in the last), column-major within a group (GluonConfig.group; GM 1: row tile by row tile)."""
+        per_group = GM * n_n
+        first = (t // per_group) * GM
+        gm = gl.minimum(T - first, GM)
+        r = t % per_group
+        return first + r % gm, r // gm
+
+    @gluon.jit
+    def _rows_producer(a_desc, b_desc, tile_ptr, N, K, T, GM, total, a_bufs, b_bufs, ready, empty):
         BN: gl.constexpr = b_desc.block_type.shape[0]
         BK: gl.constexpr = a_desc.block_type.shape[1]
         n_n = (N + BN - 1) // BN
         c = 0
         for t in range(gl.program_id(0), total, gl.num_programs(0)):
-            rt = t // n_n
+            rt, ct = _tile_of(t, T, n_n, GM)
             first = gl.load(tile_ptr + 3 * rt + 1)
             group = gl.load(tile_ptr + 3 * rt)
             nk = gl.where(first < 0, 0, K // BK)  # past the last row tile: no K-block
-            c = _load_tile(a_desc, b_desc, gl.maximum(first, 0), group * N + (t % n_n) * BN, 0, nk, c, a_bufs,
+            c = _load_tile(a_desc, b_desc, gl.maximum(first, 0), group * N + ct * BN, 0, nk, c, a_bufs,
                            b_bufs, ready, empty)
 
     @gluon.jit
@@ -276,7 +293,8 @@ if AVAILABLE:
 
     @gluon.jit
     def _rows_consumer(HALF: gl.constexpr, TMA_STORE: gl.constexpr, a_bufs, b_bufs, ready, empty, tile_ptr, sa_ptr,
-                       s_sam, s_sak, sb_ptr, s_sbe, s_sbk, s_sbn, c_ptr, c_desc, c_smem, s_cm, E, R, N, K, total):
+                       s_sam, s_sak, sb_ptr, s_sbe, s_sbk, s_sbn, c_ptr, c_desc, c_smem, s_cm, E, R, N, K, T, GM,
+                       total):
         """Rows HALF * 64 .. of each tile: the K-blocks' promotions, then the store in c's dtype (rows below
         the tile's end row; bf16 in 16-byte stores through shared memory, or by TMA: GluonConfig)."""
         BN: gl.constexpr = b_bufs.shape[1]
@@ -284,8 +302,8 @@ if AVAILABLE:
         n_n = (N + BN - 1) // BN
         c = 0
         for t in range(gl.program_id(0), total, gl.num_programs(0)):
-            rt = t // n_n
-            col0 = (t % n_n) * BN
+            rt, ct = _tile_of(t, T, n_n, GM)
+            col0 = ct * BN
             group = gl.minimum(gl.load(tile_ptr + 3 * rt), E - 1)
             first = gl.load(tile_ptr + 3 * rt + 1)
             row_end = gl.where(first < 0, 0, gl.load(tile_ptr + 3 * rt + 2))  # past the last tile: nothing stored
@@ -309,30 +327,30 @@ if AVAILABLE:
 
     @gluon.jit
     def _rows_consumer0(a_bufs, b_bufs, ready, empty, tile_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbe, s_sbk, s_sbn,
-                        c_ptr, s_cm, E, R, N, K, total):
+                        c_ptr, s_cm, E, R, N, K, T, GM, total):
         _rows_consumer(0, False, a_bufs, b_bufs, ready, empty, tile_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbe, s_sbk,
-                       s_sbn, c_ptr, c_ptr, c_ptr, s_cm, E, R, N, K, total)
+                       s_sbn, c_ptr, c_ptr, c_ptr, s_cm, E, R, N, K, T, GM, total)
 
     @gluon.jit
     def _rows_consumer1(a_bufs, b_bufs, ready, empty, tile_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbe, s_sbk, s_sbn,
-                        c_ptr, s_cm, E, R, N, K, total):
+                        c_ptr, s_cm, E, R, N, K, T, GM, total):
         _rows_consumer(1, False, a_bufs, b_bufs, ready, empty, tile_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbe, s_sbk,
-                       s_sbn, c_ptr, c_ptr, c_ptr, s_cm, E, R, N, K, total)
+                       s_sbn, c_ptr, c_ptr, c_ptr, s_cm, E, R, N, K, T, GM, total)
 
     @gluon.jit
     def _rows_consumer0_tma(a_bufs, b_bufs, ready, empty, tile_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbe, s_sbk, s_sbn,
-                            c_ptr, c_desc, c_smem, s_cm, E, R, N, K, total):
+                            c_ptr, c_desc, c_smem, s_cm, E, R, N, K, T, GM, total):
         _rows_consumer(0, True, a_bufs, b_bufs, ready, empty, tile_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbe, s_sbk,
-                       s_sbn, c_ptr, c_desc, c_smem.index(0), s_cm, E, R, N, K, total)
+                       s_sbn, c_ptr, c_desc, c_smem.index(0), s_cm, E, R, N, K, T, GM, total)
 
     @gluon.jit
     def _rows_consumer1_tma(a_bufs, b_bufs, ready, empty, tile_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbe, s_sbk, s_sbn,
-                            c_ptr, c_desc, c_smem, s_cm, E, R, N, K, total):
+                            c_ptr, c_desc, c_smem, s_cm, E, R, N, K, T, GM, total):
         _rows_consumer(1, True, a_bufs, b_bufs, ready, empty, tile_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbe, s_sbk,
-                       s_sbn, c_ptr, c_desc, c_smem.index(1), s_cm, E, R, N, K, total)
+                       s_sbn, c_ptr, c_desc, c_smem.index(1), s_cm, E, R, N, K, T, GM, total)
 
     @gluon.jit
-    def _gluon_rows_kernel(a_desc, b_desc, c_desc, sa_ptr, sb_ptr, tile_ptr, c_ptr, E, R, N, K, T,
+    def _gluon_rows_kernel(a_desc, b_desc, c_desc, sa_ptr, sb_ptr, tile_ptr, c_ptr, E, R, N, K, T, GM,
                            s_sam, s_sak, s_sbe, s_sbk, s_sbn, s_cm, NUM_BUF: gl.constexpr, TMA_STORE: gl.constexpr,
                            num_warps: gl.constexpr):
         """B stacked [E * N, K]; tiles t = row tile * ceil(N / 128) + column tile, a grid apart. ``c_desc``:
@@ -341,16 +359,16 @@ if AVAILABLE:
         gl.static_assert(b_desc.block_type.shape[0] == a_desc.block_type.shape[1], "one B scale a K-block")
         total = T * ((N + 127) // 128)
         a_bufs, b_bufs, ready, empty = _ring(a_desc, b_desc, NUM_BUF)
-        pargs = (a_desc, b_desc, tile_ptr, N, K, total, a_bufs, b_bufs, ready, empty)
+        pargs = (a_desc, b_desc, tile_ptr, N, K, T, GM, total, a_bufs, b_bufs, ready, empty)
         if TMA_STORE:
             c_smem = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
             cargs = (a_bufs, b_bufs, ready, empty, tile_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbe, s_sbk, s_sbn, c_ptr,
-                     c_desc, c_smem, s_cm, E, R, N, K, total)
+                     c_desc, c_smem, s_cm, E, R, N, K, T, GM, total)
             gl.warp_specialize([(_rows_consumer0_tma, cargs), (_rows_consumer1_tma, cargs), (_rows_producer, pargs)],
                                [4, 1], [232, 40])  # setmaxnreg: 2 x 128 x 232 + 128 x 40 <= 65,536
         else:
             cargs = (a_bufs, b_bufs, ready, empty, tile_ptr, sa_ptr, s_sam, s_sak, sb_ptr, s_sbe, s_sbk, s_sbn, c_ptr,
-                     s_cm, E, R, N, K, total)
+                     s_cm, E, R, N, K, T, GM, total)
             gl.warp_specialize([(_rows_consumer0, cargs), (_rows_consumer1, cargs), (_rows_producer, pargs)],
                                [4, 1], [232, 40])
 
@@ -566,7 +584,7 @@ def gluon_grouped_mm_rows(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out, descriptor
     """out[rows of e] = A[rows of e] @ B[e] (fp8_triton.fp8_grouped_mm_rows's contract; ``out``
     given, [R, N]); ``descriptors`` from rows_descriptors (made here when None). ``config`` default:
     CONFIG as it is at this call (tools/bench_fp8_variants.py sets it to time each)."""
-    bufs, persistent, tma_store = config or CONFIG
+    bufs, persistent, tma_store, group = config or CONFIG
     R, K = a_RK.shape
     E, _, N = b_EKN.shape
     descriptors = descriptors or rows_descriptors(a_RK, b_EKN)
@@ -579,8 +597,8 @@ def gluon_grouped_mm_rows(a_RK, sa_RB, b_EKN, sb_EBC, offsets_E, out, descriptor
     _gluon_tile_table_kernel[(T, )](offsets_E, table, E, BM=BLOCK_M, EP=triton.next_power_of_2(E), num_warps=1)
     c_desc = out_descriptor(out) if tma_store else None  # None: the masked stores
     _gluon_rows_kernel[_grid(T * (N // BLOCK_N), persistent, a_RK.device)](
-        a_desc, b_desc, c_desc or out, sa_RB, sb_EBC, table, out, E, R, N, K, T, sa_RB.stride(0), sa_RB.stride(1),
-        sb_EBC.stride(0), sb_EBC.stride(1), sb_EBC.stride(2), out.stride(0), NUM_BUF=bufs,
+        a_desc, b_desc, c_desc or out, sa_RB, sb_EBC, table, out, E, R, N, K, T, group, sa_RB.stride(0),
+        sa_RB.stride(1), sb_EBC.stride(0), sb_EBC.stride(1), sb_EBC.stride(2), out.stride(0), NUM_BUF=bufs,
         TMA_STORE=c_desc is not None, num_warps=4)
     return out
 
@@ -591,7 +609,7 @@ def gluon_grouped_mm_k(a_MP, sa_MB, bt_NP, sbt_NB, padded_offsets_E, out, descri
     K-block-major; ``out`` given, [E, M, N], its last dim contiguous); ``descriptors`` from k_descriptors
     (made here when None). ``config`` default: K_CONFIG as it is at this call, else 4 stages,
     persistent, the TMA store."""
-    bufs, persistent, tma_store = config or K_CONFIG or GluonConfig(4, True, True)
+    bufs, persistent, tma_store, _ = config or K_CONFIG or GluonConfig(4, True, True)  # (no raster groups)
     if bufs > MAX_K_BUFS:
         raise ValueError(f"the Gluon wgrad kernel fits {MAX_K_BUFS} stages in shared memory with its fp32 "
                          f"epilogue (64 KiB), got {bufs}")

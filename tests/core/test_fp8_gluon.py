@@ -24,7 +24,9 @@ if not fg.AVAILABLE:
     pytest.skip("this Triton has no Gluon", allow_module_level=True)
 
 ROWS_CONFIGS = [fg.CONFIG, fg.GluonConfig(3, True), fg.GluonConfig(4, False), fg.GluonConfig(4, True, True),
-                fg.GluonConfig(5, False, True)]
+                fg.GluonConfig(5, False, True), fg.GluonConfig(4, True, True, 2), fg.GluonConfig(3, False, False, 3)]
+"""The rows kernel's configs the GPU test runs; the raster groups of 2 and 3 row tiles leave a last group
+short (the test's experts take 8 row tiles with the table's spare ones)."""
 K_CONFIGS = [fg.GluonConfig(4, True), fg.GluonConfig(3, True), fg.GluonConfig(4, False), fg.GluonConfig(4, True, True),
              fg.GluonConfig(3, False, True)]
 
@@ -37,7 +39,7 @@ def _desc(rows: int, dtype: str = "float8e4nv") -> str:
     return f"tensordesc<{name}[{rows}, 128],{layout!r}>"
 
 
-def _compile(kind: str, bufs: int, out: str | None = None, tma_store: bool = False):
+def _compile(kind: str, bufs: int, out: str | None = None, tma_store: bool = False, group: int = 1):
     """The rows, k or tile-table kernel compiled for SM90 at OLMoE's shapes (no GPU needed);
     ``tma_store``: the TMA epilogue (GluonConfig.tma_store), its output descriptor of ``out``'s dtype
     (default: bf16 for the rows kernel, fp32 for the wgrad)."""
@@ -48,7 +50,7 @@ def _compile(kind: str, bufs: int, out: str | None = None, tma_store: bool = Fal
     c_desc = _desc(64, {"*bf16": "bfloat16", "*fp32": "float32"}[out]) if tma_store else out
     if kind == "rows":
         kernel, constexprs = fg._gluon_rows_kernel, dict(NUM_BUF=bufs, TMA_STORE=tma_store, num_warps=4)
-        values = dict(common, c_desc=c_desc, tile_ptr="*i32", c_ptr=out, E=E, R=R, N=N, K=K, T=R // 128 + E,
+        values = dict(common, c_desc=c_desc, tile_ptr="*i32", c_ptr=out, E=E, R=R, N=N, K=K, T=R // 128 + E, GM=group,
                       s_sam=K // 128, s_sak=1, s_sbe=N * K // 128 ** 2, s_sbk=1, s_sbn=K // 128, s_cm=N)
     elif kind == "k":
         kernel, constexprs = fg._gluon_k_kernel, dict(NUM_BUF=bufs, TMA_STORE=tma_store, num_warps=4)
@@ -75,17 +77,18 @@ def test_gluon_wgrad_with_bf16_out_compiles_for_sm90(tma_store):
     assert_no_spills(compiled, f"k bf16{' tma-store' if tma_store else ''}")
 
 
-@pytest.mark.parametrize("kind,bufs,tma_store", [("rows", 3, False), ("rows", 4, False), ("k", 3, False),
-                                                ("k", 4, False), ("rows", 5, True), ("k", 4, True)])
-def test_gluon_kernels_compile_for_sm90(kind, bufs, tma_store):
+@pytest.mark.parametrize("kind,bufs,tma_store,group", [("rows", 3, False, 1), ("rows", 4, False, 1), ("k", 3, False, 1),
+                                                      ("k", 4, False, 1), ("rows", 5, True, 1), ("k", 4, True, 1),
+                                                      ("rows", 4, True, 8)])
+def test_gluon_kernels_compile_for_sm90(kind, bufs, tma_store, group):
     """Each kernel compiles for Hopper warp-specialized: the consumers' registers raised and the
     producer's lowered (setmaxnreg), each consumer's 64 x 128 wgmma (8 instructions a K-block in PTX),
     the two operands (and the wgrad's scales) through TMA into ``bufs`` stages, the output in 16-byte stores (and, with
     ``tma_store``, each consumer's full tiles by a TMA store whose buffer is reused only once the store
     has read it), and no register spills at the consumers' 232 registers (ptxas's own verdict)."""
-    compiled = _compile(kind, bufs, tma_store=tma_store)
+    compiled = _compile(kind, bufs, tma_store=tma_store, group=group)
     ptx = compiled.asm["ptx"]
-    what = f"{kind} s{bufs}{' tma-store' if tma_store else ''}"
+    what = f"{kind} s{bufs}{' tma-store' if tma_store else ''}{f' g{group}' if group > 1 else ''}"
     for direction, regs in (("inc", 232), ("dec", 40)):  # the consumers' budget up, the producer's down
         assert re.search(rf"setmaxnreg.{direction}.sync.aligned.u32\s+{regs};", ptx), \
             f"{what}: not warp-specialized with the consumers' / producer's register budgets"
@@ -126,8 +129,12 @@ def test_gluon_tile_table_compiles_for_sm90():
 def test_gluon_config_checks_its_ring():
     with pytest.raises(ValueError, match="2 to 6 stages"):
         fg.GluonConfig(8, True)
+    with pytest.raises(ValueError, match="1 to 64 row tiles"):
+        fg.GluonConfig(4, True, True, 0)
     assert fg.GluonConfig(4, 0).name == "BM128 BN128 s4 ws gluon"
     assert fg.GluonConfig(3, 1).name == "BM128 BN128 s3 ws persistent gluon"
+    assert fg.GluonConfig(4, 1, 1, 8).name == "BM128 BN128 s4 ws persistent tma-store g8 gluon"
+    assert fg.GluonConfig(4, 1, 1) == (4, True, True, 1)  # row tile by row tile unless asked
 
 
 class _Launches:
@@ -156,10 +163,12 @@ def test_gluon_launches_read_the_config_at_each_call(monkeypatch):
     sa, sb = torch.ones(R, K // 128), torch.ones(E, K // 128, N // 128)
     offsets = torch.tensor([100, 600, 1000], dtype=torch.int32)
     out = torch.empty(R, N, dtype=torch.bfloat16)
-    for config, grid in ((fg.GluonConfig(3, False), (33, )), (fg.GluonConfig(5, True), (8, ))):
+    for config, grid in ((fg.GluonConfig(3, False), (33, )), (fg.GluonConfig(5, True), (8, )),
+                         (fg.GluonConfig(4, True, True, 4), (8, ))):
         monkeypatch.setattr(fg, "CONFIG", config)
         fg.gluon_grouped_mm_rows(a, sa, b, sb, offsets, out)
         assert rows.calls[-1][0] == grid and rows.calls[-1][2]["NUM_BUF"] == config[0], config.name
+        assert rows.calls[-1][1][11:13] == (11, config[3]), config.name  # T row tiles, GM a raster group
         assert table.calls[-1][0] == (11, ) and table.calls[-1][1][1].shape == (11, 3)
     at, bt = torch.zeros(256, 640, dtype=torch.float8_e4m3fn), torch.zeros(384, 640, dtype=torch.float8_e4m3fn)
     padded = torch.tensor([128, 384, 640], dtype=torch.int32)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Queued for session 40: precision.fp8_quantize_warps (session 39) in a step. Call 1 of session 39 had the
 # 1x128 kernel 9-17% faster on 8 warps in isolation, session 38's H100 0.7% apart, the H200 favouring 4.
-# Its GPU check first (the 1x128 kernel's bits at 4 and 8 warps; and trainer.cuda_graph's micro-batch test), bench_quantize on this machine, then both
+# Its GPU check first (the 1x128 kernel's bits at 4 and 8 warps; trainer.cuda_graph's micro-batch test), bench_quantize on this machine, then both
 # shapes' f8gc with 4 warps (the default) and 8, twice each.
 # Run from the repo root: bash docs/bench/session39/call7.sh (timeout 600; about 450 s warm)
 source docs/bench/session37/common.sh

@@ -2,8 +2,7 @@
 # Queued for session 40: #13's real-text check on today's best row (last measured in session 17, on the
 # H200, with B16): each shape's best row on random tokens and on the embedded corpus (routing that depends
 # on the data), 10 timed steps after 3; and each shape's best row eager, beside the compiled ones.
-# Then swiglu_gemm_probe.py (a bf16 grouped gate|up GEMM computing the SwiGLU in its epilogue).
-# Run from the repo root: bash docs/bench/session39/call8.sh (timeout 600; about 460 s warm)
+# Run from the repo root: bash docs/bench/session39/call8.sh (timeout 600; about 400 s warm)
 source docs/bench/session32/switches.sh
 BEST=$B16,$ALL,optimizer.triton_grad_norm=true,model.loss_chunk_tokens=16384
 # eager beside compiled in the same call (#13): the compiled rows' shapes without --compile
@@ -17,7 +16,3 @@ for S in "$S1" "$S2" "${S1/--compile/}" "${S2/--compile/}"; do
     echo "$(echo "$S" | cut -d' ' -f2) ${T:-random} $([[ "$S" == *--compile* ]] && echo compiled || echo eager) $(( $(date +%s) - t0 )) s"
   done
 done
-# the bf16 gate|up grouped GEMM with the SwiGLU in its epilogue, against torch._grouped_mm + swiglu_forward
-t0=$(date +%s)
-timeout 120 python3 docs/bench/session39/swiglu_gemm_probe.py --json $OUT/swiglu_gemm_probe.json 2>&1 | grep -v Warning | tail -30
-echo "swiglu probe $(( $(date +%s) - t0 )) s"

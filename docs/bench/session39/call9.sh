@@ -5,8 +5,8 @@
 # capturing again. 60 steps without and with the graph, one after the other; the last log lines and the
 # summary of each (tokens/s from the log; the two losses should agree closely, not bit for bit: the eager
 # step itself is not reproducible at full size, session 39 call 3).
-# Then olmoe3-4l-8e's best-row profile with 40 kernels listed, and gluon_bf16_probe.py.
-# Run from the repo root: bash docs/bench/session39/call9.sh (timeout 600; about 420 s)
+# Then olmoe3-4l-8e's best-row profile with 40 kernels listed.
+# Run from the repo root: bash docs/bench/session39/call9.sh (timeout 600; about 280 s)
 source docs/bench/session25/common.sh
 export MOETRON_PYTHON=$(command -v python3)
 for v in plain graph; do
@@ -27,7 +27,3 @@ t0=$(date +%s)
 timeout 120 python3 tools/profile_step.py $S2 $(echo "$BEST" | tr ',' '\n' | sed 's/^/--/' | tr '\n' ' ') \
   --wait 1 --warmup 1 --active 2 --top 40 --json $OUT/profile_S2_best_top40.json 2>&1 | grep -v Warning | grep -E "fused_pointwise|elementwise|norm|routing|loss" | head -30
 echo "profile $(( $(date +%s) - t0 )) s"
-# a persistent warp-specialized bf16 grouped GEMM in Gluon (fp8_gluon's structure) against torch._grouped_mm
-t0=$(date +%s)
-timeout 170 python3 docs/bench/session39/gluon_bf16_probe.py --json $OUT/gluon_bf16_probe.json 2>&1 | grep -v Warning | tail -50
-echo "gluon bf16 probe $(( $(date +%s) - t0 )) s"
