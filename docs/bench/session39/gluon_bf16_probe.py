@@ -27,8 +27,8 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 
-from moetron.core.precision.fp8_gluon import (_gluon_tile_table_kernel, _ring, _rows_store, _tma_load,  # noqa: E402
-                                              STORE_LAYOUT)
+from moetron.core.precision.fp8_gluon import (_gluon_tile_table_kernel, _ring, _rows_store, _tile_of,  # noqa: E402
+                                              _tma_load, STORE_LAYOUT)
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait  # noqa: E402
@@ -40,17 +40,6 @@ MMA256 = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4
 CONFIGS = [(128, 4, 1), (128, 4, 8), (128, 5, 8), (128, 6, 8), (256, 3, 8), (256, 4, 8), (256, 4, 1)]
 """(BN, stages, GM): 32 / 48 KiB a stage; GM row tiles a raster group (1: fp8_gluon's order, row tile by
 row tile; 8: each B tile read from HBM once per 8 row tiles, their A tiles kept in L2)."""
-
-
-@gluon.jit
-def _tile_of(t, T, n_n, GM):
-    """Tile t's (row tile, column tile): groups of GM row tiles (fewer in the last), column-major within a
-    group, so the CTAs running at once share B's tiles across GM row tiles and A's across the columns."""
-    per_group = GM * n_n
-    first = (t // per_group) * GM
-    gm = gl.minimum(T - first, GM)
-    r = t % per_group
-    return first + r % gm, r // gm
 
 
 @gluon.jit
