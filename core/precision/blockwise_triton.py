@@ -12,7 +12,7 @@ torch reference's codes: every output written from registers, no transposed copy
   kernel from h = [gate | up] (and the product's gradient), never written in bf16: its own kernel,
   the 128 x 128 tile computed once and the tokens' tile transposed through shared memory
   (precision.fp8_fused_swiglu; TILE_WARPS says how it measured). The same kernel serves plain x
-  with TOKENS_FROM_TILE (not measured yet, off).
+  with TOKENS_FROM_TILE (measured no faster, off).
 - ``quantize_128x128_triton``: a weight [..., O, I] -> (e4m3 w, e4m3 w^T [..., I, O] contiguous,
   scales [..., O / 128, I / 128]), each tile read twice likewise; or either of w / w^T alone, each
   tile read once.
@@ -62,9 +62,11 @@ QUANTIZE_WARPS = 4
 """The 1x128 kernel's warps: 8 warps and autotuning over 4 / 8 never beat 4 at the measured shapes
 (the H200, session 7, tools/bench_quantize.py: [65536, 4096] 0.470 / 0.484 / autotuned 0.478 ms, [65536,
 8192] 0.884 / 0.882 / 0.891, [131072, 2048] 0.457 / 0.459 / 0.469); on the H100 neither wins everywhere
-(session 38 call 1: 0.551 / 0.572, 1.038 / 1.024, 0.557 / 0.535; the sums 0.7% apart). The autotuner's
-lookup is host time at every call (96 calls a step at OLMoE-8L, session 37; its size there not
-measured): one config, no tuning."""
+(session 38 call 1: 0.551 / 0.572, 1.038 / 1.024, 0.557 / 0.535; the sums 0.7% apart; session 39 call 1,
+another H100: 0.585 / 0.488, 1.078 / 0.984, 0.564 / 0.513, 8 warps 9-17% faster). The machines disagree
+and no step has measured it: precision.fp8_quantize_warps (set_quantize_warps) runs 8 for that A/B. The
+autotuner's lookup is host time at every call (96 calls a step at OLMoE-8L, session 37; its size there
+not measured): one config, no tuning."""
 QUANTIZE_CONFIGS = [triton.Config({}, num_warps=QUANTIZE_WARPS)]
 
 
@@ -187,9 +189,10 @@ backward 0.46-0.48x; steps 0.947x / 0.980x)."""
 TOKENS_FROM_TILE = False
 """Plain x's rows and tokens (quantize_1x128_fused with both) from _fp8_quantize_tile_kernel's one read,
 the tokens transposed in registers, instead of _fp8_quantize_1x128_kernel's second, transposed read
-from L1 / L2 (the same bits). Not measured yet (queued: tools/bench_quantize.py's "one read" column),
-so off: the plain kernel moves rows + tokens at about 2.0 TB/s, 1.5x the time of a copy of the same
-bytes (H100, session 38 call 1)."""
+from L1 / L2 (the same bits). Off: no faster (H100, session 39 call 1, tools/bench_quantize.py's "one
+read" column against the plain kernel at 8 warps: 0.505 / 0.488 ms at [65536, 4096], 0.988 / 0.984 at
+[65536, 8192], 0.563 / 0.513 at [131072, 2048]), though the plain kernel moves rows + tokens at only
+about 2.0-2.2 TB/s, 1.5x the time of a copy of the same bytes."""
 
 
 def set_quantize_warps(warps: int) -> None:
