@@ -6,8 +6,8 @@ cuBLAS's dense GEMMs of the same step reach 786. The FP8 Gluon kernels (core/pre
 persistent, a TMA producer warp and two wgmma consumer warpgroups over a ring of shared-memory stages)
 beat the pipelined Triton kernels by 16-44%. This probe runs the same structure in bf16, without the
 FP8 promotion: each consumer chains its wgmmas on one accumulator, keeps one in flight and releases a
-stage as the wgmma after it is issued. It reuses fp8_gluon's ring, producer, tile table and masked
-store. Two forms: the forward (x [R, K] @ w[e]^T, w [E, N, K] read K-major, as the FP8 kernels read B)
+stage as the wgmma after it is issued. It reuses fp8_gluon's ring, producer (the forward's), tile
+table, raster and masked store. Two forms: the forward (x [R, K] @ w[e]^T, w [E, N, K] read K-major, as the FP8 kernels read B)
 and the dgrad (dy [R, K] @ w[e], w [E, K, N] read N-major: bf16 wgmma takes B either way, so the weights
 need no transposed copy). If it does not clearly beat `_grouped_mm`, a bf16 Gluon experts path (and
 GEMM-epilogue fusions on it) is not worth building.
@@ -27,8 +27,8 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 
-from moetron.core.precision.fp8_gluon import (_gluon_tile_table_kernel, _ring, _rows_store, _tile_of,  # noqa: E402
-                                              _tma_load, STORE_LAYOUT)
+from moetron.core.precision.fp8_gluon import (_gluon_tile_table_kernel, _ring, _rows_producer,  # noqa: E402
+                                              _rows_store, _tile_of, _tma_load, STORE_LAYOUT)
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait  # noqa: E402
@@ -43,12 +43,11 @@ row tile; 8: each B tile read from HBM once per 8 row tiles, their A tiles kept 
 
 
 @gluon.jit
-def _produce(NMAJOR: gl.constexpr, a_desc, b_desc, tile_ptr, N, K, T, GM, total, a_bufs, b_bufs, ready, empty):
-    """The TMA loads of every K-block of every tile of this CTA, as far ahead as the ring allows: A's
-    [128, BK] K-blocks of the tile's rows, and B's [BN, BK] tile of the weights stacked [E * N, K] (the
-    forward) or, NMAJOR, its [BK, BN] tile of the weights stacked [E * K, N] (the dgrad)."""
+def _nmajor_producer(a_desc, b_desc, tile_ptr, N, K, T, GM, total, a_bufs, b_bufs, ready, empty):
+    """The dgrad form's TMA loads: fp8_gluon._rows_producer's (which the forward runs as it is), B's
+    tiles [BK, BN] from the weights stacked [E * K, N] (N contiguous) instead of [BN, BK] from [E * N, K]."""
     BK: gl.constexpr = a_desc.block_type.shape[1]
-    BN: gl.constexpr = b_desc.block_type.shape[1] if NMAJOR else b_desc.block_type.shape[0]
+    BN: gl.constexpr = b_desc.block_type.shape[1]
     NUM_BUF: gl.constexpr = a_bufs.shape[0]
     n_n = (N + BN - 1) // BN
     c = 0
@@ -57,29 +56,14 @@ def _produce(NMAJOR: gl.constexpr, a_desc, b_desc, tile_ptr, N, K, T, GM, total,
         first = gl.load(tile_ptr + 3 * rt + 1)
         group = gl.load(tile_ptr + 3 * rt)
         nk = gl.where(first < 0, 0, K // BK)  # past the last row tile: no K-block
-        a_row = gl.maximum(first, 0)
-        col0 = ct * BN
         for j in range(nk):
             i = c % NUM_BUF
             mbarrier.wait(empty.index(i), ((c // NUM_BUF) & 1) ^ 1)  # the ring's first round passes
             bar = ready.index(i)
             mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            _tma_load(a_desc, [a_row, j * BK], bar, a_bufs.index(i))
-            if NMAJOR:
-                _tma_load(b_desc, [group * K + j * BK, col0], bar, b_bufs.index(i))
-            else:
-                _tma_load(b_desc, [group * N + col0, j * BK], bar, b_bufs.index(i))
+            _tma_load(a_desc, [gl.maximum(first, 0), j * BK], bar, a_bufs.index(i))
+            _tma_load(b_desc, [group * K + j * BK, ct * BN], bar, b_bufs.index(i))
             c += 1
-
-
-@gluon.jit
-def _producer_k(a_desc, b_desc, tile_ptr, N, K, T, GM, total, a_bufs, b_bufs, ready, empty):
-    _produce(False, a_desc, b_desc, tile_ptr, N, K, T, GM, total, a_bufs, b_bufs, ready, empty)
-
-
-@gluon.jit
-def _producer_n(a_desc, b_desc, tile_ptr, N, K, T, GM, total, a_bufs, b_bufs, ready, empty):
-    _produce(True, a_desc, b_desc, tile_ptr, N, K, T, GM, total, a_bufs, b_bufs, ready, empty)
 
 
 @gluon.jit
@@ -163,9 +147,10 @@ def _bf16_rows_kernel(a_desc, b_desc, tile_ptr, c_ptr, N, K, T, GM, s_cm, NMAJOR
     pargs = (a_desc, b_desc, tile_ptr, N, K, T, GM, total, a_bufs, b_bufs, ready, empty)
     cargs = (a_bufs, b_bufs, ready, empty, tile_ptr, c_ptr, s_cm, N, K, T, GM, total)
     if NMAJOR:
-        gl.warp_specialize([(_consumer0_n, cargs), (_consumer1_n, cargs), (_producer_n, pargs)], [4, 1], [232, 40])
+        gl.warp_specialize([(_consumer0_n, cargs), (_consumer1_n, cargs), (_nmajor_producer, pargs)], [4, 1],
+                           [232, 40])
     else:
-        gl.warp_specialize([(_consumer0, cargs), (_consumer1, cargs), (_producer_k, pargs)], [4, 1], [232, 40])
+        gl.warp_specialize([(_consumer0, cargs), (_consumer1, cargs), (_rows_producer, pargs)], [4, 1], [232, 40])
 
 
 def _layout(block):

@@ -45,17 +45,22 @@ the 4-warp and BN 128 configs, none at 128 x 64 x 8 warps."""
 
 
 @triton.jit
+def _tile(tile_e_ptr, tile_r0_ptr, tile_r1_ptr, BM: tl.constexpr, BN: tl.constexpr):
+    """This program's (expert, rows, which rows are live, columns): rows [r0, min(r0 + BM, r1)) of the
+    expert of its row tile (program 0's index in the table) by columns [n0, n0 + BN) (program 1's)."""
+    t = tl.program_id(0)
+    r0, r1 = tl.load(tile_r0_ptr + t), tl.load(tile_r1_ptr + t)
+    rows = r0 + tl.arange(0, BM)
+    return tl.load(tile_e_ptr + t).to(tl.int64), rows, rows < r1, tl.program_id(1) * BN + tl.arange(0, BN)
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, h_ptr, act_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, D, F,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FUSE: tl.constexpr,
                     WIDEN: tl.constexpr):
     """One program: rows [r0, min(r0 + BM, r1)) of expert e (its row tile from the table) by columns
     [n0, n0 + BN) of gate and of up; x [R, D], w [E, 2F, D], h [R, 2F], act [R, F]."""
-    t, n0 = tl.program_id(0), tl.program_id(1) * BN
-    e = tl.load(tile_e_ptr + t).to(tl.int64)
-    r0, r1 = tl.load(tile_r0_ptr + t), tl.load(tile_r1_ptr + t)
-    rows = r0 + tl.arange(0, BM)
-    live = rows < r1
-    cols = n0 + tl.arange(0, BN)
+    e, rows, live, cols = _tile(tile_e_ptr, tile_r0_ptr, tile_r1_ptr, BM, BN)
     k = tl.arange(0, BK)
     x_ptrs = x_ptr + rows[:, None].to(tl.int64) * D + k[None, :]
     wg_ptrs = w_ptr + e * 2 * F * D + cols[None, :].to(tl.int64) * D + k[:, None]  # [BK, BN]: w[e, n, k]^T
@@ -87,12 +92,7 @@ def _down_dgrad_kernel(dy_ptr, w_ptr, h_ptr, ga_ptr, gh_ptr, tile_e_ptr, tile_r0
     """One program: rows [r0, min(r0 + BM, r1)) of expert e by columns [n0, n0 + BN) of F: the product's
     gradient ga = dy @ w[e] (dy [R, D], w [E, D, F]) into ga [R, F]; or (FUSE) h's gradient [R, 2F] from
     it and the tile's gate and up (h [R, 2F]), as swiglu_backward computes it."""
-    t, n0 = tl.program_id(0), tl.program_id(1) * BN
-    e = tl.load(tile_e_ptr + t).to(tl.int64)
-    r0, r1 = tl.load(tile_r0_ptr + t), tl.load(tile_r1_ptr + t)
-    rows = r0 + tl.arange(0, BM)
-    live = rows < r1
-    cols = n0 + tl.arange(0, BN)
+    e, rows, live, cols = _tile(tile_e_ptr, tile_r0_ptr, tile_r1_ptr, BM, BN)
     k = tl.arange(0, BK)
     a_ptrs = dy_ptr + rows[:, None].to(tl.int64) * D + k[None, :]
     b_ptrs = w_ptr + e * D * F + k[:, None].to(tl.int64) * F + cols[None, :]  # [BK, BN]: w[e, k, n]
