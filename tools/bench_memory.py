@@ -234,15 +234,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--warmup must be >= 1: the optimizer state exists only after a first step")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model_cfg = step_configs(args.preset, args.precision, overrides, args.real_text).model  # bad input fails here
-    for name, variant in [split_variant(v) for v in args.variant] or [("base", [])]:
-        if step_configs(args.preset, args.precision, overrides + variant, args.real_text).trainer.cuda_graph:
+    # every variant's configs before the first is measured: bad input fails here too
+    variants = [(name, variant, step_configs(args.preset, args.precision, overrides + variant, args.real_text))
+                for name, variant in [split_variant(v) for v in args.variant] or [("base", [])]]
+    for name, _, cfgs in variants:
+        if cfgs.trainer.cuda_graph:
             parser.error(f"variant {name}: trainer.cuda_graph replays the step as a CUDA graph, which runs no autograd "
                          f"hook and allocates nothing, so this breakdown would read empty: take its peak from "
                          f"tools/bench_train.py")
     rows = []
-    for name, variant in [split_variant(v) for v in args.variant] or [("base", [])]:
-        model_cfg, memory, optimizer, precision, data_ovr, tcfg = step_configs(args.preset, args.precision,
-                                                                         overrides + variant, args.real_text)
+    for name, variant, (model_cfg, memory, optimizer, precision, data_ovr, tcfg) in variants:
         rows.append({"variant": name, "overrides": variant, "precision": precision.to_dict(),  # as bench_train's
                      **measure(model_cfg, memory, optimizer, precision, args, device, data_ovr, tcfg)})
     from moetron.core.metrics import run_environment
