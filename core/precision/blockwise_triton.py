@@ -63,8 +63,9 @@ QUANTIZE_WARPS = 4
 (the H200, session 7, tools/bench_quantize.py: [65536, 4096] 0.470 / 0.484 / autotuned 0.478 ms, [65536,
 8192] 0.884 / 0.882 / 0.891, [131072, 2048] 0.457 / 0.459 / 0.469); on the H100 neither wins everywhere
 (session 38 call 1: 0.551 / 0.572, 1.038 / 1.024, 0.557 / 0.535; the sums 0.7% apart; session 39 call 1,
-another H100: 0.585 / 0.488, 1.078 / 0.984, 0.564 / 0.513, 8 warps 9-17% faster). The machines disagree
-and no step has measured it: precision.fp8_quantize_warps (set_quantize_warps) runs 8 for that A/B. The
+another H100: 0.585 / 0.488, 1.078 / 0.984, 0.564 / 0.513, 8 warps 9-17% faster). The machines disagree,
+and in steps (precision.fp8_quantize_warps=8, set_quantize_warps; session 40 call 2) 8 is within noise
+(OLMoE-8L f8gc +0.3% / +0.4%, olmoe3-4l-8e -0.1% / +0.5%): 4 stays. The
 autotuner's lookup is host time at every call (96 calls a step at OLMoE-8L, session 37; its size there
 not measured): one config, no tuning."""
 QUANTIZE_CONFIGS = [triton.Config({}, num_warps=QUANTIZE_WARPS)]

@@ -418,7 +418,16 @@ class PrecisionConfig(Config):
     """fp8_blockwise recipe, native backend: the warps of the 1x128 quantization kernel that makes the
     activations' and gradients' rows and tokens operands (blockwise_triton.QUANTIZE_WARPS; 4 or 8). In
     isolation (tools/bench_quantize.py) the H200 favoured 4 by 0-3%, session 38's H100 had them 0.7%
-    apart and session 39's H100 favoured 8 by 9-17%; not yet measured in a step, so 4."""
+    apart and session 39's H100 favoured 8 by 9-17%; in steps 8 is within noise (H100, session 40 call 2:
+    OLMoE-8L f8gc +0.3% / +0.4%, olmoe3-4l-8e -0.1% / +0.5%), so 4."""
+    fp8_gluon_group: int = 1
+    """fp8_blockwise recipe with the Gluon experts (precision.fp8_experts=gluon, auto on an SM90 GPU): the
+    raster of the Gluon rows kernel (forward and dgrad) in groups of this many 128-row tiles, column-major
+    within a group (fp8_gluon.GluonConfig.group, set_rows_group), so the CTAs running at once share each
+    weight tile across the group instead of re-reading an expert's weights from HBM for every row tile
+    where they exceed L2; 1: row tile by row tile. 1 to 64. One module-level kernel config: the backend
+    built last sets it for the process. Groups of 8 measured within noise in steps (H100, session 40 call
+    5: olmoe3-4l-8e f8gc -0.1% / +0.2%, OLMoE-8L -0.3% / -0.4%), so 1."""
     fp8_fused_swiglu: bool = False
     """fp8_blockwise recipe, native backend (the Triton or Gluon experts, FP8 expert wgrads): the routed
     experts' SwiGLU computed inside the 1x128 quantization kernels, forward (the product quantized from
@@ -462,6 +471,12 @@ class PrecisionConfig(Config):
                               f"got {self.fp8_quantize_warps}")
         if self.fp8_quantize_warps != 4 and self.recipe != PrecisionRecipe.fp8_blockwise:
             raise ConfigError(f"precision.fp8_quantize_warps sets the fp8_blockwise recipe's quantization kernel, and this "
+                              f"run's recipe is {self.recipe}: drop it, or use --precision.recipe=fp8_blockwise")
+        if not 1 <= self.fp8_gluon_group <= 64:
+            raise ConfigError(f"precision.fp8_gluon_group must be 1 to 64 (the Gluon rows kernel's row tiles a raster "
+                              f"group), got {self.fp8_gluon_group}")
+        if self.fp8_gluon_group != 1 and self.recipe != PrecisionRecipe.fp8_blockwise:
+            raise ConfigError(f"precision.fp8_gluon_group sets the fp8_blockwise recipe's Gluon expert GEMMs, and this "
                               f"run's recipe is {self.recipe}: drop it, or use --precision.recipe=fp8_blockwise")
         if self.fp8_fused_swiglu and self.recipe != PrecisionRecipe.fp8_blockwise:
             raise ConfigError(f"precision.fp8_fused_swiglu=true is an option of the fp8_blockwise recipe's expert GEMMs: it "
@@ -626,11 +641,15 @@ class PrecisionConfig(Config):
         if self.fp8_quantize_warps != 4 and backend != PrecisionBackend.native:
             raise ConfigError("precision.fp8_quantize_warps sets the native fp8_blockwise GEMMs' Triton quantization (an "
                               f"SM90+ GPU), and this run resolved precision.backend={backend}: drop it, or run on a Hopper GPU")
+        if self.fp8_gluon_group != 1 and fp8_experts != Fp8Experts.gluon:
+            raise ConfigError(f"precision.fp8_gluon_group orders the Gluon expert GEMMs' tiles, and this run's expert "
+                              f"GEMMs resolved precision.fp8_experts={fp8_experts}: drop fp8_gluon_group, or use "
+                              "--precision.fp8_experts=gluon (fp8_blockwise on an SM90 GPU)")
         gemm = low_precision_gemm(recipe, backend, self.mx_scale, fp8_experts, wgrad, self.fp8_fast_accum,
                                   expert_copies=expert_copies, fp8_fused_amax=self.fp8_fused_amax,
                                   save_x_bf16=self.emulated_save_x_bf16,
                                   quantized_copies=self.quantized_expert_copies, fused_swiglu=self.fp8_fused_swiglu,
-                                  quantize_warps=self.fp8_quantize_warps)
+                                  quantize_warps=self.fp8_quantize_warps, gluon_group=self.fp8_gluon_group)
         gemm.quantize_weights_once = bool(self.quantize_weights_once)
         gemm.quantize_input_once = input_once
         gemm.per_expert = per_expert
@@ -642,14 +661,15 @@ def low_precision_gemm(recipe: PrecisionRecipe | str, backend: PrecisionBackend 
                        fp8_experts: Fp8Experts | str = Fp8Experts.triton, fp8_wgrad: Fp8Wgrad | bool | str = Fp8Wgrad.all,
                        fp8_fast_accum: bool = False, expert_copies: bool = False, fp8_fused_amax: bool = True,
                        save_x_bf16: bool = False, quantized_copies: bool = False, fused_swiglu: bool = False,
-                       quantize_warps: int = 4):
+                       quantize_warps: int = 4, gluon_group: int = 1):
     """The GemmBackend instance of a low-precision recipe and a resolved backend (native / emulated);
     ``expert_copies``: the experts on the optimizer's bf16 weight copies (fp8_rowwise, fp8_blockwise and the emulated
     backend; precision.expert_weight_copies=optimizer); ``fp8_fused_amax``: precision.fp8_fused_amax;
     ``save_x_bf16``: precision.emulated_save_x_bf16 (mxfp8 / fp8_blockwise emulated, check_emulated_saves);
     ``quantized_copies``: precision.quantized_expert_copies (mxfp8 emulated, check_quantized_copies);
     ``fused_swiglu``: precision.fp8_fused_swiglu (native fp8_blockwise); ``quantize_warps``:
-    precision.fp8_quantize_warps (native fp8_blockwise)."""
+    precision.fp8_quantize_warps (native fp8_blockwise); ``gluon_group``: precision.fp8_gluon_group (the Gluon
+    experts)."""
     recipe, backend, wgrad = PrecisionRecipe(recipe), PrecisionBackend(backend), Fp8Wgrad(fp8_wgrad)
     if recipe == PrecisionRecipe.fp8_rowwise:  # its own emulation: the wgrad's scales are per expert, not blocks
         from .fp8_rowwise import Fp8RowwiseGemm
@@ -671,4 +691,4 @@ def low_precision_gemm(recipe: PrecisionRecipe | str, backend: PrecisionBackend 
     from .fp8_gemm import Fp8BlockwiseGemm
 
     return Fp8BlockwiseGemm(experts=str(Fp8Experts(fp8_experts)), wgrad=wgrad, expert_copies=expert_copies,
-                            fused_swiglu=fused_swiglu, quantize_warps=quantize_warps)
+                            fused_swiglu=fused_swiglu, quantize_warps=quantize_warps, gluon_group=gluon_group)

@@ -330,7 +330,7 @@ class Fp8BlockwiseGemm(GemmBackend):
 
     def __init__(self, dense: str = "scaled_mm", quant: str = "auto", experts: str = "triton",
                  wgrad: Fp8Wgrad | str | bool = Fp8Wgrad.all, expert_copies: bool = False,
-                 fused_swiglu: bool = False, quantize_warps: int = 4) -> None:
+                 fused_swiglu: bool = False, quantize_warps: int = 4, gluon_group: int = 1) -> None:
         if dense not in ("scaled_mm", "triton"):
             raise ValueError(f"dense must be 'scaled_mm' or 'triton', got {dense!r}")
         if quant not in QUANT:
@@ -348,6 +348,11 @@ class Fp8BlockwiseGemm(GemmBackend):
             from .blockwise_triton import set_quantize_warps
 
             set_quantize_warps(self.quantize_warps)  # one kernel object: the backend built last sets it
+        self.gluon_group = int(gluon_group)  # precision.fp8_gluon_group
+        if experts == "gluon":
+            from . import fp8_gluon
+
+            fp8_gluon.set_rows_group(self.gluon_group)  # one module-level CONFIG: the backend built last sets it
         self.cache = WeightCache()
 
     @property

@@ -77,7 +77,7 @@ except ImportError:  # pragma: no cover - older Triton
     AVAILABLE = False
 
 __all__ = ["AVAILABLE", "CONFIG", "K_CONFIG", "GluonConfig", "gluon_grouped_mm_k", "gluon_grouped_mm_rows",
-           "k_descriptors", "rows_descriptors", "supported"]
+           "k_descriptors", "rows_descriptors", "set_rows_group", "supported"]
 
 BLOCK_M = 128  # two 64-row consumer warpgroups
 BLOCK_N = 128  # one B scale tile: a consumer's 64 x 128 fp32 accumulator and partial product in 232 registers
@@ -97,7 +97,9 @@ class GluonConfig(tuple):
     ``group`` (the rows kernel; the wgrad ignores it): the tiles' raster, row tile by row tile (1) or in
     groups of that many row tiles, column-major within a group (_tile_of), so the CTAs running at once
     share each B tile across the group's row tiles instead of re-reading an expert's whole B from HBM
-    for every row tile where it exceeds L2 (olmoe3-4l-8e's gate|up: 32 MiB of e4m3 an expert)."""
+    for every row tile where it exceeds L2 (olmoe3-4l-8e's gate|up: 32 MiB of e4m3 an expert). Measured
+    (H100, session 40 calls 1 and 5, groups of 8 against 1): forward 1.01-1.05x, dgrad 0.95-1.05x in
+    isolation, steps within noise; precision.fp8_gluon_group sets it (default 1)."""
 
     def __new__(cls, bufs: int = 4, persistent: bool = True, tma_store: bool = False, group: int = 1):
         if not 2 <= bufs <= 6:
@@ -125,6 +127,14 @@ K_CONFIG: GluonConfig | None = GluonConfig(4, True, True)
 """The wgrad kernel's ring, launch and epilogue; None: ``fp8_experts=gluon``'s wgrad runs fp8_triton's
 pipelined kernel (which measured faster than session 35's Gluon wgrad, whose scales came from global
 memory). tools/bench_fp8_variants.py sets it to time each."""
+
+
+def set_rows_group(group: int) -> None:
+    """The rows kernel's raster groups (GluonConfig.group; precision.fp8_gluon_group) from now on: CONFIG
+    with ``group`` row tiles a group, its other fields kept. One module-level CONFIG: the backend built
+    last sets it for every Gluon rows GEMM in the process."""
+    global CONFIG
+    CONFIG = GluonConfig(*CONFIG[:3], group)
 
 
 def supported(device: torch.device | None = None) -> bool:

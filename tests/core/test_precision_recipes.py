@@ -288,3 +288,30 @@ def test_fp8_experts_auto_picks_gluon_on_hopper_only(monkeypatch):
     sw = switches(ModelConfig.preset("olmoe-1b-7b"), ParallelConfig(), cfg(recipe="fp8_blockwise"), OptimizerConfig(),
                   GPUS["h200"], True)
     assert sw.fp8_experts == str(hopper)
+
+
+def test_fp8_gluon_group_sets_the_gluon_rows_kernels_raster(monkeypatch):
+    """precision.fp8_gluon_group: 1 to 64, fp8_blockwise with the Gluon experts only; the backend built
+    with it runs the Gluon rows kernel in raster groups of that many row tiles (the last one built sets
+    the module's CONFIG), its ring, launch and epilogue unchanged."""
+    import moetron.core.precision.config as config
+    from moetron.core.precision import fp8_gluon
+
+    with pytest.raises(ConfigError, match="fp8_gluon_group must be 1 to 64.*got 0"):
+        cfg(recipe="fp8_blockwise", fp8_gluon_group=0).validate()
+    with pytest.raises(ConfigError, match="fp8_gluon_group sets the fp8_blockwise.*recipe is mxfp8"):
+        cfg(recipe="mxfp8", fp8_gluon_group=8).validate()
+    with pytest.raises(ConfigError, match="fp8_gluon_group orders the Gluon.*fp8_experts=triton"):
+        cfg(recipe="fp8_blockwise", fp8_gluon_group=8).build("cpu", verbose=False)
+    monkeypatch.setattr(config, "_capability_major", lambda device_type: 9)  # as on a Hopper GPU
+    with pytest.raises(ConfigError, match="fp8_gluon_group orders the Gluon.*fp8_experts=cublas"):
+        cfg(recipe="fp8_blockwise", fp8_gluon_group=8, fp8_experts="cublas").build("cuda", verbose=False)
+    before = fp8_gluon.CONFIG
+    try:
+        assert cfg(recipe="fp8_blockwise", fp8_gluon_group=8).build("cuda", verbose=False).gemm.gluon_group == 8
+        assert fp8_gluon.CONFIG == fp8_gluon.GluonConfig(*before[:3], 8)
+        assert fp8_gluon.CONFIG.name.endswith(" g8 gluon")
+        cfg(recipe="fp8_blockwise").build("cuda", verbose=False)
+        assert fp8_gluon.CONFIG == before and fp8_gluon.CONFIG[3] == 1
+    finally:
+        fp8_gluon.CONFIG = before
