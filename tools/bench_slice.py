@@ -16,7 +16,7 @@ bf16 as FSDP2 hands them over, bf16 autocast; no optimizer step.
 Model FLOPs are the project's count (ModelConfig.block_flops_per_token: 6 x active params +
 attention) for the slice's blocks and tokens; TFLOP/s per GPU and peak memory are printed as a table
 and written as JSON, each row beside the planner's prediction for the same slice (tools/plan.py
-plan_slice, bf16 on ``--gpu``, default h200: step ms, TFLOP/s, peak GiB and their errors, planned /
+plan_slice, bf16 on ``--gpu``, default this machine's GPU, else h200: step ms, TFLOP/s, peak GiB and their errors, planned /
 measured - 1). ``--tiny`` shrinks every width for a CPU run (tests).
 """
 
@@ -42,7 +42,7 @@ from moetron.models import ModelConfig
 from moetron.models.transformer import Block
 
 from cli import run_cli, split_variant, write_report  # tools/cli.py
-from plan import GPUS, plan_slice, slice_layers  # tools/plan.py
+from plan import GPUS, gpu_of, plan_slice, slice_layers  # tools/plan.py
 
 
 class ArrivingRows(TokenDispatcher):
@@ -189,12 +189,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="small widths, for a CPU run")
     parser.add_argument("--variant", action="append", default=[],
                         help="NAME:memory.key=value[,precision.key=value...] (e.g. fp8:precision.recipe=fp8_blockwise)")
-    parser.add_argument("--gpu", default="h200", choices=tuple(GPUS),
-                        help="the GPU the planned columns are for (tools/plan.py's table)")
+    parser.add_argument("--gpu", default=None, choices=tuple(GPUS),
+                        help="the GPU the planned columns are for (tools/plan.py's table; default: this machine's, "
+                             "else h200)")
     parser.add_argument("--json", default="runs/bench/bench_slice.json")
     args = parser.parse_args(argv)
     cfg, local = slice_config(args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.gpu is None:  # plan for the GPU that runs the slice (session 38 planned its H100 slice as an H200)
+        args.gpu = (gpu_of(torch.cuda.get_device_name()) if device.type == "cuda" else None) or "h200"
     rows = []
     for name, ovr in [split_variant(v) for v in args.variant] or [("base", [])]:
         memory = MemoryConfig()

@@ -51,7 +51,7 @@ from moetron.core.precision import PrecisionConfig, PrecisionRecipe
 from moetron.core.trainer import GradSync
 from moetron.models import ModelConfig
 from moetron.parallel.config import ParallelConfig
-from moetron.run.planner.hardware import GPUS, GiB
+from moetron.run.planner.hardware import GPUS, GiB, gpu_of
 # The model lives in moetron.run.planner; these names are re-exported for tools/bench_slice.py and the tests.
 from moetron.run.planner.model import Plan, Switches, activation_terms, plan, plan_slice, search, slice_layers  # noqa: F401
 
@@ -224,7 +224,8 @@ CHANGED_AUTO = [("2026-12-06 08:00:00", PrecisionRecipe.fp8_blockwise, "quantize
 
 
 def bench_plan(env: dict, row: dict) -> Plan:
-    """The Plan of one benchmark row on one H200: the preset, the command's base overrides, the row's
+    """The Plan of one benchmark row on one GPU of the kind its report ran on (the report's ``device``;
+    an H200 where none is recorded or the planner does not know it: the machine of the first sessions): the preset, the command's base overrides, the row's
     overrides, its seq_len / batch / micro-batch / precision / compile flags; the precision section
     the row recorded, or for an older row the precision defaults of its report's day (CHANGED_DEFAULTS)."""
     parser = argparse.ArgumentParser(allow_abbrev=False, add_help=False)
@@ -259,7 +260,7 @@ def bench_plan(env: dict, row: dict) -> Plan:
     fused = env.get("env_vars", {}).get("MOETRON_MX_FUSED")
     return Plan(model=configs.model, parallel=configs.parallel, memory=configs.memory, seq_len=args.seq_len,
                 global_batch=args.batch, micro_batch=args.micro_batch, precision=configs.precision,
-                optimizer=configs.optimizer, compiled=args.compile, gpu="h200", num_gpus=1,
+                optimizer=configs.optimizer, compiled=args.compile, gpu=gpu_of(env.get("device")) or "h200", num_gpus=1,
                 mx_fused=None if fused is None else fused != "0")
 
 
@@ -276,7 +277,8 @@ def validate(paths: list[str]) -> list[dict]:
             report = json.load(f)
         env = report.get("env", {})
         for row in report.get("rows", []):
-            r = plan(bench_plan(env, row))
+            b = bench_plan(env, row)
+            r = plan(b)
             if row.get("peak_mem_gib") is not None:
                 peak = float(row["peak_mem_gib"])
             elif row.get("peak_bytes") is not None:
@@ -285,7 +287,7 @@ def validate(paths: list[str]) -> list[dict]:
                 peak = None
             step_ms = 1e3 * row["step_s"] if row.get("step_s") else None
             peak_err, step_err = _error(r["peak_gib"], peak), _error(1e3 * r["step_s"], step_ms)
-            out.append({"file": path, "variant": row.get("variant", ""), "overrides": row.get("overrides", []),
+            out.append({"file": path, "variant": row.get("variant", ""), "overrides": row.get("overrides", []), "gpu": b.gpu,
                         "compiled": r["compiled"], "measured_peak_gib": peak, "planned_peak_gib": r["peak_gib"],
                         "peak_error": peak_err, "planned_peak_at": r["peak_at"], "measured_step_ms": step_ms,
                         "planned_step_ms": 1e3 * r["step_s"], "step_error": step_err,
@@ -301,11 +303,11 @@ def print_validation(rows: list[dict]) -> None:
     def met(x):
         return "-" if x is None else ("met" if x else "missed")
 
-    print(f"{'row':<28} {'peak GiB':>9} {'planned':>8} {'error':>7} {'step ms':>9} {'planned':>8} {'error':>7}  "
+    print(f"{'row':<28} {'gpu':<5} {'peak GiB':>9} {'planned':>8} {'error':>7} {'step ms':>9} {'planned':>8} {'error':>7}  "
           f"target (peak 10% / step 20%)")
     for r in rows:
         name = f"{r['variant']} ({'compiled' if r['compiled'] else 'eager'})"
-        print(f"{name:<28} {num(r['measured_peak_gib'], '9.2f')} {r['planned_peak_gib']:8.2f} "
+        print(f"{name:<28} {r['gpu']:<5} {num(r['measured_peak_gib'], '9.2f')} {r['planned_peak_gib']:8.2f} "
               f"{num(None if r['peak_error'] is None else 100 * r['peak_error'], '+6.1f')}% "
               f"{num(r['measured_step_ms'], '9.1f')} {r['planned_step_ms']:8.1f} "
               f"{num(None if r['step_error'] is None else 100 * r['step_error'], '+6.1f')}%  "

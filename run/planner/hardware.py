@@ -3,7 +3,7 @@ each with its source (a datasheet, a measurement in docs/performance.md, or an a
 
 from __future__ import annotations
 
-__all__ = ['GiB', 'GPU', 'GPUS', 'GPUS_PER_NODE', 'RESERVED_GIB', 'EFF_GEMM', 'EFF_EXPERT', 'EFF_FP8_GEMM', 'EFF_FP8_EXPERT', 'EFF_FP8_CUBLAS_EXPERT', 'CUBLAS_CALL_S', 'BF16_CUBLAS_MEASURED', 'BF16_CUBLAS_CALL_S', 'EFF_MX_EXPERT', 'EFF_ATTN', 'EFF_COMM', 'EFF_PCIE', 'HOST_GBPS', 'HBM_TRAFFIC', 'OPTIMIZER_BYTES', 'RECOMPUTE_FORWARD', 'HOST_OPTIMIZER_BYTES', 'QUANT_BYTES', 'QUANT_ROWS_BYTES', 'WEIGHT_QUANT_BYTES', 'MX_EMULATED_BYTES', 'EFF_MX_QUANT', 'EFF_MX_FUSED', 'FP8_SAVED', 'FP8_WEIGHT_CACHED', 'FP8_ROWWISE_MEASURED', 'EFF_FP8_ROWWISE_GEMM', 'ROWWISE_QUANT_BYTES', 'EFF_ROWWISE_ROWS', 'EFF_ROWWISE_COLS', 'LOW_PRECISION']
+__all__ = ['GiB', 'GPU', 'GPUS', 'gpu_of', 'GPUS_PER_NODE', 'RESERVED_GIB', 'EFF_GEMM', 'EFF_EXPERT', 'EFF_FP8_GEMM', 'EFF_FP8_EXPERT', 'EFF_FP8_GLUON_EXPERT', 'EFF_FP8_CUBLAS_EXPERT', 'CUBLAS_CALL_S', 'BF16_CUBLAS_MEASURED', 'BF16_CUBLAS_CALL_S', 'EFF_MX_EXPERT', 'EFF_ATTN', 'EFF_COMM', 'EFF_PCIE', 'HOST_GBPS', 'HBM_TRAFFIC', 'OPTIMIZER_BYTES', 'RECOMPUTE_FORWARD', 'HOST_OPTIMIZER_BYTES', 'QUANT_BYTES', 'QUANT_ROWS_BYTES', 'WEIGHT_QUANT_BYTES', 'MX_EMULATED_BYTES', 'EFF_MX_QUANT', 'EFF_MX_FUSED', 'FP8_SAVED', 'FP8_WEIGHT_CACHED', 'FP8_ROWWISE_MEASURED', 'EFF_FP8_ROWWISE_GEMM', 'ROWWISE_QUANT_BYTES', 'EFF_ROWWISE_ROWS', 'EFF_ROWWISE_COLS', 'LOW_PRECISION']
 
 import dataclasses
 
@@ -49,6 +49,14 @@ GPUS: dict[str, GPU] = {
     "b300": GPU(288.0, 8.0, 2250.0, 4500.0, 900.0, 100.0, sm=10, pcie_gbps=128.0),
 }
 GPUS_PER_NODE = 8
+
+
+def gpu_of(device_name: str | None) -> str | None:
+    """The GPUS key of a device as torch.cuda.get_device_name() names it (what the benchmarks record as
+    their report's ``device``: "NVIDIA H100 80GB HBM3" -> "h100"), or None for another device or none."""
+    name = (device_name or "").lower()
+    return next((key for key in GPUS if key in name), None)
+
 RESERVED_GIB = 3.0
 """Not for tensors: CUDA context, NCCL buffers, allocator fragmentation (a rank 'fits' below HBM - this)."""
 
@@ -67,6 +75,12 @@ olmo3-moe-3.2b shape with session 7's quantization kernels (467 at the olmoe sha
 olmo3-moe-8e; session 6's quantization: 510 / 386; the masked kernels of session 4: 441 / 322),
 activation quantization included (so the planner's separate quantization term counts it a second
 time). ``precision.fp8_experts=cublas``: EFF_FP8_CUBLAS_EXPERT and CUBLAS_CALL_S."""
+EFF_FP8_GLUON_EXPERT = 703 / 1979
+"""Grouped fp8 expert GEMMs under ``precision.fp8_experts=gluon`` (core/precision/fp8_gluon.py, the default
+on SM90 since session 37): 703 TFLOP/s fwd+bwd at the same olmo3-moe-3.2b shape as EFF_FP8_EXPERT,
+activation quantization included and weights cached the same way (one H100, session 40 call 7, twice:
+``tools/bench_gemm_fp8.py --skip-check --iters 10 --loop 10 --shapes olmoe olmo3-moe-3.2b olmo3-moe-8e
+--no-dense --backends "fp8_blockwise gluon"``: 703.3 / 703.8; olmoe 665-673, olmo3-moe-8e 813)."""
 EFF_FP8_CUBLAS_EXPERT = 803 / 1979
 """Grouped fp8 expert GEMMs under ``precision.fp8_experts=cublas`` (core/precision/fp8_cublas.py,
 one cuBLAS blockwise GEMM per expert) while the GPU is the limit: 803 TFLOP/s fwd+bwd measured on

@@ -83,10 +83,8 @@ class Switches:
     """precision.fp8_experts resolved (native fp8_blockwise; auto: gluon on an SM90 GPU, else triton,
     PrecisionConfig.resolved_fp8_experts): the experts' GEMMs in the Triton kernels, or one
     cuBLAS GEMM per local expert (cublas: the GPU's rate or the CPU's per-call cost, whichever is longer).
-    gluon (core/precision/fp8_gluon.py) is planned at the Triton kernels' rate, a conservative estimate:
-    per GEMM it measured 1.24-1.45x them on the H100 (session 36, `--loop 10`), and whole steps 1.101x bf16 on
-    olmoe3-4l-8e (the Triton kernels 1.051x) and 0.970x on OLMoE-8L (docs/performance.md); the plan's
-    rates are not yet calibrated from those steps."""
+    gluon (core/precision/fp8_gluon.py): at its own measured rate, EFF_FP8_GLUON_EXPERT (session 40; until
+    then at the Triton kernels' rate)."""
     fp8_wgrad: str = "all"
     """precision.fp8_wgrad (native fp8_blockwise and fp8_rowwise): which weight-gradient GEMMs run in FP8 (all, none,
     dense: all but the routed experts'); the others in bf16 at the bf16 rates (a third of each

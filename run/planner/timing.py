@@ -14,7 +14,7 @@ import math
 from moetron.core.memory import MemoryConfig, Recompute
 from moetron.models import ModelConfig
 from .hardware import (
-    GPU, GPUS_PER_NODE, EFF_GEMM, EFF_EXPERT, EFF_FP8_GEMM, EFF_FP8_EXPERT, EFF_FP8_CUBLAS_EXPERT,
+    GPU, GPUS_PER_NODE, EFF_GEMM, EFF_EXPERT, EFF_FP8_GEMM, EFF_FP8_EXPERT, EFF_FP8_GLUON_EXPERT, EFF_FP8_CUBLAS_EXPERT,
     CUBLAS_CALL_S, BF16_CUBLAS_MEASURED, BF16_CUBLAS_CALL_S, EFF_MX_EXPERT, EFF_ATTN, EFF_COMM, HBM_TRAFFIC,
     RECOMPUTE_FORWARD, QUANT_BYTES, WEIGHT_QUANT_BYTES, QUANT_ROWS_BYTES, MX_EMULATED_BYTES, EFF_MX_QUANT,
     EFF_MX_FUSED, FP8_ROWWISE_MEASURED, EFF_FP8_ROWWISE_GEMM, ROWWISE_QUANT_BYTES, EFF_ROWWISE_ROWS, EFF_ROWWISE_COLS,
@@ -164,7 +164,8 @@ def gemm_rate(gpu: GPU, sw: Switches, module: str, grouped: bool) -> float:
     if sw.recipe != "bf16" and sw.backend == "native" and sw.low(module):
         if sw.rowwise_native and not grouped:
             return gpu.fp8_tflops * 1e12 * EFF_FP8_ROWWISE_GEMM[sw.fp8_fast_accum]
-        grouped_eff = EFF_MX_EXPERT if sw.recipe == "mxfp8" else EFF_FP8_EXPERT
+        grouped_eff = (EFF_MX_EXPERT if sw.recipe == "mxfp8"
+                       else EFF_FP8_GLUON_EXPERT if sw.fp8_experts == "gluon" else EFF_FP8_EXPERT)
         return gpu.fp8_tflops * 1e12 * (grouped_eff if grouped else EFF_FP8_GEMM)
     return gpu.bf16_tflops * 1e12 * (EFF_EXPERT if grouped else EFF_GEMM)
 

@@ -131,3 +131,23 @@ def test_fp8_slice_peaks_within_target_of_the_measured():
     A, G = cfg.attention.n_heads * cfg.attention.head_dim, cfg.attention.kv_heads() * cfg.attention.head_dim
     linears = 2 * (D * (2 * A + 2 * G) + 3 * D * S + L * 3 * D * F)  # q, k, v, o, the shared and local experts
     assert eager["weight_cache_gib"] * GiB == pytest.approx((2 + 4 / 128**2) * linears)
+
+
+def test_the_gluon_experts_plan_at_their_own_measured_rate():
+    """fp8_blockwise resolves its experts to Gluon on an SM90 GPU (PrecisionConfig.resolved_fp8_experts), and
+    the planner runs them at EFF_FP8_GLUON_EXPERT (measured, session 40) rather than the Triton kernels'
+    EFF_FP8_EXPERT; on an SM100 GPU, where Gluon's wgmma kernels do not run, at the Triton rate; the dense
+    linears keep EFF_FP8_GEMM either way."""
+    from moetron.run.planner import hardware as hw
+    from moetron.run.planner.timing import gemm_rate
+
+    cfg = ModelConfig.olmoe_1b_7b()
+    for gpu, experts, eff in (("h100", "gluon", hw.EFF_FP8_GLUON_EXPERT), ("h200", "gluon", hw.EFF_FP8_GLUON_EXPERT),
+                              ("b200", "triton", hw.EFF_FP8_EXPERT)):
+        sw = switches(cfg, ParallelConfig(), PrecisionConfig(recipe="fp8_blockwise"), OptimizerConfig(), GPUS[gpu], True)
+        assert sw.fp8_experts == experts
+        assert gemm_rate(GPUS[gpu], sw, "experts", True) == pytest.approx(GPUS[gpu].fp8_tflops * 1e12 * eff)
+        assert gemm_rate(GPUS[gpu], sw, "attention", False) == pytest.approx(GPUS[gpu].fp8_tflops * 1e12 * hw.EFF_FP8_GEMM)
+    triton = switches(cfg, ParallelConfig(), PrecisionConfig(recipe="fp8_blockwise", fp8_experts="triton"),
+                      OptimizerConfig(), GPUS["h100"], True)
+    assert gemm_rate(GPUS["h100"], triton, "experts", True) == pytest.approx(GPUS["h100"].fp8_tflops * 1e12 * hw.EFF_FP8_EXPERT)

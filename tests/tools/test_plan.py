@@ -240,6 +240,33 @@ def test_validate_rebuilds_each_rows_config_and_scores_it(tmp_path, capsys):
     assert "met / met" in text and "missed / met" in text and "1 of 3 rows meet both targets" in text
 
 
+def test_validate_plans_each_report_on_the_gpu_it_ran_on(tmp_path):
+    """A report's ``device`` (torch.cuda.get_device_name(), as the benchmarks record it) picks the planned GPU:
+    an H100 report is planned for the H100 (slower HBM: a longer step than the H200's plan), a report without a
+    device, or on one the table lacks, for the H200."""
+    assert planner.gpu_of("NVIDIA H100 80GB HBM3") == "h100" and planner.gpu_of("NVIDIA H200") == "h200"
+    assert planner.gpu_of("NVIDIA B200") == "b200" and planner.gpu_of("cpu") is None and planner.gpu_of(None) is None
+    base = ["--preset", "tiny-moe", "--seq-len", "256", "--batch", "8", "--model.n_layers=2", "--compile"]
+    paths = []
+    for name, device in (("h100", "NVIDIA H100 80GB HBM3"), ("none", None), ("other", "NVIDIA A100-SXM4-80GB")):
+        env = {"command": "python tools/bench_train.py " + " ".join(base), "preset": "tiny-moe", "seq_len": 256, "batch": 8}
+        if device:
+            env["device"] = device
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"env": env, "rows": [{"variant": name, "overrides": [], "peak_mem_gib": 1.0,
+                                                          "step_s": 0.1}]}))
+        paths.append(str(path))
+    rows = planner.validate(paths)
+    assert [r["gpu"] for r in rows] == ["h100", "h200", "h200"]
+    model = ModelConfig.tiny_moe()
+    model.n_layers = 2
+    for r in rows:
+        p = planner.Plan(model=model, parallel=ParallelConfig(), memory=MemoryConfig(), seq_len=256, global_batch=8,
+                         compiled=True, gpu=r["gpu"])
+        assert r["planned_step_ms"] == pytest.approx(1e3 * planner.plan(p)["step_s"])
+    assert rows[0]["planned_step_ms"] > rows[1]["planned_step_ms"]
+
+
 # ---- --slice: what tools/bench_slice.py runs ------------------------------------------------------
 
 def _moe_1t_slice(compiled: bool, recompute: str = "none"):
