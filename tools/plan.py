@@ -224,10 +224,11 @@ CHANGED_AUTO = [("2026-12-06 08:00:00", PrecisionRecipe.fp8_blockwise, "quantize
 
 
 def bench_plan(env: dict, row: dict) -> Plan:
-    """The Plan of one benchmark row on one GPU of the kind its report ran on (the report's ``device``;
-    an H200 where none is recorded or the planner does not know it: the machine of the first sessions): the preset, the command's base overrides, the row's
-    overrides, its seq_len / batch / micro-batch / precision / compile flags; the precision section
-    the row recorded, or for an older row the precision defaults of its report's day (CHANGED_DEFAULTS)."""
+    """The Plan of one benchmark row on one GPU of the kind its report ran on (the report's ``device``; an
+    H200 where none is recorded or the planner does not know it: the machine of the first sessions): the
+    preset, the command's base overrides, the row's overrides, its seq_len / batch / micro-batch /
+    precision / compile flags; the precision section the row recorded, or for an older row the precision
+    defaults of its report's day (CHANGED_DEFAULTS)."""
     parser = argparse.ArgumentParser(allow_abbrev=False, add_help=False)
     parser.add_argument("--preset", default=env.get("preset", "tiny"))
     parser.add_argument("--seq-len", type=int, default=env.get("seq_len", 4096))

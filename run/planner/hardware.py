@@ -53,9 +53,11 @@ GPUS_PER_NODE = 8
 
 def gpu_of(device_name: str | None) -> str | None:
     """The GPUS key of a device as torch.cuda.get_device_name() names it (what the benchmarks record as
-    their report's ``device``: "NVIDIA H100 80GB HBM3" -> "h100"), or None for another device or none."""
+    their report's ``device``: "NVIDIA H100 80GB HBM3" -> "h100"; the table's figures are the SXM parts'),
+    or None for another device or none."""
     name = (device_name or "").lower()
     return next((key for key in GPUS if key in name), None)
+
 
 RESERVED_GIB = 3.0
 """Not for tensors: CUDA context, NCCL buffers, allocator fragmentation (a rank 'fits' below HBM - this)."""
