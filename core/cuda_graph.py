@@ -61,7 +61,6 @@ class StepGraph:
         self.drop_caches, self.device, self.warmup_steps = drop_caches, device, warmup_steps
         self.graph: torch.cuda.CUDAGraph | None = None
         self.calls = 0
-        self.replays = 0
         self.static_batch: torch.Tensor | None = None
         self.static_loss: torch.Tensor | None = None
         self.grads: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -79,7 +78,6 @@ class StepGraph:
                               f"batch shape fixed or set trainer.cuda_graph=false")
         self.static_batch.copy_(batch, non_blocking=True)
         self.graph.replay()
-        self.replays += 1
         for t, grad in self.grads:
             t.grad = grad
         return self.static_loss.clone()  # the next replay overwrites static_loss

@@ -252,8 +252,8 @@ def bench_plan(env: dict, row: dict) -> Plan:
     configs.apply(then + [o for o in given if not o.startswith(tuple(f"--trainer.{f}=" for f in STEP_TRAINER_FIELDS))])
     if recorded:
         configs.precision = PrecisionConfig.from_dict(recorded)
-    p = configs.precision
     for since, recipe, field, before in CHANGED_AUTO:
+        p = configs.precision  # as the entries before this one left it
         if (str(env.get("date", "")) < since and PrecisionRecipe(p.recipe) == recipe and str(p.backend) != "emulated"
                 and str(getattr(p, field)) == "auto"):
             configs.precision = dataclasses.replace(p, **{field: type(getattr(p, field))(before)})

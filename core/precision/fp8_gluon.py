@@ -363,8 +363,9 @@ if AVAILABLE:
     def _gluon_rows_kernel(a_desc, b_desc, c_desc, sa_ptr, sb_ptr, tile_ptr, c_ptr, E, R, N, K, T, GM,
                            s_sam, s_sak, s_sbe, s_sbk, s_sbn, s_cm, NUM_BUF: gl.constexpr, TMA_STORE: gl.constexpr,
                            num_warps: gl.constexpr):
-        """B stacked [E * N, K]; tiles t = row tile * ceil(N / 128) + column tile, a grid apart. ``c_desc``:
-        the output's descriptor ([64, 128] blocks) under TMA_STORE, else unused."""
+        """B stacked [E * N, K]; T row tiles x ceil(N / 128) column tiles, tile t's pair from _tile_of (GM row
+        tiles a raster group), t a grid apart. ``c_desc``: the output's descriptor ([64, 128] blocks) under
+        TMA_STORE, else unused."""
         gl.static_assert(a_desc.block_type.shape[0] == 128, "two 64-row consumers")
         gl.static_assert(b_desc.block_type.shape[0] == a_desc.block_type.shape[1], "one B scale a K-block")
         total = T * ((N + 127) // 128)
