@@ -3,7 +3,7 @@ each with its source (a datasheet, a measurement in docs/performance.md, or an a
 
 from __future__ import annotations
 
-__all__ = ['GiB', 'GPU', 'GPUS', 'gpu_of', 'GPUS_PER_NODE', 'RESERVED_GIB', 'EFF_GEMM', 'EFF_EXPERT', 'EFF_FP8_GEMM', 'EFF_FP8_EXPERT', 'EFF_FP8_GLUON_EXPERT', 'EFF_FP8_CUBLAS_EXPERT', 'CUBLAS_CALL_S', 'BF16_CUBLAS_MEASURED', 'BF16_CUBLAS_CALL_S', 'EFF_MX_EXPERT', 'EFF_ATTN', 'EFF_COMM', 'EFF_PCIE', 'HOST_GBPS', 'HBM_TRAFFIC', 'OPTIMIZER_BYTES', 'RECOMPUTE_FORWARD', 'HOST_OPTIMIZER_BYTES', 'QUANT_BYTES', 'QUANT_ROWS_BYTES', 'WEIGHT_QUANT_BYTES', 'MX_EMULATED_BYTES', 'EFF_MX_QUANT', 'EFF_MX_FUSED', 'FP8_SAVED', 'FP8_WEIGHT_CACHED', 'FP8_ROWWISE_MEASURED', 'EFF_FP8_ROWWISE_GEMM', 'ROWWISE_QUANT_BYTES', 'EFF_ROWWISE_ROWS', 'EFF_ROWWISE_COLS', 'LOW_PRECISION']
+__all__ = ['GiB', 'GPU', 'GPUS', 'gpu_of', 'GPUS_PER_NODE', 'RESERVED_GIB', 'EXPERT_GEMM_MEASURED', 'EFF_FP8_GEMM', 'EFF_FP8_EXPERT', 'EFF_FP8_GLUON_EXPERT', 'EFF_FP8_CUBLAS_EXPERT', 'CUBLAS_CALL_S', 'BF16_CUBLAS_MEASURED', 'BF16_CUBLAS_CALL_S', 'EFF_ATTN', 'EFF_COMM', 'EFF_PCIE', 'HOST_GBPS', 'HBM_TRAFFIC', 'OPTIMIZER_BYTES', 'RECOMPUTE_FORWARD', 'HOST_OPTIMIZER_BYTES', 'QUANT_BYTES', 'QUANT_ROWS_BYTES', 'WEIGHT_QUANT_BYTES', 'MX_EMULATED_BYTES', 'EFF_MX_QUANT', 'EFF_MX_FUSED', 'FP8_SAVED', 'FP8_WEIGHT_CACHED', 'FP8_ROWWISE_MEASURED', 'EFF_FP8_ROWWISE_GEMM', 'ROWWISE_QUANT_BYTES', 'EFF_ROWWISE_ROWS', 'EFF_ROWWISE_COLS', 'LOW_PRECISION']
 
 import dataclasses
 
@@ -30,6 +30,26 @@ class GPU:
     """Compute capability major (9 Hopper, 10 Blackwell): which precision recipes run natively."""
     pcie_gbps: float = 64.0
     """Host link GB/s per GPU, one direction (PCIe Gen5 x16: 64; Gen6 x16: 128)."""
+    gemm_eff: float = 712 / 989
+    """bf16 GEMM efficiency inside a training step: achieved / ``bf16_tflops`` of the step's dense linears,
+    as tools/profile_step.py's GEMM table measures them (not an isolated GEMM's peak, ~800 TFLOP/s on both
+    Hoppers here: in a step the clocks sit lower). The H100's 712 TFLOP/s: olmoe3-4l-8e's dense GEMMs,
+    702-717 in sessions 34-40's profiles (docs/bench/session40/call4/profile_S2_best_top40.json: 137.5 ms
+    at 702), OLMoE-8L's 769-779 (its LM head's wide GEMMs). The H200's 695: its GEMMs took 232-235 ms of
+    olmoe3-4l-8e's bf16 step (sessions 16 and 26) where the H100's took 227.9 (session 31, the same
+    code), 0.976x. Blackwell: the H100's share, assumed (never run here)."""
+    hbm_eff: float = 0.80
+    """Achieved / datasheet HBM bandwidth of the step's streaming kernels (the optimizer's and the
+    elementwise traffic's counted bytes; see ``stream_bps``): the Triton AdamW step with its grad norm in
+    tools/profile_step.py's profiles against the bytes OPTIMIZER_BYTES counts, 1.13-1.16x that count's time
+    at the datasheet rate on the H100 (20.5 / 28.5 ms a step on olmoe3-4l-8e / OLMoE-8L: sessions 40 and
+    41) and 1.24-1.27x on the H200 (15.2-15.6 / 21.3-22.3 ms, sessions 10-29). Blackwell: the H200's,
+    assumed."""
+
+    @property
+    def stream_bps(self) -> float:
+        """Bytes/s the step's streaming kernels achieve: hbm_tbps x hbm_eff."""
+        return self.hbm_tbps * 1e12 * self.hbm_eff
 
 
 # Sources: NVIDIA datasheets; the datasheets quote sparse tensor FLOP/s, halved here to dense.
@@ -37,10 +57,10 @@ GPUS: dict[str, GPU] = {
     # H100 SXM5 datasheet: 80 GB HBM3 (nvidia-smi 81,559 MiB = 79.6 GiB), 3.35 TB/s, bf16 1,979 /
     # fp8 3,958 TFLOP/s sparse, NVLink 900 GB/s (bidirectional); DGX H100: ConnectX-7 400 Gb/s per GPU;
     # PCIe Gen5 x16 host link.
-    "h100": GPU(79.6, 3.35, 989.0, 1979.0, 450.0, 50.0, sm=9, pcie_gbps=64.0),
+    "h100": GPU(79.6, 3.35, 989.0, 1979.0, 450.0, 50.0, sm=9, pcie_gbps=64.0, hbm_eff=0.87),
     # H200 SXM datasheet: 141 GB HBM3e (nvidia-smi 143,771 MiB = 140.4 GiB, docs/performance.md),
     # 4.8 TB/s, bf16 1,979 / fp8 3,958 sparse, NVLink 900 GB/s; ConnectX-7 400 Gb/s per GPU; PCIe Gen5 x16.
-    "h200": GPU(140.4, 4.8, 989.0, 1979.0, 450.0, 50.0, sm=9, pcie_gbps=64.0),
+    "h200": GPU(140.4, 4.8, 989.0, 1979.0, 450.0, 50.0, sm=9, pcie_gbps=64.0, gemm_eff=695 / 989),
     # HGX B200 datasheet (8 GPUs): 1,440 GB HBM3e, 64 TB/s, BF16 36 PF / FP8 72 PF sparse, NVLink 5
     # 1.8 TB/s per GPU (bidirectional); DGX B200: ConnectX-7 400 Gb/s per GPU; PCIe Gen5 x16.
     "b200": GPU(180.0, 8.0, 2250.0, 4500.0, 900.0, 50.0, sm=10, pcie_gbps=64.0),
@@ -63,10 +83,20 @@ RESERVED_GIB = 3.0
 """Not for tensors: CUDA context, NCCL buffers, allocator fragmentation (a rank 'fits' below HBM - this)."""
 
 # ---- efficiency constants (docs/performance.md "planner vs measurement" says which rows fixed them) --
-EFF_GEMM = 800 / 989
-"""Dense linears: a plain bf16 GEMM measures about 800 TFLOP/s on the H200 (docs/performance.md)."""
-EFF_EXPERT = 0.47
-"""Routed-expert grouped GEMMs: 463-472 TFLOP/s of 989 (tools/bench_moe.py rows, both shapes)."""
+EXPERT_GEMM_MEASURED = {  # shape: (rows per expert, d_model, expert_hidden, grouped rate / dense rate)
+    "olmoe": (2048, 2048, 1024, 626 / 712),
+    "olmo3-moe-8e": (8192, 4096, 4096, 700 / 712),
+}
+"""Routed-expert grouped GEMMs (torch._grouped_mm, bf16) inside a training step, as a share of the dense
+linears' in-step rate (GPU.gemm_eff): tools/profile_step.py's GEMM table on the H100, compiled, 16,384
+tokens a step, uniform routing. OLMoE-8L's 64 narrow experts 623-629 TFLOP/s (sessions 37 and 41:
+docs/bench/session41/call2/profile_S1_best_top40.json), olmoe3-4l-8e's 8 wide ones 693-705 (sessions
+34-40). The planner runs a layer's local experts at the dense rate x this share, linear in the log of a
+local expert's rows x d_model x expert_hidden between the shapes, the nearest end's share outside them
+(timing.expert_gemm_share), as for BF16_CUBLAS_MEASURED. Until session 41 one EFF_EXPERT of 0.47 (465
+TFLOP/s: tools/bench_moe.py's whole MoE layers) ran every expert GEMM a third slower than measured in the
+step, and an isolated GEMM's 800 TFLOP/s ran the dense linears 12% faster: the two errors cancelled on
+olmoe3-4l-8e and left wide experts (the moe-1t slice) planned slow."""
 EFF_FP8_GEMM = 1080 / 1979
 """Dense fp8 blockwise GEMMs (F.scaled_mm BlockWise1x128 / 128x128): 1000-1160 TFLOP/s measured on
 the H200 (this session's fp8 GEMM measurement), 1080 of the 1979 fp8 peak. Used for every native fp8 recipe."""
@@ -101,7 +131,7 @@ BF16_CUBLAS_MEASURED = {  # shape: (rows per expert, d_model, expert_hidden, ms 
 torch._grouped_mm, both GEMMs of a layer fwd+bwd, eager, measured on the H200 (session 9, torch 2.11:
 ``tools/bench_gemm_fp8.py --skip-check --iters 10 --shapes olmoe olmo3-moe-3.2b olmo3-moe-8e --no-dense
 --backends 'bf16 cublas'``, docs/bench/session9/call1_gemm.json): 0.68x, 1.02x, 1.05x the grouped rate.
-The planner runs the experts at EFF_EXPERT x that ratio (timing.cublas_bf16_speedup: linear in the log
+The planner runs the experts at the bf16 grouped rate (timing.expert_gemm_share) x that ratio (timing.cublas_bf16_speedup: linear in the log
 of a local expert's rows x d_model x expert_hidden between these shapes, the end ratio outside). The
 ratio follows the GEMM's size, not the rows alone: olmoe's 2048-row experts lose, olmo3-moe-3.2b's
 1024-row ones do not. olmoe's row may be the CPU's limit rather than the GPU's (its 384 calls, each
@@ -116,30 +146,34 @@ sizes are read 4 times per MoE layer, draining the GPU's queue, so the CPU no lo
 the GPU), not only the mm's launch: the same loop took at most 28.8 us per call in the eager GEMM
 benchmark. olmoe3-4l-8e (8 experts, docs/bench/session9/call1_s2.json: 304.0 ms against 303.3) stays
 GPU-bound under it. Measured on compiled steps only; eager steps use the same figure."""
-EFF_MX_EXPERT = EFF_EXPERT * EFF_FP8_GEMM / EFF_GEMM
-"""Grouped MXFP8 expert GEMMs of native mxfp8 (torch's F.scaled_grouped_mm on SM100+, never run
-here): assumed to keep the bf16 grouped GEMM's share of the dense rate (0.47 / 0.81)."""
-EFF_ATTN = 0.70
-"""Attention scores as counted (12 x width x context, no causal halving): flash kernels do half of it
-at about 35% of peak. Assumed, not measured."""
+EFF_ATTN = 0.80
+"""Attention scores as counted (12 x width x context, no causal halving): the causal kernels do half
+of it, at about 40% of peak. Fitted in session 41 to the attention kernels of tools/profile_step.py's
+profiles (cuDNN's Hopper kernels, S 4096): 15.7-17.4 ms a step on the H100 (OLMoE-8L and olmoe3-4l-8e,
+sessions 37-41), 16.6-18.1 on the H200 (sessions 10-29), 16.7 planned; the H200's per-kernel table of
+session 18 (tools/bench_attention.py) agrees. Was 0.70, assumed."""
 EFF_COMM = 0.73
 """Achieved / link bandwidth of NCCL collectives at large sizes: 330 of 450 GB/s (2 x H200, docs)."""
 EFF_PCIE = 0.8
 """Achieved / link bandwidth of pinned host<->device copies (about 51 of 64 GB/s on PCIe Gen5). Assumed."""
 HOST_GBPS = 50.0
 """Host memory bandwidth the CPU optimizer step achieves (torch's AdamW on CPU tensors). Assumed."""
-HBM_TRAFFIC = {"eager": 13.0, "compiled": 4.4}
+HBM_TRAFFIC = {"eager": 11.3, "compiled": 3.6}
 """Elementwise HBM bytes moved per step / reference saved-activation bytes (reference_activation_bytes:
-the eager count of the code these were fitted on). compiled: fitted to the OLMoE-8L recompute=none
-row of session 5 (208.5 ms on one H200: the Triton SwiGLU on by default, the RoPE tables read by the
-compiled blocks; session 4's code, which computed both with torch ops inside the graph, fitted 7.5);
-eager: to session 5's eager OLMoE-8L row with bf16 state and the optimizer's expert copies (258.7 ms;
-session 4's torch SwiGLU fitted 18.0). Every other row is a check."""
+the eager count of the code these were fitted on), at the streaming rate (GPU.stream_bps). Refitted in
+session 41 with the in-step GEMM rates (GPU.gemm_eff, EXPERT_GEMM_MEASURED) and the streaming rate: the
+kernel time left beside the GEMMs, attention and the optimizer in tools/profile_step.py's profiles
+(GPU idle included, the experts' recast taken off) gives 2.95-3.19 on the H100 (OLMoE-8L b16 and best,
+olmoe3-4l-8e best: sessions 37, 40, 41) and 3.63-3.98 on the H200 (OLMoE-8L b16 session 29, olmoe3-4l-8e
+b16 session 16): compiled 3.6 sits between them, so the H100's elementwise kernels are planned about
+15% long and the H200's 5-10% short (1-2% of a step). eager: the six eager rows of sessions 39-40 (H100)
+centred. Before: 4.4 / 13.0, fitted to session 5's OLMoE-8L rows on the H200 beside the isolated GEMM
+rate and EFF_EXPERT 0.47."""
 OPTIMIZER_BYTES = {("fp32", "triton"): 32.0, ("bf16", "triton"): 24.0,
                    ("fp32", "torch"): 32.0 * 1.2, ("bf16", "torch"): 112.0}
 """HBM bytes per local parameter per optimizer step, counted from the code, by (state_dtype, kernel):
 the Triton AdamW (optimizer.impl auto on GPUs, core/adamw_triton.py: reads p, g, m, v, writes p, m, v:
-28 fp32, 20 bf16; measured at 1.03x that floor on one H200) + the grad-norm pass (4); torch's fused
+28 fp32, 20 bf16; at GPU.stream_bps, which is fitted to it in a step) + the grad-norm pass (4); torch's fused
 AdamW (impl=torch, fp32: the same 28 + 4, measured at 1.24x its floor, hence x 1.2); core/adamw.py's
 foreach ops (impl=torch, bf16: upcast m and v to fp32, decay, lerp, mul, addcmul, write back, sqrt,
 div, add, addcdiv: 108) + 4."""
@@ -214,7 +248,7 @@ FP8_ROWWISE_MEASURED = {  # shape: (rows per expert, d_model, expert_hidden, x b
 """fp8_rowwise's grouped expert GEMMs (torch._scaled_grouped_mm, rowwise scales) over bf16
 torch._grouped_mm, the mean of the forward, dgrad and wgrad passes, operands quantized beforehand,
 uniform groups, 16,384 tokens, on the H200 (session 11's probe, docs/bench/session11/call3_probe.json;
-the table in docs/precision.md, "fp8_rowwise"). The planner runs these experts at EFF_EXPERT x that
+the table in docs/precision.md, "fp8_rowwise"). The planner runs these experts at the bf16 grouped rate (timing.expert_gemm_share) x that
 ratio (timing.fp8_rowwise_speedup: linear in the log of a local expert's rows x d_model x
 expert_hidden between the shapes, as for BF16_CUBLAS_MEASURED); their quantization is a separate term."""
 EFF_FP8_ROWWISE_GEMM = {True: 1422 / 1979, False: 1080 / 1979}

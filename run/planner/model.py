@@ -20,10 +20,12 @@ from: [code] counted from the code's definition, [measured] fitted to or read of
   saved fp32 log-softmax plus 10 B/logit of temporaries [measured: 15.37 GiB at 16384 x 100352]),
   the last block's backward (its grads, the recast bf16 expert weight, the gradient rows), and the
   end of backward (every grad, one recomputed block).
-- step time = GEMM FLOPs / (peak x GEMM efficiency) + attention FLOPs / (peak x attention
-  efficiency) + elementwise HBM traffic [measured fit] + quantization passes and the bf16 experts'
-  backward recast [code bytes, assumed unfused rates; mxfp8 emulated's at its kernels' measured
-  rates] + optimizer (HBM, or host under offload) +
+- step time = GEMM FLOPs / (peak x the GPU's in-step GEMM efficiency, the routed experts at a share of it
+  by their shape) [measured: tools/profile_step.py's GEMM tables] + attention FLOPs / (peak x attention
+  efficiency) [measured fit] + elementwise HBM traffic [measured fit] at the GPU's streaming rate
+  (GPU.stream_bps) + quantization passes and the bf16 experts' backward recast [code bytes, assumed
+  unfused rates; mxfp8 emulated's at its kernels' measured rates] + optimizer (its counted bytes at the
+  streaming rate, or host under offload) +
   host<->device copies under offload [assumed PCIe rate] + exposed communication, the whole
   stretched by the 1F1B bubble (p-1)/(m+p-1). FSDP all-gathers / reduce-scatters are assumed to
   overlap compute (only the excess is exposed); EP all-to-alls, pipeline sends, offload copies and
@@ -276,7 +278,7 @@ def plan(p: Plan) -> dict:
         t_offload = offload_bytes / (gpu.pcie_gbps * 1e9 * EFF_PCIE)
         t_opt = HOST_OPTIMIZER_BYTES[sw.state_dtype] * tl / (HOST_GBPS * 1e9)
     else:
-        t_opt = OPTIMIZER_BYTES[(sw.state_dtype, sw.optimizer_kernel)] * tl / (gpu.hbm_tbps * 1e12)
+        t_opt = OPTIMIZER_BYTES[(sw.state_dtype, sw.optimizer_kernel)] * tl / gpu.stream_bps
     t_grad_cast = 0.0  # [code] passes the switches remove (expert_grads_bf16, bf16_experts=cublas, ...): a negative time
     grads_bf16 = sw.expert_grads_bf16 and not sw.offload
     if cfg.moe is not None and (grads_bf16 or sw.cublas_bf16_experts):
@@ -284,25 +286,25 @@ def plan(p: Plan) -> dict:
         # elementwise traffic otherwise): the gradients stay bf16 (expert_grads_bf16), or cuBLAS writes
         # them in fp32 from its sums (bf16_experts=cublas); bf16 ones are also 2 B less for the optimizer
         expert_local = sum(_expert_params(cfg, i) for i in range(cfg.n_layers) if cfg.is_moe_layer(i)) / par.ep / par.pp
-        t_grad_cast = -6.0 * expert_local / (gpu.hbm_tbps * 1e12)
+        t_grad_cast = -6.0 * expert_local / gpu.stream_bps
         if grads_bf16:
-            t_opt -= 2.0 * expert_local / (gpu.hbm_tbps * 1e12)
+            t_opt -= 2.0 * expert_local / gpu.stream_bps
         if sw.quantized_expert_copies:  # [code] the step writes a second bf16 copy (the dgrad's orientation)
-            t_opt += 2.0 * expert_local / (gpu.hbm_tbps * 1e12)
+            t_opt += 2.0 * expert_local / gpu.stream_bps
     if sw.dense_weight_copies and not sw.offload:
         # [code] no forward cast of the dense weights (read 4 + write 2 B) nor backward cast of their
         # gradients (read 2 + write 4 B); the optimizer writes each copy (2 B) and reads 2 B less per
         # gradient: -12 B a dense element (inside the fitted elementwise traffic otherwise)
         dense = stage_linear(cfg, list(range(cfg.n_layers)), 1)  # one unsharded GPU: every layer
-        t_grad_cast -= 12.0 * (dense["attention"] + dense["mlp"]) / (gpu.hbm_tbps * 1e12)
+        t_grad_cast -= 12.0 * (dense["attention"] + dense["mlp"]) / gpu.stream_bps
     if sw.fused_loss and sw.head_weight_copy:
         # [code] no cast of the head weight in each micro-batch's loss forward (read 4 + write 2 B an
         # element); the optimizer writes the copy (2 B) once a step
-        t_grad_cast -= (6.0 * m - 2.0) * cfg.vocab_size * cfg.d_model / (gpu.hbm_tbps * 1e12)
+        t_grad_cast -= (6.0 * m - 2.0) * cfg.vocab_size * cfg.d_model / gpu.stream_bps
     if sw.fused_loss_prescale:
         # [code] no scaling pass in the loss' backward, each micro-batch: the fp32 grad_W [V, D] and
         # grad_h [T, D] (the fp32 residual's dtype) read and written (inside the fitted traffic otherwise)
-        t_grad_cast -= m * 8.0 * cfg.d_model * (cfg.vocab_size + T_mb) / (gpu.hbm_tbps * 1e12)
+        t_grad_cast -= m * 8.0 * cfg.d_model * (cfg.vocab_size + T_mb) / gpu.stream_bps
     exposed_fsdp = max(0.0, t_fsdp - t_compute)
     step = t_pipe + exposed_fsdp + t_ar + t_opt + t_offload + t_grad_cast
     # optimizer.overlap (one unsharded GPU): the next forward waits for the embedding's and the first

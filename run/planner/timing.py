@@ -6,7 +6,7 @@ terms (optimizer, offload copies, FSDP and DP communication, pipeline sends and 
 
 from __future__ import annotations
 
-__all__ = ['cublas_bf16_speedup', 'fp8_rowwise_speedup', 'gemm_rate', 'mx_emulated_quant_s', 'reference_activation_bytes',
+__all__ = ['cublas_bf16_speedup', 'expert_gemm_share', 'fp8_rowwise_speedup', 'gemm_rate', 'mx_emulated_quant_s', 'reference_activation_bytes',
            'rowwise_quant_s', 'stage_time']
 
 import math
@@ -14,8 +14,8 @@ import math
 from moetron.core.memory import MemoryConfig, Recompute
 from moetron.models import ModelConfig
 from .hardware import (
-    GPU, GPUS_PER_NODE, EFF_GEMM, EFF_EXPERT, EFF_FP8_GEMM, EFF_FP8_EXPERT, EFF_FP8_GLUON_EXPERT, EFF_FP8_CUBLAS_EXPERT,
-    CUBLAS_CALL_S, BF16_CUBLAS_MEASURED, BF16_CUBLAS_CALL_S, EFF_MX_EXPERT, EFF_ATTN, EFF_COMM, HBM_TRAFFIC,
+    GPU, GPUS_PER_NODE, EXPERT_GEMM_MEASURED, EFF_FP8_GEMM, EFF_FP8_EXPERT, EFF_FP8_GLUON_EXPERT, EFF_FP8_CUBLAS_EXPERT,
+    CUBLAS_CALL_S, BF16_CUBLAS_MEASURED, BF16_CUBLAS_CALL_S, EFF_ATTN, EFF_COMM, HBM_TRAFFIC,
     RECOMPUTE_FORWARD, QUANT_BYTES, WEIGHT_QUANT_BYTES, QUANT_ROWS_BYTES, MX_EMULATED_BYTES, EFF_MX_QUANT,
     EFF_MX_FUSED, FP8_ROWWISE_MEASURED, EFF_FP8_ROWWISE_GEMM, ROWWISE_QUANT_BYTES, EFF_ROWWISE_ROWS, EFF_ROWWISE_COLS,
 )
@@ -158,16 +158,28 @@ def _group_bw(gpu: GPU, size: int, stride: int) -> float:
     return (gpu.nvlink_gbps if inside else gpu.internode_gbps) * 1e9 * EFF_COMM
 
 
-def gemm_rate(gpu: GPU, sw: Switches, module: str, grouped: bool) -> float:
+def gemm_rate(gpu: GPU, sw: Switches, module: str, grouped: bool, expert_share: float = 1.0) -> float:
     """FLOP/s of a module's GEMMs: fp8 peak x fp8 efficiency for a native low-precision recipe,
-    else the bf16 rate (emulated backends run bf16 GEMMs)."""
+    else the bf16 rate in a step (gpu.gemm_eff; emulated backends run bf16 GEMMs). ``grouped``: the
+    routed experts, at ``expert_share`` of the dense rate (expert_gemm_share at their shape) in bf16 and
+    native mxfp8; the FP8 blockwise kernels at their own measured rates."""
     if sw.recipe != "bf16" and sw.backend == "native" and sw.low(module):
         if sw.rowwise_native and not grouped:
             return gpu.fp8_tflops * 1e12 * EFF_FP8_ROWWISE_GEMM[sw.fp8_fast_accum]
-        grouped_eff = (EFF_MX_EXPERT if sw.recipe == "mxfp8"
-                       else EFF_FP8_GLUON_EXPERT if sw.fp8_experts == "gluon" else EFF_FP8_EXPERT)
-        return gpu.fp8_tflops * 1e12 * (grouped_eff if grouped else EFF_FP8_GEMM)
-    return gpu.bf16_tflops * 1e12 * (EFF_EXPERT if grouped else EFF_GEMM)
+        if not grouped:
+            return gpu.fp8_tflops * 1e12 * EFF_FP8_GEMM
+        if sw.recipe == "mxfp8":  # never run here: assumed to keep bf16's grouped share of the dense rate
+            return gpu.fp8_tflops * 1e12 * EFF_FP8_GEMM * expert_share
+        return gpu.fp8_tflops * 1e12 * (EFF_FP8_GLUON_EXPERT if sw.fp8_experts == "gluon" else EFF_FP8_EXPERT)
+    return gpu.bf16_tflops * 1e12 * gpu.gemm_eff * (expert_share if grouped else 1.0)
+
+
+def expert_gemm_share(rows: float, d_model: int, hidden: int) -> float:
+    """The bf16 grouped expert GEMMs' in-step rate as a share of the dense linears' for local experts
+    of ``rows`` rows x ``d_model`` x ``hidden``: EXPERT_GEMM_MEASURED's shares, linear in the log of
+    rows x d_model x hidden between the measured shapes, the nearest end's share outside them."""
+    return _log_interpolated([(r * d * f, share) for r, d, f, share in EXPERT_GEMM_MEASURED.values()],
+                             rows * d_model * hidden)
 
 
 def cublas_bf16_speedup(rows: float, d_model: int, hidden: int) -> float:
@@ -222,15 +234,21 @@ def stage_time(cfg: ModelConfig, layers: list[int], *, sw: Switches, memory: Mem
     share = len(recomputed) / max(1, len(layers))
     extra = 1 + share * RECOMPUTE_FORWARD["compiled" if compiled else "eager"]
 
+    moe = cfg.moe
+    # a local expert's rows: its share of the tokens' top-k choices, gathered from the ep ranks
+    rows = tokens * moe.router.top_k * ep / moe.num_experts if moe is not None else 0.0
+    expert_share = expert_gemm_share(rows, cfg.d_model, moe.expert_hidden) if moe is not None else 1.0
+    bf16_grouped = bf16_flops * gpu.gemm_eff * expert_share  # the bf16 experts' rate, what the ratios below scale
+
     def module_time(k: str, grouped: bool, rate: float) -> float:
         """A module's GEMMs at ``rate``, their wgrad third at the bf16 rate under fp8_wgrad=false."""
         flops = T_mb * extra * by_module[k]
         if not sw.bf16_wgrad(k):
             return flops / rate
-        return flops * 2 / 3 / rate + flops / 3 / (bf16_flops * (EFF_EXPERT if grouped else EFF_GEMM))
+        return flops * 2 / 3 / rate + flops / 3 / (bf16_grouped if grouped else bf16_flops * gpu.gemm_eff)
 
     passes = 4 if sw.bf16_wgrad("experts") else 6  # the cuBLAS loop's passes per layer (gate|up, down)
-    t_experts = module_time("experts", True, gemm_rate(gpu, sw, "experts", True))
+    t_experts = module_time("experts", True, gemm_rate(gpu, sw, "experts", True, expert_share))
     if sw.fp8_blockwise_experts and sw.fp8_experts == "cublas":
         # [measured] one cuBLAS call per local expert for each of a layer's fp8 GEMM passes (gate|up and
         # down: forward, dgrad, wgrad), each ~55 us of CPU: the GPU waits where those add up to more
@@ -240,20 +258,16 @@ def stage_time(cfg: ModelConfig, layers: list[int], *, sw: Switches, memory: Mem
     elif sw.rowwise_native and sw.low("experts"):
         # [measured, session 11] torch._scaled_grouped_mm at the grouped rate x the probe's ratio at this
         # GEMM size (its wgrad third at the bf16 grouped rate under fp8_wgrad none / dense)
-        moe = cfg.moe
-        rows = tokens * moe.router.top_k * ep / moe.num_experts  # per local expert
         speedup = fp8_rowwise_speedup(rows, cfg.d_model, moe.expert_hidden, sw.fp8_fast_accum)
-        t_experts = module_time("experts", True, bf16_flops * EFF_EXPERT * speedup)
+        t_experts = module_time("experts", True, bf16_grouped * speedup)
     elif sw.cublas_bf16_experts:
         # [measured, session 9] one torch.mm per local expert for each of the 6 bf16 GEMM passes of a
         # layer: the grouped rate x cuBLAS's measured ratio at this GEMM size, or the CPU time per call
         # the host syncs expose, whichever is longer
-        moe = cfg.moe
-        rows = tokens * moe.router.top_k * ep / moe.num_experts  # per local expert
         calls = sum(6 * moe.num_experts // ep for i in layers if cfg.is_moe_layer(i)) * extra
-        rate = bf16_flops * EFF_EXPERT * cublas_bf16_speedup(rows, cfg.d_model, moe.expert_hidden)
+        rate = bf16_grouped * cublas_bf16_speedup(rows, cfg.d_model, moe.expert_hidden)
         t_experts = max(module_time("experts", True, rate), calls * BF16_CUBLAS_CALL_S)
-    t_gemm = T_mb * extra * other_f / (bf16_flops * EFF_GEMM) + t_experts + sum(
+    t_gemm = T_mb * extra * other_f / (bf16_flops * gpu.gemm_eff) + t_experts + sum(
         module_time(k, False, gemm_rate(gpu, sw, k, False)) for k in ("attention", "mlp"))
     t_attn = T_mb * attn_f / (bf16_flops * EFF_ATTN) * extra
     ref_bytes = sum(reference_activation_bytes(cfg, i) for i in layers)
@@ -290,8 +304,9 @@ def stage_time(cfg: ModelConfig, layers: list[int], *, sw: Switches, memory: Mem
                 # the cache: once per step; a traced graph: forward and backward of every micro-batch
                 cached = sw.caches_weights(k)
                 quant += weight_quant_bytes(sw, k, cached) * weights * (1 / m if cached else 2 * extra)
-    t_hbm = traffic / (gpu.hbm_tbps * 1e12)
-    t_extra = (recast + quant) / (gpu.hbm_tbps * 1e12) + t_mx
+    t_hbm = traffic / gpu.stream_bps
+    # the recast's bytes are counted (streamed like the traffic); QUANT_BYTES are measured rates as bytes at the datasheet's
+    t_extra = recast / gpu.stream_bps + quant / (gpu.hbm_tbps * 1e12) + t_mx
     t_a2a = 0.0
     if all_to_all and cfg.moe is not None and ep > 1:
         K = cfg.moe.router.top_k
