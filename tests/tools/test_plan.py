@@ -267,6 +267,26 @@ def test_validate_plans_each_report_on_the_gpu_it_ran_on(tmp_path):
     assert rows[0]["planned_step_ms"] > rows[1]["planned_step_ms"]
 
 
+def test_validate_reports_a_row_it_cannot_replay_and_goes_on(tmp_path, capsys):
+    """A row whose override no longer parses (a switch since removed) is listed as not replayed with the
+    ConfigError's message; the report's other rows, and the other reports, are still planned and scored."""
+    base = ["--preset", "tiny-moe", "--seq-len", "256", "--batch", "8", "--model.n_layers=2"]
+    env = {"command": "python tools/bench_train.py " + " ".join(base), "preset": "tiny-moe", "seq_len": 256, "batch": 8}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"env": env, "rows": [
+        {"variant": "gone", "overrides": ["--precision.emulated_save_w_dgrad=true"], "step_s": 0.1},
+        {"variant": "kept", "overrides": [], "peak_mem_gib": 1.0, "step_s": 0.1}]}))
+    rows = planner.validate([str(path)])
+    assert [r["variant"] for r in rows] == ["gone", "kept"]
+    assert "emulated_save_w_dgrad" in rows[0]["not_replayed"] and "planned_step_ms" not in rows[0]
+    assert rows[1]["planned_step_ms"] > 0 and "not_replayed" not in rows[1]
+    planner.print_validation(rows)
+    out = capsys.readouterr().out
+    assert "gone" in out and "not replayed" in out and "1 rows not replayed" in out
+    assert "0 of 1 rows meet both targets" in out or "1 of 1 rows meet both targets" in out
+    assert "over 1 rows" in out
+
+
 # ---- --slice: what tools/bench_slice.py runs ------------------------------------------------------
 
 def _moe_1t_slice(compiled: bool, recompute: str = "none"):

@@ -6,7 +6,7 @@
 # Run from the repo root: bash docs/bench/session41/call3.sh (timeout 600; about 400 s).
 source docs/bench/session25/common.sh
 t0=$(date +%s)
-timeout 520 python3 tools/bench_slice.py --preset moe-1t --ep 8 --pp 8 --layers 2 --seq-len 8192 --steps 4 --warmup 2 \
+timeout 300 python3 tools/bench_slice.py --preset moe-1t --ep 8 --pp 8 --layers 2 --seq-len 8192 --steps 4 --warmup 2 \
   --compile --variant bf16:memory.recompute=none --variant fp8:precision.recipe=fp8_blockwise,memory.recompute=none \
   --json $OUT/slice.json 2>&1 | grep -v Warning | tail -12
 echo "slice $(( $(date +%s) - t0 )) s"
