@@ -94,7 +94,7 @@ docs/bench/session41/call2/profile_S1_best_top40.json), olmoe3-4l-8e's 8 wide on
 34-40). The planner runs a layer's local experts at the dense rate x this share, linear in the log of a
 local expert's rows x d_model x expert_hidden between the shapes, the nearest end's share outside them
 (timing.expert_gemm_share), as for BF16_CUBLAS_MEASURED. Until session 41 one EFF_EXPERT of 0.47 (465
-TFLOP/s: tools/bench_moe.py's whole MoE layers) ran every expert GEMM a third slower than measured in the
+TFLOP/s: tools/bench_moe.py's whole MoE layers) ran every expert GEMM 26-34% slower than measured in the
 step, and an isolated GEMM's 800 TFLOP/s ran the dense linears 12% faster: the two errors cancelled on
 olmoe3-4l-8e and left wide experts (the moe-1t slice) planned slow."""
 EFF_FP8_GEMM = 1080 / 1979
@@ -131,8 +131,9 @@ BF16_CUBLAS_MEASURED = {  # shape: (rows per expert, d_model, expert_hidden, ms 
 torch._grouped_mm, both GEMMs of a layer fwd+bwd, eager, measured on the H200 (session 9, torch 2.11:
 ``tools/bench_gemm_fp8.py --skip-check --iters 10 --shapes olmoe olmo3-moe-3.2b olmo3-moe-8e --no-dense
 --backends 'bf16 cublas'``, docs/bench/session9/call1_gemm.json): 0.68x, 1.02x, 1.05x the grouped rate.
-The planner runs the experts at the bf16 grouped rate (timing.expert_gemm_share) x that ratio (timing.cublas_bf16_speedup: linear in the log
-of a local expert's rows x d_model x expert_hidden between these shapes, the end ratio outside). The
+The planner runs the experts at the bf16 grouped rate (timing.expert_gemm_share) x that ratio
+(timing.cublas_bf16_speedup: linear in the log of a local expert's rows x d_model x expert_hidden
+between these shapes, the end ratio outside). The
 ratio follows the GEMM's size, not the rows alone: olmoe's 2048-row experts lose, olmo3-moe-3.2b's
 1024-row ones do not. olmoe's row may be the CPU's limit rather than the GPU's (its 384 calls, each
 with its group sizes read on the host, took 28.8 us apiece)."""
@@ -173,8 +174,8 @@ OPTIMIZER_BYTES = {("fp32", "triton"): 32.0, ("bf16", "triton"): 24.0,
                    ("fp32", "torch"): 32.0 * 1.2, ("bf16", "torch"): 112.0}
 """HBM bytes per local parameter per optimizer step, counted from the code, by (state_dtype, kernel):
 the Triton AdamW (optimizer.impl auto on GPUs, core/adamw_triton.py: reads p, g, m, v, writes p, m, v:
-28 fp32, 20 bf16; at GPU.stream_bps, which is fitted to it in a step) + the grad-norm pass (4); torch's fused
-AdamW (impl=torch, fp32: the same 28 + 4, measured at 1.24x its floor, hence x 1.2); core/adamw.py's
+28 fp32, 20 bf16; at GPU.stream_bps, which is fitted to it in a step) + the grad-norm pass (4); torch's
+fused AdamW (impl=torch, fp32: the same 28 + 4, measured at 1.24x its floor, hence x 1.2); core/adamw.py's
 foreach ops (impl=torch, bf16: upcast m and v to fp32, decay, lerp, mul, addcmul, write back, sqrt,
 div, add, addcdiv: 108) + 4."""
 RECOMPUTE_FORWARD = {"eager": 1.0 / 3.0, "compiled": 1.0 / 3.0}
@@ -248,9 +249,10 @@ FP8_ROWWISE_MEASURED = {  # shape: (rows per expert, d_model, expert_hidden, x b
 """fp8_rowwise's grouped expert GEMMs (torch._scaled_grouped_mm, rowwise scales) over bf16
 torch._grouped_mm, the mean of the forward, dgrad and wgrad passes, operands quantized beforehand,
 uniform groups, 16,384 tokens, on the H200 (session 11's probe, docs/bench/session11/call3_probe.json;
-the table in docs/precision.md, "fp8_rowwise"). The planner runs these experts at the bf16 grouped rate (timing.expert_gemm_share) x that
-ratio (timing.fp8_rowwise_speedup: linear in the log of a local expert's rows x d_model x
-expert_hidden between the shapes, as for BF16_CUBLAS_MEASURED); their quantization is a separate term."""
+the table in docs/precision.md, "fp8_rowwise"). The planner runs these experts at the bf16 grouped
+rate (timing.expert_gemm_share) x that ratio (timing.fp8_rowwise_speedup: linear in the log of a local
+expert's rows x d_model x expert_hidden between the shapes, as for BF16_CUBLAS_MEASURED); their
+quantization is a separate term."""
 EFF_FP8_ROWWISE_GEMM = {True: 1422 / 1979, False: 1080 / 1979}
 """Dense fp8_rowwise linears (torch._scaled_mm, rowwise scales), by precision.fp8_fast_accum. True:
 measured in a whole step on the H200, session 15 (docs/bench/session15/call3_prof_s2_fused.json,

@@ -238,7 +238,7 @@ def stage_time(cfg: ModelConfig, layers: list[int], *, sw: Switches, memory: Mem
     # a local expert's rows: its share of the tokens' top-k choices, gathered from the ep ranks
     rows = tokens * moe.router.top_k * ep / moe.num_experts if moe is not None else 0.0
     expert_share = expert_gemm_share(rows, cfg.d_model, moe.expert_hidden) if moe is not None else 1.0
-    bf16_grouped = bf16_flops * gpu.gemm_eff * expert_share  # the bf16 experts' rate, what the ratios below scale
+    bf16_grouped = bf16_flops * gpu.gemm_eff * expert_share  # the bf16 experts' rate; the ratios below scale it
 
     def module_time(k: str, grouped: bool, rate: float) -> float:
         """A module's GEMMs at ``rate``, their wgrad third at the bf16 rate under fp8_wgrad=false."""
@@ -305,7 +305,8 @@ def stage_time(cfg: ModelConfig, layers: list[int], *, sw: Switches, memory: Mem
                 cached = sw.caches_weights(k)
                 quant += weight_quant_bytes(sw, k, cached) * weights * (1 / m if cached else 2 * extra)
     t_hbm = traffic / gpu.stream_bps
-    # the recast's bytes are counted (streamed like the traffic); QUANT_BYTES are measured rates as bytes at the datasheet's
+    # the recast's bytes are counted, streamed like the traffic; QUANT_BYTES are measured rates written as
+    # bytes at the datasheet's rate
     t_extra = recast / gpu.stream_bps + quant / (gpu.hbm_tbps * 1e12) + t_mx
     t_a2a = 0.0
     if all_to_all and cfg.moe is not None and ep > 1:

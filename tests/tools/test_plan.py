@@ -528,7 +528,8 @@ def test_bf16_cublas_experts_measured_ratio_or_the_cpu_floor():
     flops = 3 * 6.0 * 4 * 3 * 4096 * moe.expert_hidden * 16384  # 3 MoE layers, top-4, fwd + bwd
     speedup = 31.371 / 29.906  # call1_gemm.json, olmo3-moe-8e
     assert cublas_bf16_speedup(8192, 4096, moe.expert_hidden) == pytest.approx(speedup)
-    assert gemm(grouped) - gemm(cublas) == pytest.approx(flops / grouped_rate(8192, 4096, moe.expert_hidden) * (1 - 1 / speedup))
+    rate = grouped_rate(8192, 4096, moe.expert_hidden)
+    assert gemm(grouped) - gemm(cublas) == pytest.approx(flops / rate * (1 - 1 / speedup))
     assert 0.97 < cublas["step_s"] / grouped["step_s"] < 1.0
     grouped8, cublas8 = run(_olmoe8, "grouped_mm"), run(_olmoe8, "cublas")
     floor = 8 * 6 * 64 * hw.BF16_CUBLAS_CALL_S
@@ -699,7 +700,7 @@ def test_bench_reports_record_the_mx_kernel_switches(monkeypatch):
 
 
 def test_fp8_rowwise_native_rates_and_quantization_by_hand():
-    """fp8_rowwise native on the H200 (docs/planner.md): the experts at EFF_EXPERT x session 11's
+    """fp8_rowwise native on the H200 (docs/planner.md): the experts at the bf16 grouped rate x session 11's
     measured ratio over bf16 (the table's at its shapes, between them in between, fast accumulation
     faster), dense linears at session 15's in-step rate, and the quantization the kernels' bytes by
     hand at session 15's kernel rates (every operand's rows, 3 B an element; with FP8 wgrads its
