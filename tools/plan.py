@@ -219,8 +219,10 @@ CHANGED_DEFAULTS = [("2026-12-05 14:45:00", "--precision.quantize_input_once=fal
 # What ``auto`` resolved to changed after reports recorded their sections: (the change's date, the recipe,
 # the field, what auto meant before). A row of that recipe (not on the emulated backend) whose field is
 # auto, in a report dated before the change, is replayed with the old meaning, recorded section or not.
-CHANGED_AUTO = [("2026-12-06 08:00:00", PrecisionRecipe.fp8_blockwise, "quantize_input_once", "false")]
-# native fp8_blockwise took the shared quantized input in session 38 (ae28db6; call 4 was its first report)
+CHANGED_AUTO = [("2026-12-06 06:55:45", PrecisionRecipe.fp8_blockwise, "fp8_experts", "triton"),
+                ("2026-12-06 08:00:00", PrecisionRecipe.fp8_blockwise, "quantize_input_once", "false")]
+# native fp8_blockwise's experts became the Gluon kernels on SM90 in session 37 (3224d53: fp8_experts=auto, the
+# Triton kernels before); it took the shared quantized input in session 38 (ae28db6; call 4 was its first report)
 
 
 def bench_plan(env: dict, row: dict) -> Plan:

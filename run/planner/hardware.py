@@ -107,12 +107,17 @@ olmo3-moe-3.2b shape with session 7's quantization kernels (467 at the olmoe sha
 olmo3-moe-8e; session 6's quantization: 510 / 386; the masked kernels of session 4: 441 / 322),
 activation quantization included (so the planner's separate quantization term counts it a second
 time). ``precision.fp8_experts=cublas``: EFF_FP8_CUBLAS_EXPERT and CUBLAS_CALL_S."""
-EFF_FP8_GLUON_EXPERT = 703 / 1979
+EFF_FP8_GLUON_EXPERT = 772 / 1979
 """Grouped fp8 expert GEMMs under ``precision.fp8_experts=gluon`` (core/precision/fp8_gluon.py, the default
-on SM90 since session 37): 703 TFLOP/s fwd+bwd at the same olmo3-moe-3.2b shape as EFF_FP8_EXPERT,
-activation quantization included and weights cached the same way (one H100, session 40 call 7, twice:
-``tools/bench_gemm_fp8.py --skip-check --iters 10 --loop 10 --shapes olmoe olmo3-moe-3.2b olmo3-moe-8e
---no-dense --backends "fp8_blockwise gluon"``: 703.3 / 703.8; olmoe 665-673, olmo3-moe-8e 813)."""
+on SM90 since session 37), their kernels alone: the planner counts the activations' quantization in a
+term of its own (QUANT_BYTES). Measured at the same olmo3-moe-3.2b shape as EFF_FP8_EXPERT, weights
+cached the same way, on one H100 (session 40 call 7): 703 TFLOP/s fwd+bwd with the quantization
+(``tools/bench_gemm_fp8.py --skip-check --iters 10 --loop 10 --shapes olmoe olmo3-moe-3.2b olmo3-moe-8e
+--no-dense --backends "fp8_blockwise gluon"``: 703.3 / 703.8; olmoe 665-673, olmo3-moe-8e 813), of which
+the kernels are 15.929 of 17.473 ms of GPU time at the gate|up GEMM (the same call with ``--profile``:
+docs/bench/session40/call7/grouped_loop10_profile.json; the 1x128 quantization the other 1.537): 703 x
+17.473 / 15.929 = 772. Until session 41 the plan used the 703 and counted the quantization twice (H100
+fp8 step rows of sessions 34-40 +6.0% on average; +3.6% now)."""
 EFF_FP8_CUBLAS_EXPERT = 803 / 1979
 """Grouped fp8 expert GEMMs under ``precision.fp8_experts=cublas`` (core/precision/fp8_cublas.py,
 one cuBLAS blockwise GEMM per expert) while the GPU is the limit: 803 TFLOP/s fwd+bwd measured on

@@ -944,11 +944,16 @@ def test_validate_replays_a_report_with_the_defaults_of_its_day():
     # what auto means changed for native fp8_blockwise in session 38 (CHANGED_AUTO): a recorded auto before
     # then is replayed off, after it on; the emulated backend's auto was on all along
     f8 = PrecisionConfig.from_dict({"recipe": "fp8_blockwise"}).to_dict()
-    then, now = planner.CHANGED_AUTO[0][0], "2026-12-06 09:00:00"
+    then = {field: since for since, _, field, _ in planner.CHANGED_AUTO}
+    now = "2026-12-06 09:00:00"
     assert str(planned("2026-12-06 07:30:00", recorded=f8).precision.quantize_input_once) == "false"
-    assert str(planned(now, recorded=f8).precision.quantize_input_once) == "auto" and then < now
+    assert str(planned(now, recorded=f8).precision.quantize_input_once) == "auto" and then["quantize_input_once"] < now
     emulated = dict(f8, backend="emulated")
     assert str(planned("2026-12-06 07:30:00", recorded=emulated).precision.quantize_input_once) == "auto"
+    # and its experts became the Gluon kernels on SM90 in session 37: an auto before then ran the Triton ones
+    assert str(planned("2026-12-06 06:00:00", recorded=f8).precision.fp8_experts) == "triton"
+    assert str(planned("2026-12-06 07:30:00", recorded=f8).precision.fp8_experts) == "auto"
+    assert then["fp8_experts"] < "2026-12-06 07:30:00"
 
 
 def test_quantized_expert_copies_move_the_weight_quantization_into_the_optimizer():
