@@ -171,8 +171,8 @@ session 41 with the in-step GEMM rates (GPU.gemm_eff, EXPERT_GEMM_MEASURED) and 
 kernel time left beside the GEMMs, attention and the optimizer in tools/profile_step.py's profiles
 (GPU idle included, the experts' recast taken off) gives 2.95-3.19 on the H100 (OLMoE-8L b16 and best,
 olmoe3-4l-8e best: sessions 37, 40, 41) and 3.63-3.98 on the H200 (OLMoE-8L b16 session 29, olmoe3-4l-8e
-b16 session 16): compiled 3.6 sits between them, so the H100's elementwise kernels are planned about
-15% long and the H200's 5-10% short (1-2% of a step). eager: the six eager rows of sessions 39-40 (H100)
+b16 session 16): compiled 3.6 sits between them, so the H100's elementwise kernels are planned 13-22%
+long and the H200's 1-10% short (1-3% of a step). eager: the six eager rows of sessions 39-40 (H100)
 centred. Before: 4.4 / 13.0, fitted to session 5's OLMoE-8L rows on the H200 beside the isolated GEMM
 rate and EFF_EXPERT 0.47."""
 OPTIMIZER_BYTES = {("fp32", "triton"): 32.0, ("bf16", "triton"): 24.0,

@@ -6,7 +6,7 @@ terms (optimizer, offload copies, FSDP and DP communication, pipeline sends and 
 
 from __future__ import annotations
 
-__all__ = ['cublas_bf16_speedup', 'expert_gemm_share', 'fp8_rowwise_speedup', 'gemm_rate', 'mx_emulated_quant_s', 'reference_activation_bytes',
+__all__ = ['bf16_rate', 'cublas_bf16_speedup', 'expert_gemm_share', 'fp8_rowwise_speedup', 'gemm_rate', 'mx_emulated_quant_s', 'reference_activation_bytes',
            'rowwise_quant_s', 'stage_time']
 
 import math
@@ -171,7 +171,13 @@ def gemm_rate(gpu: GPU, sw: Switches, module: str, grouped: bool, expert_share: 
         if sw.recipe == "mxfp8":  # never run here: assumed to keep bf16's grouped share of the dense rate
             return gpu.fp8_tflops * 1e12 * EFF_FP8_GEMM * expert_share
         return gpu.fp8_tflops * 1e12 * (EFF_FP8_GLUON_EXPERT if sw.fp8_experts == "gluon" else EFF_FP8_EXPERT)
-    return gpu.bf16_tflops * 1e12 * gpu.gemm_eff * (expert_share if grouped else 1.0)
+    return bf16_rate(gpu, expert_share if grouped else 1.0)
+
+
+def bf16_rate(gpu: GPU, share: float = 1.0) -> float:
+    """FLOP/s of bf16 GEMMs inside a step: the dense linears' (gpu.gemm_eff of the bf16 peak), times
+    ``share`` (the routed experts': expert_gemm_share at their shape)."""
+    return gpu.bf16_tflops * 1e12 * gpu.gemm_eff * share
 
 
 def expert_gemm_share(rows: float, d_model: int, hidden: int) -> float:
@@ -238,14 +244,14 @@ def stage_time(cfg: ModelConfig, layers: list[int], *, sw: Switches, memory: Mem
     # a local expert's rows: its share of the tokens' top-k choices, gathered from the ep ranks
     rows = tokens * moe.router.top_k * ep / moe.num_experts if moe is not None else 0.0
     expert_share = expert_gemm_share(rows, cfg.d_model, moe.expert_hidden) if moe is not None else 1.0
-    bf16_grouped = bf16_flops * gpu.gemm_eff * expert_share  # the bf16 experts' rate; the ratios below scale it
+    bf16_grouped = bf16_rate(gpu, expert_share)  # the bf16 experts' rate; the ratios below scale it
 
     def module_time(k: str, grouped: bool, rate: float) -> float:
         """A module's GEMMs at ``rate``, their wgrad third at the bf16 rate under fp8_wgrad=false."""
         flops = T_mb * extra * by_module[k]
         if not sw.bf16_wgrad(k):
             return flops / rate
-        return flops * 2 / 3 / rate + flops / 3 / (bf16_grouped if grouped else bf16_flops * gpu.gemm_eff)
+        return flops * 2 / 3 / rate + flops / 3 / (bf16_grouped if grouped else bf16_rate(gpu))
 
     passes = 4 if sw.bf16_wgrad("experts") else 6  # the cuBLAS loop's passes per layer (gate|up, down)
     t_experts = module_time("experts", True, gemm_rate(gpu, sw, "experts", True, expert_share))
@@ -267,7 +273,7 @@ def stage_time(cfg: ModelConfig, layers: list[int], *, sw: Switches, memory: Mem
         calls = sum(6 * moe.num_experts // ep for i in layers if cfg.is_moe_layer(i)) * extra
         rate = bf16_grouped * cublas_bf16_speedup(rows, cfg.d_model, moe.expert_hidden)
         t_experts = max(module_time("experts", True, rate), calls * BF16_CUBLAS_CALL_S)
-    t_gemm = T_mb * extra * other_f / (bf16_flops * gpu.gemm_eff) + t_experts + sum(
+    t_gemm = T_mb * extra * other_f / bf16_rate(gpu) + t_experts + sum(
         module_time(k, False, gemm_rate(gpu, sw, k, False)) for k in ("attention", "mlp"))
     t_attn = T_mb * attn_f / (bf16_flops * EFF_ATTN) * extra
     ref_bytes = sum(reference_activation_bytes(cfg, i) for i in layers)
