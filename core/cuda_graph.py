@@ -46,7 +46,9 @@ class StepGraph:
     """``fwd_bwd(batch_on_device) -> loss`` run eagerly for the first ``warmup_steps`` calls, then
     captured and replayed (see the module docstring). ``grad_tensors``: every tensor whose ``.grad``
     the step reads (parameters and gradient holders); ``modules``: whose buffers the capture's warm-up
-    pass restores; ``drop_caches()``: forgets per-step weight caches (PrecisionPolicy.after_optimizer_step)."""
+    pass restores; ``drop_caches()``: forgets per-step weight caches (PrecisionPolicy.after_optimizer_step).
+    ``replays``: the steps run from the graph, the capture's own included (the GPU tests read it to tell
+    a replayed step from an eager one: equal losses alone would not)."""
 
     def __init__(self, fwd_bwd: Callable[[torch.Tensor], torch.Tensor], grad_tensors: list[torch.Tensor],
                  modules: list[nn.Module], drop_caches: Callable[[], None], device: torch.device,
@@ -61,6 +63,7 @@ class StepGraph:
         self.drop_caches, self.device, self.warmup_steps = drop_caches, device, warmup_steps
         self.graph: torch.cuda.CUDAGraph | None = None
         self.calls = 0
+        self.replays = 0
         self.static_batch: torch.Tensor | None = None
         self.static_loss: torch.Tensor | None = None
         self.grads: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -78,6 +81,7 @@ class StepGraph:
                               f"batch shape fixed or set trainer.cuda_graph=false")
         self.static_batch.copy_(batch, non_blocking=True)
         self.graph.replay()
+        self.replays += 1
         for t, grad in self.grads:
             t.grad = grad
         return self.static_loss.clone()  # the next replay overwrites static_loss
