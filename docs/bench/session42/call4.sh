@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 42: the whole GPU suite on today's code (113 tests marked gpu; the last whole run was session 19's,
+# Session 42: the whole GPU suite on today's code (113 tests marked gpu; the last whole run was session 20's,
 # later sessions ran the changed modules only). One process, the slowest tests listed.
 # Run from the repo root: bash docs/bench/session42/call4.sh (timeout 600).
 source docs/bench/session25/common.sh
