@@ -4,7 +4,8 @@ The reference is the ordinary step: a trainer with the switch must give the same
 as one without, step by step, bit for bit on the GPU (the replay runs the kernels the eager step
 launches, on the same inputs), eager and compiled, with the gradients on the parameters and on the
 optimizer's bf16 copies (precision.expert_grads_bf16). On the CPU: the layouts and devices it cannot
-serve are refused with an error that names the fix, and the benchmarks take the switch.
+serve are refused with an error that names the fix, the benchmarks take the switch, and the replay's
+host side (batch in, gradients and loss out, the replay count) runs with a stand-in for the graph.
 """
 
 import sys
@@ -119,6 +120,34 @@ def test_capture_names_a_host_sync_on_gpu():
         trainer.train_step(data.next_batch())
     with pytest.raises(RuntimeError, match="could not capture the step.*bf16_experts=cublas.*cuda_graph=false"):
         trainer.train_step(data.next_batch())
+
+
+def test_replay_host_side_with_a_stand_in_graph():
+    """StepGraph after its capture, the CUDA graph replaced by a stand-in that computes the step's loss
+    and gradient from the captured batch buffer: each call copies its batch in before the replay, hands
+    the replay's gradient buffers back as the tensors' .grad, returns a loss of its own (not the buffer
+    the next replay overwrites), counts the replay (StepGraph.replays, which the GPU tests read: session
+    41 removed it as unread) and refuses a batch of another shape."""
+    from moetron.core.cuda_graph import StepGraph
+
+    w, grad_buf = torch.zeros(3), torch.zeros(3)
+    graph = StepGraph(lambda batch: None, [w], [], lambda: None, torch.device("cuda"), warmup_steps=1)
+    graph.calls = 1  # the eager warm-up step, already taken
+    graph.static_batch, graph.static_loss = torch.zeros(2, 5, dtype=torch.long), torch.zeros(())
+
+    class Captured:
+        def replay(self):
+            graph.static_loss.copy_(graph.static_batch.sum())
+            grad_buf.copy_(graph.static_batch[0, :3])
+
+    graph.graph, graph.grads = Captured(), [(w, grad_buf)]
+    losses = [graph(torch.full((2, 5), i)) for i in (1, 2)]
+    assert [x.item() for x in losses] == [10.0, 20.0]
+    assert w.grad is grad_buf and torch.equal(w.grad, torch.full((3,), 2.0))
+    assert graph.replays == 2
+    with pytest.raises(ConfigError, match=r"batches of shape \(2, 5\).*\(1, 5\).*cuda_graph=false"):
+        graph(torch.zeros(1, 5, dtype=torch.long))
+    assert graph.replays == 2
 
 
 def test_cuda_graph_is_refused_on_the_cpu():
