@@ -57,10 +57,10 @@ GPUS: dict[str, GPU] = {
     # H100 SXM5 datasheet: 80 GB HBM3 (nvidia-smi 81,559 MiB = 79.6 GiB), 3.35 TB/s, bf16 1,979 /
     # fp8 3,958 TFLOP/s sparse, NVLink 900 GB/s (bidirectional); DGX H100: ConnectX-7 400 Gb/s per GPU;
     # PCIe Gen5 x16 host link.
-    "h100": GPU(79.6, 3.35, 989.0, 1979.0, 450.0, 50.0, sm=9, pcie_gbps=64.0, hbm_eff=0.87),
+    "h100": GPU(79.6, 3.35, 989.0, 1979.0, 450.0, 50.0, sm=9, pcie_gbps=64.0, gemm_eff=712 / 989, hbm_eff=0.87),
     # H200 SXM datasheet: 141 GB HBM3e (nvidia-smi 143,771 MiB = 140.4 GiB, docs/performance.md),
     # 4.8 TB/s, bf16 1,979 / fp8 3,958 sparse, NVLink 900 GB/s; ConnectX-7 400 Gb/s per GPU; PCIe Gen5 x16.
-    "h200": GPU(140.4, 4.8, 989.0, 1979.0, 450.0, 50.0, sm=9, pcie_gbps=64.0, gemm_eff=695 / 989),
+    "h200": GPU(140.4, 4.8, 989.0, 1979.0, 450.0, 50.0, sm=9, pcie_gbps=64.0, gemm_eff=695 / 989, hbm_eff=0.80),
     # HGX B200 datasheet (8 GPUs): 1,440 GB HBM3e, 64 TB/s, BF16 36 PF / FP8 72 PF sparse, NVLink 5
     # 1.8 TB/s per GPU (bidirectional); DGX B200: ConnectX-7 400 Gb/s per GPU; PCIe Gen5 x16.
     "b200": GPU(180.0, 8.0, 2250.0, 4500.0, 900.0, 50.0, sm=10, pcie_gbps=64.0),

@@ -279,32 +279,36 @@ def plan(p: Plan) -> dict:
         t_opt = HOST_OPTIMIZER_BYTES[sw.state_dtype] * tl / (HOST_GBPS * 1e9)
     else:
         t_opt = OPTIMIZER_BYTES[(sw.state_dtype, sw.optimizer_kernel)] * tl / gpu.stream_bps
-    t_grad_cast = 0.0  # [code] passes the switches remove (expert_grads_bf16, bf16_experts=cublas, ...): a negative time
+    # [code] bytes the switches add to the optimizer's pass (opt_bytes) and passes they remove from the step
+    # (cast_bytes, negative: inside the fitted elementwise traffic otherwise), both at the streaming rate
+    opt_bytes = cast_bytes = 0.0
     grads_bf16 = sw.expert_grads_bf16 and not sw.offload
     if cfg.moe is not None and (grads_bf16 or sw.cublas_bf16_experts):
-        # no cast pass after the wgrad GEMM (read 2 + write 4 B per element; inside the fitted
-        # elementwise traffic otherwise): the gradients stay bf16 (expert_grads_bf16), or cuBLAS writes
-        # them in fp32 from its sums (bf16_experts=cublas); bf16 ones are also 2 B less for the optimizer
+        # no cast pass after the wgrad GEMM (read 2 + write 4 B per element): the gradients stay bf16
+        # (expert_grads_bf16), or cuBLAS writes them in fp32 from its sums (bf16_experts=cublas); bf16
+        # ones are also 2 B less for the optimizer
         expert_local = sum(_expert_params(cfg, i) for i in range(cfg.n_layers) if cfg.is_moe_layer(i)) / par.ep / par.pp
-        t_grad_cast = -6.0 * expert_local / gpu.stream_bps
+        cast_bytes -= 6.0 * expert_local
         if grads_bf16:
-            t_opt -= 2.0 * expert_local / gpu.stream_bps
-        if sw.quantized_expert_copies:  # [code] the step writes a second bf16 copy (the dgrad's orientation)
-            t_opt += 2.0 * expert_local / gpu.stream_bps
+            opt_bytes -= 2.0 * expert_local
+        if sw.quantized_expert_copies:  # the step writes a second bf16 copy (the dgrad's orientation)
+            opt_bytes += 2.0 * expert_local
     if sw.dense_weight_copies and not sw.offload:
-        # [code] no forward cast of the dense weights (read 4 + write 2 B) nor backward cast of their
-        # gradients (read 2 + write 4 B); the optimizer writes each copy (2 B) and reads 2 B less per
-        # gradient: -12 B a dense element (inside the fitted elementwise traffic otherwise)
+        # no forward cast of the dense weights (read 4 + write 2 B) nor backward cast of their gradients
+        # (read 2 + write 4 B); the optimizer writes each copy (2 B) and reads 2 B less per gradient:
+        # -12 B a dense element
         dense = stage_linear(cfg, list(range(cfg.n_layers)), 1)  # one unsharded GPU: every layer
-        t_grad_cast -= 12.0 * (dense["attention"] + dense["mlp"]) / gpu.stream_bps
+        cast_bytes -= 12.0 * (dense["attention"] + dense["mlp"])
     if sw.fused_loss and sw.head_weight_copy:
-        # [code] no cast of the head weight in each micro-batch's loss forward (read 4 + write 2 B an
-        # element); the optimizer writes the copy (2 B) once a step
-        t_grad_cast -= (6.0 * m - 2.0) * cfg.vocab_size * cfg.d_model / gpu.stream_bps
+        # no cast of the head weight in each micro-batch's loss forward (read 4 + write 2 B an element);
+        # the optimizer writes the copy (2 B) once a step
+        cast_bytes -= (6.0 * m - 2.0) * cfg.vocab_size * cfg.d_model
     if sw.fused_loss_prescale:
-        # [code] no scaling pass in the loss' backward, each micro-batch: the fp32 grad_W [V, D] and
-        # grad_h [T, D] (the fp32 residual's dtype) read and written (inside the fitted traffic otherwise)
-        t_grad_cast -= m * 8.0 * cfg.d_model * (cfg.vocab_size + T_mb) / gpu.stream_bps
+        # no scaling pass in the loss' backward, each micro-batch: the fp32 grad_W [V, D] and grad_h [T, D]
+        # (the fp32 residual's dtype) read and written
+        cast_bytes -= m * 8.0 * cfg.d_model * (cfg.vocab_size + T_mb)
+    t_opt += opt_bytes / gpu.stream_bps
+    t_grad_cast = cast_bytes / gpu.stream_bps
     exposed_fsdp = max(0.0, t_fsdp - t_compute)
     step = t_pipe + exposed_fsdp + t_ar + t_opt + t_offload + t_grad_cast
     # optimizer.overlap (one unsharded GPU): the next forward waits for the embedding's and the first
