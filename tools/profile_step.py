@@ -16,12 +16,12 @@ anywhere. A category's share is of the summed kernel time (streams that overlap 
 running (before its first kernel, between kernels, after its last), the between-kernel gaps listed
 by the kernel each one waited for and where that was launched (a host-bound stretch, or a sync,
 shows there; with --stack also the innermost line of this project's code on the launching op's
-Python stack). This tool synchronizes after every step (so a step's kernels end inside its window),
-so each step begins with the host launching its first kernels against an empty queue: on olmoe3-4l-8e
-that start is about 2.5 ms of the idle (a chrome trace, session 41), idle an unsynchronized step does
-not have (its host runs far ahead). A GEMM table gives the step's GEMMs by op and operand shapes
-(record_shapes): calls, ms and achieved TFLOP/s (2MKN from the shapes; each grouped form counted as torch._grouped_mm runs
-it), so a GEMM family below its rate shows. The headline is the share of kernel time that is
+Python stack). This tool synchronizes after every step, so that a step's kernels end inside its
+window; each step therefore begins with the host launching its first kernels against an empty queue.
+On olmoe3-4l-8e that start is about 2.5 ms of the idle (a chrome trace, session 41), idle that an
+unsynchronized step does not have (its host runs far ahead). A GEMM table gives the step's GEMMs by
+op and operand shapes (record_shapes): calls, ms and achieved TFLOP/s (2MKN from the shapes; each
+grouped form counted as torch._grouped_mm runs it), so a GEMM family below its rate shows. The headline is the share of kernel time that is
 neither GEMM nor attention. Overrides are --model.*, --memory.*, --optimizer.*, --precision.* (e.g.
 --optimizer.state_dtype=bf16 --precision.expert_weight_copies=optimizer) and (with --real-text) --data.*.
 """
