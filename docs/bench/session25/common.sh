@@ -2,7 +2,11 @@
 # and the variant strings and shapes their rows use (tools/bench_train.py --variant NAME:...).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
+# once per call: scripts that source this twice (session 42's common.sh) or run each other skip the reinstall
+if [[ -z "${MOETRON_BENCH_INSTALLED:-}" ]]; then
+  python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
+  export MOETRON_BENCH_INSTALLED=1
+fi
 B16=optimizer.state_dtype=bf16,precision.expert_weight_copies=optimizer,precision.expert_grads_bf16=true
 MXC=$B16,precision.recipe=mxfp8,precision.backend=emulated
 X=precision.emulated_save_x_bf16=true
