@@ -99,6 +99,14 @@ class ModelConfig(Config):
     backward either way. Alone on olmoe3-4l-8e (H100, session 34): 0.8% faster, at the edge of that
     run's 0.4% noise; not measured on real text (a frequent token's long run of rows is its worst
     case): off by default."""
+    triton_rmsnorm: bool = False
+    """Eager steps on CUDA run every RMSNorm (the blocks' two, the QK-norms, the final norm) as one
+    Triton pass forward and one backward (core/layers/norm_triton.py) instead of torch's separate fp32
+    kernels, and autograd keeps x and one fp32 scale a row instead of fp32 copies of the rows. The
+    same operations in fp32, the row sums in another order: outputs agree to fp32 rounding (a bf16
+    output to one rounding; tests/core/test_norm_triton.py). Compiled modules trace the torch path
+    either way (inductor fuses it with the residual adds), and the CPU runs the torch path. Not yet
+    measured on a GPU: off by default."""
     fused_loss_prescale: bool = True
     """The fused loss takes the gradient its backward will receive where the training loop declares
     it (the micro-batch's weight; core.layers.loss.loss_weight) and computes its gradients already

@@ -47,6 +47,10 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, device)
         self.lm_head = LMHead(cfg.d_model, cfg.vocab_size, device, fused=cfg.fused_loss,
                               chunk_tokens=cfg.loss_chunk_tokens, prescale=cfg.fused_loss_prescale)
+        if cfg.triton_rmsnorm:  # every norm of the model: the blocks', the QK-norms, the final one
+            for m in self.modules():
+                if isinstance(m, RMSNorm):
+                    m.triton = True
         if device is None or torch.device(device).type != "meta":
             self.init_weights()
 
