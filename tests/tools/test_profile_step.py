@@ -105,6 +105,7 @@ TRITON_KERNEL_CATEGORIES = {
     "core/moe/kernels/": "routing",
     "core/layers/cross_entropy_triton.py": "loss",
     "core/layers/embedding_triton.py": "embedding",
+    "core/layers/norm_triton.py": "norm",
     "core/precision/fp8_triton.py": "gemm",
     "core/precision/fp8_gluon.py": "gemm",  # with its row-tile table
     "core/precision/blockwise_triton.py": "cast_copy",  # quantization
