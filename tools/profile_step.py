@@ -71,7 +71,7 @@ RULES: list[tuple[str, str]] = [
              r"^_gluon_\w*_kernel$|"
              r"^aten::(?:mm|addmm|bmm|baddbmm|addbmm|matmul|linear|dot)$|^triton_tem_fused_\w*mm"),
     ("cast_copy", _INDUCTOR_COPY),
-    # ... and moetron's eager RMSNorm (core/layers/norm_triton.py, model.triton_rmsnorm).
+    # Norms: torch's, inductor's reductions, and moetron's eager RMSNorm (core/layers/norm_triton.py).
     ("norm", r"rms_norm|layer_norm|RowwiseMoments|rsqrt|^_rmsnorm_(?:fwd|bwd)_kernel$"),
     ("fused_pointwise", r"^triton_(?:poi|red|per)_|^_swiglu_(?:fwd|bwd)_kernel$"),
     ("fill_int32", r"FillFunctor<int>"),
