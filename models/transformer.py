@@ -47,10 +47,11 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, device)
         self.lm_head = LMHead(cfg.d_model, cfg.vocab_size, device, fused=cfg.fused_loss,
                               chunk_tokens=cfg.loss_chunk_tokens, prescale=cfg.fused_loss_prescale)
-        if cfg.triton_rmsnorm:  # every norm of the model: the blocks', the QK-norms, the final one
-            for m in self.modules():
-                if isinstance(m, RMSNorm):
-                    m.triton = True
+        for m in self.modules():  # the eager Triton kernels asked for, on every module they serve
+            if isinstance(m, RMSNorm):  # the blocks' norms, the QK-norms, the final one
+                m.triton = cfg.triton_rmsnorm
+            elif isinstance(m, RotaryEmbedding):
+                m.triton = cfg.triton_rope
         if device is None or torch.device(device).type != "meta":
             self.init_weights()
 

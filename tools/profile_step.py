@@ -73,7 +73,8 @@ RULES: list[tuple[str, str]] = [
     ("cast_copy", _INDUCTOR_COPY),
     # Norms: torch's, inductor's reductions, and moetron's eager RMSNorm (core/layers/norm_triton.py).
     ("norm", r"rms_norm|layer_norm|RowwiseMoments|rsqrt|^_rmsnorm_(?:fwd|bwd)_kernel$"),
-    ("fused_pointwise", r"^triton_(?:poi|red|per)_|^_swiglu_(?:fwd|bwd)_kernel$"),
+    # inductor's fused kernels, the experts' SwiGLU and the eager RoPE (core/layers/rope_triton.py)
+    ("fused_pointwise", r"^triton_(?:poi|red|per)_|^_swiglu_(?:fwd|bwd)_kernel$|^_rope_kernel$"),
     ("fill_int32", r"FillFunctor<int>"),
     ("fill", r"fill|FillFunctor|zero_|zeros|Memset|memset"),
     ("cast_copy", r"copy|^aten::to$|contiguous|clone|transpose|cast_transpose|\bcast_|Memcpy|memcpy|CatArray|"

@@ -172,8 +172,8 @@ class Attention(nn.Module):
         k_BGSD = k.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v_BGSD = v.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
         cos_SD, sin_SD = self.rope(S, x_BSD.device)
-        q_BHSD = apply_rotary(q_BHSD, cos_SD, sin_SD)
-        k_BGSD = apply_rotary(k_BGSD, cos_SD, sin_SD)
+        q_BHSD = apply_rotary(q_BHSD, cos_SD, sin_SD, self.rope.triton)
+        k_BGSD = apply_rotary(k_BGSD, cos_SD, sin_SD, self.rope.triton)
         gqa = self.n_kv_heads != self.n_heads
         if self.sliding_window is None or self.sliding_window >= S:
             # Full causal: lets SDPA pick the flash kernel on GPU.

@@ -112,6 +112,7 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.theta = theta
         self.scaling = scaling
+        self.triton = False  # apply_rotary's triton for the tensors this module's tables rotate (model.triton_rope)
         self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def tables(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,8 +151,44 @@ class RotaryEmbedding(nn.Module):
             self(seq_len, device)
 
 
-def apply_rotary(x_BHSD: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, H, S, Dh] by position; math in fp32, result in x's dtype."""
+KERNEL = "auto"
+"""Where the Triton rotation runs when asked for (apply_rotary's ``triton``): "auto" (CUDA tensors),
+"triton" (also CPU ones, under TRITON_INTERPRET=1: the tests)."""
+
+
+class _TritonRotary(torch.autograd.Function):
+    """forward(x, cos, sin) = apply_rotary's torch path bit for bit, in one pass; backward the same
+    pass rotating the other way (core/layers/rope_triton.py)."""
+
+    @staticmethod
+    def forward(ctx, x, cos_SD, sin_SD):
+        from .rope_triton import rotate
+
+        ctx.save_for_backward(cos_SD, sin_SD)
+        return rotate(x, cos_SD, sin_SD)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from .rope_triton import rotate
+
+        cos_SD, sin_SD = ctx.saved_tensors
+        return rotate(grad, cos_SD, sin_SD, backward=True), None, None
+
+
+def _takes_triton(x: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) -> bool:
+    if torch.compiler.is_compiling() or (KERNEL != "triton" and x.device.type != "cuda"):
+        return False
+    return (x.dim() == 4 and x.dtype in (torch.float32, torch.bfloat16) and cos_SD.dtype == sin_SD.dtype == torch.float32
+            and cos_SD.shape == sin_SD.shape == (x.shape[2], x.shape[3]) and cos_SD.is_contiguous()
+            and sin_SD.is_contiguous() and not cos_SD.requires_grad and not sin_SD.requires_grad)
+
+
+def apply_rotary(x_BHSD: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor, triton: bool = False) -> torch.Tensor:
+    """Rotate x [B, H, S, Dh] by position; math in fp32, result in x's dtype. ``triton``
+    (model.triton_rope, RotaryEmbedding.triton): in eager steps on CUDA, one Triton pass each way with
+    the same bits (core/layers/rope_triton.py); compiled regions and the CPU take the torch path."""
+    if triton and _takes_triton(x_BHSD, cos_SD, sin_SD):
+        return _TritonRotary.apply(x_BHSD, cos_SD, sin_SD)
     x_f = x_BHSD.to(torch.promote_types(x_BHSD.dtype, torch.float32))
     half = x_f.shape[-1] // 2
     rotated = torch.cat([-x_f[..., half:], x_f[..., :half]], dim=-1)

@@ -106,6 +106,7 @@ TRITON_KERNEL_CATEGORIES = {
     "core/layers/cross_entropy_triton.py": "loss",
     "core/layers/embedding_triton.py": "embedding",
     "core/layers/norm_triton.py": "norm",
+    "core/layers/rope_triton.py": "fused_pointwise",  # the eager RoPE, as inductor's fused one
     "core/precision/fp8_triton.py": "gemm",
     "core/precision/fp8_gluon.py": "gemm",  # with its row-tile table
     "core/precision/blockwise_triton.py": "cast_copy",  # quantization
