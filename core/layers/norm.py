@@ -59,7 +59,7 @@ class RMSNorm(nn.Module):
 
         w = self.weight
         return (not isinstance(w, DTensor) and x.dtype in (torch.float32, torch.bfloat16)
-                and w.dtype in (torch.float32, torch.bfloat16) and w.is_contiguous() and 1 <= self.dim <= MAX_D)
+                and w.dtype in (torch.float32, torch.bfloat16) and w.is_contiguous() and self.dim <= MAX_D)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._takes_triton(x):

@@ -11,9 +11,10 @@ Under torch.compile the norm is left to inductor, which fuses it with the residu
     dx = rstd * (g - xhat * sum(g * xhat) / D),  g = dy * w,  xhat = x * rstd
     dw = sum over rows of dy * xhat
 
-The same operations in the same order as the module's torch path (norm.py), in fp32; the row sums in
-the kernel's order, not torch's, so results agree to fp32 rounding (and a bf16 output to one rounding),
-which the tests check against float64. Division and square root are IEEE (div_rn, sqrt_rn), so the CPU
+The same quantities in fp32 as the module's torch path (norm.py): the forward its operations in its
+order, the backward the closed form above where autograd composes the pieces; the row sums in the
+kernel's order, not torch's. So results agree to fp32 rounding (a bf16 output to one rounding), which
+the tests check against float64 and the torch path. Division and square root are IEEE (div_rn, sqrt_rn), so the CPU
 interpreter (TRITON_INTERPRET=1) computes what the GPU does.
 
 Legend: T rows (leading dims flattened), D the normalized dim.
@@ -122,7 +123,8 @@ def rmsnorm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rs
     T, D = x_TD.shape
     dx_TD = torch.empty_like(x_TD, memory_format=torch.contiguous_format)
     programs = _programs(T, x.device)
-    dw_PD = torch.zeros(programs, D, device=x.device, dtype=torch.float32)
+    # every program writes its row of partial sums (rows past T add zeros): no fill, but for T = 0
+    dw_PD = (torch.empty if T else torch.zeros)(programs, D, device=x.device, dtype=torch.float32)
     if T and D:
         block, warps = _block(D)
         _rmsnorm_bwd_kernel[(programs,)](dy_TD, x_TD, weight, rstd_T, dx_TD, dw_PD, T, D, triton.cdiv(T, programs),

@@ -71,9 +71,7 @@ def rotate(x_BHSD: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor, bac
         raise ValueError(f"the Triton RoPE needs an even Dh and contiguous fp32 tables [S, Dh] = [{S}, {D}], "
                          f"got {tuple(cos_SD.shape)} {cos_SD.dtype} and {tuple(sin_SD.shape)} {sin_SD.dtype}")
     x = x_BHSD if x_BHSD.stride(-1) == 1 else x_BHSD.contiguous()
-    y = torch.empty_like(x)  # x's layout (dense tensors keep their strides)
-    if y.stride(-1) != 1:
-        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = torch.empty_like(x)  # x's layout where x is dense (its last dim contiguous), else contiguous
     if x.numel():
         half = D // 2
         _rope_kernel[(B * S, triton.cdiv(H, BLOCK_H))](

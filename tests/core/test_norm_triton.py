@@ -120,8 +120,6 @@ def test_norm_interpreted():
 
 @pytest.mark.gpu
 def test_norm_on_gpu():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     check("cuda")
     # At a step's size (16,384 rows of 4,096, bf16): against float64 as the torch path is.
     from moetron.core.layers.norm_triton import rmsnorm_backward, rmsnorm_forward
@@ -160,8 +158,6 @@ def test_compiled_model_traces_the_torch_path_on_gpu(monkeypatch):
     the comparison allows rounding: a first form of this test, asserting equal bits, failed once on the
     H100 after test_norm_on_gpu in the same process and passed alone (session 43; the message was not
     captured), where a script found two compiled builds, switch on and off, equal to the bit."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     from moetron.core.layers import norm as N
     from moetron.models import ModelConfig
 

@@ -82,8 +82,6 @@ def test_rope_interpreted():
 
 @pytest.mark.gpu
 def test_rope_on_gpu():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     check("cuda")
     # At a step's size (olmoe3-4l-8e's q: 4 x 4096 tokens, 32 heads of 128, bf16): the same bits.
     x = torch.randn(4, 4096, 32 * 128, device="cuda").to(torch.bfloat16).view(4, 4096, 32, 128).transpose(1, 2)
