@@ -103,8 +103,8 @@ class ModelConfig(Config):
     """Eager steps on CUDA run every RMSNorm (the blocks' two, the QK-norms, the final norm) as one
     Triton pass forward and one backward (core/layers/norm_triton.py) instead of torch's separate fp32
     kernels, and autograd keeps x and one fp32 scale a row instead of fp32 copies of the rows. The
-    same operations in fp32, the row sums in another order: outputs agree to fp32 rounding (a bf16
-    output to one rounding; tests/core/test_norm_triton.py). Compiled modules trace the torch path
+    same quantities in fp32 (the backward in closed form), the row sums in another order: outputs
+    agree to fp32 rounding (a bf16 output to one rounding; tests/core/test_norm_triton.py). Compiled modules trace the torch path
     either way (inductor fuses it with the residual adds), and the CPU runs the torch path. Eager on
     the H100 (session 43, best rows): olmoe3-4l-8e +12.6% tokens/s and OLMoE-8L +19.6%, 5.1 GiB less
     peak on both. Off by default until the GPU proxy's 200-step loss curve with it is checked against
