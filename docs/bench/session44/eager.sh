@@ -6,6 +6,8 @@
 # two is the noise). Any GPU; about 450 s on a fresh machine. Run from the repo root: bash docs/bench/session44/eager.sh
 # (timeout 600).
 source docs/bench/session32/switches.sh
+# the example's own set-up would build a venv and pip-install torch (no network there): use the image's python
+export MOETRON_PYTHON=$(command -v python3)
 timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/core/test_norm_triton.py tests/core/test_rope_triton.py \
   2>&1 | tail -2
 # model.triton_rope (session 43, the same bits as the torch path, never run on a GPU): eager rows with it
