@@ -107,8 +107,9 @@ class ModelConfig(Config):
     agree to fp32 rounding (a bf16 output to one rounding; tests/core/test_norm_triton.py). Compiled modules trace the torch path
     either way (inductor fuses it with the residual adds), and the CPU runs the torch path. Eager on
     the H100 (session 43, best rows): olmoe3-4l-8e +12.6% tokens/s and OLMoE-8L +19.6%, 5.1 GiB less
-    peak on both. Off by default until the GPU proxy's 200-step loss curve with it is checked against
-    the curve without (the trainer's steps are eager by default)."""
+    peak on both. Off by default: on the GPU proxy (session 44) its three 200-step runs all lay above the
+    four without it (mean train loss over steps 30-200 +0.025 to +0.088, held-out at step 100 +0.036 to
+    +0.075), a gap no check of the kernel has explained yet (docs/performance.md, session 44)."""
     triton_rope: bool = True
     """Eager steps on CUDA rotate q and k by RoPE in one Triton pass each way (core/layers/rope_triton.py)
     instead of torch's separate fp32 kernels (cast, slice, negation, concatenation, two products, a
