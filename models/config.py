@@ -109,7 +109,8 @@ class ModelConfig(Config):
     the H100 (session 43, best rows): olmoe3-4l-8e +12.6% tokens/s and OLMoE-8L +19.6%, 5.1 GiB less
     peak on both. Off by default: on the GPU proxy (session 44) its three 200-step runs all lay above the
     four without it (mean train loss over steps 30-200 +0.025 to +0.088, held-out at step 100 +0.036 to
-    +0.075), a gap no check of the kernel has explained yet (docs/performance.md, session 44)."""
+    +0.075): five independent trajectories, a 1-in-10 chance by rank under no difference, and no check of
+    the kernel explains one (docs/performance.md, session 44); more seeds are queued."""
     triton_rope: bool = True
     """Eager steps on CUDA rotate q and k by RoPE in one Triton pass each way (core/layers/rope_triton.py)
     instead of torch's separate fp32 kernels (cast, slice, negation, concatenation, two products, a
@@ -117,7 +118,7 @@ class ModelConfig(Config):
     in the same order, so the same bits both ways (tests/core/test_rope_triton.py, on the CPU under the
     interpreter and on the GPU). Compiled modules and the CPU take the torch path. Eager on the H100
     (session 44, best rows with the Triton norm): olmoe3-4l-8e +5.3% tokens/s, OLMoE-8L +11.4%, the
-    same peak; the GPU proxy +11% (on by default since session 44)."""
+    same peak; the GPU proxy +10% with the norm, about +8% without (on by default since session 44)."""
     fused_loss_prescale: bool = True
     """The fused loss takes the gradient its backward will receive where the training loop declares
     it (the micro-batch's weight; core.layers.loss.loss_weight) and computes its gradients already
