@@ -2,7 +2,10 @@
 forward and backward of moe-1t-proxy (4 layers, one sequence of 256 tokens) through the torch path, every
 RMSNorm's x, weight, output and incoming gradient kept; then the kernel on each of those, against the torch
 path: the output's and dx's differing elements, dx's and dw's relative L2 differences.
-Run from the repo root: TRITON_INTERPRET=1 python docs/bench/session44/norm_io.py (CPU, about 2 minutes)."""
+Run from the repo root: TRITON_INTERPRET=1 python docs/bench/session44/norm_io.py (CPU, about 2 minutes), or
+python docs/bench/session44/norm_io.py cuda (the proxy's batch, 8 x 2048 tokens, and the compiled kernel)."""
+import sys
+
 import torch
 from moetron.core.layers.norm import RMSNorm
 from moetron.core.layers.norm_triton import rmsnorm_backward, rmsnorm_forward
@@ -11,7 +14,8 @@ from moetron.models import ModelConfig
 cfg = ModelConfig.moe_1t_proxy()
 cfg.apply_overrides(["n_layers=4", "triton_rope=false"])
 torch.manual_seed(0)
-model = cfg.build(device="cpu")
+device = sys.argv[1] if len(sys.argv) > 1 else "cpu"
+model = cfg.build(device=device)
 saved = {}
 
 
@@ -25,8 +29,9 @@ def keep(name):
 for n, m in model.named_modules():
     if isinstance(m, RMSNorm):
         m.register_forward_hook(keep(n))
-batch = torch.randint(0, cfg.vocab_size, (1, 257), generator=torch.Generator().manual_seed(1))
-with torch.autocast("cpu", dtype=torch.bfloat16):
+shape = (8, 2049) if device == "cuda" else (1, 257)
+batch = torch.randint(0, cfg.vocab_size, shape, generator=torch.Generator().manual_seed(1)).to(device)
+with torch.autocast(device, dtype=torch.bfloat16):
     model(batch[:, :-1], batch[:, 1:]).backward()
 
 
@@ -38,7 +43,7 @@ for n, d in saved.items():
     x, w, dy = d["x"], d["w"], d["dy"]
     y, rstd = rmsnorm_forward(x, w, cfg.norm_eps)
     dx, dw = rmsnorm_backward(dy, x, w, rstd)
-    ref = RMSNorm(x.shape[-1], cfg.norm_eps)
+    ref = RMSNorm(x.shape[-1], cfg.norm_eps, device=device)
     ref.weight.data = w.clone()
     xr = x.clone().requires_grad_()
     ref(xr).backward(dy)
