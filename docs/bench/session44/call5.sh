@@ -2,7 +2,7 @@
 # Session 44, call 5 (queued): each norm of the proxy's model on its real inputs (norm_io.py), the norm's
 # gradients against the torch path and a rounding control on the proxy's model (gradcmp.py), then
 # olmoe3-4l-8e's eager best row profiled with the norm and RoPE kernels (the next eager levers).
-# Run from the repo root: bash docs/bench/session44/call5.sh (timeout 240)
+# Run from the repo root: bash docs/bench/session44/call5.sh (timeout 300; about 200 s on a fresh machine)
 source docs/bench/session32/switches.sh
 timeout 60 python3 docs/bench/session44/norm_io.py cuda 2>&1 | grep -v Warning | tail -17
 timeout 90 python3 docs/bench/session44/gradcmp.py 2>&1 | grep -v Warning | tail -4
