@@ -33,7 +33,7 @@ import triton.language as tl
 from .precision import mx_triton
 from .precision.mx_triton import (HW_CONVERT, abs_bits, lean_block_scale, lean_qdq, lean_rows_qdq, store_bf16,
                                    tile_grid, tile_ids, widen)
-from .triton_round import load_fp32, round_to_bf16, store_fp32_as
+from .triton_round import load_fp32, round_to_bf16, store_rounded
 
 __all__ = ["BLOCK", "MX_PAIR_TILE_COLS", "MX_PAIR_WARPS", "adamw_update_", "adamw_update_mx_pair_"]
 
@@ -64,16 +64,16 @@ def _adamw_at(p_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, offs, mask, decay, lerp_wei
               GRAD_SCALE: tl.constexpr):
     """One AdamW step of the elements at ``offs`` (loaded, updated by _adamw_math, stored); the new p."""
     p = tl.load(p_ptr + offs, mask=mask, other=0.0)
-    g = load_fp32(g_ptr, offs, mask, GRAD_BF16)
+    g = load_fp32(g_ptr + offs, mask, GRAD_BF16)
     if GRAD_SCALE:  # the clip coefficient, as torch._foreach_mul_(grads, coef) would apply it
         g = g * tl.load(scale_ptr)
-    m = load_fp32(m_ptr, offs, mask, STATE_BF16)
-    v = load_fp32(v_ptr, offs, mask, STATE_BF16)
+    m = load_fp32(m_ptr + offs, mask, STATE_BF16)
+    v = load_fp32(v_ptr + offs, mask, STATE_BF16)
     p, m, v = _adamw_math(p, g, m, v, decay, lerp_weight, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size,
                           LERP_SMALL)
     tl.store(p_ptr + offs, p, mask=mask)
-    store_fp32_as(m_ptr, offs, m, mask, STATE_BF16)
-    store_fp32_as(v_ptr, offs, v, mask, STATE_BF16)
+    store_rounded(m_ptr + offs, m, mask, STATE_BF16)
+    store_rounded(v_ptr + offs, v, mask, STATE_BF16)
     return p
 
 

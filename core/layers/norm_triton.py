@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_round import load_fp32, store_fp32_as
+from ..triton_round import load_fp32, store_rounded
 
 __all__ = ["rmsnorm_backward", "rmsnorm_forward"]
 
@@ -41,10 +41,10 @@ def _rmsnorm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, D, stride_x, stride_y, ep
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
-    x = load_fp32(x_ptr, row * stride_x + cols, mask, X_BF16)
+    x = load_fp32(x_ptr + row * stride_x + cols, mask, X_BF16)
     rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(x * x, axis=0), D * 1.0) + eps))
-    w = load_fp32(w_ptr, cols, mask, W_BF16)
-    store_fp32_as(y_ptr, row * stride_y + cols, w * (x * rstd), mask, X_BF16)
+    w = load_fp32(w_ptr + cols, mask, W_BF16)
+    store_rounded(y_ptr + row * stride_y + cols, w * (x * rstd), mask, X_BF16)
     tl.store(rstd_ptr + row, rstd)
 
 
@@ -54,19 +54,19 @@ def _rmsnorm_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr, T, D, ro
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
-    w = load_fp32(w_ptr, cols, mask, W_BF16)
+    w = load_fp32(w_ptr + cols, mask, W_BF16)
     dw = tl.zeros([BLOCK_D], tl.float32)
     first = pid.to(tl.int64) * rows_per_program
     for i in range(0, rows_per_program):
         row = first + i
         inside = mask & (row + tl.zeros([BLOCK_D], tl.int64) < T)  # a [BLOCK_D] mask (the interpreter wants one)
-        x = load_fp32(x_ptr, row * stride_x + cols, inside, X_BF16)
-        dy = load_fp32(dy_ptr, row * stride_dy + cols, inside, X_BF16)
+        x = load_fp32(x_ptr + row * stride_x + cols, inside, X_BF16)
+        dy = load_fp32(dy_ptr + row * stride_dy + cols, inside, X_BF16)
         rstd = tl.load(rstd_ptr + tl.minimum(row, T - 1))  # a row past T loads zeros above: adds nothing
         xhat = x * rstd
         g = dy * w
         c = tl.div_rn(tl.sum(g * xhat, axis=0), D * 1.0)
-        store_fp32_as(dx_ptr, row * stride_dx + cols, (g - xhat * c) * rstd, inside, X_BF16)
+        store_rounded(dx_ptr + row * stride_dx + cols, (g - xhat * c) * rstd, inside, X_BF16)
         dw += dy * xhat
     tl.store(dw_ptr + pid.to(tl.int64) * D + cols, dw, mask=mask)
 

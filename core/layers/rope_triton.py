@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_round import load_fp32, store_fp32_as
+from ..triton_round import load_fp32, store_rounded
 
 __all__ = ["rotate"]
 
@@ -41,8 +41,8 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, S, H, HALF, sxb, sxh, sxs, syb,
     mask = (h[:, None] < H) & (c[None, :] < HALF)
     xo = b * sxb + s * sxs + h[:, None].to(tl.int64) * sxh + c[None, :]
     yo = b * syb + s * sys + h[:, None].to(tl.int64) * syh + c[None, :]
-    x1 = load_fp32(x_ptr, xo, mask, IS_BF16)
-    x2 = load_fp32(x_ptr, xo + HALF, mask, IS_BF16)
+    x1 = load_fp32(x_ptr + xo, mask, IS_BF16)
+    x2 = load_fp32(x_ptr + xo + HALF, mask, IS_BF16)
     t = s * 2 * HALF + c
     inside = c < HALF
     cos1 = tl.load(cos_ptr + t, mask=inside, other=0.0)[None, :]
@@ -55,8 +55,8 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, S, H, HALF, sxb, sxh, sxs, syb,
     else:
         y1 = x1 * cos1 - x2 * sin1
         y2 = x2 * cos2 + x1 * sin2
-    store_fp32_as(y_ptr, yo, y1, mask, IS_BF16)
-    store_fp32_as(y_ptr, yo + HALF, y2, mask, IS_BF16)
+    store_rounded(y_ptr + yo, y1, mask, IS_BF16)
+    store_rounded(y_ptr + yo + HALF, y2, mask, IS_BF16)
 
 
 def rotate(x_BHSD: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor, backward: bool = False) -> torch.Tensor:

@@ -16,7 +16,7 @@ Bits: the scale exponent comes from the bits of amax (floor) or of amax / 448 (r
 scaling is by exact powers of two built from bits; the only rounding is to E4M3, nearest even: on
 the GPU by its conversion instruction, under the interpreter by bit arithmetic (``round_to_e4m3``),
 the same values (``signed_e4m3``). The jit helpers here (``signed_e4m3``, ``round_to_e4m3``,
-``mx_exponent``, ``exp2_int``, ``load_fp32``, ``store_rounded``) are shared with blockwise_triton; the
+``mx_exponent``, ``exp2_int``, and core/triton_round.py's ``load_fp32``, ``store_rounded``) are shared with blockwise_triton; the
 lean arithmetic's (``abs_bits``, ``widen``, ``lean_block_scale``, ``lean_qdq``, ``lean_rows_qdq``,
 ``store_bf16``) with
 core/adamw_triton.py's MX-pair update.
@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_round import round_to_bf16
+from ..triton_round import load_fp32, store_rounded, widen_fp32
 
 from .mx import E4M3_MAX, MX_BLOCK, SCALE_MODES
 
@@ -161,37 +161,9 @@ def exp2_int(e):
     return tl.where(e == -127, 1 << 22, (e + 127) << 23).to(tl.float32, bitcast=True)
 
 
-@triton.jit
-def widen_fp32(v, IN_BF16: tl.constexpr):
-    """Loaded values as fp32; IN_BF16: v holds a bf16 tensor's bits (its int16 view), widened by bits
-    (exact, subnormals kept: the interpreter's conversion flushes them)."""
-    # one return after the if/else: Triton 3.6 type-checks the code after a constexpr-taken return
-    if IN_BF16:
-        x = (v.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    else:
-        x = v.to(tl.float32)
-    return x
-
-
-@triton.jit
-def load_fp32(ptrs, mask, IN_BF16: tl.constexpr):
-    """Load as fp32 (widen_fp32); IN_BF16: the pointers are a bf16 tensor's int16 view."""
-    return widen_fp32(tl.load(ptrs, mask=mask, other=0), IN_BF16)
-
-
 def as_loadable(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """(what to pass the kernel for x, IN_BF16): a bf16 tensor goes as its int16 view (load_fp32)."""
     return (x.view(torch.int16), True) if x.dtype == torch.bfloat16 else (x, False)
-
-
-@triton.jit
-def store_rounded(ptrs, v, mask, OUT_BF16: tl.constexpr):
-    """Store fp32 v, as bf16 rounded to nearest even by its bits when OUT_BF16 (subnormals kept: the
-    interpreter's conversion flushes them), else as the pointers' dtype."""
-    if OUT_BF16:
-        tl.store(ptrs, round_to_bf16(v), mask=mask)
-    else:
-        tl.store(ptrs, v.to(ptrs.dtype.element_ty), mask=mask)
 
 
 @triton.jit
