@@ -5,16 +5,5 @@
 # at rounding level from step 1 without it: the fused loss in chunks of 4,096 tokens (another GEMM shape for
 # the logits, another order of the loss sums) and the clipping norm summed by Triton (another order).
 # Run from the repo root: bash docs/bench/session44/proxy2.sh
-source docs/bench/session25/common.sh
-export MOETRON_PYTHON=$(command -v python3)
-for run in chunk:"--model.loss_chunk_tokens=4096" gnorm:"--optimizer.triton_grad_norm=true" \
-           onchunk:"--model.triton_rmsnorm=true --model.loss_chunk_tokens=4096"; do
-  name=${run%%:*}
-  t0=$(date +%s)
-  RUN_DIR=runs/proxy_norm_$name STEPS=200 timeout 130 bash examples/pretrain_moe_1t.sh --checkpoint.keep_last=1 \
-    ${run#*:} > $OUT/proxy_norm_$name.log 2>&1
-  echo "[$name] rc=$? $(( $(date +%s) - t0 )) s"
-  cp runs/proxy_norm_$name/metrics.jsonl $OUT/proxy_norm_$name.jsonl 2>/dev/null
-  grep -E "^step +(10|100|200) " $OUT/proxy_norm_$name.log | tail -3
-  grep -E "== summary|rror" $OUT/proxy_norm_$name.log | head -3
-done
+bash docs/bench/session44/proxy_runs.sh chunk:"--model.loss_chunk_tokens=4096" gnorm:"--optimizer.triton_grad_norm=true" \
+  onchunk:"--model.triton_rmsnorm=true --model.loss_chunk_tokens=4096"
