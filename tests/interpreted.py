@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.processes import run_python
 from tests.reporting import ROOT, ended_early, report_line, run_reporting
@@ -80,3 +81,19 @@ def _run_batch(module: str, calls: tuple[str, ...], timeout: int) -> dict[str, l
     if results is None:
         return {c: [False, f"the interpreted batch of {module}: {ended_early(proc)}"] for c in calls}
     return results
+
+
+def tiny_model_step(device: str, override: str):
+    """One forward and backward of the tiny-moe preset at 2 layers with ``override`` (e.g.
+    "triton_rope=true"), from seed 0 and a fixed batch: (model, loss, {name: gradient}), what a kernel's
+    whole-model check compares with the switch on and off."""
+    from moetron.models import ModelConfig
+
+    cfg = ModelConfig.preset("tiny-moe")
+    cfg.apply_overrides(["n_layers=2", override])
+    torch.manual_seed(0)
+    model = cfg.build(device=device)
+    batch = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1)).to(device)
+    loss = model(batch[:, :-1], batch[:, 1:])
+    loss.backward()
+    return model, loss.detach(), {n: p.grad for n, p in model.named_parameters()}

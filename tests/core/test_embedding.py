@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from moetron.core.layers.embedding import Embedding
-from tests.interpreted import run_interpreted
+from tests.interpreted import run_interpreted, tiny_model_step
 
 
 def _loop_reference(ids: torch.Tensor, grad: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Tensor:
@@ -65,17 +65,7 @@ def check(device: str) -> None:
         torch.testing.assert_close(grads[0], plain.weight.grad, rtol=1e-6, atol=1e-5)
         # A whole tiny model with model.triton_embedding_grad: every other gradient the same bits,
         # the embedding's to fp32 rounding.
-        from moetron.models import ModelConfig
-
-        grads = {}
-        for on in (False, True):
-            cfg = ModelConfig.preset("tiny-moe")
-            cfg.apply_overrides(["n_layers=2", f"triton_embedding_grad={str(on).lower()}"])
-            torch.manual_seed(0)
-            model = cfg.build(device=device)
-            batch = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1)).to(device)
-            model(batch[:, :-1], batch[:, 1:]).backward()
-            grads[on] = {n: p.grad for n, p in model.named_parameters()}
+        grads = {on: tiny_model_step(device, f"triton_embedding_grad={str(on).lower()}")[2] for on in (False, True)}
         assert grads[True].keys() == grads[False].keys()
         for n, g in grads[False].items():
             if n == "embed.weight":

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from moetron.core.layers.norm import RMSNorm
-from tests.interpreted import run_interpreted
+from tests.interpreted import run_interpreted, tiny_model_step
 
 INTERPRETED = ("check('cpu')",)
 EPS = 1e-6
@@ -91,20 +91,11 @@ def check(device: str) -> None:
         assert torch.equal(xr.grad, dx) and torch.equal(norm.weight.grad, dw)
         # A whole tiny model with model.triton_rmsnorm (fp32, no autocast: the comparison is to fp32
         # rounding): the loss and every gradient as with the torch path.
-        from moetron.models import ModelConfig
-
         runs = {}
         for on in (False, True):
-            cfg = ModelConfig.preset("tiny-moe")
-            cfg.apply_overrides(["n_layers=2", f"triton_rmsnorm={str(on).lower()}"])
-            torch.manual_seed(0)
-            model = cfg.build(device=device)
+            model, *runs[on] = tiny_model_step(device, f"triton_rmsnorm={str(on).lower()}")
             norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
             assert len(norms) == 2 * 4 + 1 and all(m.triton == on for m in norms)  # 2 blocks x (2 + QK) + final
-            batch = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1)).to(device)
-            loss = model(batch[:, :-1], batch[:, 1:])
-            loss.backward()
-            runs[on] = loss.detach(), {n: p.grad for n, p in model.named_parameters()}
         torch.testing.assert_close(runs[True][0], runs[False][0], rtol=1e-6, atol=0)
         assert runs[True][1].keys() == runs[False][1].keys()
         for n, grad in runs[False][1].items():

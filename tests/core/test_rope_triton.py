@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from moetron.core.layers.rope import RotaryEmbedding, apply_rotary
-from tests.interpreted import run_interpreted
+from tests.interpreted import run_interpreted, tiny_model_step
 
 INTERPRETED = ("check('cpu')",)
 
@@ -56,19 +56,10 @@ def check(device: str) -> None:
         for want, got in zip(_rotated(x, cos, sin, False, grad), _rotated(x, cos, sin, True, grad)):
             assert torch.equal(got, want)
         # A whole tiny model with model.triton_rope: the loss and every gradient the same bits.
-        from moetron.models import ModelConfig
-
         runs = {}
         for on in (False, True):
-            cfg = ModelConfig.preset("tiny-moe")
-            cfg.apply_overrides(["n_layers=2", f"triton_rope={str(on).lower()}"])
-            torch.manual_seed(0)
-            model = cfg.build(device=device)
+            model, *runs[on] = tiny_model_step(device, f"triton_rope={str(on).lower()}")
             assert all(m.triton == on for m in model.modules() if isinstance(m, RotaryEmbedding))
-            batch = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1)).to(device)
-            loss = model(batch[:, :-1], batch[:, 1:])
-            loss.backward()
-            runs[on] = loss.detach(), {n: p.grad for n, p in model.named_parameters()}
         assert torch.equal(runs[True][0], runs[False][0])
         for n, grad in runs[False][1].items():
             assert torch.equal(runs[True][1][n], grad), n
