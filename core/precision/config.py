@@ -316,6 +316,15 @@ class PrecisionConfig(Config):
     step's peak rises by about that where it is outside the loss. Apart from dense_weight_copies, which
     leaves the head out, so each is measured on its own. Alone on olmoe3-4l-8e (H100, session 34): 0.7%
     faster, at the edge of that run's 0.4% noise; off by default (one unsharded GPU only)."""
+    bf16_residual: bool = False
+    """The residual stream between the blocks in the compute dtype (bf16) instead of the embedding's fp32,
+    on one unsharded GPU as FSDP2's bf16 all-gather already makes it in sharded runs (the embedding's
+    output cast once; the pipeline's stage boundaries carry bf16): the residual adds, the norms' reads
+    and their gradients move 2 B an element instead of 4, and the blocks' linears read their input
+    without a cast. Megatron-LM's default (fp32_residual_connection off) and torchtitan's (FSDP2's
+    bf16 parameters) keep the stream in bf16 too. A numerics change, not the same bits: each block's
+    sum is rounded to bf16 (2^-9 relative). Needs a recipe with a compute dtype (bf16 or a low-precision
+    one), not fp32. Measured on and off in docs/performance.md (session 45)."""
     save_swiglu_product: bool = False
     """bf16 recipe: the routed experts' fused SwiGLU-down op (core/precision/bf16_grouped.py) keeps the
     product silu(gate) * up [R, F] (R = tokens x top-k) for its backward instead of recomputing it
@@ -583,7 +592,12 @@ class PrecisionConfig(Config):
         check_bf16_copies(recipe, self.head_weight_copy, switch="head_weight_copy")
         check_save_product(recipe, self.save_swiglu_product)
         check_fused_input(recipe, self.fused_shared_input)
+        residual = torch.bfloat16 if self.bf16_residual else None
         if recipe == PrecisionRecipe.fp32:
+            if self.bf16_residual:
+                raise ConfigError("precision.bf16_residual=true keeps the residual stream in the compute dtype, and this "
+                                  "run computes in fp32 (precision.recipe=fp32, or auto on the CPU): use "
+                                  "--precision.recipe=bf16, or drop bf16_residual")
             return PrecisionPolicy(device_type, None, gemm_backend("torch"))
         if recipe == PrecisionRecipe.bf16:
             from .gemm import TorchGemm
@@ -593,7 +607,7 @@ class PrecisionConfig(Config):
                              per_expert=per_expert, dense_copies=self.dense_weight_copies,
                              head_copy=self.head_weight_copy, save_swiglu_product=self.save_swiglu_product,
                              fused_shared_input=self.fused_shared_input)
-            return PrecisionPolicy(device_type, torch.bfloat16, gemm)
+            return PrecisionPolicy(device_type, torch.bfloat16, gemm, residual_dtype=residual)
         backend = self.resolved_backend(device_type, verbose=verbose)
         if recipe == PrecisionRecipe.mxfp8 and backend == PrecisionBackend.native and GemmModule.experts in self.modules:
             major = _capability_major(device_type)
@@ -654,7 +668,8 @@ class PrecisionConfig(Config):
         gemm.quantize_input_once = input_once
         gemm.per_expert = per_expert
         gemm.triton_swiglu = bool(self.triton_swiglu)
-        return PrecisionPolicy(device_type, torch.bfloat16, gemm, modules=frozenset(GemmModule(m) for m in self.modules))
+        return PrecisionPolicy(device_type, torch.bfloat16, gemm, modules=frozenset(GemmModule(m) for m in self.modules),
+                               residual_dtype=residual)
 
 
 def low_precision_gemm(recipe: PrecisionRecipe | str, backend: PrecisionBackend | str, mx_scale: str = "rceil",

@@ -47,6 +47,11 @@ class PrecisionPolicy:
     modules: frozenset[GemmModule] | None = None
     """The kinds of modules that get ``gemm``; the others (the LM head, any GEMM module outside an
     attention, MLP or experts module) get PyTorch's GEMMs. None: every GEMM module gets ``gemm``."""
+    residual_dtype: torch.dtype | None = None
+    """The residual stream's dtype where precision.bf16_residual sets it (the compute dtype): the
+    model's embedding output is cast to it (apply() sets the models' ``residual_dtype``), and pipeline
+    stages pass it between them. None: the embedding's own dtype (fp32 master weights, or bf16 where
+    FSDP2 gathers bf16)."""
 
     @classmethod
     def full(cls, device_type: str = "cpu") -> "PrecisionPolicy":
@@ -72,7 +77,10 @@ class PrecisionPolicy:
 
     def boundary_dtype(self, param_dtype: torch.dtype, sharded: bool) -> torch.dtype:
         """The residual stream's dtype between pipeline stages: the compute dtype when FSDP2
-        hands the blocks compute-dtype parameters (``sharded``), else the parameters' own."""
+        hands the blocks compute-dtype parameters (``sharded``) or precision.bf16_residual asks for it,
+        else the parameters' own."""
+        if self.residual_dtype is not None:
+            return self.residual_dtype
         return self.compute_dtype if sharded and self.compute_dtype is not None else param_dtype
 
     @property
@@ -84,6 +92,9 @@ class PrecisionPolicy:
         """Install this policy's GEMM backend in every module that runs GEMMs through one (in the
         modules of ``self.modules`` only, when it is set; the others get PyTorch's GEMMs). A GEMM
         module's kind is that of its nearest enclosing attention / MLP / experts module."""
+        for module in model.modules():  # the models and pipeline stages that embed: their residual stream
+            if hasattr(module, "residual_dtype"):
+                module.residual_dtype = self.residual_dtype
         if self.modules is None:
             for module in model.modules():
                 if isinstance(getattr(module, "gemm", None), GemmBackend):
