@@ -3,7 +3,7 @@
 # the norm's own and the captured CUDA-graph step), then precision.bf16_residual (new: the residual
 # stream in bf16 on one unsharded GPU, as FSDP2 makes it in sharded runs) on and off, compiled on both
 # #13 shapes (olmoe3-4l-8e's best row before and after) and eager on olmoe3-4l-8e.
-# Run from the repo root: bash docs/bench/session45/call4.sh (timeout 430: the session's last 725 s of device time)
+# Run from the repo root: bash docs/bench/session45/call4.sh (timeout 600; about 480 s warm)
 source docs/bench/session32/switches.sh
 export MOETRON_PYTHON=$(command -v python3)
 BEST=$B16,$ALL,optimizer.triton_grad_norm=true,model.loss_chunk_tokens=16384
