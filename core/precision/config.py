@@ -324,7 +324,8 @@ class PrecisionConfig(Config):
     without a cast. Megatron-LM's default (fp32_residual_connection off) and torchtitan's (FSDP2's
     bf16 parameters) keep the stream in bf16 too. A numerics change, not the same bits: each block's
     sum is rounded to bf16 (2^-9 relative). Needs a recipe with a compute dtype (bf16 or a low-precision
-    one), not fp32. Measured on and off in docs/performance.md (session 45)."""
+    one), not fp32. Off: not yet measured on a GPU (session 45 got no machine for it; its rows and a proxy
+    loss check are queued in docs/bench/session45/README.md)."""
     save_swiglu_product: bool = False
     """bf16 recipe: the routed experts' fused SwiGLU-down op (core/precision/bf16_grouped.py) keeps the
     product silu(gate) * up [R, F] (R = tokens x top-k) for its backward instead of recomputing it
