@@ -44,7 +44,6 @@ class Transformer(nn.Module):
         # A ModuleDict keyed by layer index keeps parameter names stable when pipeline stages
         # hold only some of the blocks.
         self.blocks = nn.ModuleDict({str(i): Block(cfg, i, device) for i in range(cfg.n_layers)})
-        self.residual_dtype: torch.dtype | None = None  # the residual stream's dtype if not the embedding's
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, device)
         self.lm_head = LMHead(cfg.d_model, cfg.vocab_size, device, fused=cfg.fused_loss,
                               chunk_tokens=cfg.loss_chunk_tokens, prescale=cfg.fused_loss_prescale)
@@ -73,8 +72,6 @@ class Transformer(nn.Module):
         the labels != -100 instead (the LM head's: fused and chunked when cfg.fused_loss, so no
         [B, S, V] tensor is made)."""
         h_BSD = self.embed(input_ids_BS)
-        if self.residual_dtype is not None:  # precision.bf16_residual (PrecisionPolicy.apply sets it)
-            h_BSD = h_BSD.to(self.residual_dtype)
         prefill_ropes(self._ropes(), input_ids_BS.shape[1], input_ids_BS.device)
         for block in self.blocks.values():
             h_BSD = block(h_BSD)

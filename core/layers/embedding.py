@@ -56,18 +56,23 @@ class _TritonGradEmbedding(torch.autograd.Function):
 
 class Embedding(nn.Embedding):
     """nn.Embedding(V, D) (no padding index, max norm or sparse gradient); ``triton_grad``: its
-    weight gradient from embedding_grad where Triton runs (CUDA), torch's backward elsewhere."""
+    weight gradient from embedding_grad where Triton runs (CUDA), torch's backward elsewhere.
+    ``out_dtype``: the rows handed on in this dtype where not the weight's (the residual stream's dtype,
+    precision.bf16_residual; PrecisionPolicy.apply sets it), one cast whose backward widens the gradient."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, device: torch.device | None = None,
                  triton_grad: bool = False):
         super().__init__(num_embeddings, embedding_dim, device=device)
         self.triton_grad = bool(triton_grad)
+        self.out_dtype: torch.dtype | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if (self.triton_grad and torch.is_grad_enabled() and self.weight.requires_grad
                 and _use_triton(self.weight.device)):
-            return _TritonGradEmbedding.apply(ids, self.weight)
-        return super().forward(ids)
+            rows = _TritonGradEmbedding.apply(ids, self.weight)
+        else:
+            rows = super().forward(ids)
+        return rows if self.out_dtype is None else rows.to(self.out_dtype)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, triton_grad={self.triton_grad}"

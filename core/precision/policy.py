@@ -48,10 +48,11 @@ class PrecisionPolicy:
     """The kinds of modules that get ``gemm``; the others (the LM head, any GEMM module outside an
     attention, MLP or experts module) get PyTorch's GEMMs. None: every GEMM module gets ``gemm``."""
     residual_dtype: torch.dtype | None = None
-    """The residual stream's dtype where precision.bf16_residual sets it (the compute dtype): the
-    model's embedding output is cast to it (apply() sets the models' ``residual_dtype``), and pipeline
-    stages pass it between them. None: the embedding's own dtype (fp32 master weights, or bf16 where
-    FSDP2 gathers bf16)."""
+    """The residual stream's dtype where precision.bf16_residual sets it (the compute dtype): apply()
+    makes it every token embedding's output dtype (core.layers.embedding.Embedding.out_dtype, so the
+    model and the pipeline stages that share its embedding hand it on), and pipeline stages pass it
+    between them (boundary_dtype). None: the embedding's own dtype (fp32 master weights, or bf16
+    where FSDP2 gathers bf16)."""
 
     @classmethod
     def full(cls, device_type: str = "cpu") -> "PrecisionPolicy":
@@ -92,9 +93,11 @@ class PrecisionPolicy:
         """Install this policy's GEMM backend in every module that runs GEMMs through one (in the
         modules of ``self.modules`` only, when it is set; the others get PyTorch's GEMMs). A GEMM
         module's kind is that of its nearest enclosing attention / MLP / experts module."""
-        for module in model.modules():  # the models and pipeline stages that embed: their residual stream
-            if hasattr(module, "residual_dtype"):
-                module.residual_dtype = self.residual_dtype
+        from ..layers.embedding import Embedding  # here: core.layers imports core.precision
+
+        for module in model.modules():  # the residual stream starts at the token embedding
+            if isinstance(module, Embedding):
+                module.out_dtype = self.residual_dtype
         if self.modules is None:
             for module in model.modules():
                 if isinstance(getattr(module, "gemm", None), GemmBackend):

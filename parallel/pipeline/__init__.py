@@ -128,7 +128,6 @@ class PipelineParallel(ParallelStrategy):
 
         for stage in stages:
             stage.autocast = state.precision.autocast  # the forward only (see PipelineStageModule)
-            stage.residual_dtype = state.precision.residual_dtype
         last = [s for s in stages if s.stage_index == num_stages - 1]
         base_loss = state.loss_fn if not head_loss else (last[0].head_loss_fn if last else None)
 

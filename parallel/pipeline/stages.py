@@ -52,7 +52,6 @@ class PipelineStageModule(nn.Module):
         self.norm = norm
         self.lm_head = lm_head
         self.autocast: Callable[[], ContextManager] = contextlib.nullcontext
-        self.residual_dtype: torch.dtype | None = None  # PrecisionPolicy.residual_dtype (set with autocast)
         self._ropes = rope_modules(self.blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -60,8 +59,6 @@ class PipelineStageModule(nn.Module):
         prefill_ropes(self._ropes, x.shape[1], x.device)
         with self.autocast():
             h_BSD = self.embed(x) if self.embed is not None else x
-            if self.embed is not None and self.residual_dtype is not None:  # precision.bf16_residual
-                h_BSD = h_BSD.to(self.residual_dtype)
             for block in self.blocks.values():
                 h_BSD = block(h_BSD)
             if self.norm is not None:

@@ -34,7 +34,7 @@ def _grads(model) -> dict[str, torch.Tensor]:
 
 def test_the_switch_is_the_forward_with_the_embedding_cast_to_bf16():
     model, policy, ids, labels = _model(True)
-    assert model.residual_dtype == torch.bfloat16
+    assert model.embed.out_dtype == torch.bfloat16
     seen = []
     hooks = [b.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype)) for b in model.blocks.values()]
     with policy.autocast():
@@ -76,9 +76,8 @@ def test_pipeline_stages_carry_the_bf16_stream_and_equal_the_model():
     with policy.autocast():
         whole = model(ids)
     first, last = split_stages(model, 2)
-    policy.apply(first)  # as the pipeline strategy sets them (parallel/pipeline/__init__.py)
-    for stage in (first, last):
-        stage.autocast, stage.residual_dtype = policy.autocast, policy.residual_dtype
+    for stage in (first, last):  # as the pipeline strategy sets it (parallel/pipeline/__init__.py); the first
+        stage.autocast = policy.autocast  # stage shares the model's embedding, whose out_dtype apply() set
     h = first(ids)
     assert h.dtype == torch.bfloat16 == policy.boundary_dtype(torch.float32, sharded=False)
     assert torch.equal(last(h), whole)
@@ -96,7 +95,7 @@ def _trained_losses(compile: bool) -> list[float]:
     data = RandomTokens(cfg.vocab_size, 2, 32, torch.device("cpu"))
     trainer = build_trainer(cfg, MemoryConfig(), data, torch.device("cpu"), seq_len=32, compile=compile,
                             precision=PrecisionConfig(recipe="bf16", bf16_residual=True))
-    assert trainer.model.residual_dtype == torch.bfloat16
+    assert trainer.model.embed.out_dtype == torch.bfloat16
     batch = data.next_batch()
     return [trainer.train_step(batch)[0].item() for _ in range(3)]
 
