@@ -220,9 +220,12 @@ CHANGED_DEFAULTS = [("2026-12-05 14:45:00", "--precision.quantize_input_once=fal
 # the field, what auto meant before). A row of that recipe (not on the emulated backend) whose field is
 # auto, in a report dated before the change, is replayed with the old meaning, recorded section or not.
 CHANGED_AUTO = [("2026-12-06 06:55:45", PrecisionRecipe.fp8_blockwise, "fp8_experts", "triton"),
-                ("2026-12-06 08:00:00", PrecisionRecipe.fp8_blockwise, "quantize_input_once", "false")]
+                ("2026-12-06 08:00:00", PrecisionRecipe.fp8_blockwise, "quantize_input_once", "false"),
+                ("2026-12-07 00:30:00", PrecisionRecipe.bf16, "bf16_residual", "false")]
 # native fp8_blockwise's experts became the Gluon kernels on SM90 in session 37 (3224d53: fp8_experts=auto, the
-# Triton kernels before); it took the shared quantized input in session 38 (ae28db6; call 4 was its first report)
+# Triton kernels before); it took the shared quantized input in session 38 (ae28db6; call 4 was its first report);
+# bf16's residual stream became bf16 in session 46 (precision.bf16_residual=auto; a bool, false, before, and
+# absent from the sections recorded before session 45). The recipe compared is the one a GPU resolves (auto: bf16).
 
 
 def bench_plan(env: dict, row: dict) -> Plan:
@@ -256,7 +259,7 @@ def bench_plan(env: dict, row: dict) -> Plan:
         configs.precision = PrecisionConfig.from_dict(recorded)
     for since, recipe, field, before in CHANGED_AUTO:
         p = configs.precision  # as the entries before this one left it
-        if (str(env.get("date", "")) < since and PrecisionRecipe(p.recipe) == recipe and str(p.backend) != "emulated"
+        if (str(env.get("date", "")) < since and p.resolved_recipe("cuda") == recipe and str(p.backend) != "emulated"
                 and str(getattr(p, field)) == "auto"):
             configs.precision = dataclasses.replace(p, **{field: type(getattr(p, field))(before)})
     # MOETRON_MX_FUSED where the report recorded it (its env_vars), else as this process has it

@@ -12,7 +12,8 @@ from .gemm import Fp8Wgrad, gemm_backend
 from .policy import GemmModule, PrecisionPolicy
 
 __all__ = ["Bf16Experts", "Fp8Experts", "Fp8Wgrad", "GemmModule", "PrecisionBackend", "PrecisionConfig", "PrecisionRecipe",
-           "InputOnce", "check_expert_copies", "check_quantized_copies", "input_once_on", "takes_expert_copies"]
+           "InputOnce", "Residual", "check_expert_copies", "check_quantized_copies", "input_once_on", "residual_on",
+           "takes_expert_copies"]
 
 
 class PrecisionRecipe(StrEnum):
@@ -258,6 +259,36 @@ def input_once_on(recipe: PrecisionRecipe | str, backend: PrecisionBackend | str
     return value == InputOnce.on or (value == InputOnce.auto and takes_input_once(recipe, backend))
 
 
+class Residual(StrEnum):
+    """precision.bf16_residual: the residual stream's dtype between the blocks (see
+    PrecisionConfig.bf16_residual). ``true`` / ``false`` as for a bool."""
+
+    auto = "auto"
+    """On with the bf16 recipe (measured there, session 46); off with fp32 (no compute dtype) and with the
+    low-precision recipes (not measured with them: ``true`` asks for it)."""
+    on = "true"
+    """The stream in the compute dtype (bf16); a ConfigError on an fp32 run."""
+    off = "false"
+    """The stream in the embedding's dtype (fp32 master weights; bf16 where FSDP2 gathers bf16)."""
+
+    @classmethod
+    def _missing_(cls, value):
+        return cls._bool_member(value, cls.on, cls.off)
+
+
+def residual_on(recipe: PrecisionRecipe | str, value: Residual | bool | str) -> bool:
+    """precision.bf16_residual resolved for a run's recipe (resolved: not auto): the one place ``auto``
+    becomes on or off (the build and the planner both ask here). ConfigError for ``true`` on fp32."""
+    value, recipe = Residual(value), PrecisionRecipe(recipe)
+    if recipe == PrecisionRecipe.fp32:
+        if value == Residual.on:
+            raise ConfigError("precision.bf16_residual=true keeps the residual stream in the compute dtype, and this "
+                              "run computes in fp32 (precision.recipe=fp32, or auto on the CPU): use "
+                              "--precision.recipe=bf16, or drop bf16_residual (auto turns it on with bf16)")
+        return False
+    return value == Residual.on or (value == Residual.auto and recipe == PrecisionRecipe.bf16)
+
+
 @dataclasses.dataclass
 class PrecisionConfig(Config):
     recipe: PrecisionRecipe = PrecisionRecipe.auto
@@ -316,16 +347,20 @@ class PrecisionConfig(Config):
     step's peak rises by about that where it is outside the loss. Apart from dense_weight_copies, which
     leaves the head out, so each is measured on its own. Alone on olmoe3-4l-8e (H100, session 34): 0.7%
     faster, at the edge of that run's 0.4% noise; off by default (one unsharded GPU only)."""
-    bf16_residual: bool = False
+    bf16_residual: Residual = Residual.auto
     """The residual stream between the blocks in the compute dtype (bf16) instead of the embedding's fp32,
-    on one unsharded GPU as FSDP2's bf16 all-gather already makes it in sharded runs (the embedding's
-    output cast once; the pipeline's stage boundaries carry bf16): the residual adds, the norms' reads
-    and their gradients move 2 B an element instead of 4, and the blocks' linears read their input
-    without a cast. Megatron-LM's default (fp32_residual_connection off) and torchtitan's (FSDP2's
-    bf16 parameters) keep the stream in bf16 too. A numerics change, not the same bits: each block's
-    sum is rounded to bf16 (2^-9 relative). Needs a recipe with a compute dtype (bf16 or a low-precision
-    one), not fp32. Off: not yet measured on a GPU (session 45 got no machine for it; its rows and a proxy
-    loss check are queued in docs/bench/session45/README.md)."""
+    as FSDP2's bf16 all-gather already makes it in sharded runs (the embedding's output cast once; the
+    pipeline's stage boundaries carry bf16): the residual adds, the norms' reads and their gradients
+    move 2 B an element instead of 4, and the blocks' linears read their input without a cast.
+    Megatron-LM's default (fp32_residual_connection off) and torchtitan's (FSDP2's bf16 parameters) keep
+    the stream in bf16 too. A numerics change, not the same bits: each block's sum is rounded to bf16
+    (2^-9 relative). ``auto`` (the default): on with the bf16 recipe, off with fp32 and the
+    low-precision recipes (Residual; ``true`` turns it on with those, not measured there; a ConfigError
+    with fp32). Measured on one H100 (session 46, docs/performance.md): compiled olmoe3-4l-8e 0.4-0.7%
+    faster in two same-run pairs and 0.5 GiB less, OLMoE-8L 0.9-1.1% faster and 1.3 GiB less, eager
+    olmoe3-4l-8e 3.2% faster; the GPU proxy's loss at three seeds +0.19% train / +0.17% held-out beside
+    the runs without it (within tools/compare_runs.py's 1%); the proxy model's gradients against an
+    fp32 step 5.95% (median relative) beside bf16's own 5.82%."""
     save_swiglu_product: bool = False
     """bf16 recipe: the routed experts' fused SwiGLU-down op (core/precision/bf16_grouped.py) keeps the
     product silu(gate) * up [R, F] (R = tokens x top-k) for its backward instead of recomputing it
@@ -506,6 +541,8 @@ class PrecisionConfig(Config):
             check_expert_copies(self.recipe, self.backend, copies == WeightCopies.optimizer)
         check_emulated_saves(self.recipe, self.backend, self.emulated_save_x_bf16)
         check_input_once(self.recipe, self.backend, self.quantize_input_once)
+        if self.recipe != PrecisionRecipe.auto:  # known before resolving
+            residual_on(self.recipe, self.bf16_residual)
         check_quantized_copies(self.recipe, self.backend, self.quantized_expert_copies, optimizer_copies, self.modules)
         check_bf16_copies(self.recipe, self.dense_weight_copies)
         check_bf16_copies(self.recipe, self.head_weight_copy, switch="head_weight_copy")
@@ -593,12 +630,8 @@ class PrecisionConfig(Config):
         check_bf16_copies(recipe, self.head_weight_copy, switch="head_weight_copy")
         check_save_product(recipe, self.save_swiglu_product)
         check_fused_input(recipe, self.fused_shared_input)
-        residual = torch.bfloat16 if self.bf16_residual else None
+        residual = torch.bfloat16 if residual_on(recipe, self.bf16_residual) else None
         if recipe == PrecisionRecipe.fp32:
-            if self.bf16_residual:
-                raise ConfigError("precision.bf16_residual=true keeps the residual stream in the compute dtype, and this "
-                                  "run computes in fp32 (precision.recipe=fp32, or auto on the CPU): use "
-                                  "--precision.recipe=bf16, or drop bf16_residual")
             return PrecisionPolicy(device_type, None, gemm_backend("torch"))
         if recipe == PrecisionRecipe.bf16:
             from .gemm import TorchGemm

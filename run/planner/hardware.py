@@ -3,7 +3,7 @@ each with its source (a datasheet, a measurement in docs/performance.md, or an a
 
 from __future__ import annotations
 
-__all__ = ['GiB', 'GPU', 'GPUS', 'gpu_of', 'GPUS_PER_NODE', 'RESERVED_GIB', 'EXPERT_GEMM_MEASURED', 'EFF_FP8_GEMM', 'EFF_FP8_EXPERT', 'EFF_FP8_GLUON_EXPERT', 'EFF_FP8_CUBLAS_EXPERT', 'CUBLAS_CALL_S', 'BF16_CUBLAS_MEASURED', 'BF16_CUBLAS_CALL_S', 'EFF_ATTN', 'EFF_COMM', 'EFF_PCIE', 'HOST_GBPS', 'HBM_TRAFFIC', 'OPTIMIZER_BYTES', 'RECOMPUTE_FORWARD', 'HOST_OPTIMIZER_BYTES', 'QUANT_BYTES', 'QUANT_ROWS_BYTES', 'WEIGHT_QUANT_BYTES', 'MX_EMULATED_BYTES', 'EFF_MX_QUANT', 'EFF_MX_FUSED', 'FP8_SAVED', 'FP8_WEIGHT_CACHED', 'FP8_ROWWISE_MEASURED', 'EFF_FP8_ROWWISE_GEMM', 'ROWWISE_QUANT_BYTES', 'EFF_ROWWISE_ROWS', 'EFF_ROWWISE_COLS', 'LOW_PRECISION']
+__all__ = ['GiB', 'GPU', 'GPUS', 'gpu_of', 'GPUS_PER_NODE', 'RESERVED_GIB', 'EXPERT_GEMM_MEASURED', 'EFF_FP8_GEMM', 'EFF_FP8_EXPERT', 'EFF_FP8_GLUON_EXPERT', 'EFF_FP8_CUBLAS_EXPERT', 'CUBLAS_CALL_S', 'BF16_CUBLAS_MEASURED', 'BF16_CUBLAS_CALL_S', 'EFF_ATTN', 'EFF_COMM', 'EFF_PCIE', 'HOST_GBPS', 'HBM_TRAFFIC', 'RESIDUAL_SAVED_BYTES', 'OPTIMIZER_BYTES', 'RECOMPUTE_FORWARD', 'HOST_OPTIMIZER_BYTES', 'QUANT_BYTES', 'QUANT_ROWS_BYTES', 'WEIGHT_QUANT_BYTES', 'MX_EMULATED_BYTES', 'EFF_MX_QUANT', 'EFF_MX_FUSED', 'FP8_SAVED', 'FP8_WEIGHT_CACHED', 'FP8_ROWWISE_MEASURED', 'EFF_FP8_ROWWISE_GEMM', 'ROWWISE_QUANT_BYTES', 'EFF_ROWWISE_ROWS', 'EFF_ROWWISE_COLS', 'LOW_PRECISION']
 
 import dataclasses
 
@@ -175,6 +175,15 @@ b16 session 16): compiled 3.6 sits between them, so the H100's elementwise kerne
 long and the H200's 1-10% short (1-3% of a step). eager: the six eager rows of sessions 39-40 (H100)
 centred. Before: 4.4 / 13.0, fitted to session 5's OLMoE-8L rows on the H200 beside the isolated GEMM
 rate and EFF_EXPERT 0.47."""
+RESIDUAL_SAVED_BYTES = 20.0
+"""Elementwise HBM bytes a step moves less per token, per block and per model-width element with
+precision.bf16_residual (the stream and its gradient 2 B an element instead of 4: about ten touches
+of it a block, the residual adds, the norms' reads and their backward, after inductor's fusion), at
+the streaming rate (GPU.stream_bps). Fitted to the H100's compiled same-run pairs of session 46
+(docs/performance.md): olmoe3-4l-8e 1.6-1.9 ms and OLMoE-8L 1.3-2.1 ms faster, both 268M stream
+elements a step (D x blocks x tokens: 4096 x 4 and 2048 x 8, x 16,384), 1.85 ms x 2.91 TB/s / 268M
+= 20 B. The eager olmoe3-4l-8e pair's 9.7 ms (autocast's casts of the fp32 stream for each linear
+gone too) is one row, not fitted: eager plans take the compiled term."""
 OPTIMIZER_BYTES = {("fp32", "triton"): 32.0, ("bf16", "triton"): 24.0,
                    ("fp32", "torch"): 32.0 * 1.2, ("bf16", "torch"): 112.0}
 """HBM bytes per local parameter per optimizer step, counted from the code, by (state_dtype, kernel):

@@ -36,6 +36,9 @@ def activation_terms(cfg: ModelConfig, layer: int, sw: Switches = Switches(),
     save_swiglu_product), a low-precision backend
     composes it (silu(gate) and the product, fp8, kept); a dense SwiGLU keeps gate, up, silu, product.
 
+    precision.bf16_residual (compiled): the norms' [T, D] is the stream's, 2 B; the eager count keeps torch's
+    norm as fitted (not measured with a bf16 stream).
+
     Compiled, from the measured OLMoE-8L breakdown (tools/bench_memory.py, 143 KiB/token/block once
     the expert weight copies and the product were gone), generalized by shape: [T, *] bf16 x5 (the
     qkv input, q and k before their norms, the o-proj input, one more [T, D]), q, k, v, out for SDPA,
@@ -88,7 +91,7 @@ def activation_terms(cfg: ModelConfig, layer: int, sw: Switches = Switches(),
     # (precision.quantize_input_once; measured: native fp8_blockwise OLMoE-8L +0.5 GiB and olmoe3-4l-8e
     # +0.77 GiB without it, session 38); bf16's q, k and v save the one tensor
     copies = lambda module, n: 1 if not sw.low(module) or sw.quantize_input_once else n  # noqa: E731
-    terms["norms"] = ("norm", 4.0 * D)
+    terms["norms"] = ("norm", (2.0 if sw.bf16_residual else 4.0) * D)  # the stream's dtype (bf16_residual)
     terms["qkv_input"] = ("attention", copies("attention", 3) * g_att * D)
     if att.qk_norm:
         terms["qk_norm"] = ("norm", 2.0 * (A + G))
@@ -120,10 +123,10 @@ def activation_terms(cfg: ModelConfig, layer: int, sw: Switches = Switches(),
 def block_activation_bytes(cfg: ModelConfig, layer: int, memory: MemoryConfig, sw: Switches = Switches(),
                            bf16_params: bool = False) -> float:
     """Saved bytes per token of block ``layer`` under the recompute policy: the block input (fp32
-    residual; bf16 under ``bf16_params``) alone for a fully recomputed block; the named modules'
+    residual; bf16 under ``bf16_params`` or precision.bf16_residual) alone for a fully recomputed block; the named modules'
     terms dropped for selective."""
     if memory.recompute == Recompute.full and layer % memory.recompute_every == 0:
-        return (2.0 if bf16_params else 4.0) * cfg.d_model
+        return (2.0 if bf16_params or sw.bf16_residual else 4.0) * cfg.d_model
     terms = activation_terms(cfg, layer, sw, bf16_params)
     if memory.recompute == Recompute.selective:
         dropped = set(memory.recompute_modules)
@@ -160,7 +163,8 @@ def loss_memory(cfg: ModelConfig, sw: Switches, tokens: int) -> dict[str, float]
     ``saved`` (kept from its forward until its backward), ``peak`` (all it holds at its own peak,
     saved included) and ``where`` that peak is.
 
-    fused (core/layers/loss.py): grad_h [T, D] (h's dtype: the fp32 residual) and the fp32 grad_W
+    fused (core/layers/loss.py): grad_h [T, D] (h's dtype: the residual stream's, fp32 or bf16 under
+    precision.bf16_residual) and the fp32 grad_W
     [V, D] are kept; its forward's last chunk also holds the bf16 weight (unless head_weight_copy: the
     optimizer's copy, counted with the step's copies) and hidden casts and one
     chunk's bf16 logits, turned into dlogits in place by the Triton kernel that CUDA runs (2 B x C x V;
@@ -171,13 +175,14 @@ def loss_memory(cfg: ModelConfig, sw: Switches, tokens: int) -> dict[str, float]
     gradient (fp32) and the bf16 logits' gradient join them: 10 B per logit, which is what the
     OLMoE-8L measurement holds at its peak (15.37 GiB at 16384 x 100352) [measured]."""
     T, D, V = tokens, cfg.d_model, cfg.vocab_size
-    norm = 4.0 * T * D  # the final RMSNorm's fp32 input
+    stream = 2.0 if sw.bf16_residual else 4.0  # the residual stream's dtype: bf16 under bf16_residual
+    norm = stream * T * D  # the final RMSNorm's input
     if sw.fused_loss:
-        saved = norm + 4.0 * T * D + 4.0 * V * D
+        saved = norm + stream * T * D + 4.0 * V * D
         C = max((end - start for start, end in chunk_bounds(T, sw.loss_chunk_tokens)), default=0)
         w_cast = 0.0 if sw.head_weight_copy else 2.0 * V * D  # head_weight_copy: the step's copy (held elsewhere)
         in_forward = saved + w_cast + 2.0 * T * D + logit_bytes(torch.bfloat16, triton=True) * C * V
-        in_backward = saved + (0.0 if sw.fused_loss_prescale else 4.0 * T * D + 4.0 * V * D)
+        in_backward = saved + (0.0 if sw.fused_loss_prescale else stream * T * D + 4.0 * V * D)
         where = "loss forward (last chunk)" if in_forward >= in_backward else "loss backward"
         return {"saved": saved, "peak": max(in_forward, in_backward), "where": where}
     saved = norm + 2.0 * T * D + 4.0 * T * V

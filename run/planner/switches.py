@@ -15,7 +15,7 @@ from moetron.core.layers.loss import path_chunk_tokens
 from moetron.core.optim import OptimizerConfig
 from moetron.core.precision import Fp8Wgrad, PrecisionConfig, PrecisionRecipe, emulated
 from moetron.core.precision.config import (check_bf16_copies, check_emulated_saves, check_expert_copies,
-                                           check_quantized_copies, check_save_product, input_once_on,
+                                           check_quantized_copies, check_save_product, input_once_on, residual_on,
                                            takes_expert_copies)
 from moetron.models import ModelConfig
 from moetron.parallel.config import ParallelConfig
@@ -68,6 +68,11 @@ class Switches:
     """precision.head_weight_copy (bf16, one unsharded GPU): the fused loss computes on the optimizer's
     bf16 copy of the head weight, held all step (2 B x V x D) instead of cast in the loss' forward
     (read 4 + write 2 B an element); the optimizer writes 2 B more per element."""
+    bf16_residual: bool = False
+    """precision.bf16_residual as the run resolves it (config.residual_on: auto is on with bf16): the
+    residual stream between the blocks and its gradient in bf16, 2 B an element instead of 4: the norms'
+    saved input, the final norm's input and the fused loss' grad_h (memory.py), and the stream's
+    elementwise traffic (RESIDUAL_SAVED_BYTES)."""
     quantized_expert_copies: bool = False
     """precision.quantized_expert_copies (mxfp8 emulated on the optimizer's expert copies): the optimizer
     writes each expert weight quantized both ways in its step (2 B more written per element, a second
@@ -228,6 +233,7 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
                     quantize_input_once=input_once,
                     quantized_expert_copies=bool(precision.quantized_expert_copies),
                     dense_weight_copies=dense_copies, head_weight_copy=head_copy,
+                    bf16_residual=residual_on(recipe, precision.bf16_residual),
                     save_swiglu_product=bool(precision.save_swiglu_product),  # bf16 only (check_save_product)
                     optimizer_kernel="torch" if str(optimizer.impl) == "torch" or optimizer.fused is not None else "triton",
                     offload=parallel.fsdp_offload)

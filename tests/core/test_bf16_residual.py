@@ -1,4 +1,5 @@
-"""precision.bf16_residual: the residual stream between the blocks in bf16 on one unsharded device.
+"""precision.bf16_residual: the residual stream between the blocks in bf16 on one unsharded device (on by
+default with the bf16 recipe: ``auto``).
 
 Oracle: the model's forward composed by hand from its own modules, with the embedding's output cast
 to bf16 and nothing else changed (what FSDP2's bf16 parameters do to the stream in sharded runs); the
@@ -81,7 +82,7 @@ def test_pipeline_stages_carry_the_bf16_stream_and_equal_the_model():
     h = first(ids)
     assert h.dtype == torch.bfloat16 == policy.boundary_dtype(torch.float32, sharded=False)
     assert torch.equal(last(h), whole)
-    plain = PrecisionConfig(recipe="bf16").build("cpu")
+    plain = PrecisionConfig(recipe="bf16", bf16_residual=False).build("cpu")
     assert plain.residual_dtype is None and plain.boundary_dtype(torch.float32, sharded=False) == torch.float32
 
 
@@ -111,3 +112,24 @@ def test_bf16_residual_trains_eager_and_compiled():
 def test_bf16_residual_refuses_an_fp32_run():
     with pytest.raises(ConfigError, match="precision.recipe=bf16, or drop bf16_residual"):
         PrecisionConfig(bf16_residual=True).build("cpu")  # auto on the CPU: fp32
+    with pytest.raises(ConfigError, match="precision.recipe=bf16, or drop bf16_residual"):
+        PrecisionConfig(recipe="fp32", bf16_residual="true").validate()  # known before the build
+
+
+@pytest.mark.parametrize("recipe, value, want", [
+    ("bf16", "auto", torch.bfloat16), ("bf16", False, None), ("bf16", "false", None), ("bf16", True, torch.bfloat16),
+    ("auto", "auto", None), ("fp32", "auto", None),  # auto: fp32 on the CPU, no compute dtype
+    ("fp8_blockwise", "auto", None), ("fp8_blockwise", "true", torch.bfloat16),  # not measured there: asked for
+])
+def test_auto_is_on_with_the_bf16_recipe_only(recipe, value, want):
+    """The build's residual dtype, and the planner's switch, from the one rule (config.residual_on)."""
+    from moetron.core.optim import OptimizerConfig
+    from moetron.parallel.config import ParallelConfig
+    from moetron.run.planner.hardware import GPUS
+    from moetron.run.planner.switches import switches
+
+    config = PrecisionConfig(recipe=recipe, bf16_residual=value)
+    assert config.build("cpu", verbose=False).residual_dtype == want
+    if recipe in ("bf16", "fp8_blockwise"):  # the planner's GPU (auto is bf16 there; fp32 it refuses)
+        sw = switches(ModelConfig.preset("tiny-moe"), ParallelConfig(), config, OptimizerConfig(), GPUS["h100"], compiled=True)
+        assert sw.bf16_residual == (want is not None)

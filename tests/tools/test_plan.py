@@ -8,6 +8,7 @@ import torch
 import plan as planner  # tools/plan.py
 from moetron.core.config import ConfigError
 from moetron.core.memory import MemoryConfig
+from moetron.core.precision import PrecisionConfig
 from moetron.models import ModelConfig, Transformer
 from moetron.parallel.config import ParallelConfig
 
@@ -43,7 +44,9 @@ def test_recompute_full_keeps_block_inputs_only():
     p.memory = MemoryConfig(recompute="full")
     r = planner.plan(p)
     cfg = ModelConfig.tiny_moe()
-    assert r["stages"][0]["act_bytes_per_token"] == 4 * cfg.d_model * cfg.n_layers
+    assert r["stages"][0]["act_bytes_per_token"] == 2 * cfg.d_model * cfg.n_layers  # the bf16 stream (bf16_residual auto)
+    p.precision = PrecisionConfig(bf16_residual=False)
+    assert planner.plan(p)["stages"][0]["act_bytes_per_token"] == 4 * cfg.d_model * cfg.n_layers  # the fp32 stream
 
 
 def test_non_dividing_layout_is_a_config_error():
@@ -140,11 +143,14 @@ def test_loss_terms_fused_vs_plain():
     T, D, V = 16384, 2048, 100352
     fused = planner.plan(_olmoe8())["stages"][0]
     plain = planner.plan(_olmoe8(model={"fused_loss": False}))
-    # fused keeps the final norm's fp32 input, grad_h [T, D] fp32 and grad_W [V, D] fp32
-    assert fused["loss_saved_gib"] * GiB == 4 * T * D + 4 * T * D + 4 * V * D
+    # fused keeps the final norm's input and grad_h [T, D] in the stream's dtype (bf16: bf16_residual auto)
+    # and grad_W [V, D] fp32
+    assert fused["loss_saved_gib"] * GiB == 2 * T * D + 2 * T * D + 4 * V * D
+    fp32_stream = planner.plan(_olmoe8(precision=PrecisionConfig(bf16_residual=False)))["stages"][0]
+    assert fp32_stream["loss_saved_gib"] * GiB == 4 * T * D + 4 * T * D + 4 * V * D
     # plain keeps the fp32 log-softmax and the head's bf16 input; its peak is inside its backward
     s = plain["stages"][0]
-    assert s["loss_saved_gib"] * GiB == 4 * T * D + 2 * T * D + 4 * T * V
+    assert s["loss_saved_gib"] * GiB == 2 * T * D + 2 * T * D + 4 * T * V
     assert plain["peak_at"].startswith("loss backward") and s["loss_gib"] * GiB == s["loss_saved_gib"] * GiB + 10 * T * V
     assert plain["peak_gib"] - planner.plan(_olmoe8())["peak_gib"] > 14  # the [T, V] buffers gone
 
@@ -207,14 +213,15 @@ def _bench_files(tmp_path):
         p = planner.Plan(model=model, parallel=ParallelConfig(), memory=MemoryConfig(recompute="full" if ovr else "none"),
                          seq_len=256, global_batch=8, compiled=compiled)
         plans[name] = planner.plan(p)
+    # dated after the last default change (tools/plan.py CHANGED_AUTO): replayed with today's defaults
     train = {"env": {"command": "python tools/bench_train.py " + " ".join(base + ["--compile"]), "preset": "tiny-moe",
-                     "seq_len": 256, "batch": 8},
+                     "seq_len": 256, "batch": 8, "date": "2026-12-08 00:00:00"},
              "rows": [{"variant": "none", "overrides": [], "peak_mem_gib": plans["none"]["peak_gib"] * 1.05,
                        "step_s": plans["none"]["step_s"] * 1.1},
                       {"variant": "full", "overrides": full, "peak_mem_gib": plans["full"]["peak_gib"] * 2,
                        "step_s": plans["full"]["step_s"]}]}
     memory = {"env": {"command": "python tools/bench_memory.py " + " ".join(base), "preset": "tiny-moe", "seq_len": 256,
-                      "batch": 8, "compile": False, "base_overrides": {"model": ["n_layers=2"]}},
+                      "batch": 8, "compile": False, "base_overrides": {"model": ["n_layers=2"]}, "date": "2026-12-08 00:00:00"},
               "rows": [{"variant": "eager", "overrides": [], "peak_bytes": plans["eager"]["peak_gib"] * GiB,
                         "step_s": plans["eager"]["step_s"] * 0.5}]}
     paths = []
@@ -249,7 +256,8 @@ def test_validate_plans_each_report_on_the_gpu_it_ran_on(tmp_path):
     base = ["--preset", "tiny-moe", "--seq-len", "256", "--batch", "8", "--model.n_layers=2", "--compile"]
     paths = []
     for name, device in (("h100", "NVIDIA H100 80GB HBM3"), ("none", None), ("other", "NVIDIA A100-SXM4-80GB")):
-        env = {"command": "python tools/bench_train.py " + " ".join(base), "preset": "tiny-moe", "seq_len": 256, "batch": 8}
+        env = {"command": "python tools/bench_train.py " + " ".join(base), "preset": "tiny-moe", "seq_len": 256, "batch": 8,
+               "date": "2026-12-08 00:00:00"}  # after the last default change (CHANGED_AUTO): today's defaults
         if device:
             env["device"] = device
         path = tmp_path / f"{name}.json"
@@ -450,6 +458,26 @@ def test_save_swiglu_product_terms():
     bad.precision = PrecisionConfig(recipe="fp8_rowwise", save_swiglu_product=True)
     with pytest.raises(ConfigError, match="save_swiglu_product"):
         planner.plan(bad)
+
+
+def test_bf16_residual_terms():
+    """precision.bf16_residual (auto: on with bf16): the compiled norms' saved [T, D] and the loss' final
+    norm input and grad_h at 2 B an element instead of 4, and RESIDUAL_SAVED_BYTES of traffic less per
+    stream element (D x blocks x tokens), on OLMoE-8L; off, the fp32 stream's plan."""
+    from moetron.core.precision import PrecisionConfig
+    from moetron.run.planner.hardware import GPUS, RESIDUAL_SAVED_BYTES
+
+    T, D, L = 16384, 2048, 8
+    off, on = _olmoe8(), _olmoe8()
+    off.precision = PrecisionConfig(recipe="bf16", bf16_residual=False)
+    on.precision = PrecisionConfig(recipe="bf16")  # auto
+    ro, rn = planner.plan(off), planner.plan(on)
+    assert (ro["stages"][0]["activations_gib"] - rn["stages"][0]["activations_gib"]) * GiB == pytest.approx(2.0 * D * T * L)
+    assert ro["peak_gib"] > rn["peak_gib"]
+    assert ro["step_s"] - rn["step_s"] == pytest.approx(RESIDUAL_SAVED_BYTES * D * L * T / GPUS[off.gpu].stream_bps)
+    fp8 = _olmoe8(precision=PrecisionConfig(recipe="fp8_blockwise"))  # auto: off outside bf16
+    fp8_on = _olmoe8(precision=PrecisionConfig(recipe="fp8_blockwise", bf16_residual=True))
+    assert planner.plan(fp8)["step_s"] > planner.plan(fp8_on)["step_s"]
 
 
 def test_dense_weight_copies_terms():
