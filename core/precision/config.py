@@ -356,9 +356,9 @@ class PrecisionConfig(Config):
     the stream in bf16 too. A numerics change, not the same bits: each block's sum is rounded to bf16
     (2^-9 relative). ``auto`` (the default): on with the bf16 recipe, off with fp32 and the
     low-precision recipes (Residual; ``true`` turns it on with those, not measured there; a ConfigError
-    with fp32). Measured on one H100 (session 46, docs/performance.md): compiled olmoe3-4l-8e 0.4-0.7%
-    faster in two same-run pairs and 0.5 GiB less, OLMoE-8L 0.9-1.1% faster and 1.3 GiB less, eager
-    olmoe3-4l-8e 3.2% faster; the GPU proxy's loss at three seeds +0.19% train / +0.17% held-out beside
+    with fp32). Measured on one H100 (session 46, docs/performance.md), two same-run pairs each: compiled
+    olmoe3-4l-8e 0.5-0.7% faster and 0.5 GiB less, OLMoE-8L 0.7-1.1% faster and 1.3 GiB less; eager
+    olmoe3-4l-8e 3.2% faster (one pair); the GPU proxy's loss at three seeds +0.19% train / +0.17% held-out beside
     the runs without it (within tools/compare_runs.py's 1%); the proxy model's gradients against an
     fp32 step 5.95% (median relative) beside bf16's own 5.82%."""
     save_swiglu_product: bool = False
