@@ -216,6 +216,12 @@ def _bench_argv(env: dict) -> list[str]:
 # had, unless its command or the row sets the field itself. Rows that record their section need none.
 CHANGED_DEFAULTS = [("2026-12-05 14:45:00", "--precision.quantize_input_once=false")]  # then auto (session 29)
 
+# Model defaults that changed (reports record no model section): (the change's date, the override that
+# gives the old default). A report dated before it replays with the old default unless its row names the
+# field. model.triton_rope and model.triton_rmsnorm (eager steps' Triton passes) turned on in sessions 44-45.
+CHANGED_MODEL_DEFAULTS = [("2026-12-06 19:20:52", "--model.triton_rope=false"),
+                          ("2026-12-06 21:51:33", "--model.triton_rmsnorm=false")]
+
 # What ``auto`` resolved to changed after reports recorded their sections: (the change's date, the recipe,
 # the field, what auto meant before). A row of that recipe (not on the emulated backend) whose field is
 # auto, in a report dated before the change, is replayed with the old meaning, recorded section or not.
@@ -250,6 +256,7 @@ def bench_plan(env: dict, row: dict) -> Plan:
                       precision=PrecisionConfig(recipe=PrecisionRecipe(PRECISION_FLAG.get(args.precision, args.precision))))
     recorded = row.get("precision")
     then = [] if recorded else [old for since, old in CHANGED_DEFAULTS if str(env.get("date", "")) < since]
+    then += [old for since, old in CHANGED_MODEL_DEFAULTS if str(env.get("date", "")) < since]
     given = [o for o in overrides if o.startswith("--")] + list(row.get("overrides", []))
     # The step's trainer switches (tools/step_builder.py STEP_TRAINER_FIELDS) plan as the step without
     # them: trainer.cuda_graph replays the same kernels from memory allocated as the eager step's

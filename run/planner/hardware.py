@@ -3,7 +3,7 @@ each with its source (a datasheet, a measurement in docs/performance.md, or an a
 
 from __future__ import annotations
 
-__all__ = ['GiB', 'GPU', 'GPUS', 'gpu_of', 'GPUS_PER_NODE', 'RESERVED_GIB', 'EXPERT_GEMM_MEASURED', 'EFF_FP8_GEMM', 'EFF_FP8_EXPERT', 'EFF_FP8_GLUON_EXPERT', 'EFF_FP8_CUBLAS_EXPERT', 'CUBLAS_CALL_S', 'BF16_CUBLAS_MEASURED', 'BF16_CUBLAS_CALL_S', 'EFF_ATTN', 'EFF_COMM', 'EFF_PCIE', 'HOST_GBPS', 'HBM_TRAFFIC', 'RESIDUAL_SAVED_BYTES', 'OPTIMIZER_BYTES', 'RECOMPUTE_FORWARD', 'HOST_OPTIMIZER_BYTES', 'QUANT_BYTES', 'QUANT_ROWS_BYTES', 'WEIGHT_QUANT_BYTES', 'MX_EMULATED_BYTES', 'EFF_MX_QUANT', 'EFF_MX_FUSED', 'FP8_SAVED', 'FP8_WEIGHT_CACHED', 'FP8_ROWWISE_MEASURED', 'EFF_FP8_ROWWISE_GEMM', 'ROWWISE_QUANT_BYTES', 'EFF_ROWWISE_ROWS', 'EFF_ROWWISE_COLS', 'LOW_PRECISION']
+__all__ = ['GiB', 'GPU', 'GPUS', 'gpu_of', 'GPUS_PER_NODE', 'RESERVED_GIB', 'EXPERT_GEMM_MEASURED', 'EFF_FP8_GEMM', 'EFF_FP8_EXPERT', 'EFF_FP8_GLUON_EXPERT', 'EFF_FP8_CUBLAS_EXPERT', 'CUBLAS_CALL_S', 'BF16_CUBLAS_MEASURED', 'BF16_CUBLAS_CALL_S', 'EFF_ATTN', 'EFF_COMM', 'EFF_PCIE', 'HOST_GBPS', 'HBM_TRAFFIC', 'RESIDUAL_SAVED_BYTES', 'EAGER_NORM_SAVED_BYTES', 'EAGER_ROPE_SAVED_BYTES', 'OPTIMIZER_BYTES', 'RECOMPUTE_FORWARD', 'HOST_OPTIMIZER_BYTES', 'QUANT_BYTES', 'QUANT_ROWS_BYTES', 'WEIGHT_QUANT_BYTES', 'MX_EMULATED_BYTES', 'EFF_MX_QUANT', 'EFF_MX_FUSED', 'FP8_SAVED', 'FP8_WEIGHT_CACHED', 'FP8_ROWWISE_MEASURED', 'EFF_FP8_ROWWISE_GEMM', 'ROWWISE_QUANT_BYTES', 'EFF_ROWWISE_ROWS', 'EFF_ROWWISE_COLS', 'LOW_PRECISION']
 
 import dataclasses
 
@@ -184,6 +184,19 @@ the streaming rate (GPU.stream_bps). Fitted to the H100's compiled same-run pair
 elements a step (D x blocks x tokens: 4096 x 4 and 2048 x 8, x 16,384), 1.85 ms x 2.91 TB/s / 268M
 = 20 B. The eager olmoe3-4l-8e pair's 9.7 ms (autocast's casts of the fp32 stream for each linear
 gone too) is one row, not fitted: eager plans take the compiled term."""
+EAGER_NORM_SAVED_BYTES = 130.0
+"""Elementwise HBM bytes an eager step moves less per normed element (a token's width through one
+RMSNorm: each block's two and its q / k norms) with model.triton_rmsnorm: one Triton pass forward and
+one backward instead of torch's fp32 kernels (the cast, pow, mean, rsqrt, two multiplies and their
+backward), at the streaming rate. Fitted to session 43's same-run eager pairs on the H100 (the best row
+without the kernel twice, with it once: olmoe3-4l-8e 369.3 -> 328.0 ms, 872M normed elements a step,
+138 B; OLMoE-8L 276.7 -> 231.3 ms, 1.07G elements, 123 B). Compiled steps trace torch's norm."""
+EAGER_ROPE_SAVED_BYTES = 134.0
+"""As EAGER_NORM_SAVED_BYTES, per roped element (q and k: A + G a token and block) with model.triton_rope
+(one Triton pass each way instead of torch's fp32 cast, slices, negation, concatenation, products, sum
+and cast back). Fitted to session 44's
+same-run eager pairs with the norm on (olmoe3-4l-8e 322.8 -> 306.7 ms, 336M roped elements a step, 139 B;
+OLMoE-8L 227.1 -> 203.4 ms, 537M, 129 B)."""
 OPTIMIZER_BYTES = {("fp32", "triton"): 32.0, ("bf16", "triton"): 24.0,
                    ("fp32", "torch"): 32.0 * 1.2, ("bf16", "torch"): 112.0}
 """HBM bytes per local parameter per optimizer step, counted from the code, by (state_dtype, kernel):

@@ -16,7 +16,7 @@ from moetron.core.layers.loss import chunk_bounds, logit_bytes
 from moetron.core.memory import MemoryConfig, Recompute
 from moetron.core.precision.blockwise import FP8_BLOCK
 from moetron.core.precision.grouping import padded_rows
-from moetron.models import ModelConfig
+from moetron.models import BlockType, ModelConfig
 from .hardware import FP8_SAVED
 from .switches import Switches
 
@@ -26,8 +26,9 @@ def activation_terms(cfg: ModelConfig, layer: int, sw: Switches = Switches(),
     """Saved-for-backward bytes per token of one block, by term: {name: (module it belongs to for
     selective recompute, bytes)}.
 
-    Eager, counted from the code: the residual stream is fp32; RMSNorm keeps its fp32 input and
-    normalized output; each linear keeps its input as its GEMM saves it (bf16, or fp8 + scales under a
+    Eager, counted from the code: the residual stream is fp32 (bf16 under precision.bf16_residual, and
+    then q, k and v, and a dense SwiGLU's gate and up, save the one bf16 input); torch's RMSNorm keeps an
+    fp32 input and normalized output, model.triton_rmsnorm's its input and a scale a row (_norm_saved); each linear keeps its input as its GEMM saves it (bf16, or fp8 + scales under a
     low-precision recipe; q, k, v separately, or once with precision.quantize_input_once, and so a
     dense SwiGLU's gate and up); rope multiplies by constant tables (nothing per token);
     SDPA keeps q, k, v, out; the MoE layer keeps x_TD, the T*K dispatched rows x_RD, the gate|up
@@ -59,14 +60,19 @@ def activation_terms(cfg: ModelConfig, layer: int, sw: Switches = Switches(),
     terms: dict[str, tuple[str, float]] = {}
     moe = cfg.moe if cfg.is_moe_layer(layer) else None
     if not sw.compiled:
-        terms["attn_norm"] = ("norm", 8.0 * D)
+        # the blocks' norms read the stream (pre_norm) or a linear's bf16 output (reordered_norm); the q / k
+        # norms a linear's bf16 output
+        stream = 2.0 if sw.bf16_residual or bf16_params else 4.0
+        block_in = stream if cfg.block_type == BlockType.pre_norm else 2.0
+        terms["attn_norm"] = ("norm", _norm_saved(sw, D, block_in))
         shared = sw.quantize_input_once and sw.low("attention")  # one saved operand for q, k and v
-        terms["qkv_inputs"] = ("attention", (1 if (bf16_params and not sw.low("attention")) or shared else 3) * g_att * D)
+        bf16_in = (bf16_params or sw.bf16_residual) and not sw.low("attention")  # q, k, v read one bf16 tensor
+        terms["qkv_inputs"] = ("attention", (1 if bf16_in or shared else 3) * g_att * D)
         if att.qk_norm:
-            terms["qk_norm"] = ("norm", 8.0 * (A + G))
+            terms["qk_norm"] = ("norm", _norm_saved(sw, A, 2.0) + _norm_saved(sw, G, 2.0))
         terms["sdpa_qkv_out"] = ("attention", 2.0 * (A + 2 * G) + 2.0 * A)
         terms["o_proj_input"] = ("attention", g_att * A)
-        terms["mlp_norm"] = ("norm", 8.0 * D)
+        terms["mlp_norm"] = ("norm", _norm_saved(sw, D, block_in))
         if moe is not None:
             K, F, E = moe.router.top_k, moe.expert_hidden, moe.num_experts
             terms["router"] = ("router", 4.0 * D + 4.0 * E)  # fp32 input + softmax probs
@@ -84,7 +90,8 @@ def activation_terms(cfg: ModelConfig, layer: int, sw: Switches = Switches(),
                 terms["shared_swiglu"] = ("swiglu", 2.0 * S + g_mlp * S)
         else:
             H = cfg.mlp_hidden
-            terms["mlp"] = ("mlp", (1 if sw.quantize_input_once and sw.low("mlp") else 2) * g_mlp * D + 4.0 * H)
+            one = (sw.quantize_input_once and sw.low("mlp")) or (sw.bf16_residual and not sw.low("mlp"))
+            terms["mlp"] = ("mlp", (1 if one else 2) * g_mlp * D + 4.0 * H)
             terms["mlp_swiglu"] = ("swiglu", 2.0 * H + g_mlp * H)
         return terms
     # a low-precision recipe's linears each save their own quantized input unless they share one
@@ -118,6 +125,13 @@ def activation_terms(cfg: ModelConfig, layer: int, sw: Switches = Switches(),
         terms["mlp"] = ("mlp", copies("mlp", 2) * g_mlp * D + 4.0 * H)
         terms["mlp_swiglu"] = ("swiglu", g_mlp * H)
     return terms
+
+
+def _norm_saved(sw: Switches, width: int, x_bytes: float) -> float:
+    """Bytes per token an eager RMSNorm of ``width`` keeps for its backward [code]: torch's path an fp32
+    x (the input, or its fp32 copy) and the fp32 normalized rows, 8 B an element; model.triton_rmsnorm's
+    kernel its input as it came (``x_bytes`` an element) and one fp32 scale a row."""
+    return x_bytes * width + 4.0 if sw.triton_rmsnorm else 8.0 * width
 
 
 def block_activation_bytes(cfg: ModelConfig, layer: int, memory: MemoryConfig, sw: Switches = Switches(),

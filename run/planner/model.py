@@ -438,8 +438,7 @@ def plan_slice(cfg: ModelConfig, layers: list[int], *, ep: int, seq_len: int, mi
     if cfg.moe is None or not layers or not all(cfg.is_moe_layer(i) for i in layers):
         raise ConfigError(f"a slice is MoE blocks: {layers} are not all MoE layers of {cfg.describe()}")
     # bf16 by default, as bench_slice runs; a low-precision recipe resolved for the GPU as pretrain would
-    sw = (Switches(compiled=compiled) if precision is None else
-          switches(cfg, ParallelConfig(), precision, OptimizerConfig(), GPUS[gpu], compiled))
+    sw = switches(cfg, ParallelConfig(), precision or PrecisionConfig(recipe="bf16"), OptimizerConfig(), GPUS[gpu], compiled)
     T = micro_batch * seq_len
     D, F, L = cfg.d_model, cfg.moe.expert_hidden, cfg.moe.num_experts // ep
     n_params = slice_params(cfg, layers, ep)

@@ -73,6 +73,12 @@ class Switches:
     residual stream between the blocks and its gradient in bf16, 2 B an element instead of 4: the norms'
     saved input, the final norm's input and the fused loss' grad_h (memory.py), and the stream's
     elementwise traffic (RESIDUAL_SAVED_BYTES)."""
+    triton_rmsnorm: bool = False
+    """model.triton_rmsnorm in an eager step (compiled steps trace torch's norm): autograd keeps each norm's
+    input in its own dtype and one fp32 scale a row instead of 8 B an element (memory.py), and the step
+    moves EAGER_NORM_SAVED_BYTES less per normed element."""
+    triton_rope: bool = False
+    """model.triton_rope in an eager step: EAGER_ROPE_SAVED_BYTES less per roped element (q and k)."""
     quantized_expert_copies: bool = False
     """precision.quantized_expert_copies (mxfp8 emulated on the optimizer's expert copies): the optimizer
     writes each expert weight quantized both ways in its step (2 B more written per element, a second
@@ -234,6 +240,8 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
                     quantized_expert_copies=bool(precision.quantized_expert_copies),
                     dense_weight_copies=dense_copies, head_weight_copy=head_copy,
                     bf16_residual=residual_on(recipe, precision.bf16_residual),
+                    triton_rmsnorm=bool(model.triton_rmsnorm) and not compiled,
+                    triton_rope=bool(model.triton_rope) and not compiled,
                     save_swiglu_product=bool(precision.save_swiglu_product),  # bf16 only (check_save_product)
                     optimizer_kernel="torch" if str(optimizer.impl) == "torch" or optimizer.fused is not None else "triton",
                     offload=parallel.fsdp_offload)

@@ -18,7 +18,7 @@ from .hardware import (
     CUBLAS_CALL_S, BF16_CUBLAS_MEASURED, BF16_CUBLAS_CALL_S, EFF_ATTN, EFF_COMM, HBM_TRAFFIC,
     RECOMPUTE_FORWARD, QUANT_BYTES, WEIGHT_QUANT_BYTES, QUANT_ROWS_BYTES, MX_EMULATED_BYTES, EFF_MX_QUANT,
     EFF_MX_FUSED, FP8_ROWWISE_MEASURED, EFF_FP8_ROWWISE_GEMM, ROWWISE_QUANT_BYTES, EFF_ROWWISE_ROWS, EFF_ROWWISE_COLS,
-    RESIDUAL_SAVED_BYTES,
+    RESIDUAL_SAVED_BYTES, EAGER_NORM_SAVED_BYTES, EAGER_ROPE_SAVED_BYTES,
 )
 from .memory import _expert_params, _linear_params
 from .switches import Switches
@@ -281,6 +281,12 @@ def stage_time(cfg: ModelConfig, layers: list[int], *, sw: Switches, memory: Mem
     traffic = HBM_TRAFFIC["compiled" if compiled else "eager"] * ref_bytes * T_mb * extra
     if sw.bf16_residual:  # [measured fit] the stream and its gradient in bf16 (RESIDUAL_SAVED_BYTES)
         traffic -= RESIDUAL_SAVED_BYTES * cfg.d_model * len(layers) * T_mb * extra
+    if sw.triton_rmsnorm or sw.triton_rope:  # [measured fit] eager only (Switches): the Triton norm / RoPE passes
+        att = cfg.attention
+        qk = att.n_heads * att.head_width(cfg.d_model) + att.kv_heads() * att.head_width(cfg.d_model)
+        normed = (2 * cfg.d_model + (qk if att.qk_norm else 0)) * len(layers)
+        traffic -= (EAGER_NORM_SAVED_BYTES * normed * sw.triton_rmsnorm
+                    + EAGER_ROPE_SAVED_BYTES * qk * len(layers) * sw.triton_rope) * T_mb * extra
     # [code] the bf16 experts recast their fp32 weights in backward (read 4 + write 2 B per
     # element) and recompute the SwiGLU product (read gate|up, write silu and product: ~10 B x F per row;
     # 2 B less where save_swiglu_product kept the product: its write gone).

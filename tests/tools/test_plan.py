@@ -299,6 +299,7 @@ def test_validate_reports_a_row_it_cannot_replay_and_goes_on(tmp_path, capsys):
 
 def _moe_1t_slice(compiled: bool, recompute: str = "none"):
     cfg = ModelConfig.moe_1t()
+    cfg.triton_rmsnorm = cfg.triton_rope = False  # the pinned rows (2026-12-01) ran torch's eager norm and RoPE
     layers, local = planner.slice_layers(cfg, ep=8, pp=8, layers=2, name="moe-1t")
     r = planner.plan_slice(cfg, layers, ep=8, seq_len=8192, memory=MemoryConfig(recompute=recompute),
                            compiled=compiled, gpu="h200")
@@ -338,11 +339,12 @@ def test_slice_params_are_the_blocks_bench_slice_builds_on_meta():
 def test_slice_pinned_figures_and_ordering():
     """The planner's figures for the three rows measured on one H200 (docs/performance.md,
     2026-12-01: eager none 202.0 ms / 32.8 GiB, eager full 266.3 / 27.3, compiled none 174.2 / 30.7).
-    Since session 41's in-step GEMM rates the steps plan 8-10% short of them (they were 7-11% long)."""
+    Since session 41's in-step GEMM rates the steps plan 8-10% short of them (they were 7-11% long); since
+    session 46 the slice's bf16 stream takes precision.bf16_residual's terms (0.5-0.7 ms, 0.19 GiB compiled)."""
     eager = _moe_1t_slice(compiled=False)[3]
     full = _moe_1t_slice(compiled=False, recompute="full")[3]
     compiled = _moe_1t_slice(compiled=True)[3]
-    pinned = {"eager": (eager, 184.1, 33.98), "full": (full, 245.0, 29.45), "compiled": (compiled, 157.1, 31.28)}
+    pinned = {"eager": (eager, 183.6, 33.98), "full": (full, 244.3, 29.45), "compiled": (compiled, 156.5, 31.09)}
     for name, (r, ms, gib) in pinned.items():
         assert 1e3 * r["step_s"] == pytest.approx(ms, abs=0.1), name
         assert r["peak_gib"] == pytest.approx(gib, abs=0.01), name
@@ -360,10 +362,15 @@ def test_slice_cli_and_bad_slices(tmp_path, capsys):
     out = tmp_path / "slice.json"
     assert planner.main(["--slice", "--layers", "2", "--preset", "moe-1t", "--parallel.ep=8", "--parallel.pp=8",
                          "--seq-len", "8192", "--gpu", "h200", "--eager", "--memory.recompute=full",
-                         "--json", str(out)]) == 0
+                         "--model.triton_rmsnorm=false", "--model.triton_rope=false", "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())["rows"]
     assert row["layers"] == [2, 3] and row["recompute"] == "full" and not row["compiled"]
-    assert row["peak_gib"] == pytest.approx(_moe_1t_slice(compiled=False, recompute="full")[3]["peak_gib"])
+    direct = _moe_1t_slice(compiled=False, recompute="full")[3]
+    assert row["peak_gib"] == pytest.approx(direct["peak_gib"]) and row["step_s"] == pytest.approx(direct["step_s"])
+    assert planner.main(["--slice", "--layers", "2", "--preset", "moe-1t", "--parallel.ep=8", "--parallel.pp=8",
+                         "--seq-len", "8192", "--gpu", "h200", "--eager", "--json", str(out)]) == 0
+    (kernels,) = json.loads(out.read_text())["rows"]  # today's defaults: the eager Triton norm and RoPE
+    assert kernels["step_s"] < _moe_1t_slice(compiled=False)[3]["step_s"]
     assert "no all-to-all, no optimizer, no bubble" in capsys.readouterr().out
     with pytest.raises(ConfigError, match="must divide the 128 experts"):
         planner.main(["--slice", "--preset", "moe-1t", "--parallel.ep=3", "--json", ""])
@@ -478,6 +485,44 @@ def test_bf16_residual_terms():
     fp8 = _olmoe8(precision=PrecisionConfig(recipe="fp8_blockwise"))  # auto: off outside bf16
     fp8_on = _olmoe8(precision=PrecisionConfig(recipe="fp8_blockwise", bf16_residual=True))
     assert planner.plan(fp8)["step_s"] > planner.plan(fp8_on)["step_s"]
+
+
+def test_eager_triton_norm_and_rope_terms(tmp_path):
+    """model.triton_rmsnorm in an eager step: each norm keeps its input as it came (OLMoE-8L is pre_norm: the
+    fp32 stream; its q / k norms read bf16) and one fp32 scale a row, instead of torch's 8 B an element; the
+    step moves EAGER_NORM_SAVED_BYTES less per normed element and, with model.triton_rope,
+    EAGER_ROPE_SAVED_BYTES less per roped one (q and k). Compiled steps trace torch's: no change. A report
+    dated before the defaults changed replays without them (tools/plan.py CHANGED_MODEL_DEFAULTS)."""
+    from moetron.run.planner.hardware import EAGER_NORM_SAVED_BYTES, EAGER_ROPE_SAVED_BYTES, GPUS
+
+    T, D, L = 16384, 2048, 8  # OLMoE-8L: A = G = D, QK-norm
+    fp32_stream = PrecisionConfig(bf16_residual=False)
+
+    def plan(norm: bool, rope: bool, compiled: bool = False) -> dict:
+        return planner.plan(_olmoe8(model={"triton_rmsnorm": norm, "triton_rope": rope}, precision=fp32_stream,
+                                    compiled=compiled))
+
+    torch_path, norm, both = plan(False, False), plan(True, False), plan(True, True)
+    per_block = (8 * D + 8 * D + 8 * 2 * D) - ((4 * D + 4) + (4 * D + 4) + 2 * (2 * D + 4))
+    assert (torch_path["stages"][0]["activations_gib"] - norm["stages"][0]["activations_gib"]) * GiB == \
+        pytest.approx(per_block * T * L)
+    bps = GPUS["h200"].stream_bps
+    assert torch_path["step_s"] - norm["step_s"] == pytest.approx(EAGER_NORM_SAVED_BYTES * 4 * D * L * T / bps)
+    assert norm["step_s"] - both["step_s"] == pytest.approx(EAGER_ROPE_SAVED_BYTES * 2 * D * L * T / bps)
+    assert plan(False, False, True)["step_s"] == plan(True, True, True)["step_s"]
+    paths = []
+    for date in ("2026-12-06 12:00:00", "2026-12-07 12:00:00"):  # before session 44's default change, after 45's
+        env = {"command": "python tools/bench_train.py --preset tiny-moe --seq-len 256 --batch 8", "preset": "tiny-moe",
+               "seq_len": 256, "batch": 8, "date": date}
+        path = tmp_path / f"{date[:10]}.json"
+        path.write_text(json.dumps({"env": env, "rows": [{"variant": "eager", "overrides": [], "step_s": 0.1}]}))
+        paths.append(str(path))
+    before, after = planner.validate(paths)
+    tiny = ModelConfig.tiny_moe()
+    tiny.triton_rmsnorm = tiny.triton_rope = False
+    old = planner.plan(planner.Plan(model=tiny, parallel=ParallelConfig(), memory=MemoryConfig(), seq_len=256,
+                                    global_batch=8, compiled=False, precision=fp32_stream))
+    assert before["planned_step_ms"] == pytest.approx(1e3 * old["step_s"]) and after["planned_step_ms"] < before["planned_step_ms"]
 
 
 def test_dense_weight_copies_terms():
