@@ -111,9 +111,10 @@ def test_fp8_slice_peaks_within_target_of_the_measured():
     its bf16 cast held together); since its kernels store the bf16 gradient themselves (2 B an element:
     check_fp8_expert_bytes counts the allocations) the plan puts it at 31.1 GiB, the SwiGLU-down
     backward's, the wgrad's 0.4 GiB below; measured 31.56 GiB (one H100, session 38 call 1, same command:
-    docs/bench/session38/call1/slice_fp8.json), the plan 1.4% under it."""
+    docs/bench/session38/call1/slice_fp8.json), the plan 1.4% under it. bf16 plans 31.09 GiB since session 46
+    (the slice's bf16 stream in the compiled norms' term, precision.bf16_residual: 31.28 before), 0.3% under."""
     bf16, fp8 = _moe_1t_slice(None), _moe_1t_slice("fp8_blockwise")
-    assert bf16["peak_gib"] == pytest.approx(31.28, abs=0.01) and "SwiGLU-down" in bf16["peak_at"]
+    assert bf16["peak_gib"] == pytest.approx(31.09, abs=0.01) and "SwiGLU-down" in bf16["peak_at"]
     assert fp8["peak_gib"] == pytest.approx(31.11, abs=0.01) and "SwiGLU-down" in fp8["peak_at"]
     assert abs(bf16["peak_gib"] / 31.2 - 1) <= 0.10 and abs(fp8["peak_gib"] / 31.56 - 1) <= 0.10
     cfg = ModelConfig.moe_1t()
