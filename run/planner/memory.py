@@ -27,8 +27,10 @@ def activation_terms(cfg: ModelConfig, layer: int, sw: Switches = Switches(),
     selective recompute, bytes)}.
 
     Eager, counted from the code: the residual stream is fp32 (bf16 under precision.bf16_residual, and
-    then q, k and v, and a dense SwiGLU's gate and up, save the one bf16 input); torch's RMSNorm keeps an
-    fp32 input and normalized output, model.triton_rmsnorm's its input and a scale a row (_norm_saved); each linear keeps its input as its GEMM saves it (bf16, or fp8 + scales under a
+    then q, k and v, and a dense SwiGLU's gate and up, save the one bf16 input); torch's RMSNorm keeps
+    an fp32 input and normalized output, model.triton_rmsnorm's its input and a scale a row
+    (_norm_saved; a block's norms read the stream under pre_norm, a linear's bf16 output under
+    reordered_norm); each linear keeps its input as its GEMM saves it (bf16, or fp8 + scales under a
     low-precision recipe; q, k, v separately, or once with precision.quantize_input_once, and so a
     dense SwiGLU's gate and up); rope multiplies by constant tables (nothing per token);
     SDPA keeps q, k, v, out; the MoE layer keeps x_TD, the T*K dispatched rows x_RD, the gate|up
@@ -37,8 +39,7 @@ def activation_terms(cfg: ModelConfig, layer: int, sw: Switches = Switches(),
     save_swiglu_product), a low-precision backend
     composes it (silu(gate) and the product, fp8, kept); a dense SwiGLU keeps gate, up, silu, product.
 
-    precision.bf16_residual (compiled): the norms' [T, D] is the stream's, 2 B; the eager count keeps torch's
-    norm as fitted (not measured with a bf16 stream).
+    precision.bf16_residual, compiled: the norms' [T, D] is the stream's, 2 B.
 
     Compiled, from the measured OLMoE-8L breakdown (tools/bench_memory.py, 143 KiB/token/block once
     the expert weight copies and the product were gone), generalized by shape: [T, *] bf16 x5 (the
@@ -137,8 +138,8 @@ def _norm_saved(sw: Switches, width: int, x_bytes: float) -> float:
 def block_activation_bytes(cfg: ModelConfig, layer: int, memory: MemoryConfig, sw: Switches = Switches(),
                            bf16_params: bool = False) -> float:
     """Saved bytes per token of block ``layer`` under the recompute policy: the block input (fp32
-    residual; bf16 under ``bf16_params`` or precision.bf16_residual) alone for a fully recomputed block; the named modules'
-    terms dropped for selective."""
+    residual; bf16 under ``bf16_params`` or precision.bf16_residual) alone for a fully recomputed
+    block; the named modules' terms dropped for selective."""
     if memory.recompute == Recompute.full and layer % memory.recompute_every == 0:
         return (2.0 if bf16_params or sw.bf16_residual else 4.0) * cfg.d_model
     terms = activation_terms(cfg, layer, sw, bf16_params)
