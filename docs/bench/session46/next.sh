@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Queued for session 47 (any GPU, first; about 420 s on a fresh H100): the whole GPU suite on session 46's
+# Queued for session 47 (any GPU, first; about 520 s on a fresh H100): the whole GPU suite on session 46's
 # default (precision.bf16_residual=auto: the bf16 stream in every bf16 GPU test), then #13's non-GEMM share
 # on olmoe3-4l-8e and OLMoE-8L with it (tools/profile_step.py, the best row, 40 kernels, as session 39's
 # call 9 and session 41's OLMoE-8L profile), then native fp8_blockwise's f8gc row (#14's) with and without
-# the bf16 stream (auto leaves it off there: not measured). About 520 s on a fresh H100.
+# the bf16 stream (auto leaves it off there: not measured).
 # Run from the repo root: bash docs/bench/session46/next.sh (timeout 600)
 source docs/bench/session32/switches.sh
 source docs/bench/session37/common.sh
