@@ -358,9 +358,9 @@ class PrecisionConfig(Config):
     low-precision recipes (Residual; ``true`` turns it on with those, not measured there; a ConfigError
     with fp32). Measured on one H100 (session 46, docs/performance.md), two same-run pairs each: compiled
     olmoe3-4l-8e 0.5-0.7% faster and 0.5 GiB less, OLMoE-8L 0.7-1.1% faster and 1.3 GiB less; eager
-    olmoe3-4l-8e 3.2% faster (one pair); the GPU proxy's loss at three seeds +0.19% train / +0.17% held-out beside
-    the runs without it (within tools/compare_runs.py's 1%); the proxy model's gradients against an
-    fp32 step 5.95% (median relative) beside bf16's own 5.82%."""
+    olmoe3-4l-8e 3.2% faster and 1.6 GiB less (one pair); the GPU proxy's loss at three seeds +0.19%
+    train / +0.17% held-out beside the runs without it (within tools/compare_runs.py's 1%); the proxy
+    model's gradients against an fp32 step 5.95% (median relative) beside bf16's own 5.82%."""
     save_swiglu_product: bool = False
     """bf16 recipe: the routed experts' fused SwiGLU-down op (core/precision/bf16_grouped.py) keeps the
     product silu(gate) * up [R, F] (R = tokens x top-k) for its backward instead of recomputing it
@@ -541,7 +541,7 @@ class PrecisionConfig(Config):
             check_expert_copies(self.recipe, self.backend, copies == WeightCopies.optimizer)
         check_emulated_saves(self.recipe, self.backend, self.emulated_save_x_bf16)
         check_input_once(self.recipe, self.backend, self.quantize_input_once)
-        if self.recipe != PrecisionRecipe.auto:  # known before resolving
+        if self.recipe != PrecisionRecipe.auto:  # known before resolving: its ConfigError for true on fp32
             residual_on(self.recipe, self.bf16_residual)
         check_quantized_copies(self.recipe, self.backend, self.quantized_expert_copies, optimizer_copies, self.modules)
         check_bf16_copies(self.recipe, self.dense_weight_copies)

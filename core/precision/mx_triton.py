@@ -16,8 +16,8 @@ Bits: the scale exponent comes from the bits of amax (floor) or of amax / 448 (r
 scaling is by exact powers of two built from bits; the only rounding is to E4M3, nearest even: on
 the GPU by its conversion instruction, under the interpreter by bit arithmetic (``round_to_e4m3``),
 the same values (``signed_e4m3``). The jit helpers here (``signed_e4m3``, ``round_to_e4m3``,
-``mx_exponent``, ``exp2_int``, and core/triton_round.py's ``load_fp32``, ``store_rounded``) are shared with blockwise_triton; the
-lean arithmetic's (``abs_bits``, ``widen``, ``lean_block_scale``, ``lean_qdq``, ``lean_rows_qdq``,
+``mx_exponent``, ``exp2_int``, and core/triton_round.py's ``load_fp32``, ``store_rounded``) are shared
+with blockwise_triton; the lean arithmetic's (``abs_bits``, ``widen``, ``lean_block_scale``, ``lean_qdq``, ``lean_rows_qdq``,
 ``store_bf16``) with
 core/adamw_triton.py's MX-pair update.
 

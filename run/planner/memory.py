@@ -7,7 +7,8 @@ gate|up wgrad transient. model.py adds them up to a rank's peak."""
 
 from __future__ import annotations
 
-__all__ = ['SLICE_FREED', 'SLICE_FREED_AT_GATE_UP', 'activation_terms', 'block_activation_bytes',
+__all__ = ['SLICE_FREED', 'SLICE_FREED_AT_GATE_UP', 'activation_terms', 'attention_widths', 'block_activation_bytes',
+           'block_norms',
            'block_backward_transient', 'gate_up_wgrad_transient', 'loss_memory', 'stage_linear']
 
 import torch
@@ -29,8 +30,7 @@ def activation_terms(cfg: ModelConfig, layer: int, sw: Switches = Switches(),
     Eager, counted from the code: the residual stream is fp32 (bf16 under precision.bf16_residual, and
     then q, k and v, and a dense SwiGLU's gate and up, save the one bf16 input); torch's RMSNorm keeps
     an fp32 input and normalized output, model.triton_rmsnorm's its input and a scale a row
-    (_norm_saved; a block's norms read the stream under pre_norm, a linear's bf16 output under
-    reordered_norm); each linear keeps its input as its GEMM saves it (bf16, or fp8 + scales under a
+    (_norm_saved over block_norms: which norms a block has and what each reads); each linear keeps its input as its GEMM saves it (bf16, or fp8 + scales under a
     low-precision recipe; q, k, v separately, or once with precision.quantize_input_once, and so a
     dense SwiGLU's gate and up); rope multiplies by constant tables (nothing per token);
     SDPA keeps q, k, v, out; the MoE layer keeps x_TD, the T*K dispatched rows x_RD, the gate|up
@@ -55,25 +55,22 @@ def activation_terms(cfg: ModelConfig, layer: int, sw: Switches = Switches(),
     """
     D = cfg.d_model
     att = cfg.attention
-    A = att.n_heads * att.head_width(D)
-    G = att.kv_heads() * att.head_width(D)
+    A, G = attention_widths(cfg)
     g_att, g_mlp, g_exp = sw.saved_input("attention"), sw.saved_input("mlp"), sw.saved_input("experts")
     terms: dict[str, tuple[str, float]] = {}
     moe = cfg.moe if cfg.is_moe_layer(layer) else None
     if not sw.compiled:
-        # the blocks' norms read the stream (pre_norm) or a linear's bf16 output (reordered_norm); the q / k
-        # norms a linear's bf16 output
-        stream = 2.0 if sw.bf16_residual or bf16_params else 4.0
-        block_in = stream if cfg.block_type == BlockType.pre_norm else 2.0
-        terms["attn_norm"] = ("norm", _norm_saved(sw, D, block_in))
+        norms = {name: ("norm", sum(_norm_saved(sw, w, b) for w, b in rows))
+                 for name, rows in block_norms(cfg, sw, bf16_params).items()}
+        terms["attn_norm"] = norms["attn_norm"]
         shared = sw.quantize_input_once and sw.low("attention")  # one saved operand for q, k and v
         bf16_in = (bf16_params or sw.bf16_residual) and not sw.low("attention")  # q, k, v read one bf16 tensor
         terms["qkv_inputs"] = ("attention", (1 if bf16_in or shared else 3) * g_att * D)
         if att.qk_norm:
-            terms["qk_norm"] = ("norm", _norm_saved(sw, A, 2.0) + _norm_saved(sw, G, 2.0))
+            terms["qk_norm"] = norms["qk_norm"]
         terms["sdpa_qkv_out"] = ("attention", 2.0 * (A + 2 * G) + 2.0 * A)
         terms["o_proj_input"] = ("attention", g_att * A)
-        terms["mlp_norm"] = ("norm", _norm_saved(sw, D, block_in))
+        terms["mlp_norm"] = norms["mlp_norm"]
         if moe is not None:
             K, F, E = moe.router.top_k, moe.expert_hidden, moe.num_experts
             terms["router"] = ("router", 4.0 * D + 4.0 * E)  # fp32 input + softmax probs
@@ -99,7 +96,7 @@ def activation_terms(cfg: ModelConfig, layer: int, sw: Switches = Switches(),
     # (precision.quantize_input_once; measured: native fp8_blockwise OLMoE-8L +0.5 GiB and olmoe3-4l-8e
     # +0.77 GiB without it, session 38); bf16's q, k and v save the one tensor
     copies = lambda module, n: 1 if not sw.low(module) or sw.quantize_input_once else n  # noqa: E731
-    terms["norms"] = ("norm", (2.0 if sw.bf16_residual else 4.0) * D)  # the stream's dtype (bf16_residual)
+    terms["norms"] = ("norm", sw.stream_bytes() * D)  # the stream's [T, D]
     terms["qkv_input"] = ("attention", copies("attention", 3) * g_att * D)
     if att.qk_norm:
         terms["qk_norm"] = ("norm", 2.0 * (A + G))
@@ -128,6 +125,27 @@ def activation_terms(cfg: ModelConfig, layer: int, sw: Switches = Switches(),
     return terms
 
 
+def attention_widths(cfg: ModelConfig) -> tuple[int, int]:
+    """(A, G): the query width (heads x head width) and the key / value width (kv heads x head width)."""
+    att = cfg.attention
+    hd = att.head_width(cfg.d_model)
+    return att.n_heads * hd, att.kv_heads() * hd
+
+
+def block_norms(cfg: ModelConfig, sw: Switches, bf16_params: bool = False) -> dict[str, list[tuple[int, float]]]:
+    """A block's RMSNorms by activation term, each as (width, bytes an element of its input) [code]: the
+    two block norms read the stream (pre_norm: Switches.stream_bytes) or a linear's bf16 output
+    (reordered_norm, Olmo 3's); the q and k norms (QK-norm) a linear's bf16 output. The one count of the
+    norms that the eager memory terms and the eager norm's traffic term (timing.stage_time) take."""
+    D = cfg.d_model
+    block_in = sw.stream_bytes(bf16_params) if cfg.block_type == BlockType.pre_norm else 2.0
+    norms = {"attn_norm": [(D, block_in)], "mlp_norm": [(D, block_in)]}
+    if cfg.attention.qk_norm:
+        A, G = attention_widths(cfg)
+        norms["qk_norm"] = [(A, 2.0), (G, 2.0)]
+    return norms
+
+
 def _norm_saved(sw: Switches, width: int, x_bytes: float) -> float:
     """Bytes per token an eager RMSNorm of ``width`` keeps for its backward [code]: torch's path an fp32
     x (the input, or its fp32 copy) and the fp32 normalized rows, 8 B an element; model.triton_rmsnorm's
@@ -141,7 +159,7 @@ def block_activation_bytes(cfg: ModelConfig, layer: int, memory: MemoryConfig, s
     residual; bf16 under ``bf16_params`` or precision.bf16_residual) alone for a fully recomputed
     block; the named modules' terms dropped for selective."""
     if memory.recompute == Recompute.full and layer % memory.recompute_every == 0:
-        return (2.0 if bf16_params or sw.bf16_residual else 4.0) * cfg.d_model
+        return sw.stream_bytes(bf16_params) * cfg.d_model
     terms = activation_terms(cfg, layer, sw, bf16_params)
     if memory.recompute == Recompute.selective:
         dropped = set(memory.recompute_modules)
@@ -161,8 +179,7 @@ def _linear_params(cfg: ModelConfig, layer: int) -> dict[str, int]:
     """A block's GEMM weights by precision module: attention (q, k, v, o), mlp (dense or shared
     SwiGLU), experts (routed)."""
     D = cfg.d_model
-    att = cfg.attention
-    A, G = att.n_heads * att.head_width(D), att.kv_heads() * att.head_width(D)
+    A, G = attention_widths(cfg)
     out = {"attention": D * (2 * A + 2 * G), "mlp": 0, "experts": 0}
     if cfg.is_moe_layer(layer):
         moe = cfg.moe
@@ -190,7 +207,7 @@ def loss_memory(cfg: ModelConfig, sw: Switches, tokens: int) -> dict[str, float]
     gradient (fp32) and the bf16 logits' gradient join them: 10 B per logit, which is what the
     OLMoE-8L measurement holds at its peak (15.37 GiB at 16384 x 100352) [measured]."""
     T, D, V = tokens, cfg.d_model, cfg.vocab_size
-    stream = 2.0 if sw.bf16_residual else 4.0  # the residual stream's dtype: bf16 under bf16_residual
+    stream = sw.stream_bytes()
     norm = stream * T * D  # the final RMSNorm's input
     if sw.fused_loss:
         saved = norm + stream * T * D + 4.0 * V * D

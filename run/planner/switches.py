@@ -167,6 +167,11 @@ class Switches:
         and the experts of a compiled run with quantize_weights_once."""
         return self.low(module) and (not self.compiled or (module == "experts" and self.quantize_weights_once))
 
+    def stream_bytes(self, bf16_params: bool = False) -> float:
+        """Bytes an element of the residual stream (and its gradient): bf16 under precision.bf16_residual
+        or ``bf16_params`` (tools/bench_slice.py's blocks), else fp32."""
+        return 2.0 if self.bf16_residual or bf16_params else 4.0
+
     @property
     def cublas_bf16_experts(self) -> bool:
         """precision.bf16_experts=cublas takes effect: the experts' GEMMs are bf16 ones (the bf16 recipe,

@@ -20,7 +20,7 @@ from .hardware import (
     EFF_MX_FUSED, FP8_ROWWISE_MEASURED, EFF_FP8_ROWWISE_GEMM, ROWWISE_QUANT_BYTES, EFF_ROWWISE_ROWS, EFF_ROWWISE_COLS,
     RESIDUAL_SAVED_BYTES, EAGER_NORM_SAVED_BYTES, EAGER_ROPE_SAVED_BYTES,
 )
-from .memory import _expert_params, _linear_params
+from .memory import _expert_params, _linear_params, attention_widths, block_norms
 from .switches import Switches
 
 
@@ -30,7 +30,7 @@ def reference_activation_bytes(cfg: ModelConfig, layer: int) -> float:
     which measures work done, not what is kept."""
     D = cfg.d_model
     att = cfg.attention
-    A, G = att.n_heads * att.head_width(D), att.kv_heads() * att.head_width(D)
+    A, G = attention_widths(cfg)
     total = 8.0 * D + 6.0 * D + (8.0 * (A + G) if att.qk_norm else 0.0) + 4.0 * (A + G) + 2.0 * (A + 2 * G) + 4.0 * A
     total += 8.0 * D
     if cfg.is_moe_layer(layer):
@@ -54,8 +54,7 @@ def _operand_widths(cfg: ModelConfig, layer: int, input_once: bool = False
     gradients dy in backward. The widths matter to fp8_rowwise (its fused rows + column-maxima kernel
     serves grouped rows up to 4096 columns)."""
     D = cfg.d_model
-    att = cfg.attention
-    A, G = att.n_heads * att.head_width(D), att.kv_heads() * att.head_width(D)
+    A, G = attention_widths(cfg)
     qkv, gate_up = (1.0, 1.0) if input_once else (3.0, 2.0)
     out = {"attention": ([(qkv * D, D), (float(A), A)], [(float(A), A), (2.0 * G, G), (float(D), D)]),
            "mlp": ([], []), "experts": ([], [])}
@@ -227,7 +226,7 @@ def stage_time(cfg: ModelConfig, layers: list[int], *, sw: Switches, memory: Mem
     holds them). ``microbatches`` spreads an eager run's weight-cache quantization over the step."""
     mem, T_mb, m = memory, tokens, microbatches
     bf16_flops = gpu.bf16_tflops * 1e12
-    width = cfg.attention.n_heads * cfg.attention.head_width(cfg.d_model)
+    width = attention_widths(cfg)[0]
     modules = ("attention", "mlp", "experts")
     attn_f = sum(12.0 * width * min(seq_len, cfg.window_of(i) or seq_len) for i in layers)
     block_f = sum(cfg.block_flops_per_token(i, seq_len) for i in layers)  # one path for FLOPs
@@ -281,12 +280,12 @@ def stage_time(cfg: ModelConfig, layers: list[int], *, sw: Switches, memory: Mem
     traffic = HBM_TRAFFIC["compiled" if compiled else "eager"] * ref_bytes * T_mb * extra
     if sw.bf16_residual:  # [measured fit] the stream and its gradient in bf16 (RESIDUAL_SAVED_BYTES)
         traffic -= RESIDUAL_SAVED_BYTES * cfg.d_model * len(layers) * T_mb * extra
-    if sw.triton_rmsnorm or sw.triton_rope:  # [measured fit] eager only (Switches): the Triton norm / RoPE passes
-        att = cfg.attention
-        qk = att.n_heads * att.head_width(cfg.d_model) + att.kv_heads() * att.head_width(cfg.d_model)
-        normed = (2 * cfg.d_model + (qk if att.qk_norm else 0)) * len(layers)
-        traffic -= (EAGER_NORM_SAVED_BYTES * normed * sw.triton_rmsnorm
-                    + EAGER_ROPE_SAVED_BYTES * qk * len(layers) * sw.triton_rope) * T_mb * extra
+    # [measured fit] eager only (Switches): the Triton norm's passes over every normed element, RoPE's over q and k
+    if sw.triton_rmsnorm:
+        normed = sum(w for rows in block_norms(cfg, sw).values() for w, _ in rows)
+        traffic -= EAGER_NORM_SAVED_BYTES * normed * len(layers) * T_mb * extra
+    if sw.triton_rope:
+        traffic -= EAGER_ROPE_SAVED_BYTES * sum(attention_widths(cfg)) * len(layers) * T_mb * extra
     # [code] the bf16 experts recast their fp32 weights in backward (read 4 + write 2 B per
     # element) and recompute the SwiGLU product (read gate|up, write silu and product: ~10 B x F per row;
     # 2 B less where save_swiglu_product kept the product: its write gone).
