@@ -31,6 +31,7 @@ the value), so a moment whose per-step decay 1 - beta is below 2^-8 would never 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any, Callable, Iterable, NamedTuple
 
@@ -39,7 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from .config import StrEnum
 
-__all__ = ["AdamWKernel", "PrecisionAwareAdamW", "MIN_ONE_MINUS_BETA", "triton_usable"]
+__all__ = ["AdamWKernel", "PrecisionAwareAdamW", "MIN_ONE_MINUS_BETA", "join_fp32", "split_fp32", "triton_usable"]
 
 # Smallest 1 - beta whose decay a bf16 moment registers under round-to-nearest (see the docstring).
 MIN_ONE_MINUS_BETA = {torch.bfloat16: 2.0**-8}
@@ -47,6 +48,35 @@ MIN_ONE_MINUS_BETA = {torch.bfloat16: 2.0**-8}
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+_SPLIT_CHUNK = 2**22  # elements per pass of split_fp32 / join_fp32 (their int64 temporaries: 32 MiB each)
+
+
+@torch.no_grad()
+def split_fp32(p: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> None:
+    """Hold the fp32 master ``p`` split (optimizer.split_master): ``hi`` (bf16) <- p rounded to the
+    nearest even bf16 (what p.to(torch.bfloat16) gives, for every non-NaN p), ``lo`` (int16) <- p - hi in
+    units of p's last bit. That difference lies in [-32768, 32768]; int16 holds all of it but +32768,
+    and a difference of +-32768 is a tie (p's low 16 bits exactly 0x8000), so lo is clamped to +-32767:
+    at a tie the master kept (join_fp32) is p moved one fp32 ulp toward hi, which still rounds to hi.
+    Everywhere else join_fp32(hi, lo) is p bit for bit. The torch reference of the Triton kernel's
+    store_split (core/adamw_triton.py), in integer ops; contiguous tensors of one shape."""
+    for p_c, hi_c, lo_c in zip(*(t.view(-1).split(_SPLIT_CHUNK) for t in (p, hi, lo))):
+        bits = p_c.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        h = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 & 0xFFFF
+        d = (bits - (h << 16) + 2**31) % 2**32 - 2**31  # the difference, wrapped as the kernel's uint32 is
+        hi_c.view(torch.int16).copy_(torch.where(h >= 2**15, h - 2**16, h))
+        lo_c.copy_(d.clamp(-32767, 32767))
+
+
+@torch.no_grad()
+def join_fp32(hi: torch.Tensor, lo: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` (fp32) <- the master held split as ``hi`` and ``lo`` (split_fp32), exactly; returns out."""
+    for hi_c, lo_c, out_c in zip(*(t.view(-1).split(_SPLIT_CHUNK) for t in (hi, lo, out))):
+        bits = (((hi_c.view(torch.int16).to(torch.int64) & 0xFFFF) << 16) + lo_c.to(torch.int64)) % 2**32
+        out_c.view(torch.int32).copy_(torch.where(bits >= 2**31, bits - 2**32, bits))
+    return out
 
 
 class _Row(NamedTuple):
@@ -91,12 +121,15 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
     2 x 4 x chunk_numel bytes, 256 MiB at the default); ``kernel``: an AdamWKernel (see the module
     docstring); ``compute_copies``: {parameter: bf16 tensor of its shape (a DTensor like it, for a
     DTensor)}, each overwritten with its parameter rounded to nearest after every step (by the
-    Triton kernel in its pass, by one copy on the foreach path)."""
+    Triton kernel in its pass, by one copy on the foreach path). ``split_master``: hold the master of
+    every parameter whose copy the model computes with in its place (add_compute_copies' ``replaces``)
+    split, as the copy and an int16 remainder, and free the parameter's fp32 storage (see split_fp32,
+    masters_materialized)."""
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, state_dtype: torch.dtype = torch.bfloat16,
                  chunk_numel: int = 2**25, kernel: AdamWKernel | str = AdamWKernel.auto,
-                 compute_copies: dict[torch.Tensor, torch.Tensor] | None = None):
+                 compute_copies: dict[torch.Tensor, torch.Tensor] | None = None, split_master: bool = False):
         if chunk_numel < 1:
             raise ValueError(f"chunk_numel must be >= 1, got {chunk_numel}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
@@ -114,10 +147,14 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         self._mx_cols: dict[int, tuple[torch.Tensor, str]] = {}  # id(parameter) -> (its MX dgrad operand, scale mode)
         self._parts = None  # (parts, after_part) while step_parts runs step()
         self._checked_parts = None  # the last partition step_parts validated
+        self.split_master = split_master
+        self._lo: dict[int, torch.Tensor] = {}  # id(parameter) -> the int16 rest of its split master
+        self._materialized = 0  # depth of masters_materialized blocks: the split parameters hold their masters
         self.add_compute_copies(compute_copies or {})
 
     def add_compute_copies(self, copies: dict[torch.Tensor, torch.Tensor], on_written=None, grads: bool = False,
-                           mx_cols: dict[torch.Tensor, torch.Tensor] | None = None, mx_scale_mode: str = "rceil") -> None:
+                           mx_cols: dict[torch.Tensor, torch.Tensor] | None = None, mx_scale_mode: str = "rceil",
+                           replaces: bool = False) -> None:
         """More {parameter: bf16 copy} pairs to overwrite after every step; ``on_written``: called
         after each step with the list of (parameter, copy) pairs just written (a cache that serves
         the copies re-validates them there). ``grads``: the copies are leaves the model computes
@@ -127,7 +164,10 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         a second bf16 tensor of its shape}; for those parameters the copy receives bf16(p) quantized to
         MXFP8 along I and dequantized, and the second tensor the same along O (``mx_scale_mode``):
         the emulated mxfp8 GEMMs' forward and dgrad weight operands, made in the step's own pass
-        (core.adamw_triton.adamw_update_mx_pair_; the torch reference on the foreach path)."""
+        (core.adamw_triton.adamw_update_mx_pair_; the torch reference on the foreach path). ``replaces``:
+        the model computes with these copies and never reads the parameters themselves (the caller's
+        promise); with ``split_master`` their masters are then held split and the parameters' storage
+        freed (split_masters)."""
         known = {id(p) for group in self.param_groups for p in group["params"]}
         for p, copy in copies.items():
             if id(p) not in known:
@@ -152,6 +192,52 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             self._grad_copies.update((id(p), copy) for p, copy in copies.items())
         if on_written is not None:
             self._copy_hooks.append((on_written, list(copies)))
+        if self.split_master and replaces:
+            self._split_masters([p for p in copies if id(p) not in self._mx_cols])
+
+    @torch.no_grad()
+    def _split_masters(self, params: list[torch.Tensor]) -> None:
+        """Hold these parameters' masters split: the copy <- the master rounded (bf16), an int16 rest
+        kept here, the parameter's fp32 storage freed (4 bytes an element; the rest takes 2). Each must
+        be a plain contiguous fp32 tensor owning its storage."""
+        for p in params:
+            if (isinstance(p, DTensor) or p.dtype != torch.float32 or not p.is_contiguous() or p.storage_offset()
+                    or p.untyped_storage().nbytes() != 4 * p.numel()):
+                raise ValueError(f"split_master holds plain contiguous fp32 parameters that own their storage, "
+                                 f"got a {type(p).__name__} {p.dtype} {tuple(p.shape)}")
+            if id(p) in self._lo:
+                continue
+            lo = torch.empty(p.shape, dtype=torch.int16, device=p.device)
+            split_fp32(p, self.compute_copies[p], lo)
+            self._lo[id(p)] = lo
+            if not self._materialized:
+                p.untyped_storage().resize_(0)
+
+    def split_parameters(self) -> list[torch.Tensor]:
+        """The parameters whose masters are held split (optimizer.split_master)."""
+        return [p for p in self.compute_copies if id(p) in self._lo]
+
+    @contextlib.contextmanager
+    def masters_materialized(self):
+        """Inside, every split parameter holds its fp32 master again (allocated, join_fp32 of its copy and
+        rest), for what reads or sets parameters outside the step: a checkpoint's save or load, the
+        finiteness check before it, a callback. On leaving, each is split again from the parameter (so a
+        value loaded into it is kept, its copy rewritten) and its storage freed. Nests; nothing without
+        split masters. Costs 4 bytes an element of split master while inside."""
+        split = self.split_parameters()
+        if self._materialized == 0:
+            for p in split:
+                p.untyped_storage().resize_(4 * p.numel())
+                join_fp32(self.compute_copies[p], self._lo[id(p)], p.detach())
+        self._materialized += 1
+        try:
+            yield
+        finally:
+            self._materialized -= 1
+            if self._materialized == 0:
+                for p in split:
+                    split_fp32(p.detach(), self.compute_copies[p], self._lo[id(p)])
+                    p.untyped_storage().resize_(0)
 
     def _init_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         state = self.state[p]
@@ -184,7 +270,12 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         """Rewrite every compute copy from its parameter and tell the copies' users (the
         ``on_written`` hooks): for parameters set outside step(), as a checkpoint load does, after
         which a copy would otherwise hold the weights it was made from."""
-        pairs = list(self.compute_copies.items())
+        if self._lo and not self._materialized:
+            raise RuntimeError("refresh_compute_copies reads the parameters, and split masters hold none outside "
+                               "masters_materialized(): call it inside that block")
+        for p in self.split_parameters():
+            split_fp32(p.detach(), self.compute_copies[p], self._lo[id(p)])
+        pairs = [(p, c) for p, c in self.compute_copies.items() if id(p) not in self._lo]
         if pairs:
             torch._foreach_copy_([_local(c) for _, c in pairs], [_local(p) for p, _ in pairs])
         self.write_mx_pairs([(p, c) for p, c in pairs if id(p) in self._mx_cols])
@@ -287,17 +378,20 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             buckets.setdefault((row.param.device, row.param.dtype), []).append(row)
         for (device, dtype), rows in buckets.items():
             if self._takes_triton(device, dtype):
-                from .adamw_triton import adamw_update_, adamw_update_mx_pair_
+                from .adamw_triton import adamw_update_, adamw_update_mx_pair_, adamw_update_split_
 
                 scale = None if grad_scale is None else grad_scale.to(device)
                 rest = []
                 for row in rows:
                     cols, mode = self._mx_cols.get(id(row.param), (None, None))
-                    written = [t for t in (row.param, row.copy, cols) if t is not None]
+                    lo = self._lo.get(id(row.param))
+                    written = [t for t in (row.param, row.copy, cols) if t is not None] if lo is None else [row.copy, lo]
                     if not all(t.is_contiguous() for t in (*row[1:4], *written)):
                         rest.append(row)
                         continue
-                    if cols is None:
+                    if lo is not None:
+                        adamw_update_split_(row.copy, lo, *row[1:4], step=row.step.item(), grad_scale=scale, **hyper)
+                    elif cols is None:
                         adamw_update_(*row[:4], step=row.step.item(), out_bf16=row.copy, grad_scale=scale, **hyper)
                     else:
                         adamw_update_mx_pair_(*row[:4], rows=row.copy, cols=cols, scale_mode=mode,
@@ -314,7 +408,17 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                     if id(row.copy) in held and row.grad.dtype != row.param.dtype else row for row in rows]
             if grad_scale is not None and rows:
                 torch._foreach_mul_([row.grad for row in rows], grad_scale.to(device, rows[0].grad.dtype))
+            # A split master steps as its joined fp32 value, then is split again (bit for bit the same
+            # update as the kernel's adamw_update_split_).
+            split = [(i, row.copy, self._lo[id(row.param)]) for i, row in enumerate(rows) if id(row.param) in self._lo]
+            for i, copy, lo in split:
+                rows[i] = rows[i]._replace(param=join_fp32(copy, lo, torch.empty(copy.shape, device=copy.device)),
+                                           copy=None)
             self._foreach_step(rows, hyper)
+            for i, copy, lo in split:
+                split_fp32(rows[i].param, copy, lo)
+                for t in (copy, lo):
+                    torch.autograd.graph.increment_version(t)
 
     def _takes_triton(self, device: torch.device, dtype: torch.dtype) -> bool:
         if self.kernel == AdamWKernel.foreach:

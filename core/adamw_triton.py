@@ -35,7 +35,8 @@ from .precision.mx_triton import (HW_CONVERT, abs_bits, lean_block_scale, lean_q
                                    tile_grid, tile_ids, widen)
 from .triton_round import load_fp32, round_to_bf16, store_rounded
 
-__all__ = ["BLOCK", "MX_PAIR_TILE_COLS", "MX_PAIR_WARPS", "adamw_update_", "adamw_update_mx_pair_"]
+__all__ = ["BLOCK", "MX_PAIR_TILE_COLS", "MX_PAIR_WARPS", "adamw_update_", "adamw_update_mx_pair_",
+           "adamw_update_split_"]
 
 BLOCK = 1024
 """Elements per program when a call names none (read at each call; tools/bench_optim.py --block
@@ -59,11 +60,38 @@ def _adamw_math(p, g, m, v, decay, lerp_weight, beta2, one_minus_beta2, bc2_sqrt
 
 
 @triton.jit
+def join_split(hi, lo):
+    """The fp32 master held split (SPLIT_MASTER): its bf16 rounding ``hi`` (int16 bits) and the remainder
+    ``lo`` (int16, |lo| <= 32767 units of the fp32's last bit) -> the fp32 value, exactly."""
+    bits = (hi.to(tl.uint16, bitcast=True).to(tl.uint32) << 16) + lo.to(tl.int32).to(tl.uint32, bitcast=True)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def store_split(hi_ptr, lo_ptr, p, mask):
+    """fp32 p held split: hi = p rounded to the nearest even bf16 (by the bits; as round_to_bf16 for
+    every non-NaN p), lo = p - hi in units of p's last bit, clamped to +-32767: the one value out of
+    that range is a tie (p's low half exactly 0x8000, the rounding's +-32768), so at a tie the master
+    kept moves one fp32 ulp toward hi (core.adamw.split_fp32, the reference)."""
+    bits = p.to(tl.uint32, bitcast=True)
+    hi = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    lo = (bits - (hi << 16)).to(tl.int32, bitcast=True)
+    lo = tl.minimum(tl.maximum(lo, -32767), 32767)
+    tl.store(hi_ptr, hi.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
+    tl.store(lo_ptr, lo.to(tl.int16), mask=mask)
+
+
+@triton.jit
 def _adamw_at(p_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, offs, mask, decay, lerp_weight, beta2, one_minus_beta2, bc2_sqrt,
               eps, neg_step_size, GRAD_BF16: tl.constexpr, STATE_BF16: tl.constexpr, LERP_SMALL: tl.constexpr,
-              GRAD_SCALE: tl.constexpr):
-    """One AdamW step of the elements at ``offs`` (loaded, updated by _adamw_math, stored); the new p."""
-    p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+              GRAD_SCALE: tl.constexpr, lo_ptr=None, SPLIT: tl.constexpr = False):
+    """One AdamW step of the elements at ``offs`` (loaded, updated by _adamw_math, stored); the new p.
+    SPLIT: the master is held split, ``p_ptr`` its bf16 half's int16 bits and ``lo_ptr`` the rest
+    (join_split, store_split)."""
+    if SPLIT:
+        p = join_split(tl.load(p_ptr + offs, mask=mask, other=0), tl.load(lo_ptr + offs, mask=mask, other=0))
+    else:
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0)
     g = load_fp32(g_ptr + offs, mask, GRAD_BF16)
     if GRAD_SCALE:  # the clip coefficient, as torch._foreach_mul_(grads, coef) would apply it
         g = g * tl.load(scale_ptr)
@@ -71,7 +99,10 @@ def _adamw_at(p_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, offs, mask, decay, lerp_wei
     v = load_fp32(v_ptr + offs, mask, STATE_BF16)
     p, m, v = _adamw_math(p, g, m, v, decay, lerp_weight, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size,
                           LERP_SMALL)
-    tl.store(p_ptr + offs, p, mask=mask)
+    if SPLIT:
+        store_split(p_ptr + offs, lo_ptr + offs, p, mask)
+    else:
+        tl.store(p_ptr + offs, p, mask=mask)
     store_rounded(m_ptr + offs, m, mask, STATE_BF16)
     store_rounded(v_ptr + offs, v, mask, STATE_BF16)
     return p
@@ -81,11 +112,14 @@ def _adamw_at(p_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, offs, mask, decay, lerp_wei
 def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, scale_ptr, n, decay, lerp_weight, beta2, one_minus_beta2,
                   bc2_sqrt, eps, neg_step_size,
                   GRAD_BF16: tl.constexpr, STATE_BF16: tl.constexpr, LERP_SMALL: tl.constexpr,
-                  WRITE_OUT: tl.constexpr, GRAD_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+                  WRITE_OUT: tl.constexpr, GRAD_SCALE: tl.constexpr, BLOCK: tl.constexpr,
+                  SPLIT: tl.constexpr = False):
+    """One AdamW step of BLOCK elements; WRITE_OUT: their bf16 rounding into out_ptr too; SPLIT: the master
+    held split, p_ptr its bf16 half (int16 bits), out_ptr the rest (_adamw_at)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     p = _adamw_at(p_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, offs, mask, decay, lerp_weight, beta2, one_minus_beta2,
-                  bc2_sqrt, eps, neg_step_size, GRAD_BF16, STATE_BF16, LERP_SMALL, GRAD_SCALE)
+                  bc2_sqrt, eps, neg_step_size, GRAD_BF16, STATE_BF16, LERP_SMALL, GRAD_SCALE, out_ptr, SPLIT)
     if WRITE_OUT:
         tl.store(out_ptr + offs, round_to_bf16(p), mask=mask)
 
@@ -153,10 +187,40 @@ def adamw_update_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, ex
     )
 
 
-def _scalars(p, grad, exp_avg, exp_avg_sq, outs, grad_scale, *, step, lr, beta1, beta2, eps, weight_decay) -> tuple:
+def adamw_update_split_(hi: torch.Tensor, lo: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                        exp_avg_sq: torch.Tensor, *, step: float, lr: float, beta1: float, beta2: float, eps: float,
+                        weight_decay: float, grad_scale: torch.Tensor | None = None,
+                        block: int | None = None) -> None:
+    """adamw_update_ of an fp32 master held split (optimizer.split_master): ``hi`` bf16, its rounding
+    to nearest even, which the model computes with, and ``lo`` int16, the rest
+    (core.adamw.join_fp32(hi, lo) is the master). Reads and writes 8 bytes of master an element where
+    adamw_update_ with out_bf16 moves 10 (read 4, write 4 + 2); the same update of the joined master
+    bit for bit, written back split (store_split: at a bf16 tie the kept master moves one fp32 ulp
+    toward hi). Arguments as adamw_update_'s."""
+    if hi.dtype != torch.bfloat16 or lo.dtype != torch.int16:
+        raise TypeError(f"adamw_update_split_ takes a bf16 hi and an int16 lo, got {hi.dtype} and {lo.dtype}")
+    n = hi.numel()
+    args = _scalars(hi, grad, exp_avg, exp_avg_sq, [hi], grad_scale, step=step, lr=lr, beta1=beta1, beta2=beta2,
+                    eps=eps, weight_decay=weight_decay, master=False)
+    if lo.shape != hi.shape or lo.device != hi.device or not lo.is_contiguous():
+        raise ValueError("adamw_update_split_ needs a contiguous lo of hi's shape on its device")
+    if n == 0:
+        return
+    block = block or BLOCK
+    grid = (triton.cdiv(n, block),)
+    _adamw_kernel[grid](
+        hi.view(torch.int16), grad, exp_avg, exp_avg_sq, lo, hi if grad_scale is None else grad_scale, n, *args,
+        GRAD_BF16=grad.dtype == torch.bfloat16, STATE_BF16=exp_avg.dtype == torch.bfloat16,
+        LERP_SMALL=abs(args[1]) < 0.5, WRITE_OUT=False, GRAD_SCALE=grad_scale is not None, BLOCK=block,
+        SPLIT=True, num_warps=4 if block <= 2048 else 8, enable_fp_fusion=False,
+    )
+
+
+def _scalars(p, grad, exp_avg, exp_avg_sq, outs, grad_scale, *, step, lr, beta1, beta2, eps, weight_decay,
+             master: bool = True) -> tuple:
     """The update's checks (TypeError / ValueError naming the tensor) and its fp32 scalars, in the
     kernels' order: decay, lerp weight, beta2, 1 - beta2, sqrt(bias correction 2), eps, -step size."""
-    if p.dtype != torch.float32:
+    if master and p.dtype != torch.float32:
         raise TypeError(f"adamw_update_ takes fp32 parameters, got {p.dtype}")
     if exp_avg.dtype != exp_avg_sq.dtype or exp_avg.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"moments must both be fp32 or bf16, got {exp_avg.dtype} and {exp_avg_sq.dtype}")

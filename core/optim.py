@@ -67,6 +67,17 @@ class OptimizerConfig(Config):
     torch's _foreach_norm; the same bf16 / fp32 independence, other rounding. CUDA (torch's path
     elsewhere). On the H100 (session 34) 1.12x torch's alone over OLMoE-8L's 3.77B gradients (5.22
     against 5.86 ms), within noise in whole steps of both #13 shapes: off by default."""
+    split_master: bool = False
+    """Hold the fp32 master of every weight the model computes on through the optimizer's bf16 copy
+    (precision.dense_weight_copies, head_weight_copy, expert_weight_copies=optimizer with
+    expert_grads_bf16) split in two: that copy, the master rounded to nearest even, and an int16 rest
+    (core.adamw.split_fp32). The step reads and writes 8 bytes of master an element instead of 10, and
+    each such weight keeps 4 bytes (copy and rest) instead of 6 (fp32 and copy): its fp32 storage is
+    freed between steps and rebuilt only to save, load or check it. The same updates bit for bit,
+    but at a bf16 rounding tie (the master's low 16 bits exactly 0x8000, about one element in 65,536),
+    where the master kept moves one fp32 ulp toward its rounding. This package's AdamW
+    (PrecisionAwareAdamW), one unsharded GPU as the copies are; a save or load holds the fp32 masters
+    again for its duration (4 bytes an element). Off by default until measured (docs/performance.md)."""
 
     def validate(self) -> None:
         # math.isfinite first: nan fails every comparison, so "nan <= 0" alone would let it through.
@@ -125,6 +136,11 @@ class OptimizerConfig(Config):
         torch_adamw = self.impl == OptimizerImpl.torch or (
             self.impl == OptimizerImpl.auto and not self.overlap and (not on_gpu or self.fused is not None or not all_fp32))
         if self.state_dtype == StateDtype.fp32 and torch_adamw:
+            if self.split_master:
+                raise ConfigError("optimizer.split_master=true is held by this package's AdamW, and this run builds "
+                                  "torch.optim.AdamW (optimizer.state_dtype=fp32 with impl=torch or fused, or auto on "
+                                  "the CPU): set optimizer.state_dtype=bf16 or optimizer.impl=triton, or drop "
+                                  "split_master")
             fused = on_gpu if self.fused is None else self.fused
             return torch.optim.AdamW(groups, lr=self.lr, betas=betas, eps=self.eps, fused=fused or None)
         bad = sorted({str(p.dtype) for g in groups for p in g["params"]
@@ -144,7 +160,7 @@ class OptimizerConfig(Config):
                   OptimizerImpl.auto: AdamWKernel.auto}[self.impl]
         state_dtype = {StateDtype.fp32: torch.float32, StateDtype.bf16: torch.bfloat16}[self.state_dtype]
         return PrecisionAwareAdamW(groups, lr=self.lr, betas=betas, eps=self.eps, state_dtype=state_dtype,
-                                   kernel=kernel)
+                                   kernel=kernel, split_master=self.split_master)
 
 
 class ScheduleKind(StrEnum):

@@ -11,6 +11,7 @@ Legend: B micro-batch, S sequence, V vocab.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -196,6 +197,15 @@ class Trainer:
         self.step = 0
         self.precision = precision or PrecisionPolicy.full(device.type)
         self.precision.attach_optimizer(optimizer, self.model_parts)  # e.g. bf16 weight copies the step writes
+        if getattr(optimizer, "split_master", False) and not optimizer.split_parameters():
+            raise ConfigError("optimizer.split_master=true holds split the masters of the weights the model computes "
+                              "on through the optimizer's bf16 copies, and this run has none: set "
+                              "precision.dense_weight_copies=true, precision.head_weight_copy=true or "
+                              "precision.expert_weight_copies=optimizer with expert_grads_bf16=true, or drop "
+                              "split_master")
+        # Where the optimizer holds masters split (optimizer.split_master), what reads or sets the
+        # parameters outside the step does so inside this block (nothing to do otherwise).
+        self.masters_materialized = getattr(optimizer, "masters_materialized", contextlib.nullcontext)
         # What holds the gradients: the parameters, and tensors computing in some parameters' place
         # whose .grad is theirs (precision.expert_grads_bf16, dense_weight_copies: the optimizer's bf16 copies).
         self._grad_holders = list(getattr(optimizer, "gradient_holders", list)())
@@ -258,16 +268,14 @@ class Trainer:
             return None
         self.wait_optimizer()
         meta = dict(self.run_metadata, step=self.step, world_size=self.world_size, torch=torch.__version__)
-        return self.checkpointer.save(self.step, self._ckpt_model(), self.optimizer, self._extra_state(), meta)
+        with self.masters_materialized():
+            return self.checkpointer.save(self.step, self._ckpt_model(), self.optimizer, self._extra_state(), meta)
 
     def load(self, path: str) -> None:
         self.wait_optimizer()
-        meta = self.checkpointer.load(path, self._ckpt_model(), self.optimizer, self._extra_state())
-        # Compute copies of the weights (precision.expert_weight_copies=optimizer) still hold the
-        # weights before the load: rewrite them from the loaded ones.
-        refresh = getattr(self.optimizer, "refresh_compute_copies", None)
-        if refresh is not None:
-            refresh()
+        with self.masters_materialized():
+            meta = self.checkpointer.load(path, self._ckpt_model(), self.optimizer, self._extra_state())
+            self._refresh_copies()
         self.step = int(meta["step"])
         # The steps after the checkpoint are trained again: their old log rows go, the earlier
         # load records are kept (both files then read as one uninterrupted run).
@@ -276,6 +284,21 @@ class Trainer:
         if is_main():
             note = f" (dropped {dropped} metrics.jsonl rows of later steps, trained again now)" if dropped else ""
             print(f"resumed from {path} at step {self.step}{note}", flush=True)
+
+    def init_weights(self, path: str) -> None:
+        """The model's weights from the checkpoint at ``path`` (checkpoint.init_from: a converted or
+        upcycled checkpoint, or another run's), nothing else: the optimizer and the step start fresh."""
+        self.wait_optimizer()
+        with self.masters_materialized():
+            self.checkpointer.load(path, self._ckpt_model(), None, {}, model_only=True)
+            self._refresh_copies()
+
+    def _refresh_copies(self) -> None:
+        # The optimizer's compute copies of the weights (precision.*_copies) still hold the weights
+        # before a load: rewrite them from the loaded ones (and re-split split masters).
+        refresh = getattr(self.optimizer, "refresh_compute_copies", None)
+        if refresh is not None:
+            refresh()
 
     def _ckpt_model(self):
         return self.model_parts if len(self.model_parts) > 1 else self.model
@@ -497,8 +520,9 @@ class Trainer:
                     raise
             # Save before evaluating: a failing evaluation must not cost the step's checkpoint.
             if self.checkpointer is not None and self.checkpointer.cfg.should_save(self.step, final=self.step == last_step):
-                self._check_finite(before_save=True)
-                path = self.save()
+                with self.masters_materialized():  # once for the check and the save
+                    self._check_finite(before_save=True)
+                    path = self.save()
                 if is_main() and path:
                     print(f"saved checkpoint {path}", flush=True)
             evaluating = (cfg.eval_interval and self.step % cfg.eval_interval == 0) or self.step == cfg.steps
@@ -510,7 +534,8 @@ class Trainer:
                 t_last, tokens_since = time.perf_counter(), 0
             if self.on_step_end is not None:
                 self.wait_optimizer()  # the callback may read the parameters
-                self.on_step_end(self.step, record or {})
+                with self.masters_materialized():
+                    self.on_step_end(self.step, record or {})
             watchdog.beat(self.step)
 
     def _pop_moe_metrics(self, steps: int) -> dict[str, Any]:

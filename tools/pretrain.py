@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer.load(resume_path)
     elif cfg.checkpoint.init_from:
         # Weights only: the load itself names any missing, unexpected or mis-shaped tensor.
-        checkpointer.load(cfg.checkpoint.init_from, trainer.model_parts, None, {}, model_only=True)
+        trainer.init_weights(cfg.checkpoint.init_from)
         if is_main():
             print(f"initialized the model from {cfg.checkpoint.init_from}", flush=True)
     if is_main():  # only now: a rejected resume must leave the run's config.yaml as it was

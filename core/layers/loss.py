@@ -339,6 +339,10 @@ class LMHead(Linear):
 
     def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         if labels is None:
+            if self.weight_bf16 is not None and self.weight.numel() and not self.weight.untyped_storage().nbytes():
+                raise RuntimeError("the LM head's logits read its fp32 weight, which optimizer.split_master holds "
+                                   "split between steps: compute them inside the optimizer's masters_materialized() "
+                                   "block (or train without optimizer.split_master)")
             return super().forward(h)
         if self.fused:
             return linear_cross_entropy(h, self.weight, labels, chunk_tokens=self.chunk_tokens, prescale=self.prescale,

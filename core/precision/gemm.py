@@ -267,7 +267,7 @@ def attach_expert_copies(optimizer, parts, grads: bool, on_written=None,
             if cols:
                 m.weight_copies_dgrad = (cols[m.w_gate_up], cols[m.w_down])
     optimizer.add_compute_copies(copies, on_written=on_written, grads=grads, mx_cols=cols,
-                                 mx_scale_mode=mx_scale_mode or "rceil")
+                                 mx_scale_mode=mx_scale_mode or "rceil", replaces=grads)
     if cols:  # quantized before the first forward, as every step leaves them
         optimizer.write_mx_pairs(list(copies.items()))
     return copies
@@ -291,7 +291,7 @@ def attach_dense_copies(optimizer, parts) -> dict[torch.Tensor, torch.Tensor]:
     copies = {m.weight: m.weight.detach().to(torch.bfloat16).requires_grad_(True) for m in linears}
     for m in linears:
         m.weight_copy = copies[m.weight]
-    optimizer.add_compute_copies(copies, grads=True)
+    optimizer.add_compute_copies(copies, grads=True, replaces=True)
     return copies
 
 
@@ -311,7 +311,9 @@ def attach_head_copy(optimizer, parts) -> dict[torch.Tensor, torch.Tensor]:
     copies = {m.weight: m.weight.detach().to(torch.bfloat16) for m in heads}
     for m in heads:
         m.weight_bf16 = copies[m.weight]
-    optimizer.add_compute_copies(copies)
+    # The fused loss reads only the copy (the weight gives its shape and takes the gradient): the
+    # logits path (LMHead without labels) reads the weight, outside the training step.
+    optimizer.add_compute_copies(copies, replaces=True)
     return copies
 
 
