@@ -197,6 +197,8 @@ def plan(p: Plan) -> dict:
             grads_b -= 2.0 * linear["experts"]
         if sw.dense_weight_copies:  # [code] 2 B per dense linear gradient (the copies: autograd's casts' place)
             grads_b -= 2.0 * (linear["attention"] + linear["mlp"])
+        # [code] optimizer.split_master: a split weight's fp32 storage (4 B) freed, its int16 rest (2 B) kept
+        params_b -= 2.0 * sw.split_elements(linear, cfg.vocab_size * cfg.d_model if last else 0)
         host_b = 0.0
         if sw.offload:  # CPUOffloadPolicy: shards, their grads and the optimizer state in host memory
             host_b = params_b + grads_b + optim_b
@@ -303,6 +305,9 @@ def plan(p: Plan) -> dict:
         # no cast of the head weight in each micro-batch's loss forward (read 4 + write 2 B an element);
         # the optimizer writes the copy (2 B) once a step
         cast_bytes -= (6.0 * m - 2.0) * cfg.vocab_size * cfg.d_model
+    # [code] optimizer.split_master: the step reads and writes copy and rest (8 B) where it read and wrote
+    # the fp32 master and wrote the copy (10 B)
+    opt_bytes -= 2.0 * sw.split_elements(stage_linear(cfg, list(range(cfg.n_layers)), 1), cfg.vocab_size * cfg.d_model)
     if sw.fused_loss_prescale:
         # no scaling pass in the loss' backward, each micro-batch: the fp32 grad_W [V, D] and grad_h [T, D]
         # (the fp32 residual's dtype) read and written

@@ -68,6 +68,11 @@ class Switches:
     """precision.head_weight_copy (bf16, one unsharded GPU): the fused loss computes on the optimizer's
     bf16 copy of the head weight, held all step (2 B x V x D) instead of cast in the loss' forward
     (read 4 + write 2 B an element); the optimizer writes 2 B more per element."""
+    split_master: bool = False
+    """optimizer.split_master (one unsharded GPU, with the optimizer's bf16 copies): the masters of the
+    weights computed on through those copies (split_elements) held as the copy and a 2 B rest, their fp32
+    storage freed: 2 B an element less held, and the optimizer moves 2 B an element less (reads copy and
+    rest, 4 B, and writes them, 4 B, instead of reading and writing the fp32 master and writing the copy)."""
     bf16_residual: bool = False
     """precision.bf16_residual as the run resolves it (config.residual_on: auto is on with bf16): the
     residual stream between the blocks and its gradient in bf16, 2 B an element instead of 4: the norms'
@@ -167,6 +172,19 @@ class Switches:
         and the experts of a compiled run with quantize_weights_once."""
         return self.low(module) and (not self.compiled or (module == "experts" and self.quantize_weights_once))
 
+    def split_elements(self, linear: dict, head: float) -> float:
+        """Elements whose masters optimizer.split_master holds split, of a stage whose linear weights are
+        ``linear`` (stage_linear's attention, mlp, experts) and whose LM head has ``head`` elements (0
+        off the last stage): those computed on through the optimizer's bf16 copies (core/precision/gemm.py:
+        the dense linears', the head's with the fused loss, the experts' with their gradients on the
+        copies, unless quantized)."""
+        if not self.split_master:
+            return 0.0
+        n = (linear["attention"] + linear["mlp"]) if self.dense_weight_copies else 0.0
+        if self.expert_weight_copies and self.expert_grads_bf16 and not self.quantized_expert_copies:
+            n += linear["experts"]
+        return n + (head if self.head_weight_copy and self.fused_loss else 0.0)
+
     def stream_bytes(self, bf16_params: bool = False) -> float:
         """Bytes an element of the residual stream (and its gradient): bf16 under precision.bf16_residual
         or ``bf16_params`` (tools/bench_slice.py's blocks), else fp32."""
@@ -224,6 +242,12 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
     head_copy = bool(precision.head_weight_copy)
     check_save_product(recipe, precision.save_swiglu_product)
     check_bf16_copies(recipe, head_copy, sharded=sharded, switch="head_weight_copy")
+    split_experts = copies and bool(precision.expert_grads_bf16) and not precision.quantized_expert_copies
+    if optimizer.split_master and not (dense_copies or (head_copy and model.fused_loss) or split_experts):
+        raise ConfigError("optimizer.split_master=true holds split the masters of the weights the model computes on "
+                          "through the optimizer's bf16 copies, and this run has none: set "
+                          "precision.dense_weight_copies=true, precision.head_weight_copy=true or "
+                          "precision.expert_weight_copies=optimizer with expert_grads_bf16=true, or drop split_master")
     return Switches(compiled=compiled, fused_loss=model.fused_loss,
                     fused_loss_prescale=bool(model.fused_loss and model.fused_loss_prescale),
                     loss_chunk_tokens=model.loss_chunk_tokens or path_chunk_tokens(model.vocab_size, torch.device("cuda"), torch.bfloat16),
@@ -245,6 +269,7 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
                     quantized_expert_copies=bool(precision.quantized_expert_copies),
                     dense_weight_copies=dense_copies, head_weight_copy=head_copy,
                     bf16_residual=residual_on(recipe, precision.bf16_residual),
+                    split_master=bool(optimizer.split_master),
                     triton_rmsnorm=bool(model.triton_rmsnorm) and not compiled,
                     triton_rope=bool(model.triton_rope) and not compiled,
                     save_swiglu_product=bool(precision.save_swiglu_product),  # bf16 only (check_save_product)

@@ -1117,3 +1117,34 @@ def test_in_step_rates_plan_the_profiled_terms():
     assert expert_gemm_share(r1, d1, f1) == pytest.approx(s1) and expert_gemm_share(r2, d2, f2) == pytest.approx(s2)
     assert s1 < expert_gemm_share(4096, 4096, 2048) < s2
     assert expert_gemm_share(64, d1, f1) == pytest.approx(s1) and expert_gemm_share(65536, d2, f2) == pytest.approx(s2)
+
+
+def test_split_master_plans_two_bytes_less_an_element_held_and_moved():
+    """optimizer.split_master on olmoe3-4l-8e's best row: the split weights are the dense linears, the
+    experts and the head (every parameter but the embedding, the norms and the routers' bias-free
+    vectors), counted by hand from the model: 2 B an element less held (params) and moved by the
+    optimizer; refused without copies, as the trainer refuses it."""
+    from moetron.core.optim import OptimizerConfig
+
+    def plan(split: bool, **precision):
+        precision = dict(dict(recipe="bf16", expert_weight_copies="optimizer", expert_grads_bf16=True,
+                              dense_weight_copies=True, head_weight_copy=True), **precision)
+        p = planner.Plan(model=_olmoe3(), parallel=ParallelConfig(), memory=MemoryConfig(), seq_len=4096,
+                         global_batch=4, precision=PrecisionConfig(**precision),
+                         optimizer=OptimizerConfig(state_dtype="bf16", split_master=split), gpu="h100", compiled=True)
+        return planner.plan(p)
+
+    model = _olmoe3().build(device="meta")
+    split = sum(p.numel() for n, p in model.named_parameters()
+                if n.endswith(("_proj.weight", "w_gate_up", "w_down", "lm_head.weight")))
+    assert 2.0e9 < split < 2.3e9
+    off, on = plan(False), plan(True)
+    (s_off,), (s_on,) = off["stages"], on["stages"]
+    assert (s_off["params_gib"] - s_on["params_gib"]) * 2**30 == pytest.approx(2.0 * split, rel=1e-6)
+    assert (s_off["peak_gib"] - s_on["peak_gib"]) * 2**30 == pytest.approx(2.0 * split, rel=1e-6)
+    saved_s = off["optimizer_s"] - on["optimizer_s"]
+    assert saved_s > 0 and off["step_s"] - on["step_s"] == pytest.approx(saved_s, rel=1e-6)
+    assert saved_s * planner.GPUS["h100"].stream_bps == pytest.approx(2.0 * split, rel=1e-6)
+    with pytest.raises(ConfigError, match="this run has none"):
+        plan(True, expert_weight_copies="none", expert_grads_bf16=False, dense_weight_copies=False,
+             head_weight_copy=False)
