@@ -16,6 +16,11 @@ them in turn (the values drift a little; timing does not depend on them). Varian
                         quantized along I and O: precision.quantized_expert_copies'
                         kernel, its own [32, 128] tile, not BLOCK); 1-D weights and
                         dims not multiples of 32 get the plain copy
+    triton_bf16_split   triton_bf16_copy with the masters held split           20 B/param
+                        (optimizer.split_master: the copy and an int16 rest
+                        stepped in place of the fp32 master); runs last and at
+                        the default BLOCK only, as it frees the shared
+                        parameters' fp32 storage
     norm_foreach        the clipping norm's squared sums alone, torch's       4 B/param
                         _foreach_norm (core/grad.py's default path)
     norm_triton         the same through core/grad_norm_triton.py              4 B/param
@@ -55,6 +60,7 @@ VARIANTS = {  # name -> (bytes per parameter moved at least, what it sweeps: --b
     "triton_bf16": (20, "block"),
     "triton_bf16_copy": (22, "block"),
     "triton_bf16_mxpair": (24, "tile"),  # adamw_update_mx_pair_'s own tile, not BLOCK
+    "triton_bf16_split": (20, None),  # last, at the default BLOCK only: it frees the shared parameters' fp32 storage
     "norm_foreach": (4, None),  # the clipping norm alone (core.grad._sum_of_squares): read every gradient
     "norm_triton": (4, None),
 }
@@ -120,14 +126,16 @@ def build(variant: str, groups: list[dict]):
         return torch.optim.AdamW(groups, foreach=True, **kw)
     state_dtype = torch.float32 if variant == "triton_fp32" else torch.bfloat16
     copies = None
-    if variant in ("triton_bf16_copy", "triton_bf16_mxpair"):
+    if variant in ("triton_bf16_copy", "triton_bf16_mxpair", "triton_bf16_split"):
         copies = {p: torch.empty_like(p, dtype=torch.bfloat16) for g in groups for p in g["params"]}
     kernel = "foreach" if variant == "foreach_bf16" else "triton"
-    opt = PrecisionAwareAdamW(groups, state_dtype=state_dtype, kernel=kernel, **kw)
+    split = variant == "triton_bf16_split"
+    opt = PrecisionAwareAdamW(groups, state_dtype=state_dtype, kernel=kernel, split_master=split, **kw)
     if copies:
         pairs = variant == "triton_bf16_mxpair"  # every matrix whose last two dims hold whole MX blocks
         opt.add_compute_copies(copies, mx_cols={p: torch.empty_like(c) for p, c in copies.items()
-                                                if pairs and p.ndim >= 2 and not (p.shape[-1] % 32 or p.shape[-2] % 32)})
+                                                if pairs and p.ndim >= 2 and not (p.shape[-1] % 32 or p.shape[-2] % 32)},
+                               replaces=split)
     return opt
 
 
@@ -168,6 +176,7 @@ def main(argv=None) -> int:
     from moetron.core.metrics import run_environment
 
     variants = [v for v in args.variants.split(",") if v]
+    variants.sort(key=lambda v: v == "triton_bf16_split")  # last: it frees the shared parameters' storage
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown or not variants:
         raise ConfigError(f"--variants: unknown {unknown}, choose from {', '.join(VARIANTS)}")

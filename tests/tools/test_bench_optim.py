@@ -30,9 +30,9 @@ def test_tiny_rows(tmp_path):
     assert [(r["variant"], r["block"]) for r in rows] == [
         ("torch_fused_fp32", None), ("torch_foreach_fp32", None), ("foreach_bf16", None),
         *((v, b) for v in ("triton_fp32", "triton_bf16", "triton_bf16_copy") for b in (4096, 16384)),
-        ("triton_bf16_mxpair", None), ("norm_foreach", None), ("norm_triton", None)]
-    assert [r["mx_tile"] for r in rows] == [None] * 9 + ["64x2"] + [None] * 2
-    assert [r["mx_order"] for r in rows] == [None] * 9 + ["cols-first"] + [None] * 2  # the kernel's default order
+        ("triton_bf16_mxpair", None), ("norm_foreach", None), ("norm_triton", None), ("triton_bf16_split", None)]
+    assert [r["mx_tile"] for r in rows] == [None] * 9 + ["64x2"] + [None] * 3
+    assert [r["mx_order"] for r in rows] == [None] * 9 + ["cols-first"] + [None] * 3  # the kernel's default order
     params = rows[0]["params"]
     assert params > 10_000 and all(r["params"] == params for r in rows)
     for r in rows:
