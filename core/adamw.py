@@ -408,17 +408,17 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                     if id(row.copy) in held and row.grad.dtype != row.param.dtype else row for row in rows]
             if grad_scale is not None and rows:
                 torch._foreach_mul_([row.grad for row in rows], grad_scale.to(device, rows[0].grad.dtype))
+            self._foreach_step([row for row in rows if id(row.param) not in self._lo], hyper)
             # A split master steps as its joined fp32 value, then is split again (bit for bit the same
-            # update as the kernel's adamw_update_split_).
-            split = [(i, row.copy, self._lo[id(row.param)]) for i, row in enumerate(rows) if id(row.param) in self._lo]
-            for i, copy, lo in split:
-                rows[i] = rows[i]._replace(param=join_fp32(copy, lo, torch.empty(copy.shape, device=copy.device)),
-                                           copy=None)
-            self._foreach_step(rows, hyper)
-            for i, copy, lo in split:
-                split_fp32(rows[i].param, copy, lo)
-                for t in (copy, lo):
-                    torch.autograd.graph.increment_version(t)
+            # update as the kernel's adamw_update_split_), one at a time: one fp32 master held at once.
+            for row in rows:
+                lo = self._lo.get(id(row.param))
+                if lo is not None:
+                    joined = join_fp32(row.copy, lo, torch.empty(row.copy.shape, device=row.copy.device))
+                    self._foreach_step([row._replace(param=joined, copy=None)], hyper)
+                    split_fp32(joined, row.copy, lo)
+                    for t in (row.copy, lo):
+                        torch.autograd.graph.increment_version(t)
 
     def _takes_triton(self, device: torch.device, dtype: torch.dtype) -> bool:
         if self.kernel == AdamWKernel.foreach:
