@@ -352,3 +352,25 @@ def _no_copies_trainer():
     return build_trainer(cfg, MemoryConfig(), data, torch.device("cpu"), seq_len=32,
                          precision=PrecisionConfig(recipe="bf16"),
                          optimizer=OptimizerConfig(state_dtype="bf16", impl="torch", split_master=True))
+
+
+def test_step_parts_steps_split_masters_as_step():
+    """optimizer.overlap's step_parts with split masters: the same copies, rests and moments as step(),
+    bit for bit, the parts in reverse order."""
+    results = []
+    for parts in (False, True):
+        (_, _, _), (ps, copies, opt) = _optimizers("foreach", "cpu")
+        first = copies[ps[0]].clone()
+        gen = torch.Generator().manual_seed(6)
+        for _ in range(3):
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.defer_grad_scale(torch.tensor(0.5))
+            if parts:
+                opt.step_parts([[p] for p in ps][::-1], lambda i: None)
+            else:
+                opt.step()
+        results.append([copies[p].clone() for p in ps[:3]] + [opt._lo[id(p)].clone() for p in ps[:3]]
+                       + [opt.state[p][k].clone() for p in ps for k in ("exp_avg", "exp_avg_sq")] + [ps[3].detach().clone()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert not torch.equal(results[0][0], first)  # the steps moved the weights

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Session 47, call 1: optimizer.split_master on the GPU. Its tests (the kernel against adamw_update_ bit for
-# bit, the optimizer against plain copies), then #13's two shapes with best (today's default, the bf16 stream
-# on) against best + split_master, alternating twice, then torchtitan on olmoe3-4l-8e after it (the ratio in
-# the same run). Needs .peers carried.
+# bit, the optimizer against plain copies), then olmoe3-4l-8e's best row (the bf16 stream on by default) against
+# best + split_master, alternating twice, then torchtitan on olmoe3-4l-8e after it (the ratio in the same run).
+# Needs .peers carried. OLMoE-8L and the optimizer alone: next.sh.
 # Run from the repo root: bash docs/bench/session47/call1.sh (timeout 600; about 230 s warm).
 source docs/bench/session42/common.sh
 SP=optimizer.split_master=true
