@@ -520,6 +520,7 @@ class Trainer:
                     raise
             # Save before evaluating: a failing evaluation must not cost the step's checkpoint.
             if self.checkpointer is not None and self.checkpointer.cfg.should_save(self.step, final=self.step == last_step):
+                self.wait_optimizer()  # an overlapped step still writing the split masters: before they are joined
                 with self.masters_materialized():  # once for the check and the save
                     self._check_finite(before_save=True)
                     path = self.save()
