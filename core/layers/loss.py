@@ -222,10 +222,15 @@ def _chunked(h_TD: torch.Tensor, w_VD: torch.Tensor, labels_T: torch.Tensor, ign
         loss_sum = torch.zeros((), dtype=acc, device=h_TD.device)
         z_sum = torch.zeros((), dtype=acc, device=h_TD.device)
         out_h = torch.empty_like(h_TD, memory_format=torch.contiguous_format) if grad_h else None
-        out_w = torch.empty(w_VD.shape, dtype=acc, device=w_VD.device) if grad_w else None
+        bounds = chunk_bounds(h_TD.shape[0], chunk_tokens)
+        # grad_W in the accumulator's dtype across chunks; in one chunk a compute-dtype weight's (the
+        # optimizer's bf16 copy taking the gradient, precision.head_grads_bf16) is the GEMM's own output,
+        # rounded once, as the fp32 sum rounded to it would be
+        w_out = w_VD.dtype if w_VD.dtype == dtype and len(bounds) == 1 else acc
+        out_w = torch.empty(w_VD.shape, dtype=w_out, device=w_VD.device) if grad_w else None
         if grad_w and h_TD.shape[0] == 0:
             out_w.zero_()
-        for i, (start, end) in enumerate(chunk_bounds(h_TD.shape[0], chunk_tokens)):
+        for i, (start, end) in enumerate(bounds):
             h_CD, valid_C = h_cast[start:end], valid_T[start:end]
             target_C = torch.where(valid_C, labels_T[start:end], 0)[:, None]
             mask_C = valid_C.to(acc)
@@ -344,6 +349,11 @@ class LMHead(Linear):
                                    "split between steps: compute them inside the optimizer's masters_materialized() "
                                    "block (or train without optimizer.split_master)")
             return super().forward(h)
+        if self.fused and self.weight_bf16 is not None and self.weight_bf16.requires_grad:
+            # precision.head_grads_bf16: the copy is the weight the loss differentiates (its .grad, bf16,
+            # is the master's gradient: core.precision.gemm.attach_head_copy)
+            return linear_cross_entropy(h, self.weight_bf16, labels, chunk_tokens=self.chunk_tokens,
+                                        prescale=self.prescale)
         if self.fused:
             return linear_cross_entropy(h, self.weight, labels, chunk_tokens=self.chunk_tokens, prescale=self.prescale,
                                         weight_bf16=self.weight_bf16)

@@ -347,6 +347,16 @@ class PrecisionConfig(Config):
     step's peak rises by about that where it is outside the loss. Apart from dense_weight_copies, which
     leaves the head out, so each is measured on its own. Alone on olmoe3-4l-8e (H100, session 34): 0.7%
     faster, at the edge of that run's 0.4% noise; off by default (one unsharded GPU only)."""
+    head_grads_bf16: bool = False
+    """With head_weight_copy: the LM head's weight gradient kept in bf16 on that copy, a leaf the fused
+    loss differentiates in the weight's place (as dense_weight_copies does for the other linears): the
+    loss' grad_W GEMM writes 2 B an element instead of 4 when the loss runs in one chunk
+    (model.loss_chunk_tokens >= the micro-batch's tokens; else it sums the chunks in fp32 and rounds
+    once), and the optimizer and the clipping norm read 2 B less each: 6 B x V x D a step (about
+    2.5 GB, 0.85 ms counted at V 100352 x D 4096 on the H100), and 2 B x V x D less held. The
+    gradient is the fp32 one rounded to bf16, as autocast's unfused head would give it; gradient
+    accumulation would sum it in bf16 and is refused, as for the other bf16 gradients. Session 47,
+    counted, not measured: off."""
     bf16_residual: Residual = Residual.auto
     """The residual stream between the blocks in the compute dtype (bf16) instead of the embedding's fp32,
     as FSDP2's bf16 all-gather already makes it in sharded runs (the embedding's output cast once; the
@@ -548,6 +558,9 @@ class PrecisionConfig(Config):
         check_bf16_copies(self.recipe, self.head_weight_copy, switch="head_weight_copy")
         check_save_product(self.recipe, self.save_swiglu_product)
         check_fused_input(self.recipe, self.fused_shared_input)
+        if self.head_grads_bf16 and not self.head_weight_copy:
+            raise ConfigError("precision.head_grads_bf16=true keeps the LM head's gradient on the optimizer's bf16 "
+                              "copy of its weight: it needs --precision.head_weight_copy=true")
         if self.expert_grads_bf16 and copies != WeightCopies.optimizer:
             raise ConfigError("precision.expert_grads_bf16=true keeps the experts' gradients on the optimizer's bf16 "
                               "weight copies: it needs --precision.expert_weight_copies=optimizer, got "
@@ -640,7 +653,7 @@ class PrecisionConfig(Config):
                              grads_on_copies=self.expert_grads_bf16,
                              per_expert=per_expert, dense_copies=self.dense_weight_copies,
                              head_copy=self.head_weight_copy, save_swiglu_product=self.save_swiglu_product,
-                             fused_shared_input=self.fused_shared_input)
+                             fused_shared_input=self.fused_shared_input, head_grads=self.head_grads_bf16)
             return PrecisionPolicy(device_type, torch.bfloat16, gemm, residual_dtype=residual)
         backend = self.resolved_backend(device_type, verbose=verbose)
         if recipe == PrecisionRecipe.mxfp8 and backend == PrecisionBackend.native and GemmModule.experts in self.modules:

@@ -295,11 +295,13 @@ def attach_dense_copies(optimizer, parts) -> dict[torch.Tensor, torch.Tensor]:
     return copies
 
 
-def attach_head_copy(optimizer, parts) -> dict[torch.Tensor, torch.Tensor]:
+def attach_head_copy(optimizer, parts, grads: bool = False) -> dict[torch.Tensor, torch.Tensor]:
     """precision.head_weight_copy: a bf16 copy of each LM head's weight in ``parts``, written by
     ``optimizer`` in its step (LMHead.weight_bf16) -> {parameter: copy}. The fused loss computes on
-    it instead of casting the fp32 weight; the gradient stays fp32 on the weight (no copy receives
-    it). ConfigError without the fused loss, and as for the other copies (_check_copyable)."""
+    it instead of casting the fp32 weight; the gradient stays fp32 on the weight, or with ``grads``
+    (precision.head_grads_bf16) the copy is a leaf the loss differentiates in its place and its bf16
+    .grad is the master's gradient. ConfigError without the fused loss, and as for the other copies
+    (_check_copyable)."""
     from ..config import ConfigError
     from ..layers.loss import LMHead
 
@@ -308,12 +310,13 @@ def attach_head_copy(optimizer, parts) -> dict[torch.Tensor, torch.Tensor]:
         raise ConfigError("precision.head_weight_copy=true serves the fused LM loss, and this model has "
                           "model.fused_loss=false: set model.fused_loss=true, or drop head_weight_copy")
     _check_copyable(optimizer, [m.weight for m in heads], "precision.head_weight_copy=true", "drop head_weight_copy")
-    copies = {m.weight: m.weight.detach().to(torch.bfloat16) for m in heads}
+    copies = {m.weight: m.weight.detach().to(torch.bfloat16).requires_grad_(grads) for m in heads}
     for m in heads:
         m.weight_bf16 = copies[m.weight]
-    # The fused loss reads only the copy (the weight gives its shape and takes the gradient): the
-    # logits path (LMHead without labels) reads the weight, outside the training step.
-    optimizer.add_compute_copies(copies, replaces=True)
+    # The fused loss reads only the copy (the weight gives its shape and takes the gradient, or with
+    # ``grads``, precision.head_grads_bf16, the copy takes it in bf16): the logits path (LMHead
+    # without labels) reads the weight, outside the training step.
+    optimizer.add_compute_copies(copies, grads=grads, replaces=True)
     return copies
 
 
@@ -328,7 +331,7 @@ class TorchGemm(GemmBackend):
 
     def __init__(self, weight_copies: str = "none", triton_swiglu: bool = False, grads_on_copies: bool = False,
                  per_expert: bool = False, dense_copies: bool = False, head_copy: bool = False,
-                 save_swiglu_product: bool = False, fused_shared_input: bool = False):
+                 save_swiglu_product: bool = False, fused_shared_input: bool = False, head_grads: bool = False):
         # precision.expert_weight_copies: the grouped GEMMs' bf16 weight copies, none, made once per
         # step ("step") or written by the optimizer and pinned in the cache ("optimizer").
         self.optimizer_copies = str(weight_copies) == "optimizer"
@@ -341,6 +344,7 @@ class TorchGemm(GemmBackend):
         self.per_expert = bool(per_expert)  # precision.bf16_experts=cublas: one cuBLAS GEMM per expert
         self.dense_copies = bool(dense_copies)  # precision.dense_weight_copies
         self.head_copy = bool(head_copy)  # precision.head_weight_copy
+        self.head_grads = bool(head_grads) and self.head_copy  # precision.head_grads_bf16
         self.save_swiglu_product = bool(save_swiglu_product)  # precision.save_swiglu_product
         self.fused_shared_input = bool(fused_shared_input)  # precision.fused_shared_input
 
@@ -348,7 +352,7 @@ class TorchGemm(GemmBackend):
         if self.dense_copies:
             attach_dense_copies(optimizer, parts)
         if self.head_copy:
-            attach_head_copy(optimizer, parts)
+            attach_head_copy(optimizer, parts, grads=self.head_grads)
         if not self.optimizer_copies:
             return
         copies = attach_expert_copies(optimizer, parts, grads=self.grads_on_copies,

@@ -196,8 +196,8 @@ def loss_memory(cfg: ModelConfig, sw: Switches, tokens: int) -> dict[str, float]
     saved included) and ``where`` that peak is.
 
     fused (core/layers/loss.py): grad_h [T, D] (h's dtype: the residual stream's, fp32 or bf16 under
-    precision.bf16_residual) and the fp32 grad_W
-    [V, D] are kept; its forward's last chunk also holds the bf16 weight (unless head_weight_copy: the
+    precision.bf16_residual) and grad_W [V, D] (fp32, or bf16 under head_grads_bf16 in one chunk:
+    Switches.head_grad_bytes) are kept; its forward's last chunk also holds the bf16 weight (unless head_weight_copy: the
     optimizer's copy, counted with the step's copies) and hidden casts and one
     chunk's bf16 logits, turned into dlogits in place by the Triton kernel that CUDA runs (2 B x C x V;
     C the largest of the balanced chunks, chunk_bounds);
@@ -210,11 +210,11 @@ def loss_memory(cfg: ModelConfig, sw: Switches, tokens: int) -> dict[str, float]
     stream = sw.stream_bytes()
     norm = stream * T * D  # the final RMSNorm's input
     if sw.fused_loss:
-        saved = norm + stream * T * D + 4.0 * V * D
+        saved = norm + stream * T * D + sw.head_grad_bytes(T) * V * D
         C = max((end - start for start, end in chunk_bounds(T, sw.loss_chunk_tokens)), default=0)
         w_cast = 0.0 if sw.head_weight_copy else 2.0 * V * D  # head_weight_copy: the step's copy (held elsewhere)
         in_forward = saved + w_cast + 2.0 * T * D + logit_bytes(torch.bfloat16, triton=True) * C * V
-        in_backward = saved + (0.0 if sw.fused_loss_prescale else stream * T * D + 4.0 * V * D)
+        in_backward = saved + (0.0 if sw.fused_loss_prescale else stream * T * D + sw.head_grad_bytes(T) * V * D)
         where = "loss forward (last chunk)" if in_forward >= in_backward else "loss backward"
         return {"saved": saved, "peak": max(in_forward, in_backward), "where": where}
     saved = norm + 2.0 * T * D + 4.0 * T * V

@@ -197,6 +197,8 @@ def plan(p: Plan) -> dict:
             grads_b -= 2.0 * linear["experts"]
         if sw.dense_weight_copies:  # [code] 2 B per dense linear gradient (the copies: autograd's casts' place)
             grads_b -= 2.0 * (linear["attention"] + linear["mlp"])
+        if last:  # [code] the head's gradient: 2 B an element on its copy under head_grads_bf16 in one chunk
+            grads_b -= (4.0 - sw.head_grad_bytes(T_mb)) * cfg.vocab_size * cfg.d_model
         # [code] optimizer.split_master: a split weight's fp32 storage (4 B) freed, its int16 rest (2 B) kept
         params_b -= 2.0 * sw.split_elements(linear, cfg.vocab_size * cfg.d_model if last else 0)
         host_b = 0.0
@@ -218,7 +220,7 @@ def plan(p: Plan) -> dict:
             candidates[loss["where"]] = base + acts + loss["peak"]
         # the block's gradients as its backward writes them (kept_gathered: already in compute_copies)
         grad_block = 0.0 if sw.offload or keep_gathered else 4.0 * (block_max / par.dp_shard if fsdp else block_max)
-        head_grad = 4.0 * cfg.vocab_size * cfg.d_model if last and not fsdp and not sw.offload else 0.0
+        head_grad = sw.head_grad_bytes(T_mb) * cfg.vocab_size * cfg.d_model if last and not fsdp and not sw.offload else 0.0
         top = layers[-1]
         if sw.expert_grads_bf16 and grad_block:
             grad_block -= 2.0 * _expert_params(cfg, top) / ep  # that block's expert gradients in bf16
@@ -305,6 +307,12 @@ def plan(p: Plan) -> dict:
         # no cast of the head weight in each micro-batch's loss forward (read 4 + write 2 B an element);
         # the optimizer writes the copy (2 B) once a step
         cast_bytes -= (6.0 * m - 2.0) * cfg.vocab_size * cfg.d_model
+    if sw.head_grads_bf16:
+        # [code] the optimizer reads the head's gradient in 2 B; the loss writes it in 2 B in one chunk
+        # (each micro-batch's loss: accumulation is refused, so one)
+        opt_bytes -= 2.0 * cfg.vocab_size * cfg.d_model
+        if sw.loss_chunk_tokens >= T_mb:
+            cast_bytes -= 2.0 * cfg.vocab_size * cfg.d_model
     # [code] optimizer.split_master: the step reads and writes copy and rest (8 B) where it read and wrote
     # the fp32 master and wrote the copy (10 B)
     opt_bytes -= 2.0 * sw.split_elements(stage_linear(cfg, list(range(cfg.n_layers)), 1), cfg.vocab_size * cfg.d_model)

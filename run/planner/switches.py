@@ -68,6 +68,10 @@ class Switches:
     """precision.head_weight_copy (bf16, one unsharded GPU): the fused loss computes on the optimizer's
     bf16 copy of the head weight, held all step (2 B x V x D) instead of cast in the loss' forward
     (read 4 + write 2 B an element); the optimizer writes 2 B more per element."""
+    head_grads_bf16: bool = False
+    """precision.head_grads_bf16 (with head_weight_copy and the fused loss): the head's gradient bf16 on its
+    copy, 2 B x V x D less held; the loss writes it in 2 B where it runs in one chunk, and the optimizer
+    reads 2 B less an element."""
     split_master: bool = False
     """optimizer.split_master (one unsharded GPU, with the optimizer's bf16 copies): the masters of the
     weights computed on through those copies (split_elements) held as the copy and a 2 B rest, their fp32
@@ -172,6 +176,11 @@ class Switches:
         and the experts of a compiled run with quantize_weights_once."""
         return self.low(module) and (not self.compiled or (module == "experts" and self.quantize_weights_once))
 
+    def head_grad_bytes(self, tokens: int) -> float:
+        """Bytes an element of the fused loss' grad_W for a micro-batch of ``tokens``: bf16 on the head's
+        copy under head_grads_bf16 where the loss runs in one chunk, else its fp32 accumulator's."""
+        return 2.0 if self.head_grads_bf16 and self.loss_chunk_tokens >= tokens else 4.0
+
     def split_elements(self, linear: dict, head: float) -> float:
         """Elements whose masters optimizer.split_master holds split, of a stage whose linear weights are
         ``linear`` (stage_linear's attention, mlp, experts) and whose LM head has ``head`` elements (0
@@ -270,6 +279,7 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
                     dense_weight_copies=dense_copies, head_weight_copy=head_copy,
                     bf16_residual=residual_on(recipe, precision.bf16_residual),
                     split_master=bool(optimizer.split_master),
+                    head_grads_bf16=bool(precision.head_grads_bf16) and head_copy and model.fused_loss,
                     triton_rmsnorm=bool(model.triton_rmsnorm) and not compiled,
                     triton_rope=bool(model.triton_rope) and not compiled,
                     save_swiglu_product=bool(precision.save_swiglu_product),  # bf16 only (check_save_product)

@@ -20,7 +20,8 @@ from tests.core.test_bf16_grouped import assert_resume_rewrites_copies
 from tests.core.test_precision_emulated import cuda_losses_on_one_batch
 
 
-def _trainer(dense: bool, micro_batch=None, compile=False, optimizer=None, head: bool = False):
+def _trainer(dense: bool, micro_batch=None, compile=False, optimizer=None, head: bool = False,
+             head_grads: bool = False):
     """A tiny MoE (a dense first layer, attention, a shared expert, the fused loss) on the CPU in
     bf16; ``optimizer`` (an OptimizerConfig) defaults to PrecisionAwareAdamW's foreach path (it writes
     compute copies) for both modes."""
@@ -35,7 +36,7 @@ def _trainer(dense: bool, micro_batch=None, compile=False, optimizer=None, head:
     data = RandomTokens(cfg.vocab_size, 2, 32, torch.device("cpu"))
     trainer = build_trainer(cfg, MemoryConfig(), data, torch.device("cpu"), seq_len=32, micro_batch=micro_batch,
                             compile=compile, precision=PrecisionConfig(recipe="bf16", dense_weight_copies=dense,
-                                                             head_weight_copy=head),
+                                                             head_weight_copy=head, head_grads_bf16=head_grads),
                             optimizer=optimizer or OptimizerConfig(state_dtype="bf16", impl="torch"))
     return trainer, data
 
@@ -240,3 +241,55 @@ def test_dense_copies_train_as_the_fp32_masters_on_gpu():
         head_weight_copy=dense), check=record) for dense in (False, True)}
     assert copied == {0: False, 1: True}
     assert runs[True] == pytest.approx(runs[False], rel=1e-5) and runs[False][2] < runs[False][0]
+
+
+@pytest.mark.parametrize("chunk", [64, 24], ids=["one_chunk", "chunks"])
+def test_fused_loss_gives_a_bf16_weight_its_rounded_gradient(chunk):
+    """precision.head_grads_bf16's loss: a bf16 weight leaf gets the gradient the fp32 weight of the same
+    values gets, rounded to bf16 (in one chunk the GEMM writes it; over chunks the fp32 sum rounded once;
+    on the CPU, whose GEMMs have no wider output, both are the bf16 product), and the same loss and grad_h."""
+    from moetron.core.layers.loss import linear_cross_entropy
+
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(2, 32, 16, generator=g).to(torch.bfloat16)
+    w32 = torch.randn(50, 16, generator=g).to(torch.bfloat16).float()
+    labels = torch.randint(0, 50, (2, 32), generator=g)
+    out = {}
+    for name, w in (("fp32", w32.clone()), ("bf16", w32.to(torch.bfloat16))):
+        w.requires_grad_(True)
+        hh = h.clone().requires_grad_(True)
+        loss = linear_cross_entropy(hh, w, labels, chunk_tokens=chunk)
+        loss.backward()
+        out[name] = (loss.detach(), hh.grad, w.grad)
+    assert out["bf16"][2].dtype == torch.bfloat16 and out["fp32"][2].dtype == torch.float32
+    assert torch.equal(out["bf16"][2], out["fp32"][2].to(torch.bfloat16))
+    assert torch.equal(out["bf16"][0], out["fp32"][0]) and torch.equal(out["bf16"][1], out["fp32"][1])
+
+
+def test_head_grads_bf16_hold_the_heads_gradient_on_its_copy():
+    """precision.head_grads_bf16: the head's gradient is bf16 on its copy (none on the fp32 weight).
+    On the CPU the head-copy run's fp32 gradient is itself a bf16 product (its GEMMs have no wider
+    output: _mm_into), so the two runs give the same losses and weights bit for bit (on the GPU the
+    fp32 gradient is the GEMM's sum, which this switch rounds). Refused without the head copy and with
+    accumulation."""
+    from moetron.core.precision import PrecisionConfig
+
+    runs = {}
+    for grads in (False, True):
+        trainer, data = _trainer(False, head=True, head_grads=grads)
+        history = [trainer.train_step(data.next_batch())[0].item() for _ in range(3)]
+        runs[grads] = history, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    (head,) = [m for m in trainer.model.modules() if isinstance(m, LMHead)]
+    assert head.weight_bf16.requires_grad and id(head.weight_bf16) in {id(t) for t in trainer.optimizer.gradient_holders()}
+    batch = data.next_batch()
+    with trainer.precision.autocast():
+        trainer.model(batch[:, :-1], batch[:, 1:]).backward()
+    assert head.weight.grad is None and head.weight_bf16.grad.dtype == torch.bfloat16
+    (h0, w0), (h1, w1) = runs[False], runs[True]
+    assert h1 == h0 and h0[2] != h0[0]
+    assert w1.keys() == w0.keys() and all(torch.equal(w1[k], w0[k]) for k in w0)
+    with pytest.raises(ConfigError, match="needs --precision.head_weight_copy=true"):
+        PrecisionConfig(recipe="bf16", head_grads_bf16=True).validate()
+    trainer, data = _trainer(False, micro_batch=1, head=True, head_grads=True)
+    with pytest.raises(ConfigError, match="accumulates 2 micro-batches"):
+        trainer.train_step(data.next_batch())
