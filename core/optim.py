@@ -14,6 +14,17 @@ from .adamw import MIN_ONE_MINUS_BETA, AdamWKernel, PrecisionAwareAdamW, triton_
 from .config import Config, ConfigError, StrEnum
 
 
+def check_split_master(on: bool, has_copies: bool) -> None:
+    """ConfigError where optimizer.split_master is on and the run has no weight the model computes on
+    through the optimizer's bf16 copies (``has_copies``), naming the switches that make them: the rule
+    the trainer (on the copies attached) and the planner (on the configs) both apply."""
+    if on and not has_copies:
+        raise ConfigError("optimizer.split_master=true holds split the masters of the weights the model computes on "
+                          "through the optimizer's bf16 copies, and this run has none: set "
+                          "precision.dense_weight_copies=true, precision.head_weight_copy=true or "
+                          "precision.expert_weight_copies=optimizer with expert_grads_bf16=true, or drop split_master")
+
+
 class StateDtype(StrEnum):
     fp32 = "fp32"
     """Adam moments in fp32 (8 bytes per parameter): torch.optim.AdamW, fused on the GPU."""

@@ -29,6 +29,7 @@ from .metrics import MetricsLog, mfu, model_tflops_per_device, peak_tflops
 from .grad import DTensor, clip_grad_norm_
 from .moe.layer import MoELayer, moe_layers
 from .layers.loss import loss_weight
+from .optim import check_split_master
 from .moe.metrics import AUX_LOSSES, LoadLog, StarvedExpertWatch, summarize
 from .tracking import Tracker
 
@@ -197,12 +198,8 @@ class Trainer:
         self.step = 0
         self.precision = precision or PrecisionPolicy.full(device.type)
         self.precision.attach_optimizer(optimizer, self.model_parts)  # e.g. bf16 weight copies the step writes
-        if getattr(optimizer, "split_master", False) and not optimizer.split_parameters():
-            raise ConfigError("optimizer.split_master=true holds split the masters of the weights the model computes "
-                              "on through the optimizer's bf16 copies, and this run has none: set "
-                              "precision.dense_weight_copies=true, precision.head_weight_copy=true or "
-                              "precision.expert_weight_copies=optimizer with expert_grads_bf16=true, or drop "
-                              "split_master")
+        if getattr(optimizer, "split_master", False):
+            check_split_master(True, bool(optimizer.split_parameters()))
         # Where the optimizer holds masters split (optimizer.split_master), what reads or sets the
         # parameters outside the step does so inside this block (nothing to do otherwise).
         self.masters_materialized = getattr(optimizer, "masters_materialized", contextlib.nullcontext)

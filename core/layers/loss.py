@@ -349,14 +349,14 @@ class LMHead(Linear):
                                    "split between steps: compute them inside the optimizer's masters_materialized() "
                                    "block (or train without optimizer.split_master)")
             return super().forward(h)
-        if self.fused and self.weight_bf16 is not None and self.weight_bf16.requires_grad:
-            # precision.head_grads_bf16: the copy is the weight the loss differentiates (its .grad, bf16,
-            # is the master's gradient: core.precision.gemm.attach_head_copy)
-            return linear_cross_entropy(h, self.weight_bf16, labels, chunk_tokens=self.chunk_tokens,
-                                        prescale=self.prescale)
         if self.fused:
-            return linear_cross_entropy(h, self.weight, labels, chunk_tokens=self.chunk_tokens, prescale=self.prescale,
-                                        weight_bf16=self.weight_bf16)
+            # precision.head_grads_bf16: the copy is itself the weight the loss differentiates (its bf16
+            # .grad is the master's gradient: core.precision.gemm.attach_head_copy); else the loss computes
+            # on the copy, if any, and the gradient goes to the fp32 weight
+            copy = self.weight_bf16
+            weight, copy = (copy, None) if copy is not None and copy.requires_grad else (self.weight, copy)
+            return linear_cross_entropy(h, weight, labels, chunk_tokens=self.chunk_tokens, prescale=self.prescale,
+                                        weight_bf16=copy)
         return cross_entropy(super().forward(h), labels)
 
     def extra_repr(self) -> str:

@@ -353,7 +353,8 @@ class PrecisionConfig(Config):
     loss' grad_W GEMM writes 2 B an element instead of 4 when the loss runs in one chunk
     (model.loss_chunk_tokens >= the micro-batch's tokens; else it sums the chunks in fp32 and rounds
     once), and the optimizer and the clipping norm read 2 B less each: 6 B x V x D a step (about
-    2.5 GB, 0.85 ms counted at V 100352 x D 4096 on the H100), and 2 B x V x D less held. The
+    2.5 GB at V 100352 x D 4096; the planner counts 4 of the 6 B, 0.5 ms on the H100: docs/planner.md),
+    and 2 B x V x D less held. The
     gradient is the fp32 one rounded to bf16, as autocast's unfused head would give it; gradient
     accumulation would sum it in bf16 and is refused, as for the other bf16 gradients. Session 47,
     counted, not measured: off."""

@@ -297,25 +297,24 @@ def plan(p: Plan) -> dict:
             opt_bytes -= 2.0 * expert_local
         if sw.quantized_expert_copies:  # the step writes a second bf16 copy (the dgrad's orientation)
             opt_bytes += 2.0 * expert_local
+    every_linear = stage_linear(cfg, list(range(cfg.n_layers)), 1)  # the copies' switches: one unsharded GPU
     if sw.dense_weight_copies and not sw.offload:
         # no forward cast of the dense weights (read 4 + write 2 B) nor backward cast of their gradients
         # (read 2 + write 4 B); the optimizer writes each copy (2 B) and reads 2 B less per gradient:
         # -12 B a dense element
-        dense = stage_linear(cfg, list(range(cfg.n_layers)), 1)  # one unsharded GPU: every layer
-        cast_bytes -= 12.0 * (dense["attention"] + dense["mlp"])
+        cast_bytes -= 12.0 * (every_linear["attention"] + every_linear["mlp"])
     if sw.fused_loss and sw.head_weight_copy:
         # no cast of the head weight in each micro-batch's loss forward (read 4 + write 2 B an element);
         # the optimizer writes the copy (2 B) once a step
         cast_bytes -= (6.0 * m - 2.0) * cfg.vocab_size * cfg.d_model
     if sw.head_grads_bf16:
-        # [code] the optimizer reads the head's gradient in 2 B; the loss writes it in 2 B in one chunk
-        # (each micro-batch's loss: accumulation is refused, so one)
+        # [code] the optimizer reads the head's gradient in 2 B; the loss writes it in head_grad_bytes (2 B
+        # in one chunk; one micro-batch: accumulation is refused)
         opt_bytes -= 2.0 * cfg.vocab_size * cfg.d_model
-        if sw.loss_chunk_tokens >= T_mb:
-            cast_bytes -= 2.0 * cfg.vocab_size * cfg.d_model
+        cast_bytes -= (4.0 - sw.head_grad_bytes(T_mb)) * cfg.vocab_size * cfg.d_model
     # [code] optimizer.split_master: the step reads and writes copy and rest (8 B) where it read and wrote
     # the fp32 master and wrote the copy (10 B)
-    opt_bytes -= 2.0 * sw.split_elements(stage_linear(cfg, list(range(cfg.n_layers)), 1), cfg.vocab_size * cfg.d_model)
+    opt_bytes -= 2.0 * sw.split_elements(every_linear, cfg.vocab_size * cfg.d_model)
     if sw.fused_loss_prescale:
         # no scaling pass in the loss' backward, each micro-batch: the fp32 grad_W [V, D] and grad_h [T, D]
         # (the fp32 residual's dtype) read and written

@@ -12,7 +12,7 @@ import torch
 
 from moetron.core.config import ConfigError
 from moetron.core.layers.loss import path_chunk_tokens
-from moetron.core.optim import OptimizerConfig
+from moetron.core.optim import OptimizerConfig, check_split_master
 from moetron.core.precision import Fp8Wgrad, PrecisionConfig, PrecisionRecipe, emulated
 from moetron.core.precision.config import (check_bf16_copies, check_emulated_saves, check_expert_copies,
                                            check_quantized_copies, check_save_product, input_once_on, residual_on,
@@ -252,11 +252,7 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
     check_save_product(recipe, precision.save_swiglu_product)
     check_bf16_copies(recipe, head_copy, sharded=sharded, switch="head_weight_copy")
     split_experts = copies and bool(precision.expert_grads_bf16) and not precision.quantized_expert_copies
-    if optimizer.split_master and not (dense_copies or (head_copy and model.fused_loss) or split_experts):
-        raise ConfigError("optimizer.split_master=true holds split the masters of the weights the model computes on "
-                          "through the optimizer's bf16 copies, and this run has none: set "
-                          "precision.dense_weight_copies=true, precision.head_weight_copy=true or "
-                          "precision.expert_weight_copies=optimizer with expert_grads_bf16=true, or drop split_master")
+    check_split_master(bool(optimizer.split_master), dense_copies or (head_copy and model.fused_loss) or split_experts)
     return Switches(compiled=compiled, fused_loss=model.fused_loss,
                     fused_loss_prescale=bool(model.fused_loss and model.fused_loss_prescale),
                     loss_chunk_tokens=model.loss_chunk_tokens or path_chunk_tokens(model.vocab_size, torch.device("cuda"), torch.bfloat16),

@@ -185,17 +185,24 @@ def test_resume_with_quantized_expert_copies_is_bit_exact(tmp_path, data_dir):
     """mxfp8 emulated with the optimizer writing the expert copies quantized (precision.quantized_expert_copies):
     the copies are not in the checkpoint, so the load rewrites them (refresh_compute_copies) and the
     resumed run equals the straight one bit for bit."""
-    q = [*MOE, "--precision.recipe=mxfp8", "--precision.backend=emulated", "--precision.expert_weight_copies=optimizer",
+    _assert_resume_at_2_of_4_is_bit_exact(
+        [*MOE, "--precision.recipe=mxfp8", "--precision.backend=emulated", "--precision.expert_weight_copies=optimizer",
          "--precision.expert_grads_bf16=true", "--precision.quantized_expert_copies=true",
-         "--optimizer.state_dtype=bf16", "--optimizer.impl=torch", "--trainer.steps=4"]
+         "--optimizer.state_dtype=bf16", "--optimizer.impl=torch"], tmp_path, data_dir)
+
+
+def _assert_resume_at_2_of_4_is_bit_exact(args: list[str], tmp_path, data_dir) -> dict:
+    """A MoE run of 4 steps straight, and stopped at 2 then resumed: the same losses and final weights
+    bit for bit (the experts' among them); the final weights."""
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
-    run([*q, f"--trainer.run_dir={straight}"], data_dir)
-    run([*q, "--trainer.stop_at_step=2", f"--trainer.run_dir={split}"], data_dir)
+    run([*args, "--trainer.steps=4", f"--trainer.run_dir={straight}"], data_dir)
+    run([*args, "--trainer.steps=4", "--trainer.stop_at_step=2", f"--trainer.run_dir={split}"], data_dir)
     run(["--config", f"{split}/config.yaml", "--trainer.stop_at_step=null", "--resume"], data_dir)
     a, b = losses(straight), losses(split)
     assert sorted(a) == [1, 2, 3, 4] and a == b
     wa, wb = final_weights(f"{straight}/checkpoints"), final_weights(f"{split}/checkpoints")
     assert any("w_down" in k for k in wa) and all(torch.equal(wa[k], wb[k]) for k in wa if torch.is_tensor(wa[k]))
+    return wa
 
 
 def test_resume_with_split_masters_is_bit_exact(tmp_path, data_dir):
@@ -203,18 +210,11 @@ def test_resume_with_split_masters_is_bit_exact(tmp_path, data_dir):
     and the save joining the split masters), the resumed run loads them and splits them again; the
     same losses and final weights as the straight run, bit for bit, and the checkpoint holds fp32
     masters (the unsplit format)."""
-    q = [*MOE, "--precision.recipe=bf16", "--precision.expert_weight_copies=optimizer",
+    wa = _assert_resume_at_2_of_4_is_bit_exact(
+        [*MOE, "--precision.recipe=bf16", "--precision.expert_weight_copies=optimizer",
          "--precision.expert_grads_bf16=true", "--precision.dense_weight_copies=true",
          "--precision.head_weight_copy=true", "--optimizer.state_dtype=bf16", "--optimizer.impl=torch",
-         "--optimizer.split_master=true", "--trainer.steps=4"]
-    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
-    run([*q, f"--trainer.run_dir={straight}"], data_dir)
-    run([*q, "--trainer.stop_at_step=2", f"--trainer.run_dir={split}"], data_dir)
-    run(["--config", f"{split}/config.yaml", "--trainer.stop_at_step=null", "--resume"], data_dir)
-    a, b = losses(straight), losses(split)
-    assert sorted(a) == [1, 2, 3, 4] and a == b
-    wa, wb = final_weights(f"{straight}/checkpoints"), final_weights(f"{split}/checkpoints")
-    assert any("w_down" in k for k in wa) and all(torch.equal(wa[k], wb[k]) for k in wa if torch.is_tensor(wa[k]))
+         "--optimizer.split_master=true"], tmp_path, data_dir)
     assert all(wa[k].dtype == torch.float32 for k in wa if torch.is_tensor(wa[k]) and k.endswith("weight"))
 
 
