@@ -21,7 +21,7 @@ def check_split_master(on: bool, has_copies: bool) -> None:
     if on and not has_copies:
         raise ConfigError("optimizer.split_master=true holds split the masters of the weights the model computes on "
                           "through the optimizer's bf16 copies, and this run has none: set "
-                          "precision.dense_weight_copies=true, precision.head_weight_copy=true or "
+                          "precision.dense_weight_copies=true, precision.head_weight_copy=true, precision.embedding_weight_copy=true or "
                           "precision.expert_weight_copies=optimizer with expert_grads_bf16=true, or drop split_master")
 
 

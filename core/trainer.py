@@ -325,7 +325,7 @@ class Trainer:
         token-weighted loss. The gradients are accumulated on the grad tensors."""
         micro = self._micro_batches(batch)
         if len(micro) > 1 and self._grad_holders:
-            raise ConfigError(f"precision.expert_grads_bf16, dense_weight_copies or head_grads_bf16 keeps weight "
+            raise ConfigError(f"precision.expert_grads_bf16, dense_weight_copies, head_grads_bf16 or embedding_weight_copy keeps weight "
                               f"gradients in bf16 on the optimizer's copies, and this step accumulates {len(micro)} "
                               f"micro-batches, which would sum them in bf16: use one micro-batch per step "
                               f"(trainer.micro_batch_size = the batch) or set them false")

@@ -54,20 +54,49 @@ class _TritonGradEmbedding(torch.autograd.Function):
         return None, embedding_grad(ids, grad, ctx.vocab, ctx.dtype)
 
 
+class _CopyEmbedding(torch.autograd.Function):
+    """forward(ids, copy) = F.embedding(ids, copy) for the optimizer's bf16 copy of the weight
+    (precision.embedding_weight_copy); backward: the copy's gradient, each row summed in fp32 in
+    increasing token order and rounded once to bf16: embedding_grad where Triton runs, else torch's
+    fp32 embedding backward rounded (the gradient the fp32 weight would get, rounded either way)."""
+
+    @staticmethod
+    def forward(ctx, ids, copy):
+        ctx.save_for_backward(ids)
+        ctx.vocab, ctx.triton = copy.shape[0], _use_triton(copy.device)
+        return F.embedding(ids, copy)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (ids,) = ctx.saved_tensors
+        if ctx.triton:
+            return None, embedding_grad(ids, grad, ctx.vocab, torch.bfloat16)
+        wide = torch.ops.aten.embedding_dense_backward(grad.float(), ids, ctx.vocab, -1, False)
+        return None, wide.to(torch.bfloat16)
+
+
 class Embedding(nn.Embedding):
     """nn.Embedding(V, D) (no padding index, max norm or sparse gradient); ``triton_grad``: its
     weight gradient from embedding_grad where Triton runs (CUDA), torch's backward elsewhere.
     ``out_dtype``: the rows handed on in this dtype where not the weight's (the residual stream's dtype,
-    precision.bf16_residual; PrecisionPolicy.apply sets it), one cast whose backward widens the gradient."""
+    precision.bf16_residual; PrecisionPolicy.apply sets it), one cast whose backward widens the gradient.
+    ``weight_copy``: the optimizer's bf16 copy of ``weight``, a leaf the rows are gathered from in its
+    place, whose bf16 gradient the optimizer reads as the weight's (precision.embedding_weight_copy;
+    core.precision.gemm.attach_embedding_copy). With ``out_dtype`` bf16 the rows are the same bits as
+    the weight's rows cast."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, device: torch.device | None = None,
                  triton_grad: bool = False):
         super().__init__(num_embeddings, embedding_dim, device=device)
         self.triton_grad = bool(triton_grad)
         self.out_dtype: torch.dtype | None = None
+        self.weight_copy: torch.Tensor | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if (self.triton_grad and torch.is_grad_enabled() and self.weight.requires_grad
+        if self.weight_copy is not None:  # also without grad: split_master may have freed the weight's storage
+            rows = (_CopyEmbedding.apply(ids, self.weight_copy) if torch.is_grad_enabled()
+                    else F.embedding(ids, self.weight_copy))
+        elif (self.triton_grad and torch.is_grad_enabled() and self.weight.requires_grad
                 and _use_triton(self.weight.device)):
             rows = _TritonGradEmbedding.apply(ids, self.weight)
         else:

@@ -12,7 +12,7 @@ from .gemm import Fp8Wgrad, gemm_backend
 from .policy import GemmModule, PrecisionPolicy
 
 __all__ = ["Bf16Experts", "Fp8Experts", "Fp8Wgrad", "GemmModule", "PrecisionBackend", "PrecisionConfig", "PrecisionRecipe",
-           "InputOnce", "Residual", "check_expert_copies", "check_quantized_copies", "input_once_on", "residual_on",
+           "InputOnce", "Residual", "check_embedding_copy", "check_expert_copies", "check_quantized_copies", "input_once_on", "residual_on",
            "takes_expert_copies"]
 
 
@@ -158,11 +158,27 @@ def check_bf16_copies(recipe: PrecisionRecipe | str, copies: bool, sharded: bool
     and the planner apply to both."""
     if not copies:
         return
-    who = "the LM head computes" if switch == "head_weight_copy" else "the dense linears compute"
+    who = {"head_weight_copy": "the LM head compute", "embedding_weight_copy": "the token embedding gather its rows"
+           }.get(switch, "the dense linears compute")
     _require_bf16(recipe, switch, f"has {who} on the optimizer's bf16 weight copies")
     if sharded:
         raise ConfigError(f"precision.{switch}=true is for one unsharded GPU (its fp32 weights are the copies' "
                           f"masters): no FSDP2, expert or pipeline parallelism; drop it for this layout")
+
+
+def check_embedding_copy(recipe: PrecisionRecipe | str, on: bool, residual: "Residual | bool | str") -> None:
+    """ConfigError where precision.embedding_weight_copy meets a recipe other than bf16 or, the recipe
+    known (not auto), a residual stream that is not bf16: the copy's rows are bf16, the same bits as the
+    fp32 rows cast only where the stream casts them (precision.bf16_residual). The config's and the
+    build's one rule."""
+    if not on:
+        return
+    check_bf16_copies(recipe, True, switch="embedding_weight_copy")
+    if PrecisionRecipe(recipe) != PrecisionRecipe.auto and not residual_on(recipe, residual):
+        raise ConfigError("precision.embedding_weight_copy=true gathers the embedding's rows in bf16, and this run "
+                          "keeps the residual stream in fp32 (precision.bf16_residual=false), so its rows would be "
+                          "rounded where they are not now: set --precision.bf16_residual=auto (or true), or drop "
+                          "embedding_weight_copy")
 
 
 def check_save_product(recipe: PrecisionRecipe | str, on: bool) -> None:
@@ -358,6 +374,18 @@ class PrecisionConfig(Config):
     gradient is the fp32 one rounded to bf16, as autocast's unfused head would give it; gradient
     accumulation would sum it in bf16 and is refused, as for the other bf16 gradients. Session 47,
     counted, not measured: off."""
+    embedding_weight_copy: bool = False
+    """bf16 recipe with the bf16 residual stream (bf16_residual auto or true), one GPU (unsharded fp32
+    weights): the token embedding gathers its rows from a bf16 copy of its weight that the optimizer's
+    step writes, a leaf whose gradient is kept in bf16 (each row summed in fp32, rounded once) and read
+    by the optimizer as the weight's, as dense_weight_copies does for the linears. The rows are the same
+    bits as the fp32 rows cast to the bf16 stream; the gradient is the fp32 one rounded. Moves 2 B x V x D
+    less for the gradient's write, the optimizer's read and the clipping norm's read, for the copy's 2 B
+    written by the optimizer (none more with optimizer.split_master, which then splits the embedding's
+    master too), and no fp32 rows gathered and cast, nor their gradient widened (about 16 B x tokens x D);
+    holds 2 B x V x D less gradient for the copy's 2 B (with split_master, 2 B x V x D less in all).
+    Gradient accumulation is refused, as for the other bf16 gradients. Session 48, counted, not
+    measured: off."""
     bf16_residual: Residual = Residual.auto
     """The residual stream between the blocks in the compute dtype (bf16) instead of the embedding's fp32,
     as FSDP2's bf16 all-gather already makes it in sharded runs (the embedding's output cast once; the
@@ -557,6 +585,7 @@ class PrecisionConfig(Config):
         check_quantized_copies(self.recipe, self.backend, self.quantized_expert_copies, optimizer_copies, self.modules)
         check_bf16_copies(self.recipe, self.dense_weight_copies)
         check_bf16_copies(self.recipe, self.head_weight_copy, switch="head_weight_copy")
+        check_embedding_copy(self.recipe, self.embedding_weight_copy, self.bf16_residual)
         check_save_product(self.recipe, self.save_swiglu_product)
         check_fused_input(self.recipe, self.fused_shared_input)
         if self.head_grads_bf16 and not self.head_weight_copy:
@@ -642,6 +671,7 @@ class PrecisionConfig(Config):
         per_expert = Bf16Experts(self.bf16_experts) == Bf16Experts.cublas
         check_bf16_copies(recipe, self.dense_weight_copies)  # auto resolved: fp32 on the CPU
         check_bf16_copies(recipe, self.head_weight_copy, switch="head_weight_copy")
+        check_embedding_copy(recipe, self.embedding_weight_copy, self.bf16_residual)
         check_save_product(recipe, self.save_swiglu_product)
         check_fused_input(recipe, self.fused_shared_input)
         residual = torch.bfloat16 if residual_on(recipe, self.bf16_residual) else None
@@ -654,7 +684,8 @@ class PrecisionConfig(Config):
                              grads_on_copies=self.expert_grads_bf16,
                              per_expert=per_expert, dense_copies=self.dense_weight_copies,
                              head_copy=self.head_weight_copy, save_swiglu_product=self.save_swiglu_product,
-                             fused_shared_input=self.fused_shared_input, head_grads=self.head_grads_bf16)
+                             fused_shared_input=self.fused_shared_input, head_grads=self.head_grads_bf16,
+                             embedding_copy=self.embedding_weight_copy)
             return PrecisionPolicy(device_type, torch.bfloat16, gemm, residual_dtype=residual)
         backend = self.resolved_backend(device_type, verbose=verbose)
         if recipe == PrecisionRecipe.mxfp8 and backend == PrecisionBackend.native and GemmModule.experts in self.modules:

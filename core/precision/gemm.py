@@ -28,7 +28,7 @@ from . import bf16_grouped
 from .cache import outside_graph
 from .bf16_grouped import scale_rows
 
-__all__ = ["GEMM_BACKENDS", "GemmBackend", "TorchGemm", "attach_dense_copies", "attach_expert_copies", "attach_head_copy", "compute_dtype", "gemm_backend", "register_gemm_backend", "with_w_dgrad",
+__all__ = ["GEMM_BACKENDS", "GemmBackend", "TorchGemm", "attach_dense_copies", "attach_embedding_copy", "attach_expert_copies", "attach_head_copy", "compute_dtype", "gemm_backend", "register_gemm_backend", "with_w_dgrad",
            "scale_rows"]
 
 
@@ -320,6 +320,24 @@ def attach_head_copy(optimizer, parts, grads: bool = False) -> dict[torch.Tensor
     return copies
 
 
+def attach_embedding_copy(optimizer, parts) -> dict[torch.Tensor, torch.Tensor]:
+    """precision.embedding_weight_copy: a bf16 copy of each token embedding's weight in ``parts``, written
+    by ``optimizer`` in its step -> {parameter: copy}. The embedding gathers its rows from the copy
+    (Embedding.weight_copy: a leaf whose bf16 .grad the optimizer reads as the weight's gradient). The
+    bf16 residual stream makes that the same rows (config.check_embedding_copy). ConfigError as for the
+    other copies (_check_copyable)."""
+    from ..layers.embedding import Embedding
+
+    embeddings = [m for part in parts for m in part.modules() if isinstance(m, Embedding)]
+    _check_copyable(optimizer, [m.weight for m in embeddings], "precision.embedding_weight_copy=true",
+                    "drop embedding_weight_copy")
+    copies = {m.weight: m.weight.detach().to(torch.bfloat16).requires_grad_(True) for m in embeddings}
+    for m in embeddings:
+        m.weight_copy = copies[m.weight]
+    optimizer.add_compute_copies(copies, grads=True, replaces=True)
+    return copies
+
+
 class TorchGemm(GemmBackend):
     """PyTorch's own GEMMs in the compute dtype: bf16 under autocast with fp32 master weights, or
     fp32 without it. Dense: F.linear (autocast casts). Grouped: torch._grouped_mm in the compute
@@ -331,7 +349,8 @@ class TorchGemm(GemmBackend):
 
     def __init__(self, weight_copies: str = "none", triton_swiglu: bool = False, grads_on_copies: bool = False,
                  per_expert: bool = False, dense_copies: bool = False, head_copy: bool = False,
-                 save_swiglu_product: bool = False, fused_shared_input: bool = False, head_grads: bool = False):
+                 save_swiglu_product: bool = False, fused_shared_input: bool = False, head_grads: bool = False,
+                 embedding_copy: bool = False):
         # precision.expert_weight_copies: the grouped GEMMs' bf16 weight copies, none, made once per
         # step ("step") or written by the optimizer and pinned in the cache ("optimizer").
         self.optimizer_copies = str(weight_copies) == "optimizer"
@@ -345,6 +364,7 @@ class TorchGemm(GemmBackend):
         self.dense_copies = bool(dense_copies)  # precision.dense_weight_copies
         self.head_copy = bool(head_copy)  # precision.head_weight_copy
         self.head_grads = bool(head_grads) and self.head_copy  # precision.head_grads_bf16
+        self.embedding_copy = bool(embedding_copy)  # precision.embedding_weight_copy
         self.save_swiglu_product = bool(save_swiglu_product)  # precision.save_swiglu_product
         self.fused_shared_input = bool(fused_shared_input)  # precision.fused_shared_input
 
@@ -353,6 +373,8 @@ class TorchGemm(GemmBackend):
             attach_dense_copies(optimizer, parts)
         if self.head_copy:
             attach_head_copy(optimizer, parts, grads=self.head_grads)
+        if self.embedding_copy:
+            attach_embedding_copy(optimizer, parts)
         if not self.optimizer_copies:
             return
         copies = attach_expert_copies(optimizer, parts, grads=self.grads_on_copies,

@@ -175,6 +175,9 @@ def plan(p: Plan) -> dict:
             cache += 2.0 * linear["experts"] * (2 if sw.quantized_expert_copies else 1)  # (+ the dgrad's copy)
         if last and sw.fused_loss and sw.head_weight_copy:  # [code] the head's bf16 copy, held through the step
             cache += 2.0 * cfg.vocab_size * cfg.d_model
+        embedding = cfg.vocab_size * cfg.d_model if s == 0 else 0
+        if sw.embedding_weight_copy:  # [code] the embedding's bf16 copy, held through the step
+            cache += 2.0 * embedding
         # FSDP2: two gathered blocks in bf16 (reshard after forward); under pp the stage stays gathered
         # for the step and its unsharded fp32 grads accumulate over the micro-batches (torchtitan's
         # choice for pipelines: no per-micro-batch all-gather / reduce-scatter).
@@ -199,8 +202,10 @@ def plan(p: Plan) -> dict:
             grads_b -= 2.0 * (linear["attention"] + linear["mlp"])
         if last:  # [code] the head's gradient: 2 B an element on its copy under head_grads_bf16 in one chunk
             grads_b -= (4.0 - sw.head_grad_bytes(T_mb)) * cfg.vocab_size * cfg.d_model
+        if sw.embedding_weight_copy:  # [code] the embedding's gradient: 2 B an element on its copy
+            grads_b -= 2.0 * embedding
         # [code] optimizer.split_master: a split weight's fp32 storage (4 B) freed, its int16 rest (2 B) kept
-        params_b -= 2.0 * sw.split_elements(linear, cfg.vocab_size * cfg.d_model if last else 0)
+        params_b -= 2.0 * sw.split_elements(linear, cfg.vocab_size * cfg.d_model if last else 0, embedding)
         host_b = 0.0
         if sw.offload:  # CPUOffloadPolicy: shards, their grads and the optimizer state in host memory
             host_b = params_b + grads_b + optim_b
@@ -312,9 +317,13 @@ def plan(p: Plan) -> dict:
         # in one chunk; one micro-batch: accumulation is refused)
         opt_bytes -= 2.0 * cfg.vocab_size * cfg.d_model
         cast_bytes -= (4.0 - sw.head_grad_bytes(T_mb)) * cfg.vocab_size * cfg.d_model
+    if sw.embedding_weight_copy:
+        # [code] the embedding's gradient written in 2 B (the kernel's, not 4) and read by the optimizer in 2
+        # (its copy written, 2 B: even); its rows [T, D] gathered from the copy (EMBEDDING_COPY_ROW_BYTES)
+        cast_bytes -= 2.0 * cfg.vocab_size * cfg.d_model + m * sw.EMBEDDING_COPY_ROW_BYTES * T_mb * cfg.d_model
     # [code] optimizer.split_master: the step reads and writes copy and rest (8 B) where it read and wrote
     # the fp32 master and wrote the copy (10 B)
-    opt_bytes -= 2.0 * sw.split_elements(every_linear, cfg.vocab_size * cfg.d_model)
+    opt_bytes -= 2.0 * sw.split_elements(every_linear, cfg.vocab_size * cfg.d_model, cfg.vocab_size * cfg.d_model)
     if sw.fused_loss_prescale:
         # no scaling pass in the loss' backward, each micro-batch: the fp32 grad_W [V, D] and grad_h [T, D]
         # (the fp32 residual's dtype) read and written

@@ -14,7 +14,7 @@ from moetron.core.config import ConfigError
 from moetron.core.layers.loss import path_chunk_tokens
 from moetron.core.optim import OptimizerConfig, check_split_master
 from moetron.core.precision import Fp8Wgrad, PrecisionConfig, PrecisionRecipe, emulated
-from moetron.core.precision.config import (check_bf16_copies, check_emulated_saves, check_expert_copies,
+from moetron.core.precision.config import (check_bf16_copies, check_embedding_copy, check_emulated_saves, check_expert_copies,
                                            check_quantized_copies, check_save_product, input_once_on, residual_on,
                                            takes_expert_copies)
 from moetron.models import ModelConfig
@@ -72,6 +72,16 @@ class Switches:
     """precision.head_grads_bf16 (with head_weight_copy and the fused loss): the head's gradient bf16 on its
     copy, 2 B x V x D less held; the loss writes it in 2 B where it runs in one chunk, and the optimizer
     reads 2 B less an element."""
+    embedding_weight_copy: bool = False
+    """precision.embedding_weight_copy (bf16 with the bf16 stream, one unsharded GPU): the embedding gathers
+    from the optimizer's bf16 copy, held all step (2 B x V x D), its gradient bf16 on it (2 B x V x D less
+    held, written and read by the optimizer; the optimizer writes the copy, 2 B), and no fp32 rows gathered
+    nor their gradient widened (Switches.EMBEDDING_COPY_ROW_BYTES a token and column)."""
+    EMBEDDING_COPY_ROW_BYTES = 10.0
+    """Bytes an element of the embedding's rows [T, D] embedding_weight_copy saves: the gather reads 2 B
+    instead of 4 (a compiled step fuses the gather and the stream's cast), and the backward neither widens
+    the rows' bf16 gradient to fp32 (read 2 + write 4 B) nor reads the fp32 one (4 B for 2). An eager
+    step also writes the fp32 rows and casts them (6 B more): not counted."""
     split_master: bool = False
     """optimizer.split_master (one unsharded GPU, with the optimizer's bf16 copies): the masters of the
     weights computed on through those copies (split_elements) held as the copy and a 2 B rest, their fp32
@@ -181,18 +191,19 @@ class Switches:
         copy under head_grads_bf16 where the loss runs in one chunk, else its fp32 accumulator's."""
         return 2.0 if self.head_grads_bf16 and self.loss_chunk_tokens >= tokens else 4.0
 
-    def split_elements(self, linear: dict, head: float) -> float:
+    def split_elements(self, linear: dict, head: float, embedding: float = 0.0) -> float:
         """Elements whose masters optimizer.split_master holds split, of a stage whose linear weights are
-        ``linear`` (stage_linear's attention, mlp, experts) and whose LM head has ``head`` elements (0
-        off the last stage): those computed on through the optimizer's bf16 copies (core/precision/gemm.py:
-        the dense linears', the head's with the fused loss, the experts' with their gradients on the
-        copies, unless quantized)."""
+        ``linear`` (stage_linear's attention, mlp, experts), whose LM head has ``head`` elements (0
+        off the last stage) and whose embedding ``embedding`` (0 off the first): those computed on through
+        the optimizer's bf16 copies (core/precision/gemm.py: the dense linears', the head's with the fused
+        loss, the embedding's, the experts' with their gradients on the copies, unless quantized)."""
         if not self.split_master:
             return 0.0
+        embedding = embedding if self.embedding_weight_copy else 0.0
         n = (linear["attention"] + linear["mlp"]) if self.dense_weight_copies else 0.0
         if self.expert_weight_copies and self.expert_grads_bf16 and not self.quantized_expert_copies:
             n += linear["experts"]
-        return n + (head if self.head_weight_copy and self.fused_loss else 0.0)
+        return n + embedding + (head if self.head_weight_copy and self.fused_loss else 0.0)
 
     def stream_bytes(self, bf16_params: bool = False) -> float:
         """Bytes an element of the residual stream (and its gradient): bf16 under precision.bf16_residual
@@ -251,8 +262,12 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
     head_copy = bool(precision.head_weight_copy)
     check_save_product(recipe, precision.save_swiglu_product)
     check_bf16_copies(recipe, head_copy, sharded=sharded, switch="head_weight_copy")
+    embedding_copy = bool(precision.embedding_weight_copy)
+    check_bf16_copies(recipe, embedding_copy, sharded=sharded, switch="embedding_weight_copy")
+    check_embedding_copy(recipe, embedding_copy, precision.bf16_residual)
     split_experts = copies and bool(precision.expert_grads_bf16) and not precision.quantized_expert_copies
-    check_split_master(bool(optimizer.split_master), dense_copies or (head_copy and model.fused_loss) or split_experts)
+    check_split_master(bool(optimizer.split_master),
+                       dense_copies or (head_copy and model.fused_loss) or split_experts or embedding_copy)
     return Switches(compiled=compiled, fused_loss=model.fused_loss,
                     fused_loss_prescale=bool(model.fused_loss and model.fused_loss_prescale),
                     loss_chunk_tokens=model.loss_chunk_tokens or path_chunk_tokens(model.vocab_size, torch.device("cuda"), torch.bfloat16),
@@ -272,7 +287,7 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
                     emulated_save_x_bf16=bool(precision.emulated_save_x_bf16),
                     quantize_input_once=input_once,
                     quantized_expert_copies=bool(precision.quantized_expert_copies),
-                    dense_weight_copies=dense_copies, head_weight_copy=head_copy,
+                    dense_weight_copies=dense_copies, head_weight_copy=head_copy, embedding_weight_copy=embedding_copy,
                     bf16_residual=residual_on(recipe, precision.bf16_residual),
                     split_master=bool(optimizer.split_master),
                     head_grads_bf16=bool(precision.head_grads_bf16) and head_copy and model.fused_loss,

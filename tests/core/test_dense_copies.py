@@ -1,5 +1,6 @@
 """precision.dense_weight_copies: the dense linears compute on the optimizer's bf16 weight copies;
-precision.head_weight_copy: the fused LM loss computes on the optimizer's bf16 copy of the head weight.
+precision.head_weight_copy: the fused LM loss computes on the optimizer's bf16 copy of the head weight;
+precision.embedding_weight_copy: the token embedding gathers from the optimizer's bf16 copy of its weight.
 
 Oracle: the same run without the switch (autocast casting the fp32 master weights), which with one
 micro-batch per step must give the same losses and weights bit for bit: autocast rounds each weight
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from moetron.core.config import ConfigError
+from moetron.core.layers.embedding import Embedding
 from moetron.core.layers.linear import Linear
 from moetron.core.layers.loss import LMHead
 from moetron.models import ModelConfig
@@ -21,7 +23,7 @@ from tests.core.test_precision_emulated import cuda_losses_on_one_batch
 
 
 def _trainer(dense: bool, micro_batch=None, compile=False, optimizer=None, head: bool = False,
-             head_grads: bool = False):
+             head_grads: bool = False, embedding: bool = False):
     """A tiny MoE (a dense first layer, attention, a shared expert, the fused loss) on the CPU in
     bf16; ``optimizer`` (an OptimizerConfig) defaults to PrecisionAwareAdamW's foreach path (it writes
     compute copies) for both modes."""
@@ -36,7 +38,8 @@ def _trainer(dense: bool, micro_batch=None, compile=False, optimizer=None, head:
     data = RandomTokens(cfg.vocab_size, 2, 32, torch.device("cpu"))
     trainer = build_trainer(cfg, MemoryConfig(), data, torch.device("cpu"), seq_len=32, micro_batch=micro_batch,
                             compile=compile, precision=PrecisionConfig(recipe="bf16", dense_weight_copies=dense,
-                                                             head_weight_copy=head, head_grads_bf16=head_grads),
+                                                             head_weight_copy=head, head_grads_bf16=head_grads,
+                                                             embedding_weight_copy=embedding),
                             optimizer=optimizer or OptimizerConfig(state_dtype="bf16", impl="torch"))
     return trainer, data
 
@@ -293,3 +296,85 @@ def test_head_grads_bf16_hold_the_heads_gradient_on_its_copy():
     trainer, data = _trainer(False, micro_batch=1, head=True, head_grads=True)
     with pytest.raises(ConfigError, match="accumulates 2 micro-batches"):
         trainer.train_step(data.next_batch())
+
+
+def _grads_of_one_step(trainer, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss and each parameter's gradient after one forward and backward, read from its optimizer copy where the
+    copy holds it (named as the parameter)."""
+    trainer.optimizer.zero_grad(set_to_none=True)
+    for t in trainer.optimizer.gradient_holders():
+        t.grad = None
+    with trainer.precision.autocast():
+        loss = trainer.model(batch[:, :-1], batch[:, 1:])
+    loss.backward()
+    copies = getattr(trainer.optimizer, "compute_copies", {})
+    out = {}
+    for name, p in trainer.model.named_parameters():
+        grad = p.grad if p.grad is not None else copies[p].grad
+        out[name] = grad.detach().clone()
+    return loss.detach(), out
+
+
+def test_embedding_copy_gathers_the_same_rows_and_rounds_the_fp32_gradient():
+    """precision.embedding_weight_copy (the bf16 stream on, as auto has it with bf16): the same loss to the
+    bit, every other gradient the same bits, and the embedding's gradient, bf16 on its copy, is the fp32
+    gradient the master gets without the switch rounded to bf16, exactly (oracle: the run without it).
+    Three steps on one batch train as closely as that rounding allows."""
+    grads, runs = {}, {}
+    for on in (False, True):
+        trainer, data = _trainer(False, embedding=on)
+        batch = data.next_batch()
+        grads[on] = _grads_of_one_step(trainer, batch)
+        trainer, _ = _trainer(False, embedding=on)
+        runs[on] = [trainer.train_step(batch)[0].item() for _ in range(3)]  # one batch: the loss falls
+    (l0, g0), (l1, g1) = grads[False], grads[True]
+    assert torch.equal(l0, l1) and g0.keys() == g1.keys()
+    assert g0["embed.weight"].dtype == torch.float32 and g1["embed.weight"].dtype == torch.bfloat16
+    assert g0["embed.weight"].abs().sum() > 0
+    assert torch.equal(g1["embed.weight"], g0["embed.weight"].to(torch.bfloat16))
+    assert all(torch.equal(g1[k], g0[k]) for k in g0 if k != "embed.weight")
+    assert runs[True][0] == runs[False][0] and runs[True] == pytest.approx(runs[False], rel=1e-3)
+    assert runs[False][2] < runs[False][0]
+    (emb,) = [m for m in trainer.model.modules() if isinstance(m, Embedding)]
+    assert emb.weight_copy.dtype == torch.bfloat16
+    assert id(emb.weight_copy) in {id(t) for t in trainer.optimizer.gradient_holders()}
+    # The optimizer's step rewrote the copy from the master it updated.
+    assert torch.equal(emb.weight_copy.detach(), emb.weight.detach().to(torch.bfloat16))
+
+
+def test_embedding_copy_refusals():
+    """One ConfigError each: the fp32 stream (the rows would be rounded), a recipe other than bf16,
+    gradient accumulation (bf16 sums)."""
+    from moetron.core.precision import PrecisionConfig
+
+    with pytest.raises(ConfigError, match="bf16_residual=auto"):
+        PrecisionConfig(recipe="bf16", embedding_weight_copy=True, bf16_residual=False).validate()
+    with pytest.raises(ConfigError, match="embedding_weight_copy=true has the token embedding"):
+        PrecisionConfig(recipe="fp32", embedding_weight_copy=True).validate()
+    trainer, data = _trainer(False, micro_batch=1, embedding=True)
+    with pytest.raises(ConfigError, match="accumulates 2 micro-batches"):
+        trainer.train_step(data.next_batch())
+
+
+def test_embedding_copy_with_split_masters_saves_and_resumes(tmp_path):
+    """With optimizer.split_master the embedding's master is split too (its fp32 storage freed between
+    steps); a save between steps is the ordinary fp32 checkpoint: loaded into a run without either switch
+    it gives the same weights, and evaluation without grad gathers from the copy."""
+    from moetron.core.optim import OptimizerConfig
+
+    trainer, data = _trainer(False, embedding=True,
+                             optimizer=OptimizerConfig(state_dtype="bf16", impl="torch", split_master=True))
+    for _ in range(2):
+        trainer.train_step(data.next_batch())
+    (emb,) = [m for m in trainer.model.modules() if isinstance(m, Embedding)]
+    assert emb.weight.untyped_storage().size() == 0  # freed between steps
+    batch = data.next_batch()
+    with torch.no_grad(), trainer.precision.autocast():
+        eval_loss = trainer.model(batch[:, :-1], batch[:, 1:]).item()
+    with trainer.masters_materialized():
+        state = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    assert torch.equal(emb.weight_copy.detach(), state["embed.weight"].to(torch.bfloat16))
+    plain, _ = _trainer(False)
+    plain.model.load_state_dict(state)
+    with torch.no_grad(), plain.precision.autocast():
+        assert plain.model(batch[:, :-1], batch[:, 1:]).item() == eval_loss

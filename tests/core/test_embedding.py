@@ -63,6 +63,9 @@ def check(device: str) -> None:
         assert torch.equal(grads[0], grads[1])
         (plain(ids) * torch.arange(96, device=device)).sum().backward()
         torch.testing.assert_close(grads[0], plain.weight.grad, rtol=1e-6, atol=1e-5)
+        # precision.embedding_weight_copy: rows gathered from the bf16 copy are the fp32 rows cast (the bf16
+        # stream's), and the copy's gradient is the kernel's fp32 sums rounded once.
+        check_copy(emb, ids, device)
         # A whole tiny model with model.triton_embedding_grad: every other gradient the same bits,
         # the embedding's to fp32 rounding.
         grads = {on: tiny_model_step(device, f"triton_embedding_grad={str(on).lower()}")[2] for on in (False, True)}
@@ -74,6 +77,37 @@ def check(device: str) -> None:
                 assert torch.equal(grads[True][n], g), n
     finally:
         E.KERNEL = "auto"
+
+
+def check_copy(emb: Embedding, ids: torch.Tensor, device: str) -> None:
+    """``emb`` given a bf16 copy of its weight (Embedding.weight_copy) and the bf16 stream: its rows the
+    bits of the fp32 rows cast, the copy's gradient the loop reference rounded to bf16, none on the weight;
+    without grad the rows come from the copy too."""
+    emb.weight.grad = None
+    emb.weight_copy = emb.weight.detach().to(torch.bfloat16).requires_grad_(True)
+    emb.out_dtype = torch.bfloat16
+    try:
+        out = emb(ids)
+        assert out.dtype == torch.bfloat16 and torch.equal(out, F.embedding(ids, emb.weight).to(torch.bfloat16))
+        grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).to(device)
+        out.backward(grad)
+        assert emb.weight.grad is None and emb.weight_copy.grad.dtype == torch.bfloat16
+        want = _loop_reference(ids, grad, emb.num_embeddings, torch.bfloat16)
+        assert torch.equal(emb.weight_copy.grad.cpu(), want)
+        with torch.no_grad():
+            assert torch.equal(emb(ids), out.detach())
+    finally:
+        emb.weight_copy, emb.out_dtype = None, None
+
+
+def test_embedding_copy_on_the_cpu():
+    """The copy's gradient off Triton (torch's fp32 embedding backward, rounded once): against the loop
+    reference rounded (their fp32 sums may differ in order: equal here, where each row sums at most a
+    few exact bf16 values)."""
+    torch.manual_seed(0)
+    emb = Embedding(30, 16)
+    ids = torch.randint(0, 10, (4, 7))
+    check_copy(emb, ids, "cpu")
 
 
 def test_embedding_grad_interpreted():

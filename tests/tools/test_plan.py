@@ -1173,3 +1173,37 @@ def test_head_grads_bf16_plans_the_heads_gradient_in_two_bytes():
     off, on = plan(False, 4096), plan(True, 4096)
     assert (off["step_s"] - on["step_s"]) * rate == pytest.approx(2.0 * VD, rel=1e-6)
     assert on["stages"][0]["peak_gib"] == pytest.approx(off["stages"][0]["peak_gib"])
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
+def test_embedding_copy_plans_its_gradient_in_two_bytes(split):
+    """precision.embedding_weight_copy on olmoe3-4l-8e's best row: the copy held (2 B x V x D) for the
+    gradient's 2 B less (params + grads + copies: even, and with optimizer.split_master 2 B x V x D less
+    params); moved: 2 B x V x D less (the kernel's write; the optimizer reads 2 B less and writes the copy)
+    and 10 B x T x D (the rows), with split_master 2 B x V x D more; refused on the fp32 stream and
+    sharded, as the run refuses it."""
+    from moetron.core.optim import OptimizerConfig
+
+    def plan(on: bool, parallel=None, **precision):
+        precision = dict(dict(recipe="bf16", expert_weight_copies="optimizer", expert_grads_bf16=True,
+                              dense_weight_copies=True, head_weight_copy=True, embedding_weight_copy=on), **precision)
+        p = planner.Plan(model=_olmoe3(), parallel=parallel or ParallelConfig(), memory=MemoryConfig(),
+                         num_gpus=2 if parallel else 1,
+                         seq_len=4096, global_batch=4, precision=PrecisionConfig(**precision),
+                         optimizer=OptimizerConfig(state_dtype="bf16", split_master=split), gpu="h100",
+                         compiled=True)
+        return planner.plan(p)
+
+    VD, TD = 100352 * 4096, 16384 * 4096
+    off, on = plan(False), plan(True)
+    (s_off,), (s_on,) = off["stages"], on["stages"]
+    held = sum(s_off[k] - s_on[k] for k in ("params_gib", "grads_gib", "compute_copies_gib")) * 2**30
+    assert held == pytest.approx(2.0 * VD if split else 0.0, abs=1e6)
+    assert (s_off["grads_gib"] - s_on["grads_gib"]) * 2**30 == pytest.approx(2.0 * VD, rel=1e-6)
+    moved = (off["step_s"] - on["step_s"]) * planner.GPUS["h100"].stream_bps
+    assert moved == pytest.approx((4.0 if split else 2.0) * VD + 10.0 * TD, rel=1e-6)
+    with pytest.raises(ConfigError, match="bf16_residual=auto"):
+        plan(True, bf16_residual=False)
+    with pytest.raises(ConfigError, match="one unsharded GPU"):
+        plan(True, parallel=ParallelConfig(dp_shard=2), dense_weight_copies=False, head_weight_copy=False,
+             expert_weight_copies="none", expert_grads_bf16=False)
