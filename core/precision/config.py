@@ -372,8 +372,9 @@ class PrecisionConfig(Config):
     2.5 GB at V 100352 x D 4096; the planner counts 4 of the 6 B, 0.5 ms on the H100: docs/planner.md),
     and 2 B x V x D less held. The
     gradient is the fp32 one rounded to bf16, as autocast's unfused head would give it; gradient
-    accumulation would sum it in bf16 and is refused, as for the other bf16 gradients. Session 47,
-    counted, not measured: off."""
+    accumulation would sum it in bf16 and is refused, as for the other bf16 gradients. Measured
+    with split_master and embedding_weight_copy (session 48, docs/performance.md): together 0.9-1.7% faster
+    on #13's shapes; off (one unsharded GPU, no accumulation)."""
     embedding_weight_copy: bool = False
     """bf16 recipe with the bf16 residual stream (bf16_residual auto or true), one GPU (unsharded fp32
     weights): the token embedding gathers its rows from a bf16 copy of its weight that the optimizer's
@@ -384,8 +385,9 @@ class PrecisionConfig(Config):
     written by the optimizer (none more with optimizer.split_master, which then splits the embedding's
     master too), and no fp32 rows gathered and cast, nor their gradient widened (about 16 B x tokens x D);
     holds 2 B x V x D less gradient for the copy's 2 B (with split_master, 2 B x V x D less in all).
-    Gradient accumulation is refused, as for the other bf16 gradients. Session 48, counted, not
-    measured: off."""
+    Gradient accumulation is refused, as for the other bf16 gradients. Measured with
+    split_master and head_grads_bf16 (session 48): together 0.9-1.7% faster on #13's shapes; off (one
+    unsharded GPU, no accumulation)."""
     bf16_residual: Residual = Residual.auto
     """The residual stream between the blocks in the compute dtype (bf16) instead of the embedding's fp32,
     as FSDP2's bf16 all-gather already makes it in sharded runs (the embedding's output cast once; the
