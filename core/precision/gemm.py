@@ -286,10 +286,17 @@ def attach_dense_copies(optimizer, parts) -> dict[torch.Tensor, torch.Tensor]:
     from ..layers.loss import LMHead
 
     linears = [m for part in parts for m in part.modules() if isinstance(m, Linear) and not isinstance(m, LMHead)]
-    _check_copyable(optimizer, [m.weight for m in linears], "precision.dense_weight_copies=true",
-                    "drop dense_weight_copies")
-    copies = {m.weight: m.weight.detach().to(torch.bfloat16).requires_grad_(True) for m in linears}
-    for m in linears:
+    return _attach_leaf_copies(optimizer, linears, "dense_weight_copies")
+
+
+def _attach_leaf_copies(optimizer, modules, switch: str) -> dict[torch.Tensor, torch.Tensor]:
+    """The bf16 copies of ``modules``' weights that precision.``switch`` asks for, each a leaf the module
+    computes on in its weight's place (``module.weight_copy``) and whose bf16 .grad ``optimizer`` reads
+    as the weight's gradient (add_compute_copies' grads and replaces) -> {parameter: copy}. The one
+    path behind dense_weight_copies and embedding_weight_copy."""
+    _check_copyable(optimizer, [m.weight for m in modules], f"precision.{switch}=true", f"drop {switch}")
+    copies = {m.weight: m.weight.detach().to(torch.bfloat16).requires_grad_(True) for m in modules}
+    for m in modules:
         m.weight_copy = copies[m.weight]
     optimizer.add_compute_copies(copies, grads=True, replaces=True)
     return copies
@@ -325,17 +332,11 @@ def attach_embedding_copy(optimizer, parts) -> dict[torch.Tensor, torch.Tensor]:
     by ``optimizer`` in its step -> {parameter: copy}. The embedding gathers its rows from the copy
     (Embedding.weight_copy: a leaf whose bf16 .grad the optimizer reads as the weight's gradient). The
     bf16 residual stream makes that the same rows (config.check_embedding_copy). ConfigError as for the
-    other copies (_check_copyable)."""
+    other copies (_attach_leaf_copies)."""
     from ..layers.embedding import Embedding
 
     embeddings = [m for part in parts for m in part.modules() if isinstance(m, Embedding)]
-    _check_copyable(optimizer, [m.weight for m in embeddings], "precision.embedding_weight_copy=true",
-                    "drop embedding_weight_copy")
-    copies = {m.weight: m.weight.detach().to(torch.bfloat16).requires_grad_(True) for m in embeddings}
-    for m in embeddings:
-        m.weight_copy = copies[m.weight]
-    optimizer.add_compute_copies(copies, grads=True, replaces=True)
-    return copies
+    return _attach_leaf_copies(optimizer, embeddings, "embedding_weight_copy")
 
 
 class TorchGemm(GemmBackend):
