@@ -166,14 +166,15 @@ def check_bf16_copies(recipe: PrecisionRecipe | str, copies: bool, sharded: bool
                           f"masters): no FSDP2, expert or pipeline parallelism; drop it for this layout")
 
 
-def check_embedding_copy(recipe: PrecisionRecipe | str, on: bool, residual: "Residual | bool | str") -> None:
-    """ConfigError where precision.embedding_weight_copy meets a recipe other than bf16 or, the recipe
-    known (not auto), a residual stream that is not bf16: the copy's rows are bf16, the same bits as the
-    fp32 rows cast only where the stream casts them (precision.bf16_residual). The config's and the
-    build's one rule."""
+def check_embedding_copy(recipe: PrecisionRecipe | str, on: bool, residual: "Residual | bool | str",
+                         sharded: bool = False) -> None:
+    """ConfigError where precision.embedding_weight_copy meets what check_bf16_copies refuses (a recipe
+    other than bf16, a ``sharded`` layout) or, the recipe known (not auto), a residual stream that is not
+    bf16: the copy's rows are bf16, the same bits as the fp32 rows cast only where the stream casts them
+    (precision.bf16_residual). The config's, the build's and the planner's one rule."""
     if not on:
         return
-    check_bf16_copies(recipe, True, switch="embedding_weight_copy")
+    check_bf16_copies(recipe, True, sharded=sharded, switch="embedding_weight_copy")
     if PrecisionRecipe(recipe) != PrecisionRecipe.auto and not residual_on(recipe, residual):
         raise ConfigError("precision.embedding_weight_copy=true gathers the embedding's rows in bf16, and this run "
                           "keeps the residual stream in fp32 (precision.bf16_residual=false), so its rows would be "
@@ -383,7 +384,8 @@ class PrecisionConfig(Config):
     bits as the fp32 rows cast to the bf16 stream; the gradient is the fp32 one rounded. Moves 2 B x V x D
     less for the gradient's write, the optimizer's read and the clipping norm's read, for the copy's 2 B
     written by the optimizer (none more with optimizer.split_master, which then splits the embedding's
-    master too), and no fp32 rows gathered and cast, nor their gradient widened (about 16 B x tokens x D);
+    master too), and no fp32 rows gathered and cast, nor their gradient widened (10 B x tokens x D compiled,
+    16 eager: run/planner/switches.py EMBEDDING_COPY_ROW_BYTES);
     holds 2 B x V x D less gradient for the copy's 2 B (with split_master, 2 B x V x D less in all).
     Gradient accumulation is refused, as for the other bf16 gradients. Measured with
     split_master and head_grads_bf16 (session 48): together 0.9-1.7% faster on #13's shapes; off (one

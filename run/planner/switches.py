@@ -263,8 +263,7 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
     check_save_product(recipe, precision.save_swiglu_product)
     check_bf16_copies(recipe, head_copy, sharded=sharded, switch="head_weight_copy")
     embedding_copy = bool(precision.embedding_weight_copy)
-    check_bf16_copies(recipe, embedding_copy, sharded=sharded, switch="embedding_weight_copy")
-    check_embedding_copy(recipe, embedding_copy, precision.bf16_residual)
+    check_embedding_copy(recipe, embedding_copy, precision.bf16_residual, sharded=sharded)
     split_experts = copies and bool(precision.expert_grads_bf16) and not precision.quantized_expert_copies
     check_split_master(bool(optimizer.split_master),
                        dense_copies or (head_copy and model.fused_loss) or split_experts or embedding_copy)
