@@ -8,7 +8,7 @@ cp1() { mkdir -p $T/$2; cp $1 $T/$2/metrics.jsonl; }
 cp1 docs/bench/session46/call5/proxy_norm_s0_R.jsonl s0_R
 cp1 docs/bench/session46/call3/proxy_norm_s1_R.jsonl s1_R
 cp1 docs/bench/session46/call3/proxy_norm_s2_R.jsonl s2_R
-D=docs/bench/session49/call2
+D=docs/bench/session49/call4_5
 for s in 0 1 2; do cp1 $D/proxy_norm_s${s}_SHE.jsonl s${s}_SHE; done
 python tools/compare_runs.py --group default=$T/s0_R,$T/s1_R,$T/s2_R --group SHE=$T/s0_SHE,$T/s1_SHE,$T/s2_SHE \
   --json docs/bench/session49/compare_she.json
