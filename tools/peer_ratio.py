@@ -43,8 +43,9 @@ def read_moetron(path: str) -> tuple[dict, list[dict]]:
     except (OSError, json.JSONDecodeError) as e:
         raise ConfigError(f"{path}: not a readable tools/bench_train.py --json report ({e})") from None
     rows = report.get("rows") if isinstance(report, dict) else None
-    if not rows or not all(isinstance(r, dict) and "tokens_per_s" in r and "step_s" in r for r in rows):
-        raise ConfigError(f"{path}: not a tools/bench_train.py --json report (no rows with tokens_per_s and step_s)")
+    if not rows or not all(isinstance(r, dict) and {"variant", "tokens_per_s", "step_s"} <= r.keys() for r in rows):
+        raise ConfigError(f"{path}: not a tools/bench_train.py --json report (no rows with variant, tokens_per_s "
+                          "and step_s)")
     for r in rows:
         r["tokens_per_step"] = round(r["tokens_per_s"] * r["step_s"])
     return report.get("env", {}), rows

@@ -89,7 +89,7 @@ def test_bad_inputs(tmp_path):
     m = _moetron(tmp_path, [("best", 60000.0, 60000.0, 38.0, 1_000_000)])
     with pytest.raises(ConfigError, match="at least one --peer"):
         peer_ratio.main([m, "--json", ""])
-    (tmp_path / "x.json").write_text('{"rows": [{"variant": "a"}]}')
+    (tmp_path / "x.json").write_text('{"rows": [{"tokens_per_s": 1.0, "step_s": 1.0}]}')  # no variant
     with pytest.raises(ConfigError, match="not a tools/bench_train.py --json report"):
         peer_ratio.main([str(tmp_path / "x.json"), "--peer", _peer(tmp_path, "p.jsonl", 1.0, 1.0)])
     with pytest.raises(ConfigError, match="cannot read it"):
