@@ -39,40 +39,25 @@ def embedding_grad(ids: torch.Tensor, grad: torch.Tensor, num_embeddings: int, d
     return embedding_grad_(order_T, ends_V, grad_TD, out_VD)
 
 
-class _TritonGradEmbedding(torch.autograd.Function):
-    """forward(ids, weight) = F.embedding(ids, weight); backward: embedding_grad."""
+class _GatherEmbedding(torch.autograd.Function):
+    """forward(ids, table) = F.embedding(ids, table); backward: the table's gradient in its own dtype, each
+    row summed in fp32 in increasing token order and rounded once: embedding_grad where Triton runs, else
+    torch's fp32 embedding backward rounded. The table is the fp32 weight (model.triton_embedding_grad,
+    where Triton runs) or the optimizer's bf16 copy of it (precision.embedding_weight_copy, anywhere)."""
 
     @staticmethod
-    def forward(ctx, ids, weight):
+    def forward(ctx, ids, table):
         ctx.save_for_backward(ids)
-        ctx.vocab, ctx.dtype = weight.shape[0], weight.dtype
-        return F.embedding(ids, weight)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (ids,) = ctx.saved_tensors
-        return None, embedding_grad(ids, grad, ctx.vocab, ctx.dtype)
-
-
-class _CopyEmbedding(torch.autograd.Function):
-    """forward(ids, copy) = F.embedding(ids, copy) for the optimizer's bf16 copy of the weight
-    (precision.embedding_weight_copy); backward: the copy's gradient, each row summed in fp32 in
-    increasing token order and rounded once to bf16: embedding_grad where Triton runs, else torch's
-    fp32 embedding backward rounded (the gradient the fp32 weight would get, rounded either way)."""
-
-    @staticmethod
-    def forward(ctx, ids, copy):
-        ctx.save_for_backward(ids)
-        ctx.vocab, ctx.triton = copy.shape[0], _use_triton(copy.device)
-        return F.embedding(ids, copy)
+        ctx.vocab, ctx.dtype, ctx.triton = table.shape[0], table.dtype, _use_triton(table.device)
+        return F.embedding(ids, table)
 
     @staticmethod
     def backward(ctx, grad):
         (ids,) = ctx.saved_tensors
         if ctx.triton:
-            return None, embedding_grad(ids, grad, ctx.vocab, torch.bfloat16)
+            return None, embedding_grad(ids, grad, ctx.vocab, ctx.dtype)
         wide = torch.ops.aten.embedding_dense_backward(grad.float(), ids, ctx.vocab, -1, False)
-        return None, wide.to(torch.bfloat16)
+        return None, wide.to(ctx.dtype)
 
 
 class Embedding(nn.Embedding):
@@ -94,11 +79,10 @@ class Embedding(nn.Embedding):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.weight_copy is not None:  # also without grad: split_master may have freed the weight's storage
-            rows = (_CopyEmbedding.apply(ids, self.weight_copy) if torch.is_grad_enabled()
-                    else F.embedding(ids, self.weight_copy))
+            rows = _GatherEmbedding.apply(ids, self.weight_copy)
         elif (self.triton_grad and torch.is_grad_enabled() and self.weight.requires_grad
                 and _use_triton(self.weight.device)):
-            rows = _TritonGradEmbedding.apply(ids, self.weight)
+            rows = _GatherEmbedding.apply(ids, self.weight)
         else:
             rows = super().forward(ids)
         return rows if self.out_dtype is None else rows.to(self.out_dtype)

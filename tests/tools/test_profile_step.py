@@ -145,7 +145,7 @@ def test_op_record_decides_fill_dtype_and_optimizer_range():
     assert profile_step.classify("aten::exp_", enclosing=fused_loss) == "loss"
     assert profile_step.classify("aten::mm", enclosing=fused_loss) == "gemm"  # its matmuls stay GEMMs
     # The embedding's backward, torch's or moetron's: its zero-fill and sort count as the embedding's.
-    for node in ("EmbeddingBackward0", "_TritonGradEmbeddingBackward"):
+    for node in ("EmbeddingBackward0", "_GatherEmbeddingBackward"):
         embedding = [f"autograd::engine::evaluate_function: {node}", "ProfilerStep*"]
         assert profile_step.classify("Memset (Device)", enclosing=embedding) == "embedding"
         assert profile_step.classify("void at_cuda_detail::cub::DeviceRadixSortOnesweepKernel",
