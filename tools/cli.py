@@ -1,4 +1,5 @@
-"""What the tools' command lines share: the clean exit on bad input, the benchmark JSON report.
+"""What the tools' command lines share: the clean exit on bad input, the benchmark JSON report, reading
+JSON lines.
 
 tools/ is a folder of scripts, not a package: a script imports this as ``cli`` (its own folder is
 first on sys.path; tests/conftest.py puts tools/ there for the tests).
@@ -51,6 +52,21 @@ def split_variant(spec: str) -> tuple[str, list[str]]:
         raise ConfigError(f"variant {spec!r} should read NAME:key=value[,key=value...]")
     parts = [p for p in re.split(r",(?=-*[A-Za-z_][\w.]*=)", body) if p]
     return name, ["--" + p.lstrip("-") for p in parts]
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """The JSON objects of a JSON-lines file (a run's metrics.jsonl, a peer benchmark's events), in order;
+    a line that is not one (a torn last line of a killed run, a stray print) is skipped. OSError as open's."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+    return rows
 
 
 def write_report(path: str, env: dict, rows: list[dict]) -> None:

@@ -28,7 +28,7 @@ import sys
 
 from moetron.core.config import ConfigError
 
-from cli import run_cli, write_report  # tools/cli.py
+from cli import read_jsonl, run_cli, write_report  # tools/cli.py
 
 PARAMS_TOLERANCE = 1e-3  # relative: moetron and torchtitan count the same shapes to within a few norm weights
 GIB = 2 ** 30
@@ -53,16 +53,8 @@ def read_moetron(path: str) -> tuple[dict, list[dict]]:
 
 def read_peer(path: str) -> dict:
     """The peer's run from its JSON lines: the result event, with the device its config event named."""
-    events = []
     try:
-        with open(path) as f:
-            for line in f:
-                line = line.strip()
-                if line.startswith("{"):
-                    try:
-                        events.append(json.loads(line))
-                    except json.JSONDecodeError:
-                        continue  # a torn line of a killed run
+        events = read_jsonl(path)
     except OSError as e:
         raise ConfigError(f"--peer {path}: cannot read it ({e})") from None
     errors = [e for e in events if e.get("event") == "error"]

@@ -15,7 +15,6 @@ Needs matplotlib (pip install matplotlib, or pip install 'moetron[track]').
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from typing import Any
 
@@ -25,7 +24,7 @@ from moetron.core.config import ConfigError
 from moetron.core.moe.metrics import expert_share, starved_experts
 from moetron.core.trainer import TrainerConfig
 
-from cli import run_cli  # tools/cli.py
+from cli import read_jsonl, run_cli  # tools/cli.py
 
 
 def require_matplotlib():
@@ -41,18 +40,13 @@ def require_matplotlib():
     return plt
 
 
-def read_metrics(run_dir: str) -> list[dict[str, Any]]:
-    path = os.path.join(run_dir, "metrics.jsonl")
+def read_metrics(run: str) -> list[dict[str, Any]]:
+    """A run's metrics.jsonl rows: ``run`` its directory (the trainer's trainer.run_dir) or that file."""
+    path = run if os.path.isfile(run) else os.path.join(run, "metrics.jsonl")
     if not os.path.exists(path):
-        raise ConfigError(f"{path} does not exist: pass a run directory (the trainer's trainer.run_dir)")
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                pass  # a torn last line of a killed run
-    return rows
+        raise ConfigError(f"{path} does not exist: pass a run directory (the trainer's trainer.run_dir) or its "
+                          "metrics.jsonl")
+    return read_jsonl(path)
 
 
 def read_load(run_dir: str) -> dict[str, np.ndarray] | None:

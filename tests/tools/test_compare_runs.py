@@ -4,6 +4,7 @@ the plot, and the errors."""
 
 import json
 import math
+import os
 
 import pytest
 
@@ -54,6 +55,9 @@ def test_no_held_out_and_errors(tmp_path):
         compare_runs.compare([a, c])
     with pytest.raises(ConfigError, match="does not exist"):
         compare_runs.compare([a, str(tmp_path / "missing")])
+    # A run given by its metrics.jsonl (a copy kept beside a benchmark's output) reads as its directory
+    by_file = compare_runs.compare([a, os.path.join(b, "metrics.jsonl")])
+    assert by_file[1]["train_vs_reference"] == pytest.approx(0.02 / 3.0) == rows[1]["train_vs_reference"]
 
 
 def test_groups_compare_means_over_seeds(tmp_path, capsys):
