@@ -35,8 +35,7 @@ GIB = 2 ** 30
 
 
 def read_moetron(path: str) -> tuple[dict, list[dict]]:
-    """A tools/bench_train.py report: its env and its rows, each with the tokens per step its tok/s and mean
-    step imply (ConfigError where the file is not one)."""
+    """A tools/bench_train.py report: its env and its rows (ConfigError where the file is not one)."""
     try:
         with open(path) as f:
             report = json.load(f)
@@ -46,8 +45,6 @@ def read_moetron(path: str) -> tuple[dict, list[dict]]:
     if not rows or not all(isinstance(r, dict) and {"variant", "tokens_per_s", "step_s"} <= r.keys() for r in rows):
         raise ConfigError(f"{path}: not a tools/bench_train.py --json report (no rows with variant, tokens_per_s "
                           "and step_s)")
-    for r in rows:
-        r["tokens_per_step"] = round(r["tokens_per_s"] * r["step_s"])
     return report.get("env", {}), rows
 
 
@@ -70,10 +67,10 @@ def read_peer(path: str) -> dict:
     return {"file": path, "device": config.get("device"), **results[-1]}
 
 
-def check_same_work(row: dict, env: dict, source: str, peer: dict) -> None:
-    """ConfigError unless a moetron row and a peer run did the same work on the same GPU."""
-    if row["tokens_per_step"] != peer["tokens_per_step"]:
-        raise ConfigError(f"{source} row {row['variant']!r} trained {row['tokens_per_step']:,} tokens a step and "
+def check_same_work(row: dict, tokens: int, env: dict, source: str, peer: dict) -> None:
+    """ConfigError unless a moetron row (``tokens`` a step) and a peer run did the same work on the same GPU."""
+    if tokens != peer["tokens_per_step"]:
+        raise ConfigError(f"{source} row {row['variant']!r} trained {tokens:,} tokens a step and "
                           f"{peer['file']} {peer['tokens_per_step']:,}: compare runs of the same --seq-len x --batch")
     params, theirs = row.get("params"), peer.get("total_params")
     if params and theirs and abs(params / theirs - 1) > PARAMS_TOLERANCE:
@@ -92,15 +89,16 @@ def compare(reports: list[tuple[str, dict, list[dict]]], peers: list[dict], targ
     out = []
     for source, env, rows in reports:
         for row in rows:
+            tokens = round(row["tokens_per_s"] * row["step_s"])  # bench_train's tok/s is over its mean step
             for peer in peers:
-                check_same_work(row, env, source, peer)
+                check_same_work(row, tokens, env, source, peer)
             median_s = row.get("step_median_s") or row["step_s"]
             reported = [row["tokens_per_s"] / p["tokens_per_s"] for p in peers]
             medians = [p["median_step_s"] / median_s for p in peers]
             verdict = None
             if target is not None:
                 verdict = "met" if min(reported) >= target else ("missed" if max(reported) < target else "mixed")
-            out.append({"source": source, "variant": row["variant"], "tokens_per_step": row["tokens_per_step"],
+            out.append({"source": source, "variant": row["variant"], "tokens_per_step": tokens,
                         "tokens_per_s": row["tokens_per_s"], "step_ms": 1e3 * row["step_s"],
                         "median_step_ms": 1e3 * median_s, "peak_mem_gib": row.get("peak_mem_gib"),
                         "ratio_min": min(reported), "ratio_max": max(reported),
