@@ -375,7 +375,8 @@ class PrecisionConfig(Config):
     gradient is the fp32 one rounded to bf16, as autocast's unfused head would give it; gradient
     accumulation would sum it in bf16 and is refused, as for the other bf16 gradients. Measured
     with split_master and embedding_weight_copy (session 48, docs/performance.md): together 0.9-1.7% faster
-    on #13's shapes; off (one unsharded GPU, no accumulation)."""
+    on #13's shapes; alone (session 49) 0.8 / 0.4 GiB less peak, its speed within noise. Off (one unsharded
+    GPU, no accumulation)."""
     embedding_weight_copy: bool = False
     """bf16 recipe with the bf16 residual stream (bf16_residual auto or true), one GPU (unsharded fp32
     weights): the token embedding gathers its rows from a bf16 copy of its weight that the optimizer's
@@ -388,8 +389,9 @@ class PrecisionConfig(Config):
     16 eager: run/planner/switches.py EMBEDDING_COPY_ROW_BYTES);
     holds 2 B x V x D less gradient for the copy's 2 B (with split_master, 2 B x V x D less in all).
     Gradient accumulation is refused, as for the other bf16 gradients. Measured with
-    split_master and head_grads_bf16 (session 48): together 0.9-1.7% faster on #13's shapes; off (one
-    unsharded GPU, no accumulation)."""
+    split_master and head_grads_bf16 (session 48): together 0.9-1.7% faster on #13's shapes; alone (session
+    49) no measurable gain and 0.8 / 0.4 GiB more peak (the copy beside the unsplit master): use it with
+    split_master. Off (one unsharded GPU, no accumulation)."""
     bf16_residual: Residual = Residual.auto
     """The residual stream between the blocks in the compute dtype (bf16) instead of the embedding's fp32,
     as FSDP2's bf16 all-gather already makes it in sharded runs (the embedding's output cast once; the
