@@ -71,6 +71,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 return _coerce(value, arg, key)
             except ConfigError:
                 pass
+        if type(None) in args and isinstance(value, str) and value.lower() == "auto":
+            return None  # a field whose None is "chosen by the run" takes ``auto`` as its name on the command line
         raise ConfigError(f"{key}: {value!r} is not a valid {_type_name(tp)}")
     if origin in (list, tuple):
         if isinstance(value, str):

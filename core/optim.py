@@ -126,6 +126,15 @@ class OptimizerConfig(Config):
                         f"set optimizer.{name} <= {1 - floor:.4f} (e.g. beta2=0.95) or optimizer.state_dtype=fp32"
                     )
 
+    def writes_copies(self, on_gpu: bool, all_fp32: bool = True) -> bool:
+        """Whether build() makes this package's AdamW (PrecisionAwareAdamW: bf16 moments, or impl triton, or
+        auto on a GPU over fp32 parameters without ``fused``), the optimizer that writes the precision
+        switches' bf16 weight copies, rather than torch.optim.AdamW. One rule for build and for what
+        precision's ``auto`` copies ask of the optimizer (core.precision.config.copies_auto_on)."""
+        torch_adamw = self.impl == OptimizerImpl.torch or (
+            self.impl == OptimizerImpl.auto and not self.overlap and (not on_gpu or self.fused is not None or not all_fp32))
+        return not (self.state_dtype == StateDtype.fp32 and torch_adamw)
+
     def build(self, model: nn.Module) -> torch.optim.Optimizer:
         """The optimizer over ``model``'s trainable parameters in two decay groups (more where DTensors
         meet plain tensors): torch.optim.AdamW or PrecisionAwareAdamW, as OptimizerImpl says."""
@@ -146,9 +155,7 @@ class OptimizerConfig(Config):
         betas = (self.beta1, self.beta2)
         on_gpu = any(p.is_cuda for p in model.parameters())
         all_fp32 = all(p.dtype == torch.float32 for g in groups for p in g["params"])
-        torch_adamw = self.impl == OptimizerImpl.torch or (
-            self.impl == OptimizerImpl.auto and not self.overlap and (not on_gpu or self.fused is not None or not all_fp32))
-        if self.state_dtype == StateDtype.fp32 and torch_adamw:
+        if not self.writes_copies(on_gpu, all_fp32):
             if self.split_master:
                 raise ConfigError("optimizer.split_master=true is held by this package's AdamW, and this run builds "
                                   "torch.optim.AdamW (optimizer.state_dtype=fp32 with impl=torch or fused, or auto on "

@@ -10,6 +10,9 @@ import torch
 
 from moetron.core.checkpoint import Checkpointer
 from moetron.core.distributed import is_main
+from moetron.core.optim import OptimizerConfig
+from moetron.core.precision import PrecisionConfig
+from moetron.core.precision.config import copies_auto_on
 from moetron.core.trainer import Trainer
 from moetron.parallel import ParallelMesh, ParallelState, apply_strategies
 
@@ -20,6 +23,24 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def resolve_precision(precision: PrecisionConfig, optimizer: OptimizerConfig, device_type: str, *, ranks: int,
+                      local_batch: int, micro_batch: int | None) -> PrecisionConfig:
+    """``precision`` with the weight-copy switches left at ``auto`` resolved for a run of ``ranks`` processes
+    whose rank takes ``local_batch`` sequences a step in micro-batches of ``micro_batch`` (None: one) with
+    ``optimizer`` (core.precision.config.copies_auto_on: on for bf16 on one CUDA GPU, one micro-batch a step,
+    this package's AdamW; off elsewhere). build() and tools/step_builder.py (the benchmarks) both ask here."""
+    micro = micro_batch or local_batch
+    on = copies_auto_on(precision.resolved_recipe(device_type), device_type, one_rank=ranks == 1,
+                        micro_batches=max(1, local_batch // micro),
+                        optimizer_writes_copies=optimizer.writes_copies(device_type == "cuda"), overlap=optimizer.overlap)
+    if on and precision.auto_copies and is_main():
+        print("precision: auto turned on the optimizer's bf16 weight copies and their bf16 gradients (one GPU, one "
+              "micro-batch a step: the values of casting at each use, faster, more memory held); "
+              "precision.expert_weight_copies=none, expert_grads_bf16=false, dense_weight_copies=false or "
+              "head_weight_copy=false turn them off", flush=True)
+    return precision.with_auto_copies(on)
 
 
 def build(cfg: PretrainConfig, device: torch.device, world: int, checkpointer: Checkpointer | None = None,
@@ -33,6 +54,9 @@ def build(cfg: PretrainConfig, device: torch.device, world: int, checkpointer: C
                           pin_memory=device.type == "cuda")  # the trainer's non_blocking copy is then async
     seed_everything(cfg.trainer.seed)
     model = cfg.model.build(device=device)  # identical on every rank: same seed
+    cfg = cfg.replace(precision=resolve_precision(cfg.precision, cfg.optimizer, device.type, ranks=world,
+                                                  local_batch=data.local_batch_size,
+                                                  micro_batch=cfg.trainer.micro_batch_size))
     precision = cfg.precision.build(device)
     precision.apply(model)  # the GEMM backend of every linear and of the experts
     cfg.memory.apply(model)  # activation recompute, before compile and the strategies wrap blocks

@@ -214,7 +214,12 @@ def _bench_argv(env: dict) -> list[str]:
 # date, the old default as an override). A row without a recorded section, in a report dated before a
 # change (env.date; a report without one counts as older), is replayed with the old default its run
 # had, unless its command or the row sets the field itself. Rows that record their section need none.
-CHANGED_DEFAULTS = [("2026-12-05 14:45:00", "--precision.quantize_input_once=false")]  # then auto (session 29)
+CHANGED_DEFAULTS = [("2026-12-05 14:45:00", "--precision.quantize_input_once=false"),  # then auto (session 29)
+                    # the optimizer's weight copies: auto (on for bf16 on one GPU, one micro-batch) since session 50
+                    ("2026-12-07 09:00:00", "--precision.expert_weight_copies=none"),
+                    ("2026-12-07 09:00:00", "--precision.expert_grads_bf16=false"),
+                    ("2026-12-07 09:00:00", "--precision.dense_weight_copies=false"),
+                    ("2026-12-07 09:00:00", "--precision.head_weight_copy=false")]
 
 # Model defaults that changed (reports record no model section): (the change's date, the override that
 # gives the old default). A report dated before it replays with the old default unless its row names the

@@ -21,7 +21,7 @@ from moetron.core.precision import PrecisionConfig
 from moetron.core.trainer import Trainer, TrainerConfig
 from moetron.data.loader import DataConfig
 from moetron.models import ModelConfig
-
+from moetron.run.build import resolve_precision
 
 
 class RandomTokens:
@@ -30,6 +30,10 @@ class RandomTokens:
     def __init__(self, vocab: int, batch: int, seq_len: int, device):
         self.vocab, self.batch, self.seq_len, self.device = vocab, batch, seq_len, device
         self.gen = torch.Generator(device=device).manual_seed(0)
+
+    @property
+    def local_batch_size(self) -> int:
+        return self.batch
 
     def next_batch(self) -> torch.Tensor:
         return torch.randint(0, self.vocab, (self.batch, self.seq_len + 1), device=self.device, generator=self.gen)
@@ -42,7 +46,9 @@ class RandomTokens:
 
 
 class TokenStream(Protocol):
-    """What the trainer reads: ``next_batch()`` -> LongTensor [batch, seq_len + 1]."""
+    """What the trainer reads: ``next_batch()`` -> LongTensor [batch, seq_len + 1], ``local_batch_size`` its batch."""
+
+    local_batch_size: int
 
     def next_batch(self) -> torch.Tensor: ...
 
@@ -142,12 +148,15 @@ def build_trainer(model_cfg: ModelConfig, memory: MemoryConfig, data: TokenStrea
     here); ``trainer.train_step(data.next_batch())`` runs one step."""
     torch.manual_seed(0)
     model = model_cfg.build(device=device)
-    recipe = (precision if isinstance(precision, PrecisionConfig) else PrecisionConfig(recipe=precision)).build(device)
+    optim_cfg = optimizer or OptimizerConfig()
+    precision_cfg = resolve_precision(precision if isinstance(precision, PrecisionConfig) else PrecisionConfig(recipe=precision),
+                                      optim_cfg, device.type, ranks=1, local_batch=data.local_batch_size,
+                                      micro_batch=micro_batch)
+    recipe = precision_cfg.build(device)
     recipe.apply(model)
     memory.apply(model)
     if compile:
         model.compile_modules()
-    optim_cfg = optimizer or OptimizerConfig()
     optimizer = optim_cfg.build(model)
     scheduler = SchedulerConfig(warmup_steps=0).build(optimizer, 10_000)
     tcfg = dataclasses.replace(trainer or TrainerConfig(), steps=10_000, micro_batch_size=micro_batch, run_dir="")

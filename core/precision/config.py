@@ -12,7 +12,7 @@ from .gemm import Fp8Wgrad, gemm_backend
 from .policy import GemmModule, PrecisionPolicy
 
 __all__ = ["Bf16Experts", "Fp8Experts", "Fp8Wgrad", "GemmModule", "PrecisionBackend", "PrecisionConfig", "PrecisionRecipe",
-           "InputOnce", "Residual", "check_embedding_copy", "check_expert_copies", "check_quantized_copies", "input_once_on", "residual_on",
+           "InputOnce", "Residual", "AUTO_COPIES", "check_embedding_copy", "copies_auto_on", "check_expert_copies", "check_quantized_copies", "input_once_on", "residual_on",
            "takes_expert_copies"]
 
 
@@ -148,6 +148,28 @@ def _require_bf16(recipe: PrecisionRecipe | str, switch: str, what: str) -> None
     if recipe not in (PrecisionRecipe.bf16, PrecisionRecipe.auto):
         raise ConfigError(f"precision.{switch}=true {what}, a bf16-recipe option, and this run has "
                           f"precision.recipe={recipe}: use --precision.recipe=bf16, or drop {switch}")
+
+
+AUTO_COPIES = ("expert_weight_copies", "expert_grads_bf16", "dense_weight_copies", "head_weight_copy")
+"""The precision switches whose ``auto`` (None) copies_auto_on resolves: the optimizer's bf16 copies of the
+weights the model computes on, and their bf16 gradients, which give the same values as casting at each use
+where that rule holds. Measured together against all four off (H100, session 50, docs/performance.md): +3.7%
+tokens/s on olmoe3-4l-8e and +10.8% on OLMoE-8L, for 2.6 / 5.5 GiB more peak."""
+
+
+def copies_auto_on(recipe: PrecisionRecipe | str, device_type: str, *, one_rank: bool, micro_batches: int,
+                   optimizer_writes_copies: bool, overlap: bool = False) -> bool:
+    """What ``auto`` means for AUTO_COPIES (the build, bench_train and the planner all ask here): on where
+    the copies give the same values as the casts they replace (the same bits with one micro-batch a step,
+    but for the clipping norm, summed over bf16 gradients in another order: a few ulps apart where clipping
+    scales the update; tests/core/test_dense_copies.py) and are measured faster, i.e. the (resolved)
+    bf16 ``recipe`` on a CUDA device, one rank (``one_rank``: an unsharded model, whose fp32 weights are the
+    copies' masters), one micro-batch a step (bf16 gradients would be summed in bf16 across more), the
+    optimizer being this package's AdamW, which writes the copies (``optimizer_writes_copies``:
+    OptimizerConfig.writes_copies), and no optimizer.overlap (``overlap``: not measured with them). Off
+    elsewhere: the layouts and recipes where ``true`` is refused, or not measured."""
+    return (PrecisionRecipe(recipe) == PrecisionRecipe.bf16 and device_type == "cuda" and one_rank
+            and micro_batches == 1 and optimizer_writes_copies and not overlap)
 
 
 def check_bf16_copies(recipe: PrecisionRecipe | str, copies: bool, sharded: bool = False,
@@ -320,8 +342,10 @@ class PrecisionConfig(Config):
     """Which modules' GEMMs use a low-precision recipe: ``experts`` (the routed experts' grouped
     GEMMs), ``attention`` (q/k/v/o projections), ``mlp`` (dense SwiGLUs, the MoE layer's shared
     expert included). The LM head and the router always stay in bf16."""
-    expert_weight_copies: WeightCopies = WeightCopies.none
-    """bf16 recipe: bf16 copies of the routed experts' weights, 2 bytes per expert parameter held
+    expert_weight_copies: WeightCopies | None = None
+    """``auto`` (None, the default): ``optimizer`` where the copies give the same bits as casting
+    (copies_auto_on: the bf16 recipe on one CUDA GPU, one micro-batch a step, this package's AdamW),
+    ``none`` elsewhere. bf16 recipe: bf16 copies of the routed experts' weights, 2 bytes per expert parameter held
     (see WeightCopies: none, made once per step, or written by the optimizer step itself), instead
     of casting the fp32 master weights in forward and again in backward
     (core/precision/bf16_grouped.py). Ignored when the weights arrive in bf16 already (FSDP2's bf16
@@ -329,16 +353,18 @@ class PrecisionConfig(Config):
     ``expert_grads_bf16=true`` (the only form they take): the expert weights are quantized from the
     optimizer's bf16 copies, and their gradients stay bf16 (core/precision/fp8_rowwise.py,
     emulated.py, fp8_gemm.py). The native mxfp8 GEMMs refuse it."""
-    expert_grads_bf16: bool = False
-    """bf16 recipe with ``expert_weight_copies=optimizer``: the routed experts' weight gradients are
+    expert_grads_bf16: bool | None = None
+    """``auto`` (None, the default): on where expert_weight_copies resolves to ``optimizer`` under
+    copies_auto_on, off elsewhere. bf16 recipe with ``expert_weight_copies=optimizer``: the routed experts' weight gradients are
     the grouped GEMMs' bf16 outputs, kept on the optimizer's bf16 copies (the copies are the tensors
     the GEMMs differentiate) and read by the optimizer as the fp32 master weights' gradients: 2
     bytes per expert parameter instead of 4 and no bf16 -> fp32 cast pass over them after backward.
     With one micro-batch per step the update is bit-identical to fp32 gradients (the GEMM rounds its
     output to bf16 either way); gradient accumulation over micro-batches would sum in bf16, so it
     is refused (core/trainer.py)."""
-    dense_weight_copies: bool = False
-    """bf16 recipe, one GPU (unsharded fp32 weights): the dense linears (attention's q / k / v / o, the
+    dense_weight_copies: bool | None = None
+    """``auto`` (None, the default): on where copies_auto_on holds, off elsewhere. bf16 recipe, one GPU
+    (unsharded fp32 weights): the dense linears (attention's q / k / v / o, the
     dense SwiGLUs, the shared experts; not the LM head) compute on bf16 copies of their weights that
     the optimizer's step writes (core.adamw.PrecisionAwareAdamW.add_compute_copies), their weight
     gradients kept in bf16 on the copies and read by the optimizer (as expert_grads_bf16 does for the
@@ -352,9 +378,11 @@ class PrecisionConfig(Config):
     the casts in olmoe3-4l-8e's measured step (about 2.7 ms of cast kernels on the H100,
     docs/performance.md, session 31). Measured with the other three switches of sessions 31-32 (H100,
     session 34): together 1.0-1.6% faster on olmoe3-4l-8e, 1.2% on OLMoE-8L, for 1.5-2.0 GiB more peak;
-    off by default because it is for one unsharded GPU without gradient accumulation."""
-    head_weight_copy: bool = False
-    """bf16 recipe, one GPU (unsharded fp32 weights): the fused LM loss computes on a bf16 copy of the
+    ``auto`` by default since session 50 (with the other copies: +3.7% tokens/s on olmoe3-4l-8e, +10.8% on
+    OLMoE-8L, for 2.6 / 5.5 GiB more peak; H100, docs/performance.md)."""
+    head_weight_copy: bool | None = None
+    """``auto`` (None, the default): on where copies_auto_on holds, off elsewhere. bf16 recipe, one GPU
+    (unsharded fp32 weights): the fused LM loss computes on a bf16 copy of the
     head's weight that the optimizer's step writes, instead of casting the fp32 weight in every forward
     (read 4 + write 2 B an element: 2.5 GB, about 0.9 ms a step at V 100352 x D 4096 on the H100,
     session 31's profile), for 2 B an element more written by the optimizer. The gradient stays fp32
@@ -363,7 +391,7 @@ class PrecisionConfig(Config):
     V x D (0.77 GiB at that shape), is held all step instead of only during the loss' forward: the
     step's peak rises by about that where it is outside the loss. Apart from dense_weight_copies, which
     leaves the head out, so each is measured on its own. Alone on olmoe3-4l-8e (H100, session 34): 0.7%
-    faster, at the edge of that run's 0.4% noise; off by default (one unsharded GPU only)."""
+    faster, at the edge of that run's 0.4% noise; ``auto`` by default since session 50 (copies_auto_on)."""
     head_grads_bf16: bool = False
     """With head_weight_copy: the LM head's weight gradient kept in bf16 on that copy, a leaf the fused
     loss differentiates in the weight's place (as dense_weight_copies does for the other linears): the
@@ -537,7 +565,32 @@ class PrecisionConfig(Config):
     wgrad (x read once for both; fp8_rowwise_triton.quantize_rows_chunks); false: two kernels, two
     reads (the measurement's off switch). The same bits either way."""
 
+    def with_auto_copies(self, on: bool) -> "PrecisionConfig":
+        """This config with every AUTO_COPIES switch left at ``auto`` (None) resolved: ``on`` (copies_auto_on's
+        answer for the run) gives ``optimizer`` / true, else ``none`` / false; expert_grads_bf16's auto is on
+        only with the optimizer's expert copies. A value given is kept."""
+        copies = self.expert_weight_copies
+        if copies is None:
+            copies = WeightCopies.optimizer if on else WeightCopies.none
+        grads = self.expert_grads_bf16
+        if grads is None:
+            grads = on and WeightCopies(copies) == WeightCopies.optimizer
+        return dataclasses.replace(
+            self, expert_weight_copies=copies, expert_grads_bf16=grads,
+            dense_weight_copies=on if self.dense_weight_copies is None else self.dense_weight_copies,
+            head_weight_copy=on if self.head_weight_copy is None else self.head_weight_copy)
+
+    @property
+    def auto_copies(self) -> bool:
+        """Whether some AUTO_COPIES switch is still ``auto`` (None): resolved by with_auto_copies."""
+        return any(getattr(self, name) is None for name in AUTO_COPIES)
+
     def validate(self) -> None:
+        if self.auto_copies:
+            # Checked as the switches would stand where auto turns them on (a bf16 run on one GPU), so that a
+            # switch that needs them (head_grads_bf16, split_master) is not refused before the layout is known.
+            self.with_auto_copies(self.recipe in (PrecisionRecipe.bf16, PrecisionRecipe.auto)).validate()
+            return
         super().validate()
         if self.mx_scale not in ("rceil", "floor"):
             raise ConfigError(f"precision.mx_scale: {self.mx_scale!r} is not one of 'rceil', 'floor'")
@@ -596,7 +649,8 @@ class PrecisionConfig(Config):
         check_fused_input(self.recipe, self.fused_shared_input)
         if self.head_grads_bf16 and not self.head_weight_copy:
             raise ConfigError("precision.head_grads_bf16=true keeps the LM head's gradient on the optimizer's bf16 "
-                              "copy of its weight: it needs --precision.head_weight_copy=true")
+                              "copy of its weight: it needs --precision.head_weight_copy=true (its auto turns it on only "
+                              "for bf16 on one GPU with one micro-batch a step)")
         if self.expert_grads_bf16 and copies != WeightCopies.optimizer:
             raise ConfigError("precision.expert_grads_bf16=true keeps the experts' gradients on the optimizer's bf16 "
                               "weight copies: it needs --precision.expert_weight_copies=optimizer, got "
@@ -670,13 +724,15 @@ class PrecisionConfig(Config):
         return Fp8Experts.triton
 
     def build(self, device: torch.device | str, verbose: bool = True) -> PrecisionPolicy:
-        """The policy for a run on ``device``."""
-        self.validate()
+        """The policy for a run on ``device``. AUTO_COPIES still at ``auto`` build off: the caller that knows
+        the run's layout resolves them first (with_auto_copies(copies_auto_on(...)): run/build.py)."""
+        c = self.with_auto_copies(False) if self.auto_copies else self  # the copy switches as they build
+        c.validate()
         device_type = torch.device(device).type
         recipe = self.resolved_recipe(device_type)
         per_expert = Bf16Experts(self.bf16_experts) == Bf16Experts.cublas
-        check_bf16_copies(recipe, self.dense_weight_copies)  # auto resolved: fp32 on the CPU
-        check_bf16_copies(recipe, self.head_weight_copy, switch="head_weight_copy")
+        check_bf16_copies(recipe, c.dense_weight_copies)  # auto resolved: fp32 on the CPU
+        check_bf16_copies(recipe, c.head_weight_copy, switch="head_weight_copy")
         check_embedding_copy(recipe, self.embedding_weight_copy, self.bf16_residual)
         check_save_product(recipe, self.save_swiglu_product)
         check_fused_input(recipe, self.fused_shared_input)
@@ -686,10 +742,10 @@ class PrecisionConfig(Config):
         if recipe == PrecisionRecipe.bf16:
             from .gemm import TorchGemm
 
-            gemm = TorchGemm(weight_copies=self.expert_weight_copies, triton_swiglu=self.triton_swiglu,
-                             grads_on_copies=self.expert_grads_bf16,
-                             per_expert=per_expert, dense_copies=self.dense_weight_copies,
-                             head_copy=self.head_weight_copy, save_swiglu_product=self.save_swiglu_product,
+            gemm = TorchGemm(weight_copies=c.expert_weight_copies, triton_swiglu=self.triton_swiglu,
+                             grads_on_copies=c.expert_grads_bf16,
+                             per_expert=per_expert, dense_copies=c.dense_weight_copies,
+                             head_copy=c.head_weight_copy, save_swiglu_product=self.save_swiglu_product,
                              fused_shared_input=self.fused_shared_input, head_grads=self.head_grads_bf16,
                              embedding_copy=self.embedding_weight_copy)
             return PrecisionPolicy(device_type, torch.bfloat16, gemm, residual_dtype=residual)
@@ -724,11 +780,11 @@ class PrecisionConfig(Config):
         if self.fp8_fast_accum and backend != PrecisionBackend.native:
             raise ConfigError("precision.fp8_fast_accum=true is an option of the native fp8_rowwise GEMMs (an SM90 GPU), "
                               f"and this run resolved precision.backend={backend}: drop fp8_fast_accum, or run on a Hopper GPU")
-        expert_copies = WeightCopies(self.expert_weight_copies) == WeightCopies.optimizer
+        expert_copies = WeightCopies(c.expert_weight_copies) == WeightCopies.optimizer
         check_expert_copies(recipe, backend, expert_copies)
         check_emulated_saves(recipe, backend, self.emulated_save_x_bf16)
         input_once = input_once_on(recipe, backend, self.quantize_input_once)
-        check_quantized_copies(recipe, backend, self.quantized_expert_copies, expert_copies and self.expert_grads_bf16,
+        check_quantized_copies(recipe, backend, self.quantized_expert_copies, expert_copies and c.expert_grads_bf16,
                                self.modules)
         if self.fp8_fused_swiglu and backend != PrecisionBackend.native:
             raise ConfigError("precision.fp8_fused_swiglu=true is an option of the native fp8_blockwise GEMMs (an SM90+ GPU), "

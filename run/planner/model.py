@@ -117,7 +117,6 @@ def plan(p: Plan) -> dict:
     if p.parallel.pp == 1:
         run.trainer.micro_batch_size = p.micro_batch
     par = check_layout(run, p.num_gpus)
-    sw = switches(cfg, par, p.precision, p.optimizer, gpu, p.compiled, mx_fused=p.mx_fused)
     dp = par.dp_replicate * par.dp_shard
     local_batch = p.global_batch // dp
     if par.pp > 1:
@@ -129,6 +128,8 @@ def plan(p: Plan) -> dict:
     else:
         micro = p.micro_batch or local_batch
         m = local_batch // micro
+    sw = switches(cfg, par, p.precision, p.optimizer, gpu, p.compiled, mx_fused=p.mx_fused, ranks=p.num_gpus,
+                  micro_batches=m)
     ep, efsdp = par.ep, par.dp_shard // par.ep
     T_mb = micro * p.seq_len  # tokens per micro-batch per rank
     fsdp = p.num_gpus > 1 or "data" in par.strategies  # FSDP2 on every multi-rank layout, or asked for
@@ -459,7 +460,9 @@ def plan_slice(cfg: ModelConfig, layers: list[int], *, ep: int, seq_len: int, mi
     if cfg.moe is None or not layers or not all(cfg.is_moe_layer(i) for i in layers):
         raise ConfigError(f"a slice is MoE blocks: {layers} are not all MoE layers of {cfg.describe()}")
     # bf16 by default, as bench_slice runs; a low-precision recipe resolved for the GPU as pretrain would
-    sw = switches(cfg, ParallelConfig(), precision or PrecisionConfig(recipe="bf16"), OptimizerConfig(), GPUS[gpu], compiled)
+    # bench_slice builds its slice's bf16 weights itself: no optimizer, so no weight copies (auto resolved off)
+    sw = switches(cfg, ParallelConfig(), (precision or PrecisionConfig(recipe="bf16")).with_auto_copies(False),
+                  OptimizerConfig(), GPUS[gpu], compiled)
     T = micro_batch * seq_len
     D, F, L = cfg.d_model, cfg.moe.expert_hidden, cfg.moe.num_experts // ep
     n_params = slice_params(cfg, layers, ep)

@@ -14,7 +14,7 @@ from moetron.core.config import ConfigError
 from moetron.core.layers.loss import path_chunk_tokens
 from moetron.core.optim import OptimizerConfig, check_split_master
 from moetron.core.precision import Fp8Wgrad, PrecisionConfig, PrecisionRecipe, emulated
-from moetron.core.precision.config import (check_bf16_copies, check_embedding_copy, check_emulated_saves, check_expert_copies,
+from moetron.core.precision.config import (check_bf16_copies, copies_auto_on, check_embedding_copy, check_emulated_saves, check_expert_copies,
                                            check_quantized_copies, check_save_product, input_once_on, residual_on,
                                            takes_expert_copies)
 from moetron.models import ModelConfig
@@ -235,13 +235,19 @@ class Switches:
 
 
 def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig, optimizer: OptimizerConfig,
-             gpu: GPU, compiled: bool, mx_fused: bool | None = None) -> Switches:
+             gpu: GPU, compiled: bool, mx_fused: bool | None = None, ranks: int = 1, micro_batches: int = 1) -> Switches:
     """The Switches of a run on ``gpu`` (ConfigError where pretrain would refuse: a native recipe the
     GPU lacks, bf16 state with fused AdamW, ...). ``mx_fused`` None: MOETRON_MX_FUSED as this
-    process read it (core.precision.emulated.FUSED), the setting a run started from it would get."""
+    process read it (core.precision.emulated.FUSED), the setting a run started from it would get.
+    ``ranks`` and ``micro_batches`` (a rank's micro-batches a step) resolve the weight copies' ``auto``
+    as the run would (copies_auto_on)."""
     precision.validate()
     optimizer.validate()
     recipe = precision.resolved_recipe("cuda")
+    one_rank = ranks == 1 and not (parallel.dp_replicate > 1 or parallel.dp_shard > 1 or parallel.ep > 1 or parallel.pp > 1)
+    precision = precision.with_auto_copies(copies_auto_on(
+        recipe, "cuda", one_rank=one_rank, micro_batches=micro_batches,
+        optimizer_writes_copies=optimizer.writes_copies(on_gpu=True), overlap=optimizer.overlap))
     if recipe == PrecisionRecipe.fp32:
         raise ConfigError("the planner models bf16 compute and its low-precision recipes: precision.recipe=fp32 "
                           "is for CPU tests; use bf16, mxfp8, fp8_blockwise or fp8_rowwise")

@@ -246,6 +246,24 @@ def test_dense_copies_train_as_the_fp32_masters_on_gpu():
     assert runs[True] == pytest.approx(runs[False], rel=1e-5) and runs[False][2] < runs[False][0]
 
 
+@pytest.mark.gpu
+def test_auto_copies_are_on_by_default_on_gpu():
+    """On CUDA the default precision (recipe auto, the copy switches auto) on one GPU with one micro-batch
+    builds the optimizer's copies (the experts', the dense linears', the head's) and trains as all four off,
+    to 1e-5 (a CUDA step is not bit-reproducible run to run); the loss must fall."""
+    from moetron.core.precision import PrecisionConfig
+
+    held = {}
+
+    def record(trainer):
+        held[len(held)] = len(trainer.optimizer.compute_copies)
+
+    runs = {on: cuda_losses_on_one_batch(PrecisionConfig() if on else PrecisionConfig().with_auto_copies(False),
+                                         check=record) for on in (False, True)}
+    assert held[0] == 0 and held[1] > 0
+    assert runs[True] == pytest.approx(runs[False], rel=1e-5) and runs[False][2] < runs[False][0]
+
+
 @pytest.mark.parametrize("chunk", [64, 24], ids=["one_chunk", "chunks"])
 def test_fused_loss_gives_a_bf16_weight_its_rounded_gradient(chunk):
     """precision.head_grads_bf16's loss: a bf16 weight leaf gets the gradient the fp32 weight of the same
@@ -292,7 +310,12 @@ def test_head_grads_bf16_hold_the_heads_gradient_on_its_copy():
     assert h1 == h0 and h0[2] != h0[0]
     assert w1.keys() == w0.keys() and all(torch.equal(w1[k], w0[k]) for k in w0)
     with pytest.raises(ConfigError, match="needs --precision.head_weight_copy=true"):
-        PrecisionConfig(recipe="bf16", head_grads_bf16=True).validate()
+        PrecisionConfig(recipe="bf16", head_grads_bf16=True, head_weight_copy=False).validate()
+    # head_weight_copy left at auto: valid as written (auto turns the copy on for one GPU), refused where the
+    # layout resolves it off (here the build's own resolution: no layout known, so off)
+    PrecisionConfig(recipe="bf16", head_grads_bf16=True).validate()
+    with pytest.raises(ConfigError, match="needs --precision.head_weight_copy=true"):
+        PrecisionConfig(recipe="bf16", head_grads_bf16=True).build("cpu")
     trainer, data = _trainer(False, micro_batch=1, head=True, head_grads=True)
     with pytest.raises(ConfigError, match="accumulates 2 micro-batches"):
         trainer.train_step(data.next_batch())
@@ -378,3 +401,73 @@ def test_embedding_copy_with_split_masters_saves_and_resumes(tmp_path):
     plain.model.load_state_dict(state)
     with torch.no_grad(), plain.precision.autocast():
         assert plain.model(batch[:, :-1], batch[:, 1:]).item() == eval_loss
+
+
+def test_auto_copies_resolve_as_the_run_would():
+    """precision's weight copies default to auto: on (the optimizer's bf16 expert copies and their bf16
+    gradients, the dense and head copies) for bf16 on one CUDA GPU with one micro-batch a step and this
+    package's AdamW, off for every other layout, recipe, device and optimizer; a value given is kept; the
+    command line spells it ``auto``; the build without a layout (PrecisionConfig.build) takes them off."""
+    from moetron.core.optim import OptimizerConfig
+    from moetron.core.precision import PrecisionConfig
+    from moetron.core.precision.config import AUTO_COPIES
+    from moetron.run.build import resolve_precision
+
+    def switches(p):
+        return str(p.expert_weight_copies), p.expert_grads_bf16, p.dense_weight_copies, p.head_weight_copy
+
+    auto = PrecisionConfig()
+    assert auto.auto_copies and all(getattr(auto, f) is None for f in AUTO_COPIES)
+    assert switches(auto.with_auto_copies(True)) == ("optimizer", True, True, True)
+    assert switches(auto.with_auto_copies(False)) == ("none", False, False, False)
+    mixed = PrecisionConfig(expert_weight_copies="step", head_weight_copy=False).with_auto_copies(True)
+    assert switches(mixed) == ("step", False, True, False)  # given kept; expert grads need the optimizer's copies
+    spelled = PrecisionConfig().apply_overrides(["--dense_weight_copies=false", "--dense_weight_copies=auto",
+                                                 "--expert_weight_copies=auto", "--head_weight_copy=true"])
+    assert spelled.dense_weight_copies is None and spelled.expert_weight_copies is None and spelled.head_weight_copy is True
+
+    def resolved(device="cuda", ranks=1, local=4, micro=None, precision=None, **optimizer):
+        return resolve_precision(precision or PrecisionConfig(), OptimizerConfig(**optimizer), device, ranks=ranks,
+                                 local_batch=local, micro_batch=micro)
+
+    assert switches(resolved()) == ("optimizer", True, True, True)
+    assert switches(resolved(micro=4)) == ("optimizer", True, True, True)  # one micro-batch of the whole batch
+    assert switches(resolved(impl="torch", state_dtype="bf16")) == ("optimizer", True, True, True)  # foreach: ours
+    for case in (dict(device="cpu"), dict(ranks=2), dict(micro=2), dict(impl="torch"), dict(fused=True),
+                 dict(overlap=True), dict(precision=PrecisionConfig(recipe="fp32")),
+                 dict(precision=PrecisionConfig(recipe="fp8_rowwise"))):
+        assert switches(resolved(**case)) == ("none", False, False, False), case
+    assert switches(resolved(ranks=2, precision=PrecisionConfig(dense_weight_copies=True))) == ("none", False, True, False)
+    policy = PrecisionConfig(recipe="bf16").build("cpu")  # no layout known: off
+    assert not policy.gemm.dense_copies and not policy.gemm.head_copy
+
+
+def test_auto_copies_on_train_as_off():
+    """The rule auto turns on (all four copy switches together) against all four off, one micro-batch, three
+    steps: the same losses and weights bit for bit unclipped; clipped (every step scaled) within the few ulps
+    of the clipping norm's other summation order."""
+    from step_builder import RandomTokens, build_trainer  # tools/
+
+    from moetron.core.memory import MemoryConfig
+    from moetron.core.optim import OptimizerConfig
+    from moetron.core.precision import PrecisionConfig
+
+    cfg = ModelConfig.preset("tiny-moe")
+    cfg.apply_overrides(["n_layers=2", "moe.experts_backend=grouped_mm"])
+    for clip in (0.0, 0.05):
+        runs = {}
+        for on in (False, True):
+            data = RandomTokens(cfg.vocab_size, 2, 32, torch.device("cpu"))
+            trainer = build_trainer(cfg, MemoryConfig(), data, torch.device("cpu"), seq_len=32,
+                                    precision=PrecisionConfig(recipe="bf16").with_auto_copies(on),
+                                    optimizer=OptimizerConfig(state_dtype="bf16", impl="torch"))
+            assert bool(trainer.optimizer.compute_copies) == on
+            trainer.cfg.grad_clip = clip
+            losses = [trainer.train_step(data.next_batch())[0].item() for _ in range(3)]
+            runs[on] = losses, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+        (l0, w0), (l1, w1) = runs[False], runs[True]
+        assert l0[2] != l0[0] and w0.keys() == w1.keys()
+        if clip == 0.0:
+            assert l1 == l0 and all(torch.equal(w1[k], w0[k]) for k in w0)
+        else:
+            assert l1 == pytest.approx(l0, rel=1e-4) and max(float((w1[k] - w0[k]).abs().max()) for k in w0) <= 1e-3

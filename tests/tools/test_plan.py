@@ -15,9 +15,17 @@ from moetron.parallel.config import ParallelConfig
 GiB = 2**30
 
 
+COPIES_OFF = dict(expert_weight_copies="none", expert_grads_bf16=False, dense_weight_copies=False, head_weight_copy=False)
+"""The optimizer's weight copies off, as every precision switch's term is measured against (their ``auto``
+turns them on for one GPU and one micro-batch: test_auto_copies_resolve_as_the_run_would)."""
+
+
 def _plan(num_gpus=1, **parallel):
+    from moetron.core.precision import PrecisionConfig
+
     return planner.Plan(model=ModelConfig.tiny_moe(), parallel=ParallelConfig(**parallel), memory=MemoryConfig(),
-                        seq_len=256, global_batch=8, gpu="h200", num_gpus=num_gpus)
+                        seq_len=256, global_batch=8, gpu="h200", num_gpus=num_gpus,
+                        precision=PrecisionConfig(recipe="bf16", **COPIES_OFF))
 
 
 def test_parameter_grad_optimizer_bytes_exact_and_sharded():
@@ -389,7 +397,7 @@ def test_expert_grads_bf16_and_triton_swiglu_terms():
 
     cfg = ModelConfig.tiny_moe()
     base, g16 = _plan(), _plan()
-    base.precision = PrecisionConfig(recipe="bf16", expert_weight_copies="optimizer")
+    base.precision = PrecisionConfig(recipe="bf16", expert_weight_copies="optimizer", expert_grads_bf16=False)
     g16.precision = PrecisionConfig(recipe="bf16", expert_weight_copies="optimizer", expert_grads_bf16=True)
     rb, rg = planner.plan(base), planner.plan(g16)
     n_expert = sum(cfg.moe.num_experts * 3 * cfg.moe.expert_hidden * cfg.d_model
@@ -521,7 +529,8 @@ def test_eager_triton_norm_and_rope_terms(tmp_path):
     tiny = ModelConfig.tiny_moe()
     tiny.triton_rmsnorm = tiny.triton_rope = False
     old = planner.plan(planner.Plan(model=tiny, parallel=ParallelConfig(), memory=MemoryConfig(), seq_len=256,
-                                    global_batch=8, compiled=False, precision=fp32_stream))
+                                    global_batch=8, compiled=False,  # that day's defaults: the copies off too
+                                    precision=PrecisionConfig(bf16_residual=False, **COPIES_OFF)))
     assert before["planned_step_ms"] == pytest.approx(1e3 * old["step_s"]) and after["planned_step_ms"] < before["planned_step_ms"]
 
 
@@ -536,8 +545,8 @@ def test_dense_weight_copies_terms():
 
     cfg = ModelConfig.tiny_moe()
     base, dense = _plan(), _plan()
-    base.precision = PrecisionConfig(recipe="bf16")
-    dense.precision = PrecisionConfig(recipe="bf16", dense_weight_copies=True)
+    base.precision = PrecisionConfig(recipe="bf16", **COPIES_OFF)
+    dense.precision = PrecisionConfig(recipe="bf16", **{**COPIES_OFF, "dense_weight_copies": True})
     rb, rd = planner.plan(base), planner.plan(dense)
     n_dense = sum(_linear_params(cfg, i)["attention"] + _linear_params(cfg, i)["mlp"] for i in range(cfg.n_layers))
     assert n_dense == sum(p.numel() for n, p in Transformer(cfg, device="meta").named_parameters()
@@ -1061,8 +1070,12 @@ def test_optimizer_overlap_is_named_as_not_modelled():
     """optimizer.overlap (session 24, not measured yet): the plan says it keeps the step unoverlapped."""
     from moetron.core.optim import OptimizerConfig
 
-    off = planner.plan(_olmoe8(gpu="h200", compiled=True, optimizer=OptimizerConfig(state_dtype="bf16")))
-    on = planner.plan(_olmoe8(gpu="h200", compiled=True, optimizer=OptimizerConfig(state_dtype="bf16", overlap=True)))
+    from moetron.core.precision import PrecisionConfig
+
+    copies_off = PrecisionConfig(recipe="bf16", **COPIES_OFF)  # auto would turn them on without the overlap only
+    off = planner.plan(_olmoe8(gpu="h200", compiled=True, optimizer=OptimizerConfig(state_dtype="bf16"), precision=copies_off))
+    on = planner.plan(_olmoe8(gpu="h200", compiled=True, optimizer=OptimizerConfig(state_dtype="bf16", overlap=True),
+                              precision=copies_off))
     assert on["step_s"] == off["step_s"] and "optimizer.overlap=true is not modelled" in on["overlap"]
     assert "not modelled" not in off["overlap"] and off["step_overlap_best_s"] is None
     # the bound: the embedding's (100352 x 2048) and the first block's updates stay exposed
@@ -1207,3 +1220,25 @@ def test_embedding_copy_plans_its_gradient_in_two_bytes(split):
     with pytest.raises(ConfigError, match="one unsharded GPU"):
         plan(True, parallel=ParallelConfig(dp_shard=2), dense_weight_copies=False, head_weight_copy=False,
              expert_weight_copies="none", expert_grads_bf16=False)
+
+
+def test_auto_copies_resolve_as_the_run_would():
+    """precision's weight copies left at auto plan as the run resolves them (core.precision.config.copies_auto_on):
+    on one GPU with one micro-batch a step as all four switches on, with two micro-batches or on a sharded layout
+    as all four off."""
+    from moetron.core.precision import PrecisionConfig
+
+    on_given = PrecisionConfig(recipe="bf16", expert_weight_copies="optimizer", expert_grads_bf16=True,
+                               dense_weight_copies=True, head_weight_copy=True)
+    off_given = PrecisionConfig(recipe="bf16", **COPIES_OFF)
+
+    def figures(precision, micro_batch=None, num_gpus=1, **parallel):
+        p = _plan(num_gpus, **parallel)
+        p.precision, p.micro_batch = precision, micro_batch
+        r = planner.plan(p)
+        return r["step_s"], r["stages"][0]["peak_gib"], r["stages"][0]["grads_gib"]
+
+    auto = PrecisionConfig(recipe="bf16")
+    assert figures(auto) == figures(on_given) != figures(off_given)
+    assert figures(auto, micro_batch=4) == figures(off_given, micro_batch=4)
+    assert figures(auto, num_gpus=2, dp_shard=2) == figures(off_given, num_gpus=2, dp_shard=2)
