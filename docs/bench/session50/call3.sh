@@ -6,5 +6,5 @@
 source docs/bench/session25/common.sh
 git log --oneline -1
 t0=$(date +%s)
-MOETRON_TEST_WORKERS=3 timeout 540 bash tools/run_tests.sh -m gpu -q 2>&1 | grep -v Warning | tail -25
+MOETRON_PYTHON=$(command -v python3) MOETRON_TEST_WORKERS=3 timeout 540 bash tools/run_tests.sh -m gpu -q 2>&1 | grep -v Warning | tail -25
 echo "GPU suite $(( $(date +%s) - t0 )) s"
