@@ -104,6 +104,14 @@ class ParallelConfig(Config):
         if not multi and self.pp_stages_per_rank != 1:
             raise ConfigError(f"parallel.pp_stages_per_rank > 1 needs an interleaved schedule, not {self.pp_schedule}")
 
+    def one_rank(self, world_size: int) -> bool:
+        """Whether a run of ``world_size`` processes keeps the whole model as one GPU's plain parameters: one
+        process, every mesh size 1 (dp_shard -1 resolves to 1 there) and no strategy asked for by name (FSDP2
+        or the pipeline's runtime on one rank). What precision's ``auto`` weight copies need
+        (core.precision.config.copies_auto_on); run/build.py and the planner both ask here."""
+        return (world_size == 1 and not self.strategies and self.dp_replicate == 1 and self.dp_shard in (1, -1)
+                and self.ep == 1 and self.pp == 1 and self.tp == 1)
+
     def resolve(self, world_size: int) -> "ParallelConfig":
         """A copy with dp_shard filled in, checked against the world size (ConfigError says why)."""
         self.validate()

@@ -25,14 +25,15 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def resolve_precision(precision: PrecisionConfig, optimizer: OptimizerConfig, device_type: str, *, ranks: int,
+def resolve_precision(precision: PrecisionConfig, optimizer: OptimizerConfig, device_type: str, *, one_rank: bool,
                       local_batch: int, micro_batch: int | None) -> PrecisionConfig:
-    """``precision`` with the weight-copy switches left at ``auto`` resolved for a run of ``ranks`` processes
-    whose rank takes ``local_batch`` sequences a step in micro-batches of ``micro_batch`` (None: one) with
-    ``optimizer`` (core.precision.config.copies_auto_on: on for bf16 on one CUDA GPU, one micro-batch a step,
-    this package's AdamW; off elsewhere). build() and tools/step_builder.py (the benchmarks) both ask here."""
+    """``precision`` with the weight-copy switches left at ``auto`` resolved for a run on ``one_rank`` (one
+    process holding the whole model: ParallelConfig.one_rank) whose rank takes ``local_batch`` sequences a
+    step in micro-batches of ``micro_batch`` (None: one) with ``optimizer`` (core.precision.config.copies_auto_on:
+    on for bf16 on one CUDA GPU, one micro-batch a step, this package's AdamW; off elsewhere). build() and
+    tools/step_builder.py (the benchmarks) both ask here."""
     micro = micro_batch or local_batch
-    on = copies_auto_on(precision.resolved_recipe(device_type), device_type, one_rank=ranks == 1,
+    on = copies_auto_on(precision.resolved_recipe(device_type), device_type, one_rank=one_rank,
                         micro_batches=max(1, local_batch // micro),
                         optimizer_writes_copies=optimizer.writes_copies(device_type == "cuda"), overlap=optimizer.overlap)
     if on and precision.auto_copies and is_main():
@@ -54,7 +55,8 @@ def build(cfg: PretrainConfig, device: torch.device, world: int, checkpointer: C
                           pin_memory=device.type == "cuda")  # the trainer's non_blocking copy is then async
     seed_everything(cfg.trainer.seed)
     model = cfg.model.build(device=device)  # identical on every rank: same seed
-    cfg = cfg.replace(precision=resolve_precision(cfg.precision, cfg.optimizer, device.type, ranks=world,
+    cfg = cfg.replace(precision=resolve_precision(cfg.precision, cfg.optimizer, device.type,
+                                                  one_rank=cfg.parallel.one_rank(world),
                                                   local_batch=data.local_batch_size,
                                                   micro_batch=cfg.trainer.micro_batch_size))
     precision = cfg.precision.build(device)

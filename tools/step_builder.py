@@ -150,7 +150,7 @@ def build_trainer(model_cfg: ModelConfig, memory: MemoryConfig, data: TokenStrea
     model = model_cfg.build(device=device)
     optim_cfg = optimizer or OptimizerConfig()
     precision_cfg = resolve_precision(precision if isinstance(precision, PrecisionConfig) else PrecisionConfig(recipe=precision),
-                                      optim_cfg, device.type, ranks=1, local_batch=data.local_batch_size,
+                                      optim_cfg, device.type, one_rank=True, local_batch=data.local_batch_size,
                                       micro_batch=micro_batch)
     recipe = precision_cfg.build(device)
     recipe.apply(model)

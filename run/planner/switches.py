@@ -244,9 +244,8 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
     precision.validate()
     optimizer.validate()
     recipe = precision.resolved_recipe("cuda")
-    one_rank = ranks == 1 and not (parallel.dp_replicate > 1 or parallel.dp_shard > 1 or parallel.ep > 1 or parallel.pp > 1)
     precision = precision.with_auto_copies(copies_auto_on(
-        recipe, "cuda", one_rank=one_rank, micro_batches=micro_batches,
+        recipe, "cuda", one_rank=parallel.one_rank(ranks), micro_batches=micro_batches,
         optimizer_writes_copies=optimizer.writes_copies(on_gpu=True), overlap=optimizer.overlap))
     if recipe == PrecisionRecipe.fp32:
         raise ConfigError("the planner models bf16 compute and its low-precision recipes: precision.recipe=fp32 "

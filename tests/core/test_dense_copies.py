@@ -411,6 +411,7 @@ def test_auto_copies_resolve_as_the_run_would():
     from moetron.core.optim import OptimizerConfig
     from moetron.core.precision import PrecisionConfig
     from moetron.core.precision.config import AUTO_COPIES
+    from moetron.parallel.config import ParallelConfig
     from moetron.run.build import resolve_precision
 
     def switches(p):
@@ -426,18 +427,22 @@ def test_auto_copies_resolve_as_the_run_would():
                                                  "--expert_weight_copies=auto", "--head_weight_copy=true"])
     assert spelled.dense_weight_copies is None and spelled.expert_weight_copies is None and spelled.head_weight_copy is True
 
-    def resolved(device="cuda", ranks=1, local=4, micro=None, precision=None, **optimizer):
-        return resolve_precision(precision or PrecisionConfig(), OptimizerConfig(**optimizer), device, ranks=ranks,
-                                 local_batch=local, micro_batch=micro)
+    def resolved(device="cuda", one_rank=True, local=4, micro=None, precision=None, **optimizer):
+        return resolve_precision(precision or PrecisionConfig(), OptimizerConfig(**optimizer), device,
+                                 one_rank=one_rank, local_batch=local, micro_batch=micro)
 
     assert switches(resolved()) == ("optimizer", True, True, True)
     assert switches(resolved(micro=4)) == ("optimizer", True, True, True)  # one micro-batch of the whole batch
     assert switches(resolved(impl="torch", state_dtype="bf16")) == ("optimizer", True, True, True)  # foreach: ours
-    for case in (dict(device="cpu"), dict(ranks=2), dict(micro=2), dict(impl="torch"), dict(fused=True),
+    for case in (dict(device="cpu"), dict(one_rank=False), dict(micro=2), dict(impl="torch"), dict(fused=True),
                  dict(overlap=True), dict(precision=PrecisionConfig(recipe="fp32")),
                  dict(precision=PrecisionConfig(recipe="fp8_rowwise"))):
         assert switches(resolved(**case)) == ("none", False, False, False), case
-    assert switches(resolved(ranks=2, precision=PrecisionConfig(dense_weight_copies=True))) == ("none", False, True, False)
+    assert switches(resolved(one_rank=False, precision=PrecisionConfig(dense_weight_copies=True))) == ("none", False, True, False)
+    assert ParallelConfig().one_rank(1) and ParallelConfig(dp_shard=1).one_rank(1)
+    for layout, world in ((ParallelConfig(), 2), (ParallelConfig(strategies=["data"]), 1),
+                          (ParallelConfig(strategies=["pipeline", "data"]), 1), (ParallelConfig(dp_shard=2), 2)):
+        assert not layout.one_rank(world), (layout, world)
     policy = PrecisionConfig(recipe="bf16").build("cpu")  # no layout known: off
     assert not policy.gemm.dense_copies and not policy.gemm.head_copy
 

@@ -101,12 +101,15 @@ def _train(overlap: bool, device: str, compile: bool = False, steps: int = 3):
     from step_builder import RandomTokens, build_trainer
 
     from moetron.core.memory import MemoryConfig
+    from moetron.core.precision import PrecisionConfig
 
     cfg = ModelConfig.preset("tiny-moe")
     cfg.apply_overrides(["n_layers=2", "moe.experts_backend=grouped_mm"])
     dev = torch.device(device)
     data = RandomTokens(cfg.vocab_size, 2, 32, dev)
+    # the weight copies off in both (their auto turns them on on a GPU only without the overlap)
     trainer = build_trainer(cfg, MemoryConfig(), data, dev, seq_len=32, compile=compile,
+                            precision=PrecisionConfig().with_auto_copies(False),
                             optimizer=OptimizerConfig(state_dtype="bf16", overlap=overlap))
     losses = [trainer.train_step(data.next_batch())[0].item() for _ in range(steps)]
     trainer.wait_optimizer()
