@@ -36,6 +36,26 @@ def test_overrides_are_typed():
     assert cfg.flag is True and cfg.name == "x"
 
 
+def test_auto_names_none_where_no_value_takes_it():
+    """``auto`` is None for a field whose None is the run's choice (int | None, bool | None, an enum | None), but a
+    string where the field takes strings, and still an error for a field without None."""
+
+    @dataclasses.dataclass
+    class Fields(Config):
+        window: int | None = 4
+        on: bool | None = True
+        color: Color | None = Color.red
+        label: str | None = None
+        n: int = 1
+
+    cfg = Fields().apply_overrides(["--window=auto", "--on=AUTO", "--color=auto", "--label=auto"])
+    assert cfg.window is None and cfg.on is None and cfg.color is None and cfg.label == "auto"
+    with pytest.raises(ConfigError, match="n"):
+        Fields().apply_overrides(["--n=auto"])
+    with pytest.raises(ConfigError, match="window"):
+        Fields().apply_overrides(["--window=often"])
+
+
 def test_unknown_key_names_closest():
     with pytest.raises(ConfigError, match=r"unknown config key 'model.n_layer'.*n_layers"):
         Outer().apply_overrides(["--model.n_layer=4"])

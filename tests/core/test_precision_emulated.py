@@ -637,13 +637,15 @@ def test_prequantized_grouped_mm_compiles_as_eager_on_gpu():
     _prequantized_grouped_mm_traces_as_eager("cuda", "inductor")
 
 
-def cuda_losses_on_one_batch(precision, steps: int = 3, check=None) -> list[float]:
+def cuda_losses_on_one_batch(precision, steps: int = 3, check=None, grad_clip: float | None = None) -> list[float]:
     """A tiny MoE (2 layers) compiled on CUDA with ``precision`` and bf16 optimizer state: the losses
-    of ``steps`` steps on one batch (so they must fall). ``check(trainer)``: called once built."""
+    of ``steps`` steps on one batch (so they must fall). ``check(trainer)``: called once built.
+    ``grad_clip``: the trainer's (None: its default, 1.0, which scales every step of this model)."""
     from step_builder import RandomTokens, build_trainer
 
     from moetron.core.memory import MemoryConfig
     from moetron.core.optim import OptimizerConfig
+    from moetron.core.trainer import TrainerConfig
     from moetron.models import ModelConfig
 
     cfg = ModelConfig.preset("tiny-moe")
@@ -651,7 +653,8 @@ def cuda_losses_on_one_batch(precision, steps: int = 3, check=None) -> list[floa
     dev = torch.device("cuda")
     data = RandomTokens(cfg.vocab_size, 2, 64, dev)
     trainer = build_trainer(cfg, MemoryConfig(), data, dev, seq_len=64, compile=True, precision=precision,
-                            optimizer=OptimizerConfig(state_dtype="bf16"))
+                            optimizer=OptimizerConfig(state_dtype="bf16"),
+                            trainer=None if grad_clip is None else TrainerConfig(grad_clip=grad_clip))
     if check is not None:
         check(trainer)
     batch = data.next_batch()
