@@ -98,6 +98,12 @@ def print_plan(r: dict) -> None:
     if r["fsdp_offload"]:
         print(f"  {'host (offload)':<16} {s['host_gib']:9.2f}   params + grads + optimizer state in host memory")
     print(f"  {'usable':<16} {r['usable_gib']:9.2f}   -> {'fits' if r['fits'] else 'DOES NOT FIT'}")
+    if r.get("peak_without_auto_copies_gib") is not None:
+        off = r["peak_without_auto_copies_gib"]
+        print(f"  the optimizer's weight copies (precision.*_copies auto: on for one GPU, one micro-batch) hold the "
+              f"difference: without them the peak is {off:.2f} GiB ({'fits' if off <= r['usable_gib'] else 'still over'}): "
+              f"--precision.expert_weight_copies=none --precision.expert_grads_bf16=false "
+              f"--precision.dense_weight_copies=false --precision.head_weight_copy=false")
     print(f"FLOPs/step {r['flops_per_step']:.4g}  ({r['flops_per_token']:.4g} per token)")
     print("bytes/step per rank: " + ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in r["bytes_per_step"].items()))
     print(f"step {r['step_s'] * 1e3:.1f} ms | {r['tokens_per_s_per_gpu']:,.0f} tok/s/GPU | "

@@ -371,6 +371,11 @@ def plan(p: Plan) -> dict:
                 + ", quantization kernels at measured rates")
     else:
         note = "native mxfp8: built, never run (no Blackwell): modelled at assumed rates"
+    without_copies = None  # where auto's weight copies push a one-GPU plan over: the peak without them
+    if not fits and p.precision.auto_copies:
+        off = plan(dataclasses.replace(p, precision=p.precision.with_auto_copies(False)))
+        if off["peak_gib"] < tight["peak_gib"]:
+            without_copies = off["peak_gib"]
     return {
         "model": cfg.describe(), "gpu": p.gpu, "num_gpus": p.num_gpus, "precision": sw.recipe,
         "precision_backend": sw.backend, "precision_modules": sorted(sw.low_modules), "precision_note": note,
@@ -399,7 +404,7 @@ def plan(p: Plan) -> dict:
         "step_overlap_best_s": overlap_best,
         "assumptions": (f"fsdp_offload: PCIe {gpu.pcie_gbps:.0f} GB/s x {EFF_PCIE}, host optimizer at "
                         f"{HOST_GBPS:.0f} GB/s" if sw.offload else ""),
-        "fits": fits, "tightest": tightest,
+        "fits": fits, "tightest": tightest, "peak_without_auto_copies_gib": without_copies,
     }
 
 

@@ -1242,3 +1242,22 @@ def test_auto_copies_resolve_as_the_run_would():
     assert figures(auto) == figures(on_given) != figures(off_given)
     assert figures(auto, micro_batch=4) == figures(off_given, micro_batch=4)
     assert figures(auto, num_gpus=2, dp_shard=2) == figures(off_given, num_gpus=2, dp_shard=2)
+
+
+def test_a_plan_over_memory_names_the_auto_copies_it_holds():
+    """A one-GPU plan that does not fit because auto turned the weight copies on gives the peak without them
+    (the plan with them off); a plan whose copies are given, or that fits, gives none."""
+    from moetron.core.precision import PrecisionConfig
+
+    def run(precision=None, n_layers=10):
+        model = ModelConfig.preset("olmoe-1b-7b")
+        model.n_layers, model.vocab_size = n_layers, 100352
+        return planner.plan(planner.Plan(model=model, parallel=ParallelConfig(), memory=MemoryConfig(), seq_len=3072,
+                                         global_batch=4, gpu="h100", precision=precision or PrecisionConfig()))
+
+    r, off = run(), run(PrecisionConfig(**COPIES_OFF))
+    assert not r["fits"] and off["fits"] and r["peak_without_auto_copies_gib"] == off["peak_gib"] < r["peak_gib"]
+    given = run(PrecisionConfig(expert_weight_copies="optimizer", expert_grads_bf16=True, dense_weight_copies=True,
+                                head_weight_copy=True))
+    assert given["peak_gib"] == r["peak_gib"] and given["peak_without_auto_copies_gib"] is None
+    assert run(n_layers=8)["fits"] and run(n_layers=8)["peak_without_auto_copies_gib"] is None
