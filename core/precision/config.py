@@ -153,8 +153,8 @@ def _require_bf16(recipe: PrecisionRecipe | str, switch: str, what: str) -> None
 AUTO_COPIES = ("expert_weight_copies", "expert_grads_bf16", "dense_weight_copies", "head_weight_copy")
 """The precision switches whose ``auto`` (None) copies_auto_on resolves: the optimizer's bf16 copies of the
 weights the model computes on, and their bf16 gradients, which give the same values as casting at each use
-where that rule holds. Measured together against all four off (H100, session 50, docs/performance.md): +3.7%
-tokens/s on olmoe3-4l-8e and +10.8% on OLMoE-8L, for 2.6 / 5.5 GiB more peak."""
+where that rule holds. Measured together against all four off (H100, session 50, two runs, docs/performance.md):
++3.7-3.8% tokens/s on olmoe3-4l-8e and +10.8% on OLMoE-8L, for 2.6 / 5.5 GiB more peak."""
 
 
 def copies_auto_on(recipe: PrecisionRecipe | str, device_type: str, *, one_rank: bool, micro_batches: int,
@@ -343,7 +343,7 @@ class PrecisionConfig(Config):
     GEMMs), ``attention`` (q/k/v/o projections), ``mlp`` (dense SwiGLUs, the MoE layer's shared
     expert included). The LM head and the router always stay in bf16."""
     expert_weight_copies: WeightCopies | None = None
-    """``auto`` (None, the default): ``optimizer`` where the copies give the same bits as casting
+    """``auto`` (None, the default): ``optimizer`` where the copies give the values of casting
     (copies_auto_on: the bf16 recipe on one CUDA GPU, one micro-batch a step, this package's AdamW),
     ``none`` elsewhere. bf16 recipe: bf16 copies of the routed experts' weights, 2 bytes per expert parameter held
     (see WeightCopies: none, made once per step, or written by the optimizer step itself), instead
@@ -378,7 +378,7 @@ class PrecisionConfig(Config):
     the casts in olmoe3-4l-8e's measured step (about 2.7 ms of cast kernels on the H100,
     docs/performance.md, session 31). Measured with the other three switches of sessions 31-32 (H100,
     session 34): together 1.0-1.6% faster on olmoe3-4l-8e, 1.2% on OLMoE-8L, for 1.5-2.0 GiB more peak;
-    ``auto`` by default since session 50 (with the other copies: +3.7% tokens/s on olmoe3-4l-8e, +10.8% on
+    ``auto`` by default since session 50 (with the other copies: +3.7-3.8% tokens/s on olmoe3-4l-8e, +10.8% on
     OLMoE-8L, for 2.6 / 5.5 GiB more peak; H100, docs/performance.md)."""
     head_weight_copy: bool | None = None
     """``auto`` (None, the default): on where copies_auto_on holds, off elsewhere. bf16 recipe, one GPU
