@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Queued by session 50 (not run: the device budget was spent): #13's real-text and eager rows for the new default
+# (the weight copies' auto, on for one GPU and one micro-batch), as session 49's call3.sh took them for best + SHE:
+# each shape compiled on random tokens and on the embedded corpus, and eager on random tokens, with the default
+# and with the copies off beside it in the same process (10 timed steps after 3); then OLMoE-8L's profile on the
+# default (its non-GEMM share at 16,384 tokens).
+# Run from the repo root: bash docs/bench/session50/next.sh (timeout 600; about 450 s warm)
+source docs/bench/session42/common.sh
+OFF=precision.expert_weight_copies=none,precision.expert_grads_bf16=false,precision.dense_weight_copies=false,precision.head_weight_copy=false
+for S in "$S2" "$S1" "${S2/--compile/}" "${S1/--compile/}"; do
+  for T in "" "--real-text"; do
+    [[ "$S" != *--compile* && -n "$T" ]] && continue  # eager: random tokens only
+    t0=$(date +%s)
+    timeout 110 python3 tools/bench_train.py $S $T --steps 10 --warmup 3 --variant default: --variant off:$OFF \
+      --json $OUT/default_$(echo "$S" | cut -d' ' -f2)${T:+_real}$([[ "$S" == *--compile* ]] || echo _eager).json 2>&1 \
+      | grep -v Warning | tail -3
+    echo "$(echo "$S" | cut -d' ' -f2) ${T:-random} $([[ "$S" == *--compile* ]] && echo compiled || echo eager) $(( $(date +%s) - t0 )) s"
+  done
+done
+timeout 110 python3 tools/profile_step.py $S1 --wait 1 --warmup 1 --active 2 --top 12 --json $OUT/profile_S1_default.json \
+  2>&1 | grep -v Warning | head -8
