@@ -480,3 +480,44 @@ def test_auto_copies_on_train_as_off():
             assert l1 == l0 and all(torch.equal(w1[k], w0[k]) for k in w0)
         else:
             assert l1 == pytest.approx(l0, rel=1e-4) and max(float((w1[k] - w0[k]).abs().max()) for k in w0) <= 1e-3
+
+
+@pytest.mark.parametrize("saved_on", [True, False], ids=["saved_with_copies", "saved_without"])
+def test_a_checkpoint_resumes_across_the_copies_auto_choice(saved_on, tmp_path):
+    """auto decides the copies by layout, so a run may save on one GPU (copies on) and resume where they are off,
+    or the other way: the checkpoint holds the fp32 masters and Adam state either way, the copies are rebuilt from
+    them. Two unclipped steps, save, load into a trainer of the other choice: its next step equals the
+    uninterrupted run's, bit for bit, and so do the weights after it."""
+    from step_builder import RandomTokens, build_trainer  # tools/
+
+    from moetron.core.checkpoint import CheckpointConfig, Checkpointer
+    from moetron.core.memory import MemoryConfig
+    from moetron.core.optim import OptimizerConfig
+    from moetron.core.precision import PrecisionConfig
+    from moetron.core.trainer import TrainerConfig
+
+    cfg = ModelConfig.preset("tiny-moe")
+    cfg.apply_overrides(["n_layers=2", "moe.experts_backend=grouped_mm"])
+
+    def make(on: bool):
+        data = RandomTokens(cfg.vocab_size, 2, 32, torch.device("cpu"))
+        trainer = build_trainer(cfg, MemoryConfig(), data, torch.device("cpu"), seq_len=32,
+                                precision=PrecisionConfig(recipe="bf16").with_auto_copies(on),
+                                optimizer=OptimizerConfig(state_dtype="bf16", impl="torch"),
+                                trainer=TrainerConfig(grad_clip=0.0))
+        assert bool(trainer.optimizer.compute_copies) == on
+        return trainer, data
+
+    first, data = make(saved_on)
+    first.checkpointer = Checkpointer(CheckpointConfig(dir=str(tmp_path / "ckpt")))
+    for _ in range(2):
+        first.train_step(data.next_batch())
+    first.step = 2
+    path = first.save()
+    resumed, _ = make(not saved_on)
+    resumed.checkpointer = first.checkpointer
+    resumed.load(path)
+    batch = data.next_batch()
+    assert resumed.train_step(batch)[0].item() == first.train_step(batch)[0].item()
+    w0, w1 = first.model.state_dict(), resumed.model.state_dict()
+    assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
