@@ -432,10 +432,11 @@ def test_resume_rewrites_the_optimizer_copies(tmp_path, grads_bf16):
     assert_resume_rewrites_copies(lambda: _copies_trainer(grads_bf16), tmp_path)
 
 
-def assert_resume_rewrites_copies(make, tmp_path):
+def assert_resume_rewrites_copies(make, tmp_path, make_resumed=None):
     """``make()`` -> (trainer, data), a trainer whose optimizer writes compute copies: two steps,
-    save, then a fresh trainer (its copies made from the initial weights) loads the checkpoint; its
-    next step must equal the uninterrupted trainer's."""
+    save, then a fresh trainer (its copies made from the initial weights; ``make_resumed()``'s, default
+    ``make()``'s) loads the checkpoint; its next step must equal the uninterrupted trainer's, and so must
+    the weights after it."""
     from moetron.core.checkpoint import CheckpointConfig, Checkpointer
 
     first, data = make()
@@ -444,11 +445,13 @@ def assert_resume_rewrites_copies(make, tmp_path):
         first.train_step(data.next_batch())
     first.step = 2
     path = first.save()
-    resumed, _ = make()  # fresh: its copies hold the initial weights
+    resumed, _ = (make_resumed or make)()  # fresh: its copies hold the initial weights
     resumed.checkpointer = first.checkpointer
     resumed.load(path)
     batch = data.next_batch()
     assert resumed.train_step(batch)[0].item() == first.train_step(batch)[0].item()
+    w0, w1 = first.model.state_dict(), resumed.model.state_dict()
+    assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
 
 
 def test_per_expert_cublas_path_matches_float64_and_the_grouped_kernel():

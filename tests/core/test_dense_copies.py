@@ -490,7 +490,6 @@ def test_a_checkpoint_resumes_across_the_copies_auto_choice(saved_on, tmp_path):
     uninterrupted run's, bit for bit, and so do the weights after it."""
     from step_builder import RandomTokens, build_trainer  # tools/
 
-    from moetron.core.checkpoint import CheckpointConfig, Checkpointer
     from moetron.core.memory import MemoryConfig
     from moetron.core.optim import OptimizerConfig
     from moetron.core.precision import PrecisionConfig
@@ -508,16 +507,4 @@ def test_a_checkpoint_resumes_across_the_copies_auto_choice(saved_on, tmp_path):
         assert bool(trainer.optimizer.compute_copies) == on
         return trainer, data
 
-    first, data = make(saved_on)
-    first.checkpointer = Checkpointer(CheckpointConfig(dir=str(tmp_path / "ckpt")))
-    for _ in range(2):
-        first.train_step(data.next_batch())
-    first.step = 2
-    path = first.save()
-    resumed, _ = make(not saved_on)
-    resumed.checkpointer = first.checkpointer
-    resumed.load(path)
-    batch = data.next_batch()
-    assert resumed.train_step(batch)[0].item() == first.train_step(batch)[0].item()
-    w0, w1 = first.model.state_dict(), resumed.model.state_dict()
-    assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
+    assert_resume_rewrites_copies(lambda: make(saved_on), tmp_path, lambda: make(not saved_on))
