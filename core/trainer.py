@@ -472,6 +472,20 @@ class Trainer:
             watchdog.stop()
         return self.history
 
+    def _note_copies(self, error: BaseException) -> None:
+        """Name the optimizer's bf16 weight copies on an out-of-memory ``error`` where they are held: on one GPU
+        the precision switches' ``auto`` turns them on (precision.AUTO_COPIES), for memory the default before
+        session 50 did not hold."""
+        copies = getattr(self.optimizer, "compute_copies", None) or {}
+        held = sum(c.numel() * c.element_size() for c in copies.values())
+        if held:
+            error.add_note(
+                f"moetron: the optimizer's bf16 weight copies hold {held / 2**30:.2f} GiB on this rank (precision."
+                f"expert_weight_copies / expert_grads_bf16 / dense_weight_copies / head_weight_copy; auto turns them on "
+                f"for one GPU with one micro-batch a step). --precision.expert_weight_copies=none "
+                f"--precision.expert_grads_bf16=false --precision.dense_weight_copies=false "
+                f"--precision.head_weight_copy=false frees them; tools/plan.py gives the peak with and without them")
+
     def _loop(self, last_step: int, watchdog: StepWatchdog) -> None:
         cfg = self.cfg
         t_last, tokens_since = time.perf_counter(), 0
@@ -479,7 +493,11 @@ class Trainer:
         steps_since = 0
         while self.step < last_step:
             batch = self.data.next_batch()
-            loss, grad_norm = self.train_step(batch)
+            try:
+                loss, grad_norm = self.train_step(batch)
+            except torch.OutOfMemoryError as e:
+                self._note_copies(e)
+                raise
             self.step += 1
             loss_acc += loss
             steps_since += 1

@@ -508,3 +508,26 @@ def test_a_checkpoint_resumes_across_the_copies_auto_choice(saved_on, tmp_path):
         return trainer, data
 
     assert_resume_rewrites_copies(lambda: make(saved_on), tmp_path, lambda: make(not saved_on))
+
+
+def test_an_out_of_memory_step_names_the_copies(monkeypatch):
+    """A step that runs out of memory while the optimizer's weight copies are held (auto's choice on one GPU)
+    keeps its error and gains a note naming them, their size and the overrides that free them; without copies
+    no note."""
+    for dense, copied in ((True, True), (False, False)):
+        trainer, _ = _trainer(dense)
+
+        def oom(batch):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+        monkeypatch.setattr(trainer, "train_step", oom)
+        trainer.cfg.eval_batches = 0  # random tokens: no held-out set
+        with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate") as info:
+            trainer.fit()
+        notes = getattr(info.value, "__notes__", [])
+        if copied:
+            held = sum(c.numel() * c.element_size() for c in trainer.optimizer.compute_copies.values())
+            assert held > 0 and len(notes) == 1 and f"hold {held / 2**30:.2f} GiB" in notes[0]
+            assert "--precision.dense_weight_copies=false" in notes[0]
+        else:
+            assert not trainer.optimizer.compute_copies and notes == []
