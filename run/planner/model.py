@@ -50,6 +50,7 @@ __all__ = ['Plan', 'SLICE_FREED', 'SLICE_FREED_AT_GATE_UP', 'Switches', 'activat
 
 import dataclasses
 import itertools
+import math
 
 from moetron.core.config import ConfigError
 from moetron.core.memory import MemoryConfig, Recompute
@@ -405,6 +406,7 @@ def plan(p: Plan) -> dict:
         "assumptions": (f"fsdp_offload: PCIe {gpu.pcie_gbps:.0f} GB/s x {EFF_PCIE}, host optimizer at "
                         f"{HOST_GBPS:.0f} GB/s" if sw.offload else ""),
         "fits": fits, "tightest": tightest, "peak_without_auto_copies_gib": without_copies,
+        "weight_copies": bool(sw.expert_weight_copies or sw.dense_weight_copies or sw.head_weight_copy),
     }
 
 
@@ -510,7 +512,8 @@ def plan_slice(cfg: ModelConfig, layers: list[int], *, ep: int, seq_len: int, mi
 
 
 def search(base: Plan, top: int = 10) -> list[dict]:
-    """The fastest layouts that fit: ep, pp, dp_shard, micro-batch and recompute varied, sorted by step time."""
+    """The fastest layouts that fit: ep, pp, dp_shard, micro-batch and recompute varied, sorted by step time; a
+    one-GPU layout that fits only without the weight copies auto turned on is planned with them off."""
     out = []
     n_exp = base.model.moe.num_experts if base.model.moe else 1
     divisors = [d for d in range(1, base.num_gpus + 1) if base.num_gpus % d == 0]
@@ -530,6 +533,9 @@ def search(base: Plan, top: int = 10) -> list[dict]:
                     par.pp_microbatches = base.global_batch // dp // micro
                 try:
                     r = plan(candidate)
+                    if not r["fits"] and (r["peak_without_auto_copies_gib"] or math.inf) <= r["usable_gib"]:
+                        # auto's weight copies push this one over: the same layout with them off
+                        r = plan(dataclasses.replace(candidate, precision=candidate.precision.with_auto_copies(False)))
                 except ConfigError:
                     continue
                 if r["fits"]:

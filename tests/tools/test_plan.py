@@ -1,5 +1,6 @@
 """tools/plan.py: memory terms by hand on a tiny config, FLOPs through ModelConfig, layout errors, --search, JSON."""
 
+import dataclasses
 import json
 
 import pytest
@@ -1261,3 +1262,21 @@ def test_a_plan_over_memory_names_the_auto_copies_it_holds():
                                 head_weight_copy=True))
     assert given["peak_gib"] == r["peak_gib"] and given["peak_without_auto_copies_gib"] is None
     assert run(n_layers=8)["fits"] and run(n_layers=8)["peak_without_auto_copies_gib"] is None
+
+
+def test_search_plans_a_layout_over_memory_with_auto_copies_off():
+    """--search: a one-GPU layout that fits only without the weight copies auto turns on is planned with them
+    off (OLMoE-1B-7B cut to 10 layers at 4 x 3072 tokens on an H100: one micro-batch without recompute), and
+    ranks above the slower layouts that fit with them (full recompute)."""
+    from moetron.core.precision import PrecisionConfig
+
+    model = ModelConfig.preset("olmoe-1b-7b")
+    model.n_layers, model.vocab_size = 10, 100352
+    base = planner.Plan(model=model, parallel=ParallelConfig(), memory=MemoryConfig(), seq_len=3072, global_batch=4,
+                        gpu="h100", precision=PrecisionConfig())
+    rows = planner.search(base)
+    best = rows[0]
+    assert best["micro_batch"] == 4 and best["recompute"] == "none" and not best["weight_copies"]
+    assert any(r["weight_copies"] and r["recompute"] == "full" and r["step_s"] > best["step_s"] for r in rows)
+    off = planner.plan(dataclasses.replace(base, micro_batch=4, precision=PrecisionConfig(**COPIES_OFF)))
+    assert best["step_s"] == off["step_s"] and best["peak_gib"] == off["peak_gib"]
