@@ -71,8 +71,6 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 return _coerce(value, arg, key)
             except ConfigError:
                 pass
-        if type(None) in args and isinstance(value, str) and value.lower() == "auto":
-            return None  # a field whose None is "chosen by the run" takes ``auto`` as its name on the command line
         raise ConfigError(f"{key}: {value!r} is not a valid {_type_name(tp)}")
     if origin in (list, tuple):
         if isinstance(value, str):
@@ -155,6 +153,15 @@ def _parse_scalar(text: str) -> Any:
 class Config:
     """Base of every config: strict construction from dicts, YAML, overrides and validation."""
 
+    AUTO_NONE: typing.ClassVar[frozenset[str]] = frozenset()
+    """Fields whose None means "chosen by the run" and which therefore take ``auto`` as its name (in YAML and on
+    the command line). Only these: elsewhere None may mean off (a sliding window, a capacity), and ``auto``
+    stays the error or the string it was."""
+
+    @classmethod
+    def _auto(cls, name: str, value: Any) -> Any:
+        return None if name in cls.AUTO_NONE and isinstance(value, str) and value.lower() == "auto" else value
+
     # ---- construction -----------------------------------------------------------------------
     @classmethod
     def _hints(cls) -> dict[str, Any]:
@@ -172,7 +179,7 @@ class Config:
             dotted = f"{prefix}.{key}" if prefix else key
             if key not in names:
                 raise ConfigError(f"unknown config key {dotted!r}: {_close(key, names)}")
-            kwargs[key] = _coerce(value, hints[key], dotted)
+            kwargs[key] = _coerce(cls._auto(key, value), hints[key], dotted)
         try:
             return cls(**kwargs)
         except TypeError as e:
@@ -247,7 +254,7 @@ class Config:
                 raise ConfigError(f"unknown config key {dotted!r}: {_close(part, names)}")
             tp = type(target)._hints()[part]
             if i == len(parts) - 1:
-                setattr(target, part, _coerce(value, tp, dotted))
+                setattr(target, part, _coerce(type(target)._auto(part, value), tp, dotted))
                 return
             child = getattr(target, part)
             if child is None:

@@ -330,6 +330,7 @@ def residual_on(recipe: PrecisionRecipe | str, value: Residual | bool | str) -> 
 
 @dataclasses.dataclass
 class PrecisionConfig(Config):
+    AUTO_NONE = frozenset(AUTO_COPIES)  # their None is auto (copies_auto_on)
     recipe: PrecisionRecipe = PrecisionRecipe.auto
     """Compute precision (see PrecisionRecipe)."""
     backend: PrecisionBackend = PrecisionBackend.auto

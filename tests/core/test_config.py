@@ -36,24 +36,28 @@ def test_overrides_are_typed():
     assert cfg.flag is True and cfg.name == "x"
 
 
-def test_auto_names_none_where_no_value_takes_it():
-    """``auto`` is None for a field whose None is the run's choice (int | None, bool | None, an enum | None), but a
-    string where the field takes strings, and still an error for a field without None."""
+def test_auto_names_none_only_where_the_config_says_so():
+    """``auto`` is None for the fields a config names in AUTO_NONE (their None is the run's choice), from the
+    command line and from a mapping; any other field keeps its meaning: an error for an int, a string where it
+    takes strings (None may mean off there: a sliding window, a capacity factor)."""
 
     @dataclasses.dataclass
     class Fields(Config):
-        window: int | None = 4
+        AUTO_NONE = frozenset({"on", "color"})
         on: bool | None = True
         color: Color | None = Color.red
+        window: int | None = 4
         label: str | None = None
-        n: int = 1
 
-    cfg = Fields().apply_overrides(["--window=auto", "--on=AUTO", "--color=auto", "--label=auto"])
-    assert cfg.window is None and cfg.on is None and cfg.color is None and cfg.label == "auto"
-    with pytest.raises(ConfigError, match="n"):
-        Fields().apply_overrides(["--n=auto"])
+    cfg = Fields().apply_overrides(["--on=auto", "--color=AUTO", "--label=auto"])
+    assert cfg.on is None and cfg.color is None and cfg.label == "auto" and cfg.window == 4
+    assert Fields.from_dict({"on": "auto", "color": "blue"}).on is None
     with pytest.raises(ConfigError, match="window"):
-        Fields().apply_overrides(["--window=often"])
+        Fields().apply_overrides(["--window=auto"])
+    from moetron.models import ModelConfig
+
+    with pytest.raises(ConfigError, match="sliding_window"):  # None is "no window" there, not a choice
+        ModelConfig().apply_overrides(["--sliding_window=auto"])
 
 
 def test_unknown_key_names_closest():
