@@ -476,15 +476,16 @@ class Trainer:
         """Name the optimizer's bf16 weight copies on an out-of-memory ``error`` where they are held: on one GPU
         the precision switches' ``auto`` turns them on (precision.AUTO_COPIES), for memory the default before
         session 50 did not hold."""
+        from .precision.config import copies_off_overrides
+
         copies = getattr(self.optimizer, "compute_copies", None) or {}
         held = sum(c.numel() * c.element_size() for c in copies.values())
         if held:
             error.add_note(
                 f"moetron: the optimizer's bf16 weight copies hold {held / 2**30:.2f} GiB on this rank (precision."
                 f"expert_weight_copies / expert_grads_bf16 / dense_weight_copies / head_weight_copy; auto turns them on "
-                f"for one GPU with one micro-batch a step). --precision.expert_weight_copies=none "
-                f"--precision.expert_grads_bf16=false --precision.dense_weight_copies=false "
-                f"--precision.head_weight_copy=false frees them; tools/plan.py gives the peak with and without them")
+                f"for one GPU with one micro-batch a step). {' '.join(copies_off_overrides())} frees them; "
+                f"tools/plan.py gives the peak with and without them")
 
     def _loop(self, last_step: int, watchdog: StepWatchdog) -> None:
         cfg = self.cfg

@@ -12,7 +12,7 @@ from moetron.core.checkpoint import Checkpointer
 from moetron.core.distributed import is_main
 from moetron.core.optim import OptimizerConfig
 from moetron.core.precision import PrecisionConfig
-from moetron.core.precision.config import copies_auto_on
+from moetron.core.precision.config import copies_auto_on, copies_off_overrides
 from moetron.core.trainer import Trainer
 from moetron.parallel import ParallelMesh, ParallelState, apply_strategies
 
@@ -37,10 +37,9 @@ def resolve_precision(precision: PrecisionConfig, optimizer: OptimizerConfig, de
                         micro_batches=max(1, local_batch // micro),
                         optimizer_writes_copies=optimizer.writes_copies(device_type == "cuda"), overlap=optimizer.overlap)
     if on and precision.auto_copies and is_main():
-        print("precision: auto turned on the optimizer's bf16 weight copies and their bf16 gradients (one GPU, one "
-              "micro-batch a step: the values of casting at each use, faster, more memory held); "
-              "precision.expert_weight_copies=none, expert_grads_bf16=false, dense_weight_copies=false or "
-              "head_weight_copy=false turn them off", flush=True)
+        print(f"precision: auto turned on the optimizer's bf16 weight copies and their bf16 gradients (one GPU, one "
+              f"micro-batch a step: the values of casting at each use, faster, more memory held); "
+              f"{' '.join(copies_off_overrides())} turn them off", flush=True)
     return precision.with_auto_copies(on)
 
 

@@ -48,6 +48,7 @@ from moetron.core.config import ConfigError
 from moetron.core.memory import MemoryConfig
 from moetron.core.optim import OptimizerConfig
 from moetron.core.precision import PrecisionConfig, PrecisionRecipe
+from moetron.core.precision.config import copies_off_overrides
 from moetron.core.trainer import GradSync
 from moetron.models import ModelConfig
 from moetron.parallel.config import ParallelConfig
@@ -102,8 +103,7 @@ def print_plan(r: dict) -> None:
         off = r["peak_without_auto_copies_gib"]
         print(f"  the optimizer's weight copies (precision.*_copies auto: on for one GPU, one micro-batch) hold the "
               f"difference: without them the peak is {off:.2f} GiB ({'fits' if off <= r['usable_gib'] else 'still over'}): "
-              f"--precision.expert_weight_copies=none --precision.expert_grads_bf16=false "
-              f"--precision.dense_weight_copies=false --precision.head_weight_copy=false")
+              f"{' '.join(copies_off_overrides())}")
     print(f"FLOPs/step {r['flops_per_step']:.4g}  ({r['flops_per_token']:.4g} per token)")
     print("bytes/step per rank: " + ", ".join(f"{k} {v / 1e9:.2f} GB" for k, v in r["bytes_per_step"].items()))
     print(f"step {r['step_s'] * 1e3:.1f} ms | {r['tokens_per_s_per_gpu']:,.0f} tok/s/GPU | "
@@ -222,10 +222,7 @@ def _bench_argv(env: dict) -> list[str]:
 # had, unless its command or the row sets the field itself. Rows that record their section need none.
 CHANGED_DEFAULTS = [("2026-12-05 14:45:00", "--precision.quantize_input_once=false"),  # then auto (session 29)
                     # the optimizer's weight copies: auto (on for bf16 on one GPU, one micro-batch) since session 50
-                    ("2026-12-07 09:00:00", "--precision.expert_weight_copies=none"),
-                    ("2026-12-07 09:00:00", "--precision.expert_grads_bf16=false"),
-                    ("2026-12-07 09:00:00", "--precision.dense_weight_copies=false"),
-                    ("2026-12-07 09:00:00", "--precision.head_weight_copy=false")]
+                    *[("2026-12-07 09:00:00", off) for off in copies_off_overrides()]]
 
 # Model defaults that changed (reports record no model section): (the change's date, the override that
 # gives the old default). A report dated before it replays with the old default unless its row names the

@@ -12,7 +12,7 @@ from .gemm import Fp8Wgrad, gemm_backend
 from .policy import GemmModule, PrecisionPolicy
 
 __all__ = ["Bf16Experts", "Fp8Experts", "Fp8Wgrad", "GemmModule", "PrecisionBackend", "PrecisionConfig", "PrecisionRecipe",
-           "InputOnce", "Residual", "AUTO_COPIES", "check_embedding_copy", "copies_auto_on", "check_expert_copies", "check_quantized_copies", "input_once_on", "residual_on",
+           "InputOnce", "Residual", "AUTO_COPIES", "check_embedding_copy", "copies_auto_on", "copies_off_overrides", "check_expert_copies", "check_quantized_copies", "input_once_on", "residual_on",
            "takes_expert_copies"]
 
 
@@ -155,6 +155,17 @@ AUTO_COPIES = ("expert_weight_copies", "expert_grads_bf16", "dense_weight_copies
 weights the model computes on, and their bf16 gradients, which give the same values as casting at each use
 where that rule holds. Measured together against all four off (H100, session 50, two runs, docs/performance.md):
 +3.7-3.8% tokens/s on olmoe3-4l-8e and +10.8% on OLMoE-8L, for 2.6 / 5.5 GiB more peak."""
+
+
+_COPIES_OFF_TEXT = {"expert_weight_copies": "none", "expert_grads_bf16": "false", "dense_weight_copies": "false",
+                    "head_weight_copy": "false"}
+"""The command-line value that turns each AUTO_COPIES switch off."""
+
+
+def copies_off_overrides() -> list[str]:
+    """The command-line overrides that turn every AUTO_COPIES switch off (named where memory runs short: the
+    build's start-up line, the trainer's out-of-memory note, tools/plan.py, its CHANGED_DEFAULTS)."""
+    return [f"--precision.{name}={_COPIES_OFF_TEXT[name]}" for name in AUTO_COPIES]
 
 
 def copies_auto_on(recipe: PrecisionRecipe | str, device_type: str, *, one_rank: bool, micro_batches: int,

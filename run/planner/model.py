@@ -372,8 +372,9 @@ def plan(p: Plan) -> dict:
                 + ", quantization kernels at measured rates")
     else:
         note = "native mxfp8: built, never run (no Blackwell): modelled at assumed rates"
+    copies_held = bool(sw.expert_weight_copies or sw.dense_weight_copies or sw.head_weight_copy)
     without_copies = None  # where auto's weight copies push a one-GPU plan over: the peak without them
-    if not fits and p.precision.auto_copies:
+    if not fits and copies_held and p.precision.auto_copies:
         off = plan(dataclasses.replace(p, precision=p.precision.with_auto_copies(False)))
         if off["peak_gib"] < tight["peak_gib"]:
             without_copies = off["peak_gib"]
@@ -406,7 +407,7 @@ def plan(p: Plan) -> dict:
         "assumptions": (f"fsdp_offload: PCIe {gpu.pcie_gbps:.0f} GB/s x {EFF_PCIE}, host optimizer at "
                         f"{HOST_GBPS:.0f} GB/s" if sw.offload else ""),
         "fits": fits, "tightest": tightest, "peak_without_auto_copies_gib": without_copies,
-        "weight_copies": bool(sw.expert_weight_copies or sw.dense_weight_copies or sw.head_weight_copy),
+        "weight_copies": copies_held,
     }
 
 

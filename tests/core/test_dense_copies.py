@@ -414,7 +414,7 @@ def test_auto_copies_resolve_as_the_run_would():
     command line spells it ``auto``; the build without a layout (PrecisionConfig.build) takes them off."""
     from moetron.core.optim import OptimizerConfig
     from moetron.core.precision import PrecisionConfig
-    from moetron.core.precision.config import AUTO_COPIES
+    from moetron.core.precision.config import AUTO_COPIES, copies_off_overrides
     from moetron.parallel.config import ParallelConfig
     from moetron.run.build import resolve_precision
 
@@ -427,6 +427,8 @@ def test_auto_copies_resolve_as_the_run_would():
     assert switches(auto.with_auto_copies(False)) == ("none", False, False, False)
     mixed = PrecisionConfig(expert_weight_copies="step", head_weight_copy=False).with_auto_copies(True)
     assert switches(mixed) == ("step", False, True, False)  # given kept; expert grads need the optimizer's copies
+    off_overrides = [o.replace("--precision.", "--") for o in copies_off_overrides()]  # what the notes tell users
+    assert switches(PrecisionConfig().apply_overrides(off_overrides).with_auto_copies(True)) == ("none", False, False, False)
     spelled = PrecisionConfig().apply_overrides(["--dense_weight_copies=false", "--dense_weight_copies=auto",
                                                  "--expert_weight_copies=auto", "--head_weight_copy=true"])
     assert spelled.dense_weight_copies is None and spelled.expert_weight_copies is None and spelled.head_weight_copy is True
@@ -525,8 +527,9 @@ def test_an_out_of_memory_step_names_the_copies(monkeypatch):
         with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate") as info:
             trainer.fit()
         notes = getattr(info.value, "__notes__", [])
-        if copied:
-            held = sum(c.numel() * c.element_size() for c in trainer.optimizer.compute_copies.values())
+        if copied:  # the dense linears' weights (not the head's), 2 B each
+            held = 2 * sum(m.weight.numel() for m in trainer.model.modules()
+                           if isinstance(m, Linear) and not isinstance(m, LMHead))
             assert held > 0 and len(notes) == 1 and f"hold {held / 2**30:.2f} GiB" in notes[0]
             assert "--precision.dense_weight_copies=false" in notes[0]
         else:
