@@ -223,7 +223,10 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         rest), for what reads or sets parameters outside the step: a checkpoint's save or load, the
         finiteness check before it, a callback. On leaving, each is split again from the parameter (so a
         value loaded into it is kept, its copy rewritten) and its storage freed. Nests; nothing without
-        split masters. Costs 4 bytes an element of split master while inside."""
+        split masters. Costs 4 bytes an element of split master while inside. A step() inside updates the
+        split masters, which leaving splits again from the parameters: only a step whose result the block
+        overwrites anyway belongs there (torch.distributed.checkpoint's optimizer-state initialisation
+        before a load)."""
         split = self.split_parameters()
         if self._materialized == 0:
             for p in split:

@@ -51,6 +51,7 @@ class OptimizerImpl(StrEnum):
 
 @dataclasses.dataclass
 class OptimizerConfig(Config):
+    AUTO_NONE = frozenset({"split_master"})  # its None is auto (with_auto_split)
     lr: float = 3e-4
     """Peak learning rate (reached at the end of warmup)."""
     beta1: float = 0.9
@@ -78,19 +79,28 @@ class OptimizerConfig(Config):
     torch's _foreach_norm; the same bf16 / fp32 independence, other rounding. CUDA (torch's path
     elsewhere). On the H100 (session 34) 1.12x torch's alone over OLMoE-8L's 3.77B gradients (5.22
     against 5.86 ms), within noise in whole steps of both #13 shapes: off by default."""
-    split_master: bool = False
+    split_master: bool | None = None
     """Hold the fp32 master of every weight the model computes on through the optimizer's bf16 copy
     (precision.dense_weight_copies, head_weight_copy, embedding_weight_copy, expert_weight_copies=optimizer
     with expert_grads_bf16) split in two: that copy, the master rounded to nearest even, and an int16 rest
     (core.adamw.split_fp32). The step reads and writes 8 bytes of master an element instead of 10, and
     each such weight keeps 4 bytes (copy and rest) instead of 6 (fp32 and copy): its fp32 storage is
-    freed between steps and rebuilt only to save, load or check it. The same updates bit for bit,
-    but at a bf16 rounding tie (the master's low 16 bits exactly 0x8000, about one element in 65,536),
-    where the master kept moves one fp32 ulp toward its rounding. This package's AdamW
-    (PrecisionAwareAdamW), one unsharded GPU as the copies are; a save or load holds the fp32 masters
-    again for its duration (4 bytes an element). Measured (session 48, H100, with head_grads_bf16 and
-    embedding_weight_copy, on #13's best row): 0.9-1.5% faster, 4.8 GiB less peak on olmoe3-4l-8e, 1.0-1.7%
-    and 7.0 GiB on OLMoE-8L. Off by default, as the copies it needs are (one unsharded GPU)."""
+    freed between steps and rebuilt only to save, load or check it, and once fit() returns (Trainer.fit).
+    The same updates bit for bit, but at a bf16 rounding tie (the master's low 16 bits exactly 0x8000,
+    about one element in 65,536), where the master kept moves one fp32 ulp toward its rounding. This
+    package's AdamW (PrecisionAwareAdamW), one unsharded GPU as the copies are; a save or load holds the
+    fp32 masters again for its duration (4 bytes an element).
+    ``auto`` (None, the default): on where the precision switches' ``auto`` turns the copies on
+    (core.precision.config.copies_auto_on) and the run holds copies it can split
+    (core.precision.config.split_copies_held); off elsewhere (with_auto_split). Measured on the new
+    default (session 51, H100, compiled, 16,384 tokens a step, docs/performance.md): the same tokens/s
+    (+0.2% olmoe3-4l-8e, +0.5% OLMoE-8L) for 4.1 / 6.6 GiB less peak, below the copies-off peak; the GPU
+    proxy at three seeds within 1% of the copies alone."""
+
+    def with_auto_split(self, on: bool) -> "OptimizerConfig":
+        """This config with split_master left at ``auto`` (None) resolved to ``on`` (the run's answer:
+        copies_auto_on and split_copies_held); a value given is kept."""
+        return self if self.split_master is not None else dataclasses.replace(self, split_master=on)
 
     def validate(self) -> None:
         # math.isfinite first: nan fails every comparison, so "nan <= 0" alone would let it through.
@@ -180,7 +190,7 @@ class OptimizerConfig(Config):
                   OptimizerImpl.auto: AdamWKernel.auto}[self.impl]
         state_dtype = {StateDtype.fp32: torch.float32, StateDtype.bf16: torch.bfloat16}[self.state_dtype]
         return PrecisionAwareAdamW(groups, lr=self.lr, betas=betas, eps=self.eps, state_dtype=state_dtype,
-                                   kernel=kernel, split_master=self.split_master)
+                                   kernel=kernel, split_master=bool(self.split_master))
 
 
 class ScheduleKind(StrEnum):

@@ -203,6 +203,9 @@ class Trainer:
         # Where the optimizer holds masters split (optimizer.split_master), what reads or sets the
         # parameters outside the step does so inside this block (nothing to do otherwise).
         self.masters_materialized = getattr(optimizer, "masters_materialized", contextlib.nullcontext)
+        # fit() returns with the split masters joined (so the model read after training holds its fp32 weights),
+        # until the next step splits them again: _hold_masters / _release_masters.
+        self._masters_held: contextlib.ExitStack | None = None
         # What holds the gradients: the parameters, and tensors computing in some parameters' place
         # whose .grad is theirs (precision.expert_grads_bf16, dense_weight_copies: the optimizer's bf16 copies).
         self._grad_holders = list(getattr(optimizer, "gradient_holders", list)())
@@ -312,6 +315,7 @@ class Trainer:
 
     def train_step(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over this rank's batch [B_local, S+1]; returns (loss, grad_norm) on device."""
+        self._release_masters()  # after a fit(): the split masters held joined since
         for part in self.model_parts:
             part.train()
         if self.step_fn is not None:
@@ -470,7 +474,25 @@ class Trainer:
             self._loop(last_step, watchdog)
         finally:
             watchdog.stop()
+        self._hold_masters()
         return self.history
+
+    def _hold_masters(self) -> None:
+        """Hold the optimizer's split masters (optimizer.split_master) joined until the next train_step, so that
+        what reads the model after fit() (an export, an evaluation, a test) sees its fp32 weights; 4 bytes an
+        element of split master meanwhile. Nothing where no master is split."""
+        if self._masters_held is None and getattr(self.optimizer, "split_parameters", list)():
+            self.wait_optimizer()
+            held = contextlib.ExitStack()
+            held.enter_context(self.masters_materialized())
+            self._masters_held = held
+
+    def _release_masters(self) -> None:
+        """Split the masters _hold_masters joined again (a value set in the parameters meanwhile is kept, the
+        copies rewritten from it) and free their fp32 storage."""
+        if self._masters_held is not None:
+            held, self._masters_held = self._masters_held, None
+            held.close()
 
     def _note_copies(self, error: BaseException) -> None:
         """Name the optimizer's bf16 weight copies on an out-of-memory ``error`` where they are held: on one GPU
@@ -479,7 +501,9 @@ class Trainer:
         from .precision.config import copies_off_overrides
 
         copies = getattr(self.optimizer, "compute_copies", None) or {}
-        held = sum(c.numel() * c.element_size() for c in copies.values())
+        # a copy whose master is held split (optimizer.split_master) is that master: turning it off frees nothing
+        split = {id(p) for p in getattr(self.optimizer, "split_parameters", list)()}
+        held = sum(c.numel() * c.element_size() for p, c in copies.items() if id(p) not in split)
         if held:
             error.add_note(
                 f"moetron: the optimizer's bf16 weight copies hold {held / 2**30:.2f} GiB on this rank (precision."

@@ -12,7 +12,7 @@ from moetron.core.checkpoint import Checkpointer
 from moetron.core.distributed import is_main
 from moetron.core.optim import OptimizerConfig
 from moetron.core.precision import PrecisionConfig
-from moetron.core.precision.config import copies_auto_on, copies_off_overrides
+from moetron.core.precision.config import copies_auto_on, copies_off_overrides, split_copies_held
 from moetron.core.trainer import Trainer
 from moetron.parallel import ParallelMesh, ParallelState, apply_strategies
 
@@ -25,22 +25,35 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def resolve_precision(precision: PrecisionConfig, optimizer: OptimizerConfig, device_type: str, *, one_rank: bool,
-                      local_batch: int, micro_batch: int | None) -> PrecisionConfig:
-    """``precision`` with the weight-copy switches left at ``auto`` resolved for a run on ``one_rank`` (one
-    process holding the whole model: ParallelConfig.one_rank) whose rank takes ``local_batch`` sequences a
-    step in micro-batches of ``micro_batch`` (None: one) with ``optimizer`` (core.precision.config.copies_auto_on:
-    on for bf16 on one CUDA GPU, one micro-batch a step, this package's AdamW; off elsewhere). build() and
-    tools/step_builder.py (the benchmarks) both ask here."""
+def resolve_auto(precision: PrecisionConfig, optimizer: OptimizerConfig, device_type: str, *, one_rank: bool,
+                 local_batch: int, micro_batch: int | None, fused_loss: bool) -> tuple[PrecisionConfig, OptimizerConfig]:
+    """``precision`` and ``optimizer`` with the switches left at ``auto`` that depend on the layout resolved, for
+    a run on ``one_rank`` (one process holding the whole model: ParallelConfig.one_rank) whose rank takes
+    ``local_batch`` sequences a step in micro-batches of ``micro_batch`` (None: one), with the model's
+    ``fused_loss``: the weight copies (core.precision.config.copies_auto_on: on for bf16 on one CUDA GPU, one
+    micro-batch a step, this package's AdamW; off elsewhere) and optimizer.split_master (on where they are and
+    the run holds copies it splits: split_copies_held). build() and tools/step_builder.py (the benchmarks) both
+    ask here; the planner applies the same two rules (run/planner/switches.py)."""
     micro = micro_batch or local_batch
     on = copies_auto_on(precision.resolved_recipe(device_type), device_type, one_rank=one_rank,
                         micro_batches=max(1, local_batch // micro),
                         optimizer_writes_copies=optimizer.writes_copies(device_type == "cuda"), overlap=optimizer.overlap)
-    if on and precision.auto_copies and is_main():
-        print(f"precision: auto turned on the optimizer's bf16 weight copies and their bf16 gradients (one GPU, one "
-              f"micro-batch a step: the values of casting at each use, faster, more memory held); "
-              f"{' '.join(copies_off_overrides())} turn them off", flush=True)
-    return precision.with_auto_copies(on)
+    resolved = precision.with_auto_copies(on)
+    split = on and split_copies_held(resolved, resolved.resolved_recipe(device_type),
+                                     resolved.resolved_backend(device_type), fused_loss)
+    turned, undo = [], []
+    if on and precision.auto_copies:
+        turned.append("the optimizer's bf16 weight copies and their bf16 gradients (the values of casting at each use, "
+                      "faster)")
+        undo.append(f"{' '.join(copies_off_overrides())} turn the copies off")
+    if split and optimizer.split_master is None:
+        turned.append("the fp32 masters held split as those copies and an int16 rest (optimizer.split_master: 2 B an "
+                      "element less)")
+        undo.append("--optimizer.split_master=false keeps the masters whole")
+    if turned and is_main():
+        print(f"precision: auto (one GPU, one micro-batch a step) turned on {'; and '.join(turned)}. "
+              f"{'; '.join(undo)}", flush=True)
+    return resolved, optimizer.with_auto_split(split)
 
 
 def build(cfg: PretrainConfig, device: torch.device, world: int, checkpointer: Checkpointer | None = None,
@@ -54,10 +67,10 @@ def build(cfg: PretrainConfig, device: torch.device, world: int, checkpointer: C
                           pin_memory=device.type == "cuda")  # the trainer's non_blocking copy is then async
     seed_everything(cfg.trainer.seed)
     model = cfg.model.build(device=device)  # identical on every rank: same seed
-    cfg = cfg.replace(precision=resolve_precision(cfg.precision, cfg.optimizer, device.type,
-                                                  one_rank=cfg.parallel.one_rank(world),
-                                                  local_batch=data.local_batch_size,
-                                                  micro_batch=cfg.trainer.micro_batch_size))
+    precision, optimizer = resolve_auto(cfg.precision, cfg.optimizer, device.type, one_rank=cfg.parallel.one_rank(world),
+                                        local_batch=data.local_batch_size, micro_batch=cfg.trainer.micro_batch_size,
+                                        fused_loss=cfg.model.fused_loss)
+    cfg = cfg.replace(precision=precision, optimizer=optimizer)
     precision = cfg.precision.build(device)
     precision.apply(model)  # the GEMM backend of every linear and of the experts
     cfg.memory.apply(model)  # activation recompute, before compile and the strategies wrap blocks

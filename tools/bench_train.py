@@ -226,8 +226,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg, memory, optim, precision, data_ovr, tcfg = step_configs(args.preset, args.precision, overrides + ovr,
                                                                        args.real_text)
         try:
-            # the precision section as it ran, every field: tools/plan.py --validate replays it whatever the defaults then
-            row = {"variant": name, "overrides": ovr, "precision": precision.to_dict(),
+            # the precision and optimizer sections as given, every field: tools/plan.py --validate replays them whatever
+            # the defaults then
+            row = {"variant": name, "overrides": ovr, "precision": precision.to_dict(), "optimizer": optim.to_dict(),
                    **measure(cfg, memory, optim, precision, args, device, data_ovr, tcfg)}
         except Exception as e:  # noqa: BLE001 - a variant that fails is a row saying why; the others still run
             traceback.print_exc()

@@ -78,7 +78,7 @@ def print_slice(r: dict, cfg: ModelConfig) -> None:
 def _row(r: dict) -> str:
     lay = r["layout"]
     return (f"ep {lay['ep']:>3} pp {lay['pp']:>3} dp_shard {lay['dp_shard']:>4} mb {r['micro_batch']:>2} "
-            f"acc {r['grad_accum']:>4} {r['recompute']:<5}{' copies' if r['weight_copies'] else '       '} | peak {r['peak_gib']:7.1f} GiB | step {r['step_s']:8.3f} s | "
+            f"acc {r['grad_accum']:>4} {r['recompute']:<5}{(' copies+split' if r.get('split_master') else ' copies      ') if r['weight_copies'] else '             '} | peak {r['peak_gib']:7.1f} GiB | step {r['step_s']:8.3f} s | "
             f"{r['tflops_per_gpu']:6.1f} TFLOP/s/GPU | {'fits' if r['fits'] else 'DOES NOT FIT'}; "
             f"limit: {r['tightest']}")
 
@@ -224,6 +224,11 @@ CHANGED_DEFAULTS = [("2026-12-05 14:45:00", "--precision.quantize_input_once=fal
                     # the optimizer's weight copies: auto (on for bf16 on one GPU, one micro-batch) since session 50
                     *[("2026-12-07 09:00:00", off) for off in copies_off_overrides()]]
 
+# Optimizer defaults that changed (reports recorded no optimizer section before session 51): (the change's date,
+# the override that gives the old default), as CHANGED_DEFAULTS, for rows without a recorded optimizer section.
+# optimizer.split_master: auto (on where the weight copies' auto is and the run holds copies to split) since session 51.
+CHANGED_OPTIMIZER_DEFAULTS = [("2026-12-07 10:30:00", "--optimizer.split_master=false")]
+
 # Model defaults that changed (reports record no model section): (the change's date, the override that
 # gives the old default). A report dated before it replays with the old default unless its row names the
 # field. model.triton_rope and model.triton_rmsnorm (eager steps' Triton passes) turned on in sessions 44-45.
@@ -265,6 +270,7 @@ def bench_plan(env: dict, row: dict) -> Plan:
     recorded = row.get("precision")
     then = [] if recorded else [old for since, old in CHANGED_DEFAULTS if str(env.get("date", "")) < since]
     then += [old for since, old in CHANGED_MODEL_DEFAULTS if str(env.get("date", "")) < since]
+    then += [] if row.get("optimizer") else [old for since, old in CHANGED_OPTIMIZER_DEFAULTS if str(env.get("date", "")) < since]
     given = [o for o in overrides if o.startswith("--")] + list(row.get("overrides", []))
     # The step's trainer switches (tools/step_builder.py STEP_TRAINER_FIELDS) plan as the step without
     # them: trainer.cuda_graph replays the same kernels from memory allocated as the eager step's
@@ -272,6 +278,8 @@ def bench_plan(env: dict, row: dict) -> Plan:
     configs.apply(then + [o for o in given if not o.startswith(tuple(f"--trainer.{f}=" for f in STEP_TRAINER_FIELDS))])
     if recorded:
         configs.precision = PrecisionConfig.from_dict(recorded)
+    if row.get("optimizer"):
+        configs.optimizer = OptimizerConfig.from_dict(row["optimizer"])
     for since, recipe, field, before in CHANGED_AUTO:
         p = configs.precision  # as the entries before this one left it
         if (str(env.get("date", "")) < since and p.resolved_recipe("cuda") == recipe and str(p.backend) != "emulated"

@@ -171,6 +171,10 @@ RESTORED_ON_RESUME: tuple[tuple[str, tuple[str, ...] | None], ...] = (
     ("scheduler", None),
     ("trainer", ("steps", "seed")),
 )
+# Fields of those sections a resume may change: how the run holds what the checkpoint restores, not what it
+# restores. optimizer.split_master holds the fp32 masters split between steps, and a checkpoint holds them as
+# fp32 either way (saved split, loaded unsplit and back: tests/core/test_split_master.py); its auto resolves per run.
+FREE_ON_RESUME = frozenset({("optimizer", "split_master")})
 
 
 def check_resume_settings(checkpointer: Checkpointer, path: str, cfg: PretrainConfig) -> None:
@@ -184,7 +188,7 @@ def check_resume_settings(checkpointer: Checkpointer, path: str, cfg: PretrainCo
             continue  # a weights-only checkpoint (converted, upcycled): nothing restored
         keys = fields if fields is not None else sorted(set(saved[section]) | set(now[section]))
         for key in keys:
-            if key in saved[section]:
+            if key in saved[section] and (section, key) not in FREE_ON_RESUME:
                 diff += _leaf_diff(saved[section][key], now[section].get(key), f"{section}.{key}")
     if diff:
         raise ConfigError(

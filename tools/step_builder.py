@@ -21,7 +21,7 @@ from moetron.core.precision import PrecisionConfig
 from moetron.core.trainer import Trainer, TrainerConfig
 from moetron.data.loader import DataConfig
 from moetron.models import ModelConfig
-from moetron.run.build import resolve_precision
+from moetron.run.build import resolve_auto
 
 
 class RandomTokens:
@@ -149,9 +149,9 @@ def build_trainer(model_cfg: ModelConfig, memory: MemoryConfig, data: TokenStrea
     torch.manual_seed(0)
     model = model_cfg.build(device=device)
     optim_cfg = optimizer or OptimizerConfig()
-    precision_cfg = resolve_precision(precision if isinstance(precision, PrecisionConfig) else PrecisionConfig(recipe=precision),
-                                      optim_cfg, device.type, one_rank=True, local_batch=data.local_batch_size,
-                                      micro_batch=micro_batch)
+    precision_cfg, optim_cfg = resolve_auto(precision if isinstance(precision, PrecisionConfig) else PrecisionConfig(recipe=precision),
+                                            optim_cfg, device.type, one_rank=True, local_batch=data.local_batch_size,
+                                            micro_batch=micro_batch, fused_loss=model_cfg.fused_loss)
     recipe = precision_cfg.build(device)
     recipe.apply(model)
     memory.apply(model)

@@ -12,7 +12,7 @@ from .gemm import Fp8Wgrad, gemm_backend
 from .policy import GemmModule, PrecisionPolicy
 
 __all__ = ["Bf16Experts", "Fp8Experts", "Fp8Wgrad", "GemmModule", "PrecisionBackend", "PrecisionConfig", "PrecisionRecipe",
-           "InputOnce", "Residual", "AUTO_COPIES", "check_embedding_copy", "copies_auto_on", "copies_off_overrides", "check_expert_copies", "check_quantized_copies", "input_once_on", "residual_on",
+           "InputOnce", "Residual", "AUTO_COPIES", "check_embedding_copy", "copies_auto_on", "split_copies_held", "copies_off_overrides", "check_expert_copies", "check_quantized_copies", "input_once_on", "residual_on",
            "takes_expert_copies"]
 
 
@@ -181,6 +181,19 @@ def copies_auto_on(recipe: PrecisionRecipe | str, device_type: str, *, one_rank:
     elsewhere: the layouts and recipes where ``true`` is refused, or not measured."""
     return (PrecisionRecipe(recipe) == PrecisionRecipe.bf16 and device_type == "cuda" and one_rank
             and micro_batches == 1 and optimizer_writes_copies and not overlap)
+
+
+def split_copies_held(precision: "PrecisionConfig", recipe: PrecisionRecipe | str, backend: PrecisionBackend | str,
+                      fused_loss: bool) -> bool:
+    """Whether a run of ``precision`` (its copy switches resolved: with_auto_copies), the resolved ``recipe``
+    and ``backend`` and the model's ``fused_loss`` computes some weight on an optimizer-written bf16 copy that
+    optimizer.split_master can hold the master of: the dense linears' copies, the LM head's (the fused loss
+    computes on it), the embedding's, or the experts' copies with their bf16 gradients (not quantized). The
+    one rule for split_master's ``auto`` (run/build.py) and its refusal (the planner, check_split_master)."""
+    experts = (str(precision.expert_weight_copies) == "optimizer" and takes_expert_copies(recipe, backend)
+               and bool(precision.expert_grads_bf16) and not precision.quantized_expert_copies)
+    return (bool(precision.dense_weight_copies) or (bool(precision.head_weight_copy) and fused_loss) or experts
+            or bool(precision.embedding_weight_copy))
 
 
 def check_bf16_copies(recipe: PrecisionRecipe | str, copies: bool, sharded: bool = False,

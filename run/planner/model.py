@@ -407,7 +407,7 @@ def plan(p: Plan) -> dict:
         "assumptions": (f"fsdp_offload: PCIe {gpu.pcie_gbps:.0f} GB/s x {EFF_PCIE}, host optimizer at "
                         f"{HOST_GBPS:.0f} GB/s" if sw.offload else ""),
         "fits": fits, "tightest": tightest, "peak_without_auto_copies_gib": without_copies,
-        "weight_copies": copies_held,
+        "weight_copies": copies_held, "split_master": sw.split_master,
     }
 
 

@@ -14,7 +14,7 @@ from moetron.core.config import ConfigError
 from moetron.core.layers.loss import path_chunk_tokens
 from moetron.core.optim import OptimizerConfig, check_split_master
 from moetron.core.precision import Fp8Wgrad, PrecisionConfig, PrecisionRecipe, emulated
-from moetron.core.precision.config import (check_bf16_copies, copies_auto_on, check_embedding_copy, check_emulated_saves, check_expert_copies,
+from moetron.core.precision.config import (check_bf16_copies, copies_auto_on, split_copies_held, check_embedding_copy, check_emulated_saves, check_expert_copies,
                                            check_quantized_copies, check_save_product, input_once_on, residual_on,
                                            takes_expert_copies)
 from moetron.models import ModelConfig
@@ -244,9 +244,9 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
     precision.validate()
     optimizer.validate()
     recipe = precision.resolved_recipe("cuda")
-    precision = precision.with_auto_copies(copies_auto_on(
-        recipe, "cuda", one_rank=parallel.one_rank(ranks), micro_batches=micro_batches,
-        optimizer_writes_copies=optimizer.writes_copies(on_gpu=True), overlap=optimizer.overlap))
+    auto_on = copies_auto_on(recipe, "cuda", one_rank=parallel.one_rank(ranks), micro_batches=micro_batches,
+                             optimizer_writes_copies=optimizer.writes_copies(on_gpu=True), overlap=optimizer.overlap)
+    precision = precision.with_auto_copies(auto_on)
     if recipe == PrecisionRecipe.fp32:
         raise ConfigError("the planner models bf16 compute and its low-precision recipes: precision.recipe=fp32 "
                           "is for CPU tests; use bf16, mxfp8, fp8_blockwise or fp8_rowwise")
@@ -269,9 +269,9 @@ def switches(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionC
     check_bf16_copies(recipe, head_copy, sharded=sharded, switch="head_weight_copy")
     embedding_copy = bool(precision.embedding_weight_copy)
     check_embedding_copy(recipe, embedding_copy, precision.bf16_residual, sharded=sharded)
-    split_experts = copies and bool(precision.expert_grads_bf16) and not precision.quantized_expert_copies
-    check_split_master(bool(optimizer.split_master),
-                       dense_copies or (head_copy and model.fused_loss) or split_experts or embedding_copy)
+    held = split_copies_held(precision, recipe, backend, model.fused_loss)
+    optimizer = optimizer.with_auto_split(auto_on and held)
+    check_split_master(bool(optimizer.split_master), held)
     return Switches(compiled=compiled, fused_loss=model.fused_loss,
                     fused_loss_prescale=bool(model.fused_loss and model.fused_loss_prescale),
                     loss_chunk_tokens=model.loss_chunk_tokens or path_chunk_tokens(model.vocab_size, torch.device("cuda"), torch.bfloat16),

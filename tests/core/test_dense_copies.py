@@ -416,7 +416,7 @@ def test_auto_copies_resolve_as_the_run_would():
     from moetron.core.precision import PrecisionConfig
     from moetron.core.precision.config import AUTO_COPIES, copies_off_overrides
     from moetron.parallel.config import ParallelConfig
-    from moetron.run.build import resolve_precision
+    from moetron.run.build import resolve_auto
 
     def switches(p):
         return str(p.expert_weight_copies), p.expert_grads_bf16, p.dense_weight_copies, p.head_weight_copy
@@ -434,8 +434,8 @@ def test_auto_copies_resolve_as_the_run_would():
     assert spelled.dense_weight_copies is None and spelled.expert_weight_copies is None and spelled.head_weight_copy is True
 
     def resolved(device="cuda", one_rank=True, local=4, micro=None, precision=None, **optimizer):
-        return resolve_precision(precision or PrecisionConfig(), OptimizerConfig(**optimizer), device,
-                                 one_rank=one_rank, local_batch=local, micro_batch=micro)
+        return resolve_auto(precision or PrecisionConfig(), OptimizerConfig(**optimizer), device, one_rank=one_rank,
+                            local_batch=local, micro_batch=micro, fused_loss=True)[0]
 
     assert switches(resolved()) == ("optimizer", True, True, True)
     assert switches(resolved(micro=4)) == ("optimizer", True, True, True)  # one micro-batch of the whole batch
@@ -515,9 +515,12 @@ def test_a_checkpoint_resumes_across_the_copies_auto_choice(saved_on, tmp_path):
 def test_an_out_of_memory_step_names_the_copies(monkeypatch):
     """A step that runs out of memory while the optimizer's weight copies are held (auto's choice on one GPU)
     keeps its error and gains a note naming them, their size and the overrides that free them; without copies
-    no note."""
-    for dense, copied in ((True, True), (False, False)):
-        trainer, _ = _trainer(dense)
+    no note, nor where every copy holds its master split (optimizer.split_master: turning them off frees nothing)."""
+    from moetron.core.optim import OptimizerConfig
+
+    for dense, split, copied in ((True, False, True), (False, False, False), (True, True, False)):
+        # split: optimizer.split_master holds the dense masters as those copies, which then cost nothing to free
+        trainer, _ = _trainer(dense, optimizer=OptimizerConfig(state_dtype="bf16", impl="torch", split_master=split))
 
         def oom(batch):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
@@ -533,4 +536,4 @@ def test_an_out_of_memory_step_names_the_copies(monkeypatch):
             assert held > 0 and len(notes) == 1 and f"hold {held / 2**30:.2f} GiB" in notes[0]
             assert "--precision.dense_weight_copies=false" in notes[0]
         else:
-            assert not trainer.optimizer.compute_copies and notes == []
+            assert notes == [] and (bool(trainer.optimizer.split_parameters()) if split else not trainer.optimizer.compute_copies)

@@ -374,3 +374,88 @@ def test_step_parts_steps_split_masters_as_step():
                        + [opt.state[p][k].clone() for p in ps for k in ("exp_avg", "exp_avg_sq")] + [ps[3].detach().clone()])
     assert all(torch.equal(a, b) for a, b in zip(*results))
     assert not torch.equal(results[0][0], first)  # the steps moved the weights
+
+
+def test_split_master_auto_follows_the_copies(capsys):
+    """optimizer.split_master defaults to auto: on where the weight copies' auto is on (bf16 on one CUDA GPU, one
+    micro-batch a step, this package's AdamW) and the run holds a copy it splits; off on the CPU, with several
+    micro-batches or ranks, with every copy turned off, or with only the head's copy and the loss not fused; a value
+    given is kept; the command line spells it auto. The planner resolves it by the same two rules."""
+    from moetron.core.precision import PrecisionConfig
+    from moetron.core.precision.config import copies_off_overrides
+    from moetron.models import ModelConfig
+    from moetron.parallel.config import ParallelConfig
+    from moetron.run.build import resolve_auto
+    from moetron.run.planner.hardware import GPUS
+    from moetron.run.planner.switches import switches
+
+    assert OptimizerConfig().split_master is None
+    assert OptimizerConfig().apply_overrides(["--split_master=true", "--split_master=auto"]).split_master is None
+    copies_off = PrecisionConfig().apply_overrides([o.replace("--precision.", "--") for o in copies_off_overrides()])
+    head_only = PrecisionConfig(expert_weight_copies="none", dense_weight_copies=False)
+
+    def split(device="cuda", micro=None, precision=None, fused_loss=True, one_rank=True, **optimizer):
+        return resolve_auto(precision or PrecisionConfig(), OptimizerConfig(**optimizer), device, one_rank=one_rank,
+                            local_batch=4, micro_batch=micro, fused_loss=fused_loss)[1].split_master
+
+    assert split() is True and split(precision=head_only) is True
+    for case in (dict(device="cpu"), dict(micro=2), dict(one_rank=False), dict(impl="torch"), dict(overlap=True),
+                 dict(precision=copies_off), dict(precision=head_only, fused_loss=False), dict(split_master=False)):
+        assert split(**case) is False, case
+    assert split(device="cpu", split_master=True) is True  # given: kept (the trainer refuses it without copies)
+    # the build's start-up line names what auto turned on, and how to undo each
+    lines = {}
+    for name, case in (("both", {}), ("copies", dict(split_master=False)),
+                       ("split", dict(precision=PrecisionConfig(dense_weight_copies=True, expert_weight_copies="none",
+                                                                expert_grads_bf16=False, head_weight_copy=False))),
+                       ("none", dict(precision=copies_off)), ("cpu", dict(device="cpu"))):
+        capsys.readouterr()
+        split(**case)
+        lines[name] = capsys.readouterr().out
+    assert "weight copies" in lines["both"] and "split_master" in lines["both"]
+    assert "--precision.dense_weight_copies=false" in lines["both"] and "--optimizer.split_master=false" in lines["both"]
+    assert "weight copies" in lines["copies"] and "split_master" not in lines["copies"]
+    assert "weight copies" not in lines["split"] and "--optimizer.split_master=false" in lines["split"]
+    assert lines["none"] == lines["cpu"] == ""
+
+    model = ModelConfig.preset("tiny-moe")
+    for layout, ranks, precision, on in ((ParallelConfig(), 1, PrecisionConfig(), True),
+                                         (ParallelConfig(dp_shard=2), 2, PrecisionConfig(), False),
+                                         (ParallelConfig(), 1, copies_off, False)):
+        sw = switches(model, layout, precision, OptimizerConfig(), GPUS["h100"], compiled=False, ranks=ranks)
+        assert sw.split_master is on, (layout, ranks)
+
+
+def test_fit_returns_the_fp32_masters_and_trains_on():
+    """After fit() the split parameters hold their fp32 masters again, readable without masters_materialized (a
+    model used after training: an export, an evaluation), equal to an uninterrupted run's; the next fit() splits
+    them again (their storage freed) and trains on bit for bit as that run; a value set in a parameter after fit()
+    is what the next step trains from (its copy rewritten)."""
+    runs = {}
+    for name, stops in (("twice", (2, 4)), ("once", (4,))):
+        trainer, _ = _trainer(True)
+        trainer.cfg.eval_batches, trainer.cfg.log_interval = 0, 1  # random tokens: no held-out set
+        for stop in stops:
+            trainer.cfg.steps = stop
+            trainer.fit()
+            split = trainer.optimizer.split_parameters()
+            assert split and all(p.untyped_storage().nbytes() == 4 * p.numel() for p in split)
+            if stop == 2:
+                after_two = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}  # no block needed
+        runs[name] = trainer
+    reference, _ = _trainer(True)
+    data = reference.data
+    for _ in range(2):
+        reference.train_step(data.next_batch())
+    assert all(torch.equal(after_two[k], v) for k, v in _weights(reference).items())
+    losses = [[(r["step"], r["loss"]) for r in runs[name].history if "loss" in r] for name in ("twice", "once")]
+    assert losses[0] == losses[1] and [step for step, _ in losses[0]] == [1, 2, 3, 4]
+    once = {k: v.detach().clone() for k, v in runs["once"].model.state_dict().items()}
+    assert all(torch.equal(once[k], v) for k, v in runs["twice"].model.state_dict().items())
+
+    trainer = runs["twice"]
+    p = trainer.optimizer.split_parameters()[0]
+    with torch.no_grad():
+        p.zero_()
+    trainer._release_masters()  # what the next step does first
+    assert p.untyped_storage().nbytes() == 0 and not trainer.optimizer.compute_copies[p].any()

@@ -22,11 +22,15 @@ turns them on for one GPU and one micro-batch: test_auto_copies_resolve_as_the_r
 
 
 def _plan(num_gpus=1, **parallel):
+    """tiny-moe on H200s with the weight copies off and optimizer.split_master off (its auto follows the copies:
+    a test that turns some on measures them alone)."""
+    from moetron.core.optim import OptimizerConfig
     from moetron.core.precision import PrecisionConfig
 
     return planner.Plan(model=ModelConfig.tiny_moe(), parallel=ParallelConfig(**parallel), memory=MemoryConfig(),
                         seq_len=256, global_batch=8, gpu="h200", num_gpus=num_gpus,
-                        precision=PrecisionConfig(recipe="bf16", **COPIES_OFF))
+                        precision=PrecisionConfig(recipe="bf16", **COPIES_OFF),
+                        optimizer=OptimizerConfig(split_master=False))
 
 
 def test_parameter_grad_optimizer_bytes_exact_and_sharded():
@@ -1114,7 +1118,8 @@ def test_in_step_rates_plan_the_profiled_terms():
 
     best = dict(precision=PrecisionConfig(recipe="bf16", expert_weight_copies="optimizer", expert_grads_bf16=True,
                                           dense_weight_copies=True, head_weight_copy=True, save_swiglu_product=True),
-                optimizer=OptimizerConfig(state_dtype="bf16", triton_grad_norm=True), gpu="h100", compiled=True)
+                optimizer=OptimizerConfig(state_dtype="bf16", triton_grad_norm=True, split_master=False), gpu="h100",
+                compiled=True)
     olmoe3 = planner.Plan(model=_olmoe3(), parallel=ParallelConfig(), memory=MemoryConfig(), seq_len=4096,
                           global_batch=4, **best)
     olmoe3.model.loss_chunk_tokens, olmoe3.model.triton_embedding_grad = 16384, True
@@ -1246,15 +1251,19 @@ def test_auto_copies_resolve_as_the_run_would():
 
 
 def test_a_plan_over_memory_names_the_auto_copies_it_holds():
-    """A one-GPU plan that does not fit because auto turned the weight copies on gives the peak without them
-    (the plan with them off); a plan whose copies are given, or that fits, gives none."""
+    """A one-GPU plan that does not fit because auto turned the weight copies on (optimizer.split_master off)
+    gives the peak without them (the plan with them off); a plan whose copies are given, or that fits, gives
+    none. With the defaults (split_master auto: on with the copies) the same layout fits, below the copies-off
+    peak: the split masters hold 2 B an element less than the fp32 masters."""
+    from moetron.core.optim import OptimizerConfig
     from moetron.core.precision import PrecisionConfig
 
-    def run(precision=None, n_layers=10):
+    def run(precision=None, n_layers=10, split=False):
         model = ModelConfig.preset("olmoe-1b-7b")
         model.n_layers, model.vocab_size = n_layers, 100352
         return planner.plan(planner.Plan(model=model, parallel=ParallelConfig(), memory=MemoryConfig(), seq_len=3072,
-                                         global_batch=4, gpu="h100", precision=precision or PrecisionConfig()))
+                                         global_batch=4, gpu="h100", precision=precision or PrecisionConfig(),
+                                         optimizer=OptimizerConfig(split_master=None if split else False)))
 
     r, off = run(), run(PrecisionConfig(**COPIES_OFF))
     assert not r["fits"] and off["fits"] and r["peak_without_auto_copies_gib"] == off["peak_gib"] < r["peak_gib"]
@@ -1262,18 +1271,26 @@ def test_a_plan_over_memory_names_the_auto_copies_it_holds():
                                 head_weight_copy=True))
     assert given["peak_gib"] == r["peak_gib"] and given["peak_without_auto_copies_gib"] is None
     assert run(n_layers=8)["fits"] and run(n_layers=8)["peak_without_auto_copies_gib"] is None
+    default = run(split=True)
+    assert default["split_master"] and not r["split_master"] and not run(PrecisionConfig(**COPIES_OFF), split=True)["split_master"]
+    assert default["fits"] and default["peak_gib"] < off["peak_gib"] and default["peak_without_auto_copies_gib"] is None
+    assert default["step_s"] < r["step_s"] < off["step_s"]
 
 
 def test_search_plans_a_layout_over_memory_with_auto_copies_off():
-    """--search: a one-GPU layout that fits only without the weight copies auto turns on is planned with them
-    off (OLMoE-1B-7B cut to 10 layers at 4 x 3072 tokens on an H100: one micro-batch without recompute), and
-    ranks above the slower layouts that fit with them (full recompute)."""
+    """--search: a one-GPU layout that fits only without the weight copies auto turns on (optimizer.split_master
+    off) is planned with them off (OLMoE-1B-7B cut to 10 layers at 4 x 3072 tokens on an H100: one micro-batch
+    without recompute), and ranks above the slower layouts that fit with them (full recompute). With the defaults
+    (split_master auto) that layout fits with the copies and their split masters."""
+    from moetron.core.optim import OptimizerConfig
     from moetron.core.precision import PrecisionConfig
 
     model = ModelConfig.preset("olmoe-1b-7b")
     model.n_layers, model.vocab_size = 10, 100352
     base = planner.Plan(model=model, parallel=ParallelConfig(), memory=MemoryConfig(), seq_len=3072, global_batch=4,
-                        gpu="h100", precision=PrecisionConfig())
+                        gpu="h100", precision=PrecisionConfig(), optimizer=OptimizerConfig(split_master=False))
+    default = planner.search(dataclasses.replace(base, optimizer=OptimizerConfig()))[0]  # split_master auto: fits with copies
+    assert default["micro_batch"] == 4 and default["recompute"] == "none" and default["weight_copies"] and default["split_master"]
     rows = planner.search(base)
     best = rows[0]
     assert best["micro_batch"] == 4 and best["recompute"] == "none" and not best["weight_copies"]
