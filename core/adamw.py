@@ -229,9 +229,14 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         before a load)."""
         split = self.split_parameters()
         if self._materialized == 0:
-            for p in split:
-                p.untyped_storage().resize_(4 * p.numel())
-                join_fp32(self.compute_copies[p], self._lo[id(p)], p.detach())
+            try:
+                for p in split:
+                    p.untyped_storage().resize_(4 * p.numel())
+                    join_fp32(self.compute_copies[p], self._lo[id(p)], p.detach())
+            except BaseException:  # out of memory part way: the masters stay split, none held twice
+                for p in split:
+                    p.untyped_storage().resize_(0)
+                raise
         self._materialized += 1
         try:
             yield

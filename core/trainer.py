@@ -484,7 +484,13 @@ class Trainer:
         if self._masters_held is None and getattr(self.optimizer, "split_parameters", list)():
             self.wait_optimizer()
             held = contextlib.ExitStack()
-            held.enter_context(self.masters_materialized())
+            try:
+                held.enter_context(self.masters_materialized())
+            except torch.OutOfMemoryError:  # the training is done and saved: say how to read them instead
+                if is_main():
+                    print("the split fp32 masters (optimizer.split_master) stay split after fit(): no memory to join "
+                          "them; read the weights inside trainer.masters_materialized()", flush=True)
+                return
             self._masters_held = held
 
     def _release_masters(self) -> None:

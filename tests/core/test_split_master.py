@@ -459,3 +459,31 @@ def test_fit_returns_the_fp32_masters_and_trains_on():
         p.zero_()
     trainer._release_masters()  # what the next step does first
     assert p.untyped_storage().nbytes() == 0 and not trainer.optimizer.compute_copies[p].any()
+
+
+def test_masters_that_cannot_be_joined_stay_split(monkeypatch, capsys):
+    """Joining the masters after fit() running out of memory part way (the first joined, the second not) leaves
+    every master split and none held twice (the joined one's storage freed again), says how to read them, and
+    the next step trains as a trainer that never tried: the same loss bit for bit."""
+    import moetron.core.adamw as adamw
+
+    trainer, data = _trainer(True)
+    reference, ref_data = _trainer(True)
+    for _ in range(2):
+        trainer.train_step(data.next_batch())
+        reference.train_step(ref_data.next_batch())
+    real, calls = adamw.join_fp32, []
+
+    def join(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(*args)
+
+    monkeypatch.setattr(adamw, "join_fp32", join)
+    trainer._hold_masters()
+    monkeypatch.setattr(adamw, "join_fp32", real)
+    assert len(calls) == 2 and trainer._masters_held is None
+    assert all(p.untyped_storage().nbytes() == 0 for p in trainer.optimizer.split_parameters())
+    assert "masters_materialized" in capsys.readouterr().out
+    assert trainer.train_step(data.next_batch())[0].item() == reference.train_step(ref_data.next_batch())[0].item()
