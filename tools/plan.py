@@ -28,7 +28,8 @@ preset, the command's base overrides and the row's overrides, on --gpu h200 --nu
 measured against the planned peak and step time (targets: peak within 10%, step within 20%). A row
 that recorded its precision section (every field, as it ran: reports since session 29) is replayed
 with it; an older row with the precision defaults of its day (CHANGED_DEFAULTS: e.g.
-precision.quantize_input_once was false before session 29, auto since).
+precision.quantize_input_once was false before session 29, auto since). The same for the optimizer
+section (recorded since session 51; CHANGED_OPTIMIZER_DEFAULTS: split_master false before).
 
 mxfp8 emulated is planned with the fused rows-and-columns quantization unless MOETRON_MX_FUSED=0 is
 set, as for a run (or recorded in a report's env_vars): `MOETRON_MX_FUSED=0 python tools/plan.py ...`.
