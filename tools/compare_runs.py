@@ -19,6 +19,12 @@ its losses the means over its runs, with their spread ((max - min) / mean) besid
 is compared with the reference by its mean over seeds, not one seed's draw:
 
     python tools/compare_runs.py --group bf16=runs/bf16_s0,runs/bf16_s1 --group mxfp8=runs/mx_s0,runs/mx_s1
+
+Noise: where a group and the reference both hold two runs or more, the row also gives two standard errors
+of the difference of their means (each group's sample standard deviation over its runs, relative to the
+reference's mean), train and held-out. A difference inside it is not told apart from run-to-run noise
+whatever the tolerance says: on the GPU the same configuration and seed run twice can end 1.4% apart
+(docs/performance.md, session 51), about as far as different seeds.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import statistics
 import sys
 
 from moetron.core.config import ConfigError
@@ -92,22 +99,36 @@ def compare_groups(groups: dict[str, list[str]], reference: str | None = None, t
     def spread(values):
         return (max(values) - min(values)) / abs(mean(values)) if len(values) > 1 else 0.0
 
-    merged = {}
+    merged, losses = {}, {}
     for name, group in groups.items():
         train = [summaries[d]["train_loss"] for d in group]
         held = [summaries[d]["eval_loss"] for d in group]
+        losses[name] = {"train": train, "eval": held}
         merged[name] = {"runs": list(group), "final_step": summaries[group[0]]["final_step"],
                         "train_loss": mean(train), "eval_loss": mean(held),
                         "eval_step": summaries[group[0]]["eval_step"],
                         "train_spread": spread(train), "eval_spread": spread(held)}
     ref = merged[reference]
+
+    def noise(name, key):
+        """Two standard errors of group ``name``'s mean minus the reference's, relative to the reference's
+        mean (nan unless both hold two runs or more and the losses are finite)."""
+        a, b = losses[name][key], losses[reference][key]
+        if len(a) < 2 or len(b) < 2 or any(math.isnan(v) for v in a + b):
+            return math.nan
+        return 2 * math.sqrt(statistics.variance(a) / len(a) + statistics.variance(b) / len(b)) / abs(mean(b))
+
     out = []
     for name, s in merged.items():
         rel_train = s["train_loss"] / ref["train_loss"] - 1
         rel_eval = (s["eval_loss"] / ref["eval_loss"] - 1) if not math.isnan(ref["eval_loss"]) else math.nan
         within = abs(rel_train) <= tolerance and (math.isnan(rel_eval) or abs(rel_eval) <= tolerance)
+        train_noise, eval_noise = (math.nan, math.nan) if name == reference else (noise(name, "train"), noise(name, "eval"))
         out.append({"run": name, "reference": name == reference, **s, "train_vs_reference": rel_train,
                     "eval_vs_reference": rel_eval, "within_tolerance": within, "tolerance": tolerance,
+                    "train_noise": train_noise, "eval_noise": eval_noise,
+                    "beyond_noise": None if math.isnan(train_noise) else (
+                        abs(rel_train) > train_noise or (not math.isnan(eval_noise) and abs(rel_eval) > eval_noise)),
                     "compared_steps": len(common)})
     return out
 
@@ -234,13 +255,19 @@ def main(argv: list[str] | None = None) -> int:
     def cut(name):
         return name if len(name) <= width else "..." + name[-(width - 3):]
 
+    def noise(r):
+        if r["beyond_noise"] is None:
+            return "-"
+        held = "-" if math.isnan(r["eval_noise"]) else f"{100 * r['eval_noise']:.2f}%"
+        return f"+-{100 * r['train_noise']:.2f}% / {held}  {'beyond' if r['beyond_noise'] else 'inside'}"
+
     print(f"{'run':<{width}} {'runs':>4} {'step':>6} {'train':>8} {'spread':>7} {'vs ref':>8} {'held-out':>9} {'spread':>7} "
-          f"{'vs ref':>8}  within {100 * args.tolerance:g}%")
+          f"{'vs ref':>8}  {f'within {100 * args.tolerance:g}%':<11}  noise (2 s.e., train / held-out)")
     for r in rows:
+        verdict = "(reference)" if r["reference"] else ("yes" if r["within_tolerance"] else "NO")
         print(f"{cut(r['run']):<{width}} {len(r['runs']):>4} {r['final_step']:>6} {r['train_loss']:>8.4f} "
               f"{100 * r['train_spread']:>6.2f}% {pct(r['train_vs_reference']):>8} {r['eval_loss']:>9.4f} "
-              f"{100 * r['eval_spread']:>6.2f}% {pct(r['eval_vs_reference']):>8}  "
-              f"{'(reference)' if r['reference'] else ('yes' if r['within_tolerance'] else 'NO')}")
+              f"{100 * r['eval_spread']:>6.2f}% {pct(r['eval_vs_reference']):>8}  {verdict:<11}  {noise(r)}")
     if args.out:
         reference = next(r["run"] for r in rows if r["reference"])
         print(f"wrote {plot(groups, args.out, reference, args.tolerance, series=series)}")

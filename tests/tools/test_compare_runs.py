@@ -73,10 +73,19 @@ def test_groups_compare_means_over_seeds(tmp_path, capsys):
     assert rows["mx"]["runs"] == [m0, m1] and rows["bf16"]["reference"]
     single = {r["run"]: r for r in compare_runs.compare([r1, m0], last=1)}
     assert not single[m0]["within_tolerance"]  # one seed against one seed: outside 1%
+    # noise: 2 standard errors of the difference of the means, relative to the reference's mean (sample variances
+    # by hand: bf16 (4.0, 4.2) 0.02, mx (3.98, 4.2) 0.0242), so mx's -0.24% is inside it; a group far off is beyond
+    assert rows["mx"]["train_noise"] == pytest.approx(2 * (0.02 / 2 + 0.0242 / 2) ** 0.5 / 4.1)
+    assert rows["mx"]["beyond_noise"] is False and rows["bf16"]["beyond_noise"] is None
+    assert single[m0]["beyond_noise"] is None  # one run a side: no noise estimate
+    f0, f1 = _run(tmp_path, "far_s0", [(10, 4.5)], [(10, 4.2)]), _run(tmp_path, "far_s1", [(10, 4.5)], [(10, 4.2)])
+    far = {r["run"]: r for r in compare_runs.compare_groups({"bf16": [r0, r1], "far": [f0, f1]}, last=1)}["far"]
+    assert far["train_noise"] == pytest.approx(2 * (0.02 / 2) ** 0.5 / 4.1) and far["beyond_noise"] is True
     out = tmp_path / "g.json"
     assert compare_runs.main(["--group", f"bf16={r0},{r1}", "--group", f"mx={m0},{m1}", "--last", "1",
                               "--json", str(out)]) == 0
-    assert "mx" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "mx" in printed and "inside" in printed.splitlines()[2]
     long = "bf16 + bias (session 20, H200, seeds 0-2), the reference"  # over 40 characters: printed whole
     assert compare_runs.main(["--group", f"{long}={r0},{r1}", "--group", f"mx={m0},{m1}", "--last", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
