@@ -1043,6 +1043,32 @@ def test_validate_replays_a_report_with_the_defaults_of_its_day():
     assert then["fp8_experts"] < "2026-12-06 07:30:00"
 
 
+def test_validate_replays_split_master_as_its_run_had_it():
+    """optimizer.split_master became auto (on with the weight copies on one GPU) in session 51: a bf16 row of a
+    report from before, without an optimizer section, is replayed with it off, one after with it on; a row that
+    sets it, or that recorded its optimizer section (bench_train since session 51), is replayed as it says."""
+    from moetron.core.optim import OptimizerConfig
+
+    cmd = ("python tools/bench_train.py --preset olmoe-1b-7b --model.n_layers=8 --model.vocab_size=100352 "
+           "--seq-len 4096 --batch 4 --compile")
+
+    def planned(date, extra=(), recorded=None):
+        env = {"command": cmd, "preset": "olmoe-1b-7b", "seq_len": 4096, "batch": 4, "compile": True, "date": date}
+        row = {"overrides": list(extra)}
+        if recorded is not None:
+            row["optimizer"] = recorded
+        return planner.plan(planner.bench_plan(env, row))
+
+    since = planner.CHANGED_OPTIMIZER_DEFAULTS[0][0]
+    before, after = "2026-12-07 10:15:14", "2026-12-07 10:46:02"  # session 51's call 2 and call 5
+    assert before < since < after
+    assert not planned(before)["split_master"] and planned(after)["split_master"]
+    assert planned(before, ["--optimizer.split_master=true"])["split_master"]
+    assert planned(before)["peak_gib"] - planned(after)["peak_gib"] > 6  # OLMoE-8L: 6.6 GiB measured
+    assert not planned(after, recorded=OptimizerConfig(split_master=False).to_dict())["split_master"]
+    assert planned(before, recorded=OptimizerConfig().to_dict())["split_master"]  # recorded auto: resolved as then
+
+
 def test_quantized_expert_copies_move_the_weight_quantization_into_the_optimizer():
     """precision.quantized_expert_copies (session 25, not measured yet), mxfp8 emulated on OLMoE-8L's
     optimizer copies, compiled: no GEMM quantizes an expert weight (the forward's and the backward's

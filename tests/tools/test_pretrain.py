@@ -237,6 +237,30 @@ def test_rejected_resumes_leave_config_yaml_and_name_the_settings(tmp_path, data
     assert "resumed from" in out.stdout and sorted(losses(d)) == [1, 2, 3, 4]
 
 
+def test_a_resume_may_change_how_the_masters_are_held():
+    """optimizer.split_master is how a run holds its fp32 masters between steps, and a checkpoint holds them as
+    fp32 either way (tests/core/test_split_master.py resumes across it): a resume may change it, from a value
+    to auto (the default, resolved per run) or to another value, while optimizer.lr stays refused by name."""
+    import pretrain  # tools/ (tests/conftest.py puts it on the path)
+
+    from moetron.core.config import ConfigError
+    from moetron.run.config import PretrainConfig
+
+    class Saved:
+        def __init__(self, cfg):
+            self.meta = {"config": cfg.to_dict()}
+
+        def read_metadata(self, path):
+            return self.meta
+
+    saved = Saved(PretrainConfig().apply_overrides(["--optimizer.split_master=true"]))
+    for now in ([], ["--optimizer.split_master=false"], ["--optimizer.split_master=auto"]):
+        pretrain.check_resume_settings(saved, "ckpt", PretrainConfig().apply_overrides(now))
+    with pytest.raises(ConfigError, match="optimizer.lr: checkpoint 0.003 vs now 0.001") as info:
+        pretrain.check_resume_settings(saved, "ckpt", PretrainConfig().apply_overrides(["--optimizer.lr=1e-3"]))
+    assert "split_master" not in str(info.value)
+
+
 def test_resume_from_an_earlier_checkpoint_keeps_one_log(tmp_path, data_dir):
     d = str(tmp_path / "run")
     run([*MOE, "--trainer.steps=4", "--trainer.stop_at_step=3", "--checkpoint.interval=1", "--checkpoint.keep_last=0",
