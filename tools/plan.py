@@ -29,7 +29,7 @@ measured against the planned peak and step time (targets: peak within 10%, step 
 that recorded its precision section (every field, as it ran: reports since session 29) is replayed
 with it; an older row with the precision defaults of its day (CHANGED_DEFAULTS: e.g.
 precision.quantize_input_once was false before session 29, auto since). The same for the optimizer
-section (recorded since session 51; CHANGED_OPTIMIZER_DEFAULTS: split_master false before).
+section (recorded since session 51; CHANGED_OPTIMIZER_DEFAULTS).
 
 mxfp8 emulated is planned with the fused rows-and-columns quantization unless MOETRON_MX_FUSED=0 is
 set, as for a run (or recorded in a report's env_vars): `MOETRON_MX_FUSED=0 python tools/plan.py ...`.
@@ -225,10 +225,10 @@ CHANGED_DEFAULTS = [("2026-12-05 14:45:00", "--precision.quantize_input_once=fal
                     # the optimizer's weight copies: auto (on for bf16 on one GPU, one micro-batch) since session 50
                     *[("2026-12-07 09:00:00", off) for off in copies_off_overrides()]]
 
-# Optimizer defaults that changed (reports recorded no optimizer section before session 51): (the change's date,
-# the override that gives the old default), as CHANGED_DEFAULTS, for rows without a recorded optimizer section.
-# optimizer.split_master: auto (on where the weight copies' auto is and the run holds copies to split) since session 51.
-CHANGED_OPTIMIZER_DEFAULTS = [("2026-12-07 10:30:00", "--optimizer.split_master=false")]
+# Optimizer defaults that changed, as CHANGED_DEFAULTS, for rows without a recorded optimizer section (bench_train
+# records it since session 51): (the change's date, the override that gives the old default). None yet: session 51's
+# rows that ran with optimizer.split_master auto recorded it.
+CHANGED_OPTIMIZER_DEFAULTS: list[tuple[str, str]] = []
 
 # Model defaults that changed (reports record no model section): (the change's date, the override that
 # gives the old default). A report dated before it replays with the old default unless its row names the

@@ -377,10 +377,11 @@ def test_step_parts_steps_split_masters_as_step():
 
 
 def test_split_master_auto_follows_the_copies(capsys):
-    """optimizer.split_master defaults to auto: on where the weight copies' auto is on (bf16 on one CUDA GPU, one
-    micro-batch a step, this package's AdamW) and the run holds a copy it splits; off on the CPU, with several
-    micro-batches or ranks, with every copy turned off, or with only the head's copy and the loss not fused; a value
-    given is kept; the command line spells it auto. The planner resolves it by the same two rules."""
+    """optimizer.split_master's auto (asked for: off by default, as the parameters hold no storage between steps):
+    on where the weight copies' auto is on (bf16 on one CUDA GPU, one micro-batch a step, this package's AdamW) and
+    the run holds a copy it splits; off on the CPU, with several micro-batches or ranks, with every copy turned
+    off, or with only the head's copy and the loss not fused; a value given is kept; the command line spells it
+    auto. The planner resolves it by the same two rules."""
     from moetron.core.precision import PrecisionConfig
     from moetron.core.precision.config import copies_off_overrides
     from moetron.models import ModelConfig
@@ -389,16 +390,19 @@ def test_split_master_auto_follows_the_copies(capsys):
     from moetron.run.planner.hardware import GPUS
     from moetron.run.planner.switches import switches
 
-    assert OptimizerConfig().split_master is None
+    assert OptimizerConfig().split_master is False
     assert OptimizerConfig().apply_overrides(["--split_master=true", "--split_master=auto"]).split_master is None
     copies_off = PrecisionConfig().apply_overrides([o.replace("--precision.", "--") for o in copies_off_overrides()])
     head_only = PrecisionConfig(expert_weight_copies="none", dense_weight_copies=False)
 
     def split(device="cuda", micro=None, precision=None, fused_loss=True, one_rank=True, **optimizer):
+        optimizer = {"split_master": None, **optimizer}  # auto
         return resolve_auto(precision or PrecisionConfig(), OptimizerConfig(**optimizer), device, one_rank=one_rank,
                             local_batch=4, micro_batch=micro, fused_loss=fused_loss)[1].split_master
 
     assert split() is True and split(precision=head_only) is True
+    assert resolve_auto(PrecisionConfig(), OptimizerConfig(), "cuda", one_rank=True, local_batch=4, micro_batch=None,
+                        fused_loss=True)[1].split_master is False  # the default: off, auto only where asked for
     for case in (dict(device="cpu"), dict(micro=2), dict(one_rank=False), dict(impl="torch"), dict(overlap=True),
                  dict(precision=copies_off), dict(precision=head_only, fused_loss=False), dict(split_master=False)):
         assert split(**case) is False, case
@@ -422,8 +426,10 @@ def test_split_master_auto_follows_the_copies(capsys):
     for layout, ranks, precision, on in ((ParallelConfig(), 1, PrecisionConfig(), True),
                                          (ParallelConfig(dp_shard=2), 2, PrecisionConfig(), False),
                                          (ParallelConfig(), 1, copies_off, False)):
-        sw = switches(model, layout, precision, OptimizerConfig(), GPUS["h100"], compiled=False, ranks=ranks)
+        sw = switches(model, layout, precision, OptimizerConfig(split_master=None), GPUS["h100"], compiled=False,
+                      ranks=ranks)
         assert sw.split_master is on, (layout, ranks)
+    assert not switches(model, ParallelConfig(), PrecisionConfig(), OptimizerConfig(), GPUS["h100"], compiled=False).split_master
 
 
 def test_fit_returns_the_fp32_masters_and_trains_on():

@@ -22,8 +22,8 @@ turns them on for one GPU and one micro-batch: test_auto_copies_resolve_as_the_r
 
 
 def _plan(num_gpus=1, **parallel):
-    """tiny-moe on H200s with the weight copies off and optimizer.split_master off (its auto follows the copies:
-    a test that turns some on measures them alone)."""
+    """tiny-moe on H200s with the weight copies off and optimizer.split_master off (given, though the default: a
+    test that turns some copies on measures them alone)."""
     from moetron.core.optim import OptimizerConfig
     from moetron.core.precision import PrecisionConfig
 
@@ -1044,29 +1044,27 @@ def test_validate_replays_a_report_with_the_defaults_of_its_day():
 
 
 def test_validate_replays_split_master_as_its_run_had_it():
-    """optimizer.split_master became auto (on with the weight copies on one GPU) in session 51: a bf16 row of a
-    report from before, without an optimizer section, is replayed with it off, one after with it on; a row that
-    sets it, or that recorded its optimizer section (bench_train since session 51), is replayed as it says."""
+    """bench_train records each row's optimizer section (since session 51): a row is replayed with it, so session
+    51's rows that ran optimizer.split_master at auto (call 5) plan it on, as the run resolved it, whatever today's
+    default (off); a row without one plans today's default unless its overrides set the switch."""
     from moetron.core.optim import OptimizerConfig
 
     cmd = ("python tools/bench_train.py --preset olmoe-1b-7b --model.n_layers=8 --model.vocab_size=100352 "
            "--seq-len 4096 --batch 4 --compile")
 
-    def planned(date, extra=(), recorded=None):
-        env = {"command": cmd, "preset": "olmoe-1b-7b", "seq_len": 4096, "batch": 4, "compile": True, "date": date}
+    def planned(extra=(), recorded=None):
+        env = {"command": cmd, "preset": "olmoe-1b-7b", "seq_len": 4096, "batch": 4, "compile": True,
+               "date": "2026-12-07 10:46:02"}
         row = {"overrides": list(extra)}
         if recorded is not None:
             row["optimizer"] = recorded
         return planner.plan(planner.bench_plan(env, row))
 
-    since = planner.CHANGED_OPTIMIZER_DEFAULTS[0][0]
-    before, after = "2026-12-07 10:15:14", "2026-12-07 10:46:02"  # session 51's call 2 and call 5
-    assert before < since < after
-    assert not planned(before)["split_master"] and planned(after)["split_master"]
-    assert planned(before, ["--optimizer.split_master=true"])["split_master"]
-    assert planned(before)["peak_gib"] - planned(after)["peak_gib"] > 6  # OLMoE-8L: 6.6 GiB measured
-    assert not planned(after, recorded=OptimizerConfig(split_master=False).to_dict())["split_master"]
-    assert planned(before, recorded=OptimizerConfig().to_dict())["split_master"]  # recorded auto: resolved as then
+    auto = planned(recorded=OptimizerConfig(split_master=None).to_dict())
+    assert auto["split_master"] and not planned()["split_master"]
+    assert planned(["--optimizer.split_master=true"])["split_master"]
+    assert planned()["peak_gib"] - auto["peak_gib"] > 6  # OLMoE-8L: 6.6 GiB measured
+    assert not planned(recorded=OptimizerConfig(split_master=False).to_dict())["split_master"]
 
 
 def test_quantized_expert_copies_move_the_weight_quantization_into_the_optimizer():
@@ -1277,10 +1275,10 @@ def test_auto_copies_resolve_as_the_run_would():
 
 
 def test_a_plan_over_memory_names_the_auto_copies_it_holds():
-    """A one-GPU plan that does not fit because auto turned the weight copies on (optimizer.split_master off)
-    gives the peak without them (the plan with them off); a plan whose copies are given, or that fits, gives
-    none. With the defaults (split_master auto: on with the copies) the same layout fits, below the copies-off
-    peak: the split masters hold 2 B an element less than the fp32 masters."""
+    """A one-GPU plan that does not fit because auto turned the weight copies on (optimizer.split_master off, the
+    default) gives the peak without them (the plan with them off); a plan whose copies are given, or that fits,
+    gives none. With split_master auto (on with the copies) the same layout fits, below the copies-off peak: the
+    split masters hold 2 B an element less than the fp32 masters."""
     from moetron.core.optim import OptimizerConfig
     from moetron.core.precision import PrecisionConfig
 
@@ -1307,7 +1305,7 @@ def test_search_plans_a_layout_over_memory_with_auto_copies_off():
     """--search: a one-GPU layout that fits only without the weight copies auto turns on (optimizer.split_master
     off) is planned with them off (OLMoE-1B-7B cut to 10 layers at 4 x 3072 tokens on an H100: one micro-batch
     without recompute), and ranks above the slower layouts that fit with them (full recompute). With the defaults
-    (split_master auto) that layout fits with the copies and their split masters."""
+    ``--optimizer.split_master=auto`` that layout fits with the copies and their split masters."""
     from moetron.core.optim import OptimizerConfig
     from moetron.core.precision import PrecisionConfig
 
@@ -1315,7 +1313,7 @@ def test_search_plans_a_layout_over_memory_with_auto_copies_off():
     model.n_layers, model.vocab_size = 10, 100352
     base = planner.Plan(model=model, parallel=ParallelConfig(), memory=MemoryConfig(), seq_len=3072, global_batch=4,
                         gpu="h100", precision=PrecisionConfig(), optimizer=OptimizerConfig(split_master=False))
-    default = planner.search(dataclasses.replace(base, optimizer=OptimizerConfig()))[0]  # split_master auto: fits with copies
+    default = planner.search(dataclasses.replace(base, optimizer=OptimizerConfig(split_master=None)))[0]  # auto: fits
     assert default["micro_batch"] == 4 and default["recompute"] == "none" and default["weight_copies"] and default["split_master"]
     rows = planner.search(base)
     best = rows[0]
