@@ -39,6 +39,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .config import StrEnum
+from .split_param import freed_class, original_class
 
 __all__ = ["AdamWKernel", "PrecisionAwareAdamW", "MIN_ONE_MINUS_BETA", "join_fp32", "split_fp32", "triton_usable"]
 
@@ -48,6 +49,14 @@ MIN_ONE_MINUS_BETA = {torch.bfloat16: 2.0**-8}
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _free(p: torch.Tensor) -> None:
+    """Free a split master's fp32 storage and give the parameter its guarded stand-in class
+    (core.split_param: a read between steps raises a clear error instead of reading freed memory)."""
+    p.__class__ = original_class(type(p))
+    p.untyped_storage().resize_(0)
+    p.__class__ = freed_class(type(p))
 
 
 _SPLIT_CHUNK = 2**22  # elements per pass of split_fp32 / join_fp32 (their int64 temporaries: 32 MiB each)
@@ -211,7 +220,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             split_fp32(p, self.compute_copies[p], lo)
             self._lo[id(p)] = lo
             if not self._materialized:
-                p.untyped_storage().resize_(0)
+                _free(p)
 
     def split_parameters(self) -> list[torch.Tensor]:
         """The parameters whose masters are held split (optimizer.split_master)."""
@@ -231,11 +240,12 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         if self._materialized == 0:
             try:
                 for p in split:
+                    p.__class__ = original_class(type(p))
                     p.untyped_storage().resize_(4 * p.numel())
                     join_fp32(self.compute_copies[p], self._lo[id(p)], p.detach())
             except BaseException:  # out of memory part way: the masters stay split, none held twice
                 for p in split:
-                    p.untyped_storage().resize_(0)
+                    _free(p)
                 raise
         self._materialized += 1
         try:
@@ -245,7 +255,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             if self._materialized == 0:
                 for p in split:
                     split_fp32(p.detach(), self.compute_copies[p], self._lo[id(p)])
-                    p.untyped_storage().resize_(0)
+                    _free(p)
 
     def _init_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         state = self.state[p]

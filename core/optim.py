@@ -79,7 +79,7 @@ class OptimizerConfig(Config):
     torch's _foreach_norm; the same bf16 / fp32 independence, other rounding. CUDA (torch's path
     elsewhere). On the H100 (session 34) 1.12x torch's alone over OLMoE-8L's 3.77B gradients (5.22
     against 5.86 ms), within noise in whole steps of both #13 shapes: off by default."""
-    split_master: bool | None = False
+    split_master: bool | None = None
     """Hold the fp32 master of every weight the model computes on through the optimizer's bf16 copy
     (precision.dense_weight_copies, head_weight_copy, embedding_weight_copy, expert_weight_copies=optimizer
     with expert_grads_bf16) split in two: that copy, the master rounded to nearest even, and an int16 rest
@@ -90,16 +90,17 @@ class OptimizerConfig(Config):
     about one element in 65,536), where the master kept moves one fp32 ulp toward its rounding. This
     package's AdamW (PrecisionAwareAdamW), one unsharded GPU as the copies are; a save or load holds the
     fp32 masters again for its duration (4 bytes an element).
-    ``auto`` (None): on where the precision switches' ``auto`` turns the copies on
-    (core.precision.config.copies_auto_on) and the run holds copies it can split
+    ``auto`` (None, the default since session 52): on where the precision switches' ``auto`` turns the
+    copies on (core.precision.config.copies_auto_on) and the run holds copies it can split
     (core.precision.config.split_copies_held); off elsewhere (with_auto_split). Measured with the default
     copies (session 51, H100, compiled, 16,384 tokens a step, docs/performance.md): the same tokens/s
-    (+0.2% olmoe3-4l-8e, +0.5% OLMoE-8L) for 4.1 / 6.6 GiB less peak, below the copies-off peak; the GPU
-    proxy at three seeds within 1% of the copies alone. Off by default all the same: between steps the
-    parameters hold no storage, so code that reads them there outside the trainer's blocks (a loop of its
-    own around train_step, a test) reads freed memory, a crash or garbage (a segfault on the CPU), where
-    a default must fail clearly. The trainer's own reads are covered (save, load, the finiteness check,
-    on_step_end, the model after fit())."""
+    (+0.2% olmoe3-4l-8e, +0.5-1.2% OLMoE-8L) for 4.1 / 6.6 GiB less peak, below the copies-off peak; the GPU
+    proxy at three seeds within 1% of the copies alone. Between steps a split parameter holds no storage
+    and has a guarded stand-in class (core.split_param): its shape, dtype, device and gradient read as
+    before, and a read of its values outside the trainer's blocks (a loop of one's own around train_step)
+    raises SplitMasterError naming ``trainer.masters_materialized()`` instead of reading freed memory. The
+    trainer's own reads are inside that block (save, load, the finiteness check, on_step_end), and fit()
+    returns with the masters joined."""
 
     def with_auto_split(self, on: bool) -> "OptimizerConfig":
         """This config with split_master left at ``auto`` (None) resolved to ``on`` (the run's answer:

@@ -31,8 +31,8 @@ def resolve_auto(precision: PrecisionConfig, optimizer: OptimizerConfig, device_
     a run on ``one_rank`` (one process holding the whole model: ParallelConfig.one_rank) whose rank takes
     ``local_batch`` sequences a step in micro-batches of ``micro_batch`` (None: one), with the model's
     ``fused_loss``: the weight copies (core.precision.config.copies_auto_on: on for bf16 on one CUDA GPU, one
-    micro-batch a step, this package's AdamW; off elsewhere) and optimizer.split_master where given as auto (off
-    by default: on where the copies are and the run holds copies it splits, split_copies_held). build() and
+    micro-batch a step, this package's AdamW; off elsewhere) and optimizer.split_master where left at auto (its
+    default: on where the copies are and the run holds copies it splits, split_copies_held). build() and
     tools/step_builder.py (the benchmarks) both ask here; the planner applies the same two rules
     (run/planner/switches.py)."""
     micro = micro_batch or local_batch

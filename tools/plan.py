@@ -29,8 +29,8 @@ measured against the planned peak and step time (targets: peak within 10%, step 
 that recorded its precision section (every field, as it ran: reports since session 29) is replayed
 with it; an older row with the precision defaults of its day (CHANGED_DEFAULTS: e.g.
 precision.quantize_input_once was false before session 29, auto since). A row that recorded its optimizer
-section (since session 51) is replayed with that too; an older one plans today's optimizer defaults, as
-every row did before.
+section (since session 51) is replayed with that too; an older one with the optimizer defaults of its day
+(CHANGED_OPTIMIZER_DEFAULTS: optimizer.split_master off before session 52).
 
 mxfp8 emulated is planned with the fused rows-and-columns quantization unless MOETRON_MX_FUSED=0 is
 set, as for a run (or recorded in a report's env_vars): `MOETRON_MX_FUSED=0 python tools/plan.py ...`.
@@ -226,8 +226,10 @@ CHANGED_DEFAULTS = [("2026-12-05 14:45:00", "--precision.quantize_input_once=fal
                     # the optimizer's weight copies: auto (on for bf16 on one GPU, one micro-batch) since session 50
                     *[("2026-12-07 09:00:00", off) for off in copies_off_overrides()]]
 
-# Reports that record no optimizer section (bench_train records it since session 51) plan today's optimizer defaults:
-# a change to one needs a list like CHANGED_DEFAULTS for them.
+# Optimizer defaults that changed: (the change's date, the old default as an override), as CHANGED_DEFAULTS for rows
+# that record no optimizer section (bench_train records it since session 51). optimizer.split_master became auto, on
+# with the weight copies, in session 52; before session 51 it had no auto.
+CHANGED_OPTIMIZER_DEFAULTS = [("2026-12-07 12:30:00", "--optimizer.split_master=false")]
 
 # Model defaults that changed (reports record no model section): (the change's date, the override that
 # gives the old default). A report dated before it replays with the old default unless its row names the
@@ -270,6 +272,8 @@ def bench_plan(env: dict, row: dict) -> Plan:
     recorded = row.get("precision")
     then = [] if recorded else [old for since, old in CHANGED_DEFAULTS if str(env.get("date", "")) < since]
     then += [old for since, old in CHANGED_MODEL_DEFAULTS if str(env.get("date", "")) < since]
+    then += [] if row.get("optimizer") else [old for since, old in CHANGED_OPTIMIZER_DEFAULTS
+                                             if str(env.get("date", "")) < since]
     given = [o for o in overrides if o.startswith("--")] + list(row.get("overrides", []))
     # The step's trainer switches (tools/step_builder.py STEP_TRAINER_FIELDS) plan as the step without
     # them: trainer.cuda_graph replays the same kernels from memory allocated as the eager step's

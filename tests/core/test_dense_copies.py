@@ -260,11 +260,12 @@ def test_auto_copies_are_on_by_default_on_gpu():
     held = {}
 
     def record(trainer):
-        held[len(held)] = len(trainer.optimizer.compute_copies)
+        held[len(held)] = len(trainer.optimizer.compute_copies), len(trainer.optimizer.split_parameters())
 
     runs = {on: cuda_losses_on_one_batch(PrecisionConfig() if on else PrecisionConfig().with_auto_copies(False),
                                          check=record, grad_clip=0.0) for on in (False, True)}
-    assert held[0] == 0 and held[1] > 0
+    # optimizer.split_master's auto holds the copied weights' masters split where the copies are on
+    assert held[0] == (0, 0) and held[1][0] > 0 and held[1][1] == held[1][0]
     assert runs[True] == pytest.approx(runs[False], rel=1e-5) and runs[False][2] < runs[False][0]
 
 

@@ -259,13 +259,59 @@ def test_split_master_trains_as_the_fp32_masters():
 
 def test_split_master_compiled():
     """Under torch.compile (inductor on the CPU) the freed parameters are never read: two steps on
-    one batch give the unsplit compiled run's losses."""
-    runs = {}
+    one batch give the unsplit compiled run's losses, through the same graphs (their guarded stand-in
+    class, core.split_param, costs no graph break and no recompile)."""
+    from torch._dynamo.utils import counters
+
+    runs, stats = {}, {}
     for split in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
         trainer, data = _trainer(split, experts=False, compile=True)
         batch = data.next_batch()
-        runs[split] = [trainer.train_step(batch)[0].item() for _ in range(2)]
+        runs[split] = [trainer.train_step(batch)[0].item() for _ in range(3)]
+        stats[split] = dict(counters["stats"]), dict(counters["graph_break"])
     assert runs[True] == runs[False] and runs[False][1] < runs[False][0]
+    assert stats[True] == stats[False] and not stats[True][1] and stats[True][0]["unique_graphs"] > 0
+
+
+def test_a_split_parameter_refuses_reads_between_steps():
+    """Between steps a split parameter holds no storage: what would read its values (a clone, arithmetic, the
+    model's state_dict, .data, a deepcopy, a save) raises one error naming masters_materialized instead of reading
+    freed memory (a segfault on the CPU before); what reads its metadata (shape, dtype, device, its gradient,
+    isinstance, a dict keyed on it) works. Inside masters_materialized it is a plain Parameter holding the master
+    (its copy's rounding); after the block it refuses again, and training goes on."""
+    import copy
+    import io
+
+    from moetron.core.split_param import SplitMasterError
+
+    trainer, data = _trainer(True)
+    for _ in range(2):
+        trainer.train_step(data.next_batch())
+    p = trainer.optimizer.split_parameters()[0]
+    c = trainer.optimizer.compute_copies[p]
+    assert isinstance(p, nn.Parameter) and p.requires_grad and p.grad is None
+    assert (p.shape, p.dtype, p.device, p.numel(), p.dim()) == (c.shape, torch.float32, c.device, c.numel(), c.dim())
+    assert trainer.optimizer.state[p]["exp_avg"].shape == p.shape and {p: 1}[p] == 1
+    assert "masters_materialized" in repr(p)
+    reads = {"clone": lambda: p.detach().clone(), "add": lambda: p + 1, "equal": lambda: torch.equal(p, p),
+             "data": lambda: p.data, "state_dict": lambda: trainer.model.state_dict(),
+             "deepcopy": lambda: copy.deepcopy(trainer.model), "save": lambda: torch.save(p, io.BytesIO()),
+             "to": lambda: p.to(torch.bfloat16), "foreach": lambda: torch._foreach_add([p], 1.0)}
+    for what, read in reads.items():
+        with pytest.raises(SplitMasterError, match=r"masters_materialized\(\)"):
+            read()
+    with trainer.masters_materialized():
+        assert type(p) is nn.Parameter
+        master = p.detach().clone()
+        assert torch.isfinite(master).all() and torch.equal(master.to(torch.bfloat16), c)
+        assert torch.equal(trainer.model.state_dict()[next(n for n, q in trainer.model.named_parameters()
+                                                           if q is p)], master)
+    with pytest.raises(SplitMasterError):
+        p.sum()
+    loss = trainer.train_step(data.next_batch())[0]
+    assert torch.isfinite(loss)
 
 
 def test_split_master_saves_the_masters_and_resumes_exactly(tmp_path):
@@ -377,7 +423,7 @@ def test_step_parts_steps_split_masters_as_step():
 
 
 def test_split_master_auto_follows_the_copies(capsys):
-    """optimizer.split_master's auto (asked for: off by default, as the parameters hold no storage between steps):
+    """optimizer.split_master's auto (the default since session 52, its freed parameters guarded: core.split_param):
     on where the weight copies' auto is on (bf16 on one CUDA GPU, one micro-batch a step, this package's AdamW) and
     the run holds a copy it splits; off on the CPU, with several micro-batches or ranks, with every copy turned
     off, or with only the head's copy and the loss not fused; a value given is kept; the command line spells it
@@ -390,7 +436,7 @@ def test_split_master_auto_follows_the_copies(capsys):
     from moetron.run.planner.hardware import GPUS
     from moetron.run.planner.switches import switches
 
-    assert OptimizerConfig().split_master is False
+    assert OptimizerConfig().split_master is None  # auto
     assert OptimizerConfig().apply_overrides(["--split_master=true", "--split_master=auto"]).split_master is None
     copies_off = PrecisionConfig().apply_overrides([o.replace("--precision.", "--") for o in copies_off_overrides()])
     head_only = PrecisionConfig(expert_weight_copies="none", dense_weight_copies=False)
@@ -402,7 +448,7 @@ def test_split_master_auto_follows_the_copies(capsys):
 
     assert split() is True and split(precision=head_only) is True
     assert resolve_auto(PrecisionConfig(), OptimizerConfig(), "cuda", one_rank=True, local_batch=4, micro_batch=None,
-                        fused_loss=True)[1].split_master is False  # the default: off, auto only where asked for
+                        fused_loss=True)[1].split_master is True  # the default: auto
     for case in (dict(device="cpu"), dict(micro=2), dict(one_rank=False), dict(impl="torch"), dict(overlap=True),
                  dict(precision=copies_off), dict(precision=head_only, fused_loss=False), dict(split_master=False)):
         assert split(**case) is False, case
@@ -429,7 +475,9 @@ def test_split_master_auto_follows_the_copies(capsys):
         sw = switches(model, layout, precision, OptimizerConfig(split_master=None), GPUS["h100"], compiled=False,
                       ranks=ranks)
         assert sw.split_master is on, (layout, ranks)
-    assert not switches(model, ParallelConfig(), PrecisionConfig(), OptimizerConfig(), GPUS["h100"], compiled=False).split_master
+    assert switches(model, ParallelConfig(), PrecisionConfig(), OptimizerConfig(), GPUS["h100"], compiled=False).split_master
+    assert not switches(model, ParallelConfig(), PrecisionConfig(), OptimizerConfig(split_master=False), GPUS["h100"],
+                        compiled=False).split_master
 
 
 def test_fit_returns_the_fp32_masters_and_trains_on():

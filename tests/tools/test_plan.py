@@ -1045,8 +1045,9 @@ def test_validate_replays_a_report_with_the_defaults_of_its_day():
 
 def test_validate_replays_split_master_as_its_run_had_it():
     """bench_train records each row's optimizer section (since session 51): a row is replayed with it, so session
-    51's rows that ran optimizer.split_master at auto (call 5) plan it on, as the run resolved it, whatever today's
-    default (off); a row without one plans today's default unless its overrides set the switch."""
+    51's rows that ran optimizer.split_master at auto (call 5) plan it on and its rows at false (then the default)
+    plan it off, whatever today's default (auto since session 52); a row without one ran before split_master had an
+    auto and plans it off unless its overrides set the switch."""
     from moetron.core.optim import OptimizerConfig
 
     cmd = ("python tools/bench_train.py --preset olmoe-1b-7b --model.n_layers=8 --model.vocab_size=100352 "
