@@ -60,6 +60,16 @@ class GradSync(StrEnum):
     accumulated locally in between (one collective per step, full-size gradients held)."""
 
 
+def use_deterministic(on: bool) -> None:
+    """Turn the process's deterministic kernels on or off (trainer.deterministic): torch's deterministic
+    algorithms (an op without one raises, naming it; inductor then compiles in its deterministic mode: no
+    benchmark-driven choices), with CUBLAS_WORKSPACE_CONFIG=:4096:8 set where unset (cuBLAS reads it when it
+    makes its first handle: before the first GPU matmul of the process, as the Trainer's construction is)."""
+    if on:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(on)
+
+
 @dataclasses.dataclass
 class TrainerConfig(Config):
     steps: int = 200
@@ -97,6 +107,13 @@ class TrainerConfig(Config):
     """Capture each step's forward and backward in one CUDA graph after two ordinary steps and replay
     it (core/cuda_graph.py): the host launches one graph a step instead of every kernel. One GPU,
     no pipeline, no optimizer.overlap, a fixed batch shape, a step without host syncs."""
+    deterministic: bool = False
+    """Bit-reproducible steps: the same configuration, seed and data give the same losses and weights run after
+    run (use_deterministic: torch.use_deterministic_algorithms, which also puts inductor in its deterministic
+    mode, and CUBLAS_WORKSPACE_CONFIG=:4096:8). For A/B checks of a change, whose difference is otherwise drowned
+    in the run-to-run noise of nondeterministic kernels (session 51: the GPU proxy's same configuration and seed
+    1.4% apart at step 200). Costs speed (docs/performance.md); an op without a deterministic kernel raises
+    torch's error naming it. Not covered: the Triton fp8 GEMMs' autotuned tiles, collectives across ranks."""
     collective_timeout_s: float = 1800.0
     """Seconds a collective may wait for the other ranks before it fails (the process group's
     timeout); a watchdog also ends this rank, naming it and its step, when no training step
@@ -177,6 +194,8 @@ class Trainer:
         core/grad_norm_triton.py."""
         cfg.validate()
         self.cfg = cfg
+        if cfg.deterministic:
+            use_deterministic(True)
         self.model_parts = list(model) if isinstance(model, (list, tuple)) else [model]
         self.model = self.model_parts[0]
         # Wrapping (FSDP2, compile) is done before the Trainer is built: the set is fixed.

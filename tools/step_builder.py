@@ -18,7 +18,7 @@ from moetron.core.config import ConfigError
 from moetron.core.memory import MemoryConfig
 from moetron.core.optim import OptimizerConfig, SchedulerConfig
 from moetron.core.precision import PrecisionConfig
-from moetron.core.trainer import Trainer, TrainerConfig
+from moetron.core.trainer import Trainer, TrainerConfig, use_deterministic
 from moetron.data.loader import DataConfig
 from moetron.models import ModelConfig
 from moetron.run.build import resolve_auto
@@ -85,7 +85,7 @@ STEP_SECTIONS = ("model", "memory", "optimizer", "precision")
 """The config sections a benchmarked step takes overrides for (--<section>.<field>=value); beside them
 --trainer.* for the fields of STEP_TRAINER_FIELDS."""
 
-STEP_TRAINER_FIELDS = ("cuda_graph", "grad_clip")
+STEP_TRAINER_FIELDS = ("cuda_graph", "grad_clip", "deterministic")
 """The TrainerConfig fields that change a benchmarked step (the rest are the run's: steps, logging, ...)."""
 
 
@@ -160,6 +160,7 @@ def build_trainer(model_cfg: ModelConfig, memory: MemoryConfig, data: TokenStrea
     optimizer = optim_cfg.build(model)
     scheduler = SchedulerConfig(warmup_steps=0).build(optimizer, 10_000)
     tcfg = dataclasses.replace(trainer or TrainerConfig(), steps=10_000, micro_batch_size=micro_batch, run_dir="")
+    use_deterministic(tcfg.deterministic)  # process-wide: each variant of a benchmark sets its own
     return Trainer(tcfg, model, None, optimizer, scheduler, data,
                    model_cfg.flops_per_token(seq_len), device, precision=recipe, overlap_optimizer=optim_cfg.overlap,
                    triton_grad_norm=optim_cfg.triton_grad_norm)
