@@ -54,8 +54,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _free(p: torch.Tensor) -> None:
     """Free a split master's fp32 storage and give the parameter its guarded stand-in class
     (core.split_param: a read between steps raises a clear error instead of reading freed memory)."""
-    p.__class__ = original_class(type(p))
-    p.untyped_storage().resize_(0)
+    p.untyped_storage().resize_(0)  # (the stand-in lets storage calls through)
     p.__class__ = freed_class(type(p))
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["SplitMasterError", "freed_class", "is_freed", "original_class"]
+__all__ = ["SplitMasterError", "freed_class", "original_class"]
 
 
 class SplitMasterError(RuntimeError):
@@ -95,8 +95,3 @@ def freed_class(cls: type) -> type:
 def original_class(cls: type) -> type:
     """The class ``freed_class`` guarded (``cls`` itself where it is not a stand-in)."""
     return getattr(cls, "_moetron_original", cls) if issubclass(cls, _FreedMixin) else cls
-
-
-def is_freed(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a split master's parameter between steps (its storage freed)."""
-    return isinstance(t, _FreedMixin)

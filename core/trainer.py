@@ -112,8 +112,10 @@ class TrainerConfig(Config):
     run (use_deterministic: torch.use_deterministic_algorithms, which also puts inductor in its deterministic
     mode, and CUBLAS_WORKSPACE_CONFIG=:4096:8). For A/B checks of a change, whose difference is otherwise drowned
     in the run-to-run noise of nondeterministic kernels (session 51: the GPU proxy's same configuration and seed
-    1.4% apart at step 200). Costs speed (docs/performance.md); an op without a deterministic kernel raises
-    torch's error naming it. Not covered: the Triton fp8 GEMMs' autotuned tiles, collectives across ranks."""
+    1.4% apart at step 200). Measured (session 52, H100, OLMoE-8L compiled, docs/performance.md): two runs'
+    losses equal bit for bit, at 0.857x the default's tokens/s; for checks, not production runs. An op without
+    a deterministic kernel raises torch's error naming it. Not covered: the Triton fp8 GEMMs' autotuned tiles,
+    collectives across ranks."""
     collective_timeout_s: float = 1800.0
     """Seconds a collective may wait for the other ranks before it fails (the process group's
     timeout); a watchdog also ends this rank, naming it and its step, when no training step
