@@ -93,9 +93,9 @@ class OptimizerConfig(Config):
     ``auto`` (None, the default since session 52): on where the precision switches' ``auto`` turns the
     copies on (core.precision.config.copies_auto_on) and the run holds copies it can split
     (core.precision.config.split_copies_held); off elsewhere (with_auto_split). Measured with the default
-    copies (session 51, H100, compiled, 16,384 tokens a step, docs/performance.md): the same tokens/s
-    (+0.2% olmoe3-4l-8e, +0.5-1.2% OLMoE-8L) for 4.1 / 6.6 GiB less peak, below the copies-off peak; the GPU
-    proxy at three seeds within 1% of the copies alone. Between steps a split parameter holds no storage
+    copies (H100, compiled, 16,384 tokens a step, docs/performance.md): +0.6% on olmoe3-4l-8e and +1.0% on
+    OLMoE-8L (session 52, beside split_master=false in one run), for 4.1 / 6.6 GiB less peak, below the
+    copies-off peak; the GPU proxy at three seeds within 1% of the copies alone (session 51). Between steps a split parameter holds no storage
     and has a guarded stand-in class (core.split_param): its shape, dtype, device and gradient read as
     before, and a read of its values outside the trainer's blocks (a loop of one's own around train_step)
     raises SplitMasterError naming ``trainer.masters_materialized()`` instead of reading freed memory. The

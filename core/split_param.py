@@ -29,7 +29,7 @@ _META_ATTRS = ("shape", "dtype", "device", "grad", "_grad", "requires_grad", "is
                "nbytes", "_version", "_post_accumulate_grad_hooks", "_backward_hooks")
 _META_METHODS = ("size", "dim", "numel", "nelement", "stride", "is_contiguous", "element_size", "is_floating_point",
                  "is_complex", "get_device", "requires_grad_", "__len__", "register_hook",
-                 "register_post_accumulate_grad_hook", "untyped_storage", "data_ptr", "__format__")
+                 "register_post_accumulate_grad_hook", "untyped_storage", "data_ptr")
 _META_FUNCTIONS = (torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like)
 
 
@@ -41,7 +41,6 @@ def _metadata_functions() -> frozenset:
             if attr is not None and hasattr(attr, accessor):
                 out.add(getattr(attr, accessor))
     out.update(getattr(torch.Tensor, name) for name in _META_METHODS if hasattr(torch.Tensor, name))
-    out.discard(torch.Tensor.__format__)  # formats the values: a read
     return frozenset(out)
 
 

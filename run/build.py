@@ -13,7 +13,7 @@ from moetron.core.distributed import is_main
 from moetron.core.optim import OptimizerConfig
 from moetron.core.precision import PrecisionConfig
 from moetron.core.precision.config import copies_auto_on, copies_off_overrides, split_copies_held
-from moetron.core.trainer import Trainer, use_deterministic
+from moetron.core.trainer import Trainer
 from moetron.parallel import ParallelMesh, ParallelState, apply_strategies
 
 from .config import PretrainConfig
@@ -67,8 +67,6 @@ def build(cfg: PretrainConfig, device: torch.device, world: int, checkpointer: C
     data = cfg.data.build(vocab_size=cfg.model.vocab_size, dp_rank=mesh.dp_rank, dp_size=mesh.dp_size,
                           pin_memory=device.type == "cuda")  # the trainer's non_blocking copy is then async
     seed_everything(cfg.trainer.seed)
-    if cfg.trainer.deterministic:  # before the model's first GPU work (cuBLAS reads its workspace setting once)
-        use_deterministic(True)
     model = cfg.model.build(device=device)  # identical on every rank: same seed
     precision, optimizer = resolve_auto(cfg.precision, cfg.optimizer, device.type, one_rank=cfg.parallel.one_rank(world),
                                         local_batch=data.local_batch_size, micro_batch=cfg.trainer.micro_batch_size,

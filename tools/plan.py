@@ -79,8 +79,9 @@ def print_slice(r: dict, cfg: ModelConfig) -> None:
 
 def _row(r: dict) -> str:
     lay = r["layout"]
+    copies = ("copies+split" if r.get("split_master") else "copies") if r["weight_copies"] else ""
     return (f"ep {lay['ep']:>3} pp {lay['pp']:>3} dp_shard {lay['dp_shard']:>4} mb {r['micro_batch']:>2} "
-            f"acc {r['grad_accum']:>4} {r['recompute']:<5}{(' copies+split' if r.get('split_master') else ' copies      ') if r['weight_copies'] else '             '} | peak {r['peak_gib']:7.1f} GiB | step {r['step_s']:8.3f} s | "
+            f"acc {r['grad_accum']:>4} {r['recompute']:<5} {copies:<12} | peak {r['peak_gib']:7.1f} GiB | step {r['step_s']:8.3f} s | "
             f"{r['tflops_per_gpu']:6.1f} TFLOP/s/GPU | {'fits' if r['fits'] else 'DOES NOT FIT'}; "
             f"limit: {r['tightest']}")
 

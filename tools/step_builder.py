@@ -160,7 +160,8 @@ def build_trainer(model_cfg: ModelConfig, memory: MemoryConfig, data: TokenStrea
     optimizer = optim_cfg.build(model)
     scheduler = SchedulerConfig(warmup_steps=0).build(optimizer, 10_000)
     tcfg = dataclasses.replace(trainer or TrainerConfig(), steps=10_000, micro_batch_size=micro_batch, run_dir="")
-    use_deterministic(tcfg.deterministic)  # process-wide: each variant of a benchmark sets its own
+    if not tcfg.deterministic:  # the flag is the process's: a variant after a deterministic one turns it off (the
+        use_deterministic(False)  # Trainer turns it on where trainer.deterministic asks)
     return Trainer(tcfg, model, None, optimizer, scheduler, data,
                    model_cfg.flops_per_token(seq_len), device, precision=recipe, overlap_optimizer=optim_cfg.overlap,
                    triton_grad_norm=optim_cfg.triton_grad_norm)
