@@ -64,10 +64,16 @@ def use_deterministic(on: bool) -> None:
     """Turn the process's deterministic kernels on or off (trainer.deterministic): torch's deterministic
     algorithms (an op without one raises, naming it; inductor then compiles in its deterministic mode: no
     benchmark-driven choices), with CUBLAS_WORKSPACE_CONFIG=:4096:8 set where unset (cuBLAS reads it when it
-    makes its first handle: before the first GPU matmul of the process, as the Trainer's construction is)."""
+    makes its first handle: before the first GPU matmul of the process, as the Trainer's construction is).
+    torch's fill of uninitialized memory (every torch.empty written with NaN while deterministic algorithms are on)
+    is turned off with them: it makes reads of memory never written repeat, which no op of the step does (the GPU
+    test compares a run with the fill against one without, bit for bit), and it cost 6.5% of OLMoE-8L's step
+    (session 53: 0.858x the default's tokens/s with it, 0.914x without; docs/performance.md). Turning them off
+    restores torch's default (on)."""
     if on:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(on)
+    torch.utils.deterministic.fill_uninitialized_memory = not on
 
 
 @dataclasses.dataclass
@@ -112,8 +118,10 @@ class TrainerConfig(Config):
     run (use_deterministic: torch.use_deterministic_algorithms, which also puts inductor in its deterministic
     mode, and CUBLAS_WORKSPACE_CONFIG=:4096:8). For A/B checks of a change, whose difference is otherwise drowned
     in the run-to-run noise of nondeterministic kernels (session 51: the GPU proxy's same configuration and seed
-    1.4% apart at step 200). Measured (session 52, H100, OLMoE-8L compiled, docs/performance.md): two runs'
-    losses equal bit for bit, at 0.857x the default's tokens/s; for checks, not production runs. An op without
+    1.4% apart at step 200). Measured (sessions 52-53, H100, OLMoE-8L compiled, docs/performance.md): two runs'
+    losses equal bit for bit, at 0.914x the default's tokens/s (flash attention's deterministic backward, 16 ->
+    38 ms a step, is the rest; torch's fill of uninitialized memory, 15 ms, is off); for checks, not production
+    runs. An op without
     a deterministic kernel raises torch's error naming it. Not covered: the Triton fp8 GEMMs' autotuned tiles,
     collectives across ranks."""
     collective_timeout_s: float = 1800.0
