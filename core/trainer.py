@@ -119,10 +119,9 @@ class TrainerConfig(Config):
     mode, and CUBLAS_WORKSPACE_CONFIG=:4096:8). For A/B checks of a change, whose difference is otherwise drowned
     in the run-to-run noise of nondeterministic kernels (session 51: the GPU proxy's same configuration and seed
     1.4% apart at step 200). Measured (sessions 52-53, H100, OLMoE-8L compiled, docs/performance.md): two runs'
-    losses equal bit for bit, at 0.914x the default's tokens/s (flash attention's deterministic backward, 16 ->
-    38 ms a step, is the rest; torch's fill of uninitialized memory, 15 ms, is off); for checks, not production
-    runs. An op without
-    a deterministic kernel raises torch's error naming it. Not covered: the Triton fp8 GEMMs' autotuned tiles,
+    losses equal bit for bit, at 0.914x the default's tokens/s (the rest: attention leaves cuDNN's kernels, whose
+    backward is not deterministic, for FlashAttention-2's deterministic one, 16 -> 38 ms a step; torch's fill of
+    uninitialized memory, 15 ms, is off); for checks, not production runs. An op without a deterministic kernel raises torch's error naming it. Not covered: the Triton fp8 GEMMs' autotuned tiles,
     collectives across ranks."""
     collective_timeout_s: float = 1800.0
     """Seconds a collective may wait for the other ranks before it fails (the process group's

@@ -279,7 +279,7 @@ def bench_plan(env: dict, row: dict) -> Plan:
     # The step's trainer switches (tools/step_builder.py STEP_TRAINER_FIELDS) plan as the step without
     # them: trainer.cuda_graph replays the same kernels from memory allocated as the eager step's
     # (measured +0.0-0.1 GiB, session 39); grad_clip moves no bytes; trainer.deterministic's slower kernels
-    # (flash attention's deterministic backward: 0.914x the tokens/s on OLMoE-8L, session 53) are not modelled.
+    # (FlashAttention-2's deterministic backward instead of cuDNN's: 0.914x the tokens/s on OLMoE-8L, session 53) are not modelled.
     configs.apply(then + [o for o in given if not o.startswith(tuple(f"--trainer.{f}=" for f in STEP_TRAINER_FIELDS))])
     if recorded:
         configs.precision = PrecisionConfig.from_dict(recorded)
