@@ -5,7 +5,8 @@ Prints a table and writes JSON. Everything is computed from the configs (nothing
 parameters from ModelConfig.num_params / num_block_params, FLOPs from ModelConfig.flops_per_token,
 the layout from ParallelConfig.resolve (the same ConfigError as pretrain for a bad layout). The
 switches are read from the same config fields pretrain takes: --model.fused_loss,
---model.loss_chunk_tokens, --optimizer.state_dtype, --parallel.fsdp_offload, --trainer.grad_sync, --precision.recipe /
+--model.loss_chunk_tokens, --optimizer.state_dtype, --parallel.fsdp_offload, --trainer.grad_sync, --trainer.deterministic,
+--precision.recipe /
 .backend / .modules (--precision NAME is short for --precision.recipe=NAME; fp8 = mxfp8), fp8_rowwise's
 --precision.fp8_fast_accum / .fp8_wgrad / .fp8_fused_amax, --precision.expert_weight_copies /
 .expert_grads_bf16 (bf16, fp8_rowwise, the emulated backend), --memory.*.
@@ -51,7 +52,7 @@ from moetron.core.memory import MemoryConfig
 from moetron.core.optim import OptimizerConfig
 from moetron.core.precision import PrecisionConfig, PrecisionRecipe
 from moetron.core.precision.config import copies_off_overrides
-from moetron.core.trainer import GradSync
+from moetron.core.trainer import GradSync, TrainerConfig
 from moetron.models import ModelConfig
 from moetron.parallel.config import ParallelConfig
 from moetron.run.planner.hardware import GPUS, GiB, gpu_of
@@ -165,6 +166,8 @@ def parse(argv: list[str]) -> tuple[Plan, argparse.Namespace]:
     parser.add_argument("--trainer.grad_sync", dest="grad_sync", default=str(GradSync.micro_batch),
                         choices=[str(g) for g in GradSync],
                         help="when FSDP2 reduces gradients under accumulation (pretrain's trainer.grad_sync)")
+    parser.add_argument("--trainer.deterministic", dest="deterministic", default=None, choices=("true", "false"),
+                        help="plan pretrain's trainer.deterministic (attention on torch's deterministic kernels)")
     parser.add_argument("--search", action="store_true", help="list the fastest layouts that fit")
     parser.add_argument("--slice", action="store_true",
                         help="plan tools/bench_slice.py's slice: --layers MoE blocks of one stage under "
@@ -176,7 +179,7 @@ def parse(argv: list[str]) -> tuple[Plan, argparse.Namespace]:
     parser.add_argument("--json", default="runs/plan/plan.json")
     args, rest = parser.parse_known_args(argv)
     configs = Configs(precision=PrecisionConfig(recipe=PrecisionRecipe.bf16))
-    seq, batch, micro = 4096, 4, None
+    seq, batch, micro, deterministic = 4096, 4, None, False
     if args.config:
         import yaml
 
@@ -189,6 +192,7 @@ def parse(argv: list[str]) -> tuple[Plan, argparse.Namespace]:
         seq = raw.get("data", {}).get("seq_len", seq)
         batch = raw.get("data", {}).get("global_batch_size", batch)
         micro = raw.get("trainer", {}).get("micro_batch_size", micro)
+        deterministic = bool(raw.get("trainer", {}).get("deterministic", deterministic))
     if args.preset:
         configs.model = ModelConfig.preset(args.preset)
     if args.precision:
@@ -197,7 +201,8 @@ def parse(argv: list[str]) -> tuple[Plan, argparse.Namespace]:
     p = Plan(model=configs.model, parallel=configs.parallel, memory=configs.memory, seq_len=args.seq_len or seq,
              global_batch=args.global_batch or batch, micro_batch=args.micro_batch or micro,
              precision=configs.precision, optimizer=configs.optimizer, compiled=not args.eager, gpu=args.gpu,
-             num_gpus=args.num_gpus, grad_sync=GradSync(args.grad_sync))
+             num_gpus=args.num_gpus, grad_sync=GradSync(args.grad_sync), 
+             deterministic=deterministic if args.deterministic is None else args.deterministic == "true")
     return p, args
 
 
@@ -277,10 +282,14 @@ def bench_plan(env: dict, row: dict) -> Plan:
                                              if str(env.get("date", "")) < since]
     given = [o for o in overrides if o.startswith("--")] + list(row.get("overrides", []))
     # The step's trainer switches (tools/step_builder.py STEP_TRAINER_FIELDS) plan as the step without
-    # them: trainer.cuda_graph replays the same kernels from memory allocated as the eager step's
-    # (measured +0.0-0.1 GiB, session 39); grad_clip moves no bytes; trainer.deterministic's slower kernels
-    # (FlashAttention-2's deterministic backward instead of cuDNN's: 0.914x the tokens/s on OLMoE-8L, session 53) are not modelled.
-    configs.apply(then + [o for o in given if not o.startswith(tuple(f"--trainer.{f}=" for f in STEP_TRAINER_FIELDS))])
+    # them, but for trainer.deterministic's attention kernels (Plan.deterministic): trainer.cuda_graph replays
+    # the same kernels from memory allocated as the eager step's (measured +0.0-0.1 GiB, session 39);
+    # grad_clip moves no bytes. Session 52's deterministic rows ran with torch's fill of uninitialized memory
+    # (15 ms of OLMoE-8L's step, off since session 53), which is not modelled.
+    step_trainer = [o for o in given if o.startswith(tuple(f"--trainer.{f}=" for f in STEP_TRAINER_FIELDS))]
+    trainer = TrainerConfig()
+    trainer.apply_overrides([o.replace("--trainer.", "--", 1) for o in step_trainer])
+    configs.apply(then + [o for o in given if o not in step_trainer])
     if recorded:
         configs.precision = PrecisionConfig.from_dict(recorded)
     if row.get("optimizer"):
@@ -295,7 +304,7 @@ def bench_plan(env: dict, row: dict) -> Plan:
     return Plan(model=configs.model, parallel=configs.parallel, memory=configs.memory, seq_len=args.seq_len,
                 global_batch=args.batch, micro_batch=args.micro_batch, precision=configs.precision,
                 optimizer=configs.optimizer, compiled=args.compile, gpu=gpu_of(env.get("device")) or "h200", num_gpus=1,
-                mx_fused=None if fused is None else fused != "0")
+                deterministic=trainer.deterministic, mx_fused=None if fused is None else fused != "0")
 
 
 def _error(planned: float, measured: float | None) -> float | None:

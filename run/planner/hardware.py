@@ -3,7 +3,7 @@ each with its source (a datasheet, a measurement in docs/performance.md, or an a
 
 from __future__ import annotations
 
-__all__ = ['GiB', 'GPU', 'GPUS', 'gpu_of', 'GPUS_PER_NODE', 'RESERVED_GIB', 'EXPERT_GEMM_MEASURED', 'EFF_FP8_GEMM', 'EFF_FP8_EXPERT', 'EFF_FP8_GLUON_EXPERT', 'EFF_FP8_CUBLAS_EXPERT', 'CUBLAS_CALL_S', 'BF16_CUBLAS_MEASURED', 'BF16_CUBLAS_CALL_S', 'EFF_ATTN', 'EFF_COMM', 'EFF_PCIE', 'HOST_GBPS', 'HBM_TRAFFIC', 'RESIDUAL_SAVED_BYTES', 'EAGER_NORM_SAVED_BYTES', 'EAGER_ROPE_SAVED_BYTES', 'OPTIMIZER_BYTES', 'RECOMPUTE_FORWARD', 'HOST_OPTIMIZER_BYTES', 'QUANT_BYTES', 'QUANT_ROWS_BYTES', 'WEIGHT_QUANT_BYTES', 'MX_EMULATED_BYTES', 'EFF_MX_QUANT', 'EFF_MX_FUSED', 'FP8_SAVED', 'FP8_WEIGHT_CACHED', 'FP8_ROWWISE_MEASURED', 'EFF_FP8_ROWWISE_GEMM', 'ROWWISE_QUANT_BYTES', 'EFF_ROWWISE_ROWS', 'EFF_ROWWISE_COLS', 'LOW_PRECISION']
+__all__ = ['GiB', 'GPU', 'GPUS', 'gpu_of', 'GPUS_PER_NODE', 'RESERVED_GIB', 'EXPERT_GEMM_MEASURED', 'EFF_FP8_GEMM', 'EFF_FP8_EXPERT', 'EFF_FP8_GLUON_EXPERT', 'EFF_FP8_CUBLAS_EXPERT', 'CUBLAS_CALL_S', 'BF16_CUBLAS_MEASURED', 'BF16_CUBLAS_CALL_S', 'EFF_ATTN', 'DETERMINISTIC_ATTN', 'EFF_COMM', 'EFF_PCIE', 'HOST_GBPS', 'HBM_TRAFFIC', 'RESIDUAL_SAVED_BYTES', 'EAGER_NORM_SAVED_BYTES', 'EAGER_ROPE_SAVED_BYTES', 'OPTIMIZER_BYTES', 'RECOMPUTE_FORWARD', 'HOST_OPTIMIZER_BYTES', 'QUANT_BYTES', 'QUANT_ROWS_BYTES', 'WEIGHT_QUANT_BYTES', 'MX_EMULATED_BYTES', 'EFF_MX_QUANT', 'EFF_MX_FUSED', 'FP8_SAVED', 'FP8_WEIGHT_CACHED', 'FP8_ROWWISE_MEASURED', 'EFF_FP8_ROWWISE_GEMM', 'ROWWISE_QUANT_BYTES', 'EFF_ROWWISE_ROWS', 'EFF_ROWWISE_COLS', 'LOW_PRECISION']
 
 import dataclasses
 
@@ -158,6 +158,12 @@ of it, at about 40% of peak. Fitted in session 41 to the attention kernels of to
 profiles (cuDNN's Hopper kernels, S 4096): 15.7-17.4 ms a step on the H100 (OLMoE-8L and olmoe3-4l-8e,
 sessions 37-41), 16.6-18.1 on the H200 (sessions 10-29), 16.7 planned; the H200's per-kernel table of
 session 18 (tools/bench_attention.py) agrees. Was 0.70, assumed."""
+DETERMINISTIC_ATTN = 2.37
+"""trainer.deterministic: attention's kernel time against the default's. torch's SDPA then leaves cuDNN's
+Hopper kernels (their backward is not deterministic) for FlashAttention-2's, with its deterministic
+backward: 16.1 -> 38.1 ms a step (forward 3.9 -> 7.4, backward 12.2 -> 28.8 and its extra passes), OLMoE-8L
+compiled at S 4096, head dim 128, on the H100 (session 53's profiles, tools/profile_step.py). [measured]
+on that one shape; the switch's other cost, torch's fill of uninitialized memory, is off (core/trainer.py)."""
 EFF_COMM = 0.73
 """Achieved / link bandwidth of NCCL collectives at large sizes: 330 of 450 GB/s (2 x H200, docs)."""
 EFF_PCIE = 0.8

@@ -88,6 +88,8 @@ class Plan:
     grad_sync: GradSync | str = GradSync.micro_batch
     """trainer.grad_sync: FSDP2 reduce-scatters every micro-batch's gradients (micro_batch), or only
     the last one's (step: each rank accumulates its units' unsharded fp32 gradients meanwhile)."""
+    deterministic: bool = False
+    """trainer.deterministic: attention on torch's deterministic kernels (timing.stage_time); no bytes move."""
     mx_fused: bool | None = None
     """mxfp8 emulated: the fused rows-and-columns quantization (MOETRON_MX_FUSED, read by
     core/precision/emulated.py at import); None: as this process has it (on unless set to 0)."""
@@ -254,7 +256,8 @@ def plan(p: Plan) -> dict:
     flops_step = fpt * tokens_step
     bf16_flops = gpu.bf16_tflops * 1e12
     times = [stage_time(cfg, layers, sw=sw, memory=mem, gpu=gpu, seq_len=p.seq_len, tokens=T_mb, ep=ep,
-                        compiled=p.compiled, microbatches=m, last=s == par.pp - 1) for s, layers in enumerate(stages)]
+                        compiled=p.compiled, microbatches=m, last=s == par.pp - 1, deterministic=p.deterministic)
+             for s, layers in enumerate(stages)]
     t_mb, parts = max(times, key=lambda t: t[0])
     t_compute = m * t_mb
     t_pp_send = 0.0
@@ -386,7 +389,7 @@ def plan(p: Plan) -> dict:
         "layout": {"dp_replicate": par.dp_replicate, "dp_shard": par.dp_shard, "ep": ep, "efsdp": efsdp,
                    "pp": par.pp, "pp_microbatches": m if par.pp > 1 else None},
         "seq_len": p.seq_len, "global_batch": p.global_batch, "micro_batch": micro, "grad_accum": m,
-        "grad_sync": str(GradSync.step if step_sync else GradSync.micro_batch),
+        "grad_sync": str(GradSync.step if step_sync else GradSync.micro_batch), "deterministic": p.deterministic,
         "stages": rows, "tight_stage": tight["stage"], "peak_gib": tight["peak_gib"], "peak_at": tight["peak_at"],
         "usable_gib": usable, "host_gib": tight["host_gib"],
         "flops_per_token": fpt, "flops_per_step": flops_step,

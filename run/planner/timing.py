@@ -15,7 +15,7 @@ from moetron.core.memory import MemoryConfig, Recompute
 from moetron.models import ModelConfig
 from .hardware import (
     GPU, GPUS_PER_NODE, EXPERT_GEMM_MEASURED, EFF_FP8_GEMM, EFF_FP8_EXPERT, EFF_FP8_GLUON_EXPERT, EFF_FP8_CUBLAS_EXPERT,
-    CUBLAS_CALL_S, BF16_CUBLAS_MEASURED, BF16_CUBLAS_CALL_S, EFF_ATTN, EFF_COMM, HBM_TRAFFIC,
+    CUBLAS_CALL_S, BF16_CUBLAS_MEASURED, BF16_CUBLAS_CALL_S, EFF_ATTN, DETERMINISTIC_ATTN, EFF_COMM, HBM_TRAFFIC,
     RECOMPUTE_FORWARD, QUANT_BYTES, WEIGHT_QUANT_BYTES, QUANT_ROWS_BYTES, MX_EMULATED_BYTES, EFF_MX_QUANT,
     EFF_MX_FUSED, FP8_ROWWISE_MEASURED, EFF_FP8_ROWWISE_GEMM, ROWWISE_QUANT_BYTES, EFF_ROWWISE_ROWS, EFF_ROWWISE_COLS,
     RESIDUAL_SAVED_BYTES, EAGER_NORM_SAVED_BYTES, EAGER_ROPE_SAVED_BYTES,
@@ -218,12 +218,13 @@ def _log_interpolated(points: list[tuple[float, float]], size: float) -> float:
 
 def stage_time(cfg: ModelConfig, layers: list[int], *, sw: Switches, memory: MemoryConfig, gpu: GPU, seq_len: int,
                tokens: int, ep: int, compiled: bool, microbatches: int = 1, last: bool = False,
-               all_to_all: bool = True, fp32_master: bool = True) -> tuple[float, dict]:
+               all_to_all: bool = True, fp32_master: bool = True, deterministic: bool = False) -> tuple[float, dict]:
     """Seconds for one micro-batch of ``tokens`` forward + backward through blocks ``layers`` (with
     E/ep local experts fed T*K rows), and its parts. ``last``: the stage holds the LM head and loss.
     ``all_to_all``: the EP dispatch / combine is run (exposed); ``fp32_master``: the bf16 experts recast
     fp32 master weights in backward (False where the weights are bf16 already, as tools/bench_slice.py
-    holds them). ``microbatches`` spreads an eager run's weight-cache quantization over the step."""
+    holds them). ``microbatches`` spreads an eager run's weight-cache quantization over the step.
+    ``deterministic``: trainer.deterministic's attention kernels (DETERMINISTIC_ATTN)."""
     mem, T_mb, m = memory, tokens, microbatches
     bf16_flops = gpu.bf16_tflops * 1e12
     width = attention_widths(cfg)[0]
@@ -275,7 +276,7 @@ def stage_time(cfg: ModelConfig, layers: list[int], *, sw: Switches, memory: Mem
         t_experts = max(module_time("experts", True, rate), calls * BF16_CUBLAS_CALL_S)
     t_gemm = T_mb * extra * other_f / bf16_rate(gpu) + t_experts + sum(
         module_time(k, False, gemm_rate(gpu, sw, k, False)) for k in ("attention", "mlp"))
-    t_attn = T_mb * attn_f / (bf16_flops * EFF_ATTN) * extra
+    t_attn = T_mb * attn_f / (bf16_flops * EFF_ATTN) * extra * (DETERMINISTIC_ATTN if deterministic else 1.0)
     ref_bytes = sum(reference_activation_bytes(cfg, i) for i in layers)
     traffic = HBM_TRAFFIC["compiled" if compiled else "eager"] * ref_bytes * T_mb * extra
     if sw.bf16_residual:  # [measured fit] the stream and its gradient in bf16 (RESIDUAL_SAVED_BYTES)

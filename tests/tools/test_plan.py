@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import plan as planner  # tools/plan.py
+from moetron.run.planner.hardware import DETERMINISTIC_ATTN
 from moetron.core.config import ConfigError
 from moetron.core.memory import MemoryConfig
 from moetron.core.precision import PrecisionConfig
@@ -1119,16 +1120,44 @@ def test_optimizer_overlap_is_named_as_not_modelled():
 def test_validate_plans_the_step_trainer_switches_as_the_step_without_them():
     """A bench_train row with --trainer.cuda_graph / grad_clip (tools/step_builder.py STEP_TRAINER_FIELDS)
     plans as the same row without them (the graph replays the eager step's kernels in memory allocated
-    as its: +0.0-0.1 GiB measured, session 39); another --trainer.* field is still refused."""
+    as its: +0.0-0.1 GiB measured, session 39); --trainer.deterministic as the same row with only its
+    attention time scaled by DETERMINISTIC_ATTN (the same bytes); another --trainer.* field is still refused."""
     env = {"preset": "tiny-moe", "seq_len": 64, "batch": 2, "compile": True}
     plain = planner.bench_plan(env, {"overrides": ["--model.n_layers=2"]})
     graph = planner.bench_plan(env, {"overrides": ["--model.n_layers=2", "--trainer.cuda_graph=true",
                                                    "--trainer.grad_clip=0.5"]})
-    assert plain.model.n_layers == graph.model.n_layers == 2
+    assert plain.model.n_layers == graph.model.n_layers == 2 and not plain.deterministic
     planned, planned_plain = planner.plan(graph), planner.plan(plain)
     assert planned["stages"] == planned_plain["stages"] and planned["step_s"] == planned_plain["step_s"]
+    det = planner.bench_plan(env, {"overrides": ["--model.n_layers=2", "--trainer.deterministic=true"]})
+    assert det.deterministic and det.model.n_layers == 2
+    planned_det = planner.plan(det)
+    assert planned_det["peak_gib"] == planned_plain["peak_gib"]
+    attn, attn_det = (r["microbatch_parts_s"]["attention"] for r in (planned_plain, planned_det))
+    assert attn > 0 and attn_det == pytest.approx(attn * DETERMINISTIC_ATTN)
+    assert planned_det["step_s"] == pytest.approx(planned_plain["step_s"] + attn_det - attn)
     with pytest.raises(ConfigError, match="unrecognized arguments.*--trainer.steps=3"):
         planner.bench_plan(env, {"overrides": ["--trainer.steps=3"]})
+
+
+def test_cli_and_run_yaml_plan_trainer_deterministic(tmp_path):
+    """tools/plan.py --trainer.deterministic=true, or a run YAML whose trainer section sets it, plans the
+    deterministic step (its figure, DETERMINISTIC_ATTN, measured in session 53: OLMoE-8L's attention
+    16.1 -> 38.1 ms a step on the H100); the flag given overrides the YAML."""
+    base = ["--preset", "tiny-moe", "--seq-len", "256", "--global-batch", "8"]
+    steps = {}
+    for name, extra in (("plain", []), ("det", ["--trainer.deterministic=true"])):
+        out = tmp_path / f"{name}.json"
+        assert planner.main(base + extra + ["--json", str(out)]) == 0
+        steps[name] = json.loads(out.read_text())["rows"][0]
+    assert steps["det"]["deterministic"] and not steps["plain"]["deterministic"]
+    assert steps["det"]["step_s"] > steps["plain"]["step_s"]
+    yml = tmp_path / "run.yaml"
+    yml.write_text("trainer:\n  deterministic: true\n")
+    for extra, want in (([], True), (["--trainer.deterministic=false"], False)):
+        out = tmp_path / "yaml.json"
+        assert planner.main(["--config", str(yml)] + base + extra + ["--json", str(out)]) == 0
+        assert json.loads(out.read_text())["rows"][0]["deterministic"] is want
 
 
 def test_in_step_rates_plan_the_profiled_terms():
