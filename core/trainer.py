@@ -496,6 +496,9 @@ class Trainer:
         self.eval_enabled = self._eval_plan()
         if is_main():
             print(f"training steps {self.step + 1}..{last_step} of {cfg.steps}", flush=True)
+            if cfg.deterministic:
+                print("trainer.deterministic: torch's deterministic algorithms are on (bit-reproducible steps, slower: "
+                      "for A/B checks; docs/training.md)", flush=True)
         watchdog = StepWatchdog(cfg.collective_timeout_s, self.step)
         watchdog.start()
         try:

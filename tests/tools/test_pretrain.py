@@ -69,6 +69,26 @@ def test_resume_is_bit_exact(tmp_path, data_dir):
             assert torch.equal(wa[k], wb[k]), k
 
 
+def test_deterministic_through_the_entry_point_and_its_resume(tmp_path, data_dir):
+    """--trainer.deterministic=true through tools/pretrain.py: the run says so, its resolved config keeps it, the
+    process that resumes from that config turns it on again, and every step of the data, the loop, the
+    checkpoint and the resume has a deterministic kernel (torch raises naming any op without one). On the CPU,
+    whose kernels are deterministic anyway, the losses are the plain run's bit for bit."""
+    plain, det = str(tmp_path / "plain"), str(tmp_path / "det")
+    run([*SMALL, "--trainer.steps=4", f"--trainer.run_dir={plain}"], data_dir)
+    out = run([*SMALL, "--trainer.steps=4", "--trainer.stop_at_step=2", "--trainer.deterministic=true",
+               f"--trainer.run_dir={det}"], data_dir)
+    said = "trainer.deterministic: torch's deterministic algorithms are on"
+    assert said in out.stdout
+    import yaml
+
+    with open(f"{det}/config.yaml", encoding="utf-8") as f:
+        assert yaml.safe_load(f)["trainer"]["deterministic"] is True
+    out = run(["--config", f"{det}/config.yaml", "--trainer.stop_at_step=null", "--resume"], data_dir)
+    assert "resumed from" in out.stdout and said in out.stdout
+    assert losses(det) == losses(plain) and sorted(losses(det)) == [1, 2, 3, 4]
+
+
 def test_loss_falls(tmp_path, data_dir):
     d = str(tmp_path / "run")
     run([*SMALL, "--trainer.steps=30", "--optimizer.lr=5e-3", f"--trainer.run_dir={d}"], data_dir)
