@@ -121,8 +121,10 @@ class TrainerConfig(Config):
     1.4% apart at step 200). Measured (sessions 52-53, H100, OLMoE-8L compiled, docs/performance.md): two runs'
     losses equal bit for bit, at 0.914x the default's tokens/s (the rest: attention leaves cuDNN's kernels, whose
     backward is not deterministic, for FlashAttention-2's deterministic one, 16 -> 38 ms a step; torch's fill of
-    uninitialized memory, 15 ms, is off); for checks, not production runs. An op without a deterministic kernel raises torch's error naming it. Not covered: the Triton fp8 GEMMs' autotuned tiles,
-    collectives across ranks."""
+    uninitialized memory, 15 ms, is off); for checks, not production runs. An op without a deterministic kernel
+    raises torch's error naming it. Not covered: collectives across ranks. The Triton fp8 GEMMs' autotuned tile
+    should not matter (each output element sums its K-blocks in the same order whatever the tile; its GPU test,
+    test_pipelined_configs_give_the_same_bits_on_gpu, has not run yet)."""
     collective_timeout_s: float = 1800.0
     """Seconds a collective may wait for the other ranks before it fails (the process group's
     timeout); a watchdog also ends this rank, naming it and its step, when no training step

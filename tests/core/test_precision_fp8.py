@@ -551,6 +551,45 @@ def test_pipelined_on_gpu_matches_float64():
 
 
 @pytest.mark.gpu
+def test_pipelined_configs_give_the_same_bits_on_gpu():
+    """The config the autotuner picks (by timing, so it may differ from one process to the next) does not change
+    the pipelined kernels' outputs: every GPU config gives the first one's bits, the rows kernel and the wgrad (k)
+    kernel alike. Each output element sums its 128-long K-blocks in the same order whatever the tile, the warps
+    or the load path. So trainer.deterministic needs no pinned config for the fp8_blockwise recipe's Triton
+    GEMMs (docs/training.md). Ragged experts, empty ones, rows past the last group; N 384 (a whole and a partial
+    BN 256 tile)."""
+    from moetron.core.precision import fp8_triton as ft
+    from moetron.core.precision.blockwise import quantize_1x128, quantize_128x128
+
+    offsets = torch.tensor([40, 40, 101, 140, 140], dtype=torch.int32, device="cuda")
+    a_q, a_s = quantize_1x128(wide(150, 256, seed=1).cuda(), -1)
+    w_q, w_s = quantize_128x128(wide(5, 384, 256, seed=2).cuda())
+    dy_q, dy_s = quantize_1x128(wide(256, 384, seed=3).cuda(), -1)
+    x_q, x_s = quantize_1x128(wide(384, 384, seed=4).cuda(), -1)
+    padded = torch.tensor([128, 128, 384], dtype=torch.int32, device="cuda")
+    rows_configs, k_configs = ft.pipelined_configs(), ft.pipelined_configs(wgrad=True)
+    outs = {}
+    try:
+        for config in rows_configs:
+            ft.use_pipelined_configs([config], k_configs[:1])
+            outs[f"rows {ft.config_name(config)}"] = ft.fp8_grouped_mm_rows(
+                a_q, a_s, w_q.transpose(1, 2), w_s.transpose(1, 2), offsets, torch.float32,
+                kernel=ft.GroupedKernel.pipelined)[:140]
+        for config in k_configs:
+            ft.use_pipelined_configs(rows_configs[:1], [config])
+            outs[f"wgrad {ft.config_name(config)}"] = ft.fp8_grouped_mm_k(dy_q, dy_s, x_q, x_s, padded,
+                                                                          kernel=ft.GroupedKernel.pipelined)
+    finally:
+        ft.use_pipelined_configs(rows_configs, k_configs)  # the autotuner's whole lists again
+    for kind in ("rows", "wgrad"):
+        named = {k: v for k, v in outs.items() if k.startswith(kind)}
+        first_name, first = next(iter(named.items()))
+        assert first.abs().max() > 0
+        differ = [k for k, v in named.items() if not torch.equal(v, first)]
+        assert not differ, f"{differ} differ from {first_name}: the autotuned choice changes the bits"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("experts", ["triton", "cublas", "gluon"])
 @pytest.mark.parametrize("wgrad", ["all", "none"])
 def test_fp8_on_gpu_matches_float64(experts, wgrad):
