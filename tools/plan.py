@@ -92,7 +92,7 @@ def print_plan(r: dict) -> None:
     print(f"{r['model']} | {r['num_gpus']} x {r['gpu']} | {r['precision']} ({r['precision_note']}) | "
           f"{'compiled' if r['compiled'] else 'eager'} | recompute {r['recompute']} | "
           f"{'fused' if r['fused_loss'] else 'plain'} loss | Adam state {r['state_dtype']}"
-          f"{' | fsdp_offload' if r['fsdp_offload'] else ''}")
+          f"{' | fsdp_offload' if r['fsdp_offload'] else ''}{' | deterministic' if r.get('deterministic') else ''}")
     print(f"layout dp_replicate {lay['dp_replicate']} x dp_shard {lay['dp_shard']} (ep {lay['ep']} x efsdp "
           f"{lay['efsdp']}) x pp {lay['pp']} | seq {r['seq_len']} x {r['global_batch']} | micro-batch "
           f"{r['micro_batch']} x {r['grad_accum']}" + (" | grads reduced once per step" if r["grad_sync"] == "step" else ""))

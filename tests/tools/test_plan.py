@@ -7,12 +7,12 @@ import pytest
 import torch
 
 import plan as planner  # tools/plan.py
-from moetron.run.planner.hardware import DETERMINISTIC_ATTN
 from moetron.core.config import ConfigError
 from moetron.core.memory import MemoryConfig
 from moetron.core.precision import PrecisionConfig
 from moetron.models import ModelConfig, Transformer
 from moetron.parallel.config import ParallelConfig
+from moetron.run.planner.hardware import DETERMINISTIC_ATTN
 
 GiB = 2**30
 

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+import yaml
 from tests.processes import run_python
 
 pytestmark = pytest.mark.slow  # among the longest modules: run first (tests/conftest.py)
@@ -80,8 +81,6 @@ def test_deterministic_through_the_entry_point_and_its_resume(tmp_path, data_dir
                f"--trainer.run_dir={det}"], data_dir)
     said = "trainer.deterministic: torch's deterministic algorithms are on"
     assert said in out.stdout
-    import yaml
-
     with open(f"{det}/config.yaml", encoding="utf-8") as f:
         assert yaml.safe_load(f)["trainer"]["deterministic"] is True
     out = run(["--config", f"{det}/config.yaml", "--trainer.stop_at_step=null", "--resume"], data_dir)
