@@ -66,8 +66,8 @@ def use_deterministic(on: bool) -> None:
     benchmark-driven choices), with CUBLAS_WORKSPACE_CONFIG=:4096:8 set where unset (cuBLAS reads it when it
     makes its first handle: before the first GPU matmul of the process, as the Trainer's construction is).
     torch's fill of uninitialized memory (every torch.empty written with NaN while deterministic algorithms are on)
-    is turned off with them: it makes reads of memory never written repeat, which no op of the step does (the GPU
-    test compares a run with the fill against one without, bit for bit), and it cost 6.5% of OLMoE-8L's step
+    is turned off with them: it makes reads of memory never written repeat, which no op of the step does (OLMoE-8L
+    ends at the same loss bit for bit with and without it; the GPU test comparing them is queued), and it cost 6.5% of OLMoE-8L's step
     (session 53: 0.858x the default's tokens/s with it, 0.914x without; docs/performance.md). Turning them off
     restores torch's default (on)."""
     if on:
