@@ -121,7 +121,8 @@ def triton_usable(device: torch.device) -> str | None:
 
 
 class PrecisionAwareAdamW(torch.optim.Optimizer):
-    """torch.optim.AdamW semantics with ``state_dtype`` moments (default bf16) and fp32 update math.
+    """torch.optim.AdamW semantics with ``state_dtype`` moments (default fp32, as OptimizerConfig.state_dtype's;
+    bf16 halves them) and fp32 update math.
 
     ``params``: tensors or param groups (``lr``, ``betas``, ``eps``, ``weight_decay`` per group),
     floating point parameters of at least fp32 (they are the master weights); ``chunk_numel``:
@@ -135,7 +136,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
     masters_materialized)."""
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, state_dtype: torch.dtype = torch.bfloat16,
+                 eps: float = 1e-8, weight_decay: float = 1e-2, state_dtype: torch.dtype = torch.float32,
                  chunk_numel: int = 2**25, kernel: AdamWKernel | str = AdamWKernel.auto,
                  compute_copies: dict[torch.Tensor, torch.Tensor] | None = None, split_master: bool = False):
         if chunk_numel < 1:

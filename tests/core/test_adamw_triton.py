@@ -167,7 +167,7 @@ def check_optimizer_mx_pairs(device: str) -> None:
     for mx in (False, True):
         p = nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(4)).to(device))
         copy, cols = torch.empty_like(p, dtype=torch.bfloat16), torch.empty_like(p, dtype=torch.bfloat16)
-        opt = PrecisionAwareAdamW([p], lr=1e-2, kernel="triton")
+        opt = PrecisionAwareAdamW([p], lr=1e-2, kernel="triton", state_dtype=torch.bfloat16)
         opt.add_compute_copies({p: copy}, mx_cols={p: cols} if mx else None, mx_scale_mode="floor")
         runs.append((p, copy, cols, opt))
     for step in range(2):

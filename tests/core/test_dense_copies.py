@@ -138,7 +138,7 @@ def test_dense_copies_refuse_weights_that_are_not_unsharded_fp32_parameters():
     from moetron.core.precision.gemm import attach_dense_copies
 
     model = torch.nn.Sequential(Linear(8, 8), Linear(8, 8))
-    optimizer = PrecisionAwareAdamW(model.parameters(), kernel="foreach")
+    optimizer = PrecisionAwareAdamW(model.parameters(), kernel="foreach", state_dtype=torch.bfloat16)
     model[1].weight.data = model[1].weight.data.bfloat16()
     with pytest.raises(ConfigError, match="unsharded fp32 weights"):
         attach_dense_copies(optimizer, [model])
@@ -202,7 +202,7 @@ def test_head_copy_is_what_the_loss_computes_on_and_the_optimizer_rewrites(monke
 
     plain = LMHead(8, 16, fused=False)
     with pytest.raises(ConfigError, match="model.fused_loss=false"):
-        attach_head_copy(PrecisionAwareAdamW(plain.parameters(), kernel="foreach"), [plain])
+        attach_head_copy(PrecisionAwareAdamW(plain.parameters(), kernel="foreach", state_dtype=torch.bfloat16), [plain])
 
 
 def test_resume_rewrites_the_head_copy(tmp_path):

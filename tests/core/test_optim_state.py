@@ -70,7 +70,7 @@ def test_bf16_state_stays_close_to_fp32_adamw():
     steps, lr = 40, 1e-2
     ref, mine = _params(), _params()
     torch_opt = torch.optim.AdamW(_groups(ref), lr=lr, betas=(0.9, 0.95))
-    opt = PrecisionAwareAdamW(_groups(mine), lr=lr, betas=(0.9, 0.95), chunk_numel=100)
+    opt = PrecisionAwareAdamW(_groups(mine), lr=lr, betas=(0.9, 0.95), chunk_numel=100, state_dtype=torch.bfloat16)
     _drive([(torch_opt, ref), (opt, mine)], steps)
     drift = max((r - m).abs().max().item() for r, m in zip(ref, mine) if r.numel())
     assert 0 < drift <= 0.01 * lr * steps
@@ -85,12 +85,12 @@ def test_bf16_state_stays_close_to_fp32_adamw():
 
 def test_state_dict_round_trip_keeps_bf16_and_is_exact():
     a, b = _params(), _params()
-    opt_a = PrecisionAwareAdamW(_groups(a), lr=1e-2, betas=(0.9, 0.95))
+    opt_a = PrecisionAwareAdamW(_groups(a), lr=1e-2, betas=(0.9, 0.95), state_dtype=torch.bfloat16)
     _drive([(opt_a, a)], 3)
     with torch.no_grad():
         for pa, pb in zip(a, b):
             pb.copy_(pa)
-    opt_b = PrecisionAwareAdamW(_groups(b), lr=1e-2, betas=(0.9, 0.95))
+    opt_b = PrecisionAwareAdamW(_groups(b), lr=1e-2, betas=(0.9, 0.95), state_dtype=torch.bfloat16)
     # a copy, as a save and load make (torch would share the step tensors); it casts the moments to fp32
     opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))
     assert all(s["exp_avg_sq"].dtype == torch.bfloat16 for s in opt_b.state.values())
@@ -242,3 +242,15 @@ def test_fsdp_offload_needs_fsdp():
         ParallelConfig(fsdp_offload=True).resolve(1)
     ParallelConfig(fsdp_offload=True, strategies=["data"]).resolve(1)
     ParallelConfig(fsdp_offload=True).resolve(2)
+
+
+def test_the_optimizers_default_moments_are_the_configs():
+    """One default for the moments' dtype: PrecisionAwareAdamW built directly keeps fp32 moments, as
+    OptimizerConfig (fp32 unless --optimizer.state_dtype=bf16) and torch.optim.AdamW do."""
+    p = nn.Parameter(torch.randn(4, 3))
+    p.grad = torch.randn(4, 3)
+    direct = PrecisionAwareAdamW([p], lr=1e-2)
+    direct.step()
+    configured = {"fp32": torch.float32, "bf16": torch.bfloat16}[OptimizerConfig().state_dtype.value]
+    assert direct.state_dtype == configured == torch.float32
+    assert direct.state[p]["exp_avg"].dtype == direct.state[p]["exp_avg_sq"].dtype == torch.float32

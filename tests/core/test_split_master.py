@@ -105,7 +105,8 @@ def _optimizers(kernel: str, device: str):
         gen = torch.Generator().manual_seed(4)
         ps = [nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in ((64, 96), (3001,), (7, 5), (33,))]
         opt = PrecisionAwareAdamW([{"params": ps[:2], "weight_decay": 0.1}, {"params": ps[2:], "weight_decay": 0.0}],
-                                  lr=1e-2, betas=(0.9, 0.95), kernel=kernel, split_master=split)
+                                  lr=1e-2, betas=(0.9, 0.95), kernel=kernel, split_master=split,
+                                  state_dtype=torch.bfloat16)
         copies = {p: p.detach().to(torch.bfloat16) for p in ps[:3]}
         opt.add_compute_copies(copies, replaces=True)
         runs.append((ps, copies, opt))
@@ -182,7 +183,7 @@ def test_materialized_masters_hold_what_is_set_there():
         opt.refresh_compute_copies()
     with pytest.raises(ValueError, match="plain contiguous fp32"):
         q = nn.Parameter(torch.randn(4, 6).t())
-        PrecisionAwareAdamW([q], split_master=True).add_compute_copies(
+        PrecisionAwareAdamW([q], split_master=True, state_dtype=torch.bfloat16).add_compute_copies(
             {q: torch.empty(q.shape, dtype=torch.bfloat16)}, replaces=True)
 
 
