@@ -4,6 +4,8 @@
 # torch.empty is filled with NaN, a write pass per allocation). Two processes: the default beside deterministic
 # (fill on, as trainer.deterministic runs today), then the same pair with the fill off; each OLMoE-8L, compiled,
 # 10 timed steps after 3. Run from the repo root: bash docs/bench/session53/det_probe.sh (timeout 600; about 250 s)
+# Ran on 2b308f6 (call 3). Since then trainer.deterministic turns the fill off itself (core/trainer.py
+# use_deterministic), so on later code both processes measure it off.
 source docs/bench/session42/common.sh
 for FILL in True False; do
   t0=$(date +%s)
