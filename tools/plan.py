@@ -60,7 +60,7 @@ from moetron.run.planner.hardware import GPUS, GiB, gpu_of
 from moetron.run.planner.model import Plan, Switches, activation_terms, plan, plan_slice, search, slice_layers  # noqa: F401
 
 from cli import run_cli, write_report  # tools/cli.py
-from step_builder import STEP_TRAINER_FIELDS  # tools/step_builder.py
+from step_builder import STEP_TRAINER_FIELDS, step_trainer  # tools/step_builder.py
 
 
 def print_slice(r: dict, cfg: ModelConfig) -> None:
@@ -191,8 +191,8 @@ def parse(argv: list[str]) -> tuple[Plan, argparse.Namespace]:
             configs.precision.recipe = PrecisionRecipe.bf16
         seq = raw.get("data", {}).get("seq_len", seq)
         batch = raw.get("data", {}).get("global_batch_size", batch)
-        micro = raw.get("trainer", {}).get("micro_batch_size", micro)
-        deterministic = bool(raw.get("trainer", {}).get("deterministic", deterministic))
+        trainer = TrainerConfig.from_dict(raw.get("trainer", {}), prefix="trainer")
+        micro, deterministic = trainer.micro_batch_size, trainer.deterministic
     if args.preset:
         configs.model = ModelConfig.preset(args.preset)
     if args.precision:
@@ -201,7 +201,7 @@ def parse(argv: list[str]) -> tuple[Plan, argparse.Namespace]:
     p = Plan(model=configs.model, parallel=configs.parallel, memory=configs.memory, seq_len=args.seq_len or seq,
              global_batch=args.global_batch or batch, micro_batch=args.micro_batch or micro,
              precision=configs.precision, optimizer=configs.optimizer, compiled=not args.eager, gpu=args.gpu,
-             num_gpus=args.num_gpus, grad_sync=GradSync(args.grad_sync), 
+             num_gpus=args.num_gpus, grad_sync=GradSync(args.grad_sync),
              deterministic=deterministic if args.deterministic is None else args.deterministic == "true")
     return p, args
 
@@ -243,6 +243,11 @@ CHANGED_OPTIMIZER_DEFAULTS = [("2026-12-07 11:43:58", "--optimizer.split_master=
 CHANGED_MODEL_DEFAULTS = [("2026-12-06 19:20:52", "--model.triton_rope=false"),
                           ("2026-12-06 21:51:33", "--model.triton_rmsnorm=false")]
 
+# The tables above by the section a row may record (bench_train records precision since session 29, optimizer since
+# session 51, model never): a recorded section replays as it ran, so its table does not apply.
+CHANGED_BY_SECTION = (("precision", CHANGED_DEFAULTS), ("model", CHANGED_MODEL_DEFAULTS),
+                      ("optimizer", CHANGED_OPTIMIZER_DEFAULTS))
+
 # What ``auto`` resolved to changed after reports recorded their sections: (the change's date, the recipe,
 # the field, what auto meant before). A row of that recipe (not on the emulated backend) whose field is
 # auto, in a report dated before the change, is replayed with the old meaning, recorded section or not.
@@ -275,21 +280,18 @@ def bench_plan(env: dict, row: dict) -> Plan:
     args, overrides = parser.parse_known_args(_bench_argv(env))
     configs = Configs(model=ModelConfig.preset(args.preset),
                       precision=PrecisionConfig(recipe=PrecisionRecipe(PRECISION_FLAG.get(args.precision, args.precision))))
-    recorded = row.get("precision")
-    then = [] if recorded else [old for since, old in CHANGED_DEFAULTS if str(env.get("date", "")) < since]
-    then += [old for since, old in CHANGED_MODEL_DEFAULTS if str(env.get("date", "")) < since]
-    then += [] if row.get("optimizer") else [old for since, old in CHANGED_OPTIMIZER_DEFAULTS
-                                             if str(env.get("date", "")) < since]
+    recorded, date = row.get("precision"), str(env.get("date", ""))
+    then = [old for section, changed in CHANGED_BY_SECTION if not row.get(section)
+            for since, old in changed if date < since]
     given = [o for o in overrides if o.startswith("--")] + list(row.get("overrides", []))
     # The step's trainer switches (tools/step_builder.py STEP_TRAINER_FIELDS) plan as the step without
     # them, but for trainer.deterministic's attention kernels (Plan.deterministic): trainer.cuda_graph replays
     # the same kernels from memory allocated as the eager step's (measured +0.0-0.1 GiB, session 39);
     # grad_clip moves no bytes. Session 52's deterministic rows ran with torch's fill of uninitialized memory
     # (15 ms of OLMoE-8L's step, off since session 53), which is not modelled.
-    step_trainer = [o for o in given if o.startswith(tuple(f"--trainer.{f}=" for f in STEP_TRAINER_FIELDS))]
-    trainer = TrainerConfig()
-    trainer.apply_overrides([o.replace("--trainer.", "--", 1) for o in step_trainer])
-    configs.apply(then + [o for o in given if o not in step_trainer])
+    step_args = [o for o in given if o.startswith(tuple(f"--trainer.{f}=" for f in STEP_TRAINER_FIELDS))]
+    trainer = step_trainer([o.removeprefix("--trainer.") for o in step_args])
+    configs.apply(then + [o for o in given if o not in step_args])
     if recorded:
         configs.precision = PrecisionConfig.from_dict(recorded)
     if row.get("optimizer"):

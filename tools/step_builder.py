@@ -100,6 +100,20 @@ class StepConfigs(NamedTuple):
     """--trainer.* overrides (STEP_TRAINER_FIELDS) on the defaults, for build_trainer."""
 
 
+def step_trainer(fields: list[str]) -> TrainerConfig:
+    """The TrainerConfig of a benchmarked step: the defaults with its --trainer.* overrides (``fields``:
+    ``['deterministic=true', ...]``, STEP_TRAINER_FIELDS only; another is a ConfigError), validated. step_configs
+    and the planner's replay of a bench row (tools/plan.py bench_plan) both read them here."""
+    other = [o for o in fields if o.partition("=")[0] not in STEP_TRAINER_FIELDS]
+    if other:
+        raise ConfigError(f"{['--trainer.' + o for o in other]}: a benchmarked step takes only "
+                          f"{', '.join('--trainer.' + f for f in STEP_TRAINER_FIELDS)}")
+    trainer = TrainerConfig()
+    trainer.apply_overrides(fields)
+    trainer.validate()
+    return trainer
+
+
 def step_configs(preset: str, precision: str, overrides: list[str], real_text: bool = False) -> StepConfigs:
     """The configs of a benchmarked step: ``preset``'s model, the default memory, optimizer and
     precision (recipe ``precision``) configs, each with its section's ``overrides``
@@ -109,13 +123,7 @@ def step_configs(preset: str, precision: str, overrides: list[str], real_text: b
     sections = split_overrides(overrides, STEP_SECTIONS + ("data", "trainer"))
     if sections["data"] and not real_text:
         raise ConfigError(f"{['--data.' + o for o in sections['data']]} only apply with --real-text")
-    other = [o for o in sections["trainer"] if o.partition("=")[0] not in STEP_TRAINER_FIELDS]
-    if other:
-        raise ConfigError(f"{['--trainer.' + o for o in other]}: a benchmarked step takes only "
-                          f"{', '.join('--trainer.' + f for f in STEP_TRAINER_FIELDS)}")
-    trainer = TrainerConfig()
-    trainer.apply_overrides(sections["trainer"])
-    trainer.validate()
+    trainer = step_trainer(sections["trainer"])
     model, memory, optimizer = ModelConfig.preset(preset), MemoryConfig(), OptimizerConfig()
     precision_cfg = PrecisionConfig(recipe=precision)
     for name, cfg in zip(STEP_SECTIONS, (model, memory, optimizer, precision_cfg)):
