@@ -320,6 +320,11 @@ def validate(paths: list[str]) -> list[dict]:
     for path in paths:
         with open(path, encoding="utf-8") as f:
             report = json.load(f)
+        if not isinstance(report, dict) or not isinstance(report.get("rows", []), list):
+            # a JSON that is not a bench_train / bench_memory report (a planner's, a peer's): said, not replayed
+            out.append({"file": path, "variant": "(file)", "overrides": [],
+                        "not_replayed": "not a bench_train / bench_memory report (a mapping with env and rows)"})
+            continue
         env = report.get("env", {})
         for row in report.get("rows", []):
             try:

@@ -307,6 +307,12 @@ def test_validate_reports_a_row_it_cannot_replay_and_goes_on(tmp_path, capsys):
     assert "gone" in out and "not replayed" in out and "1 rows not replayed" in out
     assert "0 of 1 rows meet both targets" in out or "1 of 1 rows meet both targets" in out
     assert "over 1 rows" in out
+    # a JSON that is not a report (a list, as some tools write): listed as not replayed, the others still planned
+    other = tmp_path / "list.json"
+    other.write_text(json.dumps([{"step": 1}]))
+    rows = planner.validate([str(other), str(path)])
+    assert rows[0]["file"] == str(other) and "not a bench_train" in rows[0]["not_replayed"]
+    assert [r["variant"] for r in rows[1:]] == ["gone", "kept"] and rows[2]["planned_step_ms"] > 0
 
 
 # ---- --slice: what tools/bench_slice.py runs ------------------------------------------------------
