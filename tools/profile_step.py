@@ -19,7 +19,9 @@ shows there; with --stack also the innermost line of this project's code on the 
 Python stack). This tool synchronizes after every step, so that a step's kernels end inside its
 window; each step therefore begins with the host launching its first kernels against an empty queue.
 On olmoe3-4l-8e that start is about 2.5 ms of the idle (a chrome trace, session 41), idle that an
-unsynchronized step does not have (its host runs far ahead). A GEMM table gives the step's GEMMs by
+unsynchronized step does not have (its host runs far ahead). Whether it does is the idle table's host line:
+when the host returned from launching the step's last kernel against when the GPU finished, GPU-bound where
+the host was done more than a tenth of the step earlier (HOST_AHEAD). A GEMM table gives the step's GEMMs by
 op and operand shapes (record_shapes): calls, ms and achieved TFLOP/s (2MKN from the shapes; each
 grouped form counted as torch._grouped_mm runs it), so a GEMM family below its rate shows. The headline is the share of kernel time that is
 neither GEMM nor attention. Overrides are --model.*, --memory.*, --optimizer.*, --precision.* (e.g.
@@ -254,23 +256,40 @@ def _launch_site(op) -> str:
     return site if frame is None else f"{site} at {frame}"
 
 
+HOST_AHEAD = 0.1
+"""A step whose host was done launching more than this share of the step before its GPU finished is
+printed as GPU-bound."""
+
+
 def idle_time(events, steps: int, top: int = 10) -> dict:
     """Where the GPU has no kernel running inside the profiler's step windows (the CPU's ProfilerStep#
     ranges; each step synchronizes before the next, so its kernels end inside its window), per step:
     the idle milliseconds before the step's first kernel, between kernels (any stream: the kernels'
     union) and after its last one, and the ``top`` launch sites that the between-kernel gaps wait
     for, each gap put on the kernel that ends it (its category and _launch_site): a gap there is
-    the GPU waiting for the host to launch that kernel (or for a host sync before it)."""
+    the GPU waiting for the host to launch that kernel (or for a host sync before it).
+
+    Also, over the windows whose kernels have known launching ops, per step: ``host_done_ms``, when the
+    host returned from launching the step's last kernel, and ``gpu_done_ms``, when the GPU finished the
+    step's kernels (both from the window's start). Their difference is how far ahead the host ran at
+    the end of the step: a GPU-bound step's host is done long before its GPU (session 41's trace: 60 of
+    287 ms); a host-bound one's GPU finishes a launch behind it. The profiler slows the host, so a
+    profiled host that is ahead is ahead unprofiled too."""
     windows = sorted((e.time_range.start, e.time_range.end) for e in events
                      if e.device_type == DeviceType.CPU and e.name.startswith("ProfilerStep"))
     kernels = sorted(((e.time_range.start, e.time_range.end), op, e.name) for e, op in device_kernels(events))
     before = between = after = 0.0
     sites: dict = collections.defaultdict(lambda: [0.0, 0])
+    host_done, gpu_done = [], []
     for w0, w1 in windows:
         inside = [k for k in kernels if w0 <= k[0][0] < w1]
         if not inside:
             before += w1 - w0
             continue
+        launched = [op.time_range.end for _, op, _ in inside if op is not None]
+        if launched:
+            host_done.append(max(launched) - w0)
+            gpu_done.append(max(end for (_, end), _, _ in inside) - w0)
         before += max(inside[0][0][0] - w0, 0)
         reach = inside[0][0][1]
         for (start, end), op, name in inside[1:]:
@@ -287,6 +306,8 @@ def idle_time(events, steps: int, top: int = 10) -> dict:
     ranked = sorted(sites.items(), key=lambda kv: -kv[1][0])[:top]
     return {"before_ms": before / 1e3 / n, "between_ms": between / 1e3 / n, "after_ms": after / 1e3 / n,
             "idle_ms": (before + between + after) / 1e3 / n,
+            "host_done_ms": sum(host_done) / 1e3 / len(host_done) if host_done else None,
+            "gpu_done_ms": sum(gpu_done) / 1e3 / len(gpu_done) if gpu_done else None,
             "sites": [{"category": c, "site": site, "ms_per_step": us / 1e3 / n, "gaps_per_step": k / n}
                       for (c, site), (us, k) in ranked]}
 
@@ -465,6 +486,11 @@ def print_report(row: dict, header: str) -> None:
     if idle is not None:
         print(f"\nGPU idle per step: {idle['idle_ms']:.2f} ms ({idle['before_ms']:.2f} before the first kernel, "
               f"{idle['between_ms']:.2f} between kernels, {idle['after_ms']:.2f} after the last)")
+        if idle.get("host_done_ms") is not None:
+            ahead = idle["gpu_done_ms"] - idle["host_done_ms"]
+            print(f"the host launched the step's last kernel at {idle['host_done_ms']:.1f} ms, the GPU finished at "
+                  f"{idle['gpu_done_ms']:.1f} ms: the host ran {ahead:.1f} ms ahead at the end "
+                  f"({'GPU-bound' if ahead > HOST_AHEAD * idle['gpu_done_ms'] else 'host-bound or synchronized'})")
         if idle["sites"]:
             print(f"{'ms/step':>9} {'gaps':>6}  {'category':<16} the kernel each gap waited for, launched from")
             for g in idle["sites"]:

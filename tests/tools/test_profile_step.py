@@ -347,6 +347,9 @@ def test_idle_time_splits_the_windows_and_names_what_each_gap_waited_for(old_tor
     (site,) = idle["sites"]
     assert site == {"category": "optimizer", "site": "aten::_foreach_mul_ in Optimizer.step#AdamW.step",
                     "ms_per_step": pytest.approx(0.005), "gaps_per_step": 0.5}
+    # the host's last launch (aten::add, returned at 38) against the GPU's last end (60), in step 1 only: step 2's
+    # one kernel has no known launching op
+    assert idle["host_done_ms"] == pytest.approx(0.038) and idle["gpu_done_ms"] == pytest.approx(0.060)
 
 
 @pytest.mark.parametrize("old_torch", [False, True] if _LINKS else [True])
@@ -419,6 +422,7 @@ def test_idle_time_without_kernels_is_all_before():
     step = _event(1, "ProfilerStep#1", 0, 100, is_user_annotation=True)
     idle = profile_step.idle_time([step], steps=1)
     assert idle["before_ms"] == pytest.approx(0.1) and idle["between_ms"] == 0 and idle["sites"] == []
+    assert idle["host_done_ms"] is None and idle["gpu_done_ms"] is None
 
 
 def test_breakdown_per_step_shares_and_headline():
@@ -493,3 +497,22 @@ def test_report_prints_gemm_rows_without_shapes_and_the_rest(capsys):
     out = capsys.readouterr().out
     assert "aten::mm (shapes not recorded)" in out and "the other shapes (7 shapes)" in out
     assert "aten::mm [16384, 4096] x [4096, 4096]" in out
+
+
+def test_report_says_whether_the_host_ran_ahead(capsys):
+    """The idle table's host line: session 41's trace (the host done at 60 of the GPU's 286.7 ms) reads
+    GPU-bound; a GPU finishing a launch after the host (within HOST_AHEAD of the step) reads host-bound;
+    a profile without known launchers prints no such line."""
+    row = {"source": "CUDA kernels", "active_steps": 2, "step_ms": 290.0, "kernel_ms_per_step": 280.0, "busy": 0.97,
+           "categories": [], "top_kernels": [], "gemms": [], "non_gemm_attention_share": 0.3,
+           "idle": {"idle_ms": 3.0, "before_ms": 2.5, "between_ms": 0.4, "after_ms": 0.1, "sites": [],
+                    "host_done_ms": 60.0, "gpu_done_ms": 286.7}}
+    profile_step.print_report(row, "header")
+    assert "the host launched the step's last kernel at 60.0 ms, the GPU finished at 286.7 ms: the host ran " \
+           "226.7 ms ahead at the end (GPU-bound)" in capsys.readouterr().out
+    row["idle"].update(host_done_ms=284.0)
+    profile_step.print_report(row, "header")
+    assert "ran 2.7 ms ahead at the end (host-bound or synchronized)" in capsys.readouterr().out
+    row["idle"].update(host_done_ms=None, gpu_done_ms=None)
+    profile_step.print_report(row, "header")
+    assert "the host launched" not in capsys.readouterr().out
