@@ -490,7 +490,8 @@ def print_report(row: dict, header: str) -> None:
             ahead = idle["gpu_done_ms"] - idle["host_done_ms"]
             print(f"the host launched the step's last kernel at {idle['host_done_ms']:.1f} ms, the GPU finished at "
                   f"{idle['gpu_done_ms']:.1f} ms: the host ran {ahead:.1f} ms ahead at the end "
-                  f"({'GPU-bound' if ahead > HOST_AHEAD * idle['gpu_done_ms'] else 'host-bound or synchronized'})")
+                  f"({'GPU-bound' if ahead > HOST_AHEAD * idle['gpu_done_ms'] else 'host-bound or synchronized'}; the "
+                  f"profiler slows the host: unprofiled, compare --trainer.cuda_graph=true in bench_train.py)")
         if idle["sites"]:
             print(f"{'ms/step':>9} {'gaps':>6}  {'category':<16} the kernel each gap waited for, launched from")
             for g in idle["sites"]:

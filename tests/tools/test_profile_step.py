@@ -509,10 +509,10 @@ def test_report_says_whether_the_host_ran_ahead(capsys):
                     "host_done_ms": 60.0, "gpu_done_ms": 286.7}}
     profile_step.print_report(row, "header")
     assert "the host launched the step's last kernel at 60.0 ms, the GPU finished at 286.7 ms: the host ran " \
-           "226.7 ms ahead at the end (GPU-bound)" in capsys.readouterr().out
+           "226.7 ms ahead at the end (GPU-bound; the profiler slows the host" in capsys.readouterr().out
     row["idle"].update(host_done_ms=284.0)
     profile_step.print_report(row, "header")
-    assert "ran 2.7 ms ahead at the end (host-bound or synchronized)" in capsys.readouterr().out
+    assert "ran 2.7 ms ahead at the end (host-bound or synchronized; the profiler" in capsys.readouterr().out
     row["idle"].update(host_done_ms=None, gpu_done_ms=None)
     profile_step.print_report(row, "header")
     assert "the host launched" not in capsys.readouterr().out
