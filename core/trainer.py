@@ -67,9 +67,9 @@ def use_deterministic(on: bool) -> None:
     makes its first handle: before the first GPU matmul of the process, as the Trainer's construction is).
     torch's fill of uninitialized memory (every torch.empty written with NaN while deterministic algorithms are on)
     is turned off with them: it makes reads of memory never written repeat, which no op of the step does (OLMoE-8L
-    ends at the same loss bit for bit with and without it; the GPU test comparing them is queued), and its fill
-    kernels took 15 ms of OLMoE-8L's deterministic step (session 53, H100: 0.858x the default's tokens/s with it,
-    0.914x without; docs/performance.md). Turning them off restores torch's default (on)."""
+    ends at the same loss bit for bit with and without it, session 53; tests/core/test_determinism.py's GPU test
+    compares them), and its fill kernels took 15 ms of OLMoE-8L's deterministic step (H100: 0.858x the default's
+    tokens/s with it, 0.907-0.914x without, sessions 53-54; docs/performance.md). Turning them off restores torch's default (on)."""
     if on:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(on)
@@ -118,13 +118,13 @@ class TrainerConfig(Config):
     run (use_deterministic: torch.use_deterministic_algorithms, which also puts inductor in its deterministic
     mode, and CUBLAS_WORKSPACE_CONFIG=:4096:8). For A/B checks of a change, whose difference is otherwise drowned
     in the run-to-run noise of nondeterministic kernels (session 51: the GPU proxy's same configuration and seed
-    1.4% apart at step 200). Measured (sessions 52-53, H100, OLMoE-8L compiled, docs/performance.md): two runs'
-    losses equal bit for bit, at 0.914x the default's tokens/s (the rest: attention leaves cuDNN's kernels, whose
+    1.4% apart at step 200). Measured (sessions 52-54, H100, OLMoE-8L compiled, docs/performance.md): two runs'
+    losses equal bit for bit, at 0.907-0.914x the default's tokens/s (the rest: attention leaves cuDNN's kernels, whose
     backward is not deterministic, for FlashAttention-2's deterministic one, 16 -> 38 ms a step; torch's fill of
     uninitialized memory, 15 ms, is off); for checks, not production runs. An op without a deterministic kernel
     raises torch's error naming it. Not covered: collectives across ranks. The Triton fp8 GEMMs' autotuned tile
-    should not matter (each output element sums its K-blocks in the same order whatever the tile; its GPU test,
-    test_pipelined_configs_give_the_same_bits_on_gpu, has not run yet)."""
+    does not matter (each output element sums its K-blocks in the same order whatever the tile: every config gives
+    the same bits in test_pipelined_configs_give_the_same_bits_on_gpu, passed on the H100 in session 54)."""
     collective_timeout_s: float = 1800.0
     """Seconds a collective may wait for the other ranks before it fails (the process group's
     timeout); a watchdog also ends this rank, naming it and its step, when no training step
