@@ -179,7 +179,7 @@ def parse(argv: list[str]) -> tuple[Plan, argparse.Namespace]:
     parser.add_argument("--json", default="runs/plan/plan.json")
     args, rest = parser.parse_known_args(argv)
     configs = Configs(precision=PrecisionConfig(recipe=PrecisionRecipe.bf16))
-    seq, batch, micro, deterministic = 4096, 4, None, False
+    seq, batch, trainer = 4096, 4, TrainerConfig()
     if args.config:
         import yaml
 
@@ -192,17 +192,18 @@ def parse(argv: list[str]) -> tuple[Plan, argparse.Namespace]:
         seq = raw.get("data", {}).get("seq_len", seq)
         batch = raw.get("data", {}).get("global_batch_size", batch)
         trainer = TrainerConfig.from_dict(raw.get("trainer", {}), prefix="trainer")
-        micro, deterministic = trainer.micro_batch_size, trainer.deterministic
+    if args.deterministic is not None:  # the flag over the YAML's, parsed as pretrain parses it
+        trainer.apply_overrides([f"--deterministic={args.deterministic}"])
     if args.preset:
         configs.model = ModelConfig.preset(args.preset)
     if args.precision:
         configs.precision.recipe = PrecisionRecipe(PRECISION_FLAG.get(args.precision, args.precision))
     configs.apply(rest)
     p = Plan(model=configs.model, parallel=configs.parallel, memory=configs.memory, seq_len=args.seq_len or seq,
-             global_batch=args.global_batch or batch, micro_batch=args.micro_batch or micro,
+             global_batch=args.global_batch or batch, micro_batch=args.micro_batch or trainer.micro_batch_size,
              precision=configs.precision, optimizer=configs.optimizer, compiled=not args.eager, gpu=args.gpu,
              num_gpus=args.num_gpus, grad_sync=GradSync(args.grad_sync),
-             deterministic=deterministic if args.deterministic is None else args.deterministic == "true")
+             deterministic=trainer.deterministic)
     return p, args
 
 
