@@ -54,7 +54,10 @@ _INDUCTOR_COPY = r"^triton_\w+_fused(?:_(?:_to_copy|clone|copy|transpose|permute
 # matters: attention before gemm (cutlass FMHA), the inductor rules before the generic copy and fill.
 RULES: list[tuple[str, str]] = [
     ("communication", r"nccl|c10d::|all_gather|allgather|reduce_scatter|all_reduce|allreduce|all_to_all|alltoall"),
-    ("attention", r"flash|fmha|efficient_attention|flex_attention|scaled_dot_product|_attention"),
+    # cuDNN's fused attention backward also runs FlashAttention's two helper passes as kernels of their own:
+    # D = rowsum(dO * O) before it and the fp32 dQ accumulator's conversion after it.
+    ("attention", r"flash|fmha|efficient_attention|flex_attention|scaled_dot_product|_attention|"
+                  r"cudnn::fusion::(?:compute_dot_do_o|convert_dq_to_16bits)"),
     ("optimizer", r"multi_tensor_apply|[Ff]used[_]?[Aa]dam|_foreach_|linalg_vector_norm|_adamw(?:_mx_pair)?_kernel|"
                   r"^_sum_of_squares_kernel$"),  # the last: core/grad_norm_triton.py (the clipping norm)
     # moetron's routing kernels (core/moe/kernels/routing.py) and custom ops, and the router's top-k.
@@ -92,9 +95,12 @@ RULES: list[tuple[str, str]] = [
 ]
 # (category, pattern of an enclosing op or range): a kernel launched inside one is that category unless
 # its name says GEMM or attention: the unfused optimizer's lerp/addcdiv/sqrt, the chunked fused loss's
-# exp/sum/casts (its matmuls stay gemm), the embedding backward's zero-fill and sort. Routing has none,
-# so the int32 fills inside it stay visible.
+# exp/sum/casts (its matmuls stay gemm), the embedding backward's zero-fill and sort, the fills and helper
+# passes an attention backend launches inside its own op. Only the backends' ops: a copy the dispatcher
+# (aten::scaled_dot_product_attention) makes to fix the inputs' layout before calling one stays a copy.
+# Routing has none, so the int32 fills inside it stay visible.
 ENCLOSING: list[tuple[str, str]] = [
+    ("attention", r"^aten::_(?:scaled_dot_product_)?(?:cudnn|flash|efficient)_attention(?:_forward|_backward)?$"),
     ("optimizer", r"^Optimizer\.(?:step|zero_grad)#"),
     ("loss", r"CrossEntropy|^aten::cross_entropy_loss$"),
     ("embedding", r"EmbeddingBackward|^aten::embedding_(?:dense_)?backward$"),

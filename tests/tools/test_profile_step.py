@@ -85,6 +85,10 @@ NAMES = {
     "aten::silu_backward": "elementwise",
     "void at::native::(anonymous namespace)::indexing_backward_kernel<c10::BFloat16, 4>": "other",
     "aten::embedding_dense_backward": "other",
+    # cuDNN's attention backward helpers (session 55's profiles; "other" before)
+    "void cudnn::fusion::compute_dot_do_o_specialized<true, 128>(void const*, void const*, void*, void*, "
+    "unsigned int)": "attention",
+    "void cudnn::fusion::convert_dq_to_16bits<true>(void const*, void*, unsigned int, unsigned int)": "attention",
 }
 
 
@@ -151,6 +155,15 @@ def test_op_record_decides_fill_dtype_and_optimizer_range():
         assert profile_step.classify("void at_cuda_detail::cub::DeviceRadixSortOnesweepKernel",
                                      enclosing=embedding) == "embedding"
     assert profile_step.classify("void at_cuda_detail::cub::DeviceRadixSortOnesweepKernel") == "routing"
+    # What an attention backend launches inside its own op is attention (cuDNN's workspace fills and
+    # its helper passes); a layout copy the dispatcher makes before calling the backend is not.
+    for backend in ("aten::_cudnn_attention_forward", "aten::_scaled_dot_product_cudnn_attention_backward",
+                    "aten::_flash_attention_backward", "aten::_scaled_dot_product_efficient_attention"):
+        inside = ["aten::fill_", "aten::zero_", backend, "aten::scaled_dot_product_attention", "ProfilerStep*"]
+        assert profile_step.classify("Memset (Device)", enclosing=inside) == "attention", backend
+    dispatcher = ["aten::copy_", "aten::contiguous", "aten::scaled_dot_product_attention", "ProfilerStep*"]
+    assert profile_step.classify("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda",
+                                 enclosing=dispatcher) == "cast_copy"
 
 
 # torch >= 2.12's events link each kernel to its op (linked_correlation_id); torch <= 2.11 has no
