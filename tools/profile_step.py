@@ -54,8 +54,9 @@ _INDUCTOR_COPY = r"^triton_\w+_fused(?:_(?:_to_copy|clone|copy|transpose|permute
 # matters: attention before gemm (cutlass FMHA), the inductor rules before the generic copy and fill.
 RULES: list[tuple[str, str]] = [
     ("communication", r"nccl|c10d::|all_gather|allgather|reduce_scatter|all_reduce|allreduce|all_to_all|alltoall"),
-    # cuDNN's fused attention backward also runs FlashAttention's two helper passes as kernels of their own:
-    # D = rowsum(dO * O) before it and the fp32 dQ accumulator's conversion after it.
+    # cuDNN's fused attention backward also runs helper passes as kernels of their own: D = rowsum(dO * O)
+    # before it and the fp32 dQ accumulator's conversion after it (its sum of dK and dV over a query group's
+    # heads, fmha_reduce_head, says fmha).
     ("attention", r"flash|fmha|efficient_attention|flex_attention|scaled_dot_product|_attention|"
                   r"cudnn::fusion::(?:compute_dot_do_o|convert_dq_to_16bits)"),
     ("optimizer", r"multi_tensor_apply|[Ff]used[_]?[Aa]dam|_foreach_|linalg_vector_norm|_adamw(?:_mx_pair)?_kernel|"

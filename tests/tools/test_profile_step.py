@@ -89,6 +89,7 @@ NAMES = {
     "void cudnn::fusion::compute_dot_do_o_specialized<true, 128>(void const*, void const*, void*, void*, "
     "unsigned int)": "attention",
     "void cudnn::fusion::convert_dq_to_16bits<true>(void const*, void*, unsigned int, unsigned int)": "attention",
+    "void cudnn::fusion::fmha_reduce_head<true>(void const*, void*, unsigned int, unsigned int)": "attention",  # fmha
 }
 
 
