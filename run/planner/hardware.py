@@ -157,7 +157,10 @@ EFF_ATTN = 0.80
 of it, at about 40% of peak. Fitted in session 41 to the attention kernels of tools/profile_step.py's
 profiles (cuDNN's Hopper kernels, S 4096): 15.7-17.4 ms a step on the H100 (OLMoE-8L and olmoe3-4l-8e,
 sessions 37-41), 16.6-18.1 on the H200 (sessions 10-29), 16.7 planned; the H200's per-kernel table of
-session 18 (tools/bench_attention.py) agrees. Was 0.70, assumed."""
+session 18 (tools/bench_attention.py) agrees. Was 0.70, assumed. Those profiles counted cuDNN's two backward
+helper passes (D = rowsum(dO * O), the dQ conversion; about 1.3 ms a step on either shape) outside attention,
+so the fits put them in HBM_TRAFFIC's remainder; since session 55 profile_step counts them as attention
+(17.4-19.1 ms a step, docs/performance.md). The planned step is the same sum either way."""
 DETERMINISTIC_ATTN = 2.37
 """trainer.deterministic: attention's kernel time against the default's. torch's SDPA then leaves cuDNN's
 Hopper kernels (their backward is not deterministic) for FlashAttention-2's, with its deterministic
