@@ -2,7 +2,9 @@
 
 route: two deterministic passes over the flat slots, no atomics. Pass 1 counts each block's slots per
 expert; a tiny integer cumsum over blocks (torch, exact in any order) gives each block its first
-rank per expert; pass 2 ranks every slot within its expert and writes its destination row. Ranks
+rank per expert; pass 2 ranks every slot within its expert and writes its destination row. The
+counts are stored expert-major ([E, B]), so that scan runs along the innermost dimension: torch's
+scan along an outer dimension took 91 us a layer for [512, 64] (OLMoE-8L, H100, session 55's profile). Ranks
 equal the reference's stable-sort ranks, so all integer outputs are bit-exact.
 
 scatter_rows / combine_rows and their backward: gather-style kernels, one program per
@@ -34,10 +36,10 @@ from moetron.core.moe.kernels.reference import accumulator_dtype, check_route_ar
 
 @triton.jit
 def _route_count_kernel(
-    ids_ptr, counts_BE_ptr, N, E,
+    ids_ptr, counts_EB_ptr, N, E, B,
     BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, E_PAD: tl.constexpr,
 ):
-    """counts_BE[b, e] = number of slots of block b routed to expert e."""
+    """counts_EB[e, b] = number of slots of block b routed to expert e."""
     pid = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
     counts = tl.zeros([E_PAD], dtype=tl.int32)
@@ -47,19 +49,19 @@ def _route_count_kernel(
         ids = tl.load(ids_ptr + slots, mask=slots < N, other=-1).to(tl.int32)
         onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
         counts += tl.sum(onehot, axis=0)
-    tl.store(counts_BE_ptr + pid * E + experts, counts, mask=experts < E)
+    tl.store(counts_EB_ptr + experts * B + pid, counts, mask=experts < E)
 
 
 @triton.jit
 def _route_rank_kernel(
-    ids_ptr, first_rank_BE_ptr, first_row_E_ptr, dest_ptr, N, E, capacity,
+    ids_ptr, first_rank_EB_ptr, first_row_E_ptr, dest_ptr, N, E, B, capacity,
     HAS_CAPACITY: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, E_PAD: tl.constexpr,
 ):
     """dest[n] = first_row[e] + rank of slot n within expert e (or -1 past the capacity)."""
     pid = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
     # Running per-expert count of this block's earlier slots, seeded with all earlier blocks'.
-    seen = tl.load(first_rank_BE_ptr + pid * E + experts, mask=experts < E, other=0)
+    seen = tl.load(first_rank_EB_ptr + experts * B + pid, mask=experts < E, other=0)
     for c in range(0, BLOCK_N, CHUNK):
         slots = pid * BLOCK_N + c + tl.arange(0, CHUNK)
         in_range = slots < N
@@ -104,19 +106,19 @@ def route_counts(
 
     BLOCK_N, CHUNK, E_PAD = _route_blocks(N, E)
     B = triton.cdiv(N, BLOCK_N)
-    counts_BE = torch.empty(B, E, dtype=torch.int32, device=device)
-    _route_count_kernel[(B,)](ids_N, counts_BE, N, E, BLOCK_N=BLOCK_N, CHUNK=CHUNK, E_PAD=E_PAD, num_warps=4)
+    counts_EB = torch.empty(E, B, dtype=torch.int32, device=device)
+    _route_count_kernel[(B,)](ids_N, counts_EB, N, E, B, BLOCK_N=BLOCK_N, CHUNK=CHUNK, E_PAD=E_PAD, num_warps=4)
 
-    # [B, E] integer scans: exact in any order, so these stay deterministic.
-    cum_BE = counts_BE.cumsum(0, dtype=torch.int32)
-    first_rank_BE = cum_BE - counts_BE
-    tokens_per_expert_E = cum_BE[-1].clone()  # own storage: custom ops' outputs may not alias
+    # [E, B] integer scans along the blocks, the innermost dimension: exact in any order, so deterministic.
+    cum_EB = counts_EB.cumsum(1, dtype=torch.int32)
+    first_rank_EB = cum_EB - counts_EB
+    tokens_per_expert_E = cum_EB[:, -1].clone()  # own (contiguous) storage: custom ops' outputs may not alias
     kept_E = tokens_per_expert_E.clone() if capacity is None else tokens_per_expert_E.clamp(max=capacity)
     offsets_E = kept_E.cumsum(0, dtype=torch.int32)
     first_row_E = offsets_E - kept_E
 
     _route_rank_kernel[(B,)](
-        ids_N, first_rank_BE, first_row_E, dest_row_TK, N, E, 0 if capacity is None else capacity,
+        ids_N, first_rank_EB, first_row_E, dest_row_TK, N, E, B, 0 if capacity is None else capacity,
         HAS_CAPACITY=capacity is not None, BLOCK_N=BLOCK_N, CHUNK=CHUNK, E_PAD=E_PAD, num_warps=4,
     )
     return tokens_per_expert_E, kept_E, offsets_E, dest_row_TK

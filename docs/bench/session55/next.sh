@@ -4,8 +4,29 @@
 # 16 heads without grouping). olmoe3-4l-8e has grouped-query attention (32 query heads over 8 KV heads, whose dK and
 # dV the backward sums per group), so its ratio may differ. Profile it with and without the switch (attention ms a step from the category table), then
 # its tokens/s with and without, and the planner against those rows.
-# Run from the repo root: bash docs/bench/session55/next.sh (timeout 600; about 250 s on a fresh machine)
+# First, session 55's routing change (core/moe/kernels/routing.py: the per-block counts expert-major, so the
+# cross-block scan runs along the innermost dimension; bit-exact under TRITON_INTERPRET=1, not yet run on a GPU):
+# the routing kernels' GPU tests, the two scans alone, and OLMoE-8L's default profiled (session 55's call 6 had
+# `tensor_kernel_scan_outer_dim` 0.73 ms a step in "other", 0.87 ms in all; it should be gone from the top kernels).
+# Run from the repo root: bash docs/bench/session55/next.sh (timeout 600; about 330 s on a fresh machine)
 source docs/bench/session42/common.sh
+MOETRON_PYTHON=$(command -v python3) timeout 150 python3 -m pytest -q -m gpu tests/core/moe/test_kernels.py \
+  tests/core/moe/test_moe_gpu.py 2>&1 | tail -2
+python3 - <<'PY'
+import torch
+c = torch.randint(0, 9, (512, 64), dtype=torch.int32, device="cuda")
+for name, x, dim in (("[B, E] along 0 (before)", c, 0), ("[E, B] along 1 (now)", c.t().contiguous(), 1)):
+    for _ in range(3):
+        x.cumsum(dim, dtype=torch.int32)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(100):
+        x.cumsum(dim, dtype=torch.int32)
+    b.record(); torch.cuda.synchronize()
+    print(f"cumsum {name}: {a.elapsed_time(b) * 10:.1f} us")
+PY
+timeout 150 python3 tools/profile_step.py $S1 --wait 1 --warmup 1 --active 2 --top 60 \
+  --json $OUT/profile_S1_default.json 2>&1 | grep -v Warning | grep -E "active steps|^(routing|other) |scan|share"
 for row in default det; do
   [[ $row == det ]] && extra=--trainer.deterministic=true || extra=
   timeout 150 python3 tools/profile_step.py $S2 $extra --wait 1 --warmup 1 --active 2 --top 10 \
