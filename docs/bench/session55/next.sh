@@ -7,7 +7,9 @@
 # First, session 55's routing change (core/moe/kernels/routing.py: the per-block counts expert-major, so the
 # cross-block scan runs along the innermost dimension; bit-exact under TRITON_INTERPRET=1, not yet run on a GPU):
 # the routing kernels' GPU tests, the two scans alone, and OLMoE-8L's default profiled (session 55's call 6 had
-# `tensor_kernel_scan_outer_dim` 0.73 ms a step in "other", 0.87 ms in all; it should be gone from the top kernels).
+# `tensor_kernel_scan_outer_dim` 0.73 ms a step in "other", 0.87 ms in all; it should be gone from the top kernels),
+# and _zero_unwritten_rows checking 256 rows a program (41 us a call, 16 calls a step in call 6): alone, dropless and
+# with holes, then in the profile.
 # Run from the repo root: bash docs/bench/session55/next.sh (timeout 600; about 330 s on a fresh machine)
 source docs/bench/session42/common.sh
 MOETRON_PYTHON=$(command -v python3) timeout 150 python3 -m pytest -q -m gpu tests/core/moe/test_kernels.py \
@@ -25,8 +27,27 @@ for name, x, dim in (("[B, E] along 0 (before)", c, 0), ("[E, B] along 1 (now)",
     b.record(); torch.cuda.synchronize()
     print(f"cumsum {name}: {a.elapsed_time(b) * 10:.1f} us")
 PY
+python3 - <<'PY'
+# _zero_unwritten_rows (session 55: one program per 256 rows, writing only where it finds a hole) on OLMoE-8L's
+# buffer: dropless (no holes) and a plan with 25% of the rows unwritten (a capacity plan's tail)
+import torch
+from moetron.core.moe.kernels import routing
+R, D, dev = 131072, 2048, "cuda"
+out = torch.empty(R, D, dtype=torch.bfloat16, device=dev)
+bt, bd, nw = routing._row_blocks(D, 2)
+for name, n in (("dropless", R), ("25% holes", R * 3 // 4)):
+    dest = torch.randperm(R, device=dev)[:n].to(torch.int32).view(-1, 8)
+    for _ in range(3):
+        routing._zero_unwritten_rows(out, dest, bd, nw)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(50):
+        routing._zero_unwritten_rows(out, dest, bd, nw)
+    b.record(); torch.cuda.synchronize()
+    print(f"_zero_unwritten_rows {name}: {a.elapsed_time(b) * 20:.1f} us a call (flags and zeroing)")
+PY
 timeout 150 python3 tools/profile_step.py $S1 --wait 1 --warmup 1 --active 2 --top 60 \
-  --json $OUT/profile_S1_default.json 2>&1 | grep -v Warning | grep -E "active steps|^(routing|other) |scan|share"
+  --json $OUT/profile_S1_default.json 2>&1 | grep -v Warning | grep -E "active steps|^(routing|other) |scan|zero_unwritten|share"
 for row in default det; do
   [[ $row == det ]] && extra=--trainer.deterministic=true || extra=
   timeout 150 python3 tools/profile_step.py $S2 $extra --wait 1 --warmup 1 --active 2 --top 10 \

@@ -309,10 +309,47 @@ def test_triton_interpreted_matches_reference(triton_results, i):
     _assert_results_match(triton_results[i], want, exact_floats=CASES[i].dtype != torch.bfloat16)
 
 
+# Holes anywhere, not only a plan's tail: (R, D, dtype) over several of the kernel's row windows, one window
+# without holes, and a D that is not a multiple of the column block.
+HOLE_CASES = [(1000, 24, torch.float32), (700, 2100, torch.bfloat16), (3, 5, torch.float32)]
+
+
+def holes_case(R: int, D: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dest_row_TK, the rows it leaves unwritten): a random subset of R rows written, in random slots,
+    with some dropped slots (-1); rows 256-511 (the kernel's second window) all written."""
+    gen = torch.Generator().manual_seed(seed)
+    written = torch.rand(R, generator=gen) < 0.7
+    written[256:512] = True
+    rows = torch.nonzero(written).view(-1)
+    rows = rows[torch.randperm(rows.numel(), generator=gen)]
+    dest = torch.cat([rows, torch.full((rows.numel() % 3 + 3,), -1)]).to(torch.int32)
+    return dest.view(-1, 1), ~written
+
+
+def run_holes(R: int, D: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    from moetron.core.moe.kernels import routing
+    dest, _ = holes_case(R, D, dtype, seed)
+    out = torch.full((R, D), 7.0, dtype=dtype)
+    block_t, block_d, warps = routing._row_blocks(D, out.element_size())
+    routing._zero_unwritten_rows(out, dest, block_d, warps)
+    return out
+
+
+@pytest.mark.parametrize("i", range(len(HOLE_CASES)))
+def test_triton_interpreted_zeroes_exactly_the_unwritten_rows(triton_results, i):
+    R, D, dtype = HOLE_CASES[i]
+    _, unwritten = holes_case(R, D, dtype, _seed(i))
+    want = torch.full((R, D), 7.0, dtype=dtype)
+    want[unwritten] = 0
+    assert 0 < int(unwritten.sum()) < R or R < 10
+    assert torch.equal(triton_results[len(CASES) + i], want)
+
+
 def _interpreter_main(path: str) -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     with use_backend("triton"):
         results = [run_case(case, _seed(i)) for i, case in enumerate(CASES)]
+    results += [run_holes(*case, _seed(i)) for i, case in enumerate(HOLE_CASES)]
     torch.save(results, path)
 
 
