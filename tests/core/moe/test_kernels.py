@@ -314,7 +314,7 @@ def test_triton_interpreted_matches_reference(triton_results, i):
 HOLE_CASES = [(1000, 24, torch.float32), (700, 2100, torch.bfloat16), (3, 5, torch.float32)]
 
 
-def holes_case(R: int, D: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def holes_case(R: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(dest_row_TK, the rows it leaves unwritten): a random subset of R rows written, in random slots,
     with some dropped slots (-1); rows 256-511 (the kernel's second window) all written."""
     gen = torch.Generator().manual_seed(seed)
@@ -328,9 +328,9 @@ def holes_case(R: int, D: int, dtype: torch.dtype, seed: int) -> tuple[torch.Ten
 
 def run_holes(R: int, D: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     from moetron.core.moe.kernels import routing
-    dest, _ = holes_case(R, D, dtype, seed)
+    dest, _ = holes_case(R, seed)
     out = torch.full((R, D), 7.0, dtype=dtype)
-    block_t, block_d, warps = routing._row_blocks(D, out.element_size())
+    _, block_d, warps = routing._row_blocks(D, out.element_size())
     routing._zero_unwritten_rows(out, dest, block_d, warps)
     return out
 
@@ -338,7 +338,7 @@ def run_holes(R: int, D: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("i", range(len(HOLE_CASES)))
 def test_triton_interpreted_zeroes_exactly_the_unwritten_rows(triton_results, i):
     R, D, dtype = HOLE_CASES[i]
-    _, unwritten = holes_case(R, D, dtype, _seed(i))
+    _, unwritten = holes_case(R, _seed(i))
     want = torch.full((R, D), 7.0, dtype=dtype)
     want[unwritten] = 0
     assert 0 < int(unwritten.sum()) < R or R < 10
