@@ -96,10 +96,10 @@ RULES: list[tuple[str, str]] = [
 ]
 # (category, pattern of an enclosing op or range): a kernel launched inside one is that category unless
 # its name says GEMM or attention: the unfused optimizer's lerp/addcdiv/sqrt, the chunked fused loss's
-# exp/sum/casts (its matmuls stay gemm), the embedding backward's zero-fill and sort, the fills and helper
-# passes an attention backend launches inside its own op. Only the backends' ops: a copy the dispatcher
-# (aten::scaled_dot_product_attention) makes to fix the inputs' layout before calling one stays a copy.
-# Routing has none, so the int32 fills inside it stay visible.
+# exp/sum/casts (its matmuls stay gemm), the embedding backward's zero-fill and sort, whatever an attention
+# backend's op launches (its fills and helper passes, and any copy the backend makes of its inputs: that backend's
+# cost). Only the backends' ops: a copy the dispatcher (aten::scaled_dot_product_attention) makes before it
+# picks one stays a copy. Routing has none, so the int32 fills inside it stay visible.
 ENCLOSING: list[tuple[str, str]] = [
     ("attention", r"^aten::_(?:scaled_dot_product_)?(?:cudnn|flash|efficient)_attention(?:_forward|_backward)?$"),
     ("optimizer", r"^Optimizer\.(?:step|zero_grad)#"),
