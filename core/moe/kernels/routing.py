@@ -181,6 +181,12 @@ program a (row, D) tile, as before session 55, launched 65,536 programs that fou
 plans: 41 us a call, 16 calls a step on OLMoE-8L (H100, session 55's profile)."""
 
 
+def _hole_rows_block(BLOCK_D: int) -> int:
+    """Rows _zero_unwritten_rows_kernel zeroes at a time with BLOCK_D columns: 16K elements, a power of two
+    that divides the program's _HOLE_SCAN_ROWS."""
+    return min(_HOLE_SCAN_ROWS, max(1, 16384 // BLOCK_D))
+
+
 def _zero_unwritten_rows(out_RD: Tensor, dest_row_TK: Tensor, BLOCK_D: int, num_warps: int) -> None:
     """Zero the rows of out_RD that no slot of dest_row_TK writes.
 
@@ -190,10 +196,9 @@ def _zero_unwritten_rows(out_RD: Tensor, dest_row_TK: Tensor, BLOCK_D: int, num_
     R, D = out_RD.shape
     written_R = torch.zeros(R + 1, dtype=torch.uint8, device=out_RD.device)
     written_R.index_fill_(0, padded_index_TK(dest_row_TK, R).view(-1), 1)
-    BLOCK_R = min(_HOLE_SCAN_ROWS, max(1, 16384 // BLOCK_D))  # a power of two: it divides the program's rows
     grid = (triton.cdiv(R, _HOLE_SCAN_ROWS),)
-    _zero_unwritten_rows_kernel[grid](out_RD, written_R, R, D, ROWS=_HOLE_SCAN_ROWS, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D,
-                                      num_warps=num_warps)
+    _zero_unwritten_rows_kernel[grid](out_RD, written_R, R, D, ROWS=_HOLE_SCAN_ROWS, BLOCK_R=_hole_rows_block(BLOCK_D),
+                                      BLOCK_D=BLOCK_D, num_warps=num_warps)
 
 
 def scatter_rows(x_TD: Tensor, dest_row_TK: Tensor, num_rows: int) -> Tensor:

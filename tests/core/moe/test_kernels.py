@@ -345,6 +345,37 @@ def test_triton_interpreted_zeroes_exactly_the_unwritten_rows(triton_results, i)
     assert torch.equal(triton_results[len(CASES) + i], want)
 
 
+@pytest.mark.parametrize("kernel", ["zero bf16", "zero fp32", "count", "rank"])
+def test_routing_kernels_compile_for_sm90_without_spills(kernel):
+    """The route kernels and _zero_unwritten_rows_kernel (its hole check and nested loops) compile for
+    Hopper on the CPU (ptxas ships with Triton) at OLMoE-8L's sizes (131,072 slots over 64 experts, D 2048),
+    with the launch settings their wrappers pick, and need no local memory (spills) or stack."""
+    import triton
+
+    from moetron.core.moe.kernels import routing
+    from tests.core.test_precision_fp8 import _compile_sm90, assert_no_spills
+
+    R, D, E = 131072, 2048, 64
+    if kernel.startswith("zero"):
+        dtype = kernel.split()[1]
+        _, block_d, warps = routing._row_blocks(D, 2 if dtype == "bf16" else 4)
+        fn, values = routing._zero_unwritten_rows_kernel, dict(out_ptr=f"*{dtype}", written_ptr="*u8", R=R, D=D)
+        constexprs = dict(ROWS=routing._HOLE_SCAN_ROWS, BLOCK_R=routing._hole_rows_block(block_d), BLOCK_D=block_d)
+    else:
+        block_n, chunk, e_pad = routing._route_blocks(R, E)
+        warps, constexprs = 4, dict(BLOCK_N=block_n, CHUNK=chunk, E_PAD=e_pad)
+        B = triton.cdiv(R, block_n)
+        if kernel == "count":
+            fn, values = routing._route_count_kernel, dict(ids_ptr="*i64", counts_EB_ptr="*i32", N=R, E=E, B=B)
+        else:
+            fn = routing._route_rank_kernel
+            values = dict(ids_ptr="*i64", first_rank_EB_ptr="*i32", first_row_E_ptr="*i32", dest_ptr="*i32", N=R,
+                          E=E, B=B, capacity=3)
+            constexprs["HAS_CAPACITY"] = False
+    compiled = _compile_sm90(fn, triton.Config({}, num_warps=warps, num_stages=1), values, constexprs)
+    assert_no_spills(compiled, kernel)
+
+
 def _interpreter_main(path: str) -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     with use_backend("triton"):
