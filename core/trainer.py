@@ -69,7 +69,8 @@ def use_deterministic(on: bool) -> None:
     is turned off with them: it makes reads of memory never written repeat, which no op of the step does (OLMoE-8L
     ends at the same loss bit for bit with and without it, session 53; tests/core/test_determinism.py's GPU test
     compares them), and its fill kernels took 15 ms of OLMoE-8L's deterministic step (H100: 0.858x the default's
-    tokens/s with it, 0.907-0.914x without, sessions 53-54; docs/performance.md). Turning them off restores torch's default (on)."""
+    tokens/s with it, 0.907-0.914x without, sessions 53-54; docs/performance.md). Turning them off restores torch's
+    default (the fill on)."""
     if on:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(on)

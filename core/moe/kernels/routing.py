@@ -163,7 +163,8 @@ def _zero_unwritten_rows_kernel(
     every row written) costs one flag read a row."""
     first = tl.program_id(0) * ROWS
     rows = first + tl.arange(0, ROWS)
-    if tl.sum(((rows < R) & (tl.load(written_ptr + rows, mask=rows < R, other=1) == 0)).to(tl.int32)) > 0:
+    holes = (rows < R) & (tl.load(written_ptr + rows, mask=rows < R, other=1) == 0)
+    if tl.sum(holes.to(tl.int32)) > 0:  # a window without holes (every window of a dropless plan) writes nothing
         zeros = tl.zeros([BLOCK_R, BLOCK_D], dtype=out_ptr.dtype.element_ty)
         for r in range(0, ROWS, BLOCK_R):
             sub = first + r + tl.arange(0, BLOCK_R)
