@@ -6,7 +6,6 @@
 # torchtitan 0.3.0 after it in the same run.
 # Run from the repo root: bash docs/bench/session55/ratios.sh (timeout 600; about 300 s on a fresh machine).
 source docs/bench/session42/common.sh
-SHE=optimizer.split_master=true,precision.head_grads_bf16=true,precision.embedding_weight_copy=true
 t0=$(date +%s)
 timeout 200 python3 tools/bench_train.py $S2 --steps 30 --warmup 5 --variant default: --variant best_SHE:$BEST,$SHE \
   --variant default_2: --json $OUT/olmoe3_ratio.json 2>&1 | grep -v Warning | tail -5
