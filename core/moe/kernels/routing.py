@@ -110,6 +110,7 @@ def route_counts(
     _route_count_kernel[(B,)](ids_N, counts_EB, N, E, B, BLOCK_N=BLOCK_N, CHUNK=CHUNK, E_PAD=E_PAD, num_warps=4)
 
     # [E, B] integer scans along the blocks, the innermost dimension: exact in any order, so deterministic.
+    # At OLMoE-8L's [64, 512]: 9 us, against 81 us along the outer dimension of [B, E] (H200, session 56).
     cum_EB = counts_EB.cumsum(1, dtype=torch.int32)
     first_rank_EB = cum_EB - counts_EB
     tokens_per_expert_E = cum_EB[:, -1].clone()  # own (contiguous) storage: custom ops' outputs may not alias
@@ -179,7 +180,8 @@ def _zero_unwritten_rows_kernel(
 _HOLE_SCAN_ROWS = 256
 """Rows one program of _zero_unwritten_rows_kernel checks: 512 programs at OLMoE-8L's 131,072 rows. One
 program a (row, D) tile, as before session 55, launched 65,536 programs that found nothing to do on dropless
-plans: 41 us a call, 16 calls a step on OLMoE-8L (H100, session 55's profile)."""
+plans: 41 us a call, 16 calls a step on OLMoE-8L (H100, session 55's profile); this one 1.5 us a call in the same
+step (H200, session 56's profile)."""
 
 
 def _hole_rows_block(BLOCK_D: int) -> int:
