@@ -51,6 +51,8 @@ CASES = [
     Case(1, 2, 3, None, "random", D=8),
     Case(0, 2, 3, None, "random"),
     Case(130, 8, 256, 2, "skewed", D=8),  # T*K > 1024 (33 route blocks of 32 slots at E 256)
+    Case(41, 3, 5, None, "random"),  # K not a power of two
+    Case(45, 6, 16, 4, "skewed", torch.int32, D=40, dtype=torch.bfloat16),
 ]
 
 
@@ -345,11 +347,12 @@ def test_triton_interpreted_zeroes_exactly_the_unwritten_rows(triton_results, i)
     assert torch.equal(triton_results[len(CASES) + i], want)
 
 
-@pytest.mark.parametrize("kernel", ["zero bf16", "zero fp32", "count", "rank"])
+@pytest.mark.parametrize("kernel", ["zero bf16", "zero fp32", "count", "rank", "combine bf16", "combine fp32"])
 def test_routing_kernels_compile_for_sm90_without_spills(kernel):
-    """The route kernels and _zero_unwritten_rows_kernel (its hole check and nested loops) compile for
-    Hopper on the CPU (ptxas ships with Triton) at OLMoE-8L's sizes (131,072 slots over 64 experts, D 2048),
-    with the launch settings their wrappers pick, and need no local memory (spills) or stack."""
+    """The route kernels, _zero_unwritten_rows_kernel (its hole check and nested loops) and the weighted
+    combine (ptxas issues its K row loads before any sum, so all K rows sit in registers at once) compile for
+    Hopper on the CPU (ptxas ships with Triton) at OLMoE-8L's sizes (131,072 slots over 64 experts, top-8,
+    D 2048), with the launch settings their wrappers pick, and need no local memory (spills) or stack."""
     import triton
 
     from moetron.core.moe.kernels import routing
@@ -361,6 +364,12 @@ def test_routing_kernels_compile_for_sm90_without_spills(kernel):
         _, block_d, warps = routing._row_blocks(D, 2 if dtype == "bf16" else 4)
         fn, values = routing._zero_unwritten_rows_kernel, dict(out_ptr=f"*{dtype}", written_ptr="*u8", R=R, D=D)
         constexprs = dict(ROWS=routing._HOLE_SCAN_ROWS, BLOCK_R=routing._hole_rows_block(block_d), BLOCK_D=block_d)
+    elif kernel.startswith("combine"):
+        dtype = kernel.split()[1]
+        block_t, block_d, warps = routing._row_blocks(D, 2 if dtype == "bf16" else 4)
+        fn = routing._combine_rows_kernel
+        values = dict(y_ptr=f"*{dtype}", dest_ptr="*i32", w_ptr=f"*{dtype}", out_ptr=f"*{dtype}", T=R // 8, D=D)
+        constexprs = dict(K=8, HAS_WEIGHTS=True, ACC=triton.language.float32, BLOCK_T=block_t, BLOCK_D=block_d)
     else:
         block_n, chunk, e_pad = routing._route_blocks(R, E)
         warps, constexprs = 4, dict(BLOCK_N=block_n, CHUNK=chunk, E_PAD=e_pad)
