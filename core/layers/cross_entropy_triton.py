@@ -38,18 +38,24 @@ NUM_WARPS = 8
 """Warps per program (one program per row)."""
 REVERSED = True
 """The gradient pass from the row's end back (see the module docstring; measured in session 34)."""
+NUM_STAGES = 1
+"""Blocks of a row each program has in flight (Triton's software pipelining of both passes' loads through shared
+memory, cp.async on Hopper; 1: none, each block's load waited for in turn). More stages keep the same bytes in
+flight with fewer programs, so fewer rows, and more of the second pass can come from L2. The same bits either way
+(the loads move earlier; the arithmetic and its order do not change). 1 until ``tools/bench_loss.py --rows
+--row-stages`` is measured on a GPU (queued in session 56)."""
 
 
 @triton.jit
 def _ce_rows_kernel(logits_ptr, target_ptr, coef_ptr, lse_ptr, tgt_logit_ptr, V, stride, z_loss_weight,
-                    GRAD: tl.constexpr, BLOCK: tl.constexpr, REVERSE: tl.constexpr):
+                    GRAD: tl.constexpr, BLOCK: tl.constexpr, REVERSE: tl.constexpr, STAGES: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride
     cols = tl.arange(0, BLOCK)
     # Pass 1: per-lane running max and sum of exp (rescaled as the max grows), reduced at the end.
     m = tl.full([BLOCK], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, V, BLOCK):
+    for start in tl.range(0, V, BLOCK, num_stages=STAGES):
         x = tl.load(base + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, x)
         # exp(-inf - -inf) would be NaN on lanes that have seen nothing yet: keep them at 0.
@@ -66,7 +72,7 @@ def _ce_rows_kernel(logits_ptr, target_ptr, coef_ptr, lse_ptr, tgt_logit_ptr, V,
         coef = tl.load(coef_ptr + row)
         scale = coef * (1.0 + 2.0 * z_loss_weight * lse)
         n_blocks = tl.cdiv(V, BLOCK)
-        for k in range(0, n_blocks):
+        for k in tl.range(0, n_blocks, num_stages=STAGES):
             idx = ((n_blocks - 1 - k) if REVERSE else k) * BLOCK + cols
             inside = idx < V
             x = tl.load(base + idx, mask=inside, other=0.0).to(tl.float32)
@@ -76,14 +82,16 @@ def _ce_rows_kernel(logits_ptr, target_ptr, coef_ptr, lse_ptr, tgt_logit_ptr, V,
 
 def ce_rows_(logits_CV: torch.Tensor, target_C: torch.Tensor, coef_C: torch.Tensor | None,
              z_loss_weight: float, grad: bool, *, block: int | None = None, num_warps: int | None = None,
-             reversed_grad: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             reversed_grad: bool | None = None, stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """For each row of logits_CV [C, V] (bf16/fp16/fp32, rows contiguous): (logsumexp [C] fp32,
     the logit at target_C [C] (int, in [0, V)) fp32). With ``grad``, also overwrites the logits
     with their gradient coef_C[c] * ((1 + 2 z lse) softmax - onehot(target)) (coef_C fp32 [C]: the
     row's weight in the mean, 0 for ignored tokens; z = z_loss_weight), in the logits' dtype.
-    ``block``, ``num_warps``, ``reversed_grad``: the kernel's settings (None: BLOCK_V, NUM_WARPS,
-    REVERSED; tools/bench_loss.py --rows sweeps them)."""
+    ``block``, ``num_warps``, ``reversed_grad``, ``stages``: the kernel's settings (None: BLOCK_V, NUM_WARPS,
+    REVERSED, NUM_STAGES; tools/bench_loss.py --rows sweeps them)."""
     C, V = logits_CV.shape
+    if stages is not None and stages < 1:
+        raise ValueError(f"ce_rows_: stages={stages}; the blocks in flight are at least 1")
     if logits_CV.stride(1) != 1:
         raise ValueError("ce_rows_: the logits' rows must be contiguous")
     lse_C = torch.empty(C, dtype=torch.float32, device=logits_CV.device)
@@ -95,5 +103,6 @@ def ce_rows_(logits_CV: torch.Tensor, target_C: torch.Tensor, coef_C: torch.Tens
                           float(z_loss_weight), GRAD=grad,
                           BLOCK=min(block or BLOCK_V, triton.next_power_of_2(V)),
                           REVERSE=REVERSED if reversed_grad is None else bool(reversed_grad),
+                          STAGES=NUM_STAGES if stages is None else int(stages),
                           num_warps=num_warps or NUM_WARPS)
     return lse_C, tgt_C
