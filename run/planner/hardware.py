@@ -166,7 +166,7 @@ DETERMINISTIC_ATTN = 2.37
 Hopper kernels (their backward is not deterministic) for FlashAttention-2's, with its deterministic
 backward: 16.1 -> 38.1 ms a step (forward 3.9 -> 7.4, backward 12.2 -> 28.8 and its extra passes), OLMoE-8L
 compiled at S 4096, head dim 128, on the H100 (session 53's profiles, tools/profile_step.py). [measured]
-on that one shape; the switch's other cost, torch's fill of uninitialized memory, is off (core/trainer.py).
+on that shape; the switch's other cost, torch's fill of uninitialized memory, is off (core/trainer.py).
 olmoe3-4l-8e's grouped-query attention (32 query heads over 8 KV heads) measures 1.87 (19.6 -> 36.6 ms, H200,
 session 56); the planner keeps 2.37 and plans that row's step within 2.8% (tools/plan.py --validate)."""
 EFF_COMM = 0.73
