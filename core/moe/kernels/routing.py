@@ -3,9 +3,10 @@
 route: two deterministic passes over the flat slots, no atomics. Pass 1 counts each block's slots per
 expert; a tiny integer cumsum over blocks (torch, exact in any order) gives each block its first
 rank per expert; pass 2 ranks every slot within its expert and writes its destination row. The
-counts are stored expert-major ([E, B]), so that scan runs along the innermost dimension: torch's
-scan along an outer dimension took 91 us a layer for [512, 64] (OLMoE-8L, H100, session 55's profile). Ranks
-equal the reference's stable-sort ranks, so all integer outputs are bit-exact.
+counts are stored expert-major ([E, B]), so that scan runs along the innermost dimension: at OLMoE-8L's
+512 blocks x 64 experts, 9 us alone against 81 us along the outer dimension of [B, E] (H200, session 56;
+91 us a layer in session 55's H100 profile). Ranks equal the reference's stable-sort ranks, so all integer
+outputs are bit-exact.
 
 scatter_rows / combine_rows and their backward: gather-style kernels, one program per
 (token block, D block); each row >= 0 has exactly one source slot, so no atomics are needed. The
@@ -110,7 +111,6 @@ def route_counts(
     _route_count_kernel[(B,)](ids_N, counts_EB, N, E, B, BLOCK_N=BLOCK_N, CHUNK=CHUNK, E_PAD=E_PAD, num_warps=4)
 
     # [E, B] integer scans along the blocks, the innermost dimension: exact in any order, so deterministic.
-    # At OLMoE-8L's [64, 512]: 9 us, against 81 us along the outer dimension of [B, E] (H200, session 56).
     cum_EB = counts_EB.cumsum(1, dtype=torch.int32)
     first_rank_EB = cum_EB - counts_EB
     tokens_per_expert_E = cum_EB[:, -1].clone()  # own (contiguous) storage: custom ops' outputs may not alias
