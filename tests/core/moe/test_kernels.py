@@ -350,7 +350,7 @@ def test_triton_interpreted_zeroes_exactly_the_unwritten_rows(triton_results, i)
 @pytest.mark.parametrize("kernel", ["zero bf16", "zero fp32", "count", "rank", "combine bf16", "combine fp32"])
 def test_routing_kernels_compile_for_sm90_without_spills(kernel):
     """The route kernels, _zero_unwritten_rows_kernel (its hole check and nested loops) and the weighted
-    combine (ptxas issues its K row loads before any sum, so all K rows sit in registers at once) compile for
+    combine (all K of a token tile's rows in registers at once: ptxas issues their loads before any sum) compile for
     Hopper on the CPU (ptxas ships with Triton) at OLMoE-8L's sizes (131,072 slots over 64 experts, top-8,
     D 2048), with the launch settings their wrappers pick, and need no local memory (spills) or stack."""
     import triton
@@ -359,14 +359,13 @@ def test_routing_kernels_compile_for_sm90_without_spills(kernel):
     from tests.core.test_precision_fp8 import _compile_sm90, assert_no_spills
 
     R, D, E = 131072, 2048, 64
-    if kernel.startswith("zero"):
-        dtype = kernel.split()[1]
-        _, block_d, warps = routing._row_blocks(D, 2 if dtype == "bf16" else 4)
+    kind, _, dtype = kernel.partition(" ")
+    if dtype:  # the row kernels: the wrappers' blocks and warps for this dtype
+        block_t, block_d, warps = routing._row_blocks(D, 2 if dtype == "bf16" else 4)
+    if kind == "zero":
         fn, values = routing._zero_unwritten_rows_kernel, dict(out_ptr=f"*{dtype}", written_ptr="*u8", R=R, D=D)
         constexprs = dict(ROWS=routing._HOLE_SCAN_ROWS, BLOCK_R=routing._hole_rows_block(block_d), BLOCK_D=block_d)
-    elif kernel.startswith("combine"):
-        dtype = kernel.split()[1]
-        block_t, block_d, warps = routing._row_blocks(D, 2 if dtype == "bf16" else 4)
+    elif kind == "combine":
         fn = routing._combine_rows_kernel
         values = dict(y_ptr=f"*{dtype}", dest_ptr="*i32", w_ptr=f"*{dtype}", out_ptr=f"*{dtype}", T=R // 8, D=D)
         constexprs = dict(K=8, HAS_WEIGHTS=True, ACC=triton.language.float32, BLOCK_T=block_t, BLOCK_D=block_d)
