@@ -5,7 +5,7 @@
 # --top 60 lists the moved kernels, so the share before the change is read off the same profile.
 # Run from the repo root: bash docs/bench/session55/shares.sh (timeout 600; about 300 s on a fresh machine).
 source docs/bench/session42/common.sh
-O=$(echo "$BEST,$SHE" | tr ',' '\n' | sed 's/^/--/' | tr '\n' ' ')
+O=$(flags "$BEST,$SHE")
 for shape in S1 S2; do
   for row in default best_SHE; do
     [[ $row == default ]] && extra="" || extra=$O

@@ -9,7 +9,7 @@ tt olmoe3-4l-8e before 30
 timeout 200 python3 tools/bench_train.py $S2 --steps 30 --warmup 5 --variant best_SHE:$BEST,$SHE --variant default: \
   --json $OUT/olmoe3_ratio.json 2>&1 | grep -v Warning | tail -3
 tt olmoe3-4l-8e after 30
-O=$(echo "$BEST,$SHE" | tr ',' '\n' | sed 's/^/--/' | tr '\n' ' ')
+O=$(flags "$BEST,$SHE")
 timeout 100 python3 tools/profile_step.py $S2 $O --wait 1 --warmup 1 --active 2 --top 60 \
   --json $OUT/profile_S2_best_SHE.json 2>&1 | grep -v Warning | grep -E "active steps|^(attention|optimizer|gemm) |share"
 nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active --format=csv

@@ -8,7 +8,7 @@
 # The step's results are not trusted under it (inductor re-runs each kernel to time it), only the table.
 # Run from the repo root: bash docs/bench/session56/inductor_bw.sh (timeout 600; about 300 s: two fresh compiles).
 source docs/bench/session42/common.sh
-O=$(echo "$BEST,$SHE" | tr ',' '\n' | sed 's/^/--/' | tr '\n' ' ')
+O=$(flags "$BEST,$SHE")
 for shape in S1 S2; do
   TORCHINDUCTOR_PROFILE=1 TORCHINDUCTOR_PROFILE_OUTPUT=$OUT/inductor_bw_$shape.txt TORCHINDUCTOR_FX_GRAPH_CACHE=0 \
     timeout 250 python3 tools/bench_train.py ${!shape} $O --steps 3 --warmup 2 --json $OUT/inductor_bw_$shape.json \
