@@ -1,5 +1,6 @@
 # Sourced by this directory's calls: sessions 32 and 37's environment, install and variant strings, BEST
-# (#13's best bf16 row), SHE, flags VARIANT (a variant string as flags) and tt CONFIG TAG STEPS (torchtitan 0.3.0 from .peers, compiled, 5 warm-up steps).
+# (#13's best bf16 row), SHE, flags VARIANT (a variant string as flags) and tt CONFIG TAG STEPS (torchtitan 0.3.0
+# from .peers, compiled, 5 warm-up steps).
 source docs/bench/session32/switches.sh
 source docs/bench/session37/common.sh
 BEST=$B16,$ALL,optimizer.triton_grad_norm=true,model.loss_chunk_tokens=16384
