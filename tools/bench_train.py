@@ -10,6 +10,9 @@ with the median beside the mean, and a step over 1.2x the median is named on std
 stall would otherwise read as the variant's cost). MoE rows also report the routing over the timed
 steps (the worst layer's max violation; the most starved experts in one layer), and a router that
 collapsed (half its experts starved) is named on stderr: its timing is not that of balanced routing.
+On a GPU the card's SM clock ("MHz") and power draw ("W") are sampled over the timed steps (nvidia-smi every
+100 ms, tools/clocks.py; means, with the least clock and the largest draw in the JSON): these cards run a step
+at their power limit, below their top clock, so two runs' or two cards' times compare beside their clocks.
 Each --variant is a set of overrides measured in the same process, so a switch is measured on and
 off side by side; every variant trains the same seeded model on the same batches, so a variant whose
 last loss strays more than 2% from the first one's is named on stderr (a numerics bug must not pass
@@ -50,6 +53,7 @@ from moetron.core.trainer import TrainerConfig
 from moetron.models import ModelConfig
 
 from cli import run_cli, split_variant, write_report  # tools/cli.py
+from clocks import ClockSampler  # tools/clocks.py
 from step_builder import add_step_arguments, build_trainer, step_configs, token_stream  # tools/step_builder.py
 
 
@@ -76,17 +80,19 @@ def measure(model_cfg: ModelConfig, memory: MemoryConfig, optim_cfg: OptimizerCo
         # capture, in the warm-up, so the peak is the whole run's (the eager warm-up steps' too)
     # Each timed step's own time as well as the window's mean: on CUDA from events recorded at the step
     # boundaries (no sync inside the window, so the host still runs ahead), on the CPU from the clock.
-    t0 = time.perf_counter()
-    marks = [_mark(device)]
-    for i in range(args.steps):
-        loss, _ = trainer.train_step(data.next_batch())
-        if i == args.steps - 1:
-            trainer.wait_optimizer()  # optimizer.overlap: the last step's updates inside the window
-        marks.append(_mark(device))
-    last = loss.item()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    dt = (time.perf_counter() - t0) / args.steps
+    # The card's SM clock and power sampled over the window (tools/clocks.py): these GPUs run a step power-capped.
+    with ClockSampler(device) as clocks:
+        t0 = time.perf_counter()
+        marks = [_mark(device)]
+        for i in range(args.steps):
+            loss, _ = trainer.train_step(data.next_batch())
+            if i == args.steps - 1:
+                trainer.wait_optimizer()  # optimizer.overlap: the last step's updates inside the window
+            marks.append(_mark(device))
+        last = loss.item()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = (time.perf_counter() - t0) / args.steps
     per_step = _intervals_s(marks)
     routing = routing_state(layers)
     tokens = args.batch * args.seq_len
@@ -105,6 +111,7 @@ def measure(model_cfg: ModelConfig, memory: MemoryConfig, optim_cfg: OptimizerCo
         "loss_first": first,
         "loss_last": last,
         **routing,
+        **clocks.summary(),
     }
 
 
@@ -242,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     write_report(args.json, env, rows)
     print(f"{env['device']} | torch {env['torch']} | {args.preset} {base.model.describe()} | seq {args.seq_len} x {args.batch}")
     print(f"{'variant':<12} {'step ms':>9} {'median':>8} {'tok/s':>10} {'x 1st':>6} {'TFLOP/s':>9} {'MFU':>7} "
-          f"{'mem GiB':>8} {'loss first -> last':>20} {'maxvio':>7} {'starved':>8}")
+          f"{'mem GiB':>8} {'loss first -> last':>20} {'maxvio':>7} {'starved':>8} {'MHz':>6} {'W':>5}")
     for r in rows:
         if "error" in r:
             print(f"{r['variant']:<12} {r['error'][:90]}")
@@ -252,9 +259,11 @@ def main(argv: list[str] | None = None) -> int:
         losses = f"{r['loss_first']:.4f} -> {r['loss_last']:.4f}" if r["loss_first"] is not None else f"{r['loss_last']:.4f}"
         maxvio = f"{r['moe_max_violation']:.2f}" if "moe_max_violation" in r else "-"
         starved = f"{r['moe_starved_experts']}/{r['moe_experts']}" if "moe_experts" in r else "-"
+        mhz, watts = ((f"{r['sm_clock_mhz']:.0f}", f"{r['power_w']:.0f}") if r.get("sm_clock_mhz") is not None
+                      else ("-", "-"))
         print(f"{r['variant']:<12} {1e3 * r['step_s']:>9.1f} {1e3 * r['step_median_s']:>8.1f} {r['tokens_per_s']:>10,.0f} "
               f"{r['tokens_per_s_vs_first']:>6.3f} {r['tflops_per_device']:>9.1f} {mfu_s:>7} {mem:>8} {losses:>20} "
-              f"{maxvio:>7} {starved:>8}")
+              f"{maxvio:>7} {starved:>8} {mhz:>6} {watts:>5}")
     for r in rows:
         for line in row_warnings(r):
             print(line, file=sys.stderr)

@@ -1,0 +1,60 @@
+"""tools/clocks.py: the clock sampler runs nvidia-smi with the query it means, reads its samples back (skipping
+the ones it could not read) and summarizes them; without nvidia-smi or a CUDA device it is a no-op. nvidia-smi is
+a stand-in script here (no GPU on the CPU machines)."""
+
+import os
+import stat
+import time
+
+import pytest
+import torch
+
+import clocks
+
+
+def _fake_nvidia_smi(folder, lines: list[str]) -> str:
+    """A script named nvidia-smi that writes its arguments to args.txt, prints ``lines`` and waits to be
+    stopped (as nvidia-smi -lms does)."""
+    script = folder / "nvidia-smi"
+    body = "".join(f"echo '{line}'\n" for line in lines)
+    script.write_text(f"#!/bin/sh\necho \"$@\" > {folder / 'args.txt'}\n{body}exec sleep 30\n")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return str(folder)
+
+
+def test_samples_summarized(tmp_path, monkeypatch):
+    folder = _fake_nvidia_smi(tmp_path, ["1485, 675.50", "[N/A], 690.00", "1515, 690.50", "garbage", "1395, 702.25"])
+    monkeypatch.setenv("PATH", folder + os.pathsep + os.environ["PATH"])
+    sampler = clocks.ClockSampler(torch.device("cpu"), interval_ms=50)
+    sampler.selector = "GPU-1234"  # what device_selector gives a CUDA device
+    start = time.monotonic()
+    with sampler:
+        for _ in range(100):  # until the script has printed (it starts in a few ms)
+            if (tmp_path / "args.txt").exists():
+                break
+            time.sleep(0.05)
+        time.sleep(0.2)
+    assert time.monotonic() - start < 15  # stopped at the block's end, not after the script's 30 s
+    assert (tmp_path / "args.txt").read_text().split() == [
+        "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "50", "-i", "GPU-1234"]
+    summary = sampler.summary()
+    assert summary == {"sm_clock_mhz": pytest.approx((1485 + 1515 + 1395) / 3), "sm_clock_min_mhz": 1395.0,
+                       "power_w": pytest.approx((675.5 + 690.5 + 702.25) / 3), "power_max_w": 702.25,
+                       "clock_samples": 3}
+    assert set(summary) == set(clocks.FIELDS)
+
+
+def test_no_op_without_a_gpu_or_nvidia_smi(tmp_path, monkeypatch):
+    # The CPU: no selector, nothing run, the summary's values None.
+    with clocks.ClockSampler(torch.device("cpu")) as sampler:
+        pass
+    assert sampler.command() is None
+    assert sampler.summary() == {"sm_clock_mhz": None, "sm_clock_min_mhz": None, "power_w": None,
+                                 "power_max_w": None, "clock_samples": 0}
+    # A CUDA device but no nvidia-smi on PATH.
+    monkeypatch.setenv("PATH", str(tmp_path))
+    sampler = clocks.ClockSampler(torch.device("cpu"))
+    sampler.selector = "GPU-1234"
+    assert sampler.command() is None
+    with pytest.raises(ValueError, match="interval_ms=0"):
+        clocks.ClockSampler(torch.device("cpu"), interval_ms=0)
