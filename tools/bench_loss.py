@@ -205,7 +205,7 @@ def ce_rows_sweep(args, device: torch.device, chunks: list[int]) -> list[dict]:
             default = ((block, warps, stages, programs or None, reverse)
                        == (K.BLOCK_V, K.NUM_WARPS, K.NUM_STAGES, K.PROGRAMS, K.REVERSED))
             rows.append({"chunk_tokens": chunk, "vocab": args.vocab, "block": block, "num_warps": warps,
-                         "stages": stages, "programs": programs or chunk, "reversed": reverse, "default": default,
+                         "stages": stages, "programs": min(programs, chunk) if programs else chunk, "reversed": reverse, "default": default,
                          "ms": ms,
                          "gbps": None if ms is None else moved / ms / 1e6})
         del logits

@@ -74,7 +74,7 @@ class ClockSampler:
     ``nvidia-smi`` is not on PATH. The first sample comes once nvidia-smi has started (about 0.1-0.3 s), so a
     window shorter than that has none."""
 
-    def __init__(self, device: torch.device, interval_ms: int = 100):
+    def __init__(self, device: torch.device, interval_ms: int = 200):
         if interval_ms < 1:
             raise ValueError(f"ClockSampler: interval_ms={interval_ms}; at least 1")
         self.selector = device_selector(device)
