@@ -23,7 +23,9 @@ unsynchronized step does not have (its host runs far ahead). Whether it does is 
 when the host returned from launching the step's last kernel against when the GPU finished, GPU-bound where
 the host was done more than a tenth of the step earlier (HOST_AHEAD). A GEMM table gives the step's GEMMs by
 op and operand shapes (record_shapes): calls, ms and achieved TFLOP/s (2MKN from the shapes; each
-grouped form counted as torch._grouped_mm runs it), so a GEMM family below its rate shows. The headline is the share of kernel time that is
+grouped form counted as torch._grouped_mm runs it), so a GEMM family below its rate shows; on a GPU the card's SM
+clock and power over the active steps are sampled beside it (tools/clocks.py: a power-capped clock lowers every
+GEMM's rate). The headline is the share of kernel time that is
 neither GEMM nor attention. Overrides are --model.*, --memory.*, --optimizer.*, --precision.* (e.g.
 --optimizer.state_dtype=bf16 --precision.expert_weight_copies=optimizer) and (with --real-text) --data.*.
 """
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import functools
 import os
 import re
@@ -44,6 +47,7 @@ from torch.autograd import DeviceType
 from moetron.core.metrics import run_environment
 
 from cli import run_cli, write_report  # tools/cli.py
+from clocks import ClockSampler  # tools/clocks.py
 from step_builder import add_step_arguments, build_trainer, step_configs, token_stream
 
 # Inductor names a generated kernel triton_{poi,red,per,tem}_fused_<aten ops>_<n>; one made of
@@ -446,10 +450,11 @@ def stack_config(stack: bool) -> dict:
 
 
 def profile(trainer, data, device: torch.device, wait: int, warmup: int, active: int, trace: str = "",
-            stack: bool = False):
+            stack: bool = False, clocks: ClockSampler | None = None):
     """Run wait + warmup + active train steps under torch.profiler; the recorded events (active steps
     only). ``stack``: record each op's Python stack too (with_stack; slows the host, so the step's
-    idle time grows: for finding sites, not for sizing them)."""
+    idle time grows: for finding sites, not for sizing them). ``clocks``: sampled over the active steps only
+    (tools/clocks.py: the card's SM clock and power, which set its GEMMs' rate)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -460,9 +465,12 @@ def profile(trainer, data, device: torch.device, wait: int, warmup: int, active:
 
     schedule = torch.profiler.schedule(wait=wait, warmup=warmup, active=active, repeat=1)
     # record_shapes gives each op its input dtypes (how an int32 fill is told from a float one).
-    with torch.profiler.profile(activities=activities, schedule=schedule, record_shapes=True, with_stack=stack,
-                                on_trace_ready=on_trace_ready, **stack_config(stack)) as prof:
-        for _ in range(wait + warmup + active):
+    with contextlib.ExitStack() as sampling, torch.profiler.profile(
+            activities=activities, schedule=schedule, record_shapes=True, with_stack=stack,
+            on_trace_ready=on_trace_ready, **stack_config(stack)) as prof:
+        for i in range(wait + warmup + active):
+            if i == wait + warmup and clocks is not None:
+                sampling.enter_context(clocks)
             trainer.train_step(data.next_batch())
             if device.type == "cuda":
                 torch.cuda.synchronize()  # the step's kernels land inside its ProfilerStep window
@@ -479,6 +487,9 @@ def print_report(row: dict, header: str) -> None:
     busy = f", busy {100 * row['busy']:.0f}%" if row["busy"] is not None else ""
     print(f"{row['source']} over {row['active_steps']} active steps: step {row['step_ms']:.1f} ms wall, "
           f"{row['kernel_ms_per_step']:.1f} ms of kernels{busy}")
+    if row.get("sm_clock_mhz") is not None:
+        print(f"the card over them: SM clock {row['sm_clock_mhz']:.0f} MHz (least {row['sm_clock_min_mhz']:.0f}), "
+              f"power {row['power_w']:.0f} W (most {row['power_max_w']:.0f}), {row['clock_samples']} samples")
     print(f"{'category':<16} {'ms/step':>9} {'share':>7} {'kernels':>9}")
     for c in row["categories"]:
         print(f"{c['category']:<16} {c['ms_per_step']:>9.2f} {100 * c['share']:>6.1f}% {c['kernels_per_step']:>9.0f}")
@@ -540,7 +551,8 @@ def main(argv: list[str] | None = None) -> int:
     trainer = build_trainer(model_cfg, memory, data, device, seq_len=args.seq_len,
                             precision=precision, compile=args.compile, micro_batch=args.micro_batch,
                             optimizer=optim_cfg, trainer=tcfg)
-    events = profile(trainer, data, device, args.wait, args.warmup, args.active, args.trace, args.stack)
+    clocks = ClockSampler(device)
+    events = profile(trainer, data, device, args.wait, args.warmup, args.active, args.trace, args.stack, clocks)
     steps = [e for e in events if e.device_type == DeviceType.CPU and e.name.startswith("ProfilerStep")]
     step_ms = sum(e.time_range.elapsed_us() for e in steps) / 1e3 / max(len(steps), 1)
     on_device = device.type == "cuda"
@@ -548,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
            "source": "CUDA kernels" if on_device else "CPU ops (self time)",
            **breakdown(kernel_times(events, on_device), args.active, step_ms, args.top),
            "idle": idle_time(events, args.active) if on_device else None,
-           "gemms": gemm_table(events, on_device, args.active)}
+           "gemms": gemm_table(events, on_device, args.active), **clocks.summary()}
     env = {**run_environment(device, 1, "tools/profile_step.py", argv),
            "preset": args.preset, "seq_len": args.seq_len, "batch": args.batch, "model": model_cfg.to_dict()}
     print_report(row, f"{env['device']} | torch {env['torch']} | {args.preset} {model_cfg.describe()} | "

@@ -530,3 +530,28 @@ def test_report_says_whether_the_host_ran_ahead(capsys):
     row["idle"].update(host_done_ms=None, gpu_done_ms=None)
     profile_step.print_report(row, "header")
     assert "the host launched" not in capsys.readouterr().out
+
+
+def test_clocks_sampled_over_the_active_steps_only():
+    """The clock sampler is entered when the first active step starts (after the wait and warm-up steps, whose
+    compiles would pull the mean toward the idle clock) and left after the last."""
+    steps, events = [], []
+
+    class Trainer:
+        def train_step(self, batch):
+            steps.append(batch)
+
+    class Data:
+        def next_batch(self):
+            return len(steps)
+
+    class Clocks:
+        def __enter__(self):
+            events.append(("enter", len(steps)))
+            return self
+
+        def __exit__(self, *exc):
+            events.append(("exit", len(steps)))
+
+    profile_step.profile(Trainer(), Data(), torch.device("cpu"), wait=2, warmup=1, active=2, clocks=Clocks())
+    assert events == [("enter", 3), ("exit", 5)]
