@@ -93,7 +93,10 @@ class ClockSampler:
     def __enter__(self) -> "ClockSampler":
         cmd = self.command()
         if cmd is not None:
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            try:
+                self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            except OSError:  # nvidia-smi found but not runnable: no samples, the benchmark goes on
+                self.proc = None
         return self
 
     def __exit__(self, *exc) -> None:

@@ -56,5 +56,11 @@ def test_no_op_without_a_gpu_or_nvidia_smi(tmp_path, monkeypatch):
     sampler = clocks.ClockSampler(torch.device("cpu"))
     sampler.selector = "GPU-1234"
     assert sampler.command() is None
+    # nvidia-smi on PATH but not runnable: the block still runs, no samples.
+    (tmp_path / "nvidia-smi").write_text("not a program")
+    (tmp_path / "nvidia-smi").chmod(0o755)
+    with sampler:
+        pass
+    assert sampler.summary()["clock_samples"] == 0
     with pytest.raises(ValueError, match="interval_ms=0"):
         clocks.ClockSampler(torch.device("cpu"), interval_ms=0)
