@@ -11,8 +11,8 @@ stall would otherwise read as the variant's cost). MoE rows also report the rout
 steps (the worst layer's max violation; the most starved experts in one layer), and a router that
 collapsed (half its experts starved) is named on stderr: its timing is not that of balanced routing.
 On a GPU the card's SM clock ("MHz") and power draw ("W") are sampled over the timed steps (nvidia-smi every
-200 ms, tools/clocks.py; means, with the least clock and the largest draw in the JSON): these cards run a step
-at their power limit, below their top clock, so two runs' or two cards' times compare beside their clocks.
+200 ms, tools/clocks.py; means, with the least clock and the largest draw in the JSON): an H100 runs a step at
+its power limit, below its top clock, so two runs' or two cards' times compare beside their clocks.
 Each --variant is a set of overrides measured in the same process, so a switch is measured on and
 off side by side; every variant trains the same seeded model on the same batches, so a variant whose
 last loss strays more than 2% from the first one's is named on stderr (a numerics bug must not pass
