@@ -18,9 +18,8 @@ are bytes above what h, the weight and the labels take (CUDA only).
 (core/layers/cross_entropy_triton.ce_rows_: logsumexp and the logits' gradient in place) on one
 chunk's bf16 logits [C, V], at each setting of --row-blocks x --row-warps x --row-stages (blocks of a row in
 flight: NUM_STAGES) x --row-programs (programs launched, each taking rows in turn; 0: one per row, PROGRAMS None) x
-the gradient pass's direction (forward, or from the row's end back: REVERSED): ms, and GB/s
-of the three passes' bytes
-(two reads and a write of the logits; a second read that hits L2 shows as more than HBM's rate).
+the gradient pass's direction (forward, or from the row's end back: REVERSED): ms, and GB/s of the three passes'
+bytes (two reads and a write of the logits; a second read that hits L2 shows as more than HBM's rate).
 On the CPU only under TRITON_INTERPRET=1 (slow; for checking the tool).
 
     python tools/bench_loss.py --rows --chunk-tokens 4096,8192
@@ -198,15 +197,15 @@ def ce_rows_sweep(args, device: torch.device, chunks: list[int]) -> list[dict]:
         for block, warps, stages, programs, reverse in itertools.product(
                 args.row_blocks, args.row_warps, args.row_stages, args.row_programs, (False, True)):
             work = logits.clone()  # overwritten in place by every call: gradients, still finite
+            programs = programs or None  # --row-programs 0: one a row, as ce_rows_'s None
             # (the lambda runs inside _time_ms, at this iteration's setting)
             ms = _time_ms(lambda: K.ce_rows_(work, target, coef, 0.0, grad=True, block=block, num_warps=warps,
-                                             reversed_grad=reverse, stages=stages, programs=programs or None),
-                          args, device)
-            default = ((block, warps, stages, programs or None, reverse)
+                                             reversed_grad=reverse, stages=stages, programs=programs), args, device)
+            default = ((block, warps, stages, programs, reverse)
                        == (K.BLOCK_V, K.NUM_WARPS, K.NUM_STAGES, K.PROGRAMS, K.REVERSED))
             rows.append({"chunk_tokens": chunk, "vocab": args.vocab, "block": block, "num_warps": warps,
-                         "stages": stages, "programs": min(programs, chunk) if programs else chunk, "reversed": reverse, "default": default,
-                         "ms": ms,
+                         "stages": stages, "programs": min(programs or chunk, chunk), "reversed": reverse,
+                         "default": default, "ms": ms,
                          "gbps": None if ms is None else moved / ms / 1e6})
         del logits
     return rows

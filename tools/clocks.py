@@ -3,8 +3,9 @@
 A training step can hold a card at its power limit: on an H100 (700 W) both moetron's and torchtitan's steps
 ran at about 1,500 MHz of the SM clock's 1,980 (docs/performance.md, session 57; the H200 not yet measured), so a
 step's time depends on the clock the card could hold as well as on its FLOPs and bytes, and figures from two
-cards, or two runs, compare fairly only beside their clocks. ``ClockSampler`` runs ``nvidia-smi`` in a child process that prints the
-SM clock and the power draw every ``interval_ms`` while a ``with`` block runs, and summarizes the samples:
+cards, or two runs, compare fairly only beside their clocks. ``ClockSampler`` runs ``nvidia-smi`` in a child
+process that prints the SM clock and the power draw every ``interval_ms`` while a ``with`` block runs, and
+summarizes the samples:
 
     with ClockSampler(device) as clocks:
         ...  # the timed steps

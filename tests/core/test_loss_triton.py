@@ -131,7 +131,7 @@ def test_ce_kernel_compiles_for_sm90_with_its_stages(stages, one_row):
     bf16, the default block and warps) at each stages setting, a program a row or looping over rows (programs),
     without spills; stages > 1 pipelines both passes' loads through shared memory (a block of bf16 logits a stage
     beyond the first), so the knob is not a no-op. (Looping at 2 stages uses 8 bytes of stack, so that pair is left
-out; 2 stages lost to 1 and 3 on the H100 in session 57.)"""
+    out; 2 stages lost to 1 and 3 on the H100 in session 57.)"""
     triton = pytest.importorskip("triton")
 
     from moetron.core.layers import cross_entropy_triton as K

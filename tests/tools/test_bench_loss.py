@@ -49,8 +49,7 @@ def test_rows_sweep(tmp_path):
     out = tmp_path / "rows.json"
     proc = run_python([os.path.join(ROOT, "tools", "bench_loss.py"), "--rows", "--vocab", "300", "--chunk-tokens", "4",
                        "--row-blocks", "128,512", "--row-warps", "4", "--row-stages", "1,2", "--row-programs", "0,3",
-                       "--steps", "1",
-                       "--warmup", "1", "--device", "cpu", "--json", str(out)],
+                       "--steps", "1", "--warmup", "1", "--device", "cpu", "--json", str(out)],
                       env=dict(os.environ, TRITON_INTERPRET="1"), timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "backward" in proc.stdout

@@ -2,8 +2,8 @@
 # Queued by session 56 (its device time spent). Why did olmoe3-4l-8e's ratio fall from 1.21x on the H100s to
 # 1.159x on session 56's H200? Its profiles put moetron's GEMMs 4% slower there (653-692 against 674-717 TFLOP/s on
 # the same shapes) while the memory-bound kernels ran faster; one guess is a power-capped SM clock under the GEMMs
-# (HBM3e beside the same 700 W). This samples the card's SM clock, power and throttle reasons once a second
-# (nvidia-smi dmon) while best + SHE and then torchtitan 0.3.0 run, and prints each run's mean clock and power.
+# (HBM3e beside the same 700 W). This samples the card's SM clock and power once a second
+# (nvidia-smi dmon -s pc) while best + SHE and then torchtitan 0.3.0 run, and prints each run's mean clock and power.
 # Run it on whichever card comes and say which. First the routing kernels' GPU tests (session 56 added K = 3 and 6).
 # Run from the repo root with .peers carried: bash docs/bench/session56/next.sh (timeout 600; about 250 s fresh;
 # SKIP_TESTS=1 leaves the tests out)
