@@ -64,3 +64,17 @@ def test_no_op_without_a_gpu_or_nvidia_smi(tmp_path, monkeypatch):
     assert sampler.summary()["clock_samples"] == 0
     with pytest.raises(ValueError, match="interval_ms=0"):
         clocks.ClockSampler(torch.device("cpu"), interval_ms=0)
+
+
+def test_device_selector_names_the_card_by_uuid(monkeypatch):
+    """nvidia-smi's -i for a CUDA device is "GPU-" and the UUID torch reports (nvidia-smi -L's form), whatever
+    form torch gives it in; None off CUDA or where torch reports none."""
+    import types
+
+    uuids = {0: "5fbd5d9d-1b2c-3d4e-5f60-718293a4b5c6", 1: "GPU-0a1b2c3d-0000-1111-2222-333344445555", 2: None}
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(uuid=uuids[device.index]))
+    assert clocks.device_selector(torch.device("cuda", 0)) == "GPU-5fbd5d9d-1b2c-3d4e-5f60-718293a4b5c6"
+    assert clocks.device_selector(torch.device("cuda", 1)) == "GPU-0a1b2c3d-0000-1111-2222-333344445555"
+    assert clocks.device_selector(torch.device("cuda", 2)) is None
+    assert clocks.device_selector(torch.device("cpu")) is None
