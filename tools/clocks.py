@@ -11,6 +11,11 @@ summarizes the samples:
         ...  # the timed steps
     row.update(clocks.summary())  # sm_clock_mhz, sm_clock_min_mhz, power_w, power_max_w, clock_samples
 
+A run that cannot be bracketed from inside (a peer's script, whose compile and timed steps share one process) is
+sampled from outside with ``nvidia-smi dmon -s pc -o T -d 1`` and a marks file of each run's start time;
+``python tools/clocks.py dmon DMON MARKS`` prints each run's mean clock and power over its seconds under load
+(``dmon_windows``; docs/bench/session56/next.sh).
+
 Without a CUDA device or without ``nvidia-smi`` the summary's values are None (the CPU, the tests); a run whose
 nvidia-smi printed nothing readable gives None too, never a made-up figure. A tools/ helper (a script imports it
 as ``clocks``, as it does ``cli``). Tested on the CPU against a stand-in nvidia-smi (tests/tools/test_clocks.py);
@@ -19,10 +24,12 @@ not yet run on a GPU (session 57 wrote it after its only device call).
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import signal
 import statistics
 import subprocess
+import sys
 
 import torch
 
@@ -115,3 +122,58 @@ class ClockSampler:
 
     def summary(self) -> dict:
         return summarize(self.samples)
+
+
+LOAD_W = 400.0
+"""``dmon_windows``' default floor: a second counts as under load at this draw or more. The runs' windows also hold
+their compiles and start-up, at 95-235 W on the H100 (session 57); the timed steps draw 600-700 W."""
+
+
+def dmon_rows(text: str) -> list[dict[str, str]]:
+    """``nvidia-smi dmon -o T`` output as one dict a line, keyed by its first header line's names (Time, gpu, pwr,
+    pclk, ...); the unit line and any repeated header are skipped, as are lines of another width."""
+    header, rows = None, []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            header = header or line.lstrip("#").split()
+        elif header and len(line.split()) == len(header):
+            rows.append(dict(zip(header, line.split())))
+    return rows
+
+
+def dmon_windows(dmon: str, marks: str, load_w: float = LOAD_W) -> list[tuple[str, dict]]:
+    """Per run, (its name, ``summarize`` over its seconds drawing at least ``load_w``). ``marks`` holds one
+    "NAME HH:MM:SS" line as each run starts and a last line as the last ends; a run's window is [its start, the next
+    mark's). dmon's "-" (a value it could not read) drops that second."""
+    rows = dmon_rows(dmon)
+    points = [line.split() for line in marks.splitlines() if line.strip()]
+    out = []
+    for (name, start), (_, end) in zip(points, points[1:]):
+        window = [r for r in rows if start <= r["Time"] < end and "-" not in (r.get("pwr", "-"), r.get("pclk", "-"))]
+        out.append((name, summarize([(float(r["pclk"]), float(r["pwr"])) for r in window
+                                     if float(r["pwr"]) >= load_w])))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Each run's mean SM clock and power under load from nvidia-smi "
+                                     "dmon's log and a marks file (see tools/clocks.py)")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("dmon", help="summarize `nvidia-smi dmon -s pc -o T -d 1` output per run")
+    d.add_argument("dmon", help="dmon's output file")
+    d.add_argument("marks", help='one "NAME HH:MM:SS" line as each run starts, a last one as the last ends')
+    d.add_argument("--load-w", type=float, default=LOAD_W, help=f"count only seconds at >= this draw ({LOAD_W:g} W)")
+    args = parser.parse_args(argv)
+    with open(args.dmon) as f_dmon, open(args.marks) as f_marks:
+        windows = dmon_windows(f_dmon.read(), f_marks.read(), args.load_w)
+    for name, s in windows:
+        if s["clock_samples"]:
+            print(f"{name:<11} {s['clock_samples']:>3} s under load  SM clock {s['sm_clock_mhz']:6.0f} MHz "
+                  f"(min {s['sm_clock_min_mhz']:.0f})  power {s['power_w']:5.0f} W (max {s['power_max_w']:.0f})")
+        else:
+            print(f"{name}: no dmon samples at >= {args.load_w:g} W in its window")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -78,3 +78,34 @@ def test_device_selector_names_the_card_by_uuid(monkeypatch):
     assert clocks.device_selector(torch.device("cuda", 1)) == "GPU-0a1b2c3d-0000-1111-2222-333344445555"
     assert clocks.device_selector(torch.device("cuda", 2)) is None
     assert clocks.device_selector(torch.device("cpu")) is None
+
+
+def test_dmon_windows_session57():
+    """Session 57's call 1 (an H100 at its 700 W cap): the figures docs/performance.md quotes, from its own files."""
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "bench", "session57", "call1")
+    with open(os.path.join(root, "dmon.txt")) as f_dmon, open(os.path.join(root, "marks.txt")) as f_marks:
+        windows = dict(clocks.dmon_windows(f_dmon.read(), f_marks.read()))
+    assert list(windows) == ["ours", "torchtitan"]
+    assert windows["ours"]["clock_samples"] == 10 and round(windows["ours"]["sm_clock_mhz"]) == 1491
+    assert round(windows["torchtitan"]["sm_clock_mhz"]) == 1518 and windows["torchtitan"]["power_max_w"] == 697
+
+
+def test_dmon_windows_by_hand(capsys):
+    dmon = """#Time         gpu    pwr  gtemp  mtemp   mclk   pclk
+#HH:MM:SS     Idx      W      C      C    MHz    MHz
+ 10:00:00       0    120     38     43   2619   1980
+ 10:00:01       0    650     50     50   2619   1500
+ 10:00:02       0      -     50     50   2619   1400
+#Time         gpu    pwr  gtemp  mtemp   mclk   pclk
+ 10:00:03       0    700     50     50   2619   1300
+ 10:00:04       0    690     50     50   2619   1600
+ 10:00:05       0    100     50     50   2619   1980
+"""
+    marks = "a 10:00:00\nb 10:00:04\nc 10:00:05\nend 10:00:06\n"
+    windows = dict(clocks.dmon_windows(dmon, marks))
+    # a: 10:00:00-03 under load at >= 400 W, the unreadable second dropped: 1500 and 1300 MHz
+    assert windows["a"] == {"sm_clock_mhz": 1400.0, "sm_clock_min_mhz": 1300.0, "power_w": 675.0,
+                            "power_max_w": 700.0, "clock_samples": 2}
+    assert windows["b"]["clock_samples"] == 1 and windows["b"]["sm_clock_mhz"] == 1600.0
+    assert windows["c"]["clock_samples"] == 0 and windows["c"]["sm_clock_mhz"] is None
+    assert dict(clocks.dmon_windows(dmon, marks, load_w=50))["c"]["clock_samples"] == 1

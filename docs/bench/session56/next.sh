@@ -19,29 +19,7 @@ echo "torchtitan $(date +%T)" >> $OUT/marks.txt
 tt olmoe3-4l-8e after 30
 echo "end $(date +%T)" >> $OUT/marks.txt
 kill $dmon
-python3 - "$OUT" <<'PY'
-# Mean SM clock (pclk, MHz) and power (W) over each run's window, from dmon's time-stamped lines, summarized by
-# tools/clocks.py (the one summary bench_train's own samples get).
-import sys
-sys.path.insert(0, "tools")
-from clocks import summarize
-out = sys.argv[1]
-marks = [line.split() for line in open(f"{out}/marks.txt")]
-header, rows = None, []
-for line in open(f"{out}/dmon.txt"):
-    if line.startswith("#") and header is None:
-        header = line.lstrip("#").split()
-    elif not line.startswith("#") and header and len(line.split()) == len(header):
-        rows.append(dict(zip(header, line.split())))
-for (name, start), (_, end) in zip(marks, marks[1:]):
-    # Only the samples under load (at least 400 W of the 700 W limit): each window also holds its compile and
-    # start-up, idle at 345-1,980 MHz (session 57's call 1 first averaged those in).
-    window = [r for r in rows if start <= r["Time"] < end and "-" not in (r["pwr"], r["pclk"])]
-    s = summarize([(float(r["pclk"]), float(r["pwr"])) for r in window if float(r["pwr"]) >= 400])
-    if s["clock_samples"]:
-        print(f"{name:<11} {s['clock_samples']:>3} s under load  SM clock {s['sm_clock_mhz']:6.0f} MHz "
-              f"(min {s['sm_clock_min_mhz']:.0f})  power {s['power_w']:5.0f} W (max {s['power_max_w']:.0f})")
-    else:
-        print(f"{name}: no dmon samples under load in its window")
-PY
+# Each run's mean SM clock and power over its seconds under load (>= 400 W: each window also holds its compile and
+# start-up, idle at 345-1,980 MHz; session 57's call 1 first averaged those in).
+python3 tools/clocks.py dmon $OUT/dmon.txt $OUT/marks.txt
 python3 tools/peer_ratio.py $OUT/olmoe3_ratio.json --peer $OUT/torchtitan_olmoe3-4l-8e_after.jsonl 2>&1 | tail -2

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Session 58's call (meant for an H200; whichever card comes is named in card.txt). Session 57's queued call2.sh and
+# session 55's ratios.sh in one call, trimmed to fit 600 s:
+# 1. the loss row kernel's PROGRAMS (session 57: fewer programs than rows, each looping over rows), its GPU test,
+#    then tools/bench_loss.py's row sweep at NUM_STAGES 1 (3 was within noise on the H100, session 57);
+# 2. nvidia-smi dmon once a second over every run below, each run's start in marks.txt; tools/clocks.py dmon
+#    prints each run's mean SM clock and power under load (is an H200 power-capped too, and at what clock?);
+# 3. #13's two ratios: olmoe3-4l-8e (default, best + SHE; 30 steps) then torchtitan 0.3.0, OLMoE-8L (default,
+#    best + SHE; 12 steps) then torchtitan. bench_train's rows carry their own clock samples (tools/clocks.py's
+#    ClockSampler, first run on a GPU here): compare sm_clock_mhz with dmon's figure for the same run.
+# Run from the repo root with .peers carried: bash docs/bench/session58/call1.sh (about 450 s fresh).
+source docs/bench/session42/common.sh
+nvidia-smi --query-gpu=name,power.limit,power.max_limit,clocks.max.sm,clocks.max.mem --format=csv | tee $OUT/card.txt
+t0=$(date +%s)
+MOETRON_PYTHON=$(command -v python3) timeout 120 python3 -m pytest -q -m gpu tests/core/test_loss_triton.py 2>&1 | tail -1
+timeout 100 python3 tools/bench_loss.py --rows --chunk-tokens 4096,16384 --row-blocks 4096 --row-warps 8 \
+  --row-stages 1 --row-programs 0,132,264,528 --json $OUT/loss_programs.json 2>&1 | grep -v Warning
+echo "loss $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
+nvidia-smi dmon -s pc -o T -d 1 > $OUT/dmon.txt 2>&1 &
+dmon=$!
+sleep 2
+mark() { echo "$1 $(date +%T)" >> $OUT/marks.txt; }
+mark olmoe3
+timeout 170 python3 tools/bench_train.py $S2 --steps 30 --warmup 5 --variant default: --variant best_SHE:$BEST,$SHE \
+  --json $OUT/olmoe3_ratio.json 2>&1 | grep -v Warning | tail -3
+mark tt_olmoe3
+tt olmoe3-4l-8e after 30
+mark olmoe8l
+timeout 120 python3 tools/bench_train.py $S1 --steps 12 --warmup 4 --variant default: --variant best_SHE:$BEST,$SHE \
+  --json $OUT/olmoe8l_ratio.json 2>&1 | grep -v Warning | tail -3
+mark tt_olmoe8l
+tt olmoe-1b-7b-8l after 25
+mark end
+kill $dmon
+echo "runs $(( $(date +%s) - t0 )) s"
+python3 tools/clocks.py dmon $OUT/dmon.txt $OUT/marks.txt
+python3 tools/peer_ratio.py $OUT/olmoe3_ratio.json --peer $OUT/torchtitan_olmoe3-4l-8e_after.jsonl 2>&1 | tail -3
+python3 tools/peer_ratio.py $OUT/olmoe8l_ratio.json --peer $OUT/torchtitan_olmoe-1b-7b-8l_after.jsonl 2>&1 | tail -3
