@@ -3,12 +3,14 @@
 # session 55's ratios.sh in one call, trimmed to fit 600 s:
 # 1. the loss row kernel's PROGRAMS (session 57: fewer programs than rows, each looping over rows), its GPU test,
 #    then tools/bench_loss.py's row sweep at NUM_STAGES 1 (3 was within noise on the H100, session 57);
-# 2. nvidia-smi dmon once a second over every run below, each run's start in marks.txt; tools/clocks.py dmon
+# 2. tools/bench_gemm_clock.py: two of olmoe3's dense GEMMs in a burst and held for 5 s, beside the clock and power
+#    (the card's own held GEMM rate under its cap, apart from any step);
+# 3. nvidia-smi dmon once a second over every run below, each run's start in marks.txt; tools/clocks.py dmon
 #    prints each run's mean SM clock and power under load (is an H200 power-capped too, and at what clock?);
-# 3. #13's two ratios: olmoe3-4l-8e (default, best + SHE; 30 steps) then torchtitan 0.3.0, OLMoE-8L (default,
+# 4. #13's two ratios: olmoe3-4l-8e (default, best + SHE; 30 steps) then torchtitan 0.3.0, OLMoE-8L (default,
 #    best + SHE; 12 steps) then torchtitan. bench_train's rows carry their own clock samples (tools/clocks.py's
 #    ClockSampler, first run on a GPU here): compare sm_clock_mhz with dmon's figure for the same run.
-# Run from the repo root with .peers carried: bash docs/bench/session58/call1.sh (about 450 s fresh).
+# Run from the repo root with .peers carried: bash docs/bench/session58/call1.sh (about 480 s fresh).
 source docs/bench/session42/common.sh
 nvidia-smi --query-gpu=name,power.limit,power.max_limit,clocks.max.sm,clocks.max.mem --format=csv | tee $OUT/card.txt
 t0=$(date +%s)
@@ -16,6 +18,8 @@ MOETRON_PYTHON=$(command -v python3) timeout 120 python3 -m pytest -q -m gpu tes
 timeout 100 python3 tools/bench_loss.py --rows --chunk-tokens 4096,16384 --row-blocks 4096 --row-warps 8 \
   --row-stages 1 --row-programs 0,132,264,528 --json $OUT/loss_programs.json 2>&1 | grep -v Warning
 echo "loss $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
+timeout 60 python3 tools/bench_gemm_clock.py --json $OUT/gemm_clock.json 2>&1 | grep -v Warning
+echo "gemm clock $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
 nvidia-smi dmon -s pc -o T -d 1 > $OUT/dmon.txt 2>&1 &
 dmon=$!
 sleep 2
