@@ -11,13 +11,15 @@
 #    best + SHE; 12 steps) then torchtitan. bench_train's rows carry their own clock samples (tools/clocks.py's
 #    ClockSampler, first run on a GPU here): compare sm_clock_mhz with dmon's figure for the same run.
 # Run from the repo root with .peers carried: bash docs/bench/session58/call1.sh (about 480 s fresh;
-# SKIP_S1=1 leaves the OLMoE-8L pair out: about 300 s).
+# SKIP_S1=1 leaves the OLMoE-8L pair out: about 300 s; SKIP_LOSS=1 and SKIP_S2_DEFAULT=1 too: about 200 s).
 source docs/bench/session42/common.sh
 nvidia-smi --query-gpu=name,power.limit,power.max_limit,clocks.max.sm,clocks.max.mem --format=csv | tee $OUT/card.txt
 t0=$(date +%s)
-MOETRON_PYTHON=$(command -v python3) timeout 120 python3 -m pytest -q -m gpu tests/core/test_loss_triton.py 2>&1 | tail -1
-timeout 100 python3 tools/bench_loss.py --rows --chunk-tokens 4096,16384 --row-blocks 4096 --row-warps 8 \
-  --row-stages 1 --row-programs 0,132,264,528 --json $OUT/loss_programs.json 2>&1 | grep -v Warning
+if [ -z "${SKIP_LOSS:-}" ]; then
+  MOETRON_PYTHON=$(command -v python3) timeout 120 python3 -m pytest -q -m gpu tests/core/test_loss_triton.py 2>&1 | tail -1
+  timeout 100 python3 tools/bench_loss.py --rows --chunk-tokens 4096,16384 --row-blocks 4096 --row-warps 8 \
+    --row-stages 1 --row-programs 0,132,264,528 --json $OUT/loss_programs.json 2>&1 | grep -v Warning
+fi
 echo "loss $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
 timeout 60 python3 tools/bench_gemm_clock.py --json $OUT/gemm_clock.json 2>&1 | grep -v Warning
 echo "gemm clock $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
@@ -26,7 +28,8 @@ dmon=$!
 sleep 2
 mark() { echo "$1 $(date +%T)" >> $OUT/marks.txt; }
 mark olmoe3
-timeout 170 python3 tools/bench_train.py $S2 --steps 30 --warmup 5 --variant default: --variant best_SHE:$BEST,$SHE \
+S2_DEFAULT="--variant default:"; [ -z "${SKIP_S2_DEFAULT:-}" ] || S2_DEFAULT=""
+timeout 170 python3 tools/bench_train.py $S2 --steps 30 --warmup 5 $S2_DEFAULT --variant best_SHE:$BEST,$SHE \
   --json $OUT/olmoe3_ratio.json 2>&1 | grep -v Warning | tail -3
 mark tt_olmoe3
 tt olmoe3-4l-8e after 30
