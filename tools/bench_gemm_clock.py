@@ -161,8 +161,8 @@ def main(argv=None) -> int:
               f"{_fmt(row['sm_clock_mhz'], '.0f'):>7} {_fmt(row['sm_clock_min_mhz'], '.0f'):>5} "
               f"{_fmt(row['power_w'], '.0f'):>5} {_fmt(row['peak_at_clock_tflops'], '.0f'):>8} "
               f"{_fmt(row['share_of_peak_at_clock'], '.1%'):>9}")
-    write_report(args.json, run_environment(device, 1, "tools/bench_gemm_clock.py", sys.argv[1:] if argv is None else argv),
-                 rows)
+    argv = sys.argv[1:] if argv is None else argv
+    write_report(args.json, run_environment(device, 1, "tools/bench_gemm_clock.py", argv), rows)
     return 0
 
 

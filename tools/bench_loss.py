@@ -16,16 +16,12 @@ are bytes above what h, the weight and the labels take (CUDA only).
 
 ``--rows``: instead of whole losses, the fused loss' Triton row kernel alone
 (core/layers/cross_entropy_triton.ce_rows_: logsumexp and the logits' gradient in place) on one
-chunk's bf16 logits [C, V], at each setting of --row-blocks x --row-warps x --row-stages (blocks of a row in
-flight: NUM_STAGES) x --row-programs (programs launched, each taking rows in turn; 0: one per row, PROGRAMS None) x
-the gradient pass's direction (forward, or from the row's end back: REVERSED): ms, and GB/s of the three passes'
-bytes (two reads and a write of the logits; a second read that hits L2 shows as more than HBM's rate).
+chunk's bf16 logits [C, V], at each setting of --row-blocks x --row-warps x the gradient pass's
+direction (forward, or from the row's end back: REVERSED): ms, and GB/s of the three passes' bytes
+(two reads and a write of the logits; a second read that hits L2 shows as more than HBM's rate).
 On the CPU only under TRITON_INTERPRET=1 (slow; for checking the tool).
 
     python tools/bench_loss.py --rows --chunk-tokens 4096,8192
-    python tools/bench_loss.py --rows --chunk-tokens 16384 --row-blocks 4096,8192 --row-warps 4,8 --row-stages 1,2,3
-    python tools/bench_loss.py --rows --chunk-tokens 16384 --row-blocks 4096 --row-warps 8 --row-stages 1,3 \
-        --row-programs 0,132,264,528
 
 ``--gemms``: instead of whole losses, one chunk's three GEMMs in the layouts the fused loss runs
 (``used``: the logits h @ W^T in bf16; grad_h = dlogits @ W written in fp32; grad_W += dlogits^T @ h
@@ -40,7 +36,6 @@ Prints a table and writes JSON (--json).
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 import time
 
@@ -55,14 +50,13 @@ from cli import run_cli, write_report  # tools/cli.py
 GiB = 2**30
 
 
-def _ints(text: str, least: int = 1) -> list[int]:
+def _ints(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v]
     except ValueError:
         values = []
-    if not values or any(v < least for v in values):
-        kind = "positive integers" if least == 1 else f"integers >= {least}"
-        raise argparse.ArgumentTypeError(f"expected {kind} separated by commas, got {text!r}")
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
     return values
 
 
@@ -194,19 +188,17 @@ def ce_rows_sweep(args, device: torch.device, chunks: list[int]) -> list[dict]:
         target = torch.randint(0, args.vocab, (chunk,), device=device, generator=gen)
         coef = torch.full((chunk,), 1.0 / chunk, device=device)
         moved = 3.0 * logits.numel() * logits.element_size()
-        for block, warps, stages, programs, reverse in itertools.product(
-                args.row_blocks, args.row_warps, args.row_stages, args.row_programs, (False, True)):
-            work = logits.clone()  # overwritten in place by every call: gradients, still finite
-            programs = programs or None  # --row-programs 0: one a row, as ce_rows_'s None
-            # (the lambda runs inside _time_ms, at this iteration's setting)
-            ms = _time_ms(lambda: K.ce_rows_(work, target, coef, 0.0, grad=True, block=block, num_warps=warps,
-                                             reversed_grad=reverse, stages=stages, programs=programs), args, device)
-            default = ((block, warps, stages, programs, reverse)
-                       == (K.BLOCK_V, K.NUM_WARPS, K.NUM_STAGES, K.PROGRAMS, K.REVERSED))
-            rows.append({"chunk_tokens": chunk, "vocab": args.vocab, "block": block, "num_warps": warps,
-                         "stages": stages, "programs": min(programs or chunk, chunk), "reversed": reverse,
-                         "default": default, "ms": ms,
-                         "gbps": None if ms is None else moved / ms / 1e6})
+        for block in args.row_blocks:
+            for warps in args.row_warps:
+                for reverse in (False, True):
+                    work = logits.clone()  # overwritten in place by every call: gradients, still finite
+                    # (the lambda runs inside _time_ms, at this iteration's block / warps / direction)
+                    ms = _time_ms(lambda: K.ce_rows_(work, target, coef, 0.0, grad=True, block=block,
+                                                     num_warps=warps, reversed_grad=reverse), args, device)
+                    default = (block, warps, reverse) == (K.BLOCK_V, K.NUM_WARPS, K.REVERSED)
+                    rows.append({"chunk_tokens": chunk, "vocab": args.vocab, "block": block, "num_warps": warps,
+                                 "reversed": reverse, "default": default, "ms": ms,
+                                 "gbps": None if ms is None else moved / ms / 1e6})
         del logits
     return rows
 
@@ -234,10 +226,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="time the fused loss' Triton row kernel alone at each setting instead of whole losses")
     parser.add_argument("--row-blocks", type=_ints, default=[2048, 4096, 8192], help="--rows: elements per iteration")
     parser.add_argument("--row-warps", type=_ints, default=[4, 8, 16], help="--rows: warps per program")
-    parser.add_argument("--row-stages", type=_ints, default=[1],
-                        help="--rows: blocks of a row in flight (1: loads not pipelined)")
-    parser.add_argument("--row-programs", type=lambda t: _ints(t, least=0), default=[0],
-                        help="--rows: programs launched, each taking rows in turn (0: one per row)")
     parser.add_argument("--json", default="runs/bench/bench_loss.json")
     args = parser.parse_args(argv)
     if args.tokens <= 0 or args.vocab <= 0 or args.steps <= 0 or args.warmup < 0:
@@ -250,12 +238,11 @@ def main(argv: list[str] | None = None) -> int:
         env = {**run_environment(device, 1, "tools/bench_loss.py", argv), "dtype": "torch.bfloat16"}
         print(f"{env['device']} | torch {env['torch']} | V {args.vocab} | bf16 logits | the Triton row kernel "
               f"(GB/s of two reads and a write)")
-        print(f"{'chunk':>6} {'block':>6} {'warps':>5} {'stages':>6} {'progs':>6} {'grad pass':<10} {'ms':>8} "
-              f"{'GB/s':>8}")
+        print(f"{'chunk':>6} {'block':>6} {'warps':>5} {'grad pass':<10} {'ms':>8} {'GB/s':>8}")
         for r in rows:
             ms, bw = ("n/a", "n/a") if r["ms"] is None else (f"{r['ms']:.3f}", f"{r['gbps']:.0f}")
             mark = " (default)" if r["default"] else ""
-            print(f"{r['chunk_tokens']:>6} {r['block']:>6} {r['num_warps']:>5} {r['stages']:>6} {r['programs']:>6} "
+            print(f"{r['chunk_tokens']:>6} {r['block']:>6} {r['num_warps']:>5} "
                   f"{'backward' if r['reversed'] else 'forward':<10} {ms:>8} {bw:>8}{mark}")
         write_report(args.json, env, rows)
         return 0

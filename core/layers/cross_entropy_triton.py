@@ -21,6 +21,12 @@ order of independent element-wise work only: the same bits (tests/core/test_loss
 faster at every block and warp count (0.829 against 0.858 ms a 4096-token chunk at the defaults),
 hence the default; 16 warps reversed (0.819) is within that run's noise of 8.
 
+Tried on the H100 and dropped (docs/performance.md, sessions 57-58): pipelining each row's loads (Triton's
+``num_stages`` 2 or 3 on both passes' loops: 3 within 1% of none, 2 4-6% slower) and fewer programs than rows,
+each looping over rows so that fewer rows are in flight (132-2,112 programs: 5-69% slower at 4,096- and
+16,384-token chunks, as fewer programs keep fewer bytes in flight). The kernel moves its three passes at about the
+card's HBM rate (3.0-3.1 TB/s on the H100), so the second read comes from HBM either way.
+
 Legend: C tokens of the chunk, V vocab.
 """
 
@@ -38,42 +44,18 @@ NUM_WARPS = 8
 """Warps per program (one program per row)."""
 REVERSED = True
 """The gradient pass from the row's end back (see the module docstring; measured in session 34)."""
-NUM_STAGES = 1
-"""Blocks of a row each program has in flight (Triton's software pipelining of both passes' loads through shared
-memory, cp.async on Hopper; 1: none, each block's load waited for in turn). More stages keep the same bytes in
-flight with fewer programs, so fewer rows, and more of the second pass can come from L2. The same bits either way
-(the loads move earlier; the arithmetic and its order do not change). Measured on an H100 (session 57,
-``tools/bench_loss.py --rows --row-stages 1,2,3``): within noise of 1 at blocks of 4096 x 8 warps, with one program
-per row; 1 stays."""
-PROGRAMS = None
-"""Programs launched (None: one per row). Fewer programs each take rows in turn (row, row + programs, ...), so
-fewer rows are in flight and more of each row's second read can come from L2 (132 programs of 200 KB rows: 26 MB,
-against the 50 MB L2), with ``NUM_STAGES`` keeping HBM busy with fewer programs. The same bits either way (each
-row's work is unchanged). None until ``tools/bench_loss.py --rows --row-programs`` is measured on a GPU."""
 
 
 @triton.jit
-def _ce_rows_kernel(logits_ptr, target_ptr, coef_ptr, lse_ptr, tgt_logit_ptr, C, V, stride, z_loss_weight,
-                    GRAD: tl.constexpr, BLOCK: tl.constexpr, REVERSE: tl.constexpr, STAGES: tl.constexpr,
-                    ONE_ROW: tl.constexpr):
-    if ONE_ROW:  # a program a row (PROGRAMS None): no loop over rows
-        _ce_row(logits_ptr, target_ptr, coef_ptr, lse_ptr, tgt_logit_ptr, tl.program_id(0).to(tl.int64), V, stride,
-                z_loss_weight, GRAD, BLOCK, REVERSE, STAGES)
-    else:  # rows program_id, + num_programs, ...
-        for r in tl.range(tl.program_id(0), C, tl.num_programs(0)):
-            _ce_row(logits_ptr, target_ptr, coef_ptr, lse_ptr, tgt_logit_ptr, tl.cast(r, tl.int64), V, stride,
-                    z_loss_weight, GRAD, BLOCK, REVERSE, STAGES)
-
-
-@triton.jit
-def _ce_row(logits_ptr, target_ptr, coef_ptr, lse_ptr, tgt_logit_ptr, row, V, stride, z_loss_weight,
-            GRAD: tl.constexpr, BLOCK: tl.constexpr, REVERSE: tl.constexpr, STAGES: tl.constexpr):
+def _ce_rows_kernel(logits_ptr, target_ptr, coef_ptr, lse_ptr, tgt_logit_ptr, V, stride, z_loss_weight,
+                    GRAD: tl.constexpr, BLOCK: tl.constexpr, REVERSE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride
     cols = tl.arange(0, BLOCK)
     # Pass 1: per-lane running max and sum of exp (rescaled as the max grows), reduced at the end.
     m = tl.full([BLOCK], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK], tl.float32)
-    for start in tl.range(0, V, BLOCK, num_stages=STAGES):
+    for start in range(0, V, BLOCK):
         x = tl.load(base + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, x)
         # exp(-inf - -inf) would be NaN on lanes that have seen nothing yet: keep them at 0.
@@ -90,7 +72,7 @@ def _ce_row(logits_ptr, target_ptr, coef_ptr, lse_ptr, tgt_logit_ptr, row, V, st
         coef = tl.load(coef_ptr + row)
         scale = coef * (1.0 + 2.0 * z_loss_weight * lse)
         n_blocks = tl.cdiv(V, BLOCK)
-        for k in tl.range(0, n_blocks, num_stages=STAGES):
+        for k in range(0, n_blocks):
             idx = ((n_blocks - 1 - k) if REVERSE else k) * BLOCK + cols
             inside = idx < V
             x = tl.load(base + idx, mask=inside, other=0.0).to(tl.float32)
@@ -100,20 +82,14 @@ def _ce_row(logits_ptr, target_ptr, coef_ptr, lse_ptr, tgt_logit_ptr, row, V, st
 
 def ce_rows_(logits_CV: torch.Tensor, target_C: torch.Tensor, coef_C: torch.Tensor | None,
              z_loss_weight: float, grad: bool, *, block: int | None = None, num_warps: int | None = None,
-             reversed_grad: bool | None = None, stages: int | None = None,
-             programs: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             reversed_grad: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """For each row of logits_CV [C, V] (bf16/fp16/fp32, rows contiguous): (logsumexp [C] fp32,
     the logit at target_C [C] (int, in [0, V)) fp32). With ``grad``, also overwrites the logits
     with their gradient coef_C[c] * ((1 + 2 z lse) softmax - onehot(target)) (coef_C fp32 [C]: the
     row's weight in the mean, 0 for ignored tokens; z = z_loss_weight), in the logits' dtype.
-    ``block``, ``num_warps``, ``reversed_grad``, ``stages``, ``programs``: the kernel's settings (None: BLOCK_V,
-    NUM_WARPS, REVERSED, NUM_STAGES, PROGRAMS; tools/bench_loss.py --rows sweeps them)."""
+    ``block``, ``num_warps``, ``reversed_grad``: the kernel's settings (None: BLOCK_V, NUM_WARPS,
+    REVERSED; tools/bench_loss.py --rows sweeps them)."""
     C, V = logits_CV.shape
-    if stages is not None and stages < 1:
-        raise ValueError(f"ce_rows_: stages={stages}; the blocks in flight are at least 1")
-    programs = PROGRAMS if programs is None else programs
-    if programs is not None and programs < 1:
-        raise ValueError(f"ce_rows_: programs={programs}; at least 1 program takes the rows")
     if logits_CV.stride(1) != 1:
         raise ValueError("ce_rows_: the logits' rows must be contiguous")
     lse_C = torch.empty(C, dtype=torch.float32, device=logits_CV.device)
@@ -121,11 +97,9 @@ def ce_rows_(logits_CV: torch.Tensor, target_C: torch.Tensor, coef_C: torch.Tens
     if C == 0:
         return lse_C, tgt_C
     coef = coef_C.to(torch.float32).contiguous() if grad else lse_C  # unread without grad
-    grid = (C if programs is None else min(C, programs),)
-    _ce_rows_kernel[grid](logits_CV, target_C.contiguous(), coef, lse_C, tgt_C, C, V, logits_CV.stride(0),
+    _ce_rows_kernel[(C,)](logits_CV, target_C.contiguous(), coef, lse_C, tgt_C, V, logits_CV.stride(0),
                           float(z_loss_weight), GRAD=grad,
                           BLOCK=min(block or BLOCK_V, triton.next_power_of_2(V)),
                           REVERSE=REVERSED if reversed_grad is None else bool(reversed_grad),
-                          STAGES=NUM_STAGES if stages is None else int(stages), ONE_ROW=grid[0] == C,
                           num_warps=num_warps or NUM_WARPS)
     return lse_C, tgt_C
