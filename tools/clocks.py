@@ -124,9 +124,11 @@ class ClockSampler:
         return summarize(self.samples)
 
 
-LOAD_W = 400.0
+LOAD_W = 650.0
 """``dmon_windows``' default floor: a second counts as under load at this draw or more. The runs' windows also hold
-their compiles and start-up, at 95-235 W on the H100 (session 57); the timed steps draw 600-700 W."""
+their compiles and start-up, at 70-260 W on the H100s (sessions 57-58), and a second that straddles the steps' start
+or end draws 400-600 W at a clock still near the top (session 58's torchtitan window: 410 W at 1,785 MHz, 600 W at
+1,965); the steps themselves draw 680-700 W of the 700 W limit. Session 57 counted from 400 W."""
 
 
 def dmon_rows(text: str) -> list[dict[str, str]]:

@@ -84,10 +84,13 @@ def test_dmon_windows_session57():
     """Session 57's call 1 (an H100 at its 700 W cap): the figures docs/performance.md quotes, from its own files."""
     root = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "bench", "session57", "call1")
     with open(os.path.join(root, "dmon.txt")) as f_dmon, open(os.path.join(root, "marks.txt")) as f_marks:
-        windows = dict(clocks.dmon_windows(f_dmon.read(), f_marks.read()))
+        dmon, marks = f_dmon.read(), f_marks.read()
+    windows = dict(clocks.dmon_windows(dmon, marks, load_w=400))  # the floor session 57 counted from
     assert list(windows) == ["ours", "torchtitan"]
     assert windows["ours"]["clock_samples"] == 10 and round(windows["ours"]["sm_clock_mhz"]) == 1491
     assert round(windows["torchtitan"]["sm_clock_mhz"]) == 1518 and windows["torchtitan"]["power_max_w"] == 697
+    steady = dict(clocks.dmon_windows(dmon, marks))  # the default floor drops ours' one 530 W second
+    assert steady["ours"]["clock_samples"] == 9 and round(steady["ours"]["sm_clock_mhz"]) == 1488
 
 
 def test_dmon_windows_by_hand(capsys):
@@ -103,7 +106,7 @@ def test_dmon_windows_by_hand(capsys):
 """
     marks = "a 10:00:00\nb 10:00:04\nc 10:00:05\nend 10:00:06\n"
     windows = dict(clocks.dmon_windows(dmon, marks))
-    # a: 10:00:00-03 under load at >= 400 W, the unreadable second dropped: 1500 and 1300 MHz
+    # a: 10:00:00-03 under load at >= 650 W, the unreadable second dropped: 1500 and 1300 MHz
     assert windows["a"] == {"sm_clock_mhz": 1400.0, "sm_clock_min_mhz": 1300.0, "power_w": 675.0,
                             "power_max_w": 700.0, "clock_samples": 2}
     assert windows["b"]["clock_samples"] == 1 and windows["b"]["sm_clock_mhz"] == 1600.0

@@ -19,7 +19,7 @@ echo "torchtitan $(date +%T)" >> $OUT/marks.txt
 tt olmoe3-4l-8e after 30
 echo "end $(date +%T)" >> $OUT/marks.txt
 kill $dmon
-# Each run's mean SM clock and power over its seconds under load (>= 400 W: each window also holds its compile and
-# start-up, idle at 345-1,980 MHz; session 57's call 1 first averaged those in).
+# Each run's mean SM clock and power over its seconds under load (>= 650 W, tools/clocks.py LOAD_W: each window
+# also holds its compile and start-up, idle at 345-1,980 MHz; session 57's call 1 first averaged those in).
 python3 tools/clocks.py dmon $OUT/dmon.txt $OUT/marks.txt
 python3 tools/peer_ratio.py $OUT/olmoe3_ratio.json --peer $OUT/torchtitan_olmoe3-4l-8e_after.jsonl 2>&1 | tail -2
