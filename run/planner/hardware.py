@@ -38,8 +38,8 @@ class GPU:
     figure; held for 5 s alone, olmoe3's dense GEMMs ran 669-687 TFLOP/s at 1,336-1,376 MHz and 698 W on session
     58's H100, against 759-763 in a 10-call burst: tools/bench_gemm_clock.py). The H100's 712 TFLOP/s:
     olmoe3-4l-8e's dense GEMMs, 702-717 in sessions 34-40's profiles
-    (docs/bench/session40/call4/profile_S2_best_top40.json: 137.5 ms at 702), OLMoE-8L's 769-779 (its LM head's wide GEMMs). The H200's 695: its GEMMs took 232-235 ms of
-    olmoe3-4l-8e's bf16 step (sessions 16 and 26) where the H100's took 227.9 (session 31, the same
+    (docs/bench/session40/call4/profile_S2_best_top40.json: 137.5 ms at 702), OLMoE-8L's 769-779 (its LM
+    head's wide GEMMs). The H200's 695: its GEMMs took 232-235 ms of olmoe3-4l-8e's bf16 step (sessions 16 and 26) where the H100's took 227.9 (session 31, the same
     code), 0.976x. Blackwell: the H100's share, assumed (never run here)."""
     hbm_eff: float = 0.80
     """Achieved / datasheet HBM bandwidth of the step's streaming kernels (the optimizer's and the
