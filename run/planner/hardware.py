@@ -35,12 +35,13 @@ class GPU:
     as tools/profile_step.py's GEMM table measures them (not an isolated GEMM's peak, ~800 TFLOP/s on both
     Hoppers here: in a step the clocks sit lower: session 57's H100 held olmoe3-4l-8e's step at its 700 W limit
     at 1,491 MHz of 1,980, where the peak is 806 TFLOP/s, so a card of another power limit needs its own
-    figure; held for 5 s alone, olmoe3's dense GEMMs ran 669-687 TFLOP/s at 1,336-1,376 MHz and 698 W on session
-    58's H100, against 759-763 in a 10-call burst: tools/bench_gemm_clock.py). The H100's 712 TFLOP/s:
-    olmoe3-4l-8e's dense GEMMs, 702-717 in sessions 34-40's profiles
+    figure; held for 5 s alone, olmoe3's dense GEMMs ran 669-687 TFLOP/s at 1,336-1,376 MHz and 698 W on
+    session 58's H100, against 759-763 in a 10-call burst: tools/bench_gemm_clock.py). The H100's 712
+    TFLOP/s: olmoe3-4l-8e's dense GEMMs, 702-717 in sessions 34-40's profiles
     (docs/bench/session40/call4/profile_S2_best_top40.json: 137.5 ms at 702), OLMoE-8L's 769-779 (its LM
-    head's wide GEMMs). The H200's 695: its GEMMs took 232-235 ms of olmoe3-4l-8e's bf16 step (sessions 16 and 26) where the H100's took 227.9 (session 31, the same
-    code), 0.976x. Blackwell: the H100's share, assumed (never run here)."""
+    head's wide GEMMs). The H200's 695: its GEMMs took 232-235 ms of olmoe3-4l-8e's bf16 step (sessions 16
+    and 26) where the H100's took 227.9 (session 31, the same code), 0.976x. Blackwell: the H100's share,
+    assumed (never run here)."""
     hbm_eff: float = 0.80
     """Achieved / datasheet HBM bandwidth of the step's streaming kernels (the optimizer's and the
     elementwise traffic's counted bytes; see ``stream_bps``): the Triton AdamW step with its grad norm in
