@@ -7,7 +7,8 @@ Why: on an H100 both moetron's and torchtitan's steps run at the 700 W limit wit
 Short GEMM benchmarks (tools/cli.py ``median_ms``: tens of milliseconds) run before the clock falls. This one runs
 ``[M, K] @ [K, N]`` back to back:
 
-- ``burst``: ``--burst`` calls after a second of idle (the card at its top clock), timed together;
+- ``burst``: ``--burst`` calls after a second of idle, timed together (what a short GEMM benchmark sees; the clock
+  is whatever the card ramps to from idle, not read: nvidia-smi's first sample comes later);
 - ``held``: after ``--settle`` seconds of the same calls, ``--seconds`` more, timed in samples of ``--loop`` calls,
   with tools/clocks.py's ClockSampler over them (nvidia-smi every 200 ms): mean TFLOP/s, mean SM clock, power.
 
