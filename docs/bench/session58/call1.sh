@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Session 58's call (meant for an H200; whichever card comes is named in card.txt). Session 57's queued call2.sh and
 # session 55's ratios.sh in one call, trimmed to fit 600 s:
-# 1. the loss row kernel's PROGRAMS (session 57: fewer programs than rows, each looping over rows), its GPU test,
-#    then tools/bench_loss.py's row sweep at NUM_STAGES 1 (3 was within noise on the H100, session 57);
+# 1. (ran as 26ae13e: the loss row kernel's PROGRAMS sweep; gone with the knob since d9b5a57, the sweep's results
+#    in call2/);
 # 2. tools/bench_gemm_clock.py: two of olmoe3's dense GEMMs in a burst and held for 5 s, beside the clock and power
 #    (the card's own held GEMM rate under its cap, apart from any step);
 # 3. nvidia-smi dmon once a second over every run below, each run's start in marks.txt; tools/clocks.py dmon
@@ -10,17 +10,11 @@
 # 4. #13's two ratios: olmoe3-4l-8e (default, best + SHE; 30 steps) then torchtitan 0.3.0, OLMoE-8L (default,
 #    best + SHE; 12 steps) then torchtitan. bench_train's rows carry their own clock samples (tools/clocks.py's
 #    ClockSampler, first run on a GPU here): compare sm_clock_mhz with dmon's figure for the same run.
-# Run from the repo root with .peers carried: bash docs/bench/session58/call1.sh (about 480 s fresh;
-# SKIP_S1=1 leaves the OLMoE-8L pair out: about 300 s; SKIP_LOSS=1 and SKIP_S2_DEFAULT=1 too: about 200 s).
+# Run from the repo root with .peers carried: bash docs/bench/session58/call1.sh (about 440 s fresh;
+# SKIP_S1=1 leaves the OLMoE-8L pair out: about 260 s; SKIP_S2_DEFAULT=1 too: about 130 s).
 source docs/bench/session42/common.sh
 nvidia-smi --query-gpu=name,power.limit,power.max_limit,clocks.max.sm,clocks.max.mem --format=csv | tee $OUT/card.txt
 t0=$(date +%s)
-if [ -z "${SKIP_LOSS:-}" ]; then
-  MOETRON_PYTHON=$(command -v python3) timeout 120 python3 -m pytest -q -m gpu tests/core/test_loss_triton.py 2>&1 | tail -1
-  timeout 100 python3 tools/bench_loss.py --rows --chunk-tokens 4096,16384 --row-blocks 4096 --row-warps 8 \
-    --row-stages 1 --row-programs 0,132,264,528 --json $OUT/loss_programs.json 2>&1 | grep -v Warning
-fi
-echo "loss $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
 timeout 60 python3 tools/bench_gemm_clock.py --json $OUT/gemm_clock.json 2>&1 | grep -v Warning
 echo "gemm clock $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
 nvidia-smi dmon -s pc -o T -d 1 > $OUT/dmon.txt 2>&1 &
