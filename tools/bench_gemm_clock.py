@@ -101,7 +101,7 @@ def measure(shape: tuple[int, int, int], device: torch.device, burst: int, settl
         while time.monotonic() < t_end or not samples:
             samples.append(_timed(gemm, loop, device))
     row = {"shape": f"{m}x{k}x{n}", "m": m, "k": k, "n": n,
-           "burst_tflops": flop * burst / burst_s / 1e12,
+           "burst_tflops": flop * burst / burst_s / 1e12, "burst_ms": burst_s * 1e3,
            "held_tflops": flop * loop * len(samples) / sum(samples) / 1e12,
            "held_samples": len(samples)}
     row.update(clocks.summary())

@@ -29,7 +29,7 @@ def test_rates_from_timings(monkeypatch):
     row = bench_gemm_clock.measure((64, 32, 16), torch.device("cpu"), burst=5, settle=0.0, seconds=0.0, loop=4,
                                    idle=0.0)
     flop = 2 * 64 * 32 * 16
-    assert row["burst_tflops"] == pytest.approx(flop / 2e-3 / 1e12)
+    assert row["burst_tflops"] == pytest.approx(flop / 2e-3 / 1e12) and row["burst_ms"] == pytest.approx(10.0)
     assert row["held_tflops"] == pytest.approx(flop / 2e-3 / 1e12)
     assert calls[:2] == [3, 5] and row["held_samples"] >= 1 and set(calls[2:]) == {4}
     assert row["sm_clock_mhz"] is None and row["peak_at_clock_tflops"] is None  # the CPU has no clock to read
