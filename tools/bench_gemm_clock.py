@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from clocks import ClockSampler  # noqa: E402  (tools/: the SM clock and power sampler)
-from cli import run_cli, write_report  # noqa: E402
+from cli import run_cli, timed_ms, write_report  # noqa: E402
 
 from moetron.core.config import ConfigError  # noqa: E402
 from moetron.core.metrics import run_environment  # noqa: E402
@@ -61,22 +61,6 @@ def peak_tflops(sms: int | None, mhz: float | None) -> float | None:
     return FLOP_PER_CLOCK_SM * sms * mhz * 1e6 / 1e12 if sms and mhz else None
 
 
-def _timed(fn, calls: int, device: torch.device) -> float:
-    """Seconds for ``calls`` back-to-back fn() calls, waited for at the end (CUDA events on a GPU)."""
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return time.perf_counter() - t0
-
-
 def measure(shape: tuple[int, int, int], device: torch.device, burst: int, settle: float, seconds: float,
             loop: int, idle: float = 1.0) -> dict:
     m, k, n = shape
@@ -89,17 +73,17 @@ def measure(shape: tuple[int, int, int], device: torch.device, burst: int, settl
         torch.mm(a, b, out=out)
 
     flop = 2.0 * m * k * n
-    _timed(gemm, 3, device)  # cuBLAS's choice and workspace, once
-    time.sleep(idle)  # the clock back up before the burst
-    burst_s = _timed(gemm, burst, device)
+    timed_ms(gemm, device, 3)  # cuBLAS's choice and workspace, once
+    time.sleep(idle)  # idle before the burst, as a short benchmark starts (the card drops its clock: 345 MHz)
+    burst_s = timed_ms(gemm, device, burst) / 1e3
     t_end = time.monotonic() + settle
     while time.monotonic() < t_end:
-        _timed(gemm, loop, device)
+        timed_ms(gemm, device, loop)
     samples = []
     with ClockSampler(device) as clocks:
         t_end = time.monotonic() + seconds
         while time.monotonic() < t_end or not samples:
-            samples.append(_timed(gemm, loop, device))
+            samples.append(timed_ms(gemm, device, loop) / 1e3)
     row = {"shape": f"{m}x{k}x{n}", "m": m, "k": k, "n": n,
            "burst_tflops": flop * burst / burst_s / 1e12, "burst_ms": burst_s * 1e3,
            "held_tflops": flop * loop * len(samples) / sum(samples) / 1e12,

@@ -79,6 +79,28 @@ def write_report(path: str, env: dict, rows: list[dict]) -> None:
     print(f"wrote {path}")
 
 
+def timed_ms(fn: Callable[[], object], device, calls: int = 1) -> float:
+    """Milliseconds for ``calls`` back-to-back fn() calls, waited for at their end: CUDA events on a GPU (the
+    queued kernels' time, the host's hidden behind them), the wall clock elsewhere. One sample of ``median_ms``;
+    tools/bench_gemm_clock.py times its windows with it."""
+    import time
+
+    import torch
+
+    if torch.device(device).type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
 def median_ms(fn: Callable[[], object], device, warmup: int = 5, iters: int = 20, loop: int = 1) -> float:
     """Median milliseconds of one fn() call over ``iters`` samples after ``warmup`` calls: CUDA events
     on a GPU, the wall clock elsewhere. The benchmarks' one per-call timer.
@@ -88,31 +110,13 @@ def median_ms(fn: Callable[[], object], device, warmup: int = 5, iters: int = 20
     counts as well: a few to tens of microseconds, which matters for kernels under a millisecond or
     two and between callables whose host paths differ. A larger ``loop`` queues the kernels behind
     each other and leaves the GPU time (as long as a call's host time is below its kernels')."""
-    import time
-
     import torch
 
-    for _ in range(warmup):
-        fn()
-    cuda = torch.device(device).type == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-    times = []
     if loop < 1:
         raise ValueError(f"median_ms: loop must be at least 1, got {loop}")
-    for _ in range(iters):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(loop):
-                fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / loop)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(loop):
-                fn()
-            times.append((time.perf_counter() - t0) * 1e3 / loop)
-    times.sort()
+    for _ in range(warmup):
+        fn()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+    times = sorted(timed_ms(fn, device, loop) / loop for _ in range(iters))
     return times[len(times) // 2] if len(times) % 2 else 0.5 * (times[len(times) // 2 - 1] + times[len(times) // 2])

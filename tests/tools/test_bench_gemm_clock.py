@@ -20,12 +20,12 @@ def test_peak_at_clock_is_the_datasheet_figure():
 def test_rates_from_timings(monkeypatch):
     calls = []
 
-    def fake_timed(fn, n, device):
+    def fake_timed(fn, device, n):  # cli.timed_ms's signature: milliseconds for n calls
         fn()
         calls.append(n)
-        return n * 2e-3  # 2 ms a call
+        return n * 2.0  # 2 ms a call
 
-    monkeypatch.setattr(bench_gemm_clock, "_timed", fake_timed)
+    monkeypatch.setattr(bench_gemm_clock, "timed_ms", fake_timed)
     row = bench_gemm_clock.measure((64, 32, 16), torch.device("cpu"), burst=5, settle=0.0, seconds=0.0, loop=4,
                                    idle=0.0)
     flop = 2 * 64 * 32 * 16
