@@ -532,9 +532,9 @@ def test_report_says_whether_the_host_ran_ahead(capsys):
     assert "the host launched" not in capsys.readouterr().out
 
 
-def test_clocks_sampled_over_the_active_steps_only():
+def test_clocks_sampled_over_the_active_steps_only(monkeypatch):
     """The clock sampler is entered when the first active step starts (after the wait and warm-up steps, whose
-    compiles would pull the mean toward the idle clock) and left after the last."""
+    compiles would pull the mean toward the idle clock) and left after the last, before the profiler collects."""
     steps, events = [], []
 
     class Trainer:
@@ -553,5 +553,24 @@ def test_clocks_sampled_over_the_active_steps_only():
         def __exit__(self, *exc):
             events.append(("exit", len(steps)))
 
+    class Profiler:  # torch.profiler.profile's place: its step() after the last active step collects the trace
+        def __init__(self, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            events.append(("profiler exit", len(steps)))
+
+        def step(self):
+            events.append(("profiler step", len(steps)))
+
+        def events(self):
+            return []
+
+    monkeypatch.setattr(profile_step.torch.profiler, "profile", Profiler)
     profile_step.profile(Trainer(), Data(), torch.device("cpu"), wait=2, warmup=1, active=2, clocks=Clocks())
-    assert events == [("enter", 3), ("exit", 5)]
+    assert [e for e in events if e[0] in ("enter", "exit")] == [("enter", 3), ("exit", 5)]
+    # left before the last step() (which collects the trace: seconds of an idle card), not after it
+    assert events.index(("exit", 5)) < events.index(("profiler step", 5)) < events.index(("profiler exit", 5))
