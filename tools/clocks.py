@@ -147,7 +147,8 @@ def dmon_rows(text: str) -> list[dict[str, str]]:
 def dmon_windows(dmon: str, marks: str, load_w: float = LOAD_W) -> list[tuple[str, dict]]:
     """Per run, (its name, ``summarize`` over its seconds drawing at least ``load_w``). ``marks`` holds one
     "NAME HH:MM:SS" line as each run starts and a last line as the last ends; a run's window is [its start, the next
-    mark's). dmon's "-" (a value it could not read) drops that second."""
+    mark's). dmon's "-" (a value it could not read) drops that second. Times compare as HH:MM:SS text, so a window
+    that crosses midnight finds no samples (its summary's values None), never another window's."""
     rows = dmon_rows(dmon)
     points = [line.split() for line in marks.splitlines() if line.strip()]
     out = []

@@ -112,3 +112,9 @@ def test_dmon_windows_by_hand(capsys):
     assert windows["b"]["clock_samples"] == 1 and windows["b"]["sm_clock_mhz"] == 1600.0
     assert windows["c"]["clock_samples"] == 0 and windows["c"]["sm_clock_mhz"] is None
     assert dict(clocks.dmon_windows(dmon, marks, load_w=50))["c"]["clock_samples"] == 1
+
+
+def test_dmon_window_across_midnight_reads_nothing():
+    dmon = "#Time gpu pwr pclk\n 23:59:59 0 690 1400\n 00:00:01 0 690 1500\n"
+    (name, summary), = clocks.dmon_windows(dmon, "a 23:59:59\nend 00:00:02\n", load_w=0)
+    assert name == "a" and summary["clock_samples"] == 0 and summary["sm_clock_mhz"] is None
