@@ -35,8 +35,8 @@ from .precision.mx_triton import (HW_CONVERT, abs_bits, lean_block_scale, lean_q
                                    tile_grid, tile_ids, widen)
 from .triton_round import load_fp32, round_to_bf16, store_rounded
 
-__all__ = ["BLOCK", "MX_PAIR_TILE_COLS", "MX_PAIR_WARPS", "adamw_update_", "adamw_update_mx_pair_",
-           "adamw_update_split_"]
+__all__ = ["BLOCK", "MX_PAIR_TILE_COLS", "MX_PAIR_WARPS", "Q8_ROWS", "adamw_update_", "adamw_update_mx_pair_",
+           "adamw_update_q8_", "adamw_update_split_", "q8_decode", "q8_encode"]
 
 BLOCK = 1024
 """Elements per program when a call names none (read at each call; tools/bench_optim.py --block
@@ -217,12 +217,13 @@ def adamw_update_split_(hi: torch.Tensor, lo: torch.Tensor, grad: torch.Tensor, 
 
 
 def _scalars(p, grad, exp_avg, exp_avg_sq, outs, grad_scale, *, step, lr, beta1, beta2, eps, weight_decay,
-             master: bool = True) -> tuple:
+             master: bool = True, moments: bool = True) -> tuple:
     """The update's checks (TypeError / ValueError naming the tensor) and its fp32 scalars, in the
-    kernels' order: decay, lerp weight, beta2, 1 - beta2, sqrt(bias correction 2), eps, -step size."""
+    kernels' order: decay, lerp weight, beta2, 1 - beta2, sqrt(bias correction 2), eps, -step size.
+    ``moments``: check the moments' dtypes too (fp32 or bf16; the 8-bit kernel checks its own)."""
     if master and p.dtype != torch.float32:
         raise TypeError(f"adamw_update_ takes fp32 parameters, got {p.dtype}")
-    if exp_avg.dtype != exp_avg_sq.dtype or exp_avg.dtype not in (torch.float32, torch.bfloat16):
+    if moments and (exp_avg.dtype != exp_avg_sq.dtype or exp_avg.dtype not in (torch.float32, torch.bfloat16)):
         raise TypeError(f"moments must both be fp32 or bf16, got {exp_avg.dtype} and {exp_avg_sq.dtype}")
     if grad.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"grad must be fp32 or bf16, got {grad.dtype}")
@@ -281,4 +282,182 @@ def adamw_update_mx_pair_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Te
         LERP_SMALL=abs(args[1]) < 0.5, GRAD_SCALE=grad_scale is not None, FLOOR=scale_mode == "floor",
         HW=HW_CONVERT, TC=MX_PAIR_TILE_COLS, COLS_FIRST=cols_first, num_warps=MX_PAIR_WARPS,
         enable_fp_fusion=False,
+    )
+
+
+# ---- 8-bit moments (optimizer.state_dtype=q8; core.moments_q8, the torch reference and the code's table) ----
+
+@triton.jit
+def _pow10_pos(n):
+    """10^n as fp32 for int32 n in [0, 8] (the constants core.moments_q8 rounds from the same doubles)."""
+    x = tl.where(n == 1, 1e1, 1.0)
+    x = tl.where(n == 2, 1e2, x)
+    x = tl.where(n == 3, 1e3, x)
+    x = tl.where(n == 4, 1e4, x)
+    x = tl.where(n == 5, 1e5, x)
+    x = tl.where(n == 6, 1e6, x)
+    x = tl.where(n == 7, 1e7, x)
+    return tl.where(n == 8, 1e8, x)
+
+
+@triton.jit
+def _pow10_neg(n):
+    """10^-n as fp32 for int32 n in [0, 8]."""
+    x = tl.where(n == 1, 1e-1, 1.0)
+    x = tl.where(n == 2, 1e-2, x)
+    x = tl.where(n == 3, 1e-3, x)
+    x = tl.where(n == 4, 1e-4, x)
+    x = tl.where(n == 5, 1e-5, x)
+    x = tl.where(n == 6, 1e-6, x)
+    x = tl.where(n == 7, 1e-7, x)
+    return tl.where(n == 8, 1e-8, x)
+
+
+@triton.jit
+def q8_encode(r, LEVELS: tl.constexpr):
+    """core.moments_q8.encode: magnitudes r (fp32, [0, 1]) -> codes (int32), the same operations in order."""
+    count = ((r > 1e-1).to(tl.int32) + (r > 1e-2).to(tl.int32) + (r > 1e-3).to(tl.int32)
+             + (r > 1e-4).to(tl.int32) + (r > 1e-5).to(tl.int32) + (r > 1e-6).to(tl.int32)
+             + (r > 1e-7).to(tl.int32))
+    if LEVELS == 8:
+        count += (r > 1e-8).to(tl.int32)
+    i = tl.maximum(count - 1, 0)
+    lo = (1 << i) - 1
+    f = r * _pow10_pos(LEVELS - count)
+    t = (f - 0.1) * (lo + 1).to(tl.float32)
+    t = t * 1.1111111111111112  # core.moments_q8.INV_09
+    c = tl.floor(t + 0.5).to(tl.int32) + lo
+    c = tl.minimum(tl.maximum(c, lo), 2 * lo + 1)
+    c = tl.where(count == 1, (f >= 0.5).to(tl.int32), c)  # level 0: zero below it
+    return tl.where(count == 0, 0, c)
+
+
+@triton.jit
+def q8_decode(c, LEVELS: tl.constexpr):
+    """core.moments_q8.decode: codes (int32) -> their values (fp32), the same operations in order."""
+    i = ((c >= 2).to(tl.int32) + (c >= 4).to(tl.int32) + (c >= 8).to(tl.int32) + (c >= 16).to(tl.int32)
+         + (c >= 32).to(tl.int32) + (c >= 64).to(tl.int32))
+    if LEVELS == 8:
+        i += (c >= 128).to(tl.int32)
+    pow2 = 1 << i
+    j = (c - pow2 + 1).to(tl.float32)
+    frac = 0.1 + 0.9 * tl.div_rn(j, pow2.to(tl.float32))
+    value = _pow10_neg(LEVELS - 1 - i) * frac
+    return tl.where(c == 0, 0.0, value)
+
+
+@triton.jit
+def _q8_load(codes_ptr, scales_ptr, offs, soffs, mask, rmask, SIGNED: tl.constexpr):
+    """A [rows, QB] tile of 8-bit moments as fp32 (core.moments_q8.dequantize)."""
+    c = tl.load(codes_ptr + offs, mask=mask, other=0).to(tl.int32)
+    scale = tl.load(scales_ptr + soffs, mask=rmask, other=0.0)
+    if SIGNED:
+        x = q8_decode(c & 127, 7) * scale[:, None]
+        x = tl.where(c >= 128, -x, x)
+    else:
+        x = q8_decode(c, 8) * scale[:, None]
+    return x
+
+
+@triton.jit
+def _q8_store(codes_ptr, scales_ptr, x, offs, soffs, mask, rmask, SIGNED: tl.constexpr):
+    """Store a [rows, QB] tile of fp32 moments in 8 bits, each row one block (core.moments_q8.quantize_)."""
+    a = tl.where(mask, tl.abs(x), 0.0)
+    amax = tl.max(a, axis=1)
+    inv = tl.where(amax > 0, tl.div_rn(tl.full(amax.shape, 1.0, tl.float32), amax), 0.0)
+    if SIGNED:
+        c = q8_encode(a * inv[:, None], 7)
+        c = tl.where((x < 0) & (c > 0), c + 128, c)
+    else:
+        c = q8_encode(a * inv[:, None], 8)
+    tl.store(codes_ptr + offs, c.to(tl.uint8), mask=mask)
+    tl.store(scales_ptr + soffs, amax, mask=rmask)
+
+
+@triton.jit
+def _adamw_q8_kernel(p_ptr, g_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, out_ptr, scale_ptr, R, C, NB, decay, lerp_weight,
+                     beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size,
+                     GRAD_BF16: tl.constexpr, LERP_SMALL: tl.constexpr, WRITE_OUT: tl.constexpr,
+                     GRAD_SCALE: tl.constexpr, SPLIT: tl.constexpr, TR: tl.constexpr, QB: tl.constexpr):
+    """_adamw_kernel's update of a [TR, QB] tile of the 2-D view [R, C] (TR rows, one quantization block
+    of each) with 8-bit moments: codes at m_ptr / v_ptr (uint8, [R, C]), their blocks' scales at ms_ptr /
+    vs_ptr (fp32 [R, NB]); the update uses the unrounded fp32 moments, as the bf16 state's does."""
+    pid = tl.program_id(0)
+    pid_r = pid // NB
+    pid_b = pid % NB
+    r = pid_r * TR + tl.arange(0, TR)
+    c = pid_b * QB + tl.arange(0, QB)
+    rmask = r < R
+    mask = rmask[:, None] & (c[None, :] < C)
+    offs = r[:, None].to(tl.int64) * C + c[None, :]
+    soffs = r.to(tl.int64) * NB + pid_b
+    if SPLIT:
+        p = join_split(tl.load(p_ptr + offs, mask=mask, other=0), tl.load(out_ptr + offs, mask=mask, other=0))
+    else:
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    g = load_fp32(g_ptr + offs, mask, GRAD_BF16)
+    if GRAD_SCALE:
+        g = g * tl.load(scale_ptr)
+    m = _q8_load(m_ptr, ms_ptr, offs, soffs, mask, rmask, True)
+    v = _q8_load(v_ptr, vs_ptr, offs, soffs, mask, rmask, False)
+    p, m, v = _adamw_math(p, g, m, v, decay, lerp_weight, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size,
+                          LERP_SMALL)
+    if SPLIT:
+        store_split(p_ptr + offs, out_ptr + offs, p, mask)
+    else:
+        tl.store(p_ptr + offs, p, mask=mask)
+        if WRITE_OUT:
+            tl.store(out_ptr + offs, round_to_bf16(p), mask=mask)
+    _q8_store(m_ptr, ms_ptr, m, offs, soffs, mask, rmask, True)
+    _q8_store(v_ptr, vs_ptr, v, offs, soffs, mask, rmask, False)
+
+
+Q8_ROWS = 8
+"""Rows (quantization blocks) per program of adamw_update_q8_: a tile of Q8_ROWS x QBLOCK elements, read at each
+call (tools/bench_optim.py sweeps it)."""
+
+
+def adamw_update_q8_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                     exp_avg_scales: torch.Tensor, exp_avg_sq_scales: torch.Tensor, *, step: float, lr: float,
+                     beta1: float, beta2: float, eps: float, weight_decay: float,
+                     out_bf16: torch.Tensor | None = None, lo: torch.Tensor | None = None,
+                     grad_scale: torch.Tensor | None = None, rows: int | None = None) -> None:
+    """adamw_update_ with 8-bit moments (optimizer.state_dtype=q8, core.moments_q8): ``exp_avg`` /
+    ``exp_avg_sq`` uint8 codes of p's shape, ``exp_avg_scales`` / ``exp_avg_sq_scales`` fp32 of
+    core.moments_q8.scale_shape(p.shape). Each is read and written once: 2 bytes of moments an element
+    where bf16 moves 4 (and about 1/64 of a byte of scales). ``lo``: the master is held split
+    (adamw_update_split_): ``p`` is then its bf16 half and ``lo`` the int16 rest, and ``out_bf16`` must be
+    None. Other arguments as adamw_update_'s."""
+    from .moments_q8 import QBLOCK, scale_shape
+
+    split = lo is not None
+    if split and (p.dtype != torch.bfloat16 or lo.dtype != torch.int16 or out_bf16 is not None):
+        raise TypeError("adamw_update_q8_ with lo takes a bf16 p (the split master's half), an int16 lo and no "
+                        "out_bf16")
+    if exp_avg.dtype != torch.uint8 or exp_avg_sq.dtype != torch.uint8:
+        raise TypeError(f"8-bit moments are uint8 codes, got {exp_avg.dtype} and {exp_avg_sq.dtype}")
+    for s in (exp_avg_scales, exp_avg_sq_scales):
+        if s.dtype != torch.float32 or tuple(s.shape) != scale_shape(p.shape) or s.device != p.device \
+                or not s.is_contiguous():
+            raise ValueError(f"8-bit moments' scales must be contiguous fp32 of shape {scale_shape(p.shape)} on "
+                             f"{p.device}, got {s.dtype} {tuple(s.shape)} on {s.device}")
+    if lo is not None and (lo.shape != p.shape or lo.device != p.device or not lo.is_contiguous()):
+        raise ValueError("adamw_update_q8_ needs a contiguous lo of p's shape on its device")
+    args = _scalars(p, grad, exp_avg, exp_avg_sq, [] if out_bf16 is None else [out_bf16], grad_scale, step=step,
+                    lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, master=not split,
+                    moments=False)
+    C = p.shape[-1] if p.dim() else 1
+    R = p.numel() // C if C else 0
+    if R == 0 or C == 0:
+        return
+    nb = triton.cdiv(C, QBLOCK)
+    tr = rows or Q8_ROWS
+    grid = (triton.cdiv(R, tr) * nb,)
+    out = lo if split else (p if out_bf16 is None else out_bf16)
+    _adamw_q8_kernel[grid](
+        p.view(torch.int16) if split else p, grad, exp_avg, exp_avg_sq, exp_avg_scales, exp_avg_sq_scales, out,
+        p if grad_scale is None else grad_scale, R, C, nb, *args,
+        GRAD_BF16=grad.dtype == torch.bfloat16, LERP_SMALL=abs(args[1]) < 0.5, WRITE_OUT=out_bf16 is not None,
+        GRAD_SCALE=grad_scale is not None, SPLIT=split, TR=tr, QB=QBLOCK,
+        num_warps=4, enable_fp_fusion=False,
     )
