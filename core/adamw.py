@@ -24,6 +24,14 @@ the step itself).
 DTensors (FSDP2 shards, expert-parallel weights): the moments are DTensors like their parameters
 (DCP reshards them), the math runs on the local tensors (to_local shares storage).
 
+8-bit moments (``state_dtype=torch.uint8``, optimizer.state_dtype=q8): each moment is held as one byte an
+element and an fp32 scale a block of 256 along the last dim (core.moments_q8: block-wise dynamic quantization),
+2 bytes of moments an element where bf16 holds 4. A step widens a parameter's moments to fp32, updates them and
+the parameter as above (the parameter from the unrounded fp32 moments), and quantizes them back: in the Triton
+kernel's one pass (core.adamw_triton.adamw_update_q8_), or on the foreach path a block of rows at a time
+(core.moments_q8's torch reference). Not with mx_cols (precision.quantized_expert_copies). A DTensor parameter's
+scales are a DTensor of its placements, so none may shard the last dim.
+
 Rounding: round-to-nearest cannot register a change smaller than half a bf16 ulp (2^-9 to 2^-8 of
 the value), so a moment whose per-step decay 1 - beta is below 2^-8 would never decay (beta2 =
 0.999 freezes exp_avg_sq when gradients shrink); OptimizerConfig refuses such betas with bf16 state.
@@ -49,6 +57,24 @@ MIN_ONE_MINUS_BETA = {torch.bfloat16: 2.0**-8}
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _scales_like(p: torch.Tensor) -> torch.Tensor:
+    """Zero fp32 scales for 8-bit moments of ``p`` (core.moments_q8.scale_shape): a DTensor of p's mesh and
+    placements for a DTensor p, whose blocks along the last dim then stay with their rows on every rank."""
+    from .moments_q8 import scale_shape
+
+    local = _local(p)
+    scales = torch.zeros(scale_shape(local.shape), dtype=torch.float32, device=local.device)
+    if not isinstance(p, DTensor):
+        return scales
+    if any(getattr(pl, "dim", None) in (p.dim() - 1, -1) for pl in p.placements) or p.dim() == 0:
+        raise ValueError(f"8-bit moments (optimizer.state_dtype=q8) keep a scale a block of the last dim, and this "
+                         f"parameter {tuple(p.shape)} is sharded on its last dim ({p.placements}): shard another "
+                         f"dim or use optimizer.state_dtype=bf16")
+    shape = scale_shape(p.shape)
+    return DTensor.from_local(scales, p.device_mesh, p.placements, run_check=False, shape=torch.Size(shape),
+                              stride=torch.empty(shape, device="meta").stride())
 
 
 def _free(p: torch.Tensor) -> None:
@@ -96,6 +122,7 @@ class _Row(NamedTuple):
     exp_avg_sq: torch.Tensor
     step: torch.Tensor  # CPU float scalar, already incremented
     copy: torch.Tensor | None  # the bf16 compute copy to refresh, if any
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None  # 8-bit moments' fp32 block scales (exp_avg's, exp_avg_sq's)
 
 
 class AdamWKernel(StrEnum):
@@ -122,7 +149,7 @@ def triton_usable(device: torch.device) -> str | None:
 
 class PrecisionAwareAdamW(torch.optim.Optimizer):
     """torch.optim.AdamW semantics with ``state_dtype`` moments (default fp32, as OptimizerConfig.state_dtype's;
-    bf16 halves them) and fp32 update math.
+    bf16 halves them; torch.uint8: 8-bit moments, core.moments_q8) and fp32 update math.
 
     ``params``: tensors or param groups (``lr``, ``betas``, ``eps``, ``weight_decay`` per group),
     floating point parameters of at least fp32 (they are the master weights); ``chunk_numel``:
@@ -143,6 +170,9 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             raise ValueError(f"chunk_numel must be >= 1, got {chunk_numel}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.state_dtype, self.chunk_numel, self.kernel = state_dtype, chunk_numel, AdamWKernel(kernel)
+        if state_dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.uint8):
+            raise ValueError(f"state_dtype must be fp32, fp64, bf16 or uint8 (8-bit moments), got {state_dtype}")
+        self.q8 = state_dtype == torch.uint8
         params = [p for group in self.param_groups for p in group["params"]]
         for p in params:
             if not p.is_floating_point() or torch.finfo(p.dtype).bits < 32 or p.is_complex():
@@ -193,6 +223,9 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             if p.shape[-1] % 32 or p.shape[-2] % 32:
                 raise ValueError(f"mx_cols: MX blocks of 32 must divide both of the weight's last dims, got "
                                  f"{tuple(p.shape)}")
+        if mx_cols and self.q8:
+            raise ValueError("mx_cols (precision.quantized_expert_copies) with 8-bit moments (optimizer.state_dtype=q8) "
+                             "is not built: use state_dtype=bf16 with it, or drop quantized_expert_copies")
         if mx_cols and mx_scale_mode not in ("rceil", "floor"):
             raise ValueError(f"mx_scale_mode must be rceil or floor, got {mx_scale_mode!r}")
         self._mx_cols.update({id(p): (cols, mx_scale_mode) for p, cols in (mx_cols or {}).items()})
@@ -264,12 +297,29 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
+            if self.q8:
+                state["exp_avg_scales"] = _scales_like(p)
+                state["exp_avg_sq_scales"] = _scales_like(p)
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # torch casts every floating-point state to its parameter's dtype on load; the moments go
-        # back to state_dtype (bf16 -> fp32 -> bf16 is exact, so a resume is bit-exact).
+        # back to state_dtype (bf16 -> fp32 -> bf16 is exact, so a resume is bit-exact). 8-bit moments
+        # (uint8 codes, fp32 scales) load only into 8-bit moments, and only they do.
+        for state in state_dict["state"].values():
+            held = state.get("exp_avg")
+            if held is not None and (held.dtype == torch.uint8) != self.q8:
+                raise ValueError(f"this optimizer state holds {'8-bit' if held.dtype == torch.uint8 else held.dtype} "
+                                 f"moments and this optimizer keeps {'8-bit' if self.q8 else self.state_dtype} ones: "
+                                 f"resume with the optimizer.state_dtype it was saved with")
         super().load_state_dict(state_dict)
+        if self.q8:  # torch cast the codes to the parameter's dtype too: back to bytes (exact, 0..255)
+            for state in self.state.values():
+                for key, dtype in (("exp_avg", torch.uint8), ("exp_avg_sq", torch.uint8),
+                                   ("exp_avg_scales", torch.float32), ("exp_avg_sq_scales", torch.float32)):
+                    if key in state:
+                        state[key] = state[key].to(dtype)
+            return
         for state in self.state.values():
             for key in ("exp_avg", "exp_avg_sq"):
                 if key in state and state[key].dtype != self.state_dtype:
@@ -391,12 +441,13 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             state = self._init_state(p)
             state["step"] += 1
             copy = self.compute_copies.get(p)
+            scales = (_local(state["exp_avg_scales"]), _local(state["exp_avg_sq_scales"])) if self.q8 else None
             row = _Row(_local(p), _local(grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
-                       state["step"], None if copy is None else _local(copy))
+                       state["step"], None if copy is None else _local(copy), scales)
             buckets.setdefault((row.param.device, row.param.dtype), []).append(row)
         for (device, dtype), rows in buckets.items():
             if self._takes_triton(device, dtype):
-                from .adamw_triton import adamw_update_, adamw_update_mx_pair_, adamw_update_split_
+                from .adamw_triton import adamw_update_, adamw_update_mx_pair_, adamw_update_q8_, adamw_update_split_
 
                 scale = None if grad_scale is None else grad_scale.to(device)
                 rest = []
@@ -407,7 +458,15 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                     if not all(t.is_contiguous() for t in (*row[1:4], *written)):
                         rest.append(row)
                         continue
-                    if lo is not None:
+                    if self.q8:
+                        if lo is not None:
+                            adamw_update_q8_(row.copy, *row[1:4], *row.scales, lo=lo, step=row.step.item(),
+                                             grad_scale=scale, **hyper)
+                        else:
+                            adamw_update_q8_(*row[:4], *row.scales, step=row.step.item(), out_bf16=row.copy,
+                                             grad_scale=scale, **hyper)
+                        written += [row.exp_avg, row.exp_avg_sq]
+                    elif lo is not None:
                         adamw_update_split_(row.copy, lo, *row[1:4], step=row.step.item(), grad_scale=scale, **hyper)
                     elif cols is None:
                         adamw_update_(*row[:4], step=row.step.item(), out_bf16=row.copy, grad_scale=scale, **hyper)
@@ -454,8 +513,12 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             if row.grad.dtype != row.param.dtype:
                 raise RuntimeError(f"gradient dtype {row.grad.dtype} differs from its parameter's {row.param.dtype} "
                                    f"(the foreach path needs them equal; the Triton kernel takes bf16 gradients)")
-        for chunk in self._chunks([row[:5] for row in rows]):
-            self._update(chunk, **hyper)
+        if self.q8:
+            for row in rows:
+                self._update_q8(row, hyper)
+        else:
+            for chunk in self._chunks([row[:5] for row in rows]):
+                self._update(chunk, **hyper)
         with_copies = [row for row in rows if row.copy is not None]
         if with_copies:
             torch._foreach_copy_([row.copy for row in with_copies], [row.param for row in with_copies])
@@ -473,6 +536,29 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             for out, axis in ((_local(cols), -2), (w, -1)):  # along O first: the copy is overwritten last
                 data, scale = quantize_mx(w, MX_BLOCK, axis, mode)
                 out.copy_(dequantize_mx(data, scale, MX_BLOCK, axis))
+
+    def _update_q8(self, row: _Row, hyper: dict[str, float]) -> None:
+        """One AdamW update of a parameter with 8-bit moments, the torch reference of adamw_update_q8_: a
+        block of whole rows (about chunk_numel elements, at least one row) at a time, its moments widened to
+        fp32 (core.moments_q8.dequantize), updated with the parameter by _update, and quantized back."""
+        from .moments_q8 import dequantize, quantize_
+
+        held = row[:4]
+        (ms, vs), cols = row.scales, held[0].shape[-1] if held[0].dim() else 1
+        if held[0].numel() == 0:
+            return
+        p, g, m, v = (t if t.is_contiguous() else t.contiguous() for t in held)  # a strided one steps a copy
+        per = max(1, self.chunk_numel // max(cols, 1))
+        flat = [t.view(-1, cols) for t in (p, g, m, v)] + [t.view(p.numel() // cols, -1) for t in (ms, vs)]
+        for start in range(0, flat[0].shape[0], per):
+            pp, gg, mm, vv, mss, vss = (t[start:start + per] for t in flat)
+            m32, v32 = dequantize(mm, mss, True), dequantize(vv, vss, False)
+            self._update([(pp, gg, m32, v32, row.step)], **hyper)
+            quantize_(m32, mm, mss, True)
+            quantize_(v32, vv, vss, False)
+        for kept, stepped in ((held[0], p), (held[2], m), (held[3], v)):
+            if stepped is not kept:
+                kept.copy_(stepped)
 
     def _chunks(self, rows: list[tuple[torch.Tensor, ...]]) -> Iterable[list[tuple[torch.Tensor, ...]]]:
         """Rows packed into chunks of at most chunk_numel elements; a larger contiguous tensor is

@@ -110,7 +110,7 @@ def _blocks(x: torch.Tensor) -> torch.Tensor:
     pad = -c % QBLOCK
     if pad:
         rows = torch.nn.functional.pad(rows, (0, pad))
-    return rows.view(rows.shape[0], -1, QBLOCK)
+    return rows.view(rows.shape[0], rows.shape[1] // QBLOCK, QBLOCK)
 
 
 @torch.no_grad()
@@ -119,6 +119,9 @@ def quantize_(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, signed
     block: each block's largest magnitude, and each element's byte (the first moment signed, the second
     not; a negative x in an unsigned code is an error of the caller)."""
     levels = LEVELS_SIGNED if signed else LEVELS_UNSIGNED
+    if x.numel() == 0:
+        scales.zero_()
+        return
     b = _blocks(x.float())
     amax = b.abs().amax(-1)
     inv = torch.where(amax > 0, 1.0 / amax, 0.0)  # fp32 division, IEEE
@@ -134,6 +137,8 @@ def quantize_(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, signed
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, signed: bool) -> torch.Tensor:
     """The fp32 values of quantize_'s ``codes`` and ``scales`` (a new tensor of codes' shape)."""
     levels = LEVELS_SIGNED if signed else LEVELS_UNSIGNED
+    if codes.numel() == 0:
+        return torch.zeros(codes.shape, dtype=torch.float32, device=codes.device)
     b = _blocks(codes.to(torch.int32))
     mag = b & 127 if signed else b
     value = decode(mag, levels) * scales.view(b.shape[0], -1, 1)
