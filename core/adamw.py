@@ -29,8 +29,10 @@ element and an fp32 scale a block of 256 along the last dim (core.moments_q8: bl
 2 bytes of moments an element where bf16 holds 4. A step widens a parameter's moments to fp32, updates them and
 the parameter as above (the parameter from the unrounded fp32 moments), and quantizes them back: in the Triton
 kernel's one pass (core.adamw_triton.adamw_update_q8_), or on the foreach path a block of rows at a time
-(core.moments_q8's torch reference). Not with mx_cols (precision.quantized_expert_copies). A DTensor parameter's
-scales are a DTensor of its placements, so none may shard the last dim.
+(core.moments_q8's torch reference). Parameters of fewer than 2 dims (norm weights: a few thousand elements a
+layer) keep fp32 moments, as 8-bit optimizers keep small tensors' state in 32 bits; their blocks would run along
+the one dim that FSDP2 shards. Not with mx_cols (precision.quantized_expert_copies). A DTensor matrix's scales
+are a DTensor of its placements, so none may shard its last dim.
 
 Rounding: round-to-nearest cannot register a change smaller than half a bf16 ulp (2^-9 to 2^-8 of
 the value), so a moment whose per-step decay 1 - beta is below 2^-8 would never decay (beta2 =
@@ -173,6 +175,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         if state_dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.uint8):
             raise ValueError(f"state_dtype must be fp32, fp64, bf16 or uint8 (8-bit moments), got {state_dtype}")
         self.q8 = state_dtype == torch.uint8
+        self._float_state = torch.float32 if self.q8 else state_dtype  # all moments but the 8-bit ones
         params = [p for group in self.param_groups for p in group["params"]]
         for p in params:
             if not p.is_floating_point() or torch.finfo(p.dtype).bits < 32 or p.is_complex():
@@ -295,35 +298,43 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         if not state:
             # step on the CPU as torch's non-fused AdamW keeps it: bias corrections are host floats.
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
-            if self.q8:
+            state["exp_avg"] = torch.zeros_like(p, dtype=self._float_state, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=self._float_state, memory_format=torch.preserve_format)
+            if self._held_q8(p):
+                state["exp_avg"] = torch.zeros_like(p, dtype=torch.uint8, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.uint8, memory_format=torch.preserve_format)
                 state["exp_avg_scales"] = _scales_like(p)
                 state["exp_avg_sq_scales"] = _scales_like(p)
         return state
+
+    def _held_q8(self, p: torch.Tensor) -> bool:
+        """Whether ``p``'s moments are held in 8 bits: with 8-bit moments, those of parameters of 2+ dims."""
+        return self.q8 and p.dim() >= 2
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # torch casts every floating-point state to its parameter's dtype on load; the moments go
         # back to state_dtype (bf16 -> fp32 -> bf16 is exact, so a resume is bit-exact). 8-bit moments
         # (uint8 codes, fp32 scales) load only into 8-bit moments, and only they do.
-        for state in state_dict["state"].values():
-            held = state.get("exp_avg")
-            if held is not None and (held.dtype == torch.uint8) != self.q8:
+        params = {i: p for saved, group in zip(state_dict["param_groups"], self.param_groups)
+                  for i, p in zip(saved["params"], group["params"])}
+        for i, state in state_dict["state"].items():
+            held, p = state.get("exp_avg"), params.get(i)
+            if held is not None and p is not None and (held.dtype == torch.uint8) != self._held_q8(p):
                 raise ValueError(f"this optimizer state holds {'8-bit' if held.dtype == torch.uint8 else held.dtype} "
-                                 f"moments and this optimizer keeps {'8-bit' if self.q8 else self.state_dtype} ones: "
-                                 f"resume with the optimizer.state_dtype it was saved with")
+                                 f"moments for a parameter of shape {tuple(p.shape)}, for which this optimizer keeps "
+                                 f"{'8-bit' if self._held_q8(p) else self._float_state} ones: resume with the "
+                                 f"optimizer.state_dtype it was saved with")
         super().load_state_dict(state_dict)
-        if self.q8:  # torch cast the codes to the parameter's dtype too: back to bytes (exact, 0..255)
-            for state in self.state.values():
+        for p, state in self.state.items():
+            if self._held_q8(p):  # torch cast the codes to the parameter's dtype too: back to bytes (exact)
                 for key, dtype in (("exp_avg", torch.uint8), ("exp_avg_sq", torch.uint8),
                                    ("exp_avg_scales", torch.float32), ("exp_avg_sq_scales", torch.float32)):
                     if key in state:
                         state[key] = state[key].to(dtype)
-            return
-        for state in self.state.values():
+                continue
             for key in ("exp_avg", "exp_avg_sq"):
-                if key in state and state[key].dtype != self.state_dtype:
-                    state[key] = state[key].to(self.state_dtype)
+                if key in state and state[key].dtype != self._float_state:
+                    state[key] = state[key].to(self._float_state)
 
     def defer_grad_scale(self, scale: torch.Tensor) -> None:
         """Multiply the gradients by ``scale`` (a 0-dim fp32 tensor on their device: the clipping
@@ -441,7 +452,8 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             state = self._init_state(p)
             state["step"] += 1
             copy = self.compute_copies.get(p)
-            scales = (_local(state["exp_avg_scales"]), _local(state["exp_avg_sq_scales"])) if self.q8 else None
+            scales = (_local(state["exp_avg_scales"]), _local(state["exp_avg_sq_scales"])) if "exp_avg_scales" in state \
+                else None
             row = _Row(_local(p), _local(grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
                        state["step"], None if copy is None else _local(copy), scales)
             buckets.setdefault((row.param.device, row.param.dtype), []).append(row)
@@ -458,7 +470,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                     if not all(t.is_contiguous() for t in (*row[1:4], *written)):
                         rest.append(row)
                         continue
-                    if self.q8:
+                    if row.scales is not None:
                         if lo is not None:
                             adamw_update_q8_(row.copy, *row[1:4], *row.scales, lo=lo, step=row.step.item(),
                                              grad_scale=scale, **hyper)
@@ -513,12 +525,11 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             if row.grad.dtype != row.param.dtype:
                 raise RuntimeError(f"gradient dtype {row.grad.dtype} differs from its parameter's {row.param.dtype} "
                                    f"(the foreach path needs them equal; the Triton kernel takes bf16 gradients)")
-        if self.q8:
-            for row in rows:
+        for row in rows:
+            if row.scales is not None:
                 self._update_q8(row, hyper)
-        else:
-            for chunk in self._chunks([row[:5] for row in rows]):
-                self._update(chunk, **hyper)
+        for chunk in self._chunks([row[:5] for row in rows if row.scales is None]):
+            self._update(chunk, **hyper)
         with_copies = [row for row in rows if row.copy is not None]
         if with_copies:
             torch._foreach_copy_([row.copy for row in with_copies], [row.param for row in with_copies])

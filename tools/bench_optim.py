@@ -16,6 +16,11 @@ them in turn (the values drift a little; timing does not depend on them). Varian
                         quantized along I and O: precision.quantized_expert_copies'
                         kernel, its own [32, 128] tile, not BLOCK); 1-D weights and
                         dims not multiples of 32 get the plain copy
+    triton_q8           PrecisionAwareAdamW(kernel=triton), 8-bit moments      16 B/param
+                        (optimizer.state_dtype=q8; its tile is --block / 256
+                        rows of one 256-element block each: 2048 = Q8_ROWS 8,
+                        the default; plus 1/16 B of block scales)
+    triton_q8_copy      triton_q8 + a bf16 copy of each updated weight         18 B/param
     triton_bf16_split   triton_bf16_copy with the masters held split           20 B/param
                         (optimizer.split_master: the copy and an int16 rest
                         stepped in place of the fp32 master); runs last and at
@@ -30,7 +35,7 @@ B/param is each variant's least traffic (read p, g, m, v; write p, m, v; and the
 the floor (those bytes / --hbm-gbps, 4300 by default: the H200's 4.8 TB/s spec as copies reach it)
 count only that, so extra passes (foreach) show as lower GB/s. ms is CUDA-event time per step;
 launch_ms is the host time to issue a step (above ms, the step is launch bound). state_gib: the
-moments' bytes.
+moments' bytes (with the 8-bit moments' scales).
 
     python tools/bench_optim.py                                 # on the GPU: the table and JSON
     python tools/bench_optim.py --block 1024,2048,4096          # Triton rows per BLOCK size
@@ -60,6 +65,8 @@ VARIANTS = {  # name -> (bytes per parameter moved at least, what it sweeps: --b
     "triton_bf16": (20, "block"),
     "triton_bf16_copy": (22, "block"),
     "triton_bf16_mxpair": (24, "tile"),  # adamw_update_mx_pair_'s own tile, not BLOCK
+    "triton_q8": (16, "block"),  # --block / 256 rows a program (Q8_ROWS)
+    "triton_q8_copy": (18, "block"),
     "triton_bf16_split": (20, None),  # last, at the default BLOCK only: it frees the shared parameters' fp32 storage
     "norm_foreach": (4, None),  # the clipping norm alone (core.grad._sum_of_squares): read every gradient
     "norm_triton": (4, None),
@@ -124,9 +131,10 @@ def build(variant: str, groups: list[dict]):
         return torch.optim.AdamW(groups, fused=True, **kw)
     if variant == "torch_foreach_fp32":
         return torch.optim.AdamW(groups, foreach=True, **kw)
-    state_dtype = torch.float32 if variant == "triton_fp32" else torch.bfloat16
+    state_dtype = {"triton_fp32": torch.float32, "triton_q8": torch.uint8, "triton_q8_copy": torch.uint8}.get(
+        variant, torch.bfloat16)
     copies = None
-    if variant in ("triton_bf16_copy", "triton_bf16_mxpair", "triton_bf16_split"):
+    if variant in ("triton_bf16_copy", "triton_bf16_mxpair", "triton_bf16_split", "triton_q8_copy"):
         copies = {p: torch.empty_like(p, dtype=torch.bfloat16) for g in groups for p in g["params"]}
     kernel = "foreach" if variant == "foreach_bf16" else "triton"
     split = variant == "triton_bf16_split"
@@ -158,7 +166,7 @@ def measure(opt, device: torch.device, steps: int, warmup: int) -> dict:
     else:
         seconds = time.perf_counter() - t0
     state = sum(t.numel() * t.element_size() for s in opt.state.values()
-                for k, t in s.items() if k in ("exp_avg", "exp_avg_sq"))
+                for k, t in s.items() if k in ("exp_avg", "exp_avg_sq", "exp_avg_scales", "exp_avg_sq_scales"))
     return {"ms": 1e3 * seconds / steps, "launch_ms": 1e3 * launch / steps, "state_gib": state / GiB}
 
 
@@ -212,9 +220,10 @@ def main(argv=None) -> int:
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
 
     import moetron.core.adamw_triton as kernel_module
+    from moetron.core.moments_q8 import QBLOCK
     from moetron.core.precision import mx_triton
 
-    default_block = kernel_module.BLOCK
+    default_block, default_q8_rows = kernel_module.BLOCK, kernel_module.Q8_ROWS
     default_tile = (kernel_module.MX_PAIR_TILE_COLS, kernel_module.MX_PAIR_WARPS)
     default_order = mx_triton.GRID_COLS_FIRST
     rows = []
@@ -223,13 +232,18 @@ def main(argv=None) -> int:
         settings = {"block": [(b, None) for b in blocks], "tile": [(t, o) for o in orders for t in tiles]}
         for setting, order in settings.get(sweeps, [(None, None)]):
             block = (setting or default_block) if sweeps == "block" else None
+            q8 = variant.startswith("triton_q8")
+            q8_rows = max(1, setting // QBLOCK) if q8 and setting else default_q8_rows
+            if q8:
+                block = q8_rows * QBLOCK
             tile = (setting or default_tile) if sweeps == "tile" else None
             cols_first = default_order if order is None else order == "cols-first"
             row = {"variant": variant, "block": block, "mx_tile": None if tile is None else f"{tile[0]}x{tile[1]}",
                    "mx_order": None if tile is None else ("cols-first" if cols_first else "rows-first"),
                    "params": numel, "tensors": len(params), "bytes_per_param": bytes_per_param}
             opt = None
-            kernel_module.BLOCK = block or default_block  # read by every launch
+            kernel_module.BLOCK = (None if q8 else block) or default_block  # read by every launch
+            kernel_module.Q8_ROWS = q8_rows
             kernel_module.MX_PAIR_TILE_COLS, kernel_module.MX_PAIR_WARPS = tile or default_tile
             mx_triton.GRID_COLS_FIRST = cols_first
             try:
@@ -243,7 +257,7 @@ def main(argv=None) -> int:
             except Exception as e:  # e.g. a swept tile that does not compile: the other rows still run
                 row["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
             finally:
-                kernel_module.BLOCK = default_block
+                kernel_module.BLOCK, kernel_module.Q8_ROWS = default_block, default_q8_rows
                 kernel_module.MX_PAIR_TILE_COLS, kernel_module.MX_PAIR_WARPS = default_tile
                 mx_triton.GRID_COLS_FIRST = default_order
             rows.append(row)

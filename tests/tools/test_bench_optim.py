@@ -3,11 +3,17 @@ be set before triton is imported): every variant and BLOCK is measured and writt
 traffic and floor; bad arguments fail with one error."""
 
 import json
+import math
 import os
+import sys
 from tests.processes import run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tools", "bench_optim.py")
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import bench_optim  # noqa: E402  (param_shapes: the tiny model's shapes, for the scales' bytes)
+
+from moetron.core.moments_q8 import scale_shape  # noqa: E402
 
 
 def _run(*args):
@@ -30,15 +36,18 @@ def test_tiny_rows(tmp_path):
     assert [(r["variant"], r["block"]) for r in rows] == [
         ("torch_fused_fp32", None), ("torch_foreach_fp32", None), ("foreach_bf16", None),
         *((v, b) for v in ("triton_fp32", "triton_bf16", "triton_bf16_copy") for b in (4096, 16384)),
-        ("triton_bf16_mxpair", None), ("norm_foreach", None), ("norm_triton", None), ("triton_bf16_split", None)]
-    assert [r["mx_tile"] for r in rows] == [None] * 9 + ["64x2"] + [None] * 3
-    assert [r["mx_order"] for r in rows] == [None] * 9 + ["cols-first"] + [None] * 3  # the kernel's default order
+        ("triton_bf16_mxpair", None), *((v, b) for v in ("triton_q8", "triton_q8_copy") for b in (4096, 16384)),
+        ("norm_foreach", None), ("norm_triton", None), ("triton_bf16_split", None)]
+    assert [r["mx_tile"] for r in rows] == [None] * 9 + ["64x2"] + [None] * 7
+    assert [r["mx_order"] for r in rows] == [None] * 9 + ["cols-first"] + [None] * 7  # the kernel's default order
     params = rows[0]["params"]
     assert params > 10_000 and all(r["params"] == params for r in rows)
     for r in rows:
         assert r["ms"] > 0 and r["gbps"] > 0
         assert abs(r["floor_ms"] - 1e3 * r["bytes_per_param"] * params / 4300e9) < 1e-9
         state_bytes = 0 if r["variant"].startswith("norm_") else 2 * params * (4 if r["variant"].endswith("fp32") else 2)
+        if r["variant"].startswith("triton_q8"):  # a byte an element, and an fp32 scale a block of 256 a row
+            state_bytes = 2 * params + 2 * 4 * sum(math.prod(scale_shape(s)) for _, s in bench_optim.param_shapes(True))
         assert abs(r["state_gib"] * 2**30 - state_bytes) < 1, r
     assert report["env"]["tiny"] is True and "triton_bf16_copy" in proc.stdout
 
