@@ -3,7 +3,7 @@ each with its source (a datasheet, a measurement in docs/performance.md, or an a
 
 from __future__ import annotations
 
-__all__ = ['GiB', 'GPU', 'GPUS', 'gpu_of', 'GPUS_PER_NODE', 'RESERVED_GIB', 'EXPERT_GEMM_MEASURED', 'EFF_FP8_GEMM', 'EFF_FP8_EXPERT', 'EFF_FP8_GLUON_EXPERT', 'EFF_FP8_CUBLAS_EXPERT', 'CUBLAS_CALL_S', 'BF16_CUBLAS_MEASURED', 'BF16_CUBLAS_CALL_S', 'EFF_ATTN', 'DETERMINISTIC_ATTN', 'EFF_COMM', 'EFF_PCIE', 'HOST_GBPS', 'HBM_TRAFFIC', 'RESIDUAL_SAVED_BYTES', 'EAGER_NORM_SAVED_BYTES', 'EAGER_ROPE_SAVED_BYTES', 'OPTIMIZER_BYTES', 'RECOMPUTE_FORWARD', 'HOST_OPTIMIZER_BYTES', 'QUANT_BYTES', 'QUANT_ROWS_BYTES', 'WEIGHT_QUANT_BYTES', 'MX_EMULATED_BYTES', 'EFF_MX_QUANT', 'EFF_MX_FUSED', 'FP8_SAVED', 'FP8_WEIGHT_CACHED', 'FP8_ROWWISE_MEASURED', 'EFF_FP8_ROWWISE_GEMM', 'ROWWISE_QUANT_BYTES', 'EFF_ROWWISE_ROWS', 'EFF_ROWWISE_COLS', 'LOW_PRECISION']
+__all__ = ['GiB', 'GPU', 'GPUS', 'gpu_of', 'GPUS_PER_NODE', 'RESERVED_GIB', 'EXPERT_GEMM_MEASURED', 'EFF_FP8_GEMM', 'EFF_FP8_EXPERT', 'EFF_FP8_GLUON_EXPERT', 'EFF_FP8_CUBLAS_EXPERT', 'CUBLAS_CALL_S', 'BF16_CUBLAS_MEASURED', 'BF16_CUBLAS_CALL_S', 'EFF_ATTN', 'DETERMINISTIC_ATTN', 'EFF_COMM', 'EFF_PCIE', 'HOST_GBPS', 'HBM_TRAFFIC', 'RESIDUAL_SAVED_BYTES', 'EAGER_NORM_SAVED_BYTES', 'EAGER_ROPE_SAVED_BYTES', 'OPTIMIZER_BYTES', 'STATE_BYTES', 'RECOMPUTE_FORWARD', 'HOST_OPTIMIZER_BYTES', 'QUANT_BYTES', 'QUANT_ROWS_BYTES', 'WEIGHT_QUANT_BYTES', 'MX_EMULATED_BYTES', 'EFF_MX_QUANT', 'EFF_MX_FUSED', 'FP8_SAVED', 'FP8_WEIGHT_CACHED', 'FP8_ROWWISE_MEASURED', 'EFF_FP8_ROWWISE_GEMM', 'ROWWISE_QUANT_BYTES', 'EFF_ROWWISE_ROWS', 'EFF_ROWWISE_COLS', 'LOW_PRECISION']
 
 import dataclasses
 
@@ -212,22 +212,29 @@ EAGER_ROPE_SAVED_BYTES = 134.0
 and cast back). Fitted to session 44's
 same-run eager pairs with the norm on (olmoe3-4l-8e 322.8 -> 306.7 ms, 336M roped elements a step, 139 B;
 OLMoE-8L 227.1 -> 203.4 ms, 537M, 129 B)."""
-OPTIMIZER_BYTES = {("fp32", "triton"): 32.0, ("bf16", "triton"): 24.0,
-                   ("fp32", "torch"): 32.0 * 1.2, ("bf16", "torch"): 112.0}
+STATE_BYTES = {"fp32": 8.0, "bf16": 4.0, "q8": 2.0 + 8.0 / 256}
+"""Adam moments' bytes per local parameter by optimizer.state_dtype: two fp32, two bf16, or two bytes and two
+fp32 scales a block of 256 (core/moments_q8.py; its 1-D parameters' fp32 moments, a few thousand elements a
+layer, not counted)."""
+OPTIMIZER_BYTES = {("fp32", "triton"): 32.0, ("bf16", "triton"): 24.0, ("q8", "triton"): 20.0 + 16.0 / 256,
+                   ("fp32", "torch"): 32.0 * 1.2, ("bf16", "torch"): 112.0, ("q8", "torch"): 600.0}
 """HBM bytes per local parameter per optimizer step, counted from the code, by (state_dtype, kernel):
 the Triton AdamW (optimizer.impl auto on GPUs, core/adamw_triton.py: reads p, g, m, v, writes p, m, v:
 28 fp32, 20 bf16; at GPU.stream_bps, which is fitted to it in a step) + the grad-norm pass (4); torch's
 fused AdamW (impl=torch, fp32: the same 28 + 4, measured at 1.24x its floor, hence x 1.2); core/adamw.py's
 foreach ops (impl=torch, bf16: upcast m and v to fp32, decay, lerp, mul, addcmul, write back, sqrt,
-div, add, addcdiv: 108) + 4."""
+div, add, addcdiv: 108) + 4. q8: the Triton kernel reads p, g and the two moments' bytes and scales and writes
+them (16 + 16/256) + 4; its torch reference (impl=torch, core.adamw._update_q8: the codes widened, decoded
+and encoded op by op, about 500 bytes an element on top of the fp32 foreach step's; assumed, not measured: it is
+the CPU's path, not meant for GPUs)."""
 RECOMPUTE_FORWARD = {"eager": 1.0 / 3.0, "compiled": 1.0 / 3.0}
 """Extra step time of a fully recomputed block, as a share of its forward + backward: the one extra
 forward (1/3, counted), eager and compiled. (Until 2026-12-01 compiled full recompute graph-broke
 and ran the block eagerly, so that day's 'compiled' full / every-2nd rows are eager rows; a 0.65
 fitted to them is gone with the fix. Not yet re-measured.)"""
-HOST_OPTIMIZER_BYTES = {"fp32": 88.0, "bf16": 112.0}
+HOST_OPTIMIZER_BYTES = {"fp32": 88.0, "bf16": 112.0, "q8": 600.0}
 """Host bytes per parameter of the CPU optimizer step under fsdp_offload (torch's AdamW on CPU runs
-op by op: no fused kernel): counted from its ops as above."""
+op by op: no fused kernel): counted from its ops as above (q8: assumed, as OPTIMIZER_BYTES' torch q8)."""
 QUANT_BYTES = {"emulated": 32.0, "native": 8.0}
 """HBM bytes per element of a low-precision GEMM's input plus output, per training step of a token,
 at the datasheet HBM rate: the forward quantizes x along its reduction dim and again along the

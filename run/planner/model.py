@@ -61,7 +61,7 @@ from moetron.models import ModelConfig
 from moetron.parallel.config import ParallelConfig
 from moetron.parallel.pipeline.runtime import n_microbatches
 from moetron.run.config import PretrainConfig, check_layout
-from .hardware import GiB, GPUS, RESERVED_GIB, EFF_PCIE, HOST_GBPS, OPTIMIZER_BYTES, HOST_OPTIMIZER_BYTES
+from .hardware import GiB, GPUS, RESERVED_GIB, EFF_PCIE, HOST_GBPS, OPTIMIZER_BYTES, HOST_OPTIMIZER_BYTES, STATE_BYTES
 from .memory import (
     SLICE_FREED, SLICE_FREED_AT_GATE_UP, _expert_params, _swiglu_backward_rows, activation_terms,
     block_activation_bytes, block_backward_transient, gate_up_wgrad_transient, loss_memory, stage_linear,
@@ -148,7 +148,7 @@ def plan(p: Plan) -> dict:
     def expert_params(layer: int) -> int:
         return _expert_params(cfg, layer)
 
-    state_b = 8.0 if sw.state_dtype == "fp32" else 4.0
+    state_b = STATE_BYTES[sw.state_dtype]
     rows = []
     for s, layers in enumerate(stages):
         dense = sum(cfg.num_block_params(i) - expert_params(i) for i in layers)
