@@ -339,9 +339,9 @@ def q8_decode(c, LEVELS: tl.constexpr):
          + (c >= 32).to(tl.int32) + (c >= 64).to(tl.int32))
     if LEVELS == 8:
         i += (c >= 128).to(tl.int32)
-    pow2 = 1 << i
-    j = (c - pow2 + 1).to(tl.float32)
-    frac = 0.1 + 0.9 * tl.div_rn(j, pow2.to(tl.float32))
+    j = (c - (1 << i) + 1).to(tl.float32)
+    inv_pow2 = ((127 - i) << 23).to(tl.float32, bitcast=True)  # 2^-i by its bits: j * 2^-i is j / 2^i exactly
+    frac = 0.1 + 0.9 * (j * inv_pow2)
     value = _pow10_neg(LEVELS - 1 - i) * frac
     return tl.where(c == 0, 0.0, value)
 

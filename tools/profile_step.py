@@ -63,7 +63,7 @@ RULES: list[tuple[str, str]] = [
     # heads, fmha_reduce_head, says fmha).
     ("attention", r"flash|fmha|efficient_attention|flex_attention|scaled_dot_product|_attention|"
                   r"cudnn::fusion::(?:compute_dot_do_o|convert_dq_to_16bits)"),
-    ("optimizer", r"multi_tensor_apply|[Ff]used[_]?[Aa]dam|_foreach_|linalg_vector_norm|_adamw(?:_mx_pair)?_kernel|"
+    ("optimizer", r"multi_tensor_apply|[Ff]used[_]?[Aa]dam|_foreach_|linalg_vector_norm|_adamw(?:_mx_pair|_q8)?_kernel|"
                   r"^_sum_of_squares_kernel$"),  # the last: core/grad_norm_triton.py (the clipping norm)
     # moetron's routing kernels (core/moe/kernels/routing.py) and custom ops, and the router's top-k.
     ("routing", r"_(?:route|scatter_rows|zero_unwritten_rows|combine_rows)\w*_kernel|^moetron::|topk|TopK|[Ss]ort"),
