@@ -551,8 +551,9 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
     def _update_q8(self, row: _Row, hyper: dict[str, float]) -> None:
         """One AdamW update of a parameter with 8-bit moments, the torch reference of adamw_update_q8_: a
         block of whole rows (about chunk_numel elements, at least one row) at a time, its moments widened to
-        fp32 (core.moments_q8.dequantize), updated with the parameter by _update, and quantized back."""
-        from .moments_q8 import dequantize, quantize_
+        fp32 (core.moments_q8.load_moments), updated with the parameter by _update, and quantized back
+        (store_moments)."""
+        from .moments_q8 import load_moments, store_moments
 
         held = row[:4]
         (ms, vs), cols = row.scales, held[0].shape[-1] if held[0].dim() else 1
@@ -563,10 +564,9 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         flat = [t.view(-1, cols) for t in (p, g, m, v)] + [t.view(p.numel() // cols, -1) for t in (ms, vs)]
         for start in range(0, flat[0].shape[0], per):
             pp, gg, mm, vv, mss, vss = (t[start:start + per] for t in flat)
-            m32, v32 = dequantize(mm, mss, True), dequantize(vv, vss, False)
+            m32, v32 = load_moments(mm, mss, vv, vss)
             self._update([(pp, gg, m32, v32, row.step)], **hyper)
-            quantize_(m32, mm, mss, True)
-            quantize_(v32, vv, vss, False)
+            store_moments(m32, v32, mm, mss, vv, vss)
         for kept, stepped in ((held[0], p), (held[2], m), (held[3], v)):
             if stepped is not kept:
                 kept.copy_(stepped)

@@ -33,10 +33,11 @@ import triton.language as tl
 from .precision import mx_triton
 from .precision.mx_triton import (HW_CONVERT, abs_bits, lean_block_scale, lean_qdq, lean_rows_qdq, store_bf16,
                                    tile_grid, tile_ids, widen)
+from .moments_q8 import QBLOCK, TABLE, kernel_tables, scale_shape
 from .triton_round import load_fp32, round_to_bf16, store_rounded
 
 __all__ = ["BLOCK", "MX_PAIR_TILE_COLS", "MX_PAIR_WARPS", "Q8_ROWS", "adamw_update_", "adamw_update_mx_pair_",
-           "adamw_update_q8_", "adamw_update_split_", "q8_decode", "q8_encode"]
+           "adamw_update_q8_", "adamw_update_split_", "q8_encode"]
 
 BLOCK = 1024
 """Elements per program when a call names none (read at each call; tools/bench_optim.py --block
@@ -288,100 +289,51 @@ def adamw_update_mx_pair_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Te
 # ---- 8-bit moments (optimizer.state_dtype=q8; core.moments_q8, the torch reference and the code's table) ----
 
 @triton.jit
-def _pow10_pos(n):
-    """10^n as fp32 for int32 n in [0, 8] (the constants core.moments_q8 rounds from the same doubles)."""
-    x = tl.where(n == 1, 1e1, 1.0)
-    x = tl.where(n == 2, 1e2, x)
-    x = tl.where(n == 3, 1e3, x)
-    x = tl.where(n == 4, 1e4, x)
-    x = tl.where(n == 5, 1e5, x)
-    x = tl.where(n == 6, 1e6, x)
-    x = tl.where(n == 7, 1e7, x)
-    return tl.where(n == 8, 1e8, x)
+def q8_encode(r, tab_ptr, ENC: tl.constexpr):
+    """core.moments_q8.encode: magnitudes r (fp32, [0, 1]) -> codes (int32), the same operations in order,
+    through the encoding tables at ``tab_ptr + ENC`` (core.moments_q8.kernel_tables, TABLE)."""
+    e = ((r.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    row = tl.minimum(tl.maximum(e, -32), 0) + 32  # core.moments_q8.EXP_MIN
+    count = tl.load(tab_ptr + ENC + row).to(tl.int32)  # TABLE.COUNT = 0
+    count += (r > tl.load(tab_ptr + ENC + 33 + row)).to(tl.int32)  # TABLE.NEXT
+    lo = (1 << tl.maximum(count - 1, 0)) - 1
+    c = tl.floor(r * tl.load(tab_ptr + ENC + 66 + count) + tl.load(tab_ptr + ENC + 75 + count)).to(tl.int32)
+    return tl.minimum(tl.maximum(c, lo), 2 * lo + 1)  # TABLE.MUL, TABLE.ADD above
 
 
 @triton.jit
-def _pow10_neg(n):
-    """10^-n as fp32 for int32 n in [0, 8]."""
-    x = tl.where(n == 1, 1e-1, 1.0)
-    x = tl.where(n == 2, 1e-2, x)
-    x = tl.where(n == 3, 1e-3, x)
-    x = tl.where(n == 4, 1e-4, x)
-    x = tl.where(n == 5, 1e-5, x)
-    x = tl.where(n == 6, 1e-6, x)
-    x = tl.where(n == 7, 1e-7, x)
-    return tl.where(n == 8, 1e-8, x)
-
-
-@triton.jit
-def q8_encode(r, LEVELS: tl.constexpr):
-    """core.moments_q8.encode: magnitudes r (fp32, [0, 1]) -> codes (int32), the same operations in order."""
-    count = ((r > 1e-1).to(tl.int32) + (r > 1e-2).to(tl.int32) + (r > 1e-3).to(tl.int32)
-             + (r > 1e-4).to(tl.int32) + (r > 1e-5).to(tl.int32) + (r > 1e-6).to(tl.int32)
-             + (r > 1e-7).to(tl.int32))
-    if LEVELS == 8:
-        count += (r > 1e-8).to(tl.int32)
-    i = tl.maximum(count - 1, 0)
-    lo = (1 << i) - 1
-    f = r * _pow10_pos(LEVELS - count)
-    t = (f - 0.1) * (lo + 1).to(tl.float32)
-    t = t * 1.1111111111111112  # core.moments_q8.INV_09
-    c = tl.floor(t + 0.5).to(tl.int32) + lo
-    c = tl.minimum(tl.maximum(c, lo), 2 * lo + 1)
-    c = tl.where(count == 1, (f >= 0.5).to(tl.int32), c)  # level 0: zero below it
-    return tl.where(count == 0, 0, c)
-
-
-@triton.jit
-def q8_decode(c, LEVELS: tl.constexpr):
-    """core.moments_q8.decode: codes (int32) -> their values (fp32), the same operations in order."""
-    i = ((c >= 2).to(tl.int32) + (c >= 4).to(tl.int32) + (c >= 8).to(tl.int32) + (c >= 16).to(tl.int32)
-         + (c >= 32).to(tl.int32) + (c >= 64).to(tl.int32))
-    if LEVELS == 8:
-        i += (c >= 128).to(tl.int32)
-    j = (c - (1 << i) + 1).to(tl.float32)
-    inv_pow2 = ((127 - i) << 23).to(tl.float32, bitcast=True)  # 2^-i by its bits: j * 2^-i is j / 2^i exactly
-    frac = 0.1 + 0.9 * (j * inv_pow2)
-    value = _pow10_neg(LEVELS - 1 - i) * frac
-    return tl.where(c == 0, 0.0, value)
-
-
-@triton.jit
-def _q8_load(codes_ptr, scales_ptr, offs, soffs, mask, rmask, SIGNED: tl.constexpr):
-    """A [rows, QB] tile of 8-bit moments as fp32 (core.moments_q8.dequantize)."""
+def _q8_load(codes_ptr, scales_ptr, tab_ptr, offs, soffs, mask, rmask, DEC: tl.constexpr):
+    """A [rows, QB] tile of 8-bit values as fp32 (core.moments_q8.dequantize): each byte's value read from the
+    codebook at ``tab_ptr + DEC`` (signed or not), times its block's scale."""
     c = tl.load(codes_ptr + offs, mask=mask, other=0).to(tl.int32)
     scale = tl.load(scales_ptr + soffs, mask=rmask, other=0.0)
-    if SIGNED:
-        x = q8_decode(c & 127, 7) * scale[:, None]
-        x = tl.where(c >= 128, -x, x)
-    else:
-        x = q8_decode(c, 8) * scale[:, None]
-    return x
+    return tl.load(tab_ptr + DEC + c) * scale[:, None]
 
 
 @triton.jit
-def _q8_store(codes_ptr, scales_ptr, x, offs, soffs, mask, rmask, SIGNED: tl.constexpr):
-    """Store a [rows, QB] tile of fp32 moments in 8 bits, each row one block (core.moments_q8.quantize_)."""
+def _q8_store(codes_ptr, scales_ptr, tab_ptr, x, offs, soffs, mask, rmask, ENC: tl.constexpr, SIGNED: tl.constexpr):
+    """Store a [rows, QB] tile of fp32 values in 8 bits, each row one block (core.moments_q8.quantize_)."""
     a = tl.where(mask, tl.abs(x), 0.0)
     amax = tl.max(a, axis=1)
     inv = tl.where(amax > 0, tl.div_rn(tl.full(amax.shape, 1.0, tl.float32), amax), 0.0)
+    c = q8_encode(a * inv[:, None], tab_ptr, ENC)
     if SIGNED:
-        c = q8_encode(a * inv[:, None], 7)
         c = tl.where((x < 0) & (c > 0), c + 128, c)
-    else:
-        c = q8_encode(a * inv[:, None], 8)
     tl.store(codes_ptr + offs, c.to(tl.uint8), mask=mask)
     tl.store(scales_ptr + soffs, amax, mask=rmask)
 
 
 @triton.jit
-def _adamw_q8_kernel(p_ptr, g_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, out_ptr, scale_ptr, R, C, NB, decay, lerp_weight,
+def _adamw_q8_kernel(p_ptr, g_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, out_ptr, scale_ptr, tab_ptr, R, C, NB, decay,
+                     lerp_weight,
                      beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size,
                      GRAD_BF16: tl.constexpr, LERP_SMALL: tl.constexpr, WRITE_OUT: tl.constexpr,
                      GRAD_SCALE: tl.constexpr, SPLIT: tl.constexpr, TR: tl.constexpr, QB: tl.constexpr):
     """_adamw_kernel's update of a [TR, QB] tile of the 2-D view [R, C] (TR rows, one quantization block
-    of each) with 8-bit moments: codes at m_ptr / v_ptr (uint8, [R, C]), their blocks' scales at ms_ptr /
-    vs_ptr (fp32 [R, NB]); the update uses the unrounded fp32 moments, as the bf16 state's does."""
+    of each) with 8-bit moments (core.moments_q8.load_moments / store_moments): codes at m_ptr / v_ptr
+    (uint8, [R, C]; v_ptr's are of the second moment's square root), their blocks' scales at ms_ptr / vs_ptr
+    (fp32 [R, NB]), the tables at tab_ptr (kernel_tables); the update uses the unrounded fp32 moments, as the
+    bf16 state's does."""
     pid = tl.program_id(0)
     pid_r = pid // NB
     pid_b = pid % NB
@@ -398,8 +350,9 @@ def _adamw_q8_kernel(p_ptr, g_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, out_ptr, scale_
     g = load_fp32(g_ptr + offs, mask, GRAD_BF16)
     if GRAD_SCALE:
         g = g * tl.load(scale_ptr)
-    m = _q8_load(m_ptr, ms_ptr, offs, soffs, mask, rmask, True)
-    v = _q8_load(v_ptr, vs_ptr, offs, soffs, mask, rmask, False)
+    m = _q8_load(m_ptr, ms_ptr, tab_ptr, offs, soffs, mask, rmask, 0)  # TABLE.DEC_M
+    s = _q8_load(v_ptr, vs_ptr, tab_ptr, offs, soffs, mask, rmask, 256)  # TABLE.DEC_V
+    v = s * s
     p, m, v = _adamw_math(p, g, m, v, decay, lerp_weight, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size,
                           LERP_SMALL)
     if SPLIT:
@@ -408,9 +361,13 @@ def _adamw_q8_kernel(p_ptr, g_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, out_ptr, scale_
         tl.store(p_ptr + offs, p, mask=mask)
         if WRITE_OUT:
             tl.store(out_ptr + offs, round_to_bf16(p), mask=mask)
-    _q8_store(m_ptr, ms_ptr, m, offs, soffs, mask, rmask, True)
-    _q8_store(v_ptr, vs_ptr, v, offs, soffs, mask, rmask, False)
+    _q8_store(m_ptr, ms_ptr, tab_ptr, m, offs, soffs, mask, rmask, 512, True)  # TABLE.ENC_M
+    _q8_store(v_ptr, vs_ptr, tab_ptr, tl.sqrt_rn(v), offs, soffs, mask, rmask, 596, False)  # TABLE.ENC_V
 
+
+# the offsets _adamw_q8_kernel and q8_encode write as literals
+assert (TABLE.DEC_M, TABLE.DEC_V, TABLE.ENC_M, TABLE.ENC_V, TABLE.COUNT, TABLE.NEXT, TABLE.MUL, TABLE.ADD) == (
+    0, 256, 512, 596, 0, 33, 66, 75), "core.moments_q8.TABLE moved: update the kernel's offsets"
 
 Q8_ROWS = 8
 """Rows (quantization blocks) per program of adamw_update_q8_: a tile of Q8_ROWS x QBLOCK elements, read at each
@@ -428,8 +385,6 @@ def adamw_update_q8_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     where bf16 moves 4 (and about 1/64 of a byte of scales). ``lo``: the master is held split
     (adamw_update_split_): ``p`` is then its bf16 half and ``lo`` the int16 rest, and ``out_bf16`` must be
     None. Other arguments as adamw_update_'s."""
-    from .moments_q8 import QBLOCK, scale_shape
-
     split = lo is not None
     if split and (p.dtype != torch.bfloat16 or lo.dtype != torch.int16 or out_bf16 is not None):
         raise TypeError("adamw_update_q8_ with lo takes a bf16 p (the split master's half), an int16 lo and no "
@@ -456,7 +411,7 @@ def adamw_update_q8_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     out = lo if split else (p if out_bf16 is None else out_bf16)
     _adamw_q8_kernel[grid](
         p.view(torch.int16) if split else p, grad, exp_avg, exp_avg_sq, exp_avg_scales, exp_avg_sq_scales, out,
-        p if grad_scale is None else grad_scale, R, C, nb, *args,
+        p if grad_scale is None else grad_scale, kernel_tables(p.device), R, C, nb, *args,
         GRAD_BF16=grad.dtype == torch.bfloat16, LERP_SMALL=abs(args[1]) < 0.5, WRITE_OUT=out_bf16 is not None,
         GRAD_SCALE=grad_scale is not None, SPLIT=split, TR=tr, QB=QBLOCK,
         num_warps=4, enable_fp_fusion=False,

@@ -1,38 +1,44 @@
 """Adam moments held in 8 bits (optimizer.state_dtype=q8): block-wise dynamic quantization, the torch reference.
 
-The scheme is the published one of 8-bit optimizers (Dettmers et al., "8-bit Optimizers via Block-wise
-Quantization", ICLR 2022): each block of ``QBLOCK`` consecutive elements along a tensor's last dim is divided
-by its largest magnitude (kept in fp32), and the quotient r in [0, 1] is stored as one byte of a dynamic
-code: a level by the decade r falls in, then a linear fraction whose width grows with the level, so that a
-block's large values keep most bits and its small ones still keep a non-zero value down to 10^-LEVELS.
+The scheme is that of 8-bit optimizers (Dettmers et al., "8-bit Optimizers via Block-wise Quantization", ICLR
+2022): each block of ``QBLOCK`` consecutive elements along a tensor's last dim is divided by its largest
+magnitude (kept in fp32), and the quotient r in [0, 1] is stored as one byte of a dynamic code: a level by the
+decade r falls in, then a linear fraction whose width grows with the level, so that a block's large values
+keep most bits and its small ones still keep a non-zero value down to 10^-LEVELS. One change from the paper:
+the second moment is held as its square root (load_moments), so its dynamic range is the first moment's
+squared and no element's denominator rounds to zero while its first moment is kept (with v itself coded, an
+element 10^4 below its block's largest gradient keeps m but loses v, and steps several times too far).
 
 A byte's magnitude ``c`` (7 bits for the signed first moment, whose top bit is the sign; 8 for the second
-moment, which is never negative) is read as: c = 0 is zero; otherwise level i = floor(log2 c) (the position
-of its highest set bit, so level i has 2^i codes) and j = c - 2^i + 1 in [1, 2^i]; the value is
+moment's root, which is never negative) is read as: c = 0 is zero; otherwise level i = floor(log2 c) (the
+position of its highest set bit, so level i has 2^i codes) and j = c - 2^i + 1 in [1, 2^i]; the value is
 
     10^(i - LEVELS + 1) * (0.1 + 0.9 * j / 2^i)        LEVELS = 7 signed, 8 unsigned
 
 so level i spans (10^(i - LEVELS), 10^(i - LEVELS + 1)] in 2^i equal steps, its top is the next level's
 floor (the code below a level's first is the level below's top), and the largest code is exactly 1: a
 block's largest magnitude is kept exactly. Encoding rounds to the nearest code (ties up: a magnitude below
-half the smallest non-zero code becomes 0). Relative error: under 0.8% near a block's largest magnitude, about 4.5
-/ 2^i of the value at level i's floor.
+half the smallest non-zero code becomes 0); it finds the level from r's binary exponent and at most one
+threshold compare, then the code as floor(r * mul + add) of that level's constants (_encode_tables), so the
+kernel does it in a few table reads and no division. Relative error: under 0.8% near a block's largest
+magnitude, about 4.5 / 2^i of the value at level i's floor.
 
 Blocks run along the last dim only (a row's partial last block is its own block), so a tensor sharded on
 any other dim (FSDP2's dim 0, expert parallel's expert dim) shards its scales with it: each scale lives
 beside its rows, and a checkpoint reshards both alike.
 
 Every step is written as fp32 operations in a fixed order (no fused multiply-add), so
-core.adamw_triton's kernel encodes and decodes the same bytes and values bit for bit; the tests also check
-the encoding against an independent float64 nearest-code search over the whole table.
+core.adamw_triton's kernel encodes and decodes the same bytes and values bit for bit through the same tables
+(kernel_tables); the tests also check the encoding against an independent float64 nearest-code search over
+the whole table.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["LEVELS_SIGNED", "LEVELS_UNSIGNED", "QBLOCK", "codebook", "decode", "dequantize", "encode",
-           "quantize_", "scale_shape"]
+__all__ = ["LEVELS_SIGNED", "LEVELS_UNSIGNED", "QBLOCK", "TABLE", "codebook", "decode", "dequantize", "encode",
+           "kernel_tables", "load_moments", "quantize_", "scale_shape", "sqrt_rn", "store_moments"]
 
 QBLOCK = 256
 """Elements of one quantization block along the last dim (the paper's block size for its optimizers)."""
@@ -62,22 +68,38 @@ def scale_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
     return (*shape[:-1], -(-shape[-1] // QBLOCK))
 
 
+EXP_MIN = -32
+"""Binary exponents below this one share its row of the encoding tables (every magnitude under 2^-32 is 0)."""
+
+
+def _encode_tables(levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The encoder's tables for a code of ``levels`` decades (fp32 from float64, the kernel's too):
+    ``count`` and ``next_t`` by binary exponent e in [EXP_MIN, 0] (index e - EXP_MIN): the decade
+    thresholds 10^-levels .. 10^-1 below 2^e, and the least one above it (a binade spans a factor 2, so holds
+    at most one); ``mul`` and ``add`` by count (0 .. levels): the code is floor(r * mul + add), the nearest
+    code of the count's level as an affine map of r (level 0's: 1 from half its one code up)."""
+    t = [float(torch.tensor(10.0 ** (k - levels), dtype=torch.float32)) for k in range(levels)]
+    exps = range(EXP_MIN, 1)
+    count = torch.tensor([sum(x < 2.0**e for x in t) for e in exps], dtype=torch.int32)
+    next_t = torch.tensor([min([x for x in t if x > 2.0**e], default=3.0e38) for e in exps], dtype=torch.float32)
+    mul, add = [0.0, 2 * 10.0 ** (levels - 1)], [0.0, 0.0]
+    for i in range(1, levels):  # c = 2^i - 1 + floor((r * 10^(levels-1-i) - 0.1) * 2^i / 0.9 + 0.5)
+        mul.append(10.0 ** (levels - 1 - i) * 2**i / 0.9)
+        add.append(2**i - 1 + 0.5 - 0.1 * 2**i / 0.9)
+    return count, next_t, torch.tensor(mul, dtype=torch.float32), torch.tensor(add, dtype=torch.float32)
+
+
 def encode(r: torch.Tensor, levels: int) -> torch.Tensor:
     """Magnitudes r (fp32, in [0, 1], a little above 1 allowed) -> codes (int32 in [0, 2^levels - 1]), the
-    nearest code of the module docstring's table."""
-    p10 = _pow10(r.device)
-    count = torch.zeros(r.shape, dtype=torch.int32, device=r.device)
-    for e in range(-levels, 0):
-        count += r > p10[e + 8]
-    i = (count - 1).clamp(min=0)
-    pow2 = (1 << i).to(torch.float32)
-    f = r * p10[(levels - count).clamp(max=8) + 8]  # r in level i times 10^(levels - 1 - i): in (0.1, 1]
-    t = (f - _f32(0.1).to(r.device)) * pow2
-    t = t * _f32(INV_09).to(r.device)
-    lo = (1 << i) - 1
-    c = (torch.floor(t + _f32(0.5).to(r.device)).to(torch.int32) + lo).clamp(min=lo, max=2 * lo + 1)
-    c = torch.where(count == 1, (f >= _f32(0.5).to(r.device)).to(torch.int32), c)  # level 0: zero below it
-    return torch.where(count == 0, 0, c)
+    nearest code of the module docstring's table (its level from r's binary exponent and one threshold, then
+    an affine map: _encode_tables; the kernel's operations in its order)."""
+    count_t, next_t, mul, add = (t.to(r.device) for t in _encode_tables(levels))
+    e = ((r.view(torch.int32) >> 23) & 0xFF) - 127
+    row = (e.clamp(EXP_MIN, 0) - EXP_MIN).long()
+    count = count_t[row] + (r > next_t[row]).to(torch.int32)
+    lo = (1 << (count - 1).clamp(min=0)) - 1
+    c = torch.floor(r * mul[count.long()] + add[count.long()]).to(torch.int32)
+    return torch.minimum(torch.maximum(c, lo), 2 * lo + 1)
 
 
 def decode(c: torch.Tensor, levels: int) -> torch.Tensor:
@@ -146,3 +168,61 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, signed: bool) -> torch
         value = torch.where(b >= 128, -value, value)
     n = codes.shape[-1] if codes.dim() else 1
     return value.reshape(value.shape[0], -1)[:, :n].reshape(codes.shape)
+
+
+class TABLE:
+    """Offsets into kernel_tables' one fp32 tensor: the two codebooks (decoding is a lookup), then each code's
+    encoding tables (_encode_tables: count and next threshold by exponent row, mul and add by count)."""
+
+    DEC_M = 0  # codebook(True): the first moment's bytes, signed
+    DEC_V = 256  # codebook(False): the second moment's square root's bytes
+    ENC_M = 512
+    ENC_V = ENC_M + 84
+    COUNT, NEXT, MUL, ADD = 0, 33, 66, 75  # within an ENC_* block (33 exponent rows, at most 9 counts)
+    SIZE = ENC_V + 84
+
+
+_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def kernel_tables(device: torch.device) -> torch.Tensor:
+    """The codebooks and encoding tables as one fp32 tensor on ``device`` (TABLE's offsets; the counts as
+    exact floats), made once a device: core.adamw_triton's kernel reads its codes through it."""
+    device = torch.device(device)
+    if device not in _TABLES:
+        t = torch.zeros(TABLE.SIZE, dtype=torch.float32)
+        t[TABLE.DEC_M:TABLE.DEC_M + 256] = codebook(True)
+        t[TABLE.DEC_V:TABLE.DEC_V + 256] = codebook(False)
+        for base, levels in ((TABLE.ENC_M, LEVELS_SIGNED), (TABLE.ENC_V, LEVELS_UNSIGNED)):
+            count, next_t, mul, add = _encode_tables(levels)
+            t[base + TABLE.COUNT:base + TABLE.COUNT + 33] = count.float()
+            t[base + TABLE.NEXT:base + TABLE.NEXT + 33] = next_t
+            t[base + TABLE.MUL:base + TABLE.MUL + levels + 1] = mul
+            t[base + TABLE.ADD:base + TABLE.ADD + levels + 1] = add
+        _TABLES[device] = t.to(device)
+    return _TABLES[device]
+
+
+def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
+    """fp32 square root rounded once to nearest (through float64: exact, as the kernel's sqrt_rn; torch's CPU
+    sqrt is not correctly rounded)."""
+    return x.double().sqrt().float()
+
+
+@torch.no_grad()
+def load_moments(m_codes: torch.Tensor, m_scales: torch.Tensor, v_codes: torch.Tensor,
+                 v_scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Adam's two moments in fp32 from their 8-bit form: the first moment's code, and the second moment's
+    square root's (v = s * s): held as its root, the second moment keeps the first's dynamic range squared
+    (down to 10^-16 of its block's largest), so no element's denominator is rounded to 0 while its first
+    moment is kept."""
+    s = dequantize(v_codes, v_scales, False)
+    return dequantize(m_codes, m_scales, True), s * s
+
+
+@torch.no_grad()
+def store_moments(m: torch.Tensor, v: torch.Tensor, m_codes: torch.Tensor, m_scales: torch.Tensor,
+                  v_codes: torch.Tensor, v_scales: torch.Tensor) -> None:
+    """load_moments' inverse: m (fp32) quantized signed, sqrt_rn(v) unsigned."""
+    quantize_(m, m_codes, m_scales, True)
+    quantize_(sqrt_rn(v), v_codes, v_scales, False)

@@ -17,8 +17,9 @@ import math
 import pytest
 import torch
 
-from moetron.core.moments_q8 import (LEVELS_SIGNED, LEVELS_UNSIGNED, QBLOCK, codebook, decode, dequantize, encode,
-                                     quantize_, scale_shape)
+from moetron.core.moments_q8 import (LEVELS_SIGNED, LEVELS_UNSIGNED, QBLOCK, TABLE, codebook, decode, dequantize,
+                                     encode, kernel_tables, load_moments, quantize_, scale_shape, sqrt_rn,
+                                     store_moments)
 from tests.core.test_optim_state import TRAIN, _result, data_dir  # noqa: F401  (data_dir: a fixture)
 from tests.interpreted import run_interpreted
 
@@ -115,29 +116,29 @@ try:  # defined at import (Triton resolves a kernel's names in its module); the 
     import triton
     import triton.language as tl
 
-    from moetron.core.adamw_triton import q8_decode, q8_encode
+    from moetron.core.adamw_triton import q8_encode
 
     @triton.jit
-    def _codec(r_ptr, c_ptr, v_ptr, n, LEVELS: tl.constexpr, BLOCK: tl.constexpr):
+    def _codec(r_ptr, c_ptr, v_ptr, tab_ptr, n, ENC: tl.constexpr, DEC: tl.constexpr, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        c = q8_encode(tl.load(r_ptr + offs, mask=mask, other=0.0), LEVELS)
+        c = q8_encode(tl.load(r_ptr + offs, mask=mask, other=0.0), tab_ptr, ENC)
         tl.store(c_ptr + offs, c, mask=mask)
-        tl.store(v_ptr + offs, q8_decode(c, LEVELS), mask=mask)
+        tl.store(v_ptr + offs, tl.load(tab_ptr + DEC + c, mask=mask, other=0.0), mask=mask)
 except ImportError:  # no triton: the kernel tests are skipped by run_interpreted
     pass
 
 
 def check_codec(device: str) -> None:
     gen = torch.Generator().manual_seed(2)
-    for levels in (LEVELS_SIGNED, LEVELS_UNSIGNED):
+    for levels, enc, dec in ((LEVELS_SIGNED, TABLE.ENC_M, TABLE.DEC_M), (LEVELS_UNSIGNED, TABLE.ENC_V, TABLE.DEC_V)):
         mags = decode(torch.arange(2**levels), levels)
         r = torch.cat([10 ** (-(levels + 1) * torch.rand(50_000, generator=gen)), mags,
                        (mags[1:] + mags[:-1]) / 2, torch.tensor([0.0, 1.0000001])]).to(device)
         c = torch.empty(r.shape, dtype=torch.int32, device=device)
         v = torch.empty_like(r)
-        _codec[(triton_cdiv(r.numel(), 1024),)](r, c, v, r.numel(), LEVELS=levels, BLOCK=1024,
-                                                 enable_fp_fusion=False)
+        _codec[(triton_cdiv(r.numel(), 1024),)](r, c, v, kernel_tables(device), r.numel(), ENC=enc, DEC=dec,
+                                                 BLOCK=1024, enable_fp_fusion=False)
         want = encode(r.cpu(), levels)
         assert torch.equal(c.cpu(), want), f"levels {levels}: {(c.cpu() != want).sum()} codes differ"
         assert torch.equal(v.cpu(), decode(want, levels)), f"levels {levels}: values differ"
@@ -174,11 +175,9 @@ def check_kernel(device: str) -> None:
                     adamw_update_q8_(hi, g, *mine, lo=lo, step=step, grad_scale=scale, **hyper)
                 else:
                     adamw_update_q8_(p, g, *mine, step=step, out_bf16=copy, grad_scale=scale, **hyper)
-                m = dequantize(ref[0], ref[2], True)
-                v = dequantize(ref[1], ref[3], False)
+                m, v = load_moments(ref[0], ref[2], ref[1], ref[3])
                 reference_step(ref_p, g.float() * 0.5 if clip else g, m, v, step=step, **hyper)
-                quantize_(m, ref[0], ref[2], True)
-                quantize_(v, ref[1], ref[3], False)
+                store_moments(m, v, ref[0], ref[2], ref[1], ref[3])
                 what = f"shape {shape}, grad {grad_dtype}, split {split}, clip {clip}, step {step}"
                 for name, got, want in zip(("exp_avg", "exp_avg_sq", "exp_avg scales", "exp_avg_sq scales"), mine,
                                            ref):
@@ -244,8 +243,9 @@ def _step(opt, ps, grads, step):
 
 def test_foreach_q8_is_torch_adamw_with_round_tripped_moments():
     """The oracle: torch.optim.AdamW (fp32 state) whose moments are replaced after every step by their
-    round trip through the 8-bit code (quantize_ then dequantize). The parameters must be bit for bit
-    ours: the update from the unrounded moments, the stored moments the code's values."""
+    round trip through the 8-bit code (the first moment's code, the second's root's, squared back). The
+    parameters must be bit for bit ours: the update from the unrounded moments, the stored moments the code's
+    values."""
     from moetron.core.adamw import PrecisionAwareAdamW
 
     mine, ref = _opt_params(), _opt_params()
@@ -259,11 +259,13 @@ def test_foreach_q8_is_torch_adamw_with_round_tripped_moments():
             st = ref_opt.state.get(q)
             if not st or q.dim() < 2:  # 1-D parameters keep fp32 moments
                 continue
-            for key, signed in (("exp_avg", True), ("exp_avg_sq", False)):
-                x = st[key].contiguous()
-                codes, scales = torch.empty(x.shape, dtype=torch.uint8), torch.empty(scale_shape(x.shape))
-                quantize_(x, codes, scales, signed)
-                st[key].copy_(dequantize(codes, scales, signed))
+            codes = [torch.empty(q.shape, dtype=torch.uint8) for _ in range(2)]
+            scales = [torch.empty(scale_shape(q.shape)) for _ in range(2)]
+            store_moments(st["exp_avg"].contiguous(), st["exp_avg_sq"].contiguous(), codes[0], scales[0], codes[1],
+                          scales[1])
+            m, v = load_moments(codes[0], scales[0], codes[1], scales[1])
+            st["exp_avg"].copy_(m)
+            st["exp_avg_sq"].copy_(v)
     for i, (p, q) in enumerate(zip(mine, ref)):
         assert torch.equal(p, q), f"param {i} {tuple(p.shape)}"
         st = opt.state[p]
@@ -272,9 +274,10 @@ def test_foreach_q8_is_torch_adamw_with_round_tripped_moments():
             assert torch.equal(st["exp_avg"], ref_opt.state[q]["exp_avg"]) if p.numel() else True
         elif p.numel():
             assert st["exp_avg"].dtype == torch.uint8 and st["exp_avg_scales"].shape == scale_shape(p.shape)
-            for key, signed in (("exp_avg", True), ("exp_avg_sq", False)):
-                got = dequantize(st[key].contiguous(), st[key + "_scales"], signed)
-                assert torch.equal(got, ref_opt.state[q][key]), f"{key}, param {i}"
+            got = load_moments(st["exp_avg"].contiguous(), st["exp_avg_scales"], st["exp_avg_sq"].contiguous(),
+                               st["exp_avg_sq_scales"])
+            for key, value in zip(("exp_avg", "exp_avg_sq"), got):
+                assert torch.equal(value, ref_opt.state[q][key]), f"{key}, param {i}"
 
 
 def test_q8_trains_like_fp32_state():
@@ -412,3 +415,29 @@ def test_fsdp2_q8_state_matches_one_process_and_resumes(tmp_path, data_dir):
     assert resumed["losses"] == pytest.approx(single["losses"][2:], rel=1e-9)
     for n, p in runs["dp_shard=2"]["params"].items():
         assert torch.equal(resumed["params"][n], p), n
+
+
+def test_second_moment_root_keeps_the_denominator_where_the_first_moment_is_kept():
+    """An element whose gradient is 10^4 below its block's largest: coded directly its second moment (10^-8
+    of the block's) would round to 0 while its first moment (10^-4) is kept, and its update m / (sqrt(v) + eps)
+    would jump; held as its root (10^-4 of the block's) it stays within the code's error."""
+    g = torch.full((1, QBLOCK), 1e-4)
+    g[0, 0] = 1.0
+    m, v = 0.1 * g, 0.05 * g * g
+    codes = [torch.empty(g.shape, dtype=torch.uint8) for _ in range(2)]
+    scales = [torch.empty(scale_shape(g.shape)) for _ in range(2)]
+    store_moments(m, v, codes[0], scales[0], codes[1], scales[1])
+    m2, v2 = load_moments(codes[0], scales[0], codes[1], scales[1])
+    ratio = (m2 / v2.sqrt()) / (m / v.sqrt())
+    assert torch.all((ratio - 1).abs() < 0.15), ratio[0, :3]
+    direct_codes, direct_scales = torch.empty(g.shape, dtype=torch.uint8), torch.empty(scale_shape(g.shape))
+    quantize_(v, direct_codes, direct_scales, False)
+    assert dequantize(direct_codes, direct_scales, False)[0, 1] == 0  # what coding v itself would have kept
+    assert torch.equal(sqrt_rn(torch.tensor([2.0])), torch.tensor([2.0]).double().sqrt().float())
+
+
+def test_kernel_tables_hold_the_codebooks():
+    t = kernel_tables(torch.device("cpu"))
+    assert t.shape == (TABLE.SIZE,) and torch.equal(t[TABLE.DEC_M:TABLE.DEC_M + 256], codebook(True))
+    assert torch.equal(t[TABLE.DEC_V:TABLE.DEC_V + 256], codebook(False))
+    assert kernel_tables("cpu") is t  # made once a device
