@@ -369,9 +369,10 @@ def _adamw_q8_kernel(p_ptr, g_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, out_ptr, scale_
 assert (TABLE.DEC_M, TABLE.DEC_V, TABLE.ENC_M, TABLE.ENC_V, TABLE.COUNT, TABLE.NEXT, TABLE.MUL, TABLE.ADD) == (
     0, 256, 512, 596, 0, 33, 66, 75), "core.moments_q8.TABLE moved: update the kernel's offsets"
 
-Q8_ROWS = 8
-"""Rows (quantization blocks) per program of adamw_update_q8_: a tile of Q8_ROWS x QBLOCK elements, read at each
-call (tools/bench_optim.py sweeps it)."""
+Q8_ROWS = 4
+"""Rows (quantization blocks) per program of adamw_update_q8_ (4 warps): a tile of Q8_ROWS x QBLOCK elements, read
+at each call (tools/bench_optim.py --block sweeps it as Q8_ROWS x 256). Compiled for SM90 on the CPU (session 59):
+108 registers at 4 rows (about 16 warps an SM), 188 at 8 (8 warps), 56 at 2; not yet timed on a GPU."""
 
 
 def adamw_update_q8_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,

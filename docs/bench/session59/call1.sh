@@ -3,7 +3,7 @@
 # queued measurements, in one call (about 480 s fresh):
 # 1. the GPU tests of the q8 kernel, the AdamW kernel and the reverted loss row kernel;
 # 2. tools/bench_optim.py: bf16 and q8 moments alone over OLMoE-8L's 3.77B parameters, q8's tile swept
-#    (--block 1024,2048,4096 = Q8_ROWS 4, 8, 16);
+#    (--block 512,1024,2048 = Q8_ROWS 2, 4, 8);
 # 3. nvidia-smi dmon over every step run below (tools/clocks.py dmon: each run's clock and power under load);
 # 4. olmoe3-4l-8e: best + SHE, then + q8 (30 steps), then torchtitan 0.3.0; OLMoE-8L the same (12 steps).
 # Run from the repo root with .peers carried: bash docs/bench/session59/call1.sh (SKIP_S1=1: olmoe3 only).
@@ -14,7 +14,7 @@ timeout 150 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/core/test_m
   tests/core/test_adamw_triton.py tests/core/test_loss_triton.py 2>&1 | tail -4
 echo "gpu tests $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
 timeout 90 python3 tools/bench_optim.py --variants triton_bf16,triton_bf16_copy,triton_q8,triton_q8_copy \
-  --block 1024,2048,4096 --json $OUT/bench_optim.json 2>&1 | grep -v Warning | tail -16
+  --block 512,1024,2048 --json $OUT/bench_optim.json 2>&1 | grep -v Warning | tail -16
 echo "bench_optim $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
 nvidia-smi dmon -s pc -o T -d 1 > $OUT/dmon.txt 2>&1 &
 dmon=$!
