@@ -441,3 +441,46 @@ def test_kernel_tables_hold_the_codebooks():
     assert t.shape == (TABLE.SIZE,) and torch.equal(t[TABLE.DEC_M:TABLE.DEC_M + 256], codebook(True))
     assert torch.equal(t[TABLE.DEC_V:TABLE.DEC_V + 256], codebook(False))
     assert kernel_tables("cpu") is t  # made once a device
+
+
+def test_q8_kernel_compiles_for_sm90_without_spills():
+    """The AdamW kernel with 8-bit moments compiles for Hopper on the CPU (ptxas ships with Triton) at the default
+    rows a program, both its forms (split master with bf16 gradients and the clip scale; fp32 master with a bf16
+    copy), without spilling registers or keeping a stack, and within 128 registers a thread (at least 16 warps an
+    SM resident: a memory-bound kernel needs them in flight)."""
+    triton = pytest.importorskip("triton")
+
+    from moetron.core import adamw_triton as K
+    from tests.core.test_precision_fp8 import _compile_sm90, assert_no_spills
+
+    scalars = {n: "fp32" for n in ("decay", "lerp_weight", "beta2", "one_minus_beta2", "bc2_sqrt", "eps",
+                                "neg_step_size")}
+    for split in (True, False):
+        values = dict(p_ptr="*i16" if split else "*fp32", g_ptr="*bf16" if split else "*fp32", m_ptr="*u8",
+                      v_ptr="*u8", ms_ptr="*fp32", vs_ptr="*fp32", out_ptr="*i16" if split else "*bf16",
+                      scale_ptr="*fp32", tab_ptr="*fp32", R=4096, C=2048, NB=8, **scalars)
+        compiled = _compile_sm90(K._adamw_q8_kernel, triton.Config({}, num_warps=4, num_stages=1), values,
+                                 dict(GRAD_BF16=split, LERP_SMALL=True, WRITE_OUT=not split, GRAD_SCALE=split,
+                                      SPLIT=split, TR=K.Q8_ROWS, QB=QBLOCK))
+        assert_no_spills(compiled, f"_adamw_q8_kernel split={split}")
+        regs = _registers(compiled)
+        assert regs is None or regs <= 128, regs
+
+
+def _registers(compiled) -> int | None:
+    """Registers a thread of a compiled kernel (cuobjdump -res-usage, shipped with Triton), or None without it."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
+    return int(re.search(r"REG:(\d+)", usage).group(1))
