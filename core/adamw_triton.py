@@ -371,8 +371,9 @@ assert (TABLE.DEC_M, TABLE.DEC_V, TABLE.ENC_M, TABLE.ENC_V, TABLE.COUNT, TABLE.N
 
 Q8_ROWS = 4
 """Rows (quantization blocks) per program of adamw_update_q8_ (4 warps): a tile of Q8_ROWS x QBLOCK elements, read
-at each call (tools/bench_optim.py --block sweeps it as Q8_ROWS x 256). Compiled for SM90 on the CPU (session 59):
-108 registers at 4 rows (about 16 warps an SM), 188 at 8 (8 warps), 56 at 2; not yet timed on a GPU."""
+at each call (tools/bench_optim.py --block sweeps it as Q8_ROWS x 256). Compiled for SM90 on the CPU (session 59,
+the split form, ints divisible by 16 as a launch specializes them): 52 registers at 2 rows, 67 at 4 (7 programs,
+28 warps an SM), 124 at 8, 213 at 16; not yet timed on a GPU."""
 
 
 def adamw_update_q8_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
