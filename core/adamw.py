@@ -70,7 +70,7 @@ def _scales_like(p: torch.Tensor) -> torch.Tensor:
     scales = torch.zeros(scale_shape(local.shape), dtype=torch.float32, device=local.device)
     if not isinstance(p, DTensor):
         return scales
-    if any(getattr(pl, "dim", None) in (p.dim() - 1, -1) for pl in p.placements) or p.dim() == 0:
+    if any(getattr(pl, "dim", None) in (p.dim() - 1, -1) for pl in p.placements):
         raise ValueError(f"8-bit moments (optimizer.state_dtype=q8) keep a scale a block of the last dim, and this "
                          f"parameter {tuple(p.shape)} is sharded on its last dim ({p.placements}): shard another "
                          f"dim or use optimizer.state_dtype=bf16")
@@ -298,11 +298,10 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         if not state:
             # step on the CPU as torch's non-fused AdamW keeps it: bias corrections are host floats.
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, dtype=self._float_state, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=self._float_state, memory_format=torch.preserve_format)
+            dtype = torch.uint8 if self._held_q8(p) else self._float_state
+            state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
             if self._held_q8(p):
-                state["exp_avg"] = torch.zeros_like(p, dtype=torch.uint8, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.uint8, memory_format=torch.preserve_format)
                 state["exp_avg_scales"] = _scales_like(p)
                 state["exp_avg_sq_scales"] = _scales_like(p)
         return state
