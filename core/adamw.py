@@ -124,7 +124,7 @@ class _Row(NamedTuple):
     exp_avg_sq: torch.Tensor
     step: torch.Tensor  # CPU float scalar, already incremented
     copy: torch.Tensor | None  # the bf16 compute copy to refresh, if any
-    scales: tuple[torch.Tensor, torch.Tensor] | None = None  # 8-bit moments' fp32 block scales (exp_avg's, exp_avg_sq's)
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None  # 8-bit moments' fp32 block scales (m's, v's root's)
 
 
 class AdamWKernel(StrEnum):
@@ -227,8 +227,9 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                 raise ValueError(f"mx_cols: MX blocks of 32 must divide both of the weight's last dims, got "
                                  f"{tuple(p.shape)}")
         if mx_cols and self.q8:
-            raise ValueError("mx_cols (precision.quantized_expert_copies) with 8-bit moments (optimizer.state_dtype=q8) "
-                             "is not built: use state_dtype=bf16 with it, or drop quantized_expert_copies")
+            raise ValueError("mx_cols (precision.quantized_expert_copies) with 8-bit moments "
+                             "(optimizer.state_dtype=q8) is not built: use state_dtype=bf16 with it, or drop "
+                             "quantized_expert_copies")
         if mx_cols and mx_scale_mode not in ("rceil", "floor"):
             raise ValueError(f"mx_scale_mode must be rceil or floor, got {mx_scale_mode!r}")
         self._mx_cols.update({id(p): (cols, mx_scale_mode) for p, cols in (mx_cols or {}).items()})
@@ -451,14 +452,16 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             state = self._init_state(p)
             state["step"] += 1
             copy = self.compute_copies.get(p)
-            scales = (_local(state["exp_avg_scales"]), _local(state["exp_avg_sq_scales"])) if "exp_avg_scales" in state \
-                else None
+            scales = None
+            if "exp_avg_scales" in state:  # 8-bit moments
+                scales = (_local(state["exp_avg_scales"]), _local(state["exp_avg_sq_scales"]))
             row = _Row(_local(p), _local(grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
                        state["step"], None if copy is None else _local(copy), scales)
             buckets.setdefault((row.param.device, row.param.dtype), []).append(row)
         for (device, dtype), rows in buckets.items():
             if self._takes_triton(device, dtype):
-                from .adamw_triton import adamw_update_, adamw_update_mx_pair_, adamw_update_q8_, adamw_update_split_
+                from .adamw_triton import (adamw_update_, adamw_update_mx_pair_, adamw_update_q8_,
+                                           adamw_update_split_)
 
                 scale = None if grad_scale is None else grad_scale.to(device)
                 rest = []

@@ -36,8 +36,8 @@ from .precision.mx_triton import (HW_CONVERT, abs_bits, lean_block_scale, lean_q
 from .moments_q8 import QBLOCK, TABLE, kernel_tables, scale_shape
 from .triton_round import load_fp32, round_to_bf16, store_rounded
 
-__all__ = ["BLOCK", "MX_PAIR_TILE_COLS", "MX_PAIR_WARPS", "Q8_ROWS", "Q8_WARPS", "adamw_update_", "adamw_update_mx_pair_",
-           "adamw_update_q8_", "adamw_update_split_", "q8_encode"]
+__all__ = ["BLOCK", "MX_PAIR_TILE_COLS", "MX_PAIR_WARPS", "Q8_ROWS", "Q8_WARPS", "adamw_update_",
+           "adamw_update_mx_pair_", "adamw_update_q8_", "adamw_update_split_", "q8_encode"]
 
 BLOCK = 1024
 """Elements per program when a call names none (read at each call; tools/bench_optim.py --block

@@ -45,8 +45,8 @@ class PretrainConfig(Config):
         self.precision.check_gemm_widths(self.model.gemm_widths())
         if self.optimizer.state_dtype == "q8" and self.precision.quantized_expert_copies:
             raise ConfigError("optimizer.state_dtype=q8 with precision.quantized_expert_copies is not built (the "
-                              "optimizer's MX-pair kernel steps bf16 or fp32 moments): use --optimizer.state_dtype=bf16, "
-                              "or drop quantized_expert_copies")
+                              "optimizer's MX-pair kernel steps bf16 or fp32 moments): use "
+                              "--optimizer.state_dtype=bf16, or drop quantized_expert_copies")
 
 
 def check_layout(cfg: PretrainConfig, world_size: int) -> ParallelConfig:

@@ -6,7 +6,7 @@
 #    optimizer.state_dtype=q8 against its default (fp32 moments), seed 0 each (SEEDS="0 1" for two seeds).
 # Run from the repo root: bash docs/bench/session59/call2.sh
 source docs/bench/session25/common.sh
-for warps in 1 2 4 8; do
+for warps in 2 4 8; do
   timeout 60 python3 -c "
 import sys; sys.path.insert(0, 'tools')
 import bench_optim, moetron.core.adamw_triton as K
