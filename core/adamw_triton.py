@@ -369,12 +369,13 @@ def _adamw_q8_kernel(p_ptr, g_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, out_ptr, scale_
 assert (TABLE.DEC_M, TABLE.DEC_V, TABLE.ENC_M, TABLE.ENC_V, TABLE.COUNT, TABLE.NEXT, TABLE.MUL, TABLE.ADD) == (
     0, 256, 512, 596, 0, 33, 66, 75), "core.moments_q8.TABLE moved: update the kernel's offsets"
 
-Q8_ROWS = 4
-"""Rows (quantization blocks) per program of adamw_update_q8_ (4 warps): a tile of Q8_ROWS x QBLOCK elements, read
-at each call (tools/bench_optim.py --block sweeps it as Q8_ROWS x 256). Compiled for SM90 on the CPU (session 59,
-the split form, ints divisible by 16 as a launch specializes them): 52 registers at 2 rows, 67 at 4 (7 programs,
-28 warps an SM), 124 at 8, 213 at 16. On an H100 (session 59, tools/bench_optim.py, 3.77B parameters) 2 rows 37.4 ms,
-4 rows 38.1, 8 rows 46.6, against bf16 moments' 25.0: the kernel is bound by its instructions, not by HBM."""
+Q8_ROWS = 2
+"""Rows (quantization blocks) per program of adamw_update_q8_ (Q8_WARPS warps): a tile of Q8_ROWS x QBLOCK elements,
+read at each call (tools/bench_optim.py --block sweeps it as Q8_ROWS x 256). Compiled for SM90 on the CPU (session
+59, the split form, ints divisible by 16 as a launch specializes them): 52 registers at 2 rows, 67 at 4, 124 at 8,
+213 at 16. On an H100 (session 59, tools/bench_optim.py, 3.77B parameters, 4 warps) 2 rows 37.4 ms, 4 rows 38.1, 8
+rows 46.6, against bf16 moments' 25.0: 2 is the fastest measured, and the kernel is bound by its instructions, not
+by HBM (about 180 SASS instructions an element a thread against bf16's 107, both counted statically)."""
 Q8_WARPS = 4
 """Warps per program of adamw_update_q8_, read at each call (a tile's rows share them)."""
 

@@ -18,7 +18,7 @@ them in turn (the values drift a little; timing does not depend on them). Varian
                         dims not multiples of 32 get the plain copy
     triton_q8           PrecisionAwareAdamW(kernel=triton), 8-bit moments      16 B/param
                         (optimizer.state_dtype=q8; its tile is --block / 256
-                        rows of one 256-element block each: 1024 = Q8_ROWS 4,
+                        rows of one 256-element block each: 512 = Q8_ROWS 2,
                         the default; plus 1/16 B of block scales)
     triton_q8_copy      triton_q8 + a bf16 copy of each updated weight         18 B/param
     triton_bf16_split   triton_bf16_copy with the masters held split           20 B/param
