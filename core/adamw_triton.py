@@ -325,8 +325,7 @@ def _q8_store(codes_ptr, scales_ptr, tab_ptr, x, offs, soffs, mask, rmask, ENC: 
 
 @triton.jit
 def _adamw_q8_kernel(p_ptr, g_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, out_ptr, scale_ptr, tab_ptr, R, C, NB, decay,
-                     lerp_weight,
-                     beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size,
+                     lerp_weight, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size,
                      GRAD_BF16: tl.constexpr, LERP_SMALL: tl.constexpr, WRITE_OUT: tl.constexpr,
                      GRAD_SCALE: tl.constexpr, SPLIT: tl.constexpr, TR: tl.constexpr, QB: tl.constexpr):
     """_adamw_kernel's update of a [TR, QB] tile of the 2-D view [R, C] (TR rows, one quantization block
@@ -387,8 +386,10 @@ def adamw_update_q8_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                      grad_scale: torch.Tensor | None = None, rows: int | None = None) -> None:
     """adamw_update_ with 8-bit moments (optimizer.state_dtype=q8, core.moments_q8): ``exp_avg`` /
     ``exp_avg_sq`` uint8 codes of p's shape, ``exp_avg_scales`` / ``exp_avg_sq_scales`` fp32 of
-    core.moments_q8.scale_shape(p.shape). Each is read and written once: 2 bytes of moments an element
-    where bf16 moves 4 (and about 1/64 of a byte of scales). ``lo``: the master is held split
+    core.moments_q8.scale_shape(p.shape). Each is read and written once: 2 bytes of moments an element, read
+    and written, where bf16 moves 4 (and 1/16 of a byte of scales: two fp32 a block of 256, read and written).
+    The codebooks come from core.moments_q8.kernel_tables (made on a device's first call). ``lo``: the master is
+    held split
     (adamw_update_split_): ``p`` is then its bf16 half and ``lo`` the int16 rest, and ``out_bf16`` must be
     None. Other arguments as adamw_update_'s."""
     split = lo is not None
