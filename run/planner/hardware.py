@@ -216,15 +216,17 @@ STATE_BYTES = {"fp32": 8.0, "bf16": 4.0, "q8": 2.0 + 8.0 / 256}
 """Adam moments' bytes per local parameter by optimizer.state_dtype: two fp32, two bf16, or two bytes and two
 fp32 scales a block of 256 (core/moments_q8.py; its 1-D parameters' fp32 moments, a few thousand elements a
 layer, not counted)."""
-OPTIMIZER_BYTES = {("fp32", "triton"): 32.0, ("bf16", "triton"): 24.0, ("q8", "triton"): 20.0 + 16.0 / 256,
+OPTIMIZER_BYTES = {("fp32", "triton"): 32.0, ("bf16", "triton"): 24.0, ("q8", "triton"): 34.0,
                    ("fp32", "torch"): 32.0 * 1.2, ("bf16", "torch"): 112.0, ("q8", "torch"): 600.0}
 """HBM bytes per local parameter per optimizer step, counted from the code, by (state_dtype, kernel):
 the Triton AdamW (optimizer.impl auto on GPUs, core/adamw_triton.py: reads p, g, m, v, writes p, m, v:
 28 fp32, 20 bf16; at GPU.stream_bps, which is fitted to it in a step) + the grad-norm pass (4); torch's
 fused AdamW (impl=torch, fp32: the same 28 + 4, measured at 1.24x its floor, hence x 1.2); core/adamw.py's
 foreach ops (impl=torch, bf16: upcast m and v to fp32, decay, lerp, mul, addcmul, write back, sqrt,
-div, add, addcdiv: 108) + 4. q8: the Triton kernel reads p, g and the two moments' bytes and scales and writes
-them (16 + 16/256) + 4; its torch reference (impl=torch, core.adamw._update_q8: the codes widened, decoded
+div, add, addcdiv: 108) + 4. q8: the Triton kernel moves 16 + 16/256 bytes (p, g, the moments' bytes and
+scales), but is bound by its instructions, not HBM: measured 1.50x bf16's time over OLMoE-8L's 3.77B parameters on
+an H100 (37.4 against 25.0 ms, session 59, tools/bench_optim.py), so it counts as 20 x 1.5 = 30 bytes at the
+streaming rate, + 4 [measured]; its torch reference (impl=torch, core.adamw._update_q8: the codes widened, decoded
 and encoded op by op, about 500 bytes an element on top of the fp32 foreach step's; assumed, not measured: it is
 the CPU's path, not meant for GPUs)."""
 RECOMPUTE_FORWARD = {"eager": 1.0 / 3.0, "compiled": 1.0 / 3.0}

@@ -118,8 +118,9 @@ def test_bf16_state_halves_the_moments():
 
 
 def test_q8_state_quarters_the_moments():
-    """optimizer.state_dtype=q8: a byte a moment and an fp32 scale a block of 256 (core/moments_q8.py), and
-    the Triton kernel's pass moves 4 bytes an element fewer than bf16's."""
+    """optimizer.state_dtype=q8: a byte a moment and an fp32 scale a block of 256 (core/moments_q8.py); its
+    Triton kernel, though it moves 4 bytes an element fewer than bf16's, takes 1.5x bf16's time (measured on an
+    H100, session 59: bound by its instructions), and the plan's optimizer time says so."""
     from moetron.core.optim import OptimizerConfig
 
     n = ModelConfig.tiny_moe().num_params()
@@ -129,7 +130,7 @@ def test_q8_state_quarters_the_moments():
     p.optimizer = OptimizerConfig(state_dtype="q8")
     r = planner.plan(p)
     assert r["stages"][0]["optimizer_gib"] * GiB == pytest.approx((2 + 8 / 256) * n) and r["state_dtype"] == "q8"
-    assert r["optimizer_s"] == pytest.approx(bf16["optimizer_s"] * (20 + 1 / 16) / 24)
+    assert r["optimizer_s"] == pytest.approx(bf16["optimizer_s"] * (20 * 1.5 + 4) / 24)
     assert r["stages"][0]["peak_gib"] < bf16["stages"][0]["peak_gib"]
 
 
