@@ -497,3 +497,34 @@ def _registers(compiled) -> int | None:
         f.flush()
         usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
     return int(re.search(r"REG:(\d+)", usage).group(1))
+
+
+def test_a_checkpoint_with_other_moments_is_refused(tmp_path):
+    """A DCP checkpoint saved with bf16 moments, loaded into an optimizer with 8-bit ones: one CheckpointError that
+    names the scales the checkpoint lacks (its key check), and nothing loaded half-way."""
+    from torch import nn
+
+    from moetron.core.checkpoint import CheckpointConfig, CheckpointError, Checkpointer
+    from moetron.core.optim import OptimizerConfig
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16), nn.ReLU(), nn.LayerNorm(16), nn.Linear(16, 16))
+
+    def train(m, opt):
+        ids = torch.randint(0, 16, (4, 6), generator=torch.Generator().manual_seed(0))
+        loss = nn.functional.cross_entropy(m(ids).flatten(0, 1), ids.roll(1, 1).flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    saved = model()
+    opt = OptimizerConfig(lr=1e-2, state_dtype="bf16").build(saved)
+    train(saved, opt)
+    cp = Checkpointer(CheckpointConfig(dir=str(tmp_path / "ckpt")))
+    cp.save(1, saved, opt, {}, {})
+    fresh = model()
+    before = [p.detach().clone() for p in fresh.parameters()]
+    with pytest.raises(CheckpointError, match="keys missing from the checkpoint: .*exp_avg_scales"):
+        cp.load(cp.latest(), fresh, OptimizerConfig(lr=1e-2, state_dtype="q8").build(fresh), {})
+    assert all(torch.equal(p, q) for p, q in zip(fresh.parameters(), before))
