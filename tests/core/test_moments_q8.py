@@ -3,6 +3,8 @@
 - The code's table: its documented structure (monotone, 0 and exactly 1, the smallest non-zero 10^-6 / 10^-7,
   2^i codes a decade), and encode is the nearest code by an independent float64 search over the whole table
   (except where two codes are equally near within fp32 rounding).
+- Through the trainer (tests/core/test_optim_state.py, with bf16 state): the tiny MoE's curve within 2% of fp32
+  moments'; FSDP2, expert parallel and offload equal the single process; a DCP save resumes exactly.
 - Block quantization: the round trip's error by magnitude, partial blocks, blocks that never cross rows (a
   slice of rows quantizes to the slice of the whole: the property that lets a checkpoint reshard codes and
   scales alike), the second moment non-negative.
@@ -20,7 +22,6 @@ import torch
 from moetron.core.moments_q8 import (LEVELS_SIGNED, LEVELS_UNSIGNED, QBLOCK, TABLE, codebook, decode, dequantize,
                                      encode, kernel_tables, load_moments, quantize_, scale_shape, sqrt_rn,
                                      store_moments)
-from tests.core.test_optim_state import TRAIN, _result, data_dir  # noqa: F401  (data_dir: a fixture)
 from tests.interpreted import run_interpreted
 
 
@@ -385,49 +386,6 @@ def check_optimizer(device: str) -> None:
             assert ((got.int() - want.int()).abs() <= 1).float().mean() >= 0.99, f"{key}, param {i}"
     assert torch.equal(mine[-1], ref[-1])  # the non-contiguous parameter took the foreach path
     assert all(torch.equal(c, p.to(torch.bfloat16)) for p, c in copies.items())
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Through the trainer: FSDP2 and expert parallel over gloo (DTensor moments and scales), DCP resume
-
-Q8 = [*TRAIN, "--trainer.steps=3", "--optimizer.state_dtype=q8", "--trainer.micro_batch_size=2"]
-
-
-def test_tiny_moe_trains_with_q8_state_as_with_fp32(tmp_path, data_dir):
-    """The tiny MoE through the trainer, 30 steps at lr 1e-2 on the embedded corpus (fp32 parameters): the loss
-    falls by well over 1 nat either way and the 8-bit-state curve stays within 2% of the fp32 one at every step
-    (test_optim_state's bound for bf16 state)."""
-    fp32 = _result(tmp_path / "fp32", "run", data_dir, TRAIN)
-    q8 = _result(tmp_path / "q8", "run", data_dir, [*TRAIN, "--optimizer.state_dtype=q8"])
-    assert q8["optimizer"] == "PrecisionAwareAdamW" and q8["dtypes"] == {"torch.uint8", "torch.float32"}
-    assert fp32["losses"][0] - fp32["losses"][-1] > 1.0
-    assert q8["losses"] == pytest.approx(fp32["losses"], rel=0.02)
-    assert q8["losses"] != fp32["losses"]
-
-
-@pytest.mark.slow
-def test_fsdp2_q8_state_matches_one_process_and_resumes(tmp_path, data_dir):
-    """Blocks run along the last dim, so FSDP2's dim-0 shards and expert parallel's expert shards hold whole
-    blocks with their scales: every layout steps the same numbers as the single process (float64
-    parameters, rel 1e-9), and a DCP checkpoint saved under FSDP2 resumes exactly."""
-    single = _result(tmp_path, "single", data_dir, [*Q8, "--fp64"])
-    assert single["dtypes"] == {"torch.uint8", "torch.float32"}, single["dtypes"]
-    runs = {}
-    for name, extra in {"dp_shard=2": ["--parallel.dp_shard=2"],
-                        "ep=2": ["--parallel.dp_shard=2", "--parallel.ep=2"],
-                        "offload": ["--parallel.dp_shard=2", "--parallel.fsdp_offload=true"]}.items():
-        got = runs[name] = _result(tmp_path / name, "run", data_dir, [*Q8, *extra], world=2)
-        assert "data" in got["applied"] and got["dtypes"] == {"torch.uint8", "torch.float32"}, name
-        assert got["losses"] == pytest.approx(single["losses"], rel=1e-9), name
-        for n, p in single["params"].items():
-            torch.testing.assert_close(got["params"][n], p, rtol=1e-9, atol=1e-12, msg=f"{name}: {n}")
-    dp2 = [*Q8, "--parallel.dp_shard=2"]
-    first = _result(tmp_path / "resume", "a", data_dir, [*dp2, "--trainer.stop_at_step=2"], world=2)
-    resumed = _result(tmp_path / "resume", "b", data_dir, dp2, world=2, resume=True)
-    assert len(first["losses"]) == 2 and len(resumed["losses"]) == 1
-    assert resumed["losses"] == pytest.approx(single["losses"][2:], rel=1e-9)
-    for n, p in runs["dp_shard=2"]["params"].items():
-        assert torch.equal(resumed["params"][n], p), n
 
 
 def test_second_moment_root_keeps_the_denominator_where_the_first_moment_is_kept():

@@ -5,7 +5,9 @@
 - bf16 state: within a stated tolerance of torch's fp32-state AdamW after 40 steps; state_dict and a
   DCP checkpoint round trip keep bf16 moments and resume bit-exactly; a tiny MoE trains through the
   trainer as well as with fp32 state.
-- FSDP2 over gloo (2 processes, float64 parameters): bf16-state losses equal the single process's,
+- q8 (8-bit) state: the tiny MoE trains through the trainer as well as with fp32 state (its oracle tests:
+  tests/core/test_moments_q8.py).
+- FSDP2 over gloo (2 processes, float64 parameters): bf16-state and q8-state losses equal the single process's,
   with dp_shard=2, with ep=2 (expert DTensors), with parallel.fsdp_offload; a DCP save under FSDP2
   resumes exactly.
 """
@@ -199,28 +201,38 @@ def data_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("corpus"))
 
 
-def test_tiny_moe_trains_with_bf16_state_as_with_fp32(tmp_path, data_dir):
+# the state dtypes each optimizer.state_dtype leaves (q8: 8-bit matrices' codes and fp32 scales, fp32 for 1-D)
+STATE_DTYPES = {"bf16": {"torch.bfloat16"}, "q8": {"torch.uint8", "torch.float32"}}
+
+
+def test_tiny_moe_trains_with_low_precision_state_as_with_fp32(tmp_path, data_dir):
     """fp32 runs (fp32 parameters): 30 steps at lr 1e-2; the loss falls by well over 1 nat either way
-    and the bf16-state curve stays within 2% of the fp32 one at every step (measured: about 0.1%)."""
+    and the bf16-state and 8-bit-state (q8, core/moments_q8.py) curves stay within 2% of the fp32 one at
+    every step (bf16 measured: about 0.1%); q8's differs from fp32's (its moments really are 8-bit)."""
     fp32 = _result(tmp_path / "fp32", "run", data_dir, TRAIN)
-    bf16 = _result(tmp_path / "bf16", "run", data_dir, [*TRAIN, "--optimizer.state_dtype=bf16"])
-    assert fp32["optimizer"] == "AdamW" and bf16["optimizer"] == "PrecisionAwareAdamW"
-    assert bf16["dtypes"] == {"torch.bfloat16"} and fp32["dtypes"] == {"torch.float32"}
+    assert fp32["optimizer"] == "AdamW" and fp32["dtypes"] == {"torch.float32"}
     assert fp32["losses"][0] - fp32["losses"][-1] > 1.0
-    assert bf16["losses"] == pytest.approx(fp32["losses"], rel=0.02)
+    for state, dtypes in STATE_DTYPES.items():
+        low = _result(tmp_path / state, "run", data_dir, [*TRAIN, f"--optimizer.state_dtype={state}"])
+        assert low["optimizer"] == "PrecisionAwareAdamW" and low["dtypes"] == dtypes, state
+        assert low["losses"] == pytest.approx(fp32["losses"], rel=0.02), state
+    assert low["losses"] != fp32["losses"]
 
 
-FSDP = [*TRAIN, "--trainer.steps=3", "--optimizer.state_dtype=bf16", "--trainer.micro_batch_size=2"]
-
-
-def test_fsdp2_bf16_state_matches_one_process_and_resumes(tmp_path, data_dir):
+@pytest.mark.parametrize("state", sorted(STATE_DTYPES))
+def test_fsdp2_low_precision_state_matches_one_process_and_resumes(tmp_path, data_dir, state):
+    """bf16 and 8-bit moments under FSDP2 and expert parallel (gloo, float64 parameters) step the single
+    process's numbers (rel 1e-9): q8's blocks run along the last dim, so dim-0 shards hold whole blocks with
+    their scales; a DCP checkpoint saved under FSDP2 resumes exactly."""
+    FSDP = [*TRAIN, "--trainer.steps=3", f"--optimizer.state_dtype={state}", "--trainer.micro_batch_size=2"]
     single = _result(tmp_path, "single", data_dir, [*FSDP, "--fp64"])
+    assert single["dtypes"] == STATE_DTYPES[state], single["dtypes"]
     runs = {}
     for name, extra in {"dp_shard=2": ["--parallel.dp_shard=2"],
                         "ep=2": ["--parallel.dp_shard=2", "--parallel.ep=2"],
                         "offload": ["--parallel.dp_shard=2", "--parallel.fsdp_offload=true"]}.items():
         got = runs[name] = _result(tmp_path / name, "run", data_dir, [*FSDP, *extra], world=2)
-        assert "data" in got["applied"] and got["dtypes"] == {"torch.bfloat16"}, name
+        assert "data" in got["applied"] and got["dtypes"] == STATE_DTYPES[state], name
         assert got["losses"] == pytest.approx(single["losses"], rel=1e-9), name
         for n, p in single["params"].items():
             torch.testing.assert_close(got["params"][n], p, rtol=1e-9, atol=1e-12, msg=f"{name}: {n}")
