@@ -479,7 +479,6 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                         else:
                             adamw_update_q8_(*row[:4], *row.scales, step=row.step.item(), out_bf16=row.copy,
                                              grad_scale=scale, **hyper)
-                        written += [row.exp_avg, row.exp_avg_sq]
                     elif lo is not None:
                         adamw_update_split_(row.copy, lo, *row[1:4], step=row.step.item(), grad_scale=scale, **hyper)
                     elif cols is None:

@@ -83,12 +83,10 @@ def store_split(hi_ptr, lo_ptr, p, mask):
 
 
 @triton.jit
-def _adamw_at(p_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, offs, mask, decay, lerp_weight, beta2, one_minus_beta2, bc2_sqrt,
-              eps, neg_step_size, GRAD_BF16: tl.constexpr, STATE_BF16: tl.constexpr, LERP_SMALL: tl.constexpr,
-              GRAD_SCALE: tl.constexpr, lo_ptr=None, SPLIT: tl.constexpr = False):
-    """One AdamW step of the elements at ``offs`` (loaded, updated by _adamw_math, stored); the new p.
-    SPLIT: the master is held split, ``p_ptr`` its bf16 half's int16 bits and ``lo_ptr`` the rest
-    (join_split, store_split)."""
+def _load_p_g(p_ptr, lo_ptr, g_ptr, scale_ptr, offs, mask, GRAD_BF16: tl.constexpr, GRAD_SCALE: tl.constexpr,
+              SPLIT: tl.constexpr):
+    """The master p (fp32; SPLIT: held split, ``p_ptr`` its bf16 half's int16 bits and ``lo_ptr`` the rest,
+    join_split) and the gradient at ``offs`` (fp32, times the clip coefficient where GRAD_SCALE)."""
     if SPLIT:
         p = join_split(tl.load(p_ptr + offs, mask=mask, other=0), tl.load(lo_ptr + offs, mask=mask, other=0))
     else:
@@ -96,14 +94,30 @@ def _adamw_at(p_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, offs, mask, decay, lerp_wei
     g = load_fp32(g_ptr + offs, mask, GRAD_BF16)
     if GRAD_SCALE:  # the clip coefficient, as torch._foreach_mul_(grads, coef) would apply it
         g = g * tl.load(scale_ptr)
-    m = load_fp32(m_ptr + offs, mask, STATE_BF16)
-    v = load_fp32(v_ptr + offs, mask, STATE_BF16)
-    p, m, v = _adamw_math(p, g, m, v, decay, lerp_weight, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size,
-                          LERP_SMALL)
+    return p, g
+
+
+@triton.jit
+def _store_p(p_ptr, lo_ptr, p, offs, mask, SPLIT: tl.constexpr):
+    """_load_p_g's master written back: split (store_split) or fp32."""
     if SPLIT:
         store_split(p_ptr + offs, lo_ptr + offs, p, mask)
     else:
         tl.store(p_ptr + offs, p, mask=mask)
+
+
+@triton.jit
+def _adamw_at(p_ptr, g_ptr, m_ptr, v_ptr, scale_ptr, offs, mask, decay, lerp_weight, beta2, one_minus_beta2, bc2_sqrt,
+              eps, neg_step_size, GRAD_BF16: tl.constexpr, STATE_BF16: tl.constexpr, LERP_SMALL: tl.constexpr,
+              GRAD_SCALE: tl.constexpr, lo_ptr=None, SPLIT: tl.constexpr = False):
+    """One AdamW step of the elements at ``offs`` (loaded, updated by _adamw_math, stored); the new p.
+    SPLIT: the master is held split (_load_p_g)."""
+    p, g = _load_p_g(p_ptr, lo_ptr, g_ptr, scale_ptr, offs, mask, GRAD_BF16, GRAD_SCALE, SPLIT)
+    m = load_fp32(m_ptr + offs, mask, STATE_BF16)
+    v = load_fp32(v_ptr + offs, mask, STATE_BF16)
+    p, m, v = _adamw_math(p, g, m, v, decay, lerp_weight, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size,
+                          LERP_SMALL)
+    _store_p(p_ptr, lo_ptr, p, offs, mask, SPLIT)
     store_rounded(m_ptr + offs, m, mask, STATE_BF16)
     store_rounded(v_ptr + offs, v, mask, STATE_BF16)
     return p
@@ -342,24 +356,15 @@ def _adamw_q8_kernel(p_ptr, g_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, out_ptr, scale_
     mask = rmask[:, None] & (c[None, :] < C)
     offs = r[:, None].to(tl.int64) * C + c[None, :]
     soffs = r.to(tl.int64) * NB + pid_b
-    if SPLIT:
-        p = join_split(tl.load(p_ptr + offs, mask=mask, other=0), tl.load(out_ptr + offs, mask=mask, other=0))
-    else:
-        p = tl.load(p_ptr + offs, mask=mask, other=0.0)
-    g = load_fp32(g_ptr + offs, mask, GRAD_BF16)
-    if GRAD_SCALE:
-        g = g * tl.load(scale_ptr)
+    p, g = _load_p_g(p_ptr, out_ptr, g_ptr, scale_ptr, offs, mask, GRAD_BF16, GRAD_SCALE, SPLIT)
     m = _q8_load(m_ptr, ms_ptr, tab_ptr, offs, soffs, mask, rmask, 0)  # TABLE.DEC_M
     s = _q8_load(v_ptr, vs_ptr, tab_ptr, offs, soffs, mask, rmask, 256)  # TABLE.DEC_V
     v = s * s
     p, m, v = _adamw_math(p, g, m, v, decay, lerp_weight, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size,
                           LERP_SMALL)
-    if SPLIT:
-        store_split(p_ptr + offs, out_ptr + offs, p, mask)
-    else:
-        tl.store(p_ptr + offs, p, mask=mask)
-        if WRITE_OUT:
-            tl.store(out_ptr + offs, round_to_bf16(p), mask=mask)
+    _store_p(p_ptr, out_ptr, p, offs, mask, SPLIT)
+    if WRITE_OUT:  # never with SPLIT, whose out_ptr is the master's rest
+        tl.store(out_ptr + offs, round_to_bf16(p), mask=mask)
     _q8_store(m_ptr, ms_ptr, tab_ptr, m, offs, soffs, mask, rmask, 512, True)  # TABLE.ENC_M
     _q8_store(v_ptr, vs_ptr, tab_ptr, tl.sqrt_rn(v), offs, soffs, mask, rmask, 596, False)  # TABLE.ENC_V
 
@@ -383,7 +388,7 @@ def adamw_update_q8_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                      exp_avg_scales: torch.Tensor, exp_avg_sq_scales: torch.Tensor, *, step: float, lr: float,
                      beta1: float, beta2: float, eps: float, weight_decay: float,
                      out_bf16: torch.Tensor | None = None, lo: torch.Tensor | None = None,
-                     grad_scale: torch.Tensor | None = None, rows: int | None = None) -> None:
+                     grad_scale: torch.Tensor | None = None) -> None:
     """adamw_update_ with 8-bit moments (optimizer.state_dtype=q8, core.moments_q8): ``exp_avg`` /
     ``exp_avg_sq`` uint8 codes of p's shape, ``exp_avg_scales`` / ``exp_avg_sq_scales`` fp32 of
     core.moments_q8.scale_shape(p.shape). Each is read and written once: 2 bytes of moments an element, read
@@ -413,7 +418,7 @@ def adamw_update_q8_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     if R == 0 or C == 0:
         return
     nb = triton.cdiv(C, QBLOCK)
-    tr = rows or Q8_ROWS
+    tr = Q8_ROWS
     grid = (triton.cdiv(R, tr) * nb,)
     out = lo if split else (p if out_bf16 is None else out_bf16)
     _adamw_q8_kernel[grid](
