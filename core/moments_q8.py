@@ -92,13 +92,14 @@ def _encode_tables(levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 def encode(r: torch.Tensor, levels: int) -> torch.Tensor:
     """Magnitudes r (fp32, in [0, 1], a little above 1 allowed) -> codes (int32 in [0, 2^levels - 1]), the
     nearest code of the module docstring's table (its level from r's binary exponent and one threshold, then
-    an affine map: _encode_tables; the kernel's operations in its order)."""
-    count_t, next_t, mul, add = (t.to(r.device) for t in _encode_tables(levels))
+    an affine map, through kernel_tables' encoding tables as the kernel reads them; its operations in its order)."""
+    t = kernel_tables(r.device)
+    base = TABLE.ENC_M if levels == LEVELS_SIGNED else TABLE.ENC_V
     e = ((r.view(torch.int32) >> 23) & 0xFF) - 127
     row = (e.clamp(EXP_MIN, 0) - EXP_MIN).long()
-    count = count_t[row] + (r > next_t[row]).to(torch.int32)
+    count = t[base + TABLE.COUNT + row].to(torch.int32) + (r > t[base + TABLE.NEXT + row]).to(torch.int32)
     lo = (1 << (count - 1).clamp(min=0)) - 1
-    c = torch.floor(r * mul[count.long()] + add[count.long()]).to(torch.int32)
+    c = torch.floor(r * t[base + TABLE.MUL + count.long()] + t[base + TABLE.ADD + count.long()]).to(torch.int32)
     return torch.minimum(torch.maximum(c, lo), 2 * lo + 1)
 
 
@@ -157,15 +158,13 @@ def quantize_(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, signed
 
 @torch.no_grad()
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, signed: bool) -> torch.Tensor:
-    """The fp32 values of quantize_'s ``codes`` and ``scales`` (a new tensor of codes' shape)."""
-    levels = LEVELS_SIGNED if signed else LEVELS_UNSIGNED
+    """The fp32 values of quantize_'s ``codes`` and ``scales`` (a new tensor of codes' shape): each byte's
+    codebook value (looked up in kernel_tables, as the kernel does) times its block's scale."""
     if codes.numel() == 0:
         return torch.zeros(codes.shape, dtype=torch.float32, device=codes.device)
-    b = _blocks(codes.to(torch.int32))
-    mag = b & 127 if signed else b
-    value = decode(mag, levels) * scales.view(b.shape[0], -1, 1)
-    if signed:
-        value = torch.where(b >= 128, -value, value)
+    b = _blocks(codes.to(torch.int64))
+    book = kernel_tables(codes.device)[TABLE.DEC_M if signed else TABLE.DEC_V:][:256]
+    value = book[b] * scales.view(b.shape[0], -1, 1)
     n = codes.shape[-1] if codes.dim() else 1
     return value.reshape(value.shape[0], -1)[:, :n].reshape(codes.shape)
 
