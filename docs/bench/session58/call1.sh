@@ -10,6 +10,7 @@
 # 4. #13's two ratios: olmoe3-4l-8e (default, best + SHE; 30 steps) then torchtitan 0.3.0, OLMoE-8L (default,
 #    best + SHE; 12 steps) then torchtitan. bench_train's rows carry their own clock samples (tools/clocks.py's
 #    ClockSampler, first run on a GPU here): compare sm_clock_mhz with dmon's figure for the same run.
+# (Its pairs as docs/bench/session42/common.sh's ratio_pairs since session 59; the same runs.)
 # Run from the repo root with .peers carried: bash docs/bench/session58/call1.sh (about 440 s fresh;
 # SKIP_S1=1 leaves the OLMoE-8L pair out: about 260 s; SKIP_S2_DEFAULT=1 too: about 130 s).
 source docs/bench/session42/common.sh
@@ -17,26 +18,5 @@ nvidia-smi --query-gpu=name,power.limit,power.max_limit,clocks.max.sm,clocks.max
 t0=$(date +%s)
 timeout 60 python3 tools/bench_gemm_clock.py --json $OUT/gemm_clock.json 2>&1 | grep -v Warning
 echo "gemm clock $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
-nvidia-smi dmon -s pc -o T -d 1 > $OUT/dmon.txt 2>&1 &
-dmon=$!
-sleep 2
-mark() { echo "$1 $(date +%T)" >> $OUT/marks.txt; }
-mark olmoe3
 S2_DEFAULT="--variant default:"; [ -z "${SKIP_S2_DEFAULT:-}" ] || S2_DEFAULT=""
-timeout 170 python3 tools/bench_train.py $S2 --steps 30 --warmup 5 $S2_DEFAULT --variant best_SHE:$BEST,$SHE \
-  --json $OUT/olmoe3_ratio.json 2>&1 | grep -v Warning | tail -3
-mark tt_olmoe3
-tt olmoe3-4l-8e after 30
-if [ -z "${SKIP_S1:-}" ]; then
-  mark olmoe8l
-  timeout 120 python3 tools/bench_train.py $S1 --steps 12 --warmup 4 --variant default: --variant best_SHE:$BEST,$SHE \
-    --json $OUT/olmoe8l_ratio.json 2>&1 | grep -v Warning | tail -3
-  mark tt_olmoe8l
-  tt olmoe-1b-7b-8l after 25
-fi
-mark end
-kill $dmon
-echo "runs $(( $(date +%s) - t0 )) s"
-python3 tools/clocks.py dmon $OUT/dmon.txt $OUT/marks.txt
-python3 tools/peer_ratio.py $OUT/olmoe3_ratio.json --peer $OUT/torchtitan_olmoe3-4l-8e_after.jsonl 2>&1 | tail -3
-[ -n "${SKIP_S1:-}" ] || python3 tools/peer_ratio.py $OUT/olmoe8l_ratio.json --peer $OUT/torchtitan_olmoe-1b-7b-8l_after.jsonl 2>&1 | tail -3
+ratio_pairs ratio "$S2_DEFAULT --variant best_SHE:$BEST,$SHE" "--variant default: --variant best_SHE:$BEST,$SHE"

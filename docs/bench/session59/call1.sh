@@ -6,6 +6,7 @@
 #    (--block 512,1024,2048 = Q8_ROWS 2, 4, 8);
 # 3. nvidia-smi dmon over every step run below (tools/clocks.py dmon: each run's clock and power under load);
 # 4. olmoe3-4l-8e: best + SHE, then + q8 (30 steps), then torchtitan 0.3.0; OLMoE-8L the same (12 steps).
+# (Its pairs through docs/bench/session42/common.sh's ratio_pairs since the review; the same runs.)
 # Run from the repo root with .peers carried: bash docs/bench/session59/call1.sh (SKIP_S1=1: olmoe3 only).
 source docs/bench/session42/common.sh
 nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv | tee $OUT/card.txt
@@ -16,25 +17,6 @@ echo "gpu tests $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
 timeout 90 python3 tools/bench_optim.py --variants triton_bf16,triton_bf16_copy,triton_q8,triton_q8_copy \
   --block 512,1024,2048 --json $OUT/bench_optim.json 2>&1 | grep -v Warning | tail -16
 echo "bench_optim $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
-nvidia-smi dmon -s pc -o T -d 1 > $OUT/dmon.txt 2>&1 &
-dmon=$!
-mark() { echo "$1 $(date +%T)" >> $OUT/marks.txt; }
 Q8=optimizer.state_dtype=q8
-mark olmoe3
-timeout 150 python3 tools/bench_train.py $S2 --steps 30 --warmup 5 --variant best_SHE:$BEST,$SHE \
-  --variant best_SHE_q8:$BEST,$SHE,$Q8 --json $OUT/olmoe3_q8.json 2>&1 | grep -v Warning | tail -4
-mark tt_olmoe3
-tt olmoe3-4l-8e after 30
-if [ -z "${SKIP_S1:-}" ]; then
-  mark olmoe8l
-  timeout 120 python3 tools/bench_train.py $S1 --steps 12 --warmup 4 --variant best_SHE:$BEST,$SHE \
-    --variant best_SHE_q8:$BEST,$SHE,$Q8 --json $OUT/olmoe8l_q8.json 2>&1 | grep -v Warning | tail -4
-  mark tt_olmoe8l
-  tt olmoe-1b-7b-8l after 25
-fi
-mark end
-kill $dmon
-echo "runs $(( $(date +%s) - t0 )) s"
-python3 tools/clocks.py dmon $OUT/dmon.txt $OUT/marks.txt
-python3 tools/peer_ratio.py $OUT/olmoe3_q8.json --peer $OUT/torchtitan_olmoe3-4l-8e_after.jsonl 2>&1 | tail -4
-[ -n "${SKIP_S1:-}" ] || python3 tools/peer_ratio.py $OUT/olmoe8l_q8.json --peer $OUT/torchtitan_olmoe-1b-7b-8l_after.jsonl 2>&1 | tail -4
+ratio_pairs q8 "--variant best_SHE:$BEST,$SHE --variant best_SHE_q8:$BEST,$SHE,$Q8" \
+  "--variant best_SHE:$BEST,$SHE --variant best_SHE_q8:$BEST,$SHE,$Q8"
