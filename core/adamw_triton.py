@@ -379,7 +379,7 @@ read at each call (tools/bench_optim.py --block sweeps it as Q8_ROWS x 256). Com
 59, the split form, ints divisible by 16 as a launch specializes them): 52 registers at 2 rows, 67 at 4, 124 at 8,
 213 at 16. On an H100 (session 59, tools/bench_optim.py, 3.77B parameters, 4 warps) 2 rows 37.4 ms, 4 rows 38.1, 8
 rows 46.6, against bf16 moments' 25.0: 2 is the fastest measured, and the kernel is bound by its instructions, not
-by HBM (about 180 SASS instructions an element a thread against bf16's 107, both counted statically)."""
+by HBM (183 SASS instructions an element a thread at 4 rows against bf16's 107, counted statically)."""
 Q8_WARPS = 4
 """Warps per program of adamw_update_q8_, read at each call (a tile's rows share them)."""
 
