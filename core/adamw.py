@@ -24,9 +24,10 @@ the step itself).
 DTensors (FSDP2 shards, expert-parallel weights): the moments are DTensors like their parameters
 (DCP reshards them), the math runs on the local tensors (to_local shares storage).
 
-8-bit moments (``state_dtype=torch.uint8``, optimizer.state_dtype=q8): each moment is held as one byte an
-element and an fp32 scale a block of 256 along the last dim (core.moments_q8: block-wise dynamic quantization),
-2 bytes of moments an element where bf16 holds 4. A step widens a parameter's moments to fp32, updates them and
+8-bit moments (``state_dtype=torch.uint8``, optimizer.state_dtype=q8; ``torch.float8_e4m3fn``, fp8): each moment
+is held as one byte an element and a scale a block of 256 along the last dim (core.moments_q8: q8, block-wise
+dynamic quantization under an fp32 scale; fp8, E4M3 under a power of two), 2 bytes of moments an element where
+bf16 holds 4. A step widens a parameter's moments to fp32, updates them and
 the parameter as above (the parameter from the unrounded fp32 moments), and quantizes them back: in the Triton
 kernel's one pass (core.adamw_triton.adamw_update_q8_), or on the foreach path a block of rows at a time
 (core.moments_q8's torch reference). Parameters of fewer than 2 dims (norm weights: a few thousand elements a
@@ -61,17 +62,18 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _scales_like(p: torch.Tensor) -> torch.Tensor:
-    """Zero fp32 scales for 8-bit moments of ``p`` (core.moments_q8.scale_shape): a DTensor of p's mesh and
-    placements for a DTensor p, whose blocks along the last dim then stay with their rows on every rank."""
+def _scales_like(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Zero scales (``dtype``) for 8-bit moments of ``p`` (core.moments_q8.scale_shape): a DTensor of p's mesh
+    and placements for a DTensor p, whose blocks along the last dim then stay with their rows on every rank."""
     from .moments_q8 import scale_shape
 
     local = _local(p)
-    scales = torch.zeros(scale_shape(local.shape), dtype=torch.float32, device=local.device)
+    scales = torch.zeros(scale_shape(local.shape), dtype=dtype, device=local.device)
     if not isinstance(p, DTensor):
         return scales
     if any(getattr(pl, "dim", None) in (p.dim() - 1, -1) for pl in p.placements):
-        raise ValueError(f"8-bit moments (optimizer.state_dtype=q8) keep a scale a block of the last dim, and this "
+        raise ValueError(f"8-bit moments (optimizer.state_dtype=q8 / fp8) keep a scale a block of the last dim, and "
+                         f"this "
                          f"parameter {tuple(p.shape)} is sharded on its last dim ({p.placements}): shard another "
                          f"dim or use optimizer.state_dtype=bf16")
     shape = scale_shape(p.shape)
@@ -149,9 +151,24 @@ def triton_usable(device: torch.device) -> str | None:
     return None
 
 
+_CODES = {torch.uint8: "8-bit (q8)", torch.float8_e4m3fn: "8-bit (fp8)"}
+
+
+def _code(dtype: torch.dtype) -> str | None:
+    """Which 8-bit code moments of ``dtype`` are held in, None for float moments (which load into each other:
+    torch casts them)."""
+    return _CODES.get(dtype)
+
+
+def _moments_name(dtype: torch.dtype) -> str:
+    """Moments of ``dtype`` as load_state_dict's error names them."""
+    return _CODES.get(dtype, str(dtype))
+
+
 class PrecisionAwareAdamW(torch.optim.Optimizer):
     """torch.optim.AdamW semantics with ``state_dtype`` moments (default fp32, as OptimizerConfig.state_dtype's;
-    bf16 halves them; torch.uint8: 8-bit moments, core.moments_q8) and fp32 update math.
+    bf16 halves them; torch.uint8 or torch.float8_e4m3fn: 8-bit moments, q8's or fp8's code, core.moments_q8)
+    and fp32 update math.
 
     ``params``: tensors or param groups (``lr``, ``betas``, ``eps``, ``weight_decay`` per group),
     floating point parameters of at least fp32 (they are the master weights); ``chunk_numel``:
@@ -172,10 +189,11 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             raise ValueError(f"chunk_numel must be >= 1, got {chunk_numel}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.state_dtype, self.chunk_numel, self.kernel = state_dtype, chunk_numel, AdamWKernel(kernel)
-        if state_dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.uint8):
-            raise ValueError(f"state_dtype must be fp32, fp64, bf16 or uint8 (8-bit moments), got {state_dtype}")
-        self.q8 = state_dtype == torch.uint8
-        self._float_state = torch.float32 if self.q8 else state_dtype  # all moments but the 8-bit ones
+        if state_dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.uint8, torch.float8_e4m3fn):
+            raise ValueError(f"state_dtype must be fp32, fp64, bf16, uint8 or float8_e4m3fn (8-bit moments: q8, "
+                             f"fp8), got {state_dtype}")
+        self.eight_bit = state_dtype in (torch.uint8, torch.float8_e4m3fn)  # core.moments_q8.CODE_DTYPES
+        self._float_state = torch.float32 if self.eight_bit else state_dtype  # all moments but the 8-bit ones
         params = [p for group in self.param_groups for p in group["params"]]
         for p in params:
             if not p.is_floating_point() or torch.finfo(p.dtype).bits < 32 or p.is_complex():
@@ -226,9 +244,9 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             if p.shape[-1] % 32 or p.shape[-2] % 32:
                 raise ValueError(f"mx_cols: MX blocks of 32 must divide both of the weight's last dims, got "
                                  f"{tuple(p.shape)}")
-        if mx_cols and self.q8:
+        if mx_cols and self.eight_bit:
             raise ValueError("mx_cols (precision.quantized_expert_copies) with 8-bit moments "
-                             "(optimizer.state_dtype=q8) is not built: use state_dtype=bf16 with it, or drop "
+                             "(optimizer.state_dtype=q8 or fp8) is not built: use state_dtype=bf16 with it, or drop "
                              "quantized_expert_copies")
         if mx_cols and mx_scale_mode not in ("rceil", "floor"):
             raise ValueError(f"mx_scale_mode must be rceil or floor, got {mx_scale_mode!r}")
@@ -299,36 +317,41 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         if not state:
             # step on the CPU as torch's non-fused AdamW keeps it: bias corrections are host floats.
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            dtype = torch.uint8 if self._held_q8(p) else self._float_state
+            dtype = self.state_dtype if self._held_q8(p) else self._float_state
             state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
             if self._held_q8(p):
-                state["exp_avg_scales"] = _scales_like(p)
-                state["exp_avg_sq_scales"] = _scales_like(p)
+                from .moments_q8 import scale_dtype
+
+                state["exp_avg_scales"] = _scales_like(p, scale_dtype(dtype))
+                state["exp_avg_sq_scales"] = _scales_like(p, scale_dtype(dtype))
         return state
 
     def _held_q8(self, p: torch.Tensor) -> bool:
         """Whether ``p``'s moments are held in 8 bits: with 8-bit moments, those of parameters of 2+ dims."""
-        return self.q8 and p.dim() >= 2
+        return self.eight_bit and p.dim() >= 2
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # torch casts every floating-point state to its parameter's dtype on load; the moments go
-        # back to state_dtype (bf16 -> fp32 -> bf16 is exact, so a resume is bit-exact). 8-bit moments
-        # (uint8 codes, fp32 scales) load only into 8-bit moments, and only they do.
+        # back to state_dtype (bf16 -> fp32 -> bf16 is exact, so a resume is bit-exact). 8-bit moments load
+        # only into 8-bit moments of the same code, and only they do.
+        from .moments_q8 import scale_dtype
+
         params = {i: p for saved, group in zip(state_dict["param_groups"], self.param_groups)
                   for i, p in zip(saved["params"], group["params"])}
         for i, state in state_dict["state"].items():
             held, p = state.get("exp_avg"), params.get(i)
-            if held is not None and p is not None and (held.dtype == torch.uint8) != self._held_q8(p):
-                raise ValueError(f"this optimizer state holds {'8-bit' if held.dtype == torch.uint8 else held.dtype} "
-                                 f"moments for a parameter of shape {tuple(p.shape)}, for which this optimizer keeps "
-                                 f"{'8-bit' if self._held_q8(p) else self._float_state} ones: resume with the "
-                                 f"optimizer.state_dtype it was saved with")
+            keeps = self.state_dtype if p is not None and self._held_q8(p) else self._float_state
+            if held is not None and p is not None and _code(held.dtype) != _code(keeps):
+                raise ValueError(f"this optimizer state holds {_moments_name(held.dtype)} moments for a parameter of "
+                                 f"shape {tuple(p.shape)}, for which this optimizer keeps {_moments_name(keeps)} ones: "
+                                 f"resume with the optimizer.state_dtype it was saved with")
         super().load_state_dict(state_dict)
         for p, state in self.state.items():
             if self._held_q8(p):  # torch cast the codes to the parameter's dtype too: back to bytes (exact)
-                for key, dtype in (("exp_avg", torch.uint8), ("exp_avg_sq", torch.uint8),
-                                   ("exp_avg_scales", torch.float32), ("exp_avg_sq_scales", torch.float32)):
+                scales = scale_dtype(self.state_dtype)
+                for key, dtype in (("exp_avg", self.state_dtype), ("exp_avg_sq", self.state_dtype),
+                                   ("exp_avg_scales", scales), ("exp_avg_sq_scales", scales)):
                     if key in state:
                         state[key] = state[key].to(dtype)
                 continue
@@ -567,7 +590,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             pp, gg, mm, vv, mss, vss = (t[start:start + per] for t in flat)
             m32, v32 = load_moments(mm, mss, vv, vss)
             self._update([(pp, gg, m32, v32, row.step)], **hyper)
-            store_moments(m32, v32, mm, mss, vv, vss)
+            store_moments(m32, v32, mm, mss, vv, vss, int(row.step.item()))
         for kept, stepped in ((held[0], p), (held[2], m), (held[3], v)):
             if stepped is not kept:
                 kept.copy_(stepped)

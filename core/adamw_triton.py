@@ -31,13 +31,13 @@ import triton
 import triton.language as tl
 
 from .precision import mx_triton
-from .precision.mx_triton import (HW_CONVERT, abs_bits, lean_block_scale, lean_qdq, lean_rows_qdq, store_bf16,
-                                   tile_grid, tile_ids, widen)
-from .moments_q8 import QBLOCK, TABLE, kernel_tables, scale_shape
+from .precision.mx_triton import (HW_CONVERT, abs_bits, exp2_int, lean_block_scale, lean_qdq, lean_rows_qdq,
+                                   store_bf16, tile_grid, tile_ids, to_e4m3, widen)
+from .moments_q8 import CODE_DTYPES, FP8, QBLOCK, TABLE, kernel_tables, scale_dtype, scale_shape, sr_key
 from .triton_round import load_fp32, round_to_bf16, store_rounded
 
 __all__ = ["BLOCK", "MX_PAIR_TILE_COLS", "MX_PAIR_WARPS", "Q8_ROWS", "Q8_WARPS", "adamw_update_",
-           "adamw_update_mx_pair_", "adamw_update_q8_", "adamw_update_split_", "q8_encode"]
+           "adamw_update_mx_pair_", "adamw_update_q8_", "adamw_update_split_", "fmix32", "q8_encode", "sr_e4m3"]
 
 BLOCK = 1024
 """Elements per program when a call names none (read at each call; tools/bench_optim.py --block
@@ -300,7 +300,7 @@ def adamw_update_mx_pair_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Te
     )
 
 
-# ---- 8-bit moments (optimizer.state_dtype=q8; core.moments_q8, the torch reference and the code's table) ----
+# ---- 8-bit moments (optimizer.state_dtype=q8 / fp8; core.moments_q8, the torch reference and q8's tables) ----
 
 @triton.jit
 def q8_encode(r, tab_ptr, ENC: tl.constexpr):
@@ -316,37 +316,78 @@ def q8_encode(r, tab_ptr, ENC: tl.constexpr):
 
 
 @triton.jit
-def _q8_load(codes_ptr, scales_ptr, tab_ptr, offs, soffs, mask, rmask, DEC: tl.constexpr):
-    """A [rows, QB] tile of 8-bit values as fp32 (core.moments_q8.dequantize): each byte's value read from the
-    codebook at ``tab_ptr + DEC`` (signed or not), times its block's scale."""
-    c = tl.load(codes_ptr + offs, mask=mask, other=0).to(tl.int32)
-    scale = tl.load(scales_ptr + soffs, mask=rmask, other=0.0)
-    return tl.load(tab_ptr + DEC + c) * scale[:, None]
+def fmix32(x):
+    """core.moments_q8.fmix32 on int32 bits (the uint32's): logical shifts by masking, products wrapping."""
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * -2048144789  # 0x85ebca6b as int32
+    x = x ^ ((x >> 13) & 0x7FFFF)
+    x = x * -1028477387  # 0xc2b2ae35 as int32
+    return x ^ ((x >> 16) & 0xFFFF)
 
 
 @triton.jit
-def _q8_store(codes_ptr, scales_ptr, tab_ptr, x, offs, soffs, mask, rmask, ENC: tl.constexpr, SIGNED: tl.constexpr):
-    """Store a [rows, QB] tile of fp32 values in 8 bits, each row one block (core.moments_q8.quantize_)."""
-    a = tl.where(mask, tl.abs(x), 0.0)
-    amax = tl.max(a, axis=1)
-    inv = tl.where(amax > 0, tl.div_rn(tl.full(amax.shape, 1.0, tl.float32), amax), 0.0)
-    c = q8_encode(a * inv[:, None], tab_ptr, ENC)
-    if SIGNED:
-        c = tl.where((x < 0) & (c > 0), c + 128, c)
-    tl.store(codes_ptr + offs, c.to(tl.uint8), mask=mask)
-    tl.store(scales_ptr + soffs, amax, mask=rmask)
+def sr_e4m3(y, key):
+    """core.moments_q8.sr_e4m3: fp32 y in [0, 448] rounded stochastically to E4M3's grid (fp32 values), the
+    random bits fmix32((bits(y) >> 8) ^ key)'s lowest 20."""
+    r = fmix32((y.to(tl.int32, bitcast=True) >> 8) ^ key) & 0xFFFFF
+    sub = y < 0.015625  # E4M3's smallest normal, 2^-6
+    z = tl.where(sub, y + 0.015625, y)
+    out = ((z.to(tl.int32, bitcast=True) + r) & -1048576).to(tl.float32, bitcast=True)  # ~0xFFFFF
+    return tl.where(sub, out - 0.015625, out)
 
 
 @triton.jit
+def _q8_load(codes_ptr, scales_ptr, tab_ptr, offs, soffs, mask, rmask, DEC: tl.constexpr, FP8: tl.constexpr):
+    """A [rows, QB] tile of 8-bit values as fp32 (core.moments_q8.dequantize): q8, each byte's value read from
+    the codebook at ``tab_ptr + DEC`` (signed or not), times its block's scale; FP8, each E4M3 value (the GPU's
+    conversion) times its block's power of two, NaN under the E8M0 NaN code (core.precision.mx.dequantize_mx)."""
+    if FP8:
+        code = tl.load(scales_ptr + soffs, mask=rmask, other=127).to(tl.int32)[:, None]
+        d = tl.load(codes_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        x = tl.where(code == 255, float("nan"), d * exp2_int(tl.where(code == 255, 127, code) - 127))
+    else:
+        c = tl.load(codes_ptr + offs, mask=mask, other=0).to(tl.int32)
+        scale = tl.load(scales_ptr + soffs, mask=rmask, other=0.0)
+        x = tl.load(tab_ptr + DEC + c) * scale[:, None]
+    return x
+
+
+@triton.jit
+def _q8_store(codes_ptr, scales_ptr, tab_ptr, x, offs, soffs, mask, rmask, key, ENC: tl.constexpr,
+              SIGNED: tl.constexpr, FP8: tl.constexpr, HW: tl.constexpr):
+    """Store a [rows, QB] tile of fp32 values in 8 bits, each row one block (core.moments_q8.quantize_): FP8,
+    as E4M3 under the block's E8M0 scale (mx_triton's lean_block_scale, rceil; the GPU's conversion, HW), to
+    nearest even (SIGNED), or floored at E4M3's smallest subnormal and rounded stochastically under ``key``."""
+    if FP8:
+        e, code, _ = lean_block_scale(tl.max(tl.where(mask, abs_bits(x, False), 0), axis=1), False, False)
+        y = x * exp2_int(-e)[:, None]
+        if not SIGNED:  # core.moments_q8.FP8_ROOT_FLOOR (2^-9), then sr_e4m3: y is then on E4M3's grid
+            y = sr_e4m3(tl.where(x > 0, tl.maximum(y, 0.001953125), y), key)
+        tl.store(codes_ptr + offs, to_e4m3(y, 1.0, HW), mask=mask)
+        tl.store(scales_ptr + soffs, code.to(tl.uint8), mask=rmask)
+    else:
+        a = tl.where(mask, tl.abs(x), 0.0)
+        amax = tl.max(a, axis=1)
+        inv = tl.where(amax > 0, tl.div_rn(tl.full(amax.shape, 1.0, tl.float32), amax), 0.0)
+        c = q8_encode(a * inv[:, None], tab_ptr, ENC)
+        if SIGNED:
+            c = tl.where((x < 0) & (c > 0), c + 128, c)
+        tl.store(codes_ptr + offs, c.to(tl.uint8), mask=mask)
+        tl.store(scales_ptr + soffs, amax, mask=rmask)
+
+
+@triton.jit(do_not_specialize=["sr_key"])  # a new key every step: one compiled kernel
 def _adamw_q8_kernel(p_ptr, g_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, out_ptr, scale_ptr, tab_ptr, R, C, NB, decay,
-                     lerp_weight, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size,
+                     lerp_weight, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size, sr_key,
                      GRAD_BF16: tl.constexpr, LERP_SMALL: tl.constexpr, WRITE_OUT: tl.constexpr,
-                     GRAD_SCALE: tl.constexpr, SPLIT: tl.constexpr, TR: tl.constexpr, QB: tl.constexpr):
+                     GRAD_SCALE: tl.constexpr, SPLIT: tl.constexpr, TR: tl.constexpr, QB: tl.constexpr,
+                     FP8: tl.constexpr, HW: tl.constexpr):
     """_adamw_kernel's update of a [TR, QB] tile of the 2-D view [R, C] (TR rows, one quantization block
     of each) with 8-bit moments (core.moments_q8.load_moments / store_moments): codes at m_ptr / v_ptr
-    (uint8, [R, C]; v_ptr's are of the second moment's square root), their blocks' scales at ms_ptr / vs_ptr
-    (fp32 [R, NB]), the tables at tab_ptr (kernel_tables); the update uses the unrounded fp32 moments, as the
-    bf16 state's does."""
+    ([R, C], uint8 or, FP8, E4M3; v_ptr's are of the second moment's square root), their blocks' scales at
+    ms_ptr / vs_ptr ([R, NB], fp32 or, FP8, E8M0 codes), q8's tables at tab_ptr (kernel_tables); the update
+    uses the unrounded fp32 moments, as the bf16 state's does. ``sr_key``: the step's key of the root's
+    stochastic rounding (FP8; core.moments_q8.sr_key)."""
     pid = tl.program_id(0)
     pid_r = pid // NB
     pid_b = pid % NB
@@ -357,16 +398,17 @@ def _adamw_q8_kernel(p_ptr, g_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, out_ptr, scale_
     offs = r[:, None].to(tl.int64) * C + c[None, :]
     soffs = r.to(tl.int64) * NB + pid_b
     p, g = _load_p_g(p_ptr, out_ptr, g_ptr, scale_ptr, offs, mask, GRAD_BF16, GRAD_SCALE, SPLIT)
-    m = _q8_load(m_ptr, ms_ptr, tab_ptr, offs, soffs, mask, rmask, 0)  # TABLE.DEC_M
-    s = _q8_load(v_ptr, vs_ptr, tab_ptr, offs, soffs, mask, rmask, 256)  # TABLE.DEC_V
+    m = _q8_load(m_ptr, ms_ptr, tab_ptr, offs, soffs, mask, rmask, 0, FP8)  # TABLE.DEC_M
+    s = _q8_load(v_ptr, vs_ptr, tab_ptr, offs, soffs, mask, rmask, 256, FP8)  # TABLE.DEC_V
     v = s * s
     p, m, v = _adamw_math(p, g, m, v, decay, lerp_weight, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size,
                           LERP_SMALL)
     _store_p(p_ptr, out_ptr, p, offs, mask, SPLIT)
     if WRITE_OUT:  # never with SPLIT, whose out_ptr is the master's rest
         tl.store(out_ptr + offs, round_to_bf16(p), mask=mask)
-    _q8_store(m_ptr, ms_ptr, tab_ptr, m, offs, soffs, mask, rmask, 512, True)  # TABLE.ENC_M
-    _q8_store(v_ptr, vs_ptr, tab_ptr, tl.sqrt_rn(v), offs, soffs, mask, rmask, 596, False)  # TABLE.ENC_V
+    _q8_store(m_ptr, ms_ptr, tab_ptr, m, offs, soffs, mask, rmask, sr_key, 512, True, FP8, HW)  # TABLE.ENC_M
+    _q8_store(v_ptr, vs_ptr, tab_ptr, tl.sqrt_rn(v), offs, soffs, mask, rmask, sr_key, 596, False, FP8,
+              HW)  # TABLE.ENC_V
 
 
 # the offsets _adamw_q8_kernel and q8_encode write as literals
@@ -379,7 +421,9 @@ read at each call (tools/bench_optim.py --block sweeps it as Q8_ROWS x 256). Com
 59, the split form, ints divisible by 16 as a launch specializes them): 52 registers at 2 rows, 67 at 4, 124 at 8,
 213 at 16. On an H100 (session 59, tools/bench_optim.py, 3.77B parameters, 4 warps) 2 rows 37.4 ms, 4 rows 38.1, 8
 rows 46.6, against bf16 moments' 25.0: 2 is the fastest measured, and the kernel is bound by its instructions, not
-by HBM (183 SASS instructions an element a thread at 4 rows against bf16's 107, counted statically)."""
+by HBM (183 SASS instructions an element a thread at 4 rows against bf16's 107, counted statically). fp8's code
+(session 60, the same split form, counted statically): 184 instructions an element at 2 rows, 140 at 4 (64
+registers), 124 at 8 (115), 117 at 16 (206); not yet timed on a GPU, so its rows are q8's until measured."""
 Q8_WARPS = 4
 """Warps per program of adamw_update_q8_, read at each call (a tile's rows share them)."""
 
@@ -389,25 +433,27 @@ def adamw_update_q8_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                      beta1: float, beta2: float, eps: float, weight_decay: float,
                      out_bf16: torch.Tensor | None = None, lo: torch.Tensor | None = None,
                      grad_scale: torch.Tensor | None = None) -> None:
-    """adamw_update_ with 8-bit moments (optimizer.state_dtype=q8, core.moments_q8): ``exp_avg`` /
-    ``exp_avg_sq`` uint8 codes of p's shape, ``exp_avg_scales`` / ``exp_avg_sq_scales`` fp32 of
-    core.moments_q8.scale_shape(p.shape). Each is read and written once: 2 bytes of moments an element, read
-    and written, where bf16 moves 4 (and 1/16 of a byte of scales: two fp32 a block of 256, read and written).
-    The codebooks come from core.moments_q8.kernel_tables (made on a device's first call). ``lo``: the master is
-    held split
+    """adamw_update_ with 8-bit moments (core.moments_q8), the code by the codes' dtype: ``exp_avg`` /
+    ``exp_avg_sq`` codes of p's shape, uint8 (optimizer.state_dtype=q8) or float8_e4m3fn (fp8), and
+    ``exp_avg_scales`` / ``exp_avg_sq_scales`` of core.moments_q8.scale_shape(p.shape) and scale_dtype (fp32,
+    or uint8 E8M0 codes). Each is read and written once: 2 bytes of moments an element, read and written, where
+    bf16 moves 4 (and 1/16 or 1/64 of a byte of scales a block of 256, read and written). q8's codebooks come
+    from core.moments_q8.kernel_tables (made on a device's first call). ``lo``: the master is held split
     (adamw_update_split_): ``p`` is then its bf16 half and ``lo`` the int16 rest, and ``out_bf16`` must be
     None. Other arguments as adamw_update_'s."""
     split = lo is not None
     if split and (p.dtype != torch.bfloat16 or lo.dtype != torch.int16 or out_bf16 is not None):
         raise TypeError("adamw_update_q8_ with lo takes a bf16 p (the split master's half), an int16 lo and no "
                         "out_bf16")
-    if exp_avg.dtype != torch.uint8 or exp_avg_sq.dtype != torch.uint8:
-        raise TypeError(f"8-bit moments are uint8 codes, got {exp_avg.dtype} and {exp_avg_sq.dtype}")
+    if exp_avg.dtype != exp_avg_sq.dtype or exp_avg.dtype not in CODE_DTYPES:
+        raise TypeError(f"8-bit moments are both uint8 codes (q8) or both {FP8} (fp8), got {exp_avg.dtype} and "
+                        f"{exp_avg_sq.dtype}")
+    sdtype = scale_dtype(exp_avg.dtype)
     for s in (exp_avg_scales, exp_avg_sq_scales):
-        if s.dtype != torch.float32 or tuple(s.shape) != scale_shape(p.shape) or s.device != p.device \
+        if s.dtype != sdtype or tuple(s.shape) != scale_shape(p.shape) or s.device != p.device \
                 or not s.is_contiguous():
-            raise ValueError(f"8-bit moments' scales must be contiguous fp32 of shape {scale_shape(p.shape)} on "
-                             f"{p.device}, got {s.dtype} {tuple(s.shape)} on {s.device}")
+            raise ValueError(f"8-bit moments' scales must be contiguous {sdtype} of shape {scale_shape(p.shape)} "
+                             f"on {p.device}, got {s.dtype} {tuple(s.shape)} on {s.device}")
     if lo is not None and (lo.shape != p.shape or lo.device != p.device or not lo.is_contiguous()):
         raise ValueError("adamw_update_q8_ needs a contiguous lo of p's shape on its device")
     args = _scalars(p, grad, exp_avg, exp_avg_sq, [] if out_bf16 is None else [out_bf16], grad_scale, step=step,
@@ -421,10 +467,12 @@ def adamw_update_q8_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     tr = Q8_ROWS
     grid = (triton.cdiv(R, tr) * nb,)
     out = lo if split else (p if out_bf16 is None else out_bf16)
+    fp8 = exp_avg.dtype == FP8
     _adamw_q8_kernel[grid](
         p.view(torch.int16) if split else p, grad, exp_avg, exp_avg_sq, exp_avg_scales, exp_avg_sq_scales, out,
-        p if grad_scale is None else grad_scale, kernel_tables(p.device), R, C, nb, *args,
-        GRAD_BF16=grad.dtype == torch.bfloat16, LERP_SMALL=abs(args[1]) < 0.5, WRITE_OUT=out_bf16 is not None,
-        GRAD_SCALE=grad_scale is not None, SPLIT=split, TR=tr, QB=QBLOCK,
+        p if grad_scale is None else grad_scale, exp_avg_scales if fp8 else kernel_tables(p.device), R, C, nb,
+        *args, sr_key(step) if fp8 else 0, GRAD_BF16=grad.dtype == torch.bfloat16, LERP_SMALL=abs(args[1]) < 0.5,
+        WRITE_OUT=out_bf16 is not None,
+        GRAD_SCALE=grad_scale is not None, SPLIT=split, TR=tr, QB=QBLOCK, FP8=fp8, HW=HW_CONVERT,
         num_warps=Q8_WARPS, enable_fp_fusion=False,
     )

@@ -1,4 +1,8 @@
-"""Adam moments held in 8 bits (optimizer.state_dtype=q8): block-wise dynamic quantization, the torch reference.
+"""Adam moments held in 8 bits, the torch reference: optimizer.state_dtype=q8 (block-wise dynamic quantization,
+uint8 codes) and optimizer.state_dtype=fp8 (block-scaled E4M3, float8_e4m3fn codes); the codes' dtype names the
+code everywhere (quantize_, dequantize, core.adamw_triton's kernel).
+
+q8 (below, to the FP8 section):
 
 The scheme is that of 8-bit optimizers (Dettmers et al., "8-bit Optimizers via Block-wise Quantization", ICLR
 2022): each block of ``QBLOCK`` consecutive elements along a tensor's last dim is divided by its largest
@@ -31,14 +35,32 @@ Every step is written as fp32 operations in a fixed order (no fused multiply-add
 core.adamw_triton's kernel encodes and decodes the same bytes and values bit for bit through the same tables
 (kernel_tables); the tests also check the encoding against an independent float64 nearest-code search over
 the whole table.
+
+fp8: each block of QBLOCK along the last dim is scaled by a power of two and its elements stored as E4M3
+(core.precision.mx's quantize_mx at a block of QBLOCK: the scale 2^ceil(log2(amax / 448)) as an E8M0 code, a
+uint8 a block), the first moment rounded to nearest even, as torchao's FP8 Adam codes both moments (block-wise
+E4M3; facts, not code). The second moment differs: it is held as its root (as in q8), floored at E4M3's smallest
+subnormal (a positive root never becomes 0: 2^-9 of the scale, about 4e-6 of the block's largest, so a
+denominator is never 0 where the first moment is kept; a smaller root is held too large, its update smaller
+than Adam's, never larger), and rounded stochastically (sr_e4m3): up with the probability of its distance from
+the grid value below, so the code is unbiased. Rounded to nearest it would not be: with three mantissa bits a
+root moves by at least 3% to 6% of its value to change its code, and one step of beta2 = 0.95 without gradient
+moves it by 2.5%, so a second moment whose gradients shrink stays where it was (measured on a stream of
+gradients dropped 100x: v 3,900x too large 150 steps later, and 2.2x too large already before the drop, since
+growth is registered and decay is not). The random bits are a hash (murmur3's 32-bit finalizer) of the rounded
+value's top bits and the step (sr_key): the same in every parallel layout and in the kernel, with no state. Three
+mantissa bits: a value is within 6.25% (half of E4M3's ulp) near its block's largest (q8: 0.8%), and so in every
+binade down to E4M3's smallest normal, 2^-6 of the scale (q8's error grows a decade at a time instead), and the
+GPU codes and decodes it with its conversion instructions instead of table reads.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["LEVELS_SIGNED", "LEVELS_UNSIGNED", "QBLOCK", "TABLE", "codebook", "decode", "dequantize", "encode",
-           "kernel_tables", "load_moments", "quantize_", "scale_shape", "sqrt_rn", "store_moments"]
+__all__ = ["CODE_DTYPES", "FP8", "FP8_ROOT_FLOOR", "LEVELS_SIGNED", "LEVELS_UNSIGNED", "QBLOCK", "TABLE", "codebook",
+           "decode", "dequantize", "encode", "fmix32", "kernel_tables", "load_moments", "quantize_", "scale_dtype",
+           "scale_shape", "sqrt_rn", "sr_e4m3", "sr_key", "store_moments"]
 
 QBLOCK = 256
 """Elements of one quantization block along the last dim (the paper's block size for its optimizers)."""
@@ -46,6 +68,15 @@ LEVELS_SIGNED = 7
 """Decades of the first moment's code (7 magnitude bits under a sign bit): non-zero down to 10^-7."""
 LEVELS_UNSIGNED = 8
 """Decades of the second moment's code (8 magnitude bits): non-zero down to 10^-8."""
+
+FP8 = torch.float8_e4m3fn
+"""The codes' dtype of optimizer.state_dtype=fp8 (q8's are torch.uint8)."""
+CODE_DTYPES = (torch.uint8, FP8)
+"""The dtypes of 8-bit moments' codes: q8's, fp8's."""
+FP8_ROOT_FLOOR = 2.0**-9
+"""The least value a positive second moment's root is stored as, in units of its block's scale: E4M3's smallest
+subnormal (the module docstring)."""
+E4M3_MIN_NORMAL = 2.0**-6
 
 INV_09 = 1 / 0.9
 """The encoding's 1 / 0.9 (rounded to fp32 where used, in both implementations)."""
@@ -62,10 +93,18 @@ def _pow10(device: torch.device) -> torch.Tensor:
 
 
 def scale_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
-    """The fp32 scales' shape for a tensor of ``shape``: one per block of QBLOCK along the last dim."""
+    """The scales' shape for a tensor of ``shape``: one per block of QBLOCK along the last dim."""
     if len(shape) == 0:
         return (1,)
     return (*shape[:-1], -(-shape[-1] // QBLOCK))
+
+
+def scale_dtype(codes: torch.dtype) -> torch.dtype:
+    """The dtype of the scales beside codes of dtype ``codes``: fp32 (q8: the block's largest magnitude) or
+    uint8 (fp8: the block's E8M0 code)."""
+    if codes not in CODE_DTYPES:
+        raise ValueError(f"8-bit moments' codes are torch.uint8 (q8) or {FP8} (fp8), got {codes}")
+    return torch.uint8 if codes == FP8 else torch.float32
 
 
 EXP_MIN = -32
@@ -137,13 +176,18 @@ def _blocks(x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def quantize_(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, signed: bool) -> None:
-    """``codes`` (uint8, x's shape) and ``scales`` (fp32, scale_shape(x.shape)) <- x (fp32) quantized block by
-    block: each block's largest magnitude, and each element's byte (the first moment signed, the second
-    not; a negative x in an unsigned code is an error of the caller)."""
+def quantize_(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, signed: bool, key: int = 0) -> None:
+    """``codes`` (x's shape) and ``scales`` (scale_shape(x.shape)) <- x (fp32) quantized block by block in the
+    code of codes' dtype (module docstring): q8, uint8 codes and each block's largest magnitude (fp32); fp8,
+    E4M3 codes and each block's E8M0 code (uint8). The first moment signed, the second moment's root not (a
+    negative x in an unsigned code is an error of the caller); fp8's unsigned code is floored and rounded
+    stochastically under ``key`` (sr_key of the step)."""
     levels = LEVELS_SIGNED if signed else LEVELS_UNSIGNED
     if x.numel() == 0:
         scales.zero_()
+        return
+    if codes.dtype == FP8:
+        _quantize_fp8(x, codes, scales, signed, key)
         return
     b = _blocks(x.float())
     amax = b.abs().amax(-1)
@@ -158,15 +202,77 @@ def quantize_(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, signed
 
 @torch.no_grad()
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, signed: bool) -> torch.Tensor:
-    """The fp32 values of quantize_'s ``codes`` and ``scales`` (a new tensor of codes' shape): each byte's
-    codebook value (looked up in kernel_tables, as the kernel does) times its block's scale."""
+    """The fp32 values of quantize_'s ``codes`` and ``scales`` (a new tensor of codes' shape): q8, each byte's
+    codebook value (looked up in kernel_tables, as the kernel does) times its block's scale; fp8, each E4M3
+    value times its block's power of two (exact)."""
     if codes.numel() == 0:
         return torch.zeros(codes.shape, dtype=torch.float32, device=codes.device)
+    if codes.dtype == FP8:
+        from .precision.mx import dequantize_mx
+
+        b = _blocks(codes.view(torch.uint8)).view(FP8)
+        value = dequantize_mx(b, scales.reshape(b.shape[0], -1, 1), QBLOCK, -1)
+        n = codes.shape[-1] if codes.dim() else 1
+        return value.reshape(value.shape[0], -1)[:, :n].reshape(codes.shape)
     b = _blocks(codes.to(torch.int64))
     book = kernel_tables(codes.device)[TABLE.DEC_M if signed else TABLE.DEC_V:][:256]
     value = book[b] * scales.view(b.shape[0], -1, 1)
     n = codes.shape[-1] if codes.dim() else 1
     return value.reshape(value.shape[0], -1)[:, :n].reshape(codes.shape)
+
+
+def _quantize_fp8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, signed: bool, key: int) -> None:
+    """quantize_ in fp8's code: core.precision.mx.quantize_mx along the last dim at a block of QBLOCK (a row's
+    partial last block zero-padded); unsigned, the scaled root floored and rounded by sr_e4m3 instead."""
+    from .precision.mx import _pow2, mx_scale_codes, quantize_mx
+
+    b = _blocks(x.float())
+    if signed:
+        data, code = quantize_mx(b, QBLOCK, -1, "rceil")
+    else:  # the same scale; its NaN code (a NaN root) scales by 1 as quantize_mx does, NaN staying NaN
+        code = mx_scale_codes(b.abs().amax(-1, keepdim=True), "rceil")
+        y = b * _pow2(torch.where(code == 255, 127, code), -1)
+        y = torch.where(y > 0, y.clamp_min(FP8_ROOT_FLOOR), y)
+        data = sr_e4m3(y, key).clamp(max=448.0).to(FP8)
+    bits = data.view(torch.uint8)
+    n = x.shape[-1] if x.dim() else 1
+    codes.view(torch.uint8).view(-1, n).copy_(bits.reshape(bits.shape[0], -1)[:, :n])
+    scales.view(-1).copy_(code.reshape(-1))
+
+
+def fmix32(x: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finalizer of int64 tensors holding uint32 values (x ^= x >> 16; x *= 0x85ebca6b;
+    x ^= x >> 13; x *= 0xc2b2ae35; x ^= x >> 16, each product modulo 2^32, formed in halves so no int64
+    overflows): the kernel's sr_bits does the same in int32."""
+    def mul(x, c):
+        return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & 0xFFFFFFFF
+
+    x = x ^ (x >> 16)
+    x = mul(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = mul(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def sr_key(step: int) -> int:
+    """The step's key for sr_e4m3 (fmix32 of the step count, as a signed int32 for the kernel's argument)."""
+    k = int(fmix32(torch.tensor([int(step) & 0xFFFFFFFF], dtype=torch.int64))[0])
+    return k - (1 << 32) if k >= 1 << 31 else k
+
+
+def sr_e4m3(y: torch.Tensor, key: int) -> torch.Tensor:
+    """fp32 y in [0, 448] rounded stochastically to E4M3's grid (fp32 values on it): down to the grid value
+    below or up to the one above, up with probability (y - below) / (above - below) to 2^-20, the 20 random bits
+    fmix32((bits(y) >> 8) ^ key)'s lowest: y's lowest 8 bits left out, so that two computations of y a few ulps
+    apart (torch's CPU ops against the kernel's) mostly draw the same bits. A normal y adds them below its 3 kept
+    mantissa bits and truncates; a subnormal one (below 2^-6) is moved up by 2^-6 first, where fp32's grid of 3
+    mantissa bits is E4M3's subnormal grid (2^-9), then back (exact)."""
+    sub = y < E4M3_MIN_NORMAL
+    z = torch.where(sub, y + E4M3_MIN_NORMAL, y)
+    bits = y.view(torch.int32).to(torch.int64) >> 8  # y >= 0: its top 23 bits
+    r = fmix32(bits ^ (key & 0xFFFFFFFF)) & 0xFFFFF
+    out = ((z.view(torch.int32).to(torch.int64) + r) & ~0xFFFFF).to(torch.int32).view(torch.float32)
+    return torch.where(sub, out - E4M3_MIN_NORMAL, out)
 
 
 class TABLE:
@@ -211,17 +317,18 @@ def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def load_moments(m_codes: torch.Tensor, m_scales: torch.Tensor, v_codes: torch.Tensor,
                  v_scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Adam's two moments in fp32 from their 8-bit form: the first moment's code, and the second moment's
-    square root's (v = s * s): held as its root, the second moment keeps the first's dynamic range squared
-    (down to 10^-16 of its block's largest), so no element's denominator is rounded to 0 while its first
-    moment is kept."""
+    """Adam's two moments in fp32 from their 8-bit form (either code): the first moment's code, and the second
+    moment's square root's (v = s * s): held as its root, the second moment keeps the first's dynamic range
+    squared (q8: down to 10^-16 of its block's largest), so no element's denominator is rounded to 0 while its
+    first moment is kept."""
     s = dequantize(v_codes, v_scales, False)
     return dequantize(m_codes, m_scales, True), s * s
 
 
 @torch.no_grad()
 def store_moments(m: torch.Tensor, v: torch.Tensor, m_codes: torch.Tensor, m_scales: torch.Tensor,
-                  v_codes: torch.Tensor, v_scales: torch.Tensor) -> None:
-    """load_moments' inverse: m (fp32) quantized signed, sqrt_rn(v) unsigned."""
+                  v_codes: torch.Tensor, v_scales: torch.Tensor, step: int = 0) -> None:
+    """load_moments' inverse: m (fp32) quantized signed, sqrt_rn(v) unsigned (fp8: rounded stochastically, its
+    random bits keyed by ``step``, the optimizer's step count)."""
     quantize_(m, m_codes, m_scales, True)
-    quantize_(sqrt_rn(v), v_codes, v_scales, False)
+    quantize_(sqrt_rn(v), v_codes, v_scales, False, sr_key(step))

@@ -43,8 +43,9 @@ class PretrainConfig(Config):
                 f"scheduler.warmup_steps={self.scheduler.warmup_steps} exceeds trainer.steps={self.trainer.steps}"
             )
         self.precision.check_gemm_widths(self.model.gemm_widths())
-        if self.optimizer.state_dtype == "q8" and self.precision.quantized_expert_copies:
-            raise ConfigError("optimizer.state_dtype=q8 with precision.quantized_expert_copies is not built (the "
+        if self.optimizer.state_dtype in ("q8", "fp8") and self.precision.quantized_expert_copies:
+            raise ConfigError(f"optimizer.state_dtype={self.optimizer.state_dtype} with "
+                              "precision.quantized_expert_copies is not built (the "
                               "optimizer's MX-pair kernel steps bf16 or fp32 moments): use "
                               "--optimizer.state_dtype=bf16, or drop quantized_expert_copies")
 

@@ -21,6 +21,9 @@ them in turn (the values drift a little; timing does not depend on them). Varian
                         rows of one 256-element block each: 512 = Q8_ROWS 2,
                         the default; plus 1/16 B of block scales)
     triton_q8_copy      triton_q8 + a bf16 copy of each updated weight         18 B/param
+    triton_fp8          triton_q8 in fp8's code (optimizer.state_dtype=fp8:   16 B/param
+                        E4M3 under a power of two a block; its tile as q8's)
+    triton_fp8_copy     triton_fp8 + a bf16 copy of each updated weight        18 B/param
     triton_bf16_split   triton_bf16_copy with the masters held split           20 B/param
                         (optimizer.split_master: the copy and an int16 rest
                         stepped in place of the fp32 master); runs last and at
@@ -67,6 +70,8 @@ VARIANTS = {  # name -> (bytes per parameter moved at least, what it sweeps: --b
     "triton_bf16_mxpair": (24, "tile"),  # adamw_update_mx_pair_'s own tile, not BLOCK
     "triton_q8": (16, "block"),  # --block / 256 rows a program (Q8_ROWS)
     "triton_q8_copy": (18, "block"),
+    "triton_fp8": (16, "block"),  # as triton_q8
+    "triton_fp8_copy": (18, "block"),
     "triton_bf16_split": (20, None),  # last, at the default BLOCK only: it frees the shared parameters' fp32 storage
     "norm_foreach": (4, None),  # the clipping norm alone (core.grad._sum_of_squares): read every gradient
     "norm_triton": (4, None),
@@ -131,10 +136,11 @@ def build(variant: str, groups: list[dict]):
         return torch.optim.AdamW(groups, fused=True, **kw)
     if variant == "torch_foreach_fp32":
         return torch.optim.AdamW(groups, foreach=True, **kw)
-    state_dtype = {"triton_fp32": torch.float32, "triton_q8": torch.uint8, "triton_q8_copy": torch.uint8}.get(
+    state_dtype = {"triton_fp32": torch.float32, "triton_q8": torch.uint8, "triton_q8_copy": torch.uint8,
+                   "triton_fp8": torch.float8_e4m3fn, "triton_fp8_copy": torch.float8_e4m3fn}.get(
         variant, torch.bfloat16)
     copies = None
-    if variant in ("triton_bf16_copy", "triton_bf16_mxpair", "triton_bf16_split", "triton_q8_copy"):
+    if variant in ("triton_bf16_copy", "triton_bf16_mxpair", "triton_bf16_split", "triton_q8_copy", "triton_fp8_copy"):
         copies = {p: torch.empty_like(p, dtype=torch.bfloat16) for g in groups for p in g["params"]}
     kernel = "foreach" if variant == "foreach_bf16" else "triton"
     split = variant == "triton_bf16_split"
@@ -232,7 +238,7 @@ def main(argv=None) -> int:
         settings = {"block": [(b, None) for b in blocks], "tile": [(t, o) for o in orders for t in tiles]}
         for setting, order in settings.get(sweeps, [(None, None)]):
             block = (setting or default_block) if sweeps == "block" else None
-            q8 = variant.startswith("triton_q8")
+            q8 = variant.startswith(("triton_q8", "triton_fp8"))  # 8-bit moments: the tile is rows of blocks
             q8_rows = max(1, setting // QBLOCK) if q8 and setting else default_q8_rows
             if q8:
                 block = q8_rows * QBLOCK

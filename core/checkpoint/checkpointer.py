@@ -600,6 +600,14 @@ class Checkpointer:
             if k in stored and isinstance(v, torch.Tensor) and hasattr(stored[k], "size")
             and tuple(stored[k].size) != tuple(v.shape)
         )
+        # DCP casts a stored tensor to the loading one's dtype: right between float widths (fp32 moments into
+        # bf16 ones), meaningless for codes (8-bit moments' uint8 / E4M3 codes and their scales, integers)
+        dtypes = sorted(
+            f"{k} (checkpoint {stored[k].properties.dtype}, now {v.dtype})"
+            for k, v in wanted.items()
+            if k in stored and isinstance(v, torch.Tensor) and hasattr(stored[k], "properties")
+            and _cast_changes_meaning(stored[k].properties.dtype, v.dtype)
+        )
         problems = []
         if missing:
             problems.append(f"keys missing from the checkpoint: {_few(missing)}")
@@ -607,12 +615,24 @@ class Checkpointer:
             problems.append(f"keys in the checkpoint that the model lacks: {_few(unexpected)}")
         if shapes:
             problems.append(f"shape mismatches: {_few(shapes)}")
+        if dtypes:
+            problems.append(f"dtype mismatches that a cast would not convert (codes saved under another "
+                            f"optimizer.state_dtype?): {_few(dtypes)}")
         if problems:
             raise CheckpointError(
                 f"checkpoint {path} does not match the model/optimizer/extras being loaded: "
                 + "; ".join(problems)
                 + "; load a checkpoint saved by the same model configuration (or convert it)"
             )
+
+
+def _cast_changes_meaning(stored: torch.dtype, now: torch.dtype) -> bool:
+    """Whether loading a tensor stored as ``stored`` into one of ``now`` (DCP casts) would not keep its values:
+    they differ and either is not a float of 16 bits or more (integers, bools, 8-bit codes)."""
+    def wide_float(d: torch.dtype) -> bool:
+        return d.is_floating_point and d.itemsize >= 2
+
+    return stored != now and not (wide_float(stored) and wide_float(now))
 
 
 def _invalid(path: str, problem: str) -> CheckpointError:

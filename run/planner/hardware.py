@@ -212,12 +212,13 @@ EAGER_ROPE_SAVED_BYTES = 134.0
 and cast back). Fitted to session 44's
 same-run eager pairs with the norm on (olmoe3-4l-8e 322.8 -> 306.7 ms, 336M roped elements a step, 139 B;
 OLMoE-8L 227.1 -> 203.4 ms, 537M, 129 B)."""
-STATE_BYTES = {"fp32": 8.0, "bf16": 4.0, "q8": 2.0 + 8.0 / 256}
+STATE_BYTES = {"fp32": 8.0, "bf16": 4.0, "q8": 2.0 + 8.0 / 256, "fp8": 2.0 + 2.0 / 256}
 """Adam moments' bytes per local parameter by optimizer.state_dtype: two fp32, two bf16, or two bytes and two
-fp32 scales a block of 256 (core/moments_q8.py; its 1-D parameters' fp32 moments, a few thousand elements a
-layer, not counted)."""
-OPTIMIZER_BYTES = {("fp32", "triton"): 32.0, ("bf16", "triton"): 24.0, ("q8", "triton"): 34.0,
-                   ("fp32", "torch"): 32.0 * 1.2, ("bf16", "torch"): 112.0, ("q8", "torch"): 600.0}
+scales a block of 256, fp32 (q8) or E8M0 bytes (fp8) (core/moments_q8.py; its 1-D parameters' fp32 moments, a
+few thousand elements a layer, not counted)."""
+OPTIMIZER_BYTES = {("fp32", "triton"): 32.0, ("bf16", "triton"): 24.0, ("q8", "triton"): 34.0, ("fp8", "triton"): 20.0,
+                   ("fp32", "torch"): 32.0 * 1.2, ("bf16", "torch"): 112.0, ("q8", "torch"): 600.0,
+                   ("fp8", "torch"): 600.0}
 """HBM bytes per local parameter per optimizer step, counted from the code, by (state_dtype, kernel):
 the Triton AdamW (optimizer.impl auto on GPUs, core/adamw_triton.py: reads p, g, m, v, writes p, m, v:
 28 fp32, 20 bf16; at GPU.stream_bps, which is fitted to it in a step) + the grad-norm pass (4); torch's
@@ -228,15 +229,17 @@ scales), but is bound by its instructions, not HBM: measured 1.50x bf16's time o
 an H100 (37.4 against 25.0 ms, session 59, tools/bench_optim.py), so it counts as 20 x 1.5 = 30 bytes at the
 streaming rate, + 4 [measured]; its torch reference (impl=torch, core.adamw._update_q8: the codes widened, decoded
 and encoded op by op, about 500 bytes an element on top of the fp32 foreach step's; assumed, not measured: it is
-the CPU's path, not meant for GPUs)."""
+the CPU's path, not meant for GPUs). fp8: the same kernel in fp8's code moves 16 + 4/256 bytes and codes them by
+the GPU's conversions (124 SASS instructions an element at 8 rows a program against bf16's 107, counted
+statically), so 16 + 4 [assumed: HBM-bound as bf16's, not yet measured]; its torch reference as q8's [assumed]."""
 RECOMPUTE_FORWARD = {"eager": 1.0 / 3.0, "compiled": 1.0 / 3.0}
 """Extra step time of a fully recomputed block, as a share of its forward + backward: the one extra
 forward (1/3, counted), eager and compiled. (Until 2026-12-01 compiled full recompute graph-broke
 and ran the block eagerly, so that day's 'compiled' full / every-2nd rows are eager rows; a 0.65
 fitted to them is gone with the fix. Not yet re-measured.)"""
-HOST_OPTIMIZER_BYTES = {"fp32": 88.0, "bf16": 112.0, "q8": 600.0}
+HOST_OPTIMIZER_BYTES = {"fp32": 88.0, "bf16": 112.0, "q8": 600.0, "fp8": 600.0}
 """Host bytes per parameter of the CPU optimizer step under fsdp_offload (torch's AdamW on CPU runs
-op by op: no fused kernel): counted from its ops as above (q8: assumed, as OPTIMIZER_BYTES' torch q8)."""
+op by op: no fused kernel): counted from its ops as above (q8, fp8: assumed, as OPTIMIZER_BYTES' torch q8)."""
 QUANT_BYTES = {"emulated": 32.0, "native": 8.0}
 """HBM bytes per element of a low-precision GEMM's input plus output, per training step of a token,
 at the datasheet HBM rate: the forward quantizes x along its reduction dim and again along the

@@ -152,7 +152,7 @@ def test_config_choices_and_errors():
     with pytest.raises(ConfigError, match=r"fp32 master weights, but some are \['torch.bfloat16'\]"):
         OptimizerConfig(state_dtype="bf16").build(_model(0).to(torch.bfloat16))
     with pytest.raises(ConfigError, match="state_dtype"):
-        OptimizerConfig().apply_overrides(["state_dtype=fp8"])
+        OptimizerConfig().apply_overrides(["state_dtype=fp16"])
 
 
 # ---- through the trainer -----------------------------------------------------------------
@@ -201,8 +201,10 @@ def data_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("corpus"))
 
 
-# the state dtypes each optimizer.state_dtype leaves (q8: 8-bit matrices' codes and fp32 scales, fp32 for 1-D)
-STATE_DTYPES = {"bf16": {"torch.bfloat16"}, "q8": {"torch.uint8", "torch.float32"}}
+# the state dtypes each optimizer.state_dtype leaves (q8: 8-bit matrices' codes and fp32 scales, fp32 for 1-D;
+# fp8: E4M3 codes and uint8 E8M0 scales, fp32 for 1-D)
+STATE_DTYPES = {"bf16": {"torch.bfloat16"}, "q8": {"torch.uint8", "torch.float32"},
+                "fp8": {"torch.float8_e4m3fn", "torch.uint8", "torch.float32"}}
 
 
 def test_tiny_moe_trains_with_low_precision_state_as_with_fp32(tmp_path, data_dir):

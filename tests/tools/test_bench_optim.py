@@ -36,18 +36,20 @@ def test_tiny_rows(tmp_path):
     assert [(r["variant"], r["block"]) for r in rows] == [
         ("torch_fused_fp32", None), ("torch_foreach_fp32", None), ("foreach_bf16", None),
         *((v, b) for v in ("triton_fp32", "triton_bf16", "triton_bf16_copy") for b in (4096, 16384)),
-        ("triton_bf16_mxpair", None), *((v, b) for v in ("triton_q8", "triton_q8_copy") for b in (4096, 16384)),
+        ("triton_bf16_mxpair", None),
+        *((v, b) for v in ("triton_q8", "triton_q8_copy", "triton_fp8", "triton_fp8_copy") for b in (4096, 16384)),
         ("norm_foreach", None), ("norm_triton", None), ("triton_bf16_split", None)]
-    assert [r["mx_tile"] for r in rows] == [None] * 9 + ["64x2"] + [None] * 7
-    assert [r["mx_order"] for r in rows] == [None] * 9 + ["cols-first"] + [None] * 7  # the kernel's default order
+    assert [r["mx_tile"] for r in rows] == [None] * 9 + ["64x2"] + [None] * 11
+    assert [r["mx_order"] for r in rows] == [None] * 9 + ["cols-first"] + [None] * 11  # the kernel's default order
     params = rows[0]["params"]
     assert params > 10_000 and all(r["params"] == params for r in rows)
     for r in rows:
         assert r["ms"] > 0 and r["gbps"] > 0
         assert abs(r["floor_ms"] - 1e3 * r["bytes_per_param"] * params / 4300e9) < 1e-9
         state_bytes = 0 if r["variant"].startswith("norm_") else 2 * params * (4 if r["variant"].endswith("fp32") else 2)
-        if r["variant"].startswith("triton_q8"):  # matrices: a byte an element and an fp32 scale a block of 256
-            state_bytes = sum(2 * math.prod(s) + 8 * math.prod(scale_shape(s)) if len(s) >= 2 else 8 * math.prod(s)
+        if r["variant"].startswith(("triton_q8", "triton_fp8")):  # matrices: a byte an element, a scale a block
+            scale = 8 if r["variant"].startswith("triton_q8") else 2  # two fp32 (q8) or two E8M0 bytes (fp8)
+            state_bytes = sum(2 * math.prod(s) + scale * math.prod(scale_shape(s)) if len(s) >= 2 else 8 * math.prod(s)
                               for _, s in bench_optim.param_shapes(True))  # 1-D: fp32 moments
         assert abs(r["state_gib"] * 2**30 - state_bytes) < 1, r
     assert report["env"]["tiny"] is True and "triton_bf16_copy" in proc.stdout

@@ -133,6 +133,11 @@ def test_q8_state_quarters_the_moments():
     assert r["optimizer_s"] > bf16["optimizer_s"]  # fewer bytes, more time: the measurement, not the count
     assert r["optimizer_s"] == pytest.approx(bf16["optimizer_s"] * (20 * 1.5 + 4) / 24)
     assert r["stages"][0]["peak_gib"] < bf16["stages"][0]["peak_gib"]
+    # fp8's code: the same bytes of moments with byte scales, its pass counted at its bytes (assumed HBM-bound)
+    p.optimizer = OptimizerConfig(state_dtype="fp8")
+    f = planner.plan(p)
+    assert f["stages"][0]["optimizer_gib"] * GiB == pytest.approx((2 + 2 / 256) * n) and f["state_dtype"] == "fp8"
+    assert f["optimizer_s"] == pytest.approx(bf16["optimizer_s"] * (16 + 4) / 24)
 
 
 def test_fsdp_offload_moves_params_grads_state_to_the_host_and_adds_copies():
