@@ -36,7 +36,7 @@ from .precision.mx_triton import (HW_CONVERT, abs_bits, exp2_int, lean_block_sca
 from .moments_q8 import CODE_DTYPES, FP8, QBLOCK, TABLE, kernel_tables, scale_dtype, scale_shape, sr_key
 from .triton_round import load_fp32, round_to_bf16, store_rounded
 
-__all__ = ["BLOCK", "MX_PAIR_TILE_COLS", "MX_PAIR_WARPS", "Q8_ROWS", "Q8_WARPS", "adamw_update_",
+__all__ = ["BLOCK", "FP8_ROWS", "MX_PAIR_TILE_COLS", "MX_PAIR_WARPS", "Q8_ROWS", "Q8_WARPS", "adamw_update_",
            "adamw_update_mx_pair_", "adamw_update_q8_", "adamw_update_split_", "fmix32", "q8_encode", "sr_e4m3"]
 
 BLOCK = 1024
@@ -422,8 +422,12 @@ read at each call (tools/bench_optim.py --block sweeps it as Q8_ROWS x 256). Com
 213 at 16. On an H100 (session 59, tools/bench_optim.py, 3.77B parameters, 4 warps) 2 rows 37.4 ms, 4 rows 38.1, 8
 rows 46.6, against bf16 moments' 25.0: 2 is the fastest measured, and the kernel is bound by its instructions, not
 by HBM (183 SASS instructions an element a thread at 4 rows against bf16's 107, counted statically). fp8's code
-(session 60, the same split form, counted statically): 184 instructions an element at 2 rows, 140 at 4 (64
-registers), 124 at 8 (115), 117 at 16 (206); not yet timed on a GPU, so its rows are q8's until measured."""
+(session 60, the same split form, counted statically): its own FP8_ROWS."""
+FP8_ROWS = 4
+"""Q8_ROWS for fp8's code (optimizer.state_dtype=fp8), read at each call (tools/bench_optim.py --block sweeps it for
+the triton_fp8 rows). Compiled for SM90 on the CPU (session 60, the split form): 184 SASS instructions an element a
+thread at 2 rows, 140 at 4 (64 registers), 124 at 8 (115), 117 at 16 (206). 4: q8's register count at its fastest
+measured tiles with fewer instructions than 2 rows; chosen from that count, **not yet timed on a GPU**."""
 Q8_WARPS = 4
 """Warps per program of adamw_update_q8_, read at each call (a tile's rows share them)."""
 
@@ -464,10 +468,10 @@ def adamw_update_q8_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     if R == 0 or C == 0:
         return
     nb = triton.cdiv(C, QBLOCK)
-    tr = Q8_ROWS
+    fp8 = exp_avg.dtype == FP8
+    tr = FP8_ROWS if fp8 else Q8_ROWS
     grid = (triton.cdiv(R, tr) * nb,)
     out = lo if split else (p if out_bf16 is None else out_bf16)
-    fp8 = exp_avg.dtype == FP8
     _adamw_q8_kernel[grid](
         p.view(torch.int16) if split else p, grad, exp_avg, exp_avg_sq, exp_avg_scales, exp_avg_sq_scales, out,
         p if grad_scale is None else grad_scale, exp_avg_scales if fp8 else kernel_tables(p.device), R, C, nb,

@@ -44,9 +44,10 @@ class StateDtype(StrEnum):
     """Adam moments in 8 bits as E4M3 under a power-of-two scale a block of 256 (core.moments_q8's fp8 code: the
     first moment, the second moment's root floored at E4M3's smallest subnormal), fp32 master weights and
     update math, the parameter updated from the unrounded moments. The same 2 bytes a parameter as q8 (its
-    scales 1 byte a block), coded and decoded by the GPU's conversion instructions. A moment is within 6.25% of
-    its value down to 2^-6 of its block's scale, coarser than q8 near a block's largest, finer far below it. Not
-    with precision.quantized_expert_copies."""
+    scales 1 byte a block), coded and decoded by the GPU's conversion instructions. The first moment is within
+    6.25% of its value down to 2^-6 of its block's scale (coarser than q8 near a block's largest, finer far below
+    it); the root within one E4M3 step (12.5%) a step, unbiased. Not with precision.quantized_expert_copies. Its
+    kernel's time is not yet measured on a GPU."""
 
 
 class OptimizerImpl(StrEnum):

@@ -22,7 +22,8 @@ them in turn (the values drift a little; timing does not depend on them). Varian
                         the default; plus 1/16 B of block scales)
     triton_q8_copy      triton_q8 + a bf16 copy of each updated weight         18 B/param
     triton_fp8          triton_q8 in fp8's code (optimizer.state_dtype=fp8:   16 B/param
-                        E4M3 under a power of two a block; its tile as q8's)
+                        E4M3 under a power of two a block; its tile is --block
+                        / 256 rows too: 1024 = FP8_ROWS 4, the default)
     triton_fp8_copy     triton_fp8 + a bf16 copy of each updated weight        18 B/param
     triton_bf16_split   triton_bf16_copy with the masters held split           20 B/param
                         (optimizer.split_master: the copy and an int16 rest
@@ -229,7 +230,8 @@ def main(argv=None) -> int:
     from moetron.core.moments_q8 import QBLOCK
     from moetron.core.precision import mx_triton
 
-    default_block, default_q8_rows = kernel_module.BLOCK, kernel_module.Q8_ROWS
+    default_block = kernel_module.BLOCK
+    default_rows = {"q8": kernel_module.Q8_ROWS, "fp8": kernel_module.FP8_ROWS}  # 8-bit moments' tiles by code
     default_tile = (kernel_module.MX_PAIR_TILE_COLS, kernel_module.MX_PAIR_WARPS)
     default_order = mx_triton.GRID_COLS_FIRST
     rows = []
@@ -238,8 +240,9 @@ def main(argv=None) -> int:
         settings = {"block": [(b, None) for b in blocks], "tile": [(t, o) for o in orders for t in tiles]}
         for setting, order in settings.get(sweeps, [(None, None)]):
             block = (setting or default_block) if sweeps == "block" else None
-            q8 = variant.startswith(("triton_q8", "triton_fp8"))  # 8-bit moments: the tile is rows of blocks
-            q8_rows = max(1, setting // QBLOCK) if q8 and setting else default_q8_rows
+            code = {"triton_q8": "q8", "triton_fp8": "fp8"}.get(variant.removesuffix("_copy"))
+            q8 = code is not None  # 8-bit moments: the tile is rows of blocks (Q8_ROWS / FP8_ROWS)
+            q8_rows = max(1, setting // QBLOCK) if q8 and setting else default_rows.get(code)
             if q8:
                 block = q8_rows * QBLOCK
             tile = (setting or default_tile) if sweeps == "tile" else None
@@ -249,7 +252,8 @@ def main(argv=None) -> int:
                    "params": numel, "tensors": len(params), "bytes_per_param": bytes_per_param}
             opt = None
             kernel_module.BLOCK = (None if q8 else block) or default_block  # read by every launch
-            kernel_module.Q8_ROWS = q8_rows
+            kernel_module.Q8_ROWS = q8_rows if code == "q8" else default_rows["q8"]
+            kernel_module.FP8_ROWS = q8_rows if code == "fp8" else default_rows["fp8"]
             kernel_module.MX_PAIR_TILE_COLS, kernel_module.MX_PAIR_WARPS = tile or default_tile
             mx_triton.GRID_COLS_FIRST = cols_first
             try:
@@ -263,7 +267,8 @@ def main(argv=None) -> int:
             except Exception as e:  # e.g. a swept tile that does not compile: the other rows still run
                 row["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
             finally:
-                kernel_module.BLOCK, kernel_module.Q8_ROWS = default_block, default_q8_rows
+                kernel_module.BLOCK = default_block
+                kernel_module.Q8_ROWS, kernel_module.FP8_ROWS = default_rows["q8"], default_rows["fp8"]
                 kernel_module.MX_PAIR_TILE_COLS, kernel_module.MX_PAIR_WARPS = default_tile
                 mx_triton.GRID_COLS_FIRST = default_order
             rows.append(row)

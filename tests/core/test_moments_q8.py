@@ -585,7 +585,8 @@ def test_q8_kernel_compiles_for_sm90_without_spills():
                       **scalars)
         compiled = _compile_sm90(K._adamw_q8_kernel, triton.Config({}, num_warps=4, num_stages=1), values,
                                  dict(GRAD_BF16=split, LERP_SMALL=True, WRITE_OUT=not split, GRAD_SCALE=split,
-                                      SPLIT=split, TR=K.Q8_ROWS, QB=QBLOCK, FP8=fp8, HW=True))
+                                      SPLIT=split, TR=K.FP8_ROWS if fp8 else K.Q8_ROWS, QB=QBLOCK, FP8=fp8,
+                                      HW=True))
         assert_no_spills(compiled, f"_adamw_q8_kernel fp8={fp8} split={split}")
         regs = _registers(compiled)
         assert regs is None or regs <= 128, (fp8, split, regs)

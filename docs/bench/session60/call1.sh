@@ -5,8 +5,8 @@
 #    of two a block, the first moment to nearest, the second's root floored and rounded stochastically, and in q8's,
 #    against the torch reference bit for bit; the optimizer's Triton path against its foreach path);
 # 2. tools/bench_optim.py over OLMoE-8L's 3.77B parameters, with bf16 copies: bf16 moments (BLOCK 512..4096), q8 and
-#    fp8 at 2, 4, 8 and 16 rows a program (--block 512..4096; the default Q8_ROWS, 2, is q8's measured best and
-#    fp8's too until this measures it); the split-master bf16 row (SHE's form) last;
+#    fp8 at 2, 4, 8 and 16 rows a program (--block 512..4096; the defaults: Q8_ROWS 2, q8's measured best, and
+#    FP8_ROWS 4, chosen from static instruction and register counts); the split-master bf16 row (SHE's form) last;
 # 3. #13's pairs under nvidia-smi dmon: olmoe3-4l-8e best + SHE with and without optimizer.state_dtype=fp8, then
 #    torchtitan 0.3.0; the same on OLMoE-8L.
 # Run from the repo root with .peers carried: bash docs/bench/session60/call1.sh (about 520 s fresh).
