@@ -368,6 +368,7 @@ def _q8_store(codes_ptr, scales_ptr, tab_ptr, x, offs, soffs, mask, rmask, key, 
     else:
         a = tl.where(mask, tl.abs(x), 0.0)
         amax = tl.max(a, axis=1)
+        amax = tl.where(amax >= 1.1754943508222875e-38, amax, 0.0)  # core.moments_q8.FP32_MIN_NORMAL: zeros
         inv = tl.where(amax > 0, tl.div_rn(tl.full(amax.shape, 1.0, tl.float32), amax), 0.0)
         c = q8_encode(a * inv[:, None], tab_ptr, ENC)
         if SIGNED:

@@ -77,6 +77,8 @@ FP8_ROOT_FLOOR = 2.0**-9
 """The least value a positive second moment's root is stored as, in units of its block's scale: E4M3's smallest
 subnormal (the module docstring)."""
 E4M3_MIN_NORMAL = 2.0**-6
+FP32_MIN_NORMAL = 2.0**-126
+"""q8: a block whose largest magnitude is below this is stored as zeros (quantize_)."""
 
 INV_09 = 1 / 0.9
 """The encoding's 1 / 0.9 (rounded to fp32 where used, in both implementations)."""
@@ -191,6 +193,9 @@ def quantize_(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, signed
         return
     b = _blocks(x.float())
     amax = b.abs().amax(-1)
+    # a block below fp32's smallest normal is stored as zeros: 1 / amax would overflow (a moment decaying for
+    # hundreds of steps without gradient, an unseen token's embedding row, gets there), and 0 * inf is NaN
+    amax = torch.where(amax >= FP32_MIN_NORMAL, amax, 0.0)
     inv = torch.where(amax > 0, 1.0 / amax, 0.0)  # fp32 division, IEEE
     c = encode(b.abs() * inv[..., None], levels)
     if signed:

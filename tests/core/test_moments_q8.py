@@ -113,6 +113,24 @@ def test_zero_and_tiny_blocks():
     assert dequantize(c0, s0, False).item() == 3.0
 
 
+@pytest.mark.parametrize("code", CODE_DTYPES)
+def test_blocks_below_fp32s_normals(code):
+    """A block whose largest magnitude is subnormal in fp32 (a moment decayed for hundreds of steps without
+    gradient): no NaN, no crash, zeros stay zero, nothing grows; q8 stores such a block as zeros (1 / amax would
+    overflow), fp8 keeps it under its least scale, 2^-127."""
+    x = torch.zeros(3, 300)
+    x[0, :5], x[1, :3], x[2, 7] = 1e-39, -3e-41, 2.0**-126  # subnormal blocks; the smallest normal amax
+    for signed in (True, False):
+        xx = x if signed else x.abs()
+        codes, scales = torch.empty(x.shape, dtype=code), torch.empty(scale_shape(x.shape), dtype=scale_dtype(code))
+        quantize_(xx, codes, scales, signed, sr_key(1))
+        got = dequantize(codes, scales, signed)
+        assert not torch.isnan(got).any() and torch.all(got[xx == 0] == 0) and torch.all(got.abs() <= xx.abs().amax())
+        assert got[2, 7] == xx[2, 7]  # a normal amax: kept exactly (q8's largest code is 1, fp8's 2^-126 on E4M3's grid)
+        if code == torch.uint8:
+            assert torch.all(got[:2] == 0)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # fp8's code
 
@@ -285,6 +303,13 @@ def check_kernel(device: str) -> None:
             p = torch.randn(shape, generator=gen).to(device)
             mine = [torch.zeros(shape, dtype=code, device=device) for _ in range(2)]
             mine += [torch.zeros(scale_shape(shape), dtype=scale_dtype(code), device=device) for _ in range(2)]
+            # row 0: a first moment at fp32's smallest normals and no gradient: decayed, it falls below them
+            # (q8 then stores zeros; fp8 keeps it under its least scale)
+            tiny = shape == (7, 300)
+            if tiny:
+                m0 = torch.randn(shape, generator=gen)
+                m0[0] = (1 + 0.1 * torch.rand(shape[1], generator=gen)) * 2.0**-126
+                store_moments(m0.to(device), (m0 * m0).to(device), *mine[::2], *mine[1::2], 1)
             ref = [t.clone() for t in mine]
             ref_p, copy = p.clone(), torch.empty(shape, dtype=torch.bfloat16, device=device)
             hi, lo = torch.empty(shape, dtype=torch.bfloat16, device=device), torch.empty(shape, dtype=torch.int16,
@@ -293,7 +318,9 @@ def check_kernel(device: str) -> None:
                 split_fp32(p, hi, lo)
                 ref_p = join_fp32(hi, lo, torch.empty(shape, device=device))
             for step in range(1, 5):
-                g = (torch.randn(shape, generator=gen) * 10.0 ** (step - 3)).to(device, grad_dtype)
+                g = torch.randn(shape, generator=gen) * 10.0 ** (step - 3)
+                g[:1] *= 0 if tiny else 1
+                g = g.to(device, grad_dtype)
                 scale = torch.tensor(0.5, device=device) if clip else None
                 if split:
                     adamw_update_q8_(hi, g, *mine, lo=lo, step=step, grad_scale=scale, **hyper)
