@@ -126,7 +126,7 @@ def test_blocks_below_fp32s_normals(code):
         quantize_(xx, codes, scales, signed, sr_key(1))
         got = dequantize(codes, scales, signed)
         assert not torch.isnan(got).any() and torch.all(got[xx == 0] == 0) and torch.all(got.abs() <= xx.abs().amax())
-        assert got[2, 7] == xx[2, 7]  # a normal amax: kept exactly (q8's largest code is 1, fp8's 2^-126 on E4M3's grid)
+        assert got[2, 7] == xx[2, 7]  # a normal amax kept exactly: q8's largest code is 1, fp8's 2^-126 on E4M3's grid
         if code == torch.uint8:
             assert torch.all(got[:2] == 0)
 
