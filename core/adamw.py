@@ -73,8 +73,7 @@ def _scales_like(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return scales
     if any(getattr(pl, "dim", None) in (p.dim() - 1, -1) for pl in p.placements):
         raise ValueError(f"8-bit moments (optimizer.state_dtype=q8 / fp8) keep a scale a block of the last dim, and "
-                         f"this "
-                         f"parameter {tuple(p.shape)} is sharded on its last dim ({p.placements}): shard another "
+                         f"this parameter {tuple(p.shape)} is sharded on its last dim ({p.placements}): shard another "
                          f"dim or use optimizer.state_dtype=bf16")
     shape = scale_shape(p.shape)
     return DTensor.from_local(scales, p.device_mesh, p.placements, run_check=False, shape=torch.Size(shape),
@@ -151,18 +150,12 @@ def triton_usable(device: torch.device) -> str | None:
     return None
 
 
-_CODES = {torch.uint8: "8-bit (q8)", torch.float8_e4m3fn: "8-bit (fp8)"}
-
-
-def _code(dtype: torch.dtype) -> str | None:
-    """Which 8-bit code moments of ``dtype`` are held in, None for float moments (which load into each other:
-    torch casts them)."""
-    return _CODES.get(dtype)
-
-
 def _moments_name(dtype: torch.dtype) -> str:
-    """Moments of ``dtype`` as load_state_dict's error names them."""
-    return _CODES.get(dtype, str(dtype))
+    """Moments of ``dtype`` as load_state_dict's error names them: 8-bit codes by their state_dtype; float moments
+    by their dtype (they load into each other: torch casts them)."""
+    from .moments_q8 import CODE_NAMES
+
+    return f"8-bit ({CODE_NAMES[dtype]})" if dtype in CODE_NAMES else str(dtype)
 
 
 class PrecisionAwareAdamW(torch.optim.Optimizer):
@@ -189,10 +182,12 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             raise ValueError(f"chunk_numel must be >= 1, got {chunk_numel}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.state_dtype, self.chunk_numel, self.kernel = state_dtype, chunk_numel, AdamWKernel(kernel)
-        if state_dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.uint8, torch.float8_e4m3fn):
+        from .moments_q8 import CODE_DTYPES
+
+        if state_dtype not in (torch.float32, torch.float64, torch.bfloat16, *CODE_DTYPES):
             raise ValueError(f"state_dtype must be fp32, fp64, bf16, uint8 or float8_e4m3fn (8-bit moments: q8, "
                              f"fp8), got {state_dtype}")
-        self.eight_bit = state_dtype in (torch.uint8, torch.float8_e4m3fn)  # core.moments_q8.CODE_DTYPES
+        self.eight_bit = state_dtype in CODE_DTYPES
         self._float_state = torch.float32 if self.eight_bit else state_dtype  # all moments but the 8-bit ones
         params = [p for group in self.param_groups for p in group["params"]]
         for p in params:
@@ -317,17 +312,17 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         if not state:
             # step on the CPU as torch's non-fused AdamW keeps it: bias corrections are host floats.
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            dtype = self.state_dtype if self._held_q8(p) else self._float_state
+            dtype = self.state_dtype if self._held_8bit(p) else self._float_state
             state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
-            if self._held_q8(p):
+            if self._held_8bit(p):
                 from .moments_q8 import scale_dtype
 
                 state["exp_avg_scales"] = _scales_like(p, scale_dtype(dtype))
                 state["exp_avg_sq_scales"] = _scales_like(p, scale_dtype(dtype))
         return state
 
-    def _held_q8(self, p: torch.Tensor) -> bool:
+    def _held_8bit(self, p: torch.Tensor) -> bool:
         """Whether ``p``'s moments are held in 8 bits: with 8-bit moments, those of parameters of 2+ dims."""
         return self.eight_bit and p.dim() >= 2
 
@@ -335,20 +330,21 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         # torch casts every floating-point state to its parameter's dtype on load; the moments go
         # back to state_dtype (bf16 -> fp32 -> bf16 is exact, so a resume is bit-exact). 8-bit moments load
         # only into 8-bit moments of the same code, and only they do.
-        from .moments_q8 import scale_dtype
+        from .moments_q8 import CODE_DTYPES, scale_dtype
 
         params = {i: p for saved, group in zip(state_dict["param_groups"], self.param_groups)
                   for i, p in zip(saved["params"], group["params"])}
         for i, state in state_dict["state"].items():
             held, p = state.get("exp_avg"), params.get(i)
-            keeps = self.state_dtype if p is not None and self._held_q8(p) else self._float_state
-            if held is not None and p is not None and _code(held.dtype) != _code(keeps):
+            keeps = self.state_dtype if p is not None and self._held_8bit(p) else self._float_state
+            if held is not None and p is not None and held.dtype != keeps and (
+                    held.dtype in CODE_DTYPES or keeps in CODE_DTYPES):
                 raise ValueError(f"this optimizer state holds {_moments_name(held.dtype)} moments for a parameter of "
                                  f"shape {tuple(p.shape)}, for which this optimizer keeps {_moments_name(keeps)} ones: "
                                  f"resume with the optimizer.state_dtype it was saved with")
         super().load_state_dict(state_dict)
         for p, state in self.state.items():
-            if self._held_q8(p):  # torch cast the codes to the parameter's dtype too: back to bytes (exact)
+            if self._held_8bit(p):  # torch cast the codes to the parameter's dtype too: back to bytes (exact)
                 scales = scale_dtype(self.state_dtype)
                 for key, dtype in (("exp_avg", self.state_dtype), ("exp_avg_sq", self.state_dtype),
                                    ("exp_avg_scales", scales), ("exp_avg_sq_scales", scales)):
@@ -551,7 +547,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                                    f"(the foreach path needs them equal; the Triton kernel takes bf16 gradients)")
         for row in rows:
             if row.scales is not None:
-                self._update_q8(row, hyper)
+                self._update_8bit(row, hyper)
         for chunk in self._chunks([row[:5] for row in rows if row.scales is None]):
             self._update(chunk, **hyper)
         with_copies = [row for row in rows if row.copy is not None]
@@ -572,7 +568,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
                 data, scale = quantize_mx(w, MX_BLOCK, axis, mode)
                 out.copy_(dequantize_mx(data, scale, MX_BLOCK, axis))
 
-    def _update_q8(self, row: _Row, hyper: dict[str, float]) -> None:
+    def _update_8bit(self, row: _Row, hyper: dict[str, float]) -> None:
         """One AdamW update of a parameter with 8-bit moments, the torch reference of adamw_update_q8_: a
         block of whole rows (about chunk_numel elements, at least one row) at a time, its moments widened to
         fp32 (core.moments_q8.load_moments), updated with the parameter by _update, and quantized back

@@ -475,7 +475,8 @@ def adamw_update_q8_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     out = lo if split else (p if out_bf16 is None else out_bf16)
     _adamw_q8_kernel[grid](
         p.view(torch.int16) if split else p, grad, exp_avg, exp_avg_sq, exp_avg_scales, exp_avg_sq_scales, out,
-        p if grad_scale is None else grad_scale, exp_avg_scales if fp8 else kernel_tables(p.device), R, C, nb,
+        p if grad_scale is None else grad_scale,
+        exp_avg_scales if fp8 else kernel_tables(p.device), R, C, nb,  # fp8 reads no table: any pointer
         *args, sr_key(step) if fp8 else 0, GRAD_BF16=grad.dtype == torch.bfloat16, LERP_SMALL=abs(args[1]) < 0.5,
         WRITE_OUT=out_bf16 is not None,
         GRAD_SCALE=grad_scale is not None, SPLIT=split, TR=tr, QB=QBLOCK, FP8=fp8, HW=HW_CONVERT,

@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["CODE_DTYPES", "FP8", "FP8_ROOT_FLOOR", "LEVELS_SIGNED", "LEVELS_UNSIGNED", "QBLOCK", "TABLE", "codebook",
+__all__ = ["CODE_DTYPES", "CODE_NAMES", "FP8", "FP8_ROOT_FLOOR", "LEVELS_SIGNED", "LEVELS_UNSIGNED", "QBLOCK", "TABLE", "codebook",
            "decode", "dequantize", "encode", "fmix32", "kernel_tables", "load_moments", "quantize_", "scale_dtype",
            "scale_shape", "sqrt_rn", "sr_e4m3", "sr_key", "store_moments"]
 
@@ -71,8 +71,9 @@ LEVELS_UNSIGNED = 8
 
 FP8 = torch.float8_e4m3fn
 """The codes' dtype of optimizer.state_dtype=fp8 (q8's are torch.uint8)."""
-CODE_DTYPES = (torch.uint8, FP8)
-"""The dtypes of 8-bit moments' codes: q8's, fp8's."""
+CODE_NAMES = {torch.uint8: "q8", FP8: "fp8"}
+"""The dtypes of 8-bit moments' codes, by the optimizer.state_dtype that holds them."""
+CODE_DTYPES = tuple(CODE_NAMES)
 FP8_ROOT_FLOOR = 2.0**-9
 """The least value a positive second moment's root is stored as, in units of its block's scale: E4M3's smallest
 subnormal (the module docstring)."""

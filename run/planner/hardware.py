@@ -227,7 +227,7 @@ foreach ops (impl=torch, bf16: upcast m and v to fp32, decay, lerp, mul, addcmul
 div, add, addcdiv: 108) + 4. q8: the Triton kernel moves 16 + 16/256 bytes (p, g, the moments' bytes and
 scales), but is bound by its instructions, not HBM: measured 1.50x bf16's time over OLMoE-8L's 3.77B parameters on
 an H100 (37.4 against 25.0 ms, session 59, tools/bench_optim.py), so it counts as 20 x 1.5 = 30 bytes at the
-streaming rate, + 4 [measured]; its torch reference (impl=torch, core.adamw._update_q8: the codes widened, decoded
+streaming rate, + 4 [measured]; its torch reference (impl=torch, core.adamw._update_8bit: the codes widened, decoded
 and encoded op by op, about 500 bytes an element on top of the fp32 foreach step's; assumed, not measured: it is
 the CPU's path, not meant for GPUs). fp8: the same kernel in fp8's code moves 16 + 4/256 bytes and codes them by
 the GPU's conversions (124 SASS instructions an element at 8 rows a program against bf16's 107, counted
