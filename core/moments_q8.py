@@ -58,9 +58,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["CODE_DTYPES", "CODE_NAMES", "FP8", "FP8_ROOT_FLOOR", "LEVELS_SIGNED", "LEVELS_UNSIGNED", "QBLOCK", "TABLE", "codebook",
-           "decode", "dequantize", "encode", "fmix32", "kernel_tables", "load_moments", "quantize_", "scale_dtype",
-           "scale_shape", "sqrt_rn", "sr_e4m3", "sr_key", "store_moments"]
+__all__ = ["CODE_DTYPES", "CODE_NAMES", "FP8", "FP8_ROOT_FLOOR", "LEVELS_SIGNED", "LEVELS_UNSIGNED", "QBLOCK",
+           "TABLE", "codebook", "decode", "dequantize", "encode", "fmix32", "kernel_tables", "load_moments",
+           "quantize_", "scale_dtype", "scale_shape", "sqrt_rn", "sr_e4m3", "sr_key", "store_moments"]
 
 QBLOCK = 256
 """Elements of one quantization block along the last dim (the paper's block size for its optimizers)."""
