@@ -249,7 +249,7 @@ def _quantize_fp8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, si
 def fmix32(x: torch.Tensor) -> torch.Tensor:
     """murmur3's 32-bit finalizer of int64 tensors holding uint32 values (x ^= x >> 16; x *= 0x85ebca6b;
     x ^= x >> 13; x *= 0xc2b2ae35; x ^= x >> 16, each product modulo 2^32, formed in halves so no int64
-    overflows): the kernel's sr_bits does the same in int32."""
+    overflows): core.adamw_triton's fmix32 does the same in int32."""
     def mul(x, c):
         return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & 0xFFFFFFFF
 
