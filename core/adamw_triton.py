@@ -426,9 +426,10 @@ by HBM (183 SASS instructions an element a thread at 4 rows against bf16's 107, 
 (session 60, the same split form, counted statically): its own FP8_ROWS."""
 FP8_ROWS = 4
 """Q8_ROWS for fp8's code (optimizer.state_dtype=fp8), read at each call (tools/bench_optim.py --block sweeps it for
-the triton_fp8 rows). Compiled for SM90 on the CPU (session 60, the split form): 184 SASS instructions an element a
-thread at 2 rows, 140 at 4 (64 registers), 124 at 8 (115), 117 at 16 (206). 4: q8's register count at its fastest
-measured tiles with fewer instructions than 2 rows; chosen from that count, **not yet timed on a GPU**."""
+the triton_fp8 rows). Compiled for SM90 on the CPU (session 60, the split form, docs/bench/session60/sass_count.py):
+184 SASS instructions an element a thread at 2 rows (47 registers), 140 at 4 (63), 124 at 8 (115), 117 at 16
+(206). 4: about q8's registers at its fastest measured tiles, with fewer instructions than 2 rows; chosen from those
+counts, **not yet timed on a GPU**."""
 Q8_WARPS = 4
 """Warps per program of adamw_update_q8_, read at each call (a tile's rows share them)."""
 

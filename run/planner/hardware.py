@@ -230,8 +230,9 @@ an H100 (37.4 against 25.0 ms, session 59, tools/bench_optim.py), so it counts a
 streaming rate, + 4 [measured]; its torch reference (impl=torch, core.adamw._update_8bit: the codes widened, decoded
 and encoded op by op, about 500 bytes an element on top of the fp32 foreach step's; assumed, not measured: it is
 the CPU's path, not meant for GPUs). fp8: the same kernel in fp8's code moves 16 + 4/256 bytes and codes them by
-the GPU's conversions (124 SASS instructions an element at 8 rows a program against bf16's 107, counted
-statically), so 16 + 4 [assumed: HBM-bound as bf16's, not yet measured]; its torch reference as q8's [assumed]."""
+the GPU's conversions (140 SASS instructions an element at its 4 rows a program against bf16's 107, counted
+statically, docs/bench/session60/sass_count.py), so 16 + 4 [assumed: HBM-bound as bf16's, not yet measured]; its
+torch reference as q8's [assumed]."""
 RECOMPUTE_FORWARD = {"eager": 1.0 / 3.0, "compiled": 1.0 / 3.0}
 """Extra step time of a fully recomputed block, as a share of its forward + backward: the one extra
 forward (1/3, counted), eager and compiled. (Until 2026-12-01 compiled full recompute graph-broke

@@ -456,10 +456,11 @@ def _ptxas_spills(ptx: str) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def _compile_sm90(kernel, config, values: dict, constexprs: dict, gluon: bool = False):
+def _compile_sm90(kernel, config, values: dict, constexprs: dict, gluon: bool = False, options: dict | None = None):
     """triton.compile of an autotuned kernel's jit function (or, ``gluon``, a Gluon kernel) for SM90
     with ``config``, the arguments specialized as a launch would (pointers and ints divisible by 16
-    marked so, ints equal to 1 made constexpr): no GPU needed."""
+    marked so, ints equal to 1 made constexpr): no GPU needed. ``options``: more compile options (a launch's
+    enable_fp_fusion=False)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -486,7 +487,7 @@ def _compile_sm90(kernel, config, values: dict, constexprs: dict, gluon: bool = 
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
+                          options=dict(num_warps=config.num_warps, num_stages=config.num_stages, **(options or {})))
 
 
 def assert_no_spills(compiled, what: str) -> None:
