@@ -246,10 +246,10 @@ def _quantize_fp8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, si
     scales.view(-1).copy_(code.reshape(-1))
 
 
-def fmix32(x: torch.Tensor) -> torch.Tensor:
-    """murmur3's 32-bit finalizer of int64 tensors holding uint32 values (x ^= x >> 16; x *= 0x85ebca6b;
-    x ^= x >> 13; x *= 0xc2b2ae35; x ^= x >> 16, each product modulo 2^32, formed in halves so no int64
-    overflows): core.adamw_triton's fmix32 does the same in int32."""
+def fmix32(x):
+    """murmur3's 32-bit finalizer of uint32 values, as int64 tensors or Python ints (x ^= x >> 16;
+    x *= 0x85ebca6b; x ^= x >> 13; x *= 0xc2b2ae35; x ^= x >> 16, each product modulo 2^32, formed in halves so
+    no int64 overflows): core.adamw_triton's fmix32 does the same in int32."""
     def mul(x, c):
         return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & 0xFFFFFFFF
 
@@ -261,8 +261,9 @@ def fmix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def sr_key(step: int) -> int:
-    """The step's key for sr_e4m3 (fmix32 of the step count, as a signed int32 for the kernel's argument)."""
-    k = int(fmix32(torch.tensor([int(step) & 0xFFFFFFFF], dtype=torch.int64))[0])
+    """The step's key for sr_e4m3 (fmix32 of the step count, as a signed int32 for the kernel's argument), in
+    Python integers: the optimizer asks for it every step for every parameter, so no tensor ops on the host."""
+    k = fmix32(int(step) & 0xFFFFFFFF)
     return k - (1 << 32) if k >= 1 << 31 else k
 
 
