@@ -33,7 +33,8 @@ import triton.language as tl
 from .precision import mx_triton
 from .precision.mx_triton import (HW_CONVERT, abs_bits, exp2_int, lean_block_scale, lean_qdq, lean_rows_qdq,
                                    store_bf16, tile_grid, tile_ids, to_e4m3, widen)
-from .moments_q8 import CODE_DTYPES, FP8, QBLOCK, TABLE, kernel_tables, scale_dtype, scale_shape, sr_key
+from .moments_q8 import (CODE_DTYPES, E4M3_MIN_NORMAL, FP8, FP8_ROOT_FLOOR, FP32_MIN_NORMAL, QBLOCK, TABLE,
+                         kernel_tables, scale_dtype, scale_shape, sr_key)
 from .triton_round import load_fp32, round_to_bf16, store_rounded
 
 __all__ = ["BLOCK", "FP8_ROWS", "MX_PAIR_TILE_COLS", "MX_PAIR_WARPS", "Q8_ROWS", "Q8_WARPS", "adamw_update_",
@@ -412,9 +413,11 @@ def _adamw_q8_kernel(p_ptr, g_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, out_ptr, scale_
               HW)  # TABLE.ENC_V
 
 
-# the offsets _adamw_q8_kernel and q8_encode write as literals
+# the offsets and constants _adamw_q8_kernel, q8_encode and sr_e4m3 write as literals
 assert (TABLE.DEC_M, TABLE.DEC_V, TABLE.ENC_M, TABLE.ENC_V, TABLE.COUNT, TABLE.NEXT, TABLE.MUL, TABLE.ADD) == (
     0, 256, 512, 596, 0, 33, 66, 75), "core.moments_q8.TABLE moved: update the kernel's offsets"
+assert (FP8_ROOT_FLOOR, E4M3_MIN_NORMAL, FP32_MIN_NORMAL) == (0.001953125, 0.015625, 1.1754943508222875e-38), \
+    "core.moments_q8's constants moved: update the kernel's literals"
 
 Q8_ROWS = 2
 """Rows (quantization blocks) per program of adamw_update_q8_ (Q8_WARPS warps): a tile of Q8_ROWS x QBLOCK elements,

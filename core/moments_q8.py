@@ -81,9 +81,6 @@ E4M3_MIN_NORMAL = 2.0**-6
 FP32_MIN_NORMAL = 2.0**-126
 """q8: a block whose largest magnitude is below this is stored as zeros (quantize_)."""
 
-INV_09 = 1 / 0.9
-"""The encoding's 1 / 0.9 (rounded to fp32 where used, in both implementations)."""
-
 
 def _f32(*values: float) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32)
@@ -178,6 +175,13 @@ def _blocks(x: torch.Tensor) -> torch.Tensor:
     return rows.view(rows.shape[0], rows.shape[1] // QBLOCK, QBLOCK)
 
 
+def _unblock(b: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+    """_blocks' inverse: [rows, blocks, QBLOCK] (or [rows, blocks, QBLOCK, ...] flattened alike) back to ``shape``,
+    each row's padding dropped."""
+    n = shape[-1] if len(shape) else 1
+    return b.reshape(b.shape[0], -1)[:, :n].reshape(shape)
+
+
 @torch.no_grad()
 def quantize_(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, signed: bool, key: int = 0) -> None:
     """``codes`` (x's shape) and ``scales`` (scale_shape(x.shape)) <- x (fp32) quantized block by block in the
@@ -201,8 +205,7 @@ def quantize_(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, signed
     c = encode(b.abs() * inv[..., None], levels)
     if signed:
         c = torch.where((b < 0) & (c > 0), c + 128, c)
-    n = x.shape[-1] if x.dim() else 1
-    codes.view(-1, n).copy_(c.reshape(c.shape[0], -1)[:, :n].to(torch.uint8))
+    codes.copy_(_unblock(c.to(torch.uint8), codes.shape))
     scales.view(-1).copy_(amax.view(-1))
 
 
@@ -217,32 +220,23 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, signed: bool) -> torch
         from .precision.mx import dequantize_mx
 
         b = _blocks(codes.view(torch.uint8)).view(FP8)
-        value = dequantize_mx(b, scales.reshape(b.shape[0], -1, 1), QBLOCK, -1)
-        n = codes.shape[-1] if codes.dim() else 1
-        return value.reshape(value.shape[0], -1)[:, :n].reshape(codes.shape)
+        return _unblock(dequantize_mx(b, scales.reshape(b.shape[0], -1, 1), QBLOCK, -1), codes.shape)
     b = _blocks(codes.to(torch.int64))
     book = kernel_tables(codes.device)[TABLE.DEC_M if signed else TABLE.DEC_V:][:256]
-    value = book[b] * scales.view(b.shape[0], -1, 1)
-    n = codes.shape[-1] if codes.dim() else 1
-    return value.reshape(value.shape[0], -1)[:, :n].reshape(codes.shape)
+    return _unblock(book[b] * scales.view(b.shape[0], -1, 1), codes.shape)
 
 
 def _quantize_fp8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, signed: bool, key: int) -> None:
-    """quantize_ in fp8's code: core.precision.mx.quantize_mx along the last dim at a block of QBLOCK (a row's
-    partial last block zero-padded); unsigned, the scaled root floored and rounded by sr_e4m3 instead."""
-    from .precision.mx import _pow2, mx_scale_codes, quantize_mx
+    """quantize_ in fp8's code: core.precision.mx's scale rule (mx_scaled) along the last dim at a block of QBLOCK
+    (a row's partial last block zero-padded), the scaled values rounded to nearest as quantize_mx does; unsigned,
+    the scaled root floored and rounded by sr_e4m3 instead."""
+    from .precision.mx import E4M3_MAX, mx_scaled
 
-    b = _blocks(x.float())
-    if signed:
-        data, code = quantize_mx(b, QBLOCK, -1, "rceil")
-    else:  # the same scale; its NaN code (a NaN root) scales by 1 as quantize_mx does, NaN staying NaN
-        code = mx_scale_codes(b.abs().amax(-1, keepdim=True), "rceil")
-        y = b * _pow2(torch.where(code == 255, 127, code), -1)
-        y = torch.where(y > 0, y.clamp_min(FP8_ROOT_FLOOR), y)
-        data = sr_e4m3(y, key).clamp(max=448.0).to(FP8)
-    bits = data.view(torch.uint8)
-    n = x.shape[-1] if x.dim() else 1
-    codes.view(torch.uint8).view(-1, n).copy_(bits.reshape(bits.shape[0], -1)[:, :n])
+    code, y = mx_scaled(_blocks(x.float()), "rceil")
+    if not signed:
+        y = sr_e4m3(torch.where(y > 0, y.clamp_min(FP8_ROOT_FLOOR), y), key)
+    data = y.clamp(-E4M3_MAX, E4M3_MAX).to(FP8)  # saturate, then to nearest even (exact for sr_e4m3's values)
+    codes.view(torch.uint8).copy_(_unblock(data.view(torch.uint8), codes.shape))
     scales.view(-1).copy_(code.reshape(-1))
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["E4M3_MAX", "E8M0_BIAS", "E8M0_NAN", "MX_BLOCK", "dequantize_mx", "quantize_mx", "mx_scale_codes",
-           "swizzle_mx_scales"]
+           "mx_scaled", "swizzle_mx_scales"]
 
 MX_BLOCK = 32
 E4M3_MAX = 448.0
@@ -84,16 +84,21 @@ def _pow2(codes: torch.Tensor, sign: int) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(exponent, dtype=torch.float32), exponent)
 
 
+def mx_scaled(x_BK: torch.Tensor, scale_mode: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks along the last dim of fp32 ``x_BK`` ([..., B, K]) -> (their E8M0 codes [..., B, 1], x_BK scaled by
+    each block's 2^-(code - 127), fp32, exact; a NaN-scale block is left unscaled: any value will do, it
+    dequantizes to NaN). quantize_mx rounds the scaled values to nearest; core.moments_q8 rounds a second
+    moment's root stochastically instead."""
+    codes_B1 = mx_scale_codes(x_BK.abs().amax(dim=-1, keepdim=True), scale_mode)
+    return codes_B1, x_BK * _pow2(torch.where(codes_B1 == E8M0_NAN, E8M0_BIAS, codes_B1), -1)
+
+
 def quantize_mx(x: torch.Tensor, block: int = MX_BLOCK, axis: int = -1,
                 scale_mode: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
     """x (any float dtype) -> (data float8_e4m3fn of x's shape, scale uint8 E8M0 codes of x's shape
     with dim ``axis`` divided by ``block``)."""
     axis = axis % x.dim()
-    x_BK = _blocks(x, block, axis)
-    amax_B1 = x_BK.abs().amax(dim=-1, keepdim=True)
-    codes_B1 = mx_scale_codes(amax_B1, scale_mode)
-    # x * 2^-(code - 127): exact; for the NaN scale any value will do (it dequantizes to NaN).
-    scaled_BK = x_BK * _pow2(torch.where(codes_B1 == E8M0_NAN, E8M0_BIAS, codes_B1), -1)
+    codes_B1, scaled_BK = mx_scaled(_blocks(x, block, axis), scale_mode)
     data_BK = scaled_BK.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)  # saturate, then RNE
     moved = x.movedim(axis, -1).shape
     data = data_BK.reshape(moved).movedim(-1, axis)
