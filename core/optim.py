@@ -12,6 +12,7 @@ from torch import nn
 
 from .adamw import MIN_ONE_MINUS_BETA, AdamWKernel, PrecisionAwareAdamW, triton_usable
 from .config import Config, ConfigError, StrEnum
+from .moments_q8 import CODE_NAMES
 
 
 def check_split_master(on: bool, has_copies: bool) -> None:
@@ -48,6 +49,11 @@ class StateDtype(StrEnum):
     6.25% of its value down to 2^-6 of its block's scale (coarser than q8 near a block's largest, finer far below
     it); the root within one E4M3 step (12.5%) a step, unbiased. Not with precision.quantized_expert_copies. Its
     kernel's time is not yet measured on a GPU."""
+
+
+EIGHT_BIT_STATES = {name: dtype for dtype, name in CODE_NAMES.items()}
+"""The 8-bit optimizer.state_dtype values and their codes' dtypes (core.moments_q8.CODE_NAMES)."""
+assert set(EIGHT_BIT_STATES) <= set(StateDtype), "core.moments_q8.CODE_NAMES names a code StateDtype lacks"
 
 
 class OptimizerImpl(StrEnum):
@@ -143,7 +149,7 @@ class OptimizerConfig(Config):
         if self.impl == OptimizerImpl.triton and self.fused:
             raise ConfigError("optimizer.fused=true is torch's fused AdamW: with optimizer.impl=triton leave "
                               "optimizer.fused unset")
-        if self.state_dtype in (StateDtype.q8, StateDtype.fp8) and self.fused:
+        if self.state_dtype in EIGHT_BIT_STATES and self.fused:
             raise ConfigError("optimizer.fused=true is torch's fused AdamW, which keeps fp32 moments: with "
                               f"optimizer.state_dtype={self.state_dtype} leave optimizer.fused unset")
         if self.state_dtype == StateDtype.bf16:
@@ -213,7 +219,7 @@ class OptimizerConfig(Config):
         kernel = {OptimizerImpl.torch: AdamWKernel.foreach, OptimizerImpl.triton: AdamWKernel.triton,
                   OptimizerImpl.auto: AdamWKernel.auto}[self.impl]
         state_dtype = {StateDtype.fp32: torch.float32, StateDtype.bf16: torch.bfloat16,
-                       StateDtype.q8: torch.uint8, StateDtype.fp8: torch.float8_e4m3fn}[self.state_dtype]
+                       **EIGHT_BIT_STATES}[self.state_dtype]
         return PrecisionAwareAdamW(groups, lr=self.lr, betas=betas, eps=self.eps, state_dtype=state_dtype,
                                    kernel=kernel, split_master=bool(self.split_master))
 

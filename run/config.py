@@ -9,7 +9,7 @@ import dataclasses
 from moetron.core.checkpoint import CheckpointConfig
 from moetron.core.config import Config, ConfigError
 from moetron.core.memory import MemoryConfig
-from moetron.core.optim import OptimizerConfig, SchedulerConfig
+from moetron.core.optim import EIGHT_BIT_STATES, OptimizerConfig, SchedulerConfig
 from moetron.core.precision import PrecisionConfig
 from moetron.core.tracking import LoggingConfig
 from moetron.core.trainer import TrainerConfig
@@ -43,7 +43,7 @@ class PretrainConfig(Config):
                 f"scheduler.warmup_steps={self.scheduler.warmup_steps} exceeds trainer.steps={self.trainer.steps}"
             )
         self.precision.check_gemm_widths(self.model.gemm_widths())
-        if self.optimizer.state_dtype in ("q8", "fp8") and self.precision.quantized_expert_copies:
+        if self.optimizer.state_dtype in EIGHT_BIT_STATES and self.precision.quantized_expert_copies:
             raise ConfigError(f"optimizer.state_dtype={self.optimizer.state_dtype} with "
                               "precision.quantized_expert_copies is not built (the "
                               "optimizer's MX-pair kernel steps bf16 or fp32 moments): use "

@@ -127,6 +127,14 @@ class ClipNorm:
         _sum_of_squares(self.grads, self.triton)
 
 
+def _code(variant: str) -> str | None:
+    """The 8-bit optimizer.state_dtype a triton_q8 / triton_fp8 (_copy) row steps with, else None."""
+    from moetron.core.optim import EIGHT_BIT_STATES
+
+    code = variant.removeprefix("triton_").removesuffix("_copy")
+    return code if variant.startswith("triton_") and code in EIGHT_BIT_STATES else None
+
+
 def build(variant: str, groups: list[dict]):
     from moetron.core.adamw import PrecisionAwareAdamW
 
@@ -137,11 +145,11 @@ def build(variant: str, groups: list[dict]):
         return torch.optim.AdamW(groups, fused=True, **kw)
     if variant == "torch_foreach_fp32":
         return torch.optim.AdamW(groups, foreach=True, **kw)
-    state_dtype = {"triton_fp32": torch.float32, "triton_q8": torch.uint8, "triton_q8_copy": torch.uint8,
-                   "triton_fp8": torch.float8_e4m3fn, "triton_fp8_copy": torch.float8_e4m3fn}.get(
-        variant, torch.bfloat16)
+    from moetron.core.optim import EIGHT_BIT_STATES
+
+    state_dtype = torch.float32 if variant == "triton_fp32" else EIGHT_BIT_STATES.get(_code(variant), torch.bfloat16)
     copies = None
-    if variant in ("triton_bf16_copy", "triton_bf16_mxpair", "triton_bf16_split", "triton_q8_copy", "triton_fp8_copy"):
+    if variant.endswith("_copy") or variant in ("triton_bf16_mxpair", "triton_bf16_split"):
         copies = {p: torch.empty_like(p, dtype=torch.bfloat16) for g in groups for p in g["params"]}
     kernel = "foreach" if variant == "foreach_bf16" else "triton"
     split = variant == "triton_bf16_split"
@@ -240,7 +248,7 @@ def main(argv=None) -> int:
         settings = {"block": [(b, None) for b in blocks], "tile": [(t, o) for o in orders for t in tiles]}
         for setting, order in settings.get(sweeps, [(None, None)]):
             block = (setting or default_block) if sweeps == "block" else None
-            code = {"triton_q8": "q8", "triton_fp8": "fp8"}.get(variant.removesuffix("_copy"))
+            code = _code(variant)
             q8 = code is not None  # 8-bit moments: the tile is rows of blocks (Q8_ROWS / FP8_ROWS)
             q8_rows = max(1, setting // QBLOCK) if q8 and setting else default_rows.get(code)
             if q8:

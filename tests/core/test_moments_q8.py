@@ -516,12 +516,19 @@ def test_q8_config():
     from moetron.core.adamw import PrecisionAwareAdamW
     from moetron.core.config import ConfigError
     from moetron.core.optim import OptimizerConfig
+    from moetron.run.config import PretrainConfig
 
     for name, code in (("q8", torch.uint8), ("fp8", torch.float8_e4m3fn)):
         opt = OptimizerConfig(state_dtype=name).build(torch.nn.Linear(4, 4))
         assert isinstance(opt, PrecisionAwareAdamW) and opt.eight_bit and opt.state_dtype == code
         with pytest.raises(ConfigError, match=f"state_dtype={name} leave optimizer.fused unset"):
             OptimizerConfig(state_dtype=name, fused=True).build(torch.nn.Linear(4, 4))
+        mx_copies = ["--precision.recipe=mxfp8", "--precision.backend=emulated", "--precision.expert_grads_bf16=true",
+                     "--precision.expert_weight_copies=optimizer", "--precision.quantized_expert_copies=true"]
+        refused = f"state_dtype={name} with precision.quantized_expert_copies is not built"
+        with pytest.raises(ConfigError, match=refused):
+            PretrainConfig().apply_overrides([f"--optimizer.state_dtype={name}", *mx_copies]).validate()
+    PretrainConfig().apply_overrides(["--optimizer.state_dtype=bf16", *mx_copies]).validate()  # the fix it names
     with pytest.raises(ValueError, match="mx_cols .* 8-bit moments"):
         p = torch.nn.Parameter(torch.zeros(32, 32))
         PrecisionAwareAdamW([p], state_dtype=torch.uint8).add_compute_copies(
