@@ -125,7 +125,7 @@ class _Row(NamedTuple):
     exp_avg_sq: torch.Tensor
     step: torch.Tensor  # CPU float scalar, already incremented
     copy: torch.Tensor | None  # the bf16 compute copy to refresh, if any
-    scales: tuple[torch.Tensor, torch.Tensor] | None = None  # 8-bit moments' fp32 block scales (m's, v's root's)
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None  # 8-bit moments' block scales (m's, v's root's)
 
 
 class AdamWKernel(StrEnum):

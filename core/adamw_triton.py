@@ -421,12 +421,12 @@ assert (FP8_ROOT_FLOOR, E4M3_MIN_NORMAL, FP32_MIN_NORMAL) == (0.001953125, 0.015
 
 Q8_ROWS = 2
 """Rows (quantization blocks) per program of adamw_update_q8_ (Q8_WARPS warps): a tile of Q8_ROWS x QBLOCK elements,
-read at each call (tools/bench_optim.py --block sweeps it as Q8_ROWS x 256). Compiled for SM90 on the CPU (session
-59, the split form, ints divisible by 16 as a launch specializes them): 52 registers at 2 rows, 67 at 4, 124 at 8,
-213 at 16. On an H100 (session 59, tools/bench_optim.py, 3.77B parameters, 4 warps) 2 rows 37.4 ms, 4 rows 38.1, 8
+read at each call (tools/bench_optim.py --block sweeps it as Q8_ROWS x 256). Compiled for SM90 on the CPU as
+launched (docs/bench/session60/sass_count.py, the split form): 52 registers at 2 rows, 67 at 4, 122 at 8, 213 at
+16. On an H100 (session 59, tools/bench_optim.py, 3.77B parameters, 4 warps) 2 rows 37.4 ms, 4 rows 38.1, 8
 rows 46.6, against bf16 moments' 25.0: 2 is the fastest measured, and the kernel is bound by its instructions, not
-by HBM (183 SASS instructions an element a thread at 4 rows against bf16's 107, counted statically). fp8's code
-(session 60, the same split form, counted statically): its own FP8_ROWS."""
+by HBM (185 SASS instructions an element a thread at 4 rows against bf16's 107, counted statically as launched,
+docs/bench/session60/sass_count.py). fp8's code has its own FP8_ROWS."""
 FP8_ROWS = 4
 """Q8_ROWS for fp8's code (optimizer.state_dtype=fp8), read at each call (tools/bench_optim.py --block sweeps it for
 the triton_fp8 rows). Compiled for SM90 on the CPU (session 60, the split form, docs/bench/session60/sass_count.py):

@@ -117,10 +117,11 @@ def test_bf16_state_halves_the_moments():
         planner.plan(p)
 
 
-def test_q8_state_quarters_the_moments():
+def test_8bit_state_quarters_the_moments():
     """optimizer.state_dtype=q8: a byte a moment and an fp32 scale a block of 256 (core/moments_q8.py); its
     Triton kernel, though it moves 4 bytes an element fewer than bf16's, takes 1.5x bf16's time (measured on an
-    H100, session 59: bound by its instructions), and the plan's optimizer time says so."""
+    H100, session 59: bound by its instructions), and the plan's optimizer time says so. fp8: byte scales, its
+    pass at its bytes (assumed)."""
     from moetron.core.optim import OptimizerConfig
 
     n = ModelConfig.tiny_moe().num_params()
